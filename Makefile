@@ -1,0 +1,39 @@
+# scaletrain: `make demo` trains a small model on the built-in corpus; `make test` runs the suite.
+# Both create .venv if missing and install the project into it.
+
+PYTHON ?= python3
+# The PyTorch release installed into .venv. Plain `torch` from the registry pulls a multi-GB
+# CUDA build; the pin takes the CPU wheel. Override: make demo TORCH='torch==2.11.*'
+TORCH ?= torch==2.13.0
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The install is redone when the torch spec or pyproject.toml changes.
+STAMP := $(VENV)/.scaletrain-installed
+STAMP_KEY := $(TORCH) $(shell cat pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1)
+
+DEMO_DATA ?= data/python-stdlib
+DEMO_RUN ?= runs/demo
+
+.PHONY: install demo test clean
+
+install:
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@if [ "$$(cat $(STAMP) 2>/dev/null)" != "$(STAMP_KEY)" ]; then \
+		set -e; \
+		echo "installing $(TORCH) and scaletrain into $(VENV)"; \
+		$(BIN)/python -m pip install -q --upgrade pip; \
+		$(BIN)/python -m pip install -q "$(TORCH)"; \
+		$(BIN)/python -m pip install -q -e ".[test]" "$(TORCH)"; \
+		echo "$(STAMP_KEY)" > $(STAMP); \
+	fi
+
+demo: install
+	$(BIN)/scaletrain data prepare builtin:python-stdlib --out $(DEMO_DATA) --vocab-size 8192 --max-bytes 12000000
+	$(BIN)/scaletrain train configs/demo.toml data.path=$(DEMO_DATA) run.dir=$(dir $(DEMO_RUN)) run.name=$(notdir $(DEMO_RUN))
+	$(BIN)/scaletrain generate $(DEMO_RUN) --prompt "def " --max-new-tokens 120 --temperature 0.8 --top-k 50
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) data runs

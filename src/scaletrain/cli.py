@@ -1,0 +1,188 @@
+"""The `scaletrain` command: parses arguments, calls the library, prints tables and progress."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+console = Console(stderr=True)
+out = Console()
+
+
+class UserError(Exception):
+    """Raised for mistakes the user can fix; printed as one line without a traceback."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from scaletrain.config import ConfigError
+    from scaletrain.data.shards import DataError
+    from scaletrain.train.checkpoint import CheckpointError
+
+    return ConfigError, DataError, CheckpointError, UserError
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s", datefmt="[%X]",
+                        handlers=[RichHandler(console=console, show_path=False, markup=False)], force=True)
+
+
+def _bytes(text: str) -> int:
+    """'12000000', '12M', '1.5G' -> bytes."""
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+    text = text.strip().lower().removesuffix("b")
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 12000000, 12M, 1.5G)") from None
+
+
+# -- data prepare ---------------------------------------------------------------------------
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from scaletrain.data import prepare
+
+    start = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as progress:
+        result = prepare(args.sources, args.out, args.vocab_size, max_bytes=args.max_bytes,
+                         text_field=args.text_field, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                         seed=args.seed, workers=args.workers, progress=progress)
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+    stats = result.stats
+    table = Table(title=f"data: {result.out}" + (" (reused: inputs and options unchanged)" if result.reused else ""))
+    table.add_column("")
+    table.add_column("value", justify="right")
+    docs = stats["documents"]
+    table.add_row("documents kept / read", f"{docs['kept']:,} / {docs['read']:,}")
+    for reason, count in docs.get("dropped", {}).items():
+        if count:
+            table.add_row(f"  dropped: {reason}", f"{count:,}")
+    table.add_row("bytes kept", f"{stats['bytes']['kept']:,}")
+    table.add_row("train tokens", f"{stats['tokens']['train']:,}")
+    table.add_row("validation tokens", f"{stats['tokens']['val']:,}")
+    table.add_row("vocabulary", f"{stats['vocab_size']:,}")
+    table.add_row("seconds", f"{time.perf_counter() - start:.1f}")
+    out.print(table)
+    return 0
+
+
+# -- train ----------------------------------------------------------------------------------
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from scaletrain.config import load_config
+    from scaletrain.train.trainer import TrainingDiverged, train
+
+    cfg = load_config(args.config, args.overrides)
+    if args.stop_at_step is not None and args.stop_at_step < 1:
+        raise UserError(f"--stop-at-step {args.stop_at_step} must be a step number ≥ 1")
+    try:
+        result = train(cfg, stop_at_step=args.stop_at_step)
+    except TrainingDiverged as e:
+        console.print(f"[red]training diverged:[/] {e}", highlight=False)
+        return 1
+    table = Table(title=f"run: {result.run_dir}")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_row("steps", f"{result.step:,} / {result.total_steps:,}")
+    table.add_row("tokens seen", f"{result.tokens:,}")
+    table.add_row("final train loss", _num(result.train_loss))
+    table.add_row("final validation loss", _num(result.val_loss))
+    table.add_row("tokens/s", f"{result.tokens_per_s:,.0f}" if result.tokens_per_s else "-")
+    table.add_row("run directory", str(result.run_dir))
+    out.print(table)
+    if result.step < result.total_steps:
+        out.print(f"stopped at step {result.step}; run the same command without --stop-at-step to continue")
+    return 0
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+# -- generate -------------------------------------------------------------------------------
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from scaletrain.generate import generate_text
+
+    text = generate_text(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_k=args.top_k or None, seed=args.seed)
+    out.rule("sample")
+    out.print(text, markup=False, highlight=False)
+    out.rule()
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="scaletrain", description="Pre-train language models by plan.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    data = commands.add_parser("data", help="prepare text into token shards").add_subparsers(dest="data_command",
+                                                                                             required=True)
+    p = data.add_parser("prepare", help="train a tokenizer and write token shards",
+                        description="Read text sources, train (or reuse) a byte-level BPE tokenizer and write "
+                                    "token shards, a validation split, stats.json and manifest.json to --out.")
+    p.add_argument("sources", nargs="+", metavar="SRC",
+                   help="directories, globs or files of text, .jsonl, .parquet; or builtin:python-stdlib")
+    p.add_argument("--out", required=True, help="data directory to write")
+    p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (default 8192)")
+    p.add_argument("--max-bytes", type=_bytes, default=None, help="stop reading after this much text (e.g. 50M)")
+    p.add_argument("--text-field", default="text", help="field of .jsonl / column of .parquet holding the text")
+    p.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
+    p.add_argument("--val-fraction", type=float, default=0.005, help="fraction of documents held out (0.005)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the validation split")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer threads (default: all cores)")
+    p.set_defaults(func=cmd_data_prepare)
+
+    p = commands.add_parser("train", help="train or resume a run from a TOML config",
+                            description="Train the run a TOML config describes; resumes from the run directory's "
+                                        "newest complete checkpoint when there is one.")
+    p.add_argument("config", help="TOML config, e.g. configs/tiny.toml")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
+    p.add_argument("--stop-at-step", type=int, default=None,
+                   help="end this invocation after step K (with a checkpoint) without changing the schedule")
+    p.set_defaults(func=cmd_train)
+
+    p = commands.add_parser("generate", help="sample text from a run's newest checkpoint")
+    p.add_argument("run_dir", help="run directory, e.g. runs/demo")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0 for all")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.func(args)
+    except _user_errors() as e:
+        console.print(f"[red]error:[/] {e}", highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

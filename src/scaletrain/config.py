@@ -1,0 +1,306 @@
+"""RunConfig: everything that defines a run, loaded from TOML with dotted overrides.
+
+Each field is documented where it is defined; `scaletrain train --help` and the README's
+config reference are written from these docstrings. Validation happens up front, so a
+bad key, type or value stops the run before any work, with a message that names the key,
+the value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be run; the message says which key is wrong and what would be right."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class RunSection(_Section):
+    name: str = "run"
+    """Name of the run; the run directory is `dir/name`."""
+    dir: str = "runs"
+    """Parent directory of run directories."""
+    seed: int = 0
+    """Seeds the model initialisation and the data order."""
+
+
+class ModelConfig(_Section):
+    """Shape of a Llama-style decoder. `model/flops.py` counts parameters and FLOPs from it."""
+
+    vocab_size: int | None = Field(default=None, ge=1)
+    """Embedding rows. Unset: the data directory's tokenizer size rounded up to a multiple of 64."""
+    dim: int = Field(default=256, ge=1)
+    """Width of the residual stream."""
+    n_layers: int = Field(default=4, ge=1)
+    """Number of transformer blocks."""
+    n_heads: int = Field(default=4, ge=1)
+    """Attention (query) heads; `dim` must be divisible by it."""
+    n_kv_heads: int | None = Field(default=None, ge=1)
+    """Key/value heads for grouped-query attention. Unset: equal to `n_heads` (multi-head)."""
+    ffn_dim: int | None = Field(default=None, ge=1)
+    """Hidden width of the SwiGLU MLP. Unset: 8/3 x dim rounded up to a multiple of 64 (Llama)."""
+    max_seq_len: int = Field(default=1024, ge=1)
+    """Longest sequence the rotary tables are built for."""
+    rope_theta: float = Field(default=10000.0, gt=0)
+    """Base of the rotary embedding frequencies."""
+    norm_eps: float = Field(default=1e-5, gt=0)
+    """Epsilon of RMSNorm."""
+    qk_norm: bool = False
+    """RMSNorm on queries and keys per head before attention (stabilises large learning rates)."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output projection."""
+    init_std: float = Field(default=0.02, gt=0)
+    """Std of the normal initialisation; output projections get init_std / sqrt(2 * n_layers)."""
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> ModelConfig:
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim = {self.dim} is not divisible by model.n_heads = {self.n_heads}")
+        kv = self.n_kv_heads or self.n_heads
+        if self.n_heads % kv:
+            raise ValueError(
+                f"model.n_heads = {self.n_heads} is not divisible by model.n_kv_heads = {kv}; "
+                "grouped-query attention needs each key/value head to serve a whole number of query heads"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"head dimension dim / n_heads = {self.dim // self.n_heads} is odd; rotary embeddings need it even"
+            )
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim is not None:
+            return self.ffn_dim
+        return _round_up(int(8 * self.dim / 3), 64)
+
+    @property
+    def vocab(self) -> int:
+        if self.vocab_size is None:
+            raise ConfigError("model.vocab_size is unset; it is filled in from the data directory's tokenizer")
+        return self.vocab_size
+
+
+class DataConfig(_Section):
+    path: str = "data/python-stdlib"
+    """Data directory written by `scaletrain data prepare`."""
+    seq_len: int = Field(default=256, ge=1)
+    """Tokens per training sequence (the model sees seq_len + 1 tokens per sample: inputs and shifted targets)."""
+
+
+class TrainConfig(_Section):
+    steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps to train for. Give exactly one of `steps` and `tokens`."""
+    tokens: int | None = Field(default=None, ge=1)
+    """Tokens to train for; rounded up to whole steps. Give exactly one of `steps` and `tokens`."""
+    global_batch_tokens: int = Field(default=16384, ge=1)
+    """Tokens per optimizer step across all processes; a multiple of micro_batch x seq_len."""
+    micro_batch: int = Field(default=8, ge=1)
+    """Sequences per forward/backward pass; gradients accumulate up to the global batch."""
+    lr: float = Field(default=3e-3, gt=0)
+    """Peak learning rate."""
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    """Final learning rate as a fraction of `lr` (cosine and WSD)."""
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """Learning-rate schedule after warmup: cosine decay, warmup-stable-decay, or constant."""
+    warmup_steps: int = Field(default=100, ge=0)
+    """Linear warmup from 0 to `lr` over this many steps."""
+    decay_fraction: float = Field(default=0.2, gt=0, le=1)
+    """WSD only: fraction of all steps spent in the final linear decay."""
+    weight_decay: float = Field(default=0.1, ge=0)
+    """AdamW weight decay, applied to matrices only (not norms, not biases)."""
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    """AdamW beta1."""
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    """AdamW beta2."""
+    eps: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon."""
+    clip: float = Field(default=1.0, ge=0)
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype: auto is bf16 autocast on GPUs and float32 on CPUs. Weights stay float32."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: auto picks CUDA when available."""
+
+    @model_validator(mode="after")
+    def _check_length(self) -> TrainConfig:
+        if (self.steps is None) == (self.tokens is None):
+            raise ValueError(
+                f"give exactly one of train.steps and train.tokens (got steps = {self.steps}, tokens = {self.tokens})"
+            )
+        return self
+
+
+class CheckpointConfig(_Section):
+    interval: int = Field(default=500, ge=0)
+    """Save every this many steps (and always at the end); 0 saves only at the end."""
+    keep: int = Field(default=3, ge=1)
+    """How many of the newest complete checkpoints to keep."""
+    resume: str = "auto"
+    """"auto": resume from the newest complete checkpoint in the run directory if any; "never"; or a checkpoint path."""
+
+
+class EvalConfig(_Section):
+    interval: int = Field(default=200, ge=0)
+    """Validation loss every this many steps (and at the end); 0: only at the end."""
+    tokens: int = Field(default=65536, ge=1)
+    """Validation tokens per evaluation: the same fixed windows of the validation split each time."""
+
+
+class LogConfig(_Section):
+    interval: int = Field(default=10, ge=1)
+    """Write a train record to metrics.jsonl and a console line every this many steps."""
+
+
+class RunConfig(_Section):
+    run: RunSection = RunSection()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig(steps=1000)
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
+    log: LogConfig = LogConfig()
+
+    @model_validator(mode="after")
+    def _check_run(self) -> RunConfig:
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len = {self.data.seq_len} is above model.max_seq_len = {self.model.max_seq_len}; "
+                f"lower data.seq_len or raise model.max_seq_len"
+            )
+        seq_tokens = self.train.micro_batch * self.data.seq_len
+        if self.train.global_batch_tokens % seq_tokens:
+            lower = max(seq_tokens, self.train.global_batch_tokens // seq_tokens * seq_tokens)
+            raise ValueError(
+                f"train.global_batch_tokens = {self.train.global_batch_tokens} is not divisible by "
+                f"train.micro_batch x data.seq_len = {self.train.micro_batch} x {self.data.seq_len} = {seq_tokens}; "
+                f"use a multiple of {seq_tokens}, e.g. {lower}"
+            )
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) / self.run.name
+
+    @property
+    def seqs_per_step(self) -> int:
+        return self.train.global_batch_tokens // self.data.seq_len
+
+    @property
+    def total_steps(self) -> int:
+        if self.train.steps is not None:
+            return self.train.steps
+        return -(-self.train.tokens // self.train.global_batch_tokens)  # type: ignore[operator]
+
+    def to_toml(self) -> str:
+        return dump_toml(self.model_dump(exclude_none=True))
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`train.lr=3e-4` -> (["train", "lr"], 0.0003). Values are TOML; bare words are strings."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form section.key=value (e.g. train.lr=3e-4)")
+    key, raw = text.split("=", 1)
+    path = key.strip().split(".")
+    if len(path) < 2 or not all(path):
+        raise ConfigError(f"override key {key!r} must name a section and a key, e.g. train.lr")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return path, value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a TOML config, apply dotted overrides and validate; raise ConfigError with a readable message."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass a TOML file such as configs/tiny.toml")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {k!r} is not a section")
+        node[keys[-1]] = value
+    return validate_config(data, source=str(path) if path else "config")
+
+
+def validate_config(data: dict[str, Any], source: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, source)) from None
+
+
+def _describe(error: ValidationError, source: str) -> str:
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(p) for p in item["loc"])
+        msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            section = item["loc"][0] if len(item["loc"]) > 1 else None
+            valid = _valid_keys(section)
+            lines.append(f"{key}: unknown key; valid keys here are {', '.join(valid)}")
+        elif item["type"] == "value_error":
+            lines.append(f"{key}: {msg}" if key else msg)
+        else:
+            lines.append(f"{key} = {item.get('input')!r}: {msg}")
+    return f"{source}: " + "; ".join(lines)
+
+
+def _valid_keys(section: Any) -> list[str]:
+    fields = RunConfig.model_fields
+    if section in fields:
+        return list(fields[section].annotation.model_fields)  # type: ignore[union-attr]
+    return list(fields)
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """Write a two-level dict (sections of scalars) as TOML."""
+    out = []
+    for section, values in data.items():
+        out.append(f"[{section}]")
+        for key, value in values.items():
+            out.append(f"{key} = {_toml_value(value)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    raise TypeError(f"cannot write {value!r} as TOML")

@@ -1,0 +1,151 @@
+"""Token shards on disk: flat uint16/uint32 token files plus document offsets, named by index.json.
+
+Layout of a data directory's token part:
+
+    index.json                      {"version", "dtype", "vocab_size", "eos_id", "splits": {...}}
+    shards/train_00000.bin          tokens of whole documents, each followed by eos_id
+    shards/train_00000.docs.npy     int64 offsets of length documents + 1 into that shard
+
+Document offsets live in one .npy per shard rather than inside index.json: a corpus of
+millions of documents would make index.json too large to read on every start, while a
+memory-mapped .npy costs nothing until it is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+INDEX_VERSION = 1
+DEFAULT_SHARD_TOKENS = 1 << 28  # 256 Mi tokens: 512 MB of uint16 per shard
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+class ShardWriter:
+    """Appends tokenized documents to the shards of one split; `close()` returns its index entry."""
+
+    def __init__(self, data_dir: str | Path, split: str, vocab_size: int, eos_id: int,
+                 shard_tokens: int = DEFAULT_SHARD_TOKENS):
+        self.root = Path(data_dir)
+        (self.root / "shards").mkdir(parents=True, exist_ok=True)
+        self.split, self.eos_id, self.shard_tokens = split, eos_id, shard_tokens
+        self.dtype = token_dtype(vocab_size)
+        self.shards: list[dict] = []
+        self._pieces: list[np.ndarray] = []
+        self._offsets: list[int] = [0]
+
+    def add(self, ids) -> None:
+        """Add one document (its ids, without the end-of-document token, which is appended here)."""
+        doc = np.empty(len(ids) + 1, dtype=self.dtype)
+        doc[:-1] = ids
+        doc[-1] = self.eos_id
+        self._pieces.append(doc)
+        self._offsets.append(self._offsets[-1] + len(doc))
+        if self._offsets[-1] >= self.shard_tokens:
+            self._flush()
+
+    def _flush(self) -> None:
+        if len(self._offsets) == 1:
+            return
+        name = f"{self.split}_{len(self.shards):05d}"
+        bin_rel, docs_rel = f"shards/{name}.bin", f"shards/{name}.docs.npy"
+        _write_atomic(self.root / bin_rel, np.concatenate(self._pieces).tobytes())
+        np.save(self.root / docs_rel, np.asarray(self._offsets, dtype=np.int64))
+        self.shards.append({"path": bin_rel, "docs": docs_rel,
+                            "tokens": self._offsets[-1], "documents": len(self._offsets) - 1})
+        self._pieces, self._offsets = [], [0]
+
+    def close(self) -> dict:
+        self._flush()
+        return {"tokens": sum(s["tokens"] for s in self.shards),
+                "documents": sum(s["documents"] for s in self.shards),
+                "shards": self.shards}
+
+
+def write_index(data_dir: str | Path, vocab_size: int, eos_id: int, splits: dict[str, dict]) -> None:
+    index = {"version": INDEX_VERSION, "dtype": token_dtype(vocab_size).name,
+             "vocab_size": vocab_size, "eos_id": eos_id, "splits": splits}
+    _write_atomic(Path(data_dir) / "index.json", json.dumps(index, indent=1).encode())
+
+
+def _write_atomic(path: Path, payload: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(payload)
+    os.replace(tmp, path)
+
+
+class DataError(ValueError):
+    """A data directory that cannot be read; the message says what is wrong and how to fix it."""
+
+
+def read_index(data_dir: str | Path) -> dict:
+    path = Path(data_dir) / "index.json"
+    if not Path(data_dir).is_dir():
+        raise DataError(f"data directory {str(data_dir)!r} does not exist; create it with `scaletrain data prepare`")
+    if not path.is_file():
+        raise DataError(f"{str(data_dir)!r} has no index.json, so it is not a prepared data directory; "
+                        "create it with `scaletrain data prepare`")
+    try:
+        index = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} is not valid JSON ({e}); prepare the data directory again") from None
+    if index.get("version") != INDEX_VERSION:
+        raise DataError(f"{path} has version {index.get('version')!r}, this scaletrain reads {INDEX_VERSION}; "
+                        "prepare the data directory again")
+    return index
+
+
+@dataclass
+class TokenSplit:
+    """One split's shards as a single read-only token sequence (memory-mapped, never loaded whole)."""
+
+    shards: list[np.memmap]
+    starts: np.ndarray  # (n_shards + 1,) cumulative token offsets
+    eos_id: int
+    vocab_size: int
+
+    @property
+    def tokens(self) -> int:
+        return int(self.starts[-1])
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) of the concatenated split, as int64."""
+        if start < 0 or start + length > self.tokens:
+            raise IndexError(f"tokens [{start}, {start + length}) outside a split of {self.tokens}")
+        out = np.empty(length, dtype=np.int64)
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        filled = 0
+        while filled < length:
+            offset = start + filled - int(self.starts[i])
+            take = min(length - filled, len(self.shards[i]) - offset)
+            out[filled:filled + take] = self.shards[i][offset:offset + take]
+            filled += take
+            i += 1
+        return out
+
+
+def open_split(data_dir: str | Path, split: str) -> TokenSplit:
+    index = read_index(data_dir)
+    if split not in index["splits"]:
+        raise DataError(f"data directory {str(data_dir)!r} has no {split!r} split "
+                        f"(it has {', '.join(index['splits']) or 'none'})")
+    entry = index["splits"][split]
+    dtype = np.dtype(index["dtype"])
+    shards = []
+    for shard in entry["shards"]:
+        path = Path(data_dir) / shard["path"]
+        if not path.is_file() or path.stat().st_size != shard["tokens"] * dtype.itemsize:
+            raise DataError(f"shard {path} is missing or not {shard['tokens']} tokens long; "
+                            "prepare the data directory again")
+        shards.append(np.memmap(path, dtype=dtype, mode="r"))
+    starts = np.concatenate([[0], np.cumsum([len(s) for s in shards], dtype=np.int64)])
+    return TokenSplit(shards, starts, int(index["eos_id"]), int(index["vocab_size"]))

@@ -1,0 +1,75 @@
+"""Train or load a byte-level BPE tokenizer (Hugging Face `tokenizers`).
+
+Byte-level BPE (GPT-2, Radford et al. 2019) starts from the 256 byte values, so every
+string encodes without an unknown token and decodes back to exactly the same string.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from .shards import DataError
+
+EOS_TOKEN = "<|endoftext|>"  # id 0 in the tokenizers we train; appended after every document
+# End-of-text tokens of tokenizers people commonly bring (GPT-2/NeoX, Llama 2, Llama 3, Gemma).
+KNOWN_EOS_TOKENS = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
+MIN_VOCAB_SIZE = 256 + 1  # every byte, plus EOS_TOKEN
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer with `vocab_size` ids (fewer if the text has too few pairs to merge)."""
+    check_vocab_size(vocab_size)
+    tokenizer = Tokenizer(models.BPE())
+    # No prefix space: it would add a space to the start of every document and break the
+    # exact round trip decode(encode(text)) == text.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)  # the library never prints; prepare reports progress
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.encode_special_tokens = True  # why: see load_tokenizer
+    return tokenizer
+
+
+def check_vocab_size(vocab_size: int) -> None:
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise DataError(f"vocab_size {vocab_size} is too small for byte-level BPE; it must be at least "
+                        f"{MIN_VOCAB_SIZE} (256 byte tokens plus {EOS_TOKEN})")
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer saved at path (a tokenizer.json, or a directory holding one), ready to encode documents."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(f"tokenizer {str(path)!r} does not exist; give the tokenizer.json of a prepared data "
+                        "directory or of a Hugging Face tokenizer")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for every kind of bad file
+        raise DataError(f"{path} is not a Hugging Face tokenizer.json ({e})") from None
+    eos_id(tokenizer, path)
+    # A document that happens to contain the text "<|endoftext|>" must not gain an end of
+    # document in the middle: encode special tokens' text as ordinary text. This setting is
+    # not saved in tokenizer.json, so every load sets it.
+    tokenizer.encode_special_tokens = True
+    return tokenizer
+
+
+def eos_id(tokenizer: Tokenizer, path: str | Path = "the tokenizer") -> int:
+    """The id appended after every document."""
+    for token in KNOWN_EOS_TOKENS:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    raise DataError(f"{path} has no end-of-text token; it needs one of {', '.join(KNOWN_EOS_TOKENS)}")
+
+
+def vocab_size(tokenizer: Tokenizer) -> int:
+    """One more than the largest id, so that every id the tokenizer produces is below it."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1

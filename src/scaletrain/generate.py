@@ -1,0 +1,50 @@
+"""Sample text from a run's newest checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from scaletrain.config import ConfigError, load_config
+
+
+def load_model(run_dir: str | Path, device: str = "cpu"):
+    """The model of a run directory with the weights of its newest complete checkpoint, and its step."""
+    from scaletrain.model.llama import Transformer
+    from scaletrain.train import checkpoint
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise ConfigError(f"{str(run_dir)!r} is not a run directory (no config.toml); give the directory "
+                          "`scaletrain train` wrote, e.g. runs/demo")
+    cfg = load_config(run_dir / "config.toml")
+    done = checkpoint.complete_checkpoints(run_dir / "checkpoints")
+    if not done:
+        raise checkpoint.CheckpointError(f"run directory {str(run_dir)!r} has no complete checkpoint yet")
+    model = Transformer(cfg.model)
+    state = {"model": model.state_dict()}
+    checkpoint.load(done[0], state)  # reads only the model's entries of the checkpoint
+    model.load_state_dict(state["model"])
+    step = int(done[0].name.removeprefix(checkpoint.PREFIX))
+    return model.to(device).eval(), cfg, step
+
+
+def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
+                  top_k: int | None = 50, seed: int = 0, use_cache: bool = True) -> str:
+    """Continue `prompt` with the run's newest checkpoint; temperature 0 is greedy."""
+    from scaletrain.data.tokenizer import eos_id as find_eos, load_tokenizer
+    from scaletrain.model.sample import generate
+
+    model, cfg, _ = load_model(run_dir)
+    tokenizer = load_tokenizer(Path(run_dir) / "tokenizer.json")
+    eos_id = find_eos(tokenizer)
+    # An empty prompt starts a new document, as the end-of-document token does in training.
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids or [eos_id]
+    room = cfg.model.max_seq_len - len(ids)
+    if room < 1:
+        raise ValueError(f"the prompt is {len(ids)} tokens, the model's context is {cfg.model.max_seq_len}")
+    generator = torch.Generator().manual_seed(seed)
+    new = generate(model, torch.tensor([ids]), min(max_new_tokens, room), temperature=temperature, top_k=top_k,
+                   use_cache=use_cache, generator=generator, eos_id=eos_id)
+    return tokenizer.decode(ids + new[0].tolist())

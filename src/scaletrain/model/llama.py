@@ -1,0 +1,232 @@
+"""A Llama-style dense decoder as plain single-device PyTorch.
+
+Pre-norm blocks of grouped-query attention and a SwiGLU MLP (Touvron et al. 2023, "LLaMA"),
+RMSNorm (Zhang & Sennrich 2019), rotary position embeddings (Su et al. 2021, "RoFormer"),
+optional QK-norm (Dehghani et al. 2023, "Scaling Vision Transformers to 22B"), no biases.
+Parameter names follow Meta's Llama / torchtitan (`layers.0.attention.wq.weight`), so that
+`parallel/` can address blocks and linears by name; distribution is applied from outside.
+Parameter and FLOP counts live in `model/flops.py`, not here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.config import ModelConfig
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each (max_seq_len, head_dim // 2), in float32.
+
+    Frequency i is theta^(-2i / head_dim) (RoFormer eq. 15); position p rotates by p x freq."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, freqs)  # (max_seq_len, head_dim // 2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (batch, heads, seq, head_dim) by the angles cos/sin (seq, head_dim // 2).
+
+    Pairs are (i, i + head_dim/2) — the "rotate half" layout of GPT-NeoX and Hugging Face
+    Llama — so exported wq/wk need no permutation. Computed in float32, returned in x's dtype."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotated.type_as(x)
+
+
+class KVCache:
+    """Keys and values of every layer for incremental decoding.
+
+    k[i], v[i]: (batch, kv_heads, max_len, head_dim). A forward at `start_pos` over `seq`
+    tokens writes positions [start_pos, start_pos + seq) and reads [0, start_pos + seq)."""
+
+    def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, device=None, dtype=None):
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (batch, seq, dim)
+        cos: torch.Tensor,  # (seq, head_dim // 2), angles of positions start_pos..
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this layer's KVCache.k[i], .v[i]
+        start_pos: int = 0,
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads, not n_heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)  # (batch, seq, heads, head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)  # (batch, seq, kv_heads, head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            # In the norm weight's dtype: under bf16 autocast q and k are bf16 while the weight
+            # stays float32, and torch.rms_norm then falls back to an unfused kernel (and warns).
+            norm_dtype = self.q_norm.weight.dtype
+            q = self.q_norm(q.to(norm_dtype)).to(v.dtype)
+            k = self.k_norm(k.to(norm_dtype)).to(v.dtype)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (batch, heads, seq, head_dim)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (batch, kv_heads, seq, head_dim)
+        v = v.transpose(1, 2)
+
+        mask, causal = None, True
+        if kv is not None:
+            end = start_pos + seq
+            k_cache, v_cache = kv  # (batch, kv_heads, max_len, head_dim)
+            k_cache[:, :, start_pos:end] = k
+            v_cache[:, :, start_pos:end] = v
+            k, v = k_cache[:, :, :end], v_cache[:, :, :end]  # (batch, kv_heads, end, head_dim)
+            # SDPA's is_causal aligns the mask top-left, which is wrong once queries start at
+            # start_pos > 0: query i (at position start_pos + i) sees keys 0..start_pos + i.
+            causal = False
+            if seq > 1:
+                mask = torch.ones(seq, end, dtype=torch.bool, device=x.device).tril(diagonal=start_pos)
+        # enable_gqa lets each key/value head serve n_heads / kv_heads query heads without
+        # materialising repeated copies. On CUDA only the flash and math kernels take it, so
+        # a masked (cached, multi-token) call runs the math kernel; training runs flash.
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
+        )  # (batch, heads, seq, head_dim)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP, w2(silu(w1 x) * w3 x) (Shazeer 2020, "GLU Variants Improve Transformer")."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block; the unit that FSDP, recompute and pipelining wrap."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
+
+    def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0):
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, start_pos)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Derived from cfg, so not saved in checkpoints; init_weights() fills them.
+        table = (cfg.max_seq_len, cfg.head_dim // 2)
+        self.register_buffer("rope_cos", torch.empty(table, dtype=torch.float32), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(table, dtype=torch.float32), persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and recompute the rotary tables.
+
+        Call after building on the meta device and `to_empty(device=...)`, where parameters
+        and non-persistent buffers hold garbage. Linear weights and the embedding are
+        N(0, init_std); the projections that write into the residual stream (wo, w2) get
+        init_std / sqrt(2 n_layers), since each block adds two of them (GPT-2, Radford et al.
+        2019, section 2.3; Megatron-LM, Shoeybi et al. 2019). Norm weights are ones."""
+        if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            # to_empty() from the meta device gives each module its own new Parameter,
+            # untying them; tie again (a no-op where tying survived, e.g. under FSDP2).
+            self.output.weight = self.tok_embeddings.weight
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+        for block in self.layers:
+            attention, mlp = block.attention, block.feed_forward
+            for linear in (attention.wq, attention.wk, attention.wv, mlp.w1, mlp.w3):
+                nn.init.normal_(linear.weight, mean=0.0, std=std)
+            for linear in (attention.wo, mlp.w2):
+                nn.init.normal_(linear.weight, mean=0.0, std=residual_std)
+            for norm in (block.attention_norm, block.ffn_norm, attention.q_norm, attention.k_norm):
+                if norm is not None:
+                    norm.reset_parameters()
+        self.norm.reset_parameters()
+        if not self.cfg.tie_embeddings:
+            nn.init.normal_(self.output.weight, mean=0.0, std=std)
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def new_cache(self, batch: int, max_len: int | None = None, device=None, dtype=None) -> KVCache:
+        """An empty KV cache for `batch` sequences of up to `max_len` (default max_seq_len)
+        positions, on the device and in the dtype of the weights unless given."""
+        weight = self.output.weight
+        return KVCache(
+            self.cfg.n_layers,
+            batch,
+            self.cfg.kv_heads,
+            max_len or self.cfg.max_seq_len,
+            self.cfg.head_dim,
+            device=device or weight.device,
+            dtype=dtype or weight.dtype,
+        )
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # (batch, seq) token ids
+        targets: torch.Tensor | None = None,  # (batch, seq) next-token ids
+        cache: KVCache | None = None,
+        start_pos: int = 0,
+    ) -> torch.Tensor:
+        """Logits (batch, seq, vocab) when targets is None, else the mean cross-entropy loss.
+
+        With a cache, `tokens` sit at positions start_pos.. and attend to everything the
+        cache holds before them; without one, attention is causal within `tokens`."""
+        batch, seq = tokens.shape
+        end = start_pos + seq
+        if end > self.cfg.max_seq_len:
+            raise ValueError(
+                f"positions up to {end} requested but model.max_seq_len = {self.cfg.max_seq_len}; "
+                "shorten the input or build the model with a larger max_seq_len"
+            )
+        if cache is not None and end > cache.max_len:
+            raise ValueError(f"positions up to {end} requested but the KV cache holds {cache.max_len}")
+        cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]  # (seq, head_dim // 2)
+        x = self.tok_embeddings(tokens)  # (batch, seq, dim)
+        for i, block in enumerate(self.layers):
+            # Blocks get tensors, not a layer index, so compiled blocks see no per-layer constant.
+            x = block(x, cos, sin, None if cache is None else (cache.k[i], cache.v[i]), start_pos)
+        logits = self.output(self.norm(x))  # (batch, seq, vocab)
+        if targets is None:
+            return logits
+        # float32 loss: a bf16 log-softmax over a large vocabulary loses precision.
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))

@@ -1,0 +1,99 @@
+"""Peak dense FLOP/s of common accelerators, by dtype: the denominator of MFU.
+
+Numbers are vendor datasheet peaks *without* 2:4 structured sparsity (datasheets often
+print the sparse figure, twice the dense one, with an asterisk). `bf16` is the tensor-core
+rate with fp32 accumulation (fp16 is the same on every device listed), `tf32` the
+tensor-core rate for fp32 matmuls with TF32 allowed, `fp32` the plain (non-tensor) rate.
+Pure data and string matching: imports no torch.
+"""
+
+from __future__ import annotations
+
+import re
+
+T = 1e12
+
+# Canonical name -> {dtype: dense peak FLOP/s}. Source of each row in the comment above it.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    # NVIDIA H100 datasheet (SXM5): BF16 1,979 TFLOPS sparse = 989.4 dense; TF32 989 sparse; FP32 67.
+    "H100 SXM": {"bf16": 989.4 * T, "tf32": 494.7 * T, "fp32": 66.9 * T},
+    # NVIDIA H100 datasheet (PCIe): BF16 1,513 sparse = 756.5 dense; TF32 756 sparse; FP32 51.
+    "H100 PCIe": {"bf16": 756.5 * T, "tf32": 378.0 * T, "fp32": 51.2 * T},
+    # NVIDIA H100 datasheet (NVL): BF16 1,671 sparse = 835.5 dense; TF32 835 sparse; FP32 60.
+    "H100 NVL": {"bf16": 835.5 * T, "tf32": 417.5 * T, "fp32": 60.0 * T},
+    # NVIDIA H200 datasheet (SXM): same GH100 compute as H100 SXM; BF16 1,979 sparse; TF32 989 sparse; FP32 67.
+    "H200": {"bf16": 989.4 * T, "tf32": 494.7 * T, "fp32": 66.9 * T},
+    # NVIDIA H200 datasheet (NVL): BF16 1,671 sparse; TF32 835 sparse; FP32 60.
+    "H200 NVL": {"bf16": 835.5 * T, "tf32": 417.5 * T, "fp32": 60.0 * T},
+    # NVIDIA A100 datasheet (40 GB and 80 GB, SXM and PCIe alike): BF16 312 dense; TF32 156; FP32 19.5.
+    "A100": {"bf16": 312.0 * T, "tf32": 156.0 * T, "fp32": 19.5 * T},
+    # NVIDIA L4 datasheet: BF16 242 sparse = 121 dense; TF32 120 sparse = 60; FP32 30.3.
+    "L4": {"bf16": 121.0 * T, "tf32": 60.0 * T, "fp32": 30.3 * T},
+    # NVIDIA L40S datasheet: BF16 362.05 dense (733 sparse); TF32 183 (366 sparse); FP32 91.6.
+    "L40S": {"bf16": 362.05 * T, "tf32": 183.0 * T, "fp32": 91.6 * T},
+    # NVIDIA A10 datasheet: BF16 125 dense (250 sparse); TF32 62.5; FP32 31.2.
+    "A10": {"bf16": 125.0 * T, "tf32": 62.5 * T, "fp32": 31.2 * T},
+    # A10G (AWS G5) has no public NVIDIA datasheet; AWS/third-party figures (e.g. Baseten's
+    # "A10 vs A10G" comparison) give ~70 TFLOPS BF16 tensor and ~35 TFLOPS FP32. Approximate.
+    "A10G": {"bf16": 70.0 * T, "tf32": 35.0 * T, "fp32": 35.0 * T},
+    # NVIDIA Ada Lovelace architecture whitepaper (RTX 4090): FP16/BF16 tensor with FP32
+    # accumulate 165.2 dense (330.3 sparse); TF32 82.6 dense; FP32 82.6.
+    "RTX 4090": {"bf16": 165.2 * T, "tf32": 82.6 * T, "fp32": 82.6 * T},
+    # NVIDIA HGX B200 datasheet, per GPU: FP16/BF16 4.5 PFLOPS sparse = 2.25 dense; TF32 2.2 sparse; FP32 75.
+    "B200": {"bf16": 2250.0 * T, "tf32": 1100.0 * T, "fp32": 75.0 * T},
+    # NVIDIA GB200 NVL72 datasheet, per GPU: FP16/BF16 5 PFLOPS sparse = 2.5 dense; TF32 2.5 sparse; FP32 80.
+    "GB200": {"bf16": 2500.0 * T, "tf32": 1250.0 * T, "fp32": 80.0 * T},
+    # AMD Instinct MI300X datasheet: BF16 1,307.4 dense (2,614.9 sparse); TF32 653.7; FP32 matrix 163.4.
+    "MI300X": {"bf16": 1307.4 * T, "tf32": 653.7 * T, "fp32": 163.4 * T},
+}
+
+# (pattern, canonical name), most specific first: the first pattern found in the lower-cased
+# device name wins. Names as torch.cuda.get_device_name() reports them, e.g.
+# "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB",
+# "NVIDIA GeForce RTX 4090", "AMD Instinct MI300X". \b keeps "a10" from matching "a100"
+# and "l4" from matching "l40s".
+_RULES: list[tuple[str, str]] = [
+    (r"gb200", "GB200"),
+    (r"\bb200", "B200"),
+    (r"h200.*nvl", "H200 NVL"),
+    (r"h200", "H200"),
+    (r"h100.*pcie", "H100 PCIe"),
+    (r"h100.*nvl", "H100 NVL"),
+    (r"h100", "H100 SXM"),
+    (r"a100", "A100"),
+    (r"\ba10g\b", "A10G"),
+    (r"\ba10\b", "A10"),
+    (r"\bl40s\b", "L40S"),
+    (r"\bl4\b", "L4"),
+    (r"rtx 4090", "RTX 4090"),
+    (r"mi300x", "MI300X"),
+]
+
+_DTYPE_ALIASES = {
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "bf16", "float16": "bf16", "half": "bf16",  # same tensor-core rate as bf16 on every listed device
+    "tf32": "tf32", "tfloat32": "tf32",
+    "fp32": "fp32", "float32": "fp32", "float": "fp32",
+}
+
+
+def identify(device_name: str) -> str | None:
+    """The canonical name (a key of PEAK_FLOPS) of a device name, or None if unknown."""
+    name = device_name.lower()
+    for pattern, canonical in _RULES:
+        if re.search(pattern, name):
+            return canonical
+    return None
+
+
+def peak_flops(device_name: str, dtype: str) -> float | None:
+    """Dense peak FLOP/s of `device_name` (e.g. torch.cuda.get_device_name()) computing in
+    `dtype` ("bf16", "fp16", "tf32", "fp32", or torch-style "bfloat16", "torch.float32").
+    None for an unknown device (e.g. "cpu"); ValueError for an unknown dtype."""
+    key = dtype.lower().removeprefix("torch.")
+    if key not in _DTYPE_ALIASES:
+        raise ValueError(f"dtype {dtype!r} has no peak FLOP/s entry; use one of {', '.join(_DTYPE_ALIASES)}")
+    canonical = identify(device_name)
+    if canonical is None:
+        return None
+    return PEAK_FLOPS[canonical][_DTYPE_ALIASES[key]]

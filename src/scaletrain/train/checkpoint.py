@@ -1,0 +1,140 @@
+"""Checkpoints in the Distributed Checkpoint (DCP) format, even in one process.
+
+    checkpoints/step_0000100/   .metadata, *.distcp   written by torch.distributed.checkpoint
+    checkpoints/step_0000100/COMMITTED                written last: {step, tokens, files: {name: bytes}}
+    checkpoints/latest                                name of the newest complete checkpoint
+
+A checkpoint directory without its COMMITTED marker, or whose files differ in size from
+what the marker recorded, is incomplete and never resumed from. `latest` is a convenience
+for people and tools; resuming scans the directories, so a crash between the marker and
+the pointer loses nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+log = logging.getLogger("scaletrain")
+
+MARKER = "COMMITTED"
+PREFIX = "step_"
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was asked for."""
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return root / f"{PREFIX}{step:07d}"
+
+
+def _files(path: Path) -> dict[str, int]:
+    return {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file() and f.name != MARKER}
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every call without a process group; one process is a supported case here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def save(root: Path, step: int, tokens: int, state: dict, keep: int) -> Path:
+    """Write `state` as checkpoint `step`, mark it complete, point `latest` at it, drop old ones."""
+    path = checkpoint_dir(root, step)
+    if _is_main():
+        if path.exists():  # a leftover of an interrupted save of this step
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+    if dist.is_initialized():
+        dist.barrier()
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    if _is_main():
+        marker = {"step": step, "tokens": tokens, "files": _files(path)}
+        _write_atomic(path / MARKER, json.dumps(marker, indent=1))
+        _write_atomic(root / "latest", path.name + "\n")
+        for old in complete_checkpoints(root)[keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def check_complete(path: Path) -> str | None:
+    """None if `path` is a complete checkpoint, else why not."""
+    marker = path / MARKER
+    if not marker.is_file():
+        return "it has no COMMITTED marker (the save did not finish)"
+    try:
+        recorded = json.loads(marker.read_text())["files"]
+    except (json.JSONDecodeError, KeyError):
+        return "its COMMITTED marker is unreadable"
+    actual = _files(path)
+    for name, size in recorded.items():
+        if name not in actual:
+            return f"file {name} is missing"
+        if actual[name] != size:
+            return f"file {name} is {actual[name]} bytes, {size} were written (truncated or changed)"
+    return None
+
+
+def all_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint directories under root, newest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    return [p for p in all_checkpoints(root) if check_complete(p) is None]
+
+
+def load(path: Path, state: dict) -> None:
+    """Load checkpoint `path` into `state` in place (tensors are filled, other values replaced)."""
+    problem = check_complete(path)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is not complete: {problem}")
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
+        raise CheckpointError(f"checkpoint {path} could not be read ({type(e).__name__}: {e})") from e
+
+
+def load_newest(root: Path, state: dict) -> Path | None:
+    """Load the newest checkpoint under root that is complete and readable; None if there is none.
+
+    Incomplete or unreadable newer checkpoints are reported and skipped, so a crash during a
+    save, or a damaged file, costs one checkpoint interval and nothing else.
+    """
+    for path in all_checkpoints(root):
+        try:
+            load(path, state)
+            return path
+        except CheckpointError as e:
+            log.warning("skipping %s; falling back to the previous checkpoint", e)
+    return None

@@ -1,0 +1,42 @@
+"""metrics.jsonl: one JSON object per event, appended and flushed as it happens.
+
+Every record has `kind` ("train", "eval", "checkpoint", "resume", "end", ...), `step`,
+`tokens` and `time` (unix seconds). A resumed run appends a "resume" record; records of an
+earlier invocation with a step past the resumed one (work lost with a crash) are superseded,
+and `read_metrics` drops them so the history reads as one run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+class MetricsLog:
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = open(path, "a")
+
+    def write(self, kind: str, step: int, tokens: int, **values) -> dict:
+        record = {"kind": kind, "step": step, "tokens": tokens, "time": round(time.time(), 3), **values}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        return record
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict]:
+    """The run's records in order, without those superseded by a later resume."""
+    path = Path(run_dir) / "metrics.jsonl"
+    records: list[dict] = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if record["kind"] == "resume":
+            records = [r for r in records if r["step"] <= record["step"]]
+        records.append(record)
+    return [r for r in records if kind is None or r["kind"] == kind]

@@ -1,0 +1,35 @@
+"""Learning-rate schedules: a pure function of the step, so resuming needs no scheduler state."""
+
+from __future__ import annotations
+
+import math
+
+
+def lr_at(step: int, total_steps: int, *, lr: float, warmup_steps: int, schedule: str,
+          min_lr_ratio: float = 0.1, decay_fraction: float = 0.2) -> float:
+    """Learning rate of the update made at `step` (0-based) of a run of `total_steps` updates.
+
+    - warmup: linear from lr / warmup_steps to lr over the first warmup_steps updates;
+    - "cosine": half a cosine from lr down to min_lr_ratio * lr at the last update;
+    - "wsd": warmup-stable-decay (Hu et al. 2024, MiniCPM): lr until the last
+      decay_fraction of updates, then linear down to min_lr_ratio * lr;
+    - "constant": lr after warmup.
+    """
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    min_lr = lr * min_lr_ratio
+    last = max(total_steps - 1, 1)
+    if schedule == "constant":
+        return lr
+    if schedule == "cosine":
+        span = max(last - warmup_steps, 1)
+        progress = min((step - warmup_steps) / span, 1.0)
+        return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "wsd":
+        decay_steps = max(round(decay_fraction * total_steps), 1)
+        decay_start = max(total_steps - decay_steps, warmup_steps)
+        if step < decay_start:
+            return lr
+        progress = min((step - decay_start + 1) / max(total_steps - decay_start, 1), 1.0)
+        return lr - (lr - min_lr) * progress
+    raise ValueError(f"unknown schedule {schedule!r}; valid: cosine, wsd, constant")

@@ -1,0 +1,311 @@
+"""The training loop: one process, one device. It owns the loop; the model and data know nothing of it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import resource
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from scaletrain.config import ConfigError, RunConfig, validate_config
+from scaletrain.data.loader import TokenLoader, eval_batches
+from scaletrain.data.shards import DataError, read_index
+from scaletrain.model.flops import train_flops_per_token
+from scaletrain.model.llama import Transformer
+from scaletrain.plan.hardware import peak_flops
+from scaletrain.train import checkpoint
+from scaletrain.train.metrics import MetricsLog
+from scaletrain.train.optim import build_optimizer
+from scaletrain.train.schedule import lr_at
+
+log = logging.getLogger("scaletrain")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient became NaN or infinite; nothing was saved over the last good checkpoint."""
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    total_steps: int
+    tokens: int
+    train_loss: float | None
+    val_loss: float | None
+    tokens_per_s: float | None
+    resumed_from: int | None
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """Fill in what the config leaves to the data (vocabulary size) and check the data directory exists."""
+    try:
+        index = read_index(cfg.data.path)
+    except DataError as e:
+        raise ConfigError(f"data.path = {cfg.data.path!r}: {e}") from None
+    data = cfg.model_dump()
+    if cfg.model.vocab_size is None:
+        data["model"]["vocab_size"] = -(-index["vocab_size"] // 64) * 64
+    elif cfg.model.vocab_size < index["vocab_size"]:
+        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the tokenizer's "
+                          f"{index['vocab_size']} tokens in {cfg.data.path!r}; leave it unset or raise it")
+    return validate_config(data)
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device = 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)
+
+
+def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, choice)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg = resolve(cfg)
+        self.run_dir = cfg.run_dir
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.device = pick_device(cfg.train.device)
+        self.dtype = compute_dtype(cfg.train.dtype, self.device)
+        self.total_steps = cfg.total_steps
+        self._check_run_dir()
+
+        torch.manual_seed(cfg.run.seed)
+        self.model = Transformer(cfg.model).to(self.device)
+        if cfg.train.compile:
+            for block in self.model.layers:
+                block.compile()
+        self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                                         betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
+                                         device=self.device)
+        self.loader = TokenLoader(cfg.data.path, cfg.data.seq_len, cfg.seqs_per_step, cfg.train.micro_batch,
+                                  seed=cfg.run.seed)
+        self.step = 0
+        self.tokens = 0
+        self.flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        self.peak_flops = peak_flops(device_name, "bf16" if self.dtype == torch.bfloat16 else "fp32")
+
+    def _check_run_dir(self) -> None:
+        """A run directory holds one run: refuse to mix checkpoints of a different model into it."""
+        saved = self.run_dir / "config.toml"
+        has_checkpoints = bool(checkpoint.all_checkpoints(self.ckpt_root))
+        if not has_checkpoints or not saved.is_file():
+            return
+        if self.cfg.checkpoint.resume == "never":
+            raise ConfigError(f"run directory {str(self.run_dir)!r} already holds checkpoints and checkpoint.resume "
+                              "= 'never'; choose a new run.name, delete them, or resume with checkpoint.resume = 'auto'")
+        from scaletrain.config import load_config
+
+        previous = load_config(saved)
+        for section, key in [("model", None), ("data", "seq_len"), ("run", "seed")]:
+            old, new = getattr(previous, section), getattr(self.cfg, section)
+            if key is not None:
+                old, new = getattr(old, key), getattr(new, key)
+            if old != new:
+                where = section if key is None else f"{section}.{key}"
+                raise ConfigError(f"run directory {str(self.run_dir)!r} holds checkpoints of a run with a different "
+                                  f"{where} ({old} then, {new} now); choose a new run.name to start a new run")
+
+    # -- state ------------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        """Everything that determines the rest of the run: a resumed run continues bit for bit."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state, "loader": self.loader.state_dict(),
+                "rng": rng_state(), "progress": {"step": self.step, "tokens": self.tokens}}
+
+    def load_state(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"])
+        self.step, self.tokens = int(state["progress"]["step"]), int(state["progress"]["tokens"])
+
+    def resume(self) -> int | None:
+        choice = self.cfg.checkpoint.resume
+        if choice == "never":
+            return None
+        state = self.state()
+        if choice == "auto":
+            path = checkpoint.load_newest(self.ckpt_root, state)
+            if path is None:
+                return None
+        else:
+            path = Path(choice)
+            if not path.is_dir():
+                raise ConfigError(f"checkpoint.resume = {choice!r} is not a directory; give a checkpoint directory "
+                                  "(…/checkpoints/step_NNNNNNN), 'auto' or 'never'")
+            checkpoint.load(path, state)
+        self.load_state(state)
+        log.info("resumed from %s at step %d", path, self.step)
+        return self.step
+
+    def save(self) -> Path:
+        return checkpoint.save(self.ckpt_root, self.step, self.tokens, self.state(), self.cfg.checkpoint.keep)
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def train_step(self) -> tuple[float, float, float]:
+        """One optimizer step over the global batch; returns (loss, grad norm, seconds waiting for data)."""
+        cfg = self.cfg.train
+        lr = lr_at(self.step, self.total_steps, lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule,
+                   min_lr_ratio=cfg.min_lr_ratio, decay_fraction=cfg.decay_fraction)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        data_wait = 0.0
+        for _ in range(self.loader.micro_steps):
+            t0 = time.perf_counter()
+            inputs, targets = self.loader.next_batch()
+            inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+            data_wait += time.perf_counter() - t0
+            with self.autocast():
+                loss = self.model(inputs, targets) / self.loader.micro_steps
+            loss.backward()
+            loss_sum += loss.detach()
+        max_norm = cfg.clip if cfg.clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        loss_value, norm_value = loss_sum.item(), grad_norm.item()
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+            raise TrainingDiverged(
+                f"step {self.step + 1}: loss is {loss_value} and gradient norm {norm_value}; the update was not "
+                f"applied and nothing was saved over the last good checkpoint"
+                f"{self._last_checkpoint_hint()}; lower train.lr, raise train.warmup_steps or set train.clip")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens += self.cfg.train.global_batch_tokens
+        self.lr = lr
+        return loss_value, norm_value, data_wait
+
+    def _last_checkpoint_hint(self) -> str:
+        done = checkpoint.complete_checkpoints(self.ckpt_root)
+        return f" ({done[0]})" if done else " (there is none yet)"
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss per token over the fixed validation windows."""
+        self.model.eval()
+        total, count = 0.0, 0
+        for inputs, targets in eval_batches(self.cfg.data.path, self.cfg.data.seq_len, self.cfg.eval.tokens,
+                                            self.cfg.train.micro_batch):
+            with self.autocast():
+                loss = self.model(inputs.to(self.device), targets.to(self.device))
+            total += loss.item() * targets.numel()
+            count += targets.numel()
+        self.model.train()
+        return total / count
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        if self.peak_flops is None:
+            return None
+        return tokens_per_s * self.flops_per_token / self.peak_flops
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def fit(self, stop_at_step: int | None = None) -> TrainResult:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        resumed_from = self.resume()
+        (self.run_dir / "config.toml").write_text(cfg.to_toml())
+        shutil.copyfile(Path(cfg.data.path) / "tokenizer.json", self.run_dir / "tokenizer.json")
+        metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        if resumed_from is not None:
+            metrics.write("resume", self.step, self.tokens)
+        else:
+            metrics.write("start", 0, 0, total_steps=self.total_steps, flops_per_token=self.flops_per_token,
+                          device=str(self.device), dtype=str(self.dtype).removeprefix("torch."))
+        train_loss = val_loss = None
+        window_tokens, window_time, window_wait = 0, 0.0, 0.0
+        run_tokens, run_time = 0, 0.0
+        last_speed = None
+        try:
+            while self.step < self.total_steps and (stop_at_step is None or self.step < stop_at_step):
+                t0 = time.perf_counter()
+                train_loss, grad_norm, wait = self.train_step()
+                elapsed = time.perf_counter() - t0
+                window_tokens += cfg.train.global_batch_tokens
+                window_time += elapsed
+                window_wait += wait
+                if self.step > 1 or resumed_from is not None:  # the first step pays one-off costs
+                    run_tokens += cfg.train.global_batch_tokens
+                    run_time += elapsed
+                last = self.step == self.total_steps or self.step == stop_at_step
+                if self.step % cfg.log.interval == 0 or last:
+                    last_speed = window_tokens / window_time
+                    record = metrics.write(
+                        "train", self.step, self.tokens, loss=train_loss, lr=self.lr, grad_norm=grad_norm,
+                        tokens_per_s=round(last_speed, 1), mfu=self.mfu(last_speed),
+                        mem_gb=round(peak_memory_gb(self.device), 3),
+                        data_wait_ms=round(1000 * window_wait / (window_tokens / cfg.train.global_batch_tokens), 3))
+                    log.info("step %d/%d  loss %.4f  lr %.2e  grad %.3f  %.0f tok/s%s", self.step, self.total_steps,
+                             train_loss, self.lr, grad_norm, last_speed,
+                             f"  mfu {record['mfu']:.1%}" if record["mfu"] is not None else "")
+                    window_tokens, window_time, window_wait = 0, 0.0, 0.0
+                if (cfg.eval.interval and self.step % cfg.eval.interval == 0) or self.step == self.total_steps:
+                    val_loss = self.evaluate()
+                    metrics.write("eval", self.step, self.tokens, loss=val_loss)
+                    log.info("step %d/%d  validation loss %.4f", self.step, self.total_steps, val_loss)
+                if (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0) or last:
+                    path = self.save()
+                    metrics.write("checkpoint", self.step, self.tokens, path=str(path))
+            metrics.write("end", self.step, self.tokens, train_loss=train_loss, val_loss=val_loss,
+                          complete=self.step == self.total_steps)
+        except TrainingDiverged as e:
+            metrics.write("diverged", self.step, self.tokens, message=str(e))
+            raise
+        finally:
+            metrics.close()
+        speed = run_tokens / run_time if run_time else last_speed
+        return TrainResult(self.run_dir, self.step, self.total_steps, self.tokens, train_loss, val_loss, speed,
+                           resumed_from)
+
+
+def train(cfg: RunConfig, stop_at_step: int | None = None) -> TrainResult:
+    """Train (or resume) the run `cfg` describes; stop cleanly after `stop_at_step` if given."""
+    return Trainer(cfg).fit(stop_at_step=stop_at_step)

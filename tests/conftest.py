@@ -1,0 +1,37 @@
+"""Shared fixtures: a small real corpus (the interpreter's own standard library), prepared once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scaletrain.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def stdlib_data(tmp_path_factory) -> Path:
+    """~400 kB of real Python source, tokenized with a 512-entry BPE, 5% held out for validation."""
+    from scaletrain.data import prepare
+
+    out = tmp_path_factory.mktemp("data") / "stdlib"
+    prepare(["builtin:python-stdlib"], out, vocab_size=512, max_bytes=400_000, val_fraction=0.05)
+    return out
+
+
+def tiny_config(data_dir: Path, run_dir: Path, *overrides: str):
+    """configs/tiny.toml pointed at `data_dir`, its run directory at `run_dir`."""
+    return load_config(ROOT / "configs" / "tiny.toml",
+                       [f"data.path={data_dir}", f"run.dir={run_dir.parent}", f"run.name={run_dir.name}", *overrides])
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the `scaletrain` command in a fresh process, as a user would."""
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "scaletrain.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)

@@ -1,0 +1,53 @@
+"""Config loading: TOML, dotted overrides, and errors that name the key, the value and the fix."""
+
+import tomllib
+
+import pytest
+
+from scaletrain.config import ConfigError, load_config, validate_config
+
+
+def test_overrides_are_parsed_as_toml_values(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nsteps = 5\n[run]\nname = "x"\n')
+    cfg = load_config(path, ["train.lr=3e-4", "model.qk_norm=true", "run.name=other", "train.schedule=wsd"])
+    assert cfg.train.lr == 3e-4 and cfg.model.qk_norm is True and cfg.run.name == "other"
+    assert cfg.train.schedule == "wsd" and cfg.train.steps == 5
+
+
+def test_resolved_config_round_trips_through_toml():
+    cfg = load_config(None, ["train.steps=10", "model.n_kv_heads=2", "train.eps=1e-10"])
+    assert validate_config(tomllib.loads(cfg.to_toml())) == cfg
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["train.steps=10", "train.stepz=3"], ["train.stepz", "unknown key", "steps, tokens"]),
+    (["train.steps=ten"], ["train.steps", "'ten'", "integer"]),
+    (["train.steps=10", "train.micro_batch=3"], ["global_batch_tokens", "not divisible", "multiple of 768"]),
+    (["train.steps=10", "data.seq_len=4096"], ["data.seq_len = 4096", "model.max_seq_len = 1024"]),
+    (["train.steps=10", "train.tokens=100"], ["exactly one of train.steps and train.tokens"]),
+    (["train.steps=10", "model.n_kv_heads=3"], ["n_kv_heads = 3", "not divisible"]),
+    (["train.steps=10", "train.schedule=linear"], ["train.schedule", "'linear'", "cosine", "wsd"]),
+    (["train.steps=10", "bogus.x=1"], ["bogus", "unknown key", "model, data, train"]),
+    (["train.steps=10", "train.lr=-1"], ["train.lr = -1", "greater than 0"]),
+    (["trainsteps10"], ["section.key=value"]),
+])
+def test_bad_configs_name_the_key_the_value_and_what_is_valid(overrides, words):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides)
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_missing_and_malformed_files_are_reported(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "none.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_steps_follow_from_a_token_budget():
+    cfg = load_config(None, ["train.tokens=100000", "train.global_batch_tokens=16384"])
+    assert cfg.total_steps == 7

@@ -1,0 +1,234 @@
+"""`prepare`: sources in, a data directory out, checked on small real corpora and real tokenizers."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer
+
+from scaletrain.data import DataError, prepare
+from scaletrain.data.shards import open_split, read_index
+
+VOCAB = 300  # the smallest vocabularies keep training instant
+
+
+def write_corpus(root):
+    """A directory with text files, a .jsonl and a .parquet; returns its documents in reading order."""
+    (root / "sub").mkdir(parents=True)
+    (root / "a.txt").write_text("The first text file.\nIt has two lines.\n")
+    (root / "c.md").write_text("# A markdown file\n\nwith unicode: héllo wörld ✓\n")
+    (root / "d.jsonl").write_text(json.dumps({"text": "jsonl one"}) + "\n" + json.dumps({"text": "jsonl two", "id": 2}) + "\n")
+    pq.write_table(pa.table({"id": [1, 2], "text": ["parquet row one", "parquet row two"]}), root / "e.parquet")
+    (root / "sub" / "b.txt").write_text("a file in a subdirectory")
+    return ["The first text file.\nIt has two lines.\n", "# A markdown file\n\nwith unicode: héllo wörld ✓\n",
+            "jsonl one", "jsonl two", "parquet row one", "parquet row two", "a file in a subdirectory"]
+
+
+def decoded_documents(data_dir, split):
+    """The documents of a split, decoded with the saved tokenizer, split at the end-of-document ids."""
+    tokens = open_split(data_dir, split)
+    ids = tokens.read(0, tokens.tokens)
+    tokenizer = Tokenizer.from_file(str(data_dir / "tokenizer.json"))
+    ends = np.flatnonzero(ids == tokens.eos_id)
+    assert len(ids) == 0 or ends[-1] == len(ids) - 1, "every document, the last too, ends with eos"
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [tokenizer.decode(ids[s:e].tolist()) for s, e in zip(starts, ends)]
+
+
+def file_times(data_dir):
+    return {p: p.stat().st_mtime_ns for p in data_dir.rglob("*") if p.is_file()}
+
+
+def test_prepare_writes_a_data_dir_whose_tokens_decode_to_the_documents_in_order(tmp_path):
+    documents = write_corpus(tmp_path / "corpus")
+    out = tmp_path / "data"
+    result = prepare([str(tmp_path / "corpus")], out, VOCAB, val_fraction=0)
+    assert not result.reused and result.out == out
+    for name in ("index.json", "tokenizer.json", "stats.json", "manifest.json", "shards/train_00000.bin"):
+        assert (out / name).is_file()
+    assert read_index(out)["dtype"] == "uint16"
+    assert open_split(out, "train").shards[0].dtype == np.uint16
+    assert decoded_documents(out, "train") == documents
+    assert json.loads((out / "stats.json").read_text()) == result.stats
+    assert result.stats["documents"]["kept"] == len(documents)
+
+
+def test_validation_split_is_by_document_nonempty_and_disjoint_and_stats_count_the_index(tmp_path):
+    documents = [f"document number {i} says {'many ' * i}things" for i in range(60)]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    out = tmp_path / "data"
+    result = prepare([str(tmp_path / "corpus.jsonl")], out, VOCAB, val_fraction=0.2)
+    train, val = decoded_documents(out, "train"), decoded_documents(out, "val")
+    assert val and train and not set(train) & set(val)
+    assert sorted(train + val) == sorted(documents)
+    assert train == [d for d in documents if d in set(train)], "each split keeps reading order"
+    index = read_index(out)
+    for split in ("train", "val"):
+        assert result.stats["tokens"][split] == index["splits"][split]["tokens"]
+        assert result.stats["documents"][split] == index["splits"][split]["documents"]
+
+
+def test_a_tiny_val_fraction_still_holds_out_one_document(tmp_path):
+    for i in range(3):
+        (tmp_path / f"{i}.txt").write_text(f"text {i}")
+    result = prepare([str(tmp_path / "*.txt")], tmp_path / "data", VOCAB, val_fraction=1e-9)
+    assert (result.stats["documents"]["train"], result.stats["documents"]["val"]) == (2, 1)
+
+
+def test_rerun_on_unchanged_input_reuses_the_result_without_rewriting_it(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    out = tmp_path / "data"
+    first = prepare([str(tmp_path / "corpus")], out, VOCAB)
+    before = file_times(out)
+    again = prepare([str(tmp_path / "corpus")], out, VOCAB)
+    assert again.reused and again.stats == first.stats
+    assert file_times(out) == before
+
+
+def test_changing_an_option_or_a_file_prepares_again(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    out = tmp_path / "data"
+    prepare([str(tmp_path / "corpus")], out, VOCAB)
+    assert not prepare([str(tmp_path / "corpus")], out, VOCAB, seed=1).reused
+    (tmp_path / "corpus" / "a.txt").write_text("changed content")
+    result = prepare([str(tmp_path / "corpus")], out, VOCAB, seed=1)
+    assert not result.reused
+    assert "changed content" in decoded_documents(out, "train") + decoded_documents(out, "val")
+
+
+def test_a_directory_without_its_manifest_is_prepared_again(tmp_path):
+    # What an interrupted prepare leaves behind: everything but the manifest, written last.
+    write_corpus(tmp_path / "corpus")
+    out = tmp_path / "data"
+    prepare([str(tmp_path / "corpus")], out, VOCAB)
+    (out / "manifest.json").unlink()
+    assert not prepare([str(tmp_path / "corpus")], out, VOCAB).reused
+    assert (out / "manifest.json").is_file()
+
+
+def test_non_utf8_file_is_kept_with_replacement_characters_and_counted(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "latin1.txt").write_bytes("café crème".encode("latin-1"))
+    (tmp_path / "corpus" / "utf8.txt").write_text("plain text")
+    result = prepare([str(tmp_path / "corpus")], tmp_path / "data", VOCAB, val_fraction=0)
+    assert result.stats["files"]["not_utf8"] == 1
+    assert result.stats["documents"]["kept"] == 2
+    assert "caf\ufffd cr\ufffdme" in decoded_documents(tmp_path / "data", "train")
+    assert any("latin1.txt" in w and "UTF-8" in w for w in result.warnings)
+
+
+def test_a_double_star_glob_reads_each_file_once_in_sorted_order(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    result = prepare([str(tmp_path / "corpus" / "**")], tmp_path / "data", VOCAB, val_fraction=0)
+    assert result.stats["files"]["read"] == 5
+    assert decoded_documents(tmp_path / "data", "train") == write_corpus(tmp_path / "again")
+
+
+def test_binary_and_empty_files_are_dropped_with_their_reasons(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "image.bin").write_bytes(b"\x89PNG\x00\x00\x01binary")
+    (tmp_path / "corpus" / "blank.txt").write_text("  \n")
+    (tmp_path / "corpus" / "text.txt").write_text("kept")
+    result = prepare([str(tmp_path / "corpus")], tmp_path / "data", VOCAB)
+    documents = result.stats["documents"]
+    assert (documents["read"], documents["kept"]) == (3, 1)
+    assert documents["dropped"]["binary"] == 1 and documents["dropped"]["empty"] == 1
+
+
+def test_bad_jsonl_lines_are_skipped_counted_and_reported_by_file_and_line(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"text": "good one"}\n{not json\n{"body": "no text field"}\n\n{"text": "good two"}\n[1, 2]\n')
+    result = prepare([str(path)], tmp_path / "data", VOCAB, val_fraction=0)
+    dropped = result.stats["documents"]["dropped"]
+    assert (dropped["bad_json"], dropped["missing_field"]) == (1, 2)
+    assert decoded_documents(tmp_path / "data", "train") == ["good one", "good two"]
+    notes = "\n".join(result.warnings)
+    assert f"{path}:2: not valid JSON" in notes
+    assert f"{path}:3: has no 'text' field" in notes
+    assert f"{path}:6:" in notes
+
+
+def test_text_field_names_the_jsonl_field_and_parquet_column(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"content": "from jsonl"}) + "\n")
+    pq.write_table(pa.table({"content": ["from parquet"]}), tmp_path / "b.parquet")
+    prepare([str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")], tmp_path / "data", VOCAB,
+            text_field="content", val_fraction=0)
+    assert decoded_documents(tmp_path / "data", "train") == ["from jsonl", "from parquet"]
+
+
+def test_end_of_text_written_inside_a_document_is_text_not_an_end_of_document(tmp_path):
+    (tmp_path / "a.txt").write_text("before <|endoftext|> after")
+    prepare([str(tmp_path / "a.txt")], tmp_path / "data", VOCAB)
+    assert decoded_documents(tmp_path / "data", "train") == ["before <|endoftext|> after"]
+
+
+@pytest.mark.parametrize("case, words", [
+    ("missing path", ["does-not-exist", "does not exist"]),
+    ("glob matching nothing", ["*.nothing", "matched no files"]),
+    ("empty corpus", ["no documents", "2 empty"]),
+    ("too small vocab", ["at least 257"]),
+    ("unknown builtin", ["builtin:nope", "builtin:python-stdlib"]),
+    ("parquet without the column", ["no column 'text'", "id, body"]),
+    ("output inside a source directory", ["inside source directory"]),
+    ("max_bytes below the first document", ["no documents", "1 over_max_bytes", "larger max_bytes"]),
+])
+def test_user_mistakes_raise_data_error_that_says_what_is_wrong(tmp_path, case, words):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("")
+    (tmp_path / "empty" / "b.txt").write_text("\n\n")
+    pq.write_table(pa.table({"id": [1], "body": ["x"]}), tmp_path / "no_text.parquet")
+    (tmp_path / "doc.txt").write_text("a document of some forty bytes of text..")
+    out = tmp_path / "data"
+    calls = {
+        "missing path": lambda: prepare([str(tmp_path / "does-not-exist")], out, VOCAB),
+        "glob matching nothing": lambda: prepare([str(tmp_path / "*.nothing")], out, VOCAB),
+        "empty corpus": lambda: prepare([str(tmp_path / "empty")], out, VOCAB),
+        "too small vocab": lambda: prepare([str(tmp_path / "doc.txt")], out, 200),
+        "unknown builtin": lambda: prepare(["builtin:nope"], out, VOCAB),
+        "parquet without the column": lambda: prepare([str(tmp_path / "no_text.parquet")], out, VOCAB),
+        "output inside a source directory": lambda: prepare([str(tmp_path)], tmp_path / "data", VOCAB),
+        "max_bytes below the first document": lambda: prepare([str(tmp_path / "doc.txt")], out, VOCAB, max_bytes=10),
+    }
+    with pytest.raises(DataError) as error:
+        calls[case]()
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_a_given_tokenizer_tokenizes_identically(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    first, second = tmp_path / "first", tmp_path / "second"
+    prepare([str(tmp_path / "corpus")], first, VOCAB)
+    result = prepare([str(tmp_path / "corpus")], second, 12345, tokenizer=first / "tokenizer.json")
+    assert not result.stats["tokenizer"]["trained"]
+    assert read_index(second) == read_index(first)
+    for split in ("train", "val"):
+        a, b = open_split(first, split), open_split(second, split)
+        assert np.array_equal(a.read(0, a.tokens), b.read(0, b.tokens))
+    assert (second / "tokenizer.json").read_bytes() == (first / "tokenizer.json").read_bytes()
+
+
+def test_a_tokenizer_that_is_not_a_tokenizer_is_refused(tmp_path):
+    (tmp_path / "a.txt").write_text("text")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(DataError, match="not a Hugging Face tokenizer.json"):
+        prepare([str(tmp_path / "a.txt")], tmp_path / "data", VOCAB, tokenizer=tmp_path / "tokenizer.json")
+
+
+def test_builtin_python_stdlib_prepares_within_max_bytes(tmp_path):
+    result = prepare(["builtin:python-stdlib"], tmp_path / "data", 512, max_bytes=300_000)
+    stats = result.stats
+    assert 0 < stats["bytes"]["kept"] <= 300_000
+    assert stats["documents"]["train"] > 0 and stats["documents"]["val"] >= 1
+    assert stats["files"]["read"] < stats["files"]["listed"]
+    assert open_split(tmp_path / "data", "train").tokens == stats["tokens"]["train"]
+
+
+def test_max_bytes_keeps_whole_documents_in_order_up_to_the_limit(tmp_path):
+    for i in range(10):
+        (tmp_path / f"{i}.txt").write_text(f"document {i} " + "x" * 89)  # 100 bytes each
+    result = prepare([str(tmp_path / "*.txt")], tmp_path / "data", VOCAB, max_bytes=450, val_fraction=0)
+    assert result.stats["bytes"]["kept"] == 400
+    assert [d[:10] for d in decoded_documents(tmp_path / "data", "train")] == [f"document {i}" for i in range(4)]

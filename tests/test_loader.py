@@ -1,0 +1,115 @@
+"""The data loader: packed windows, deterministic order, exact state round-trip, disjoint ranks."""
+
+import numpy as np
+import pytest
+import torch
+
+from scaletrain.data.loader import TokenLoader, eval_batches
+from scaletrain.data.shards import DataError, ShardWriter, open_split, write_index
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    """Two shards of 'documents' whose tokens are consecutive numbers, so every window is identifiable."""
+    writer = ShardWriter(tmp_path, "train", vocab_size=5000, eos_id=0, shard_tokens=1500)
+    rng = np.random.default_rng(0)
+    next_id = 1
+    for _ in range(40):
+        length = int(rng.integers(20, 120))
+        writer.add(np.arange(next_id, next_id + length) % 4999 + 1)
+        next_id += length
+    train = writer.close()
+    val_writer = ShardWriter(tmp_path, "val", vocab_size=5000, eos_id=0)
+    val_writer.add(np.arange(1, 400))
+    write_index(tmp_path, vocab_size=5000, eos_id=0, splits={"train": train, "val": val_writer.close()})
+    assert len(train["shards"]) >= 2
+    return tmp_path
+
+
+def test_shards_read_back_across_shard_boundaries(data_dir):
+    split = open_split(data_dir, "train")
+    whole = np.concatenate([np.asarray(s, dtype=np.int64) for s in split.shards])
+    assert split.tokens == len(whole)
+    boundary = int(split.starts[1])
+    assert np.array_equal(split.read(boundary - 5, 10), whole[boundary - 5:boundary + 5])
+    assert split.shards[0].dtype == np.uint16
+
+
+def test_windows_are_packed_inputs_and_shifted_targets(data_dir):
+    loader = TokenLoader(data_dir, seq_len=16, seqs_per_step=4, micro_batch=2)
+    inputs, targets = loader.next_batch()
+    assert inputs.shape == targets.shape == (2, 16) and inputs.dtype == torch.int64
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    split = open_split(data_dir, "train")
+    start = None
+    for w in range(loader.windows):  # each row is one window of the stream
+        if np.array_equal(split.read(w * 16, 16), inputs[0].numpy()):
+            start = w
+    assert start is not None
+
+
+def test_order_is_deterministic_for_a_seed_and_differs_across_seeds(data_dir):
+    a = TokenLoader(data_dir, 16, 4, 2, seed=1)
+    b = TokenLoader(data_dir, 16, 4, 2, seed=1)
+    c = TokenLoader(data_dir, 16, 4, 2, seed=2)
+    batches_a = [a.next_batch()[0] for _ in range(5)]
+    assert all(torch.equal(x, b.next_batch()[0]) for x in batches_a)
+    assert not all(torch.equal(x, c.next_batch()[0]) for x in batches_a)
+
+
+def test_an_epoch_visits_every_window_once(data_dir):
+    loader = TokenLoader(data_dir, 16, 2, 1)
+    seen = [loader._window(g) for g in range(loader.windows)]
+    assert sorted(seen) == list(range(loader.windows))
+    second = [loader._window(g) for g in range(loader.windows, 2 * loader.windows)]
+    assert sorted(second) == sorted(seen) and second != seen
+
+
+def test_state_round_trips_exactly(data_dir):
+    loader = TokenLoader(data_dir, 16, 8, 2, seed=3)
+    for _ in range(7):  # past the end of the first epoch and mid-step
+        loader.next_batch()
+    state = loader.state_dict()
+    expected = [loader.next_batch() for _ in range(30)]
+    fresh = TokenLoader(data_dir, 16, 8, 2, seed=3)
+    fresh.load_state_dict(state)
+    for (x, y), (fx, fy) in zip(expected, (fresh.next_batch() for _ in range(30))):
+        assert torch.equal(x, fx) and torch.equal(y, fy)
+
+
+def test_state_from_another_seed_is_refused(data_dir):
+    state = TokenLoader(data_dir, 16, 8, 2, seed=3).state_dict()
+    with pytest.raises(DataError, match="seed"):
+        TokenLoader(data_dir, 16, 8, 2, seed=4).load_state_dict(state)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ranks_split_each_global_batch_without_overlap(data_dir, world_size):
+    seqs_per_step, micro = 12, 1
+    single = TokenLoader(data_dir, 16, seqs_per_step, micro)
+    ranks = [TokenLoader(data_dir, 16, seqs_per_step, micro, rank=r, world_size=world_size)
+             for r in range(world_size)]
+    for _ in range(6):  # several steps, crossing an epoch boundary
+        reference = torch.cat([single.next_batch()[0] for _ in range(single.micro_steps)])
+        parts = [torch.cat([loader.next_batch()[0] for _ in range(loader.micro_steps)]) for loader in ranks]
+        assert torch.equal(torch.cat(parts), reference)
+        assert all(len(p) == seqs_per_step // world_size for p in parts)
+
+
+def test_eval_batches_are_fixed_and_split_across_ranks(data_dir):
+    whole = torch.cat([x for x, _ in eval_batches(data_dir, 16, 160, micro_batch=3)])
+    assert len(whole) == 10
+    again = torch.cat([x for x, _ in eval_batches(data_dir, 16, 160, micro_batch=3)])
+    assert torch.equal(whole, again)
+    parts = [torch.cat([x for x, _ in eval_batches(data_dir, 16, 160, 3, rank=r, world_size=2)]) for r in range(2)]
+    assert sorted(map(tuple, torch.cat(parts).tolist())) == sorted(map(tuple, whole.tolist()))
+
+
+def test_a_split_shorter_than_one_sequence_is_refused(data_dir):
+    with pytest.raises(DataError, match="fewer than one sequence"):
+        TokenLoader(data_dir, seq_len=100_000, seqs_per_step=1, micro_batch=1)
+
+
+def test_a_missing_data_directory_is_refused(tmp_path):
+    with pytest.raises(DataError, match="scaletrain data prepare"):
+        TokenLoader(tmp_path / "nope", 16, 1, 1)

@@ -1,0 +1,153 @@
+"""The dense decoder: shapes, loss at init, causality, KV-cache decoding, init, meta build, learning."""
+
+import math
+
+import pytest
+import torch
+
+from scaletrain.config import ModelConfig
+from scaletrain.model.llama import Transformer
+from scaletrain.model.sample import generate
+
+SHAPES = {
+    "mha": {},
+    "tied": {"tie_embeddings": True},
+    "gqa": {"n_kv_heads": 2},
+    "gqa_qk_norm": {"n_kv_heads": 1, "qk_norm": True},
+}
+
+
+def tiny(**overrides) -> ModelConfig:
+    shape = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=64)
+    return ModelConfig(**(shape | overrides))
+
+
+def build(seed: int = 0, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(tiny(**overrides))
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_forward_gives_logits_and_a_loss_near_uniform_at_init(shape):
+    model = build(**shape)
+    tokens = torch.randint(0, 256, (2, 32))
+    targets = torch.randint(0, 256, (2, 32))
+    assert model(tokens).shape == (2, 32, 256)
+    loss = model(tokens, targets)
+    assert loss.shape == () and torch.isfinite(loss)
+    # Small init: logits are near zero, so the loss is near that of a uniform guess.
+    assert abs(loss.item() - math.log(256)) < 0.3
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_changing_a_future_token_leaves_earlier_logits_unchanged(shape):
+    model = build(**shape)
+    tokens = torch.randint(0, 256, (1, 24))
+    changed = tokens.clone()
+    changed[0, 15] = (tokens[0, 15] + 1) % 256
+    a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :15], b[:, :15], rtol=0, atol=0)
+    assert not torch.allclose(a[:, 15:], b[:, 15:])
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_cached_chunks_give_the_logits_of_one_full_forward(shape):
+    model = build(**shape)
+    tokens = torch.randint(0, 256, (2, 20))
+    full = model(tokens)  # (2, 20, 256)
+    cache = model.new_cache(batch=2)
+    # Prefill at 0, a multi-token chunk at start_pos > 0 (explicit mask), then single steps.
+    pieces = [model(tokens[:, :7], cache=cache, start_pos=0), model(tokens[:, 7:12], cache=cache, start_pos=7)]
+    pieces += [model(tokens[:, p : p + 1], cache=cache, start_pos=p) for p in range(12, 20)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [SHAPES["mha"], SHAPES["gqa_qk_norm"]], ids=["mha", "gqa_qk_norm"])
+def test_greedy_generation_is_the_same_with_and_without_the_kv_cache(shape):
+    model = build(**shape).eval()
+    prompt = torch.randint(0, 256, (2, 6))
+    cached = generate(model, prompt, max_new_tokens=30, temperature=0, use_cache=True)
+    uncached = generate(model, prompt, max_new_tokens=30, temperature=0, use_cache=False)
+    assert cached.shape == (2, 30)
+    assert torch.equal(cached, uncached)
+
+
+def test_generation_with_the_cache_stops_at_max_seq_len():
+    model = build().eval()
+    prompt = torch.randint(0, 256, (1, 60))
+    assert generate(model, prompt, max_new_tokens=30, temperature=0).shape == (1, 4)
+    assert generate(model, prompt, max_new_tokens=30, temperature=0, use_cache=False).shape == (1, 30)
+
+
+def test_sampling_is_reproducible_with_a_generator_and_respects_top_k_and_eos():
+    model = build().eval()
+    prompt = torch.randint(0, 256, (3, 4))
+    draw = lambda: generate(model, prompt, 12, temperature=1.0, generator=torch.Generator().manual_seed(1))  # noqa: E731
+    assert torch.equal(draw(), draw())
+
+    # top_k = 1 is greedy.
+    top1 = generate(model, prompt, 12, temperature=0.7, top_k=1, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(top1, generate(model, prompt, 12, temperature=0))
+
+    # Generation stops at the step where eos appears (here, in the only row).
+    greedy = generate(model, prompt[:1], 12, temperature=0)[0]
+    eos = int(greedy[3])
+    first = int((greedy == eos).nonzero()[0, 0])
+    stopped = generate(model, prompt[:1], 12, temperature=0, eos_id=eos)[0]
+    assert torch.equal(stopped, greedy[: first + 1])
+
+    # A row that has emitted eos keeps emitting it while other rows go on.
+    rows = generate(model, prompt, 12, temperature=0, eos_id=eos)
+    first_in_row0 = int((rows[0] == eos).nonzero()[0, 0])
+    assert (rows[0, first_in_row0:] == eos).all()
+
+
+def test_output_projections_get_the_scaled_init_and_tied_weights_are_one_tensor():
+    cfg = tiny(dim=256, n_layers=4, n_heads=4, init_std=0.02)
+    model = Transformer(cfg)
+    residual_std = 0.02 / math.sqrt(2 * 4)
+    for block in model.layers:
+        for weight in (block.attention.wo.weight, block.feed_forward.w2.weight):
+            assert weight.std().item() == pytest.approx(residual_std, rel=0.05)
+        assert block.attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.05)
+        assert torch.equal(block.attention_norm.weight, torch.ones(256))
+    assert model.output.weight.std().item() == pytest.approx(0.02, rel=0.05)
+
+    tied = Transformer(tiny(tie_embeddings=True))
+    assert tied.output.weight is tied.tok_embeddings.weight
+    assert len(list(tied.parameters())) == len(list(Transformer(tiny()).parameters())) - 1
+
+
+@pytest.mark.parametrize("shape", [SHAPES["mha"], SHAPES["tied"]], ids=["mha", "tied"])
+def test_meta_build_then_to_empty_and_init_weights_gives_a_working_model(shape):
+    cfg = tiny(**shape)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert model.rope_cos.is_meta
+    model.to_empty(device="cpu")
+    model.init_weights()
+    reference = Transformer(cfg)
+    torch.testing.assert_close(model.rope_cos, reference.rope_cos, rtol=0, atol=0)
+    torch.testing.assert_close(model.rope_sin, reference.rope_sin, rtol=0, atol=0)
+    if cfg.tie_embeddings:
+        assert model.output.weight is model.tok_embeddings.weight
+    tokens = torch.randint(0, 256, (2, 16))
+    loss = model(tokens, torch.randint(0, 256, (2, 16)))
+    assert abs(loss.item() - math.log(256)) < 0.3
+    # Rope tables are derived, not state: they stay out of checkpoints.
+    assert not any("rope" in key for key in model.state_dict())
+
+
+def test_adamw_on_a_repeated_batch_lowers_the_loss():
+    model = build(n_kv_heads=2, qk_norm=True)
+    tokens = torch.randint(0, 256, (4, 33))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(20):
+        loss = model(inputs, targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0

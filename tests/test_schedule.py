@@ -1,0 +1,44 @@
+"""Learning-rate schedules."""
+
+import math
+
+import pytest
+
+from scaletrain.train.schedule import lr_at
+
+
+def lrs(schedule, total=100, warmup=10, **kw):
+    return [lr_at(s, total, lr=1.0, warmup_steps=warmup, schedule=schedule, min_lr_ratio=0.1, **kw)
+            for s in range(total)]
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])
+def test_warmup_rises_linearly_to_the_peak(schedule):
+    values = lrs(schedule)
+    assert values[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert max(values) == pytest.approx(1.0)
+
+
+def test_cosine_decays_monotonically_to_the_floor():
+    values = lrs("cosine")
+    assert all(a >= b for a, b in zip(values[9:], values[10:]))
+    assert values[-1] == pytest.approx(0.1)
+    middle = 10 + (99 - 10) / 2
+    assert lr_at(int(middle), 100, lr=1.0, warmup_steps=10, schedule="cosine") == pytest.approx(
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (int(middle) - 10) / 89)))
+
+
+def test_wsd_is_flat_then_decays_linearly_over_the_last_fraction():
+    values = lrs("wsd", decay_fraction=0.2)
+    assert values[10:80] == pytest.approx([1.0] * 70)
+    assert values[-1] == pytest.approx(0.1)
+    steps = [a - b for a, b in zip(values[80:], values[81:])]
+    assert steps == pytest.approx([steps[0]] * len(steps))
+
+
+def test_constant_stays_at_the_peak():
+    assert lrs("constant")[10:] == pytest.approx([1.0] * 90)
+
+
+def test_no_warmup_starts_at_the_peak():
+    assert lrs("cosine", warmup=0)[0] == pytest.approx(1.0)

@@ -1,0 +1,155 @@
+"""Training end to end on a tiny model and real text: resume is bit-exact, checkpoints are safe."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_cli, tiny_config
+from scaletrain.config import ConfigError
+from scaletrain.train import checkpoint
+from scaletrain.train.metrics import read_metrics
+from scaletrain.train.trainer import Trainer, TrainingDiverged, train
+
+
+def losses(run_dir: Path, kind: str = "train") -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir, kind)}
+
+
+def test_resume_is_bit_exact_with_grad_accumulation_and_eval(stdlib_data, tmp_path):
+    """2k steps in one go vs k steps, stop, resume: every later train and eval loss is identical.
+
+    Cosine schedule, 2 micro-batches per step, an eval pass before the stop and after it; the
+    interrupted run goes through the CLI in two fresh processes, as a user would run it.
+    """
+    k = 6
+    common = ["train.steps=12", "eval.interval=4", "checkpoint.interval=5", "train.warmup_steps=3"]
+    whole = tmp_path / "whole"
+    train(tiny_config(stdlib_data, whole, *common))
+
+    split = tmp_path / "split"
+    args = ["train", "configs/tiny.toml", f"data.path={stdlib_data}", f"run.dir={tmp_path}", "run.name=split", *common]
+    first = run_cli(*args, f"--stop-at-step={k}")
+    assert first.returncode == 0, first.stderr
+    assert "stopped at step 6" in first.stdout
+    assert max(losses(split)) == k
+    second = run_cli(*args)
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stderr
+
+    expected, got = losses(whole), losses(split)
+    assert sorted(got) == list(range(1, 13))
+    for step in range(k + 1, 13):
+        assert got[step] == expected[step], f"step {step}: {got[step]!r} != {expected[step]!r}"
+    assert losses(split, "eval") == losses(whole, "eval")  # steps 4, 8, 12
+    assert len(losses(whole, "eval")) == 3
+
+
+def test_metrics_records_carry_the_documented_fields(stdlib_data, tmp_path):
+    run_dir = tmp_path / "run"
+    result = train(tiny_config(stdlib_data, run_dir, "train.steps=4", "eval.interval=2"))
+    assert result.step == 4 and result.tokens == 4 * 512
+    records = read_metrics(run_dir)
+    kinds = [r["kind"] for r in records]
+    assert kinds[0] == "start" and kinds[-1] == "end" and "checkpoint" in kinds
+    for r in read_metrics(run_dir, "train"):
+        for key in ["step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gb", "data_wait_ms"]:
+            assert key in r, key
+        assert r["mfu"] is None  # no peak FLOP/s is known for a CPU
+        assert r["tokens_per_s"] > 0 and r["mem_gb"] > 0
+    assert [r["step"] for r in read_metrics(run_dir, "eval")] == [2, 4]
+    assert (run_dir / "config.toml").is_file() and (run_dir / "tokenizer.json").is_file()
+    resolved = (run_dir / "config.toml").read_text()
+    assert "vocab_size = 512" in resolved  # filled in from the tokenizer
+
+
+def test_training_lowers_the_loss(stdlib_data, tmp_path):
+    run_dir = tmp_path / "run"
+    train(tiny_config(stdlib_data, run_dir, "train.steps=30", "eval.interval=0"))
+    values = losses(run_dir)
+    assert sum(list(values.values())[-5:]) / 5 < values[1] - 0.5
+
+
+def test_checkpoints_are_committed_pointed_to_and_pruned(stdlib_data, tmp_path):
+    run_dir = tmp_path / "run"
+    train(tiny_config(stdlib_data, run_dir, "train.steps=8", "checkpoint.interval=2", "checkpoint.keep=2",
+                      "eval.interval=0"))
+    root = run_dir / "checkpoints"
+    assert [p.name for p in checkpoint.all_checkpoints(root)] == ["step_0000008", "step_0000006"]
+    assert (root / "latest").read_text().strip() == "step_0000008"
+    marker = json.loads((root / "step_0000008" / checkpoint.MARKER).read_text())
+    assert marker["step"] == 8 and ".metadata" in marker["files"]
+
+
+def test_truncated_or_unmarked_newest_checkpoint_falls_back_to_the_previous(stdlib_data, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(stdlib_data, run_dir, "train.steps=9", "checkpoint.interval=3", "checkpoint.keep=3",
+                      "eval.interval=0")
+    train(cfg, stop_at_step=9)
+    root = run_dir / "checkpoints"
+    newest, middle = root / "step_0000009", root / "step_0000006"
+    data_file = next(p for p in newest.iterdir() if p.suffix == ".distcp")
+    data_file.write_bytes(data_file.read_bytes()[:100])  # truncated
+    (middle / checkpoint.MARKER).unlink()  # as if the save had died before its marker
+
+    with caplog.at_level(logging.WARNING, logger="scaletrain"):
+        trainer = Trainer(cfg)
+        assert trainer.resume() == 3
+    text = caplog.text
+    assert "step_0000009" in text and "truncated" in text
+    assert "step_0000006" in text and "COMMITTED" in text
+
+
+def test_corrupted_checkpoint_of_the_right_size_is_reported_and_skipped(stdlib_data, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(stdlib_data, run_dir, "train.steps=4", "checkpoint.interval=2", "eval.interval=0")
+    train(cfg)
+    metadata = run_dir / "checkpoints" / "step_0000004" / ".metadata"
+    metadata.write_bytes(b"\0" * metadata.stat().st_size)
+    with caplog.at_level(logging.WARNING, logger="scaletrain"):
+        assert Trainer(cfg).resume() == 2
+    assert "could not be read" in caplog.text
+
+
+def test_divergence_stops_at_the_step_and_keeps_the_last_good_checkpoint(stdlib_data, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(stdlib_data, run_dir, "train.steps=30", "train.lr=1e4", "train.warmup_steps=0",
+                      "train.clip=0", "checkpoint.interval=1", "checkpoint.keep=50", "eval.interval=0")
+    with pytest.raises(TrainingDiverged) as error:
+        train(cfg)
+    message = str(error.value)
+    assert message.startswith("step ") and "nothing was saved" in message
+    bad_step = int(message.split()[1].rstrip(":"))
+    saved = [int(p.name.removeprefix("step_")) for p in checkpoint.complete_checkpoints(run_dir / "checkpoints")]
+    assert max(saved) == bad_step - 1
+    assert read_metrics(run_dir)[-1]["kind"] == "diverged"
+
+
+def test_a_run_directory_refuses_checkpoints_of_a_different_model(stdlib_data, tmp_path):
+    run_dir = tmp_path / "run"
+    train(tiny_config(stdlib_data, run_dir, "train.steps=2", "eval.interval=0"))
+    with pytest.raises(ConfigError, match="model"):
+        Trainer(tiny_config(stdlib_data, run_dir, "train.steps=2", "model.dim=128"))
+    with pytest.raises(ConfigError, match="checkpoint.resume = 'never'"):
+        Trainer(tiny_config(stdlib_data, run_dir, "train.steps=2", "checkpoint.resume=never"))
+
+
+def test_a_missing_data_directory_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="data.path.*scaletrain data prepare"):
+        Trainer(tiny_config(tmp_path / "nowhere", tmp_path / "run"))
+
+
+def test_resume_from_an_explicit_checkpoint_path(stdlib_data, tmp_path):
+    first = tmp_path / "first"
+    train(tiny_config(stdlib_data, first, "train.steps=4", "checkpoint.interval=2", "eval.interval=0"))
+    second = tmp_path / "second"
+    cfg = tiny_config(stdlib_data, second, "train.steps=4", "eval.interval=0",
+                      f"checkpoint.resume={first / 'checkpoints' / 'step_0000002'}")
+    result = train(cfg)
+    assert result.resumed_from == 2
+    assert losses(second)[3] == losses(first)[3]
