@@ -28,7 +28,7 @@ install:
 	fi
 
 demo: install
-	$(BIN)/scaletrain data prepare builtin:python-stdlib --out $(DEMO_DATA) --vocab-size 8192 --max-bytes 12000000
+	$(BIN)/scaletrain data prepare builtin:python-stdlib --out $(DEMO_DATA) --vocab-size 4096 --max-bytes 12M --val-fraction 0.02
 	$(BIN)/scaletrain train configs/demo.toml data.path=$(DEMO_DATA) run.dir=$(dir $(DEMO_RUN)) run.name=$(notdir $(DEMO_RUN))
 	$(BIN)/scaletrain generate $(DEMO_RUN) --prompt "def " --max-new-tokens 120 --temperature 0.8 --top-k 50
 

@@ -51,3 +51,15 @@ def test_missing_and_malformed_files_are_reported(tmp_path):
 def test_steps_follow_from_a_token_budget():
     cfg = load_config(None, ["train.tokens=100000", "train.global_batch_tokens=16384"])
     assert cfg.total_steps == 7
+
+
+def test_readme_documents_every_config_key():
+    from pathlib import Path
+
+    from scaletrain.config import RunConfig
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for section, field in RunConfig.model_fields.items():
+        assert f"### `[{section}]`" in readme, section
+        for key in field.annotation.model_fields:
+            assert f"| `{key}` |" in readme, f"{section}.{key}"

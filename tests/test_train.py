@@ -153,3 +153,15 @@ def test_resume_from_an_explicit_checkpoint_path(stdlib_data, tmp_path):
     result = train(cfg)
     assert result.resumed_from == 2
     assert losses(second)[3] == losses(first)[3]
+
+
+def test_compiled_blocks_train_the_same_losses(stdlib_data, tmp_path):
+    """train.compile = true compiles each block with inductor; losses match eager to float32 rounding."""
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    common = ["train.steps=3", "eval.interval=0", "model.n_layers=1"]
+    train(tiny_config(stdlib_data, eager, *common))
+    train(tiny_config(stdlib_data, compiled, *common, "train.compile=true"))
+    expected, got = losses(eager), losses(compiled)
+    assert sorted(got) == [1, 2, 3]
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-5)

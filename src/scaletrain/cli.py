@@ -11,8 +11,9 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-console = Console(stderr=True)
-out = Console()
+# Piped output (CI logs, files) gets wide lines instead of Rich's 80-column default.
+console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+out = Console(width=None if sys.stdout.isatty() else 160)
 
 
 class UserError(Exception):
@@ -59,7 +60,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
                          text_field=args.text_field, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                          seed=args.seed, workers=args.workers, progress=progress)
     for warning in result.warnings:
-        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     stats = result.stats
     table = Table(title=f"data: {result.out}" + (" (reused: inputs and options unchanged)" if result.reused else ""))
     table.add_column("")
@@ -91,7 +92,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         result = train(cfg, stop_at_step=args.stop_at_step)
     except TrainingDiverged as e:
-        console.print(f"[red]training diverged:[/] {e}", highlight=False)
+        console.print(f"[red]training diverged:[/] {e}", highlight=False, soft_wrap=True)
         return 1
     table = Table(title=f"run: {result.run_dir}")
     table.add_column("")
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except _user_errors() as e:
-        console.print(f"[red]error:[/] {e}", highlight=False)
+        console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         console.print("interrupted")

@@ -1,0 +1,84 @@
+"""The `scaletrain` command as a user runs it: real processes, real files, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ROOT, run_cli, tiny_config
+from scaletrain.generate import generate_text
+from scaletrain.train.trainer import train
+
+
+def assert_one_line_error(result, *words):
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    for word in words:
+        assert word in errors[0], (word, result.stderr)
+
+
+@pytest.fixture(scope="module")
+def trained_run(stdlib_data, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "tiny"
+    train(tiny_config(stdlib_data, run_dir, "train.steps=6", "eval.interval=0"))
+    return run_dir
+
+
+def test_help_lists_the_commands():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in ["data", "train", "generate"]:
+        assert command in result.stdout
+
+
+def test_data_prepare_writes_a_data_directory_then_reuses_it(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    sources = [p for p in sorted((ROOT / "src" / "scaletrain").rglob("*.py")) if p.stat().st_size]
+    for i, path in enumerate(sources):
+        (corpus / f"{i}.txt").write_text(path.read_text())
+    out = tmp_path / "data"
+    first = run_cli("data", "prepare", str(corpus), "--out", str(out), "--vocab-size", "300", "--val-fraction", "0.1")
+    assert first.returncode == 0, first.stderr
+    assert "train tokens" in first.stdout
+    for name in ["tokenizer.json", "index.json", "stats.json", "manifest.json"]:
+        assert (out / name).is_file(), name
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["documents"]["kept"] == len(list(corpus.iterdir()))
+    again = run_cli("data", "prepare", str(corpus), "--out", str(out), "--vocab-size", "300", "--val-fraction", "0.1")
+    assert again.returncode == 0 and "reused" in again.stdout
+
+
+def test_data_prepare_reports_bad_input_in_one_line(tmp_path):
+    assert_one_line_error(run_cli("data", "prepare", str(tmp_path / "missing"), "--out", str(tmp_path / "o")),
+                          "missing")
+    (tmp_path / "a.txt").write_text("some text " * 20)
+    assert_one_line_error(run_cli("data", "prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "o"),
+                                  "--vocab-size", "100"), "257")
+
+
+def test_train_reports_a_bad_config_in_one_line(stdlib_data, tmp_path):
+    result = run_cli("train", "configs/tiny.toml", f"data.path={stdlib_data}", f"run.dir={tmp_path}",
+                     "train.micro_batch=3")
+    assert_one_line_error(result, "train.global_batch_tokens", "multiple of 192")
+    result = run_cli("train", "configs/tiny.toml", f"data.path={tmp_path / 'none'}")
+    assert_one_line_error(result, "data.path", "scaletrain data prepare")
+
+
+def test_generate_prints_a_sample_from_the_newest_checkpoint(trained_run):
+    result = run_cli("generate", str(trained_run), "--prompt", "def ", "--max-new-tokens", "20")
+    assert result.returncode == 0, result.stderr
+    assert "def " in result.stdout
+
+
+def test_generate_outside_a_run_directory_is_a_one_line_error(tmp_path):
+    assert_one_line_error(run_cli("generate", str(tmp_path)), "not a run directory")
+
+
+def test_greedy_text_is_the_same_with_and_without_the_kv_cache(trained_run):
+    cached = generate_text(trained_run, "import os\n", max_new_tokens=40, temperature=0, use_cache=True)
+    uncached = generate_text(trained_run, "import os\n", max_new_tokens=40, temperature=0, use_cache=False)
+    assert cached == uncached and len(cached) > len("import os\n")
