@@ -30,7 +30,7 @@ install:
 demo: install
 	$(BIN)/scaletrain data prepare builtin:python-stdlib --out $(DEMO_DATA) --vocab-size 4096 --max-bytes 12M --val-fraction 0.02
 	$(BIN)/scaletrain train configs/demo.toml data.path=$(DEMO_DATA) run.dir=$(dir $(DEMO_RUN)) run.name=$(notdir $(DEMO_RUN))
-	$(BIN)/scaletrain generate $(DEMO_RUN) --prompt "def " --max-new-tokens 120 --temperature 0.8 --top-k 50
+	$(BIN)/scaletrain generate $(DEMO_RUN) --prompt "$$(printf 'class Parser:\n    def __init__(self')" --max-new-tokens 120 --temperature 0.8 --top-k 50
 
 test: install
 	$(BIN)/python -m pytest -q

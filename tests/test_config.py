@@ -63,3 +63,12 @@ def test_readme_documents_every_config_key():
         assert f"### `[{section}]`" in readme, section
         for key in field.annotation.model_fields:
             assert f"| `{key}` |" in readme, f"{section}.{key}"
+
+
+def test_a_length_override_replaces_the_files_other_length(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\ntokens = 1000000\n")
+    assert load_config(path, ["train.steps=30"]).train.tokens is None
+    assert load_config(path, ["train.steps=30"]).total_steps == 30
+    with pytest.raises(ConfigError, match="exactly one"):
+        load_config(path, ["train.steps=30", "train.tokens=5"])

@@ -104,7 +104,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     table.add_row("tokens/s", f"{result.tokens_per_s:,.0f}" if result.tokens_per_s else "-")
     table.add_row("run directory", str(result.run_dir))
     out.print(table)
-    if result.step < result.total_steps:
+    if result.resumed_from == result.total_steps:
+        out.print(f"{result.run_dir} had already finished; to train again, choose a new run.name")
+    elif result.step < result.total_steps:
         out.print(f"stopped at step {result.step}; run the same command without --stop-at-step to continue")
     return 0
 

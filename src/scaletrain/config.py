@@ -244,8 +244,13 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
-    for text in overrides:
-        keys, value = parse_override(text)
+    parsed = [parse_override(text) for text in overrides]
+    given = {tuple(keys) for keys, _ in parsed}
+    for text, (keys, value) in zip(overrides, parsed):
+        # The run's length is given once: train.steps=N on the command line replaces the file's train.tokens.
+        other = {("train", "steps"): "tokens", ("train", "tokens"): "steps"}.get(tuple(keys))
+        if other and ("train", other) not in given:
+            data.get("train", {}).pop(other, None)
         node = data
         for k in keys[:-1]:
             node = node.setdefault(k, {})

@@ -22,7 +22,7 @@ from scaletrain.model.flops import train_flops_per_token
 from scaletrain.model.llama import Transformer
 from scaletrain.plan.hardware import peak_flops
 from scaletrain.train import checkpoint
-from scaletrain.train.metrics import MetricsLog
+from scaletrain.train.metrics import MetricsLog, read_metrics
 from scaletrain.train.optim import build_optimizer
 from scaletrain.train.schedule import lr_at
 
@@ -104,6 +104,8 @@ class Trainer:
         self.dtype = compute_dtype(cfg.train.dtype, self.device)
         self.total_steps = cfg.total_steps
         self._check_run_dir()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # mem_gb is this run's peak, not the process's
 
         torch.manual_seed(cfg.run.seed)
         self.model = Transformer(cfg.model).to(self.device)
@@ -301,6 +303,9 @@ class Trainer:
             raise
         finally:
             metrics.close()
+        if train_loss is None:  # resumed a finished run: report what it ended with
+            train_loss = next((r["loss"] for r in reversed(read_metrics(self.run_dir, "train"))), None)
+            val_loss = next((r["loss"] for r in reversed(read_metrics(self.run_dir, "eval"))), None)
         speed = run_tokens / run_time if run_time else last_speed
         return TrainResult(self.run_dir, self.step, self.total_steps, self.tokens, train_loss, val_loss, speed,
                            resumed_from)
