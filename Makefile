@@ -2,14 +2,16 @@
 # Both create .venv if missing and install the project into it.
 
 PYTHON ?= python3
-# The PyTorch release installed into .venv. Plain `torch` from the registry pulls a multi-GB
-# CUDA build; the pin takes the CPU wheel. Override: make demo TORCH='torch==2.11.*'
+# The PyTorch release installed into .venv; override: make demo TORCH='torch==2.11.*'.
+# Plain `torch` without a pin pulls a multi-GB CUDA build. Where pip offers no CPU wheel of the
+# pinned release, point it at PyTorch's CPU wheel index: make demo TORCH_PIP_ARGS='--index-url URL'.
 TORCH ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 VENV ?= .venv
 BIN := $(VENV)/bin
 # The install is redone when the torch spec or pyproject.toml changes.
 STAMP := $(VENV)/.scaletrain-installed
-STAMP_KEY := $(TORCH) $(shell cat pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1)
+STAMP_KEY := $(TORCH) $(TORCH_PIP_ARGS) $(shell cat pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1)
 
 DEMO_DATA ?= data/python-stdlib
 DEMO_RUN ?= runs/demo
@@ -22,7 +24,7 @@ install:
 		set -e; \
 		echo "installing $(TORCH) and scaletrain into $(VENV)"; \
 		$(BIN)/python -m pip install -q --upgrade pip; \
-		$(BIN)/python -m pip install -q "$(TORCH)"; \
+		$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"; \
 		$(BIN)/python -m pip install -q -e ".[test]" "$(TORCH)"; \
 		echo "$(STAMP_KEY)" > $(STAMP); \
 	fi

@@ -71,11 +71,14 @@ def test_train_reports_a_bad_config_in_one_line(stdlib_data, tmp_path):
 def test_generate_prints_a_sample_from_the_newest_checkpoint(trained_run):
     result = run_cli("generate", str(trained_run), "--prompt", "def ", "--max-new-tokens", "20")
     assert result.returncode == 0, result.stderr
-    assert "def " in result.stdout
+    sample = result.stdout.split("def ", 1)[1].split("─")[0]  # between the prompt and the closing rule
+    assert sample.rstrip("\n") or sample.count("\n") > 1, result.stdout  # something was generated
 
 
-def test_generate_outside_a_run_directory_is_a_one_line_error(tmp_path):
+def test_generate_reports_bad_requests_in_one_line(tmp_path, trained_run):
     assert_one_line_error(run_cli("generate", str(tmp_path)), "not a run directory")
+    assert_one_line_error(run_cli("generate", str(trained_run), "--temperature", "-1"), "temperature must be")
+    assert_one_line_error(run_cli("generate", str(trained_run), "--prompt", "x = 1\n" * 100), "shorten the prompt")
 
 
 def test_greedy_text_is_the_same_with_and_without_the_kv_cache(trained_run):

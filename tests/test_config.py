@@ -53,16 +53,18 @@ def test_steps_follow_from_a_token_budget():
     assert cfg.total_steps == 7
 
 
-def test_readme_documents_every_config_key():
+def test_readme_config_reference_is_the_fields_docstrings():
     from pathlib import Path
 
-    from scaletrain.config import RunConfig
+    from scaletrain.config import reference_markdown
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    for section, field in RunConfig.model_fields.items():
-        assert f"### `[{section}]`" in readme, section
-        for key in field.annotation.model_fields:
-            assert f"| `{key}` |" in readme, f"{section}.{key}"
+    assert reference_markdown() in readme, "regenerate README's config reference from config.reference_markdown()"
+
+
+def test_a_config_without_a_length_is_refused():
+    with pytest.raises(ConfigError, match="train: required"):
+        load_config(None, [])
 
 
 def test_a_length_override_replaces_the_files_other_length(tmp_path):

@@ -105,15 +105,75 @@ def test_truncated_or_unmarked_newest_checkpoint_falls_back_to_the_previous(stdl
     assert "step_0000006" in text and "COMMITTED" in text
 
 
-def test_corrupted_checkpoint_of_the_right_size_is_reported_and_skipped(stdlib_data, tmp_path, caplog):
+@pytest.mark.parametrize("damage", ["metadata", "tensor bytes"])
+def test_corrupted_checkpoint_of_the_right_size_is_reported_and_skipped(stdlib_data, tmp_path, caplog, damage):
     run_dir = tmp_path / "run"
     cfg = tiny_config(stdlib_data, run_dir, "train.steps=4", "checkpoint.interval=2", "eval.interval=0")
     train(cfg)
-    metadata = run_dir / "checkpoints" / "step_0000004" / ".metadata"
-    metadata.write_bytes(b"\0" * metadata.stat().st_size)
+    newest = run_dir / "checkpoints" / "step_0000004"
+    target = newest / ".metadata" if damage == "metadata" else next(newest.glob("*.distcp"))
+    payload = bytearray(target.read_bytes())
+    middle = len(payload) // 2
+    payload[middle:middle + 64] = bytes(64)  # same size, different bytes
+    target.write_bytes(bytes(payload))
     with caplog.at_level(logging.WARNING, logger="scaletrain"):
         assert Trainer(cfg).resume() == 2
-    assert "could not be read" in caplog.text
+    assert "step_0000004" in caplog.text and "corrupted" in caplog.text
+
+
+def test_checkpoints_that_all_fail_to_load_stop_the_run_instead_of_restarting_it(stdlib_data, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(stdlib_data, run_dir, "train.steps=4", "checkpoint.interval=2", "eval.interval=0")
+    train(cfg)
+    for path in checkpoint.all_checkpoints(run_dir / "checkpoints"):
+        (path / checkpoint.MARKER).unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="none of the 2 checkpoints"):
+        train(cfg)
+    assert [p.name for p in checkpoint.all_checkpoints(run_dir / "checkpoints")] == ["step_0000004", "step_0000002"]
+
+
+def test_a_fresh_run_trains_the_same_whether_resume_is_auto_or_never(stdlib_data, tmp_path):
+    auto, never = tmp_path / "auto", tmp_path / "never"
+    train(tiny_config(stdlib_data, auto, "train.steps=3", "eval.interval=0"))
+    train(tiny_config(stdlib_data, never, "train.steps=3", "eval.interval=0", "checkpoint.resume=never"))
+    assert losses(auto) == losses(never)
+
+
+def test_every_rng_state_round_trips_through_a_checkpoint(stdlib_data, tmp_path):
+    import random
+
+    import numpy as np
+
+    cfg = tiny_config(stdlib_data, tmp_path / "run", "train.steps=4", "eval.interval=0")
+    train(cfg, stop_at_step=2)
+    expected = (torch.rand(3), random.random(), np.random.rand())  # the draws that would come next
+    torch.manual_seed(1234), random.seed(1234), np.random.seed(1234)
+    assert Trainer(cfg).resume() == 2
+    assert torch.equal(torch.rand(3), expected[0])
+    assert random.random() == expected[1] and np.random.rand() == expected[2]
+
+
+def test_resuming_on_other_data_is_refused(stdlib_data, tmp_path):
+    from scaletrain.data import prepare
+    from scaletrain.data.shards import DataError
+
+    cfg = tiny_config(stdlib_data, tmp_path / "run", "train.steps=4", "eval.interval=0")
+    train(cfg, stop_at_step=2)
+    other = tmp_path / "other"
+    prepare(["builtin:python-stdlib"], other, vocab_size=512, max_bytes=300_000, val_fraction=0.05)
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        train(tiny_config(other, tmp_path / "run", "train.steps=4", "eval.interval=0"))
+    same_tokenizer = tmp_path / "same-tokenizer"
+    prepare(["builtin:python-stdlib"], same_tokenizer, vocab_size=512, max_bytes=300_000, val_fraction=0.05,
+            tokenizer=stdlib_data / "tokenizer.json")
+    with pytest.raises(DataError, match="original data.path"):
+        train(tiny_config(same_tokenizer, tmp_path / "run", "train.steps=4", "eval.interval=0"))
+
+
+def test_a_validation_split_too_small_is_refused_before_training(stdlib_data, tmp_path):
+    with pytest.raises(ConfigError, match="'val' split"):
+        Trainer(tiny_config(stdlib_data, tmp_path / "run", "data.seq_len=64", "model.max_seq_len=100000",
+                            "data.seq_len=50000", "train.global_batch_tokens=200000", "train.micro_batch=4"))
 
 
 def test_divergence_stops_at_the_step_and_keeps_the_last_good_checkpoint(stdlib_data, tmp_path):

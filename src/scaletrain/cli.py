@@ -23,9 +23,10 @@ class UserError(Exception):
 def _user_errors() -> tuple[type[BaseException], ...]:
     from scaletrain.config import ConfigError
     from scaletrain.data.shards import DataError
+    from scaletrain.generate import GenerateError
     from scaletrain.train.checkpoint import CheckpointError
 
-    return ConfigError, DataError, CheckpointError, UserError
+    return ConfigError, DataError, CheckpointError, GenerateError, UserError
 
 
 def _setup_logging(verbose: bool) -> None:

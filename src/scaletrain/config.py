@@ -1,7 +1,7 @@
 """RunConfig: everything that defines a run, loaded from TOML with dotted overrides.
 
-Each field is documented where it is defined; `scaletrain train --help` and the README's
-config reference are written from these docstrings. Validation happens up front, so a
+Each field is documented where it is defined; the README's config reference is
+`reference_markdown()` of these docstrings (a test keeps the two equal). Validation happens up front, so a
 bad key, type or value stops the run before any work, with a message that names the key,
 the value and what would be valid.
 """
@@ -24,11 +24,13 @@ class _Section(BaseModel):
 
 
 class RunSection(_Section):
+    model_config = ConfigDict(coerce_numbers_to_str=True)
+
     name: str = "run"
     """Name of the run; the run directory is `dir/name`."""
     dir: str = "runs"
     """Parent directory of run directories."""
-    seed: int = 0
+    seed: int = Field(default=0, ge=0)
     """Seeds the model initialisation and the data order."""
 
 
@@ -174,7 +176,7 @@ class RunConfig(_Section):
     run: RunSection = RunSection()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
-    train: TrainConfig = TrainConfig(steps=1000)
+    train: TrainConfig
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
@@ -212,6 +214,26 @@ class RunConfig(_Section):
 
     def to_toml(self) -> str:
         return dump_toml(self.model_dump(exclude_none=True))
+
+
+def reference_markdown() -> str:
+    """The config reference of the README: one table per section, from the fields' docstrings."""
+    out = []
+    for section, field in RunConfig.model_fields.items():
+        out += [f"### `[{section}]`", "", "| key | default | meaning |", "|---|---|---|"]
+        for name, info in field.annotation.model_fields.items():
+            default = info.default
+            if default is None or info.is_required():
+                shown = "unset"
+            elif isinstance(default, bool):
+                shown = f"`{str(default).lower()}`"
+            elif isinstance(default, str):
+                shown = f'`"{default}"`'
+            else:
+                shown = f"`{default}`"
+            out.append(f"| `{name}` | {shown} | {info.description} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -276,6 +298,8 @@ def _describe(error: ValidationError, source: str) -> str:
             section = item["loc"][0] if len(item["loc"]) > 1 else None
             valid = _valid_keys(section)
             lines.append(f"{key}: unknown key; valid keys here are {', '.join(valid)}")
+        elif item["type"] == "missing":
+            lines.append(f"{key}: required but not given")
         elif item["type"] == "value_error":
             lines.append(f"{key}: {msg}" if key else msg)
         else:

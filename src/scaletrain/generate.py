@@ -9,6 +9,10 @@ import torch
 from scaletrain.config import ConfigError, load_config
 
 
+class GenerateError(ValueError):
+    """A sampling request that cannot be served (prompt too long, bad sampling settings)."""
+
+
 def load_model(run_dir: str | Path, device: str = "cpu"):
     """The model of a run directory with the weights of its newest complete checkpoint, and its step."""
     from scaletrain.model.llama import Transformer
@@ -26,7 +30,7 @@ def load_model(run_dir: str | Path, device: str = "cpu"):
     state = {"model": model.state_dict()}
     checkpoint.load(done[0], state)  # reads only the model's entries of the checkpoint
     model.load_state_dict(state["model"])
-    step = int(done[0].name.removeprefix(checkpoint.PREFIX))
+    step = checkpoint.step_of(done[0])
     return model.to(device).eval(), cfg, step
 
 
@@ -41,9 +45,13 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, t
     eos_id = find_eos(tokenizer)
     # An empty prompt starts a new document, as the end-of-document token does in training.
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids or [eos_id]
+    if temperature < 0 or (top_k is not None and top_k < 1) or max_new_tokens < 1:
+        raise GenerateError(f"temperature must be ≥ 0 (0 is greedy), top_k ≥ 1 or unset, max_new_tokens ≥ 1; "
+                            f"got {temperature}, {top_k}, {max_new_tokens}")
     room = cfg.model.max_seq_len - len(ids)
     if room < 1:
-        raise ValueError(f"the prompt is {len(ids)} tokens, the model's context is {cfg.model.max_seq_len}")
+        raise GenerateError(f"the prompt is {len(ids)} tokens and the model's context model.max_seq_len is "
+                            f"{cfg.model.max_seq_len}; shorten the prompt")
     generator = torch.Generator().manual_seed(seed)
     new = generate(model, torch.tensor([ids]), min(max_new_tokens, room), temperature=temperature, top_k=top_k,
                    use_cache=use_cache, generator=generator, eos_id=eos_id)

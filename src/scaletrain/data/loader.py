@@ -72,13 +72,17 @@ class TokenLoader:
         return self.consumed / self.windows
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "micro": self.micro, "seed": self.seed, "seq_len": self.seq_len}
+        return {"consumed": self.consumed, "micro": self.micro, "seed": self.seed, "seq_len": self.seq_len,
+                "split_tokens": self.split.tokens}
 
     def load_state_dict(self, state: dict) -> None:
         if state["seed"] != self.seed or state["seq_len"] != self.seq_len:
             raise DataError(f"the checkpoint's data order was drawn for seed {state['seed']} and seq_len "
                             f"{state['seq_len']}, not seed {self.seed} and seq_len {self.seq_len}; resume with "
                             f"the run's original run.seed and data.seq_len")
+        if state["split_tokens"] != self.split.tokens:
+            raise DataError(f"the checkpoint was trained on a split of {state['split_tokens']} tokens, this data "
+                            f"directory's has {self.split.tokens}; resume on the run's original data.path")
         self.consumed, self.micro = int(state["consumed"]), int(state["micro"])
 
 

@@ -1,13 +1,15 @@
 """Checkpoints in the Distributed Checkpoint (DCP) format, even in one process.
 
     checkpoints/step_0000100/   .metadata, *.distcp   written by torch.distributed.checkpoint
-    checkpoints/step_0000100/COMMITTED                written last: {step, tokens, files: {name: bytes}}
+    checkpoints/step_0000100/COMMITTED                written last: {step, tokens, files: {name: [bytes, crc32]}}
     checkpoints/latest                                name of the newest complete checkpoint
 
 A checkpoint directory without its COMMITTED marker, or whose files differ in size from
-what the marker recorded, is incomplete and never resumed from. `latest` is a convenience
-for people and tools; resuming scans the directories, so a crash between the marker and
-the pointer loses nothing.
+what the marker recorded, is incomplete and never resumed from. DCP keeps no checksums of
+tensor data, so the marker records a CRC-32 of every file, checked before loading: a
+damaged checkpoint is reported rather than silently loaded. `latest` is a convenience for
+people and tools; resuming scans the directories, so a crash between the marker and the
+pointer loses nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+import zlib
 import warnings
 from pathlib import Path
 
@@ -38,8 +41,16 @@ def checkpoint_dir(root: Path, step: int) -> Path:
     return root / f"{PREFIX}{step:07d}"
 
 
-def _files(path: Path) -> dict[str, int]:
+def _sizes(path: Path) -> dict[str, int]:
     return {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file() and f.name != MARKER}
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 @contextlib.contextmanager
@@ -55,7 +66,8 @@ def _is_main() -> bool:
 
 
 def save(root: Path, step: int, tokens: int, state: dict, keep: int) -> Path:
-    """Write `state` as checkpoint `step`, mark it complete, point `latest` at it, drop old ones."""
+    """Write `state` as checkpoint `step`, mark it complete, point `latest` at it, and keep the
+    `keep` newest complete checkpoints up to this step (older ones are deleted)."""
     path = checkpoint_dir(root, step)
     if _is_main():
         if path.exists():  # a leftover of an interrupted save of this step
@@ -66,10 +78,11 @@ def save(root: Path, step: int, tokens: int, state: dict, keep: int) -> Path:
     with _single_process_quiet():
         dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     if _is_main():
-        marker = {"step": step, "tokens": tokens, "files": _files(path)}
-        _write_atomic(path / MARKER, json.dumps(marker, indent=1))
+        files = {name: [size, _crc32(path / name)] for name, size in _sizes(path).items()}
+        _write_atomic(path / MARKER, json.dumps({"step": step, "tokens": tokens, "files": files}, indent=1))
         _write_atomic(root / "latest", path.name + "\n")
-        for old in complete_checkpoints(root)[keep:]:
+        older = [p for p in complete_checkpoints(root) if step_of(p) < step]
+        for old in older[keep - 1:]:
             shutil.rmtree(old, ignore_errors=True)
     return path
 
@@ -83,21 +96,28 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def check_complete(path: Path) -> str | None:
-    """None if `path` is a complete checkpoint, else why not."""
+def step_of(path: Path) -> int:
+    return int(path.name[len(PREFIX):])
+
+
+def check_complete(path: Path, verify: bool = False) -> str | None:
+    """None if `path` is a complete checkpoint, else why not. `verify` also checks every file's CRC-32."""
     marker = path / MARKER
     if not marker.is_file():
         return "it has no COMMITTED marker (the save did not finish)"
     try:
-        recorded = json.loads(marker.read_text())["files"]
-    except (json.JSONDecodeError, KeyError):
+        recorded = json.loads(marker.read_bytes())["files"]
+        recorded = {str(name): (int(size), int(crc)) for name, (size, crc) in recorded.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
         return "its COMMITTED marker is unreadable"
-    actual = _files(path)
-    for name, size in recorded.items():
+    actual = _sizes(path)
+    for name, (size, crc) in recorded.items():
         if name not in actual:
             return f"file {name} is missing"
         if actual[name] != size:
             return f"file {name} is {actual[name]} bytes, {size} were written (truncated or changed)"
+        if verify and _crc32(path / name) != crc:
+            return f"file {name} does not match the checksum recorded when it was written (corrupted)"
     return None
 
 
@@ -106,7 +126,7 @@ def all_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+    return sorted(found, key=step_of, reverse=True)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -115,26 +135,35 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 def load(path: Path, state: dict) -> None:
     """Load checkpoint `path` into `state` in place (tensors are filled, other values replaced)."""
-    problem = check_complete(path)
+    problem = check_complete(path, verify=True)
     if problem:
-        raise CheckpointError(f"checkpoint {path} is not complete: {problem}")
+        raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
-        raise CheckpointError(f"checkpoint {path} could not be read ({type(e).__name__}: {e})") from e
+        cause = (str(e).strip().splitlines() or [""])[-1]  # DCP wraps the cause in a traceback; its last line
+        raise CheckpointError(f"checkpoint {path} could not be read ({type(e).__name__}: {cause})") from e
 
 
 def load_newest(root: Path, state: dict) -> Path | None:
-    """Load the newest checkpoint under root that is complete and readable; None if there is none.
+    """Load the newest checkpoint under root that is complete and readable; None if root holds none.
 
-    Incomplete or unreadable newer checkpoints are reported and skipped, so a crash during a
-    save, or a damaged file, costs one checkpoint interval and nothing else.
+    Incomplete or damaged newer checkpoints are reported and skipped, so a crash during a save,
+    or a damaged file, costs one checkpoint interval and nothing else. If checkpoints exist but
+    none can be loaded, that is an error: starting again from step 0 would overwrite the run.
+    (A load that fails part-way may have filled some of `state`; a later successful load
+    overwrites every entry, so nothing of the damaged checkpoint survives.)
     """
+    problems = []
     for path in all_checkpoints(root):
         try:
             load(path, state)
             return path
         except CheckpointError as e:
+            problems.append(str(e))
             log.warning("skipping %s; falling back to the previous checkpoint", e)
+    if problems:
+        raise CheckpointError(f"none of the {len(problems)} checkpoints in {root} can be loaded "
+                              f"({'; '.join(problems)}); move them aside to start the run again")
     return None

@@ -16,7 +16,15 @@ from pathlib import Path
 class MetricsLog:
     def __init__(self, path: Path):
         self.path = path
+        if path.is_file() and path.stat().st_size:
+            with open(path, "rb") as f:
+                f.seek(-1, 2)
+                torn = f.read(1) != b"\n"  # a crash mid-write left half a line: end it
+        else:
+            torn = False
         self._file = open(path, "a")
+        if torn:
+            self._file.write("\n")
 
     def write(self, kind: str, step: int, tokens: int, **values) -> dict:
         record = {"kind": kind, "step": step, "tokens": tokens, "time": round(time.time(), 3), **values}
@@ -33,10 +41,13 @@ def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     records: list[dict] = []
     for line in path.read_text().splitlines():
-        if not line.strip():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # blank, or torn by a crash
             continue
-        record = json.loads(line)
-        if record["kind"] == "resume":
+        if record["kind"] == "start":
+            records = []
+        elif record["kind"] == "resume":
             records = [r for r in records if r["step"] <= record["step"]]
         records.append(record)
     return [r for r in records if kind is None or r["kind"] == kind]

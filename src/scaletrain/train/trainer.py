@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scaletrain.config import ConfigError, RunConfig, validate_config
+from scaletrain.config import ConfigError, RunConfig, load_config, validate_config
 from scaletrain.data.loader import TokenLoader, eval_batches
 from scaletrain.data.shards import DataError, read_index
-from scaletrain.model.flops import train_flops_per_token
+from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.model.llama import Transformer
 from scaletrain.plan.hardware import peak_flops
 from scaletrain.train import checkpoint
@@ -74,25 +74,25 @@ def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
     return getattr(torch, choice)
 
 
-def rng_state() -> dict:
+def rng_state(device: torch.device) -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":  # only the training device's generator: others may not exist on resume
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 
 class Trainer:
@@ -117,6 +117,13 @@ class Trainer:
                                          device=self.device)
         self.loader = TokenLoader(cfg.data.path, cfg.data.seq_len, cfg.seqs_per_step, cfg.train.micro_batch,
                                   seed=cfg.run.seed)
+        try:  # fail now, not after the last step, if validation cannot run
+            next(eval_batches(cfg.data.path, cfg.data.seq_len, cfg.eval.tokens, cfg.train.micro_batch))
+        except DataError as e:
+            raise ConfigError(f"data.path = {cfg.data.path!r}: {e}") from None
+        if cfg.train.warmup_steps >= self.total_steps:
+            log.warning("train.warmup_steps = %d is not below the run's %d steps: the learning rate never reaches "
+                        "train.lr = %g", cfg.train.warmup_steps, self.total_steps, cfg.train.lr)
         self.step = 0
         self.tokens = 0
         self.flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
@@ -124,25 +131,34 @@ class Trainer:
         self.peak_flops = peak_flops(device_name, "bf16" if self.dtype == torch.bfloat16 else "fp32")
 
     def _check_run_dir(self) -> None:
-        """A run directory holds one run: refuse to mix checkpoints of a different model into it."""
-        saved = self.run_dir / "config.toml"
-        has_checkpoints = bool(checkpoint.all_checkpoints(self.ckpt_root))
-        if not has_checkpoints or not saved.is_file():
+        """A run directory holds one run: refuse to continue it with another model, data or seed."""
+        if not checkpoint.all_checkpoints(self.ckpt_root):
             return
         if self.cfg.checkpoint.resume == "never":
             raise ConfigError(f"run directory {str(self.run_dir)!r} already holds checkpoints and checkpoint.resume "
                               "= 'never'; choose a new run.name, delete them, or resume with checkpoint.resume = 'auto'")
-        from scaletrain.config import load_config
-
-        previous = load_config(saved)
-        for section, key in [("model", None), ("data", "seq_len"), ("run", "seed")]:
-            old, new = getattr(previous, section), getattr(self.cfg, section)
-            if key is not None:
-                old, new = getattr(old, key), getattr(new, key)
-            if old != new:
-                where = section if key is None else f"{section}.{key}"
-                raise ConfigError(f"run directory {str(self.run_dir)!r} holds checkpoints of a run with a different "
-                                  f"{where} ({old} then, {new} now); choose a new run.name to start a new run")
+        saved_tokenizer = self.run_dir / "tokenizer.json"
+        data_tokenizer = Path(self.cfg.data.path) / "tokenizer.json"
+        if (saved_tokenizer.is_file() and data_tokenizer.is_file()
+                and saved_tokenizer.read_bytes() != data_tokenizer.read_bytes()):
+            raise ConfigError(f"data.path = {self.cfg.data.path!r} has another tokenizer than the run in "
+                              f"{str(self.run_dir)!r} was trained with; resume on the run's own data, "
+                              "or choose a new run.name")
+        saved = self.run_dir / "config.toml"
+        if not saved.is_file():
+            return
+        before, now = _flatten(load_config(saved).model_dump()), _flatten(self.cfg.model_dump())
+        changed = {key: (before.get(key), now.get(key)) for key in sorted(set(before) | set(now))
+                   if before.get(key) != now.get(key)}
+        fixed = [key for key in changed if key.startswith("model.") or key in ("data.seq_len", "run.seed")]
+        if fixed:
+            diffs = ", ".join(f"{key} {changed[key][0]} then, {changed[key][1]} now" for key in fixed)
+            raise ConfigError(f"run directory {str(self.run_dir)!r} holds checkpoints of a different run ({diffs}); "
+                              "choose a new run.name to start a new run")
+        others = [key for key in changed if not key.startswith(("run.", "checkpoint.resume"))]
+        if others:
+            log.warning("resuming %s with changed settings: %s", self.run_dir,
+                        ", ".join(f"{key} {changed[key][0]} -> {changed[key][1]}" for key in others))
 
     # -- state ------------------------------------------------------------------------------
 
@@ -152,31 +168,37 @@ class Trainer:
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optim": optim_state, "loader": self.loader.state_dict(),
-                "rng": rng_state(), "progress": {"step": self.step, "tokens": self.tokens}}
+                "rng": rng_state(self.device), "progress": {"step": self.step, "tokens": self.tokens}}
 
     def load_state(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.loader.load_state_dict(state["loader"])
-        set_rng_state(state["rng"])
+        set_rng_state(state["rng"], self.device)
         self.step, self.tokens = int(state["progress"]["step"]), int(state["progress"]["tokens"])
 
     def resume(self) -> int | None:
         choice = self.cfg.checkpoint.resume
-        if choice == "never":
+        # Building the state initialises the optimizer's moments (a zero-lr step), so only build
+        # it when there is a checkpoint to load into it: a fresh run starts with a clean optimizer.
+        if choice == "never" or (choice == "auto" and not checkpoint.all_checkpoints(self.ckpt_root)):
             return None
         state = self.state()
         if choice == "auto":
             path = checkpoint.load_newest(self.ckpt_root, state)
-            if path is None:
-                return None
         else:
             path = Path(choice)
             if not path.is_dir():
                 raise ConfigError(f"checkpoint.resume = {choice!r} is not a directory; give a checkpoint directory "
                                   "(…/checkpoints/step_NNNNNNN), 'auto' or 'never'")
             checkpoint.load(path, state)
+            newer = [p.name for p in checkpoint.all_checkpoints(self.ckpt_root)
+                     if checkpoint.step_of(p) > int(state["progress"]["step"])]
+            if newer:
+                raise ConfigError(f"checkpoint.resume = {choice!r} is older than checkpoints already in "
+                                  f"{str(self.ckpt_root)!r} ({', '.join(newer)}); resuming would mix two histories — "
+                                  "choose a new run.name")
         self.load_state(state)
         log.info("resumed from %s at step %d", path, self.step)
         return self.step
@@ -254,8 +276,14 @@ class Trainer:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resumed_from = self.resume()
+        params = param_counts(cfg.model)
+        log.info("%s: %s parameters (%s non-embedding), %.3g FLOPs per token; %d steps of %s tokens on %s (%s)",
+                 self.run_dir, f"{params['total']:,}", f"{params['non_embedding']:,}", self.flops_per_token,
+                 self.total_steps, f"{cfg.train.global_batch_tokens:,}", self.device,
+                 str(self.dtype).removeprefix("torch."))
         (self.run_dir / "config.toml").write_text(cfg.to_toml())
-        shutil.copyfile(Path(cfg.data.path) / "tokenizer.json", self.run_dir / "tokenizer.json")
+        if not (self.run_dir / "tokenizer.json").is_file():
+            shutil.copyfile(Path(cfg.data.path) / "tokenizer.json", self.run_dir / "tokenizer.json")
         metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         if resumed_from is not None:
             metrics.write("resume", self.step, self.tokens)
@@ -289,13 +317,13 @@ class Trainer:
                              train_loss, self.lr, grad_norm, last_speed,
                              f"  mfu {record['mfu']:.1%}" if record["mfu"] is not None else "")
                     window_tokens, window_time, window_wait = 0, 0.0, 0.0
+                if (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0) or last:
+                    path = self.save()
+                    metrics.write("checkpoint", self.step, self.tokens, path=str(path))
                 if (cfg.eval.interval and self.step % cfg.eval.interval == 0) or self.step == self.total_steps:
                     val_loss = self.evaluate()
                     metrics.write("eval", self.step, self.tokens, loss=val_loss)
                     log.info("step %d/%d  validation loss %.4f", self.step, self.total_steps, val_loss)
-                if (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0) or last:
-                    path = self.save()
-                    metrics.write("checkpoint", self.step, self.tokens, path=str(path))
             metrics.write("end", self.step, self.tokens, train_loss=train_loss, val_loss=val_loss,
                           complete=self.step == self.total_steps)
         except TrainingDiverged as e:
@@ -309,6 +337,10 @@ class Trainer:
         speed = run_tokens / run_time if run_time else last_speed
         return TrainResult(self.run_dir, self.step, self.total_steps, self.tokens, train_loss, val_loss, speed,
                            resumed_from)
+
+
+def _flatten(config: dict) -> dict:
+    return {f"{section}.{key}": value for section, values in config.items() for key, value in values.items()}
 
 
 def train(cfg: RunConfig, stop_at_step: int | None = None) -> TrainResult:

@@ -1,0 +1,39 @@
+"""metrics.jsonl reads as one history across resumes, restarts and torn writes."""
+
+from scaletrain.train.metrics import MetricsLog, read_metrics
+
+
+def test_a_resume_supersedes_records_past_the_resumed_step(tmp_path):
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.write("start", 0, 0)
+    for step in (1, 2, 3):
+        log.write("train", step, step * 10, loss=float(step))
+    log.close()
+    log = MetricsLog(tmp_path / "metrics.jsonl")  # crashed after step 3, resumed from the checkpoint of step 2
+    log.write("resume", 2, 20)
+    log.write("train", 3, 30, loss=3.5)
+    log.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path, "train")] == [(1, 1.0), (2, 2.0), (3, 3.5)]
+
+
+def test_a_fresh_start_begins_a_new_history(tmp_path):
+    for loss in (1.0, 2.0):
+        log = MetricsLog(tmp_path / "metrics.jsonl")
+        log.write("start", 0, 0)
+        log.write("train", 1, 10, loss=loss)
+        log.close()
+    assert [r["loss"] for r in read_metrics(tmp_path, "train")] == [2.0]
+
+
+def test_a_line_torn_by_a_crash_is_skipped_and_does_not_swallow_the_next(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path)
+    log.write("train", 1, 10, loss=1.0)
+    log.close()
+    with open(path, "a") as f:
+        f.write('{"kind": "train", "step": 2, "lo')  # the process died mid-write
+    log = MetricsLog(path)
+    log.write("resume", 1, 10)
+    log.write("train", 2, 20, loss=2.0)
+    log.close()
+    assert [r["loss"] for r in read_metrics(tmp_path, "train")] == [1.0, 2.0]
