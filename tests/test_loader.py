@@ -42,7 +42,7 @@ def test_windows_are_packed_inputs_and_shifted_targets(data_dir):
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
     split = open_split(data_dir, "train")
     start = None
-    for w in range(loader.windows):  # each row is one window of the stream
+    for w in range(loader.sources[0].windows):  # each row is one window of the stream
         if np.array_equal(split.read(w * 16, 16), inputs[0].numpy()):
             start = w
     assert start is not None
@@ -58,10 +58,10 @@ def test_order_is_deterministic_for_a_seed_and_differs_across_seeds(data_dir):
 
 
 def test_an_epoch_visits_every_window_once(data_dir):
-    loader = TokenLoader(data_dir, 16, 2, 1)
-    seen = [loader._window(g) for g in range(loader.windows)]
-    assert sorted(seen) == list(range(loader.windows))
-    second = [loader._window(g) for g in range(loader.windows, 2 * loader.windows)]
+    source = TokenLoader(data_dir, 16, 2, 1).sources[0]
+    seen = [source.window(g) for g in range(source.windows)]
+    assert sorted(seen) == list(range(source.windows))
+    second = [source.window(g) for g in range(source.windows, 2 * source.windows)]
     assert sorted(second) == sorted(seen) and second != seen
 
 
@@ -113,3 +113,56 @@ def test_a_split_shorter_than_one_sequence_is_refused(data_dir):
 def test_a_missing_data_directory_is_refused(tmp_path):
     with pytest.raises(DataError, match="scaletrain data prepare"):
         TokenLoader(tmp_path / "nope", 16, 1, 1)
+
+
+@pytest.fixture
+def two_sources(tmp_path):
+    """Source 'low' holds ids 1..999, source 'high' ids 2000..2999: every row tells where it came from."""
+    for name, (lo, hi) in {"low": (1, 1000), "high": (2000, 3000)}.items():
+        writer = ShardWriter(tmp_path / name, "train", vocab_size=5000, eos_id=0)
+        for start in range(lo, hi, 100):
+            writer.add(np.arange(start, min(start + 99, hi)))
+        write_index(tmp_path / name, vocab_size=5000, eos_id=0, splits={"train": writer.close()})
+    return {"low": tmp_path / "low", "high": tmp_path / "high"}
+
+
+def source_of(row: torch.Tensor) -> str:
+    return "high" if int(row.max()) >= 2000 else "low"
+
+
+def test_a_mixture_samples_by_weight_and_counts_exactly(two_sources):
+    loader = TokenLoader(two_sources, 16, seqs_per_step=20, micro_batch=5, weights={"low": 0.3, "high": 0.7})
+    counts = {"low": 0, "high": 0}
+    for _ in range(50 * loader.micro_steps):
+        for row in loader.next_batch()[0]:
+            counts[source_of(row)] += 1
+    assert loader.tokens_by_source() == {name: n * 16 for name, n in counts.items()}
+    assert sum(counts.values()) == 1000
+    assert abs(counts["low"] / 1000 - 0.3) < 0.05
+    epochs = loader.epochs_by_source()
+    assert epochs["low"] == pytest.approx(counts["low"] / loader.sources[0].windows)
+
+
+def test_a_mixture_resumes_exactly_and_splits_across_ranks(two_sources):
+    weights = {"low": 1.0, "high": 1.0}
+    loader = TokenLoader(two_sources, 16, 8, 2, seed=5, weights=weights)
+    for _ in range(9):  # mid-step
+        loader.next_batch()
+    state = loader.state_dict()
+    expected = torch.cat([loader.next_batch()[0] for _ in range(12)])
+    fresh = TokenLoader(two_sources, 16, 8, 2, seed=5, weights=weights)
+    fresh.load_state_dict(state)
+    assert torch.equal(torch.cat([fresh.next_batch()[0] for _ in range(12)]), expected)
+
+    single = TokenLoader(two_sources, 16, 8, 2, seed=5, weights=weights)
+    ranks = [TokenLoader(two_sources, 16, 8, 2, rank=r, world_size=2, seed=5, weights=weights) for r in range(2)]
+    for _ in range(5):
+        reference = torch.cat([single.next_batch()[0] for _ in range(single.micro_steps)])
+        parts = [torch.cat([lo.next_batch()[0] for _ in range(lo.micro_steps)]) for lo in ranks]
+        assert torch.equal(torch.cat(parts), reference)
+
+
+def test_a_mixture_state_for_other_sources_is_refused(two_sources, data_dir):
+    state = TokenLoader(two_sources, 16, 8, 2).state_dict()
+    with pytest.raises(DataError, match="original data.path"):
+        TokenLoader({"low": data_dir, "high": two_sources["high"]}, 16, 8, 2).load_state_dict(state)

@@ -225,3 +225,50 @@ def test_compiled_blocks_train_the_same_losses(stdlib_data, tmp_path):
     assert sorted(got) == [1, 2, 3]
     for step in got:
         assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def mixture_root(stdlib_data, tmp_path_factory):
+    """data/stdlib (the interpreter's library) and data/project (this project's sources), one tokenizer."""
+    from conftest import ROOT
+    from scaletrain.data import prepare
+
+    root = tmp_path_factory.mktemp("mixture")
+    (root / "stdlib").symlink_to(stdlib_data)
+    prepare([str(ROOT / "src"), str(ROOT / "tests")], root / "project", vocab_size=512, val_fraction=0.1,
+            tokenizer=stdlib_data / "tokenizer.json")
+    return root
+
+
+def test_a_mixture_trains_reports_tokens_per_source_and_resumes_exactly(mixture_root, tmp_path):
+    mix = ["data.mix={stdlib = 0.7, project = 0.3}", f"data.path={mixture_root}", "eval.interval=3"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train(tiny_config(mixture_root, whole, "train.steps=6", *mix))
+    cfg = tiny_config(mixture_root, split, "train.steps=6", *mix)
+    train(cfg, stop_at_step=3)
+    train(cfg)
+    assert losses(split) == losses(whole)
+    records = read_metrics(whole, "train")
+    for r in records:
+        assert sum(r["tokens_by_source"].values()) == r["step"] * 8 * 64  # 8 sequences of 64 per step
+        assert set(r["epochs_by_source"]) == {"stdlib", "project"}
+    evals = read_metrics(whole, "eval")
+    assert set(evals[-1]["loss_by_source"]) == {"stdlib", "project"}
+    by_source = evals[-1]["loss_by_source"]
+    assert evals[-1]["loss"] == pytest.approx(0.7 * by_source["stdlib"] + 0.3 * by_source["project"])
+
+
+def test_a_mixture_of_different_tokenizers_is_refused(mixture_root, tmp_path):
+    from scaletrain.data import prepare
+
+    prepare([str(mixture_root / "project" / "stats.json")], tmp_path / "other", vocab_size=300, val_fraction=0.5)
+    (tmp_path / "stdlib").symlink_to(mixture_root / "stdlib")
+    with pytest.raises(ConfigError, match="different tokenizers"):
+        Trainer(tiny_config(tmp_path, tmp_path / "run", "data.mix={stdlib = 1, other = 1}"))
+
+
+def test_repeating_a_source_more_than_four_epochs_is_warned(mixture_root, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="scaletrain"):
+        Trainer(tiny_config(mixture_root, tmp_path / "run", "data.mix={stdlib = 0.5, project = 0.5}",
+                            f"data.path={mixture_root}", "train.steps=2000"))
+    assert "'project' would be repeated" in caplog.text and "'stdlib'" not in caplog.text

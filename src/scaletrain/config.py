@@ -101,9 +101,35 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     path: str = "data/python-stdlib"
-    """Data directory written by `scaletrain data prepare`."""
+    """Data directory written by `scaletrain data prepare`; with `mix`, the directory that holds the mixed ones."""
+    mix: dict[str, float] | None = None
+    """Train on several data directories under `path` by weight, e.g. {code = 0.3, prose = 0.7}; they must share a tokenizer."""
     seq_len: int = Field(default=256, ge=1)
     """Tokens per training sequence (the model sees seq_len + 1 tokens per sample: inputs and shifted targets)."""
+
+    @model_validator(mode="after")
+    def _check_mix(self) -> DataConfig:
+        if self.mix is not None:
+            if not self.mix:
+                raise ValueError("data.mix is empty; name at least one data directory, e.g. {code = 1.0}, or leave it unset")
+            bad = {name: weight for name, weight in self.mix.items() if not weight > 0}
+            if bad:
+                raise ValueError(f"data.mix weights must be positive, got {bad}")
+        return self
+
+    @property
+    def sources(self) -> dict[str, Path]:
+        """Name -> data directory of every source trained on."""
+        if self.mix is None:
+            return {Path(self.path).name: Path(self.path)}
+        return {name: Path(self.path) / name for name in self.mix}
+
+    @property
+    def weights(self) -> dict[str, float]:
+        if self.mix is None:
+            return {name: 1.0 for name in self.sources}
+        total = sum(self.mix.values())
+        return {name: weight / total for name, weight in self.mix.items()}
 
 
 class TrainConfig(_Section):
@@ -314,6 +340,10 @@ def _valid_keys(section: Any) -> list[str]:
     return list(fields)
 
 
+def _toml_key(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() and key.isascii() else _toml_value(key)
+
+
 def dump_toml(data: dict[str, Any]) -> str:
     """Write a two-level dict (sections of scalars) as TOML."""
     out = []
@@ -326,6 +356,8 @@ def dump_toml(data: dict[str, Any]) -> str:
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

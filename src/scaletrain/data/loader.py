@@ -1,16 +1,19 @@
-"""Batches of packed token windows, deterministic, resumable, split across data-parallel ranks.
+"""Batches of packed token windows from one data directory or a weighted mixture of several:
+deterministic, resumable, split across data-parallel ranks.
 
-The token stream of a split (documents joined by end-of-document tokens) is cut into
+Each source's token stream (documents joined by end-of-document tokens) is cut into
 non-overlapping windows of seq_len + 1 tokens (inputs and shifted targets share seq_len
-tokens; window w starts at token w * seq_len). Each epoch visits every window once in an
-order drawn from (seed, epoch). Global sample g is window perm[epoch][g % n] with
-epoch = g // n, so the whole data order is a pure function of the seed: the loader's only
-state is how many global samples were consumed, and a resumed run (even on a different
-number of ranks) continues exactly where it stopped.
+tokens; window w starts at token w * seq_len). Each epoch of a source visits all its windows
+once, in an order drawn from (seed, source, epoch); the i-th sample taken from a source is
+window perm[epoch][i % n] with epoch = i // n.
 
-Global step s takes global samples [s * B, (s + 1) * B), B = sequences per step. Rank r of
-W takes the contiguous block [r * B / W, (r + 1) * B / W) of those, in micro-batches; so the
-union over ranks of one step is the same B sequences for every W.
+Global step s takes B = seqs_per_step samples. With several sources, which source each of
+the B samples comes from is drawn by weight from (seed, s), so the mixture holds in
+expectation within every batch and exactly in the long run; the loader's whole state is how
+many samples were consumed and how many were taken from each source. Rank r of W takes the
+contiguous block [r * B / W, (r + 1) * B / W) of each step's samples, in micro-batches, so the
+union over ranks of one step is the same B sequences for every W, and a resumed run (even on
+a different number of ranks) continues exactly where it stopped.
 """
 
 from __future__ import annotations
@@ -23,75 +26,118 @@ import torch
 from scaletrain.data.shards import DataError, TokenSplit, open_split
 
 
+class _Source:
+    """One data directory's split as a stream of windows in per-epoch shuffled order."""
+
+    def __init__(self, index: int, name: str, data_dir: Path, split: str, seq_len: int, seed: int):
+        self.index, self.name, self.seq_len, self.seed = index, name, seq_len, seed
+        self.split: TokenSplit = open_split(data_dir, split)
+        self.windows = (self.split.tokens - 1) // seq_len
+        if self.windows < 1:
+            raise DataError(f"the {split!r} split of {str(data_dir)!r} holds {self.split.tokens} tokens, "
+                            f"fewer than one sequence of seq_len + 1 = {seq_len + 1}; lower data.seq_len or add data")
+        self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    def window(self, taken: int) -> int:
+        """The window of the `taken`-th sample drawn from this source."""
+        epoch, position = divmod(taken, self.windows)
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._order = np.random.default_rng([self.seed, self.index, epoch]).permutation(self.windows)
+        return int(self._order[position])
+
+    def read(self, window: int) -> np.ndarray:
+        return self.split.read(window * self.seq_len, self.seq_len + 1)
+
+
 class TokenLoader:
-    def __init__(self, data_dir: str | Path, seq_len: int, seqs_per_step: int, micro_batch: int,
-                 rank: int = 0, world_size: int = 1, seed: int = 0, split: str = "train"):
+    def __init__(self, sources: str | Path | dict[str, str | Path], seq_len: int, seqs_per_step: int,
+                 micro_batch: int, rank: int = 0, world_size: int = 1, seed: int = 0, split: str = "train",
+                 weights: dict[str, float] | None = None):
+        """sources: one data directory, or {name: data directory}; weights: {name: weight} (default equal)."""
         if seqs_per_step % (world_size * micro_batch):
             raise ValueError(f"{seqs_per_step} sequences per step do not split into {world_size} ranks x "
                              f"micro-batches of {micro_batch}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
-        self.split: TokenSplit = open_split(data_dir, split)
+        if not isinstance(sources, dict):
+            sources = {Path(sources).name or "data": sources}
+        weights = weights or {name: 1.0 for name in sources}
+        if set(weights) != set(sources) or min(weights.values()) <= 0:
+            raise ValueError(f"weights {weights} must be positive and name exactly the sources {list(sources)}")
+        self.sources = [_Source(i, name, Path(path), split, seq_len, seed) for i, (name, path) in enumerate(sources.items())]
+        total = sum(weights.values())
+        self.probabilities = np.array([weights[s.name] / total for s in self.sources])
         self.seq_len, self.seqs_per_step, self.micro_batch = seq_len, seqs_per_step, micro_batch
         self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.windows = (self.split.tokens - 1) // seq_len
-        if self.windows < 1:
-            raise DataError(f"the {split!r} split of {str(data_dir)!r} holds {self.split.tokens} tokens, "
-                            f"fewer than one sequence of seq_len + 1 = {seq_len + 1}; lower data.seq_len or add data")
         self.seqs_per_rank = seqs_per_step // world_size
         self.micro_steps = self.seqs_per_rank // micro_batch  # gradient-accumulation steps per optimizer step
         self.consumed = 0  # global samples of completed steps
         self.micro = 0  # micro-batches this rank took of the current step
-        self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
+        self.taken = [0] * len(self.sources)  # samples taken from each source by completed steps
+        self._plan: list[tuple[int, int]] = []  # (source, window) of each of this step's global samples
 
-    def _window(self, sample: int) -> int:
-        epoch, position = divmod(sample, self.windows)
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.windows)
-        return int(self._order[position])
-
-    def _read(self, windows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = np.stack([self.split.read(w * self.seq_len, self.seq_len + 1) for w in windows])
-        batch = torch.from_numpy(rows)  # (micro_batch, seq_len + 1) int64
-        return batch[:, :-1], batch[:, 1:]
+    def _plan_step(self) -> list[tuple[int, int]]:
+        """Source and window of every sample of the current global step, identical on every rank."""
+        if len(self.sources) == 1:
+            labels = np.zeros(self.seqs_per_step, dtype=np.int64)
+        else:
+            step = self.consumed // self.seqs_per_step
+            rng = np.random.default_rng([self.seed, step, len(self.sources)])
+            labels = rng.choice(len(self.sources), size=self.seqs_per_step, p=self.probabilities)
+        counts = list(self.taken)
+        plan = []
+        for label in labels.tolist():
+            plan.append((label, self.sources[label].window(counts[label])))
+            counts[label] += 1
+        return plan
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's next micro-batch: (inputs, targets), each (micro_batch, seq_len) int64."""
-        first = self.consumed + self.rank * self.seqs_per_rank + self.micro * self.micro_batch
-        batch = self._read([self._window(g) for g in range(first, first + self.micro_batch)])
+        if not self._plan:
+            self._plan = self._plan_step()
+        first = self.rank * self.seqs_per_rank + self.micro * self.micro_batch
+        rows = np.stack([self.sources[s].read(w) for s, w in self._plan[first:first + self.micro_batch]])
         self.micro += 1
         if self.micro == self.micro_steps:
-            self.micro = 0
+            for source, _ in self._plan:
+                self.taken[source] += 1
+            self.micro, self._plan = 0, []
             self.consumed += self.seqs_per_step
-        return batch
+        batch = torch.from_numpy(rows)  # (micro_batch, seq_len + 1) int64
+        return batch[:, :-1], batch[:, 1:]
 
-    @property
-    def epoch(self) -> float:
-        """Passes over the split so far (fractional)."""
-        return self.consumed / self.windows
+    def tokens_by_source(self) -> dict[str, int]:
+        """Training tokens taken from each source by completed steps (seq_len per sample)."""
+        return {s.name: taken * self.seq_len for s, taken in zip(self.sources, self.taken)}
+
+    def epochs_by_source(self) -> dict[str, float]:
+        """Passes over each source's windows so far."""
+        return {s.name: taken / s.windows for s, taken in zip(self.sources, self.taken)}
 
     def state_dict(self) -> dict:
         return {"consumed": self.consumed, "micro": self.micro, "seed": self.seed, "seq_len": self.seq_len,
-                "split_tokens": self.split.tokens}
+                "taken": {s.name: n for s, n in zip(self.sources, self.taken)},
+                "split_tokens": {s.name: s.split.tokens for s in self.sources}}
 
     def load_state_dict(self, state: dict) -> None:
         if state["seed"] != self.seed or state["seq_len"] != self.seq_len:
             raise DataError(f"the checkpoint's data order was drawn for seed {state['seed']} and seq_len "
                             f"{state['seq_len']}, not seed {self.seed} and seq_len {self.seq_len}; resume with "
                             f"the run's original run.seed and data.seq_len")
-        if state["split_tokens"] != self.split.tokens:
-            raise DataError(f"the checkpoint was trained on a split of {state['split_tokens']} tokens, this data "
-                            f"directory's has {self.split.tokens}; resume on the run's original data.path")
+        mine = {s.name: s.split.tokens for s in self.sources}
+        if state["split_tokens"] != mine:
+            raise DataError(f"the checkpoint was trained on sources of {state['split_tokens']} tokens, these are "
+                            f"{mine}; resume on the run's original data.path and data.mix")
         self.consumed, self.micro = int(state["consumed"]), int(state["micro"])
+        self.taken = [int(state["taken"][s.name]) for s in self.sources]
+        self._plan = self._plan_step() if self.micro else []
 
 
 def eval_batches(data_dir: str | Path, seq_len: int, tokens: int, micro_batch: int,
                  rank: int = 0, world_size: int = 1, split: str = "val"):
-    """The fixed validation set: the first tokens // seq_len windows of the split (at least one).
-
-    Rank r takes windows r, r + W, ...; yields (inputs, targets) micro-batches of this rank.
-    """
+    """The fixed validation set of one data directory: the first tokens // seq_len windows of
+    the split (at least one). Rank r takes windows r, r + W, ...; yields (inputs, targets)."""
     source = open_split(data_dir, split)
     available = (source.tokens - 1) // seq_len
     if available < 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import random
@@ -46,17 +47,27 @@ class TrainResult:
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
-    """Fill in what the config leaves to the data (vocabulary size) and check the data directory exists."""
-    try:
-        index = read_index(cfg.data.path)
-    except DataError as e:
-        raise ConfigError(f"data.path = {cfg.data.path!r}: {e}") from None
+    """Fill in what the config leaves to the data (vocabulary size); check that every data
+    directory exists and that a mixture's directories share one tokenizer."""
+    where = "data.path" if cfg.data.mix is None else "data.mix"
+    indexes, tokenizers = {}, {}
+    for name, path in cfg.data.sources.items():
+        try:
+            indexes[name] = read_index(path)
+        except DataError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        tokenizer = path / "tokenizer.json"
+        tokenizers[name] = tokenizer.read_bytes() if tokenizer.is_file() else None
+    if len(set(tokenizers.values())) > 1:
+        raise ConfigError(f"data.mix: the data directories {', '.join(map(str, cfg.data.sources.values()))} have "
+                          "different tokenizers; prepare them with one (`data prepare --tokenizer DIR/tokenizer.json`)")
+    vocab_size = max(index["vocab_size"] for index in indexes.values())
     data = cfg.model_dump()
     if cfg.model.vocab_size is None:
-        data["model"]["vocab_size"] = -(-index["vocab_size"] // 64) * 64
-    elif cfg.model.vocab_size < index["vocab_size"]:
+        data["model"]["vocab_size"] = -(-vocab_size // 64) * 64
+    elif cfg.model.vocab_size < vocab_size:
         raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the tokenizer's "
-                          f"{index['vocab_size']} tokens in {cfg.data.path!r}; leave it unset or raise it")
+                          f"{vocab_size} tokens in {cfg.data.path!r}; leave it unset or raise it")
     return validate_config(data)
 
 
@@ -115,12 +126,14 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                          betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
                                          device=self.device)
-        self.loader = TokenLoader(cfg.data.path, cfg.data.seq_len, cfg.seqs_per_step, cfg.train.micro_batch,
-                                  seed=cfg.run.seed)
-        try:  # fail now, not after the last step, if validation cannot run
-            next(eval_batches(cfg.data.path, cfg.data.seq_len, cfg.eval.tokens, cfg.train.micro_batch))
-        except DataError as e:
-            raise ConfigError(f"data.path = {cfg.data.path!r}: {e}") from None
+        self.loader = TokenLoader(cfg.data.sources, cfg.data.seq_len, cfg.seqs_per_step, cfg.train.micro_batch,
+                                  seed=cfg.run.seed, weights=cfg.data.weights)
+        for path in cfg.data.sources.values():
+            try:  # fail now, not after the last step, if validation cannot run
+                next(eval_batches(path, cfg.data.seq_len, cfg.eval.tokens, cfg.train.micro_batch))
+            except DataError as e:
+                raise ConfigError(f"data.path = {cfg.data.path!r}: {e}") from None
+        self._warn_repeated_data()
         if cfg.train.warmup_steps >= self.total_steps:
             log.warning("train.warmup_steps = %d is not below the run's %d steps: the learning rate never reaches "
                         "train.lr = %g", cfg.train.warmup_steps, self.total_steps, cfg.train.lr)
@@ -130,6 +143,18 @@ class Trainer:
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.peak_flops = peak_flops(device_name, "bf16" if self.dtype == torch.bfloat16 else "fp32")
 
+    def _warn_repeated_data(self) -> None:
+        """Repeating data beyond ~4 epochs is worth much less than fresh data (Muennighoff et al.
+        2023, "Scaling Data-Constrained Language Models", section 5): say so before training."""
+        samples = self.total_steps * self.cfg.seqs_per_step
+        for source in self.loader.sources:
+            weight = self.cfg.data.weights[source.name]
+            epochs = samples * weight / source.windows
+            if epochs > 4:
+                log.warning("source %r would be repeated %.1f times over this run (more than 4 epochs, where repeated "
+                            "tokens stop being nearly as useful as new ones); add data or lower its weight",
+                            source.name, epochs)
+
     def _check_run_dir(self) -> None:
         """A run directory holds one run: refuse to continue it with another model, data or seed."""
         if not checkpoint.all_checkpoints(self.ckpt_root):
@@ -138,7 +163,7 @@ class Trainer:
             raise ConfigError(f"run directory {str(self.run_dir)!r} already holds checkpoints and checkpoint.resume "
                               "= 'never'; choose a new run.name, delete them, or resume with checkpoint.resume = 'auto'")
         saved_tokenizer = self.run_dir / "tokenizer.json"
-        data_tokenizer = Path(self.cfg.data.path) / "tokenizer.json"
+        data_tokenizer = next(iter(self.cfg.data.sources.values())) / "tokenizer.json"
         if (saved_tokenizer.is_file() and data_tokenizer.is_file()
                 and saved_tokenizer.read_bytes() != data_tokenizer.read_bytes()):
             raise ConfigError(f"data.path = {self.cfg.data.path!r} has another tokenizer than the run in "
@@ -167,14 +192,17 @@ class Trainer:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optim": optim_state, "loader": self.loader.state_dict(),
+        # The loader's state travels as one JSON string: DCP matches nested keys one by one, so a
+        # mixture with other source names would fail as a "missing key" instead of the loader's own
+        # clear message about which data the checkpoint was trained on.
+        return {"model": model_state, "optim": optim_state, "loader": json.dumps(self.loader.state_dict()),
                 "rng": rng_state(self.device), "progress": {"step": self.step, "tokens": self.tokens}}
 
     def load_state(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        self.loader.load_state_dict(state["loader"])
+        self.loader.load_state_dict(json.loads(state["loader"]))
         set_rng_state(state["rng"], self.device)
         self.step, self.tokens = int(state["progress"]["step"]), int(state["progress"]["tokens"])
 
@@ -252,18 +280,21 @@ class Trainer:
         return f" ({done[0]})" if done else " (there is none yet)"
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean loss per token over the fixed validation windows."""
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss per token over each source's fixed validation windows."""
         self.model.eval()
-        total, count = 0.0, 0
-        for inputs, targets in eval_batches(self.cfg.data.path, self.cfg.data.seq_len, self.cfg.eval.tokens,
-                                            self.cfg.train.micro_batch):
-            with self.autocast():
-                loss = self.model(inputs.to(self.device), targets.to(self.device))
-            total += loss.item() * targets.numel()
-            count += targets.numel()
+        by_source = {}
+        for name, path in self.cfg.data.sources.items():
+            total, count = 0.0, 0
+            for inputs, targets in eval_batches(path, self.cfg.data.seq_len, self.cfg.eval.tokens,
+                                                self.cfg.train.micro_batch):
+                with self.autocast():
+                    loss = self.model(inputs.to(self.device), targets.to(self.device))
+                total += loss.item() * targets.numel()
+                count += targets.numel()
+            by_source[name] = total / count
         self.model.train()
-        return total / count
+        return by_source
 
     def mfu(self, tokens_per_s: float) -> float | None:
         if self.peak_flops is None:
@@ -283,7 +314,7 @@ class Trainer:
                  str(self.dtype).removeprefix("torch."))
         (self.run_dir / "config.toml").write_text(cfg.to_toml())
         if not (self.run_dir / "tokenizer.json").is_file():
-            shutil.copyfile(Path(cfg.data.path) / "tokenizer.json", self.run_dir / "tokenizer.json")
+            shutil.copyfile(next(iter(cfg.data.sources.values())) / "tokenizer.json", self.run_dir / "tokenizer.json")
         metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         if resumed_from is not None:
             metrics.write("resume", self.step, self.tokens)
@@ -312,7 +343,9 @@ class Trainer:
                         "train", self.step, self.tokens, loss=train_loss, lr=self.lr, grad_norm=grad_norm,
                         tokens_per_s=round(last_speed, 1), mfu=self.mfu(last_speed),
                         mem_gb=round(peak_memory_gb(self.device), 3),
-                        data_wait_ms=round(1000 * window_wait / (window_tokens / cfg.train.global_batch_tokens), 3))
+                        data_wait_ms=round(1000 * window_wait / (window_tokens / cfg.train.global_batch_tokens), 3),
+                        tokens_by_source=self.loader.tokens_by_source(),
+                        epochs_by_source={k: round(v, 6) for k, v in self.loader.epochs_by_source().items()})
                     log.info("step %d/%d  loss %.4f  lr %.2e  grad %.3f  %.0f tok/s%s", self.step, self.total_steps,
                              train_loss, self.lr, grad_norm, last_speed,
                              f"  mfu {record['mfu']:.1%}" if record["mfu"] is not None else "")
@@ -321,11 +354,14 @@ class Trainer:
                     path = self.save()
                     metrics.write("checkpoint", self.step, self.tokens, path=str(path))
                 if (cfg.eval.interval and self.step % cfg.eval.interval == 0) or self.step == self.total_steps:
-                    val_loss = self.evaluate()
-                    metrics.write("eval", self.step, self.tokens, loss=val_loss)
+                    by_source = self.evaluate()
+                    # The mixture's loss: each source's loss at its training weight.
+                    val_loss = sum(cfg.data.weights[name] * loss for name, loss in by_source.items())
+                    metrics.write("eval", self.step, self.tokens, loss=val_loss, loss_by_source=by_source)
                     log.info("step %d/%d  validation loss %.4f", self.step, self.total_steps, val_loss)
             metrics.write("end", self.step, self.tokens, train_loss=train_loss, val_loss=val_loss,
-                          complete=self.step == self.total_steps)
+                          complete=self.step == self.total_steps, tokens_by_source=self.loader.tokens_by_source(),
+                          epochs_by_source=self.loader.epochs_by_source())
         except TrainingDiverged as e:
             metrics.write("diverged", self.step, self.tokens, message=str(e))
             raise
