@@ -85,3 +85,12 @@ def test_greedy_text_is_the_same_with_and_without_the_kv_cache(trained_run):
     cached = generate_text(trained_run, "import os\n", max_new_tokens=40, temperature=0, use_cache=True)
     uncached = generate_text(trained_run, "import os\n", max_new_tokens=40, temperature=0, use_cache=False)
     assert cached == uncached and len(cached) > len("import os\n")
+
+
+def test_data_stats_prints_the_summary_and_writes_a_histogram(stdlib_data, tmp_path):
+    plot = tmp_path / "lengths.png"
+    result = run_cli("data", "stats", str(stdlib_data), "--top", "5", "--plot", str(plot))
+    assert result.returncode == 0, result.stderr
+    for words in ["train: documents / tokens", "p50", "documents read by prepare", "duplicate rate", "top 5 tokens"]:
+        assert words in result.stdout, words
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -32,6 +32,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s", datefmt="[%X]",
                         handlers=[RichHandler(console=console, show_path=False, markup=False)], force=True)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
 
 
 def _bytes(text: str) -> int:
@@ -77,6 +78,35 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     table.add_row("vocabulary", f"{stats['vocab_size']:,}")
     table.add_row("seconds", f"{time.perf_counter() - start:.1f}")
     out.print(table)
+    return 0
+
+
+def cmd_data_stats(args: argparse.Namespace) -> int:
+    from scaletrain.data.stats import describe, plot_lengths
+
+    summary = describe(args.data_dir, top=args.top)
+    table = Table(title=f"data: {summary['data_dir']}")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    for split, documents in summary["documents"].items():
+        table.add_row(f"{split}: documents / tokens", f"{documents:,} / {summary['tokens'][split]:,}")
+    if summary["documents_read"]:
+        table.add_row("documents read by prepare", f"{summary['documents_read']:,}")
+        for reason, count in summary["dropped"].items():
+            table.add_row(f"  removed: {reason}", f"{count:,} ({count / summary['documents_read']:.1%})")
+        table.add_row("duplicate rate", f"{summary['duplicate_rate']:.2%}")
+    table.add_row("mean document length (tokens)", f"{summary['mean_length']:,.0f}")
+    for p, value in summary["length_percentiles"].items():
+        table.add_row(f"  p{p}", f"{value:,}")
+    out.print(table)
+    tokens = Table(title=f"top {len(summary['top_tokens'])} tokens (training split)")
+    for column in ("id", "token", "share"):
+        tokens.add_column(column, justify="right" if column != "token" else "left")
+    for entry in summary["top_tokens"]:
+        tokens.add_row(str(entry["id"]), repr(entry["token"]), f"{entry['share']:.2%}")
+    out.print(tokens)
+    plot = plot_lengths(args.data_dir, args.plot or f"{args.data_dir.rstrip('/')}/lengths.png")
+    out.print(f"document-length histogram: {plot}")
     return 0
 
 
@@ -154,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the validation split")
     p.add_argument("--workers", type=int, default=None, help="tokenizer threads (default: all cores)")
     p.set_defaults(func=cmd_data_prepare)
+
+    p = data.add_parser("stats", help="summarise a prepared data directory and plot its document lengths")
+    p.add_argument("data_dir", help="a directory written by `scaletrain data prepare`")
+    p.add_argument("--top", type=int, default=20, help="how many of the most frequent tokens to list")
+    p.add_argument("--plot", default=None, help="where to write the length histogram (default DIR/lengths.png)")
+    p.set_defaults(func=cmd_data_stats)
 
     p = commands.add_parser("train", help="train or resume a run from a TOML config",
                             description="Train the run a TOML config describes; resumes from the run directory's "
