@@ -20,7 +20,7 @@ def stdlib_data(tmp_path_factory) -> Path:
     from scaletrain.data import prepare
 
     out = tmp_path_factory.mktemp("data") / "stdlib"
-    prepare(["builtin:python-stdlib"], out, vocab_size=512, max_bytes=400_000, val_fraction=0.05)
+    prepare(["builtin:python-stdlib"], out, vocab_size=512, max_bytes=400_000, val_fraction=0.05, workers=1)
     return out
 
 

@@ -41,14 +41,16 @@ def test_data_prepare_writes_a_data_directory_then_reuses_it(tmp_path):
     for i, path in enumerate(sources):
         (corpus / f"{i}.txt").write_text(path.read_text())
     out = tmp_path / "data"
-    first = run_cli("data", "prepare", str(corpus), "--out", str(out), "--vocab-size", "300", "--val-fraction", "0.1")
+    args = ["data", "prepare", str(corpus), "--out", str(out), "--vocab-size", "300", "--val-fraction", "0.1",
+            "--filters", "none", "--workers", "1"]
+    first = run_cli(*args)
     assert first.returncode == 0, first.stderr
     assert "train tokens" in first.stdout
     for name in ["tokenizer.json", "index.json", "stats.json", "manifest.json"]:
         assert (out / name).is_file(), name
     stats = json.loads((out / "stats.json").read_text())
     assert stats["documents"]["kept"] == len(list(corpus.iterdir()))
-    again = run_cli("data", "prepare", str(corpus), "--out", str(out), "--vocab-size", "300", "--val-fraction", "0.1")
+    again = run_cli(*args)
     assert again.returncode == 0 and "reused" in again.stdout
 
 

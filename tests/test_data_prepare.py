@@ -8,10 +8,19 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer
 
-from scaletrain.data import DataError, prepare
+from scaletrain.data import DataError
+from scaletrain.data import prepare as _prepare
 from scaletrain.data.shards import open_split, read_index
 
 VOCAB = 300  # the smallest vocabularies keep training instant
+
+
+def prepare(*args, **kwargs):
+    """These tests are about reading, splitting and tokenizing: no curation (tests/test_curation.py
+    covers it), and one process, which keeps each test to a fraction of a second."""
+    kwargs.setdefault("filters", "none")
+    kwargs.setdefault("workers", 1)
+    return _prepare(*args, **kwargs)
 
 
 def write_corpus(root):
@@ -46,7 +55,7 @@ def test_prepare_writes_a_data_dir_whose_tokens_decode_to_the_documents_in_order
     out = tmp_path / "data"
     result = prepare([str(tmp_path / "corpus")], out, VOCAB, val_fraction=0)
     assert not result.reused and result.out == out
-    for name in ("index.json", "tokenizer.json", "stats.json", "manifest.json", "shards/train_00000.bin"):
+    for name in ("index.json", "tokenizer.json", "stats.json", "manifest.json", "shards/train_00000_00000.bin"):
         assert (out / name).is_file()
     assert read_index(out)["dtype"] == "uint16"
     assert open_split(out, "train").shards[0].dtype == np.uint16

@@ -269,6 +269,6 @@ def test_a_mixture_of_different_tokenizers_is_refused(mixture_root, tmp_path):
 
 def test_repeating_a_source_more_than_four_epochs_is_warned(mixture_root, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="scaletrain"):
-        Trainer(tiny_config(mixture_root, tmp_path / "run", "data.mix={stdlib = 0.5, project = 0.5}",
-                            f"data.path={mixture_root}", "train.steps=2000"))
+        Trainer(tiny_config(mixture_root, tmp_path / "run", "data.mix={stdlib = 0.1, project = 0.9}",
+                            f"data.path={mixture_root}", "train.steps=3000"))
     assert "'project' would be repeated" in caplog.text and "'stdlib'" not in caplog.text

@@ -60,7 +60,10 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
                   console=console, transient=False) as progress:
         result = prepare(args.sources, args.out, args.vocab_size, max_bytes=args.max_bytes,
                          text_field=args.text_field, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-                         seed=args.seed, workers=args.workers, progress=progress)
+                         seed=args.seed, workers=args.workers, progress=progress, filters=args.filters,
+                         dedup=not args.no_dedup, minhash=(args.minhash_bands, args.minhash_rows, args.minhash_ngram),
+                         decontaminate=args.decontaminate, keep_rejects=args.keep_rejects,
+                         chunk_bytes=args.chunk_bytes)
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     stats = result.stats
@@ -69,7 +72,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     table.add_column("value", justify="right")
     docs = stats["documents"]
     table.add_row("documents kept / read", f"{docs['kept']:,} / {docs['read']:,}")
-    for reason, count in docs.get("dropped", {}).items():
+    for reason, count in sorted(docs.get("dropped", {}).items(), key=lambda kv: -kv[1]):
         if count:
             table.add_row(f"  dropped: {reason}", f"{count:,}")
     table.add_row("bytes kept", f"{stats['bytes']['kept']:,}")
@@ -182,7 +185,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
     p.add_argument("--val-fraction", type=float, default=0.005, help="fraction of documents held out (0.005)")
     p.add_argument("--seed", type=int, default=0, help="seed of the validation split")
-    p.add_argument("--workers", type=int, default=None, help="tokenizer threads (default: all cores)")
+    p.add_argument("--workers", type=int, default=None, help="processes that curate and tokenize (default: all cores)")
+    p.add_argument("--filters", default="default",
+                   help="curation: 'default' (normalise, quality and repetition filters), 'none', or a TOML file")
+    p.add_argument("--no-dedup", action="store_true", help="keep exact and near duplicates")
+    p.add_argument("--minhash-bands", type=int, default=14, help="MinHash LSH bands (FineWeb: 14)")
+    p.add_argument("--minhash-rows", type=int, default=8, help="MinHash rows per band (FineWeb: 8)")
+    p.add_argument("--minhash-ngram", type=int, default=5, help="word n-grams MinHash compares (5)")
+    p.add_argument("--decontaminate", nargs="+", default=[], metavar="FILE",
+                   help="evaluation texts: drop training documents sharing a 13-gram with any of them")
+    p.add_argument("--keep-rejects", action="store_true", help="write dropped documents to OUT/rejects/REASON/")
+    p.add_argument("--chunk-bytes", type=_bytes, default="64M",
+                   help="input per resumable unit of work (default 64M)")
     p.set_defaults(func=cmd_data_prepare)
 
     p = data.add_parser("stats", help="summarise a prepared data directory and plot its document lengths")

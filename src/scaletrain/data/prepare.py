@@ -1,33 +1,44 @@
-"""`scaletrain data prepare`: sources in, a data directory out.
+"""`scaletrain data prepare`: sources in, a curated, tokenized data directory out.
 
-    out/tokenizer.json    byte-level BPE, trained on the training documents (or the one given)
+    out/tokenizer.json    byte-level BPE, trained on the curated training documents (or the one given)
     out/shards/, index.json   tokens of each document followed by the end-of-document id (shards.py)
     out/stats.json        documents, bytes and tokens read, kept and dropped by reason
     out/manifest.json     sources, options, content hash and the key that decides reuse; written last
+    out/rejects/REASON.jsonl  with keep_rejects: every dropped document, by reason, for a person to read
 
-Three passes over the sources, all reading the same documents in the same order:
-1. read and hash, cheaply, to decide whether an identical result already exists and to
-   draw the validation split;
-2. train the tokenizer on the training documents (skipped when a tokenizer is given);
-3. tokenize with every core and write the shards.
-Memory holds one number per document and one batch of documents, not the corpus, so
-corpora larger than memory prepare too.
+The passes, each over documents in the sources' order:
+0. read and hash the sources (cheap): decides whether an identical result already exists;
+1. curate, in chunks of about `chunk_bytes` of input spread over `workers` processes:
+   normalise and filter (curate.py), drop documents that share a 13-gram with the given
+   evaluation texts, then, in this process, drop exact and near duplicates of earlier
+   documents (dedup.py) and draw each survivor's split;
+2. train the tokenizer on the curated training documents (skipped when one is given);
+3. per chunk, in the worker processes: drop training documents that share a 13-gram with
+   the validation split, tokenize, and write the chunk's shards.
+Each finished chunk of passes 1 and 3 is recorded under out/work/, so a prepare that was
+interrupted resumes with the first unfinished chunk when it is run again with the same
+arguments. Memory holds one chunk and the deduplication index, not the corpus.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
-from array import array
-from dataclasses import dataclass
+import pickle
+import shutil
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import tokenizers
 
+from .curate import REASONS as FILTER_REASONS
+from .curate import FilterConfig, curate, document_kind, load_filters
+from .dedup import DedupIndex, Decontaminator, MinHasher, exact_key
 from .shards import DataError, ShardWriter, read_index, write_index
 from .sources import ReadStats, list_files, read_documents
 from .tokenizer import check_vocab_size, eos_id, load_tokenizer, train_tokenizer
@@ -38,11 +49,12 @@ if TYPE_CHECKING:
 
 # Bump when the same sources and options would give a different data directory, so that
 # directories prepared by older code are prepared again rather than reused.
-PREPARE_VERSION = 1
-# Text per encode_batch call: large enough that every core has documents to work on,
-# small enough that a batch's token lists stay a few tens of MB.
-ENCODE_BATCH_BYTES = 4 << 20
+PREPARE_VERSION = 2
+DEFAULT_CHUNK_BYTES = 64 << 20  # input per resumable unit of work
+BATCH_BYTES = 1 << 20  # documents per task sent to a worker: small enough to spread over workers
 OUTPUT_FILES = ("manifest.json", "index.json", "stats.json", "tokenizer.json")
+# Reasons a document is dropped after curate.py's filters, in pipeline order.
+PIPELINE_REASONS = ("decontaminated", "exact_duplicate", "near_duplicate", "val_overlap")
 
 
 @dataclass
@@ -53,27 +65,50 @@ class PrepareResult:
     warnings: list[str]  # notes for the user (skipped lines, non-UTF-8 files, ...)
 
 
+@dataclass
+class _Settings:
+    """What worker processes need; sent once to each, at its start."""
+
+    filters: FilterConfig
+    curate: bool  # False with filters "none": no filters and no validation-overlap removal
+    dedup: bool
+    bands: int
+    rows: int
+    ngram: int
+    seed: int
+    decontaminate: list[str] = field(default_factory=list)  # evaluation texts
+
+
 def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: int | None = None,
             text_field: str = "text", tokenizer: str | Path | None = None, val_fraction: float = 0.005,
-            seed: int = 0, workers: int | None = None, progress: Progress | None = None) -> PrepareResult:
-    """Tokenize sources into the data directory out, or reuse what out holds if it was prepared identically.
+            seed: int = 0, workers: int | None = None, progress: Progress | None = None,
+            filters: str | Path = "default", dedup: bool = True, minhash: tuple[int, int, int] = (14, 8, 5),
+            decontaminate: list[str | Path] = (), keep_rejects: bool = False,
+            chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> PrepareResult:
+    """Curate and tokenize sources into the data directory out, or reuse what out holds if it
+    was prepared identically; resume an interrupted prepare of the same arguments.
 
     sources: files, directories (read recursively), globs ('data/**/*.txt'), .jsonl and
         .parquet files (text in `text_field`), or builtin:python-stdlib.
     vocab_size: ids of the tokenizer to train; ignored when `tokenizer` is given.
-    max_bytes: stop reading before the kept documents exceed this many UTF-8 bytes.
+    max_bytes: stop reading before the documents read exceed this many UTF-8 bytes.
     tokenizer: a tokenizer.json (or a directory holding one) to use instead of training one.
     val_fraction: share of documents, drawn by a hash of (seed, content), held out for validation.
-    workers: threads that tokenize. The Rust thread pool of `tokenizers` is created once per
-        process, so this applies only when no tokenizer has encoded in parallel before.
-    progress: a rich Progress to which reading, training and tokenizing tasks are added.
+    workers: processes that curate and tokenize (default: all cores; 1 works in this process).
+    filters: "default", "none" (no normalisation, no filters, no deduplication) or a TOML file.
+    dedup / minhash: exact and near-duplicate removal; MinHash (bands, rows, word n-gram).
+    decontaminate: files of evaluation text; training documents sharing a 13-gram with them go.
+    keep_rejects: write every dropped document to out/rejects/REASON.jsonl.
+    progress: a rich Progress to which the passes add their tasks.
     """
     sources, out = [str(source) for source in sources], Path(out)
-    _check_options(vocab_size, max_bytes, val_fraction, seed, workers, tokenizer)
+    _check_options(vocab_size, max_bytes, val_fraction, seed, workers, tokenizer, chunk_bytes)
+    filter_config = load_filters(filters)
+    dedup = dedup and str(filters) != "none"
     files = list_files(sources)
     _check_out(out, sources, files)
-    if workers is not None:
-        os.environ["RAYON_NUM_THREADS"] = str(workers)  # read by the pool when it is first used
+    workers = workers or os.cpu_count() or 1
+    eval_texts = [_read_eval(path) for path in decontaminate]
 
     given = None
     if tokenizer is not None:
@@ -83,16 +118,17 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
         tokenizer_bytes = tokenizer_path.read_bytes()
         vocab_size = tokenizer_vocab_size(given)
 
-    # Pass 1: read and hash everything that will be used, and draw the split.
+    # Pass 0: read and hash everything that will be used.
     stats = ReadStats()
-    draws = array("d")  # one uniform draw in [0, 1) per kept document
     task = _add_task(progress, "reading sources", len(files))
-    for text, _ in read_documents(files, text_field, max_bytes, stats, on_file=lambda: _advance(progress, task, 1)):
-        draws.append(_split_draw(seed, text))
+    for _ in read_documents(files, text_field, max_bytes, stats, on_file=lambda: _advance(progress, task, 1)):
+        pass
     _finish_task(progress, task, len(files))
-
     options = {"vocab_size": vocab_size, "max_bytes": max_bytes, "text_field": text_field,
-               "val_fraction": val_fraction, "seed": seed,
+               "val_fraction": val_fraction, "seed": seed, "filters": filter_config.model_dump(mode="json"),
+               "dedup": dedup, "minhash": list(minhash), "chunk_bytes": chunk_bytes,
+               "decontaminate": [hashlib.sha256(t.encode()).hexdigest() for t in eval_texts],
+               "keep_rejects": keep_rejects,
                "tokenizer": None if given is None else
                {"path": str(tokenizer_path), "sha256": hashlib.sha256(tokenizer_bytes).hexdigest()}}
     content_sha256 = stats.content.hexdigest()
@@ -100,66 +136,27 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     if _is_complete(out, key):
         reused_stats = json.loads((out / "stats.json").read_text())
         return PrepareResult(out, True, reused_stats, reused_stats["warnings"])
-
     if stats.documents["kept"] == 0:
         dropped = stats.as_dict()["documents"]["dropped"]
         reasons = ", ".join(f"{n} {reason}" for reason, n in dropped.items() if n) or "the sources hold none"
         raise DataError(f"no documents to prepare ({reasons}); give sources that contain text"
                         + (" or a larger max_bytes" if dropped["over_max_bytes"] else ""))
-    is_val = _choose_validation(np.frombuffer(draws, dtype=np.float64), val_fraction)
 
-    _clear(out)
-    out.mkdir(parents=True, exist_ok=True)
-    warnings = stats.warnings()
+    work = out / "work"
+    if not _same_work(work, key):
+        _clear(out)
+        work.mkdir(parents=True)
+        (work / "key").write_text(key)
+    (out / "manifest.json").unlink(missing_ok=True)  # incomplete until the very end
+    settings = _Settings(filter_config, str(filters) != "none", dedup, *minhash, seed=seed,
+                         decontaminate=eval_texts)
 
-    # Pass 2: the tokenizer, trained on training documents only so validation text stays unseen.
-    if given is None:
-        task = _add_task(progress, "training tokenizer", stats.bytes["kept"])
-        tok = train_tokenizer(_texts(files, text_field, max_bytes, ~is_val, progress, task), vocab_size)
-        _finish_task(progress, task, stats.bytes["kept"])
-        tok.save(str(out / "tokenizer.json"))
-        learned = tokenizer_vocab_size(tok)
-        if learned < vocab_size:
-            warnings.append(f"the tokenizer learned {learned} of the {vocab_size} ids asked for: the text has "
-                            f"too few distinct byte pairs to merge; the data keeps vocab_size {vocab_size}")
-    else:
-        tok = given
-        (out / "tokenizer.json").write_bytes(tokenizer_bytes)
-    eos = eos_id(tok)
-
-    # Pass 3: tokenize in batches (encode_batch_fast runs on every core) and write the shards.
-    writers = {"train": ShardWriter(out, "train", vocab_size, eos), "val": ShardWriter(out, "val", vocab_size, eos)}
-    task = _add_task(progress, "tokenizing", stats.bytes["kept"])
-    batch: list[str] = []
-    batch_val: list[bool] = []
-    batch_bytes = 0
-    split_bytes = {"train": 0, "val": 0}
-    reread = ReadStats()
-    documents = read_documents(files, text_field, max_bytes, reread)
-    for (text, nbytes), val in zip(documents, is_val.tolist()):
-        batch.append(text)
-        batch_val.append(val)
-        batch_bytes += nbytes
-        split_bytes["val" if val else "train"] += nbytes
-        if batch_bytes >= ENCODE_BATCH_BYTES:
-            _encode_into(tok, batch, batch_val, writers)
-            _advance(progress, task, batch_bytes)
-            batch, batch_val, batch_bytes = [], [], 0
-    _encode_into(tok, batch, batch_val, writers)
-    _finish_task(progress, task, stats.bytes["kept"])
-    if reread.content.hexdigest() != content_sha256:
-        raise DataError("the sources changed while they were being prepared; prepare again once they are stable")
-    splits = {name: writer.close() for name, writer in writers.items()}
-    write_index(out, vocab_size, eos, splits)
-
-    result_stats = stats.as_dict()
-    result_stats["documents"].update(train=splits["train"]["documents"], val=splits["val"]["documents"])
-    result_stats["bytes"].update(split_bytes)
-    result_stats["tokens"] = {"train": splits["train"]["tokens"], "val": splits["val"]["tokens"]}
-    result_stats["vocab_size"], result_stats["eos_id"] = vocab_size, eos
-    result_stats["tokenizer"] = {"trained": given is None, "learned_vocab_size": tokenizer_vocab_size(tok)}
-    result_stats["warnings"] = warnings
-    _write_json(out / "stats.json", result_stats)
+    # One set of worker processes for passes 1 and 3, started before this process trains the
+    # tokenizer: forking after the tokenizers library has run its threads is unsafe.
+    with _pool(workers, settings) as pool:
+        result_stats, warnings = _run_passes(
+            pool, files, text_field, max_bytes, stats, settings, chunk_bytes, val_fraction, seed, work, out,
+            keep_rejects, given, vocab_size, progress, content_sha256, tokenizer_bytes if given else None)
 
     # Last, so that a directory without a manifest is never taken for a complete one.
     _write_json(out / "manifest.json", {
@@ -171,11 +168,425 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
         "tokenizers_version": tokenizers.__version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     })
+    shutil.rmtree(work, ignore_errors=True)
     return PrepareResult(out, False, result_stats, warnings)
 
 
+def _run_passes(pool, files, text_field, max_bytes, stats: ReadStats, settings: _Settings, chunk_bytes,
+                val_fraction, seed, work: Path, out: Path, keep_rejects: bool, given, vocab_size: int, progress,
+                content_sha256: str, tokenizer_bytes: bytes | None) -> tuple[dict, list[str]]:
+    """Passes 1 to 3; returns (stats.json's contents, warnings)."""
+    # Pass 1: curate, deduplicate, draw the split.
+    reread = ReadStats()
+    task = _add_task(progress, "curating", stats.bytes["kept"])
+    chunks = _curate_chunks(pool, files, text_field, max_bytes, reread, settings, chunk_bytes, val_fraction,
+                            seed, work, out if keep_rejects else None, lambda n: _advance(progress, task, n))
+    _finish_task(progress, task, stats.bytes["kept"])
+    if reread.content.hexdigest() != content_sha256:
+        raise DataError("the sources changed while they were being prepared; prepare again once they are stable")
+    curated = _merge_counts(chunks)
+    if curated["kept"] == 0:
+        raise DataError(f"curation removed every document ({_reason_summary(curated['dropped'])}); "
+                        "loosen the filters (--filters FILE.toml, or --filters none)")
+    overrides = _split_overrides(chunks, val_fraction)
+
+    # Pass 2: the tokenizer, trained on training documents only so validation text stays unseen.
+    warnings = stats.warnings()
+    if given is None:
+        tokenizer_file = work / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            task = _add_task(progress, "training tokenizer", curated["bytes_kept"])
+            texts = (text for text, val in _curated_documents(work, chunks, overrides, progress, task) if not val)
+            trained = train_tokenizer(texts, vocab_size)
+            _finish_task(progress, task, curated["bytes_kept"])
+            trained.save(str(tokenizer_file) + ".tmp")
+            os.replace(str(tokenizer_file) + ".tmp", tokenizer_file)
+        shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+        tok = load_tokenizer(out / "tokenizer.json")
+        learned = tokenizer_vocab_size(tok)
+        if learned < vocab_size:
+            warnings.append(f"the tokenizer learned {learned} of the {vocab_size} ids asked for: the text has "
+                            f"too few distinct byte pairs to merge; the data keeps vocab_size {vocab_size}")
+    else:
+        (out / "tokenizer.json").write_bytes(tokenizer_bytes)
+        tok = given
+    eos = eos_id(tok)
+
+    # Pass 3: decontaminate against the validation split, tokenize, write shards (per chunk).
+    val_file = work / "val_texts.pkl"
+    if settings.curate and not val_file.is_file():
+        with open(f"{val_file}.tmp", "wb") as f:
+            pickle.dump([text for text, val in _curated_documents(work, chunks, overrides) if val], f)
+        os.replace(f"{val_file}.tmp", val_file)
+    task = _add_task(progress, "tokenizing", curated["bytes_kept"])
+    job = _TokenizeJob(str(out), vocab_size, str(val_file) if settings.curate else None,
+                       str(out) if keep_rejects else None)
+    written = _tokenize_chunks(pool, work, chunks, overrides, job, lambda n: _advance(progress, task, n))
+    _finish_task(progress, task, curated["bytes_kept"])
+    splits = {split: {"tokens": sum(w[split]["tokens"] for w in written),
+                      "documents": sum(w[split]["documents"] for w in written),
+                      "shards": [s for w in written for s in w[split]["shards"]]} for split in ("train", "val")}
+    write_index(out, vocab_size, eos, splits)
+
+    result_stats = stats.as_dict()
+    dropped = result_stats["documents"]["dropped"]
+    dropped.update({reason: 0 for reason in (*FILTER_REASONS, *PIPELINE_REASONS)})
+    bytes_dropped = result_stats["bytes"]["dropped"]
+    bytes_dropped.update({reason: 0 for reason in (*FILTER_REASONS, *PIPELINE_REASONS)})
+    for chunk in [*chunks, *written]:
+        for reason, (documents, nbytes) in chunk["dropped"].items():
+            dropped[reason] += documents
+            bytes_dropped[reason] += nbytes
+    kept_documents = splits["train"]["documents"] + splits["val"]["documents"]
+    result_stats["documents"].update(kept=kept_documents, train=splits["train"]["documents"],
+                                     val=splits["val"]["documents"])
+    result_stats["bytes"].update(kept=sum(w["bytes"]["train"] + w["bytes"]["val"] for w in written),
+                                 train=sum(w["bytes"]["train"] for w in written),
+                                 val=sum(w["bytes"]["val"] for w in written))
+    result_stats["tokens"] = {"train": splits["train"]["tokens"], "val": splits["val"]["tokens"]}
+    result_stats["vocab_size"], result_stats["eos_id"] = vocab_size, eos
+    result_stats["tokenizer"] = {"trained": given is None, "learned_vocab_size": tokenizer_vocab_size(tok)}
+    result_stats["warnings"] = warnings
+    _write_json(out / "stats.json", result_stats)
+    return result_stats, warnings
+
+
+# -- pass 1: curate ---------------------------------------------------------------------------
+
+
+def _curate_chunks(pool, files, text_field, max_bytes, reread: ReadStats, settings: _Settings,
+                   chunk_bytes: int, val_fraction: float, seed: int, work: Path, rejects: Path | None,
+                   advance) -> list[dict]:
+    """Run pass 1 chunk by chunk, skipping chunks a previous run finished; return each chunk's record."""
+    index = DedupIndex(settings.bands, settings.rows)
+    records = []
+    documents = read_documents(files, text_field, max_bytes, reread)
+    for number, chunk in enumerate(_chunks(documents, chunk_bytes)):
+        done = work / f"curated_{number:05d}.json"
+        if done.is_file():  # finished by an earlier run: restore its documents into the index
+            record = json.loads(done.read_text())
+            if settings.dedup:
+                keys = np.load(work / f"curated_{number:05d}.keys.npz")
+                for exact, signature in zip(keys["exact"], keys["signatures"]):
+                    index.add(exact.tobytes(), signature)
+            advance(record["bytes_read"])
+            records.append(record)
+            continue
+        records.append(_curate_one_chunk(number, chunk, pool, index, settings, val_fraction, seed, work,
+                                         rejects, advance))
+    return records
+
+
+def _curate_one_chunk(number, chunk, pool, index: DedupIndex, settings: _Settings, val_fraction, seed,
+                      work: Path, rejects: Path | None, advance) -> dict:
+    dropped: dict[str, list[int]] = {}
+    kept_exact, kept_signatures = [], []
+    draws = []
+    kept_bytes = 0
+    stem = work / f"curated_{number:05d}"
+    with open(f"{stem}.pkl.tmp", "wb") as kept_file, _Rejects(rejects, number) as reject:
+        for batch, results in zip(_batches(chunk), pool(_curate_batch, _batches(chunk))):
+            kept = []
+            for (text, nbytes, name), (curated, reason, exact, signature) in zip(batch, results):
+                if reason is None and settings.dedup:
+                    reason = index.add(exact, signature)
+                if reason is not None:
+                    entry = dropped.setdefault(reason, [0, 0])
+                    entry[0] += 1
+                    entry[1] += nbytes
+                    reject.write(reason, name, text)
+                    continue
+                draw = _split_draw(seed, curated)
+                kept.append((curated, draw < val_fraction))
+                kept_bytes += len(curated.encode())
+                draws.append(draw)
+                if settings.dedup:
+                    kept_exact.append(exact)
+                    kept_signatures.append(signature)
+            pickle.dump(kept, kept_file, protocol=pickle.HIGHEST_PROTOCOL)
+            advance(sum(nbytes for _, nbytes, _ in batch))
+    os.replace(f"{stem}.pkl.tmp", f"{stem}.pkl")
+    signatures = np.stack(kept_signatures) if kept_signatures else np.zeros((0, settings.bands * settings.rows))
+    # Keys as rows of bytes: numpy's bytes dtype would drop a digest's trailing zero bytes.
+    exact_keys = (np.frombuffer(b"".join(kept_exact), dtype=np.uint8).reshape(len(kept_exact), -1)
+                  if kept_exact else np.zeros((0, 0), dtype=np.uint8))
+    with open(f"{stem}.keys.npz.tmp", "wb") as f:
+        np.savez(f, exact=exact_keys, signatures=signatures)
+    os.replace(f"{stem}.keys.npz.tmp", f"{stem}.keys.npz")
+    draws_array = np.asarray(draws)
+    record = {"number": number, "bytes_read": sum(nbytes for _, nbytes, _ in chunk), "kept": len(draws),
+              "bytes_kept": kept_bytes,
+              "dropped": dropped,
+              # the documents nearest the split boundary, in case a split ends up empty
+              "min_draw": [float(draws_array.min()), int(draws_array.argmin())] if len(draws) else None,
+              "max_draw": [float(draws_array.max()), int(draws_array.argmax())] if len(draws) else None,
+              "val": int((draws_array < val_fraction).sum()) if len(draws) else 0}
+    _write_json(Path(f"{stem}.json"), record)  # last: the chunk is finished
+    return record
+
+
+def _curate_batch(batch: list[tuple[str, int, str]]) -> list[tuple]:
+    """Worker: (curated text or None, reason or None, exact key, MinHash signature) per document."""
+    settings, hasher, contamination = _WORKER["settings"], _WORKER["hasher"], _WORKER["contamination"]
+    results = []
+    for text, _, name in batch:
+        curated, reason = curate(text, document_kind(name), settings.filters)
+        if curated is not None and contamination is not None and contamination.contaminated(curated):
+            curated, reason = None, "decontaminated"
+        if curated is None:
+            results.append((None, reason, None, None))
+        elif settings.dedup:
+            results.append((curated, None, exact_key(curated), hasher.signature(curated)))
+        else:
+            results.append((curated, None, b"", None))
+    return results
+
+
+def _chunks(documents: Iterator[tuple[str, int, str]], chunk_bytes: int) -> Iterator[list]:
+    """Consecutive runs of documents of about chunk_bytes each (a document is never split)."""
+    chunk, size = [], 0
+    for document in documents:
+        chunk.append(document)
+        size += document[1]
+        if size >= chunk_bytes:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _batches(documents: list) -> Iterator[list]:
+    batch, size = [], 0
+    for document in documents:
+        batch.append(document)
+        size += document[1]
+        if size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _split_overrides(chunks: list[dict], val_fraction: float) -> dict[tuple[int, int], bool]:
+    """(chunk, position) -> split of the documents moved so that a split is not empty: at least
+    one validation document when there are two documents and val_fraction > 0, and always a
+    training document."""
+    located = [(c["min_draw"], c["max_draw"], c["number"]) for c in chunks if c["kept"]]
+    total = sum(c["kept"] for c in chunks)
+    val = sum(c["val"] for c in chunks)
+    overrides = {}
+    if val_fraction > 0 and total >= 2 and val == 0:
+        (_, position), _, number = min(located, key=lambda item: item[0][0])
+        overrides[(number, position)] = True
+    if val == total:
+        _, (_, position), number = max(located, key=lambda item: item[1][0])
+        overrides[(number, position)] = False
+    return overrides
+
+
+def _curated_documents(work: Path, chunks: list[dict], overrides: dict, progress=None, task=None):
+    """(text, is_validation) of every curated document, in order."""
+    for chunk in chunks:
+        for position, (text, val) in enumerate(_read_pickled(work / f"curated_{chunk['number']:05d}.pkl")):
+            if progress is not None:
+                _advance(progress, task, len(text.encode()))
+            yield text, overrides.get((chunk["number"], position), val)
+
+
+def _read_pickled(path: Path) -> Iterator[tuple[str, bool]]:
+    with open(path, "rb") as f:
+        while True:
+            try:
+                yield from pickle.load(f)
+            except EOFError:
+                return
+
+
+# -- pass 3: tokenize -------------------------------------------------------------------------
+
+
+@dataclass
+class _TokenizeJob:
+    """What a worker needs to tokenize chunks (read lazily, once per process: see _worker_value)."""
+
+    out: str
+    vocab_size: int
+    val_file: str | None  # pickled validation texts, for the validation-overlap check
+    rejects: str | None
+
+
+def _tokenize_chunks(pool, work: Path, chunks: list[dict], overrides: dict, job: _TokenizeJob,
+                     advance) -> list[dict]:
+    records: dict[int, dict] = {}
+    pending = []
+    for chunk in chunks:
+        number = chunk["number"]
+        done = work / f"shards_{number:05d}.json"
+        if done.is_file():  # finished by an earlier run
+            records[number] = json.loads(done.read_text())
+            advance(records[number]["bytes"]["train"] + records[number]["bytes"]["val"])
+        else:
+            moved = {position: val for (n, position), val in overrides.items() if n == number}
+            pending.append((number, moved, job))
+    for record in pool(_tokenize_chunk, pending):
+        records[record["number"]] = record
+        advance(record["bytes"]["train"] + record["bytes"]["val"])
+    return [records[chunk["number"]] for chunk in chunks]
+
+
+def _tokenize_chunk(task: tuple[int, dict, _TokenizeJob]) -> dict:
+    """Worker: decontaminate one curated chunk against the validation split, tokenize it, write its shards."""
+    number, moved, job = task
+    out = Path(job.out)
+    work = out / "work"
+    tok = _worker_value("tokenizer", str(out / "tokenizer.json"), load_tokenizer)
+    overlap = None
+    if job.val_file is not None:
+        overlap = _worker_value("val_overlap", job.val_file, _load_val_overlap)
+    eos = eos_id(tok)
+    writers = {split: ShardWriter(out, split, job.vocab_size, eos, prefix=f"{split}_{number:05d}")
+               for split in ("train", "val")}
+    dropped: dict[str, list[int]] = {}
+    split_bytes = {"train": 0, "val": 0}
+    batch: list[tuple[str, bool]] = []
+    with _Rejects(Path(job.rejects) if job.rejects else None, number, suffix="tokenize") as reject:
+        def flush():
+            # No special tokens added: the writer appends the end-of-document id itself, and a
+            # given tokenizer's post-processor (a Llama tokenizer's <s>, say) must not add others.
+            encodings = tok.encode_batch_fast([text for text, _ in batch], add_special_tokens=False)
+            for encoding, (_, val) in zip(encodings, batch):
+                writers["val" if val else "train"].add(encoding.ids)
+            batch.clear()
+
+        size = 0
+        for position, (text, val) in enumerate(_read_pickled(work / f"curated_{number:05d}.pkl")):
+            val = moved.get(position, val)
+            nbytes = len(text.encode())
+            if not val and overlap is not None and overlap.contaminated(text):
+                entry = dropped.setdefault("val_overlap", [0, 0])
+                entry[0] += 1
+                entry[1] += nbytes
+                reject.write("val_overlap", "", text)
+                continue
+            split_bytes["val" if val else "train"] += nbytes
+            batch.append((text, val))
+            size += nbytes
+            if size >= BATCH_BYTES:
+                flush()
+                size = 0
+        if batch:
+            flush()
+    record = {"number": number, "dropped": dropped, "bytes": split_bytes,
+              **{split: writer.close() for split, writer in writers.items()}}
+    _write_json(work / f"shards_{number:05d}.json", record)
+    return record
+
+
+def _load_val_overlap(path: str) -> Decontaminator:
+    with open(path, "rb") as f:
+        return Decontaminator(pickle.load(f), whole_short_texts=False)
+
+
+# -- worker processes -------------------------------------------------------------------------
+
+_WORKER: dict = {}
+
+
+def _init_worker(settings: _Settings) -> None:
+    """Build once per process what every document of pass 1 needs: the hasher and the
+    decontamination index of the evaluation texts."""
+    _WORKER.clear()
+    _WORKER["settings"] = settings
+    _WORKER["hasher"] = MinHasher(settings.bands, settings.rows, settings.ngram, seed=settings.seed)
+    _WORKER["contamination"] = Decontaminator(settings.decontaminate) if settings.decontaminate else None
+
+
+def _worker_value(name: str, path: str, load):
+    """load(path), once per process and path: what pass 3 needs exists only once pass 2 is done."""
+    if _WORKER.get(f"{name}_path") != path:
+        _WORKER[name], _WORKER[f"{name}_path"] = load(path), path
+    return _WORKER[name]
+
+
+def _init_pool_worker(settings: _Settings) -> None:
+    # One tokenizer thread per process: the processes themselves use every core.
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    _init_worker(settings)
+
+
+class _pool:
+    """`with _pool(n, settings) as run: run(fn, tasks)` maps fn over tasks, in order, on n
+    worker processes (or in this process when n is 1), each initialised with settings."""
+
+    def __init__(self, workers: int, settings: _Settings):
+        self.workers, self.settings, self.pool = workers, settings, None
+
+    def __enter__(self):
+        if self.workers > 1:
+            # fork where there is one: spawn would re-run an unguarded calling script in every
+            # worker. Nothing in this process has used the tokenizers library's threads yet.
+            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+            context = multiprocessing.get_context(method)
+            self.pool = context.Pool(self.workers, initializer=_init_pool_worker, initargs=(self.settings,))
+            return lambda fn, tasks: self.pool.imap(fn, tasks)
+        _init_worker(self.settings)
+        return lambda fn, tasks: map(fn, tasks)
+
+    def __exit__(self, *exc):
+        if self.pool is not None:
+            self.pool.terminate() if exc[0] else self.pool.close()
+            self.pool.join()
+
+
+class _Rejects:
+    """With a rejects directory, appends each dropped document to rejects/REASON.jsonl."""
+
+    def __init__(self, root: Path | None, number: int, suffix: str = "curate"):
+        self.root, self.files = (root / "rejects") if root else None, {}
+        self.tag = f"{number:05d}.{suffix}"
+
+    def __enter__(self):
+        return self
+
+    def write(self, reason: str, source: str, text: str) -> None:
+        if self.root is None:
+            return
+        if reason not in self.files:
+            folder = self.root / reason.replace(":", "-")
+            folder.mkdir(parents=True, exist_ok=True)
+            self.files[reason] = open(folder / f"{self.tag}.jsonl", "w")
+        self.files[reason].write(json.dumps({"source": source, "text": text}) + "\n")
+
+    def __exit__(self, *exc):
+        for f in self.files.values():
+            f.close()
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _merge_counts(chunks: list[dict]) -> dict:
+    dropped: dict[str, int] = {}
+    for chunk in chunks:
+        for reason, (documents, _) in chunk["dropped"].items():
+            dropped[reason] = dropped.get(reason, 0) + documents
+    return {"kept": sum(c["kept"] for c in chunks), "bytes_kept": sum(c["bytes_kept"] for c in chunks),
+            "dropped": dropped}
+
+
+def _reason_summary(dropped: dict[str, int]) -> str:
+    return ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items(), key=lambda kv: -kv[1]) if n)
+
+
+def _read_eval(path: str | Path) -> str:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"decontamination file {str(path)!r} does not exist; give files of evaluation text")
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
 def _check_options(vocab_size: int, max_bytes: int | None, val_fraction: float, seed: int,
-                   workers: int | None, tokenizer: str | Path | None) -> None:
+                   workers: int | None, tokenizer: str | Path | None, chunk_bytes: int) -> None:
     if tokenizer is None:
         check_vocab_size(vocab_size)
     if max_bytes is not None and max_bytes <= 0:
@@ -186,6 +597,8 @@ def _check_options(vocab_size: int, max_bytes: int | None, val_fraction: float, 
         raise DataError(f"seed must be an integer, not {seed!r}")
     if workers is not None and workers < 1:
         raise DataError(f"workers must be at least 1, not {workers}")
+    if chunk_bytes < 1:
+        raise DataError(f"chunk_bytes must be positive, not {chunk_bytes}")
 
 
 def _check_out(out: Path, sources: list[str], files) -> None:
@@ -212,33 +625,6 @@ def _split_draw(seed: int, text: str) -> float:
     return int.from_bytes(digest, "little") / 2**64
 
 
-def _choose_validation(draws: np.ndarray, val_fraction: float) -> np.ndarray:
-    """Which documents are validation: those drawn below val_fraction, with at least one
-    validation and one training document whenever there are two documents and val_fraction > 0."""
-    is_val = draws < val_fraction
-    if val_fraction > 0 and len(draws) >= 2 and not is_val.any():
-        is_val[np.argmin(draws)] = True
-    if is_val.all():
-        is_val[np.argmax(draws)] = False  # training needs a document even when there is only one
-    return is_val
-
-
-def _texts(files, text_field: str, max_bytes: int | None, keep: np.ndarray, progress, task):
-    """The kept documents again, those where keep is True, advancing the progress task by bytes."""
-    documents = read_documents(files, text_field, max_bytes, ReadStats())
-    for (text, nbytes), wanted in zip(documents, keep.tolist()):
-        if wanted:
-            yield text
-        _advance(progress, task, nbytes)
-
-
-def _encode_into(tok, batch: list[str], batch_val: list[bool], writers: dict[str, ShardWriter]) -> None:
-    # No special tokens added: the writer appends the end-of-document id itself, and a
-    # given tokenizer's post-processor (a Llama tokenizer's <s>, say) must not add others.
-    for encoding, val in zip(tok.encode_batch_fast(batch, add_special_tokens=False), batch_val):
-        writers["val" if val else "train"].add(encoding.ids)
-
-
 def _key(options: dict, content_sha256: str) -> str:
     """What decides reuse: everything the output depends on. The tokenizer is named by its
     hash, not its path, and `workers` is absent because it does not change the output."""
@@ -246,6 +632,14 @@ def _key(options: dict, content_sha256: str) -> str:
                 "options": {**options, "tokenizer": options["tokenizer"] and options["tokenizer"]["sha256"]},
                 "content_sha256": content_sha256}
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def _same_work(work: Path, key: str) -> bool:
+    """out/work holds the unfinished work of a prepare with this key."""
+    try:
+        return (work / "key").read_text() == key
+    except OSError:
+        return False
 
 
 def _is_complete(out: Path, key: str) -> bool:
@@ -273,6 +667,8 @@ def _clear(out: Path) -> None:
     # never mistaken for a complete result.
     for name in OUTPUT_FILES:
         (out / name).unlink(missing_ok=True)
+    for folder in ("work", "rejects"):
+        shutil.rmtree(out / folder, ignore_errors=True)
     shards = out / "shards"
     if shards.is_dir():
         for path in shards.iterdir():
@@ -304,6 +700,6 @@ def _advance(progress, task, amount: int) -> None:
 
 
 def _finish_task(progress, task, total: int) -> None:
-    # Totals are estimates (reading stops early at max_bytes); show every task as done.
+    # Totals are estimates (curation removes text); show every task as done.
     if progress is not None:
         progress.update(task, completed=total)

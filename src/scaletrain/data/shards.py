@@ -33,10 +33,13 @@ class ShardWriter:
     """Appends tokenized documents to the shards of one split; `close()` returns its index entry."""
 
     def __init__(self, data_dir: str | Path, split: str, vocab_size: int, eos_id: int,
-                 shard_tokens: int = DEFAULT_SHARD_TOKENS):
+                 shard_tokens: int = DEFAULT_SHARD_TOKENS, prefix: str | None = None):
+        """Shards are named shards/{prefix}_{n:05d}.bin; prefix defaults to the split's name
+        (parallel writers of one split give each its own prefix)."""
         self.root = Path(data_dir)
         (self.root / "shards").mkdir(parents=True, exist_ok=True)
         self.split, self.eos_id, self.shard_tokens = split, eos_id, shard_tokens
+        self.prefix = prefix or split
         self.dtype = token_dtype(vocab_size)
         self.shards: list[dict] = []
         self._pieces: list[np.ndarray] = []
@@ -55,7 +58,7 @@ class ShardWriter:
     def _flush(self) -> None:
         if len(self._offsets) == 1:
             return
-        name = f"{self.split}_{len(self.shards):05d}"
+        name = f"{self.prefix}_{len(self.shards):05d}"
         bin_rel, docs_rel = f"shards/{name}.bin", f"shards/{name}.docs.npy"
         _write_atomic(self.root / bin_rel, np.concatenate(self._pieces).tobytes())
         np.save(self.root / docs_rel, np.asarray(self._offsets, dtype=np.int64))

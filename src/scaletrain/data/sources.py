@@ -166,8 +166,9 @@ class ReadStats:
 
 
 def read_documents(files: list[SourceFile], text_field: str, max_bytes: int | None, stats: ReadStats,
-                   on_file: Callable[[], None] | None = None) -> Iterator[tuple[str, int]]:
-    """Yield (text, UTF-8 bytes) of each kept document, recording counts and the content hash in stats.
+                   on_file: Callable[[], None] | None = None) -> Iterator[tuple[str, int, str]]:
+    """Yield (text, UTF-8 bytes, source file name) of each kept document, recording counts and the
+    content hash in stats.
 
     With max_bytes, reading stops at the first document that would take the kept bytes past
     it, so the kept bytes never exceed max_bytes.
@@ -184,7 +185,7 @@ def read_documents(files: list[SourceFile], text_field: str, max_bytes: int | No
                 return
             else:
                 stats.keep(nbytes)
-                yield text, nbytes
+                yield text, nbytes, file.name
         if on_file is not None:
             on_file()
 
