@@ -64,6 +64,8 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
                          dedup=not args.no_dedup, minhash=(args.minhash_bands, args.minhash_rows, args.minhash_ngram),
                          decontaminate=args.decontaminate, keep_rejects=args.keep_rejects,
                          chunk_bytes=args.chunk_bytes)
+    if result.resumed_chunks:
+        console.print(f"resumed an interrupted prepare: {result.resumed_chunks} chunks were already curated")
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     stats = result.stats

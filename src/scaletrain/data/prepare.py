@@ -28,6 +28,8 @@ import multiprocessing
 import os
 import pickle
 import shutil
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -63,6 +65,7 @@ class PrepareResult:
     reused: bool  # an identical earlier result was found in out and left untouched
     stats: dict  # what stats.json holds
     warnings: list[str]  # notes for the user (skipped lines, non-UTF-8 files, ...)
+    resumed_chunks: int = 0  # chunks of input an interrupted earlier run had finished
 
 
 @dataclass
@@ -154,7 +157,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     # One set of worker processes for passes 1 and 3, started before this process trains the
     # tokenizer: forking after the tokenizers library has run its threads is unsafe.
     with _pool(workers, settings) as pool:
-        result_stats, warnings = _run_passes(
+        result_stats, warnings, resumed = _run_passes(
             pool, files, text_field, max_bytes, stats, settings, chunk_bytes, val_fraction, seed, work, out,
             keep_rejects, given, vocab_size, progress, content_sha256, tokenizer_bytes if given else None)
 
@@ -169,13 +172,13 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     })
     shutil.rmtree(work, ignore_errors=True)
-    return PrepareResult(out, False, result_stats, warnings)
+    return PrepareResult(out, False, result_stats, warnings, resumed)
 
 
 def _run_passes(pool, files, text_field, max_bytes, stats: ReadStats, settings: _Settings, chunk_bytes,
                 val_fraction, seed, work: Path, out: Path, keep_rejects: bool, given, vocab_size: int, progress,
-                content_sha256: str, tokenizer_bytes: bytes | None) -> tuple[dict, list[str]]:
-    """Passes 1 to 3; returns (stats.json's contents, warnings)."""
+                content_sha256: str, tokenizer_bytes: bytes | None) -> tuple[dict, list[str], int]:
+    """Passes 1 to 3; returns (stats.json's contents, warnings, chunks resumed from an earlier run)."""
     # Pass 1: curate, deduplicate, draw the split.
     reread = ReadStats()
     task = _add_task(progress, "curating", stats.bytes["kept"])
@@ -248,7 +251,7 @@ def _run_passes(pool, files, text_field, max_bytes, stats: ReadStats, settings: 
     result_stats["tokenizer"] = {"trained": given is None, "learned_vocab_size": tokenizer_vocab_size(tok)}
     result_stats["warnings"] = warnings
     _write_json(out / "stats.json", result_stats)
-    return result_stats, warnings
+    return result_stats, warnings, sum(1 for chunk in chunks if chunk.get("resumed"))
 
 
 # -- pass 1: curate ---------------------------------------------------------------------------
@@ -264,7 +267,7 @@ def _curate_chunks(pool, files, text_field, max_bytes, reread: ReadStats, settin
     for number, chunk in enumerate(_chunks(documents, chunk_bytes)):
         done = work / f"curated_{number:05d}.json"
         if done.is_file():  # finished by an earlier run: restore its documents into the index
-            record = json.loads(done.read_text())
+            record = {**json.loads(done.read_text()), "resumed": True}
             if settings.dedup:
                 keys = np.load(work / f"curated_{number:05d}.keys.npz")
                 for exact, signature in zip(keys["exact"], keys["signatures"]):
@@ -516,26 +519,34 @@ def _init_pool_worker(settings: _Settings) -> None:
 
 class _pool:
     """`with _pool(n, settings) as run: run(fn, tasks)` maps fn over tasks, in order, on n
-    worker processes (or in this process when n is 1), each initialised with settings."""
+    worker processes (or in this process when n is 1), each initialised with settings. A
+    worker that dies (killed, out of memory) stops the prepare with a DataError; finished
+    chunks are kept, so running it again resumes."""
 
     def __init__(self, workers: int, settings: _Settings):
-        self.workers, self.settings, self.pool = workers, settings, None
+        self.workers, self.settings, self.executor = workers, settings, None
 
     def __enter__(self):
-        if self.workers > 1:
-            # fork where there is one: spawn would re-run an unguarded calling script in every
-            # worker. Nothing in this process has used the tokenizers library's threads yet.
-            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-            context = multiprocessing.get_context(method)
-            self.pool = context.Pool(self.workers, initializer=_init_pool_worker, initargs=(self.settings,))
-            return lambda fn, tasks: self.pool.imap(fn, tasks)
-        _init_worker(self.settings)
-        return lambda fn, tasks: map(fn, tasks)
+        if self.workers == 1:
+            _init_worker(self.settings)
+            return lambda fn, tasks: map(fn, tasks)
+        # fork where there is one: spawn would re-run an unguarded calling script in every
+        # worker. Nothing in this process has used the tokenizers library's threads yet.
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        self.executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context(method),
+                                            initializer=_init_pool_worker, initargs=(self.settings,))
+        return self._map
+
+    def _map(self, fn, tasks):
+        try:
+            yield from self.executor.map(fn, tasks)
+        except BrokenProcessPool:
+            raise DataError("a worker process of data prepare died (killed, or out of memory); run the same "
+                            "command again to resume from the finished chunks") from None
 
     def __exit__(self, *exc):
-        if self.pool is not None:
-            self.pool.terminate() if exc[0] else self.pool.close()
-            self.pool.join()
+        if self.executor is not None:
+            self.executor.shutdown(wait=exc[0] is None, cancel_futures=True)
 
 
 class _Rejects:
