@@ -345,8 +345,9 @@ def _curate_batch(batch: list[tuple[str, int, str]]) -> list[tuple]:
     return results
 
 
-def _chunks(documents: Iterator[tuple[str, int, str]], chunk_bytes: int) -> Iterator[list]:
-    """Consecutive runs of documents of about chunk_bytes each (a document is never split)."""
+def _chunks(documents, chunk_bytes: int) -> Iterator[list]:
+    """Consecutive runs of (text, bytes, name) documents of about chunk_bytes each (a document
+    is never split)."""
     chunk, size = [], 0
     for document in documents:
         chunk.append(document)
@@ -359,15 +360,8 @@ def _chunks(documents: Iterator[tuple[str, int, str]], chunk_bytes: int) -> Iter
 
 
 def _batches(documents: list) -> Iterator[list]:
-    batch, size = [], 0
-    for document in documents:
-        batch.append(document)
-        size += document[1]
-        if size >= BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
+    """A chunk's documents in tasks of about BATCH_BYTES for the workers."""
+    return _chunks(documents, BATCH_BYTES)
 
 
 def _split_overrides(chunks: list[dict], val_fraction: float) -> dict[tuple[int, int], bool]:
