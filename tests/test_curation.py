@@ -198,3 +198,12 @@ def test_an_interrupted_prepare_resumes_from_its_finished_chunks(tmp_path):
     for shard in (clean / "shards").iterdir():
         assert shard.read_bytes() == (out / "shards" / shard.name).read_bytes(), shard.name
     assert not (out / "work").exists()
+
+
+def test_a_jsonl_record_with_a_path_is_curated_as_what_its_path_says(tmp_path):
+    code = (STDLIB / "json" / "encoder.py").read_text()
+    records = [{"text": code, "path": "pkg/encoder.py"}, {"text": code.replace("JSONEncoder", "Encoder"), "id": 2}]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = prepare([str(tmp_path / "mixed.jsonl")], tmp_path / "data", vocab_size=300, val_fraction=0.0,
+                     workers=1, dedup=False)
+    assert result.stats["documents"]["kept"] == 1  # the record without a path is prose, and fails prose rules

@@ -176,7 +176,7 @@ def read_documents(files: list[SourceFile], text_field: str, max_bytes: int | No
     stats.files_listed = len(files)
     for file in files:
         stats.files_read += 1
-        for text in _documents_of(file, text_field, stats):
+        for text, name in _documents_of(file, text_field, stats):
             nbytes = len(text.encode("utf-8"))
             if not text.strip():
                 stats.drop("empty", nbytes)
@@ -185,12 +185,18 @@ def read_documents(files: list[SourceFile], text_field: str, max_bytes: int | No
                 return
             else:
                 stats.keep(nbytes)
-                yield text, nbytes, file.name
+                yield text, nbytes, name
         if on_file is not None:
             on_file()
 
 
-def _documents_of(file: SourceFile, text_field: str, stats: ReadStats) -> Iterator[str]:
+# A record's own file name, where a .jsonl or .parquet of many files carries one (The Stack's
+# "path", others' "filename"): it tells curation whether the record is code or prose.
+NAME_FIELDS = ("path", "filename", "file_name", "name")
+
+
+def _documents_of(file: SourceFile, text_field: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
+    """(text, name) of each document of a file; name is the file's, or a record's own."""
     suffix = file.path.suffix.lower()
     if suffix == ".jsonl":
         yield from _read_jsonl(file, text_field, stats)
@@ -199,7 +205,7 @@ def _documents_of(file: SourceFile, text_field: str, stats: ReadStats) -> Iterat
     else:
         text = _read_text(file, stats)
         if text is not None:
-            yield text
+            yield text, file.name
 
 
 def _decode(raw: bytes, file: SourceFile, stats: ReadStats, already_counted: bool) -> tuple[str, bool]:
@@ -225,7 +231,14 @@ def _read_text(file: SourceFile, stats: ReadStats) -> str | None:
     return _decode(raw, file, stats, False)[0]
 
 
-def _read_jsonl(file: SourceFile, text_field: str, stats: ReadStats) -> Iterator[str]:
+def _record_name(record: dict, file: SourceFile) -> str:
+    for key in NAME_FIELDS:
+        if isinstance(record.get(key), str):
+            return record[key]
+    return file.name
+
+
+def _read_jsonl(file: SourceFile, text_field: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
     _hash_whole_file(file, stats)
     not_utf8 = False
     with open(file.path, "rb") as f:
@@ -243,7 +256,7 @@ def _read_jsonl(file: SourceFile, text_field: str, stats: ReadStats) -> Iterator
                 what = "a non-string" if isinstance(record, dict) and text_field in record else "no"
                 stats.bad_line(file, lineno, len(raw), "missing_field", f"has {what} {text_field!r} field")
                 continue
-            yield text
+            yield text, _record_name(record, file)
 
 
 def _hash_whole_file(file: SourceFile, stats: ReadStats) -> None:
@@ -257,7 +270,7 @@ def _hash_whole_file(file: SourceFile, stats: ReadStats) -> None:
     stats.hash_file(file, size, digest.hexdigest())
 
 
-def _read_parquet(file: SourceFile, text_field: str, stats: ReadStats) -> Iterator[str]:
+def _read_parquet(file: SourceFile, text_field: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -274,10 +287,14 @@ def _read_parquet(file: SourceFile, text_field: str, stats: ReadStats) -> Iterat
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise DataError(f"column {text_field!r} of {file.path} holds {kind}, not strings; "
                         "name a text column with text_field")
+    name_column = next((n for n in NAME_FIELDS if n in names and n != text_field), None)
+    columns = [text_field] + ([name_column] if name_column else [])
     # Batches bound memory to a slice of one row group, whatever the file's size.
-    for batch in parquet.iter_batches(columns=[text_field]):
-        for text in batch.column(0).to_pylist():
+    for batch in parquet.iter_batches(columns=columns):
+        texts = batch.column(0).to_pylist()
+        record_names = batch.column(1).to_pylist() if name_column else [None] * len(texts)
+        for text, name in zip(texts, record_names):
             if text is None:
                 stats.drop("missing_field", 0)
             else:
-                yield text
+                yield text, name if isinstance(name, str) else file.name
