@@ -35,6 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+import ftfy
 import numpy as np
 import tokenizers
 
@@ -633,7 +634,10 @@ def _split_draw(seed: int, text: str) -> float:
 def _key(options: dict, content_sha256: str) -> str:
     """What decides reuse: everything the output depends on. The tokenizer is named by its
     hash, not its path, and `workers` is absent because it does not change the output."""
+    # ftfy's repairs and rensa's signatures change between their releases: a resumed or reused
+    # prepare must not mix them.
     material = {"prepare_version": PREPARE_VERSION, "tokenizers_version": tokenizers.__version__,
+                "ftfy_version": ftfy.__version__, "rensa_version": _package_version("rensa"),
                 "options": {**options, "tokenizer": options["tokenizer"] and options["tokenizer"]["sha256"]},
                 "content_sha256": content_sha256}
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
@@ -687,12 +691,16 @@ def _write_json(path: Path, value: dict) -> None:
     os.replace(tmp, path)
 
 
-def _version() -> str:
+def _package_version(name: str) -> str:
     from importlib.metadata import PackageNotFoundError, version
     try:
-        return version("scaletrain")
+        return version(name)
     except PackageNotFoundError:
         return "unknown"
+
+
+def _version() -> str:
+    return _package_version("scaletrain")
 
 
 def _add_task(progress, description: str, total: int):
