@@ -49,6 +49,7 @@ import numpy as np
 import rensa
 import xxhash
 
+from planted import edit  # benchmarks/planted.py, beside this script
 from scaletrain.data.dedup import (_EMPTY, _WORD, _WORD_TABLE, DedupIndex, MinHasher, _gram_hashes, _splitmix64,
                                    _word_hashes, _words, exact_key)
 
@@ -104,19 +105,6 @@ def distinct(texts: list[str], threshold: float) -> list[str]:
         sizes.append(len(shingles))
         kept.append(text)
     return kept
-
-
-def edit(text: str, rate: float, vocabulary: list[str], rng: random.Random) -> str:
-    """text with round(rate * words) of its words (at least one) substituted, deleted or followed by an insertion."""
-    spans = [m.span() for m in WORD_SPAN.finditer(text)]
-    positions = sorted(rng.sample(range(len(spans)), max(1, round(rate * len(spans)))), reverse=True)
-    for i in positions:  # from the end, so earlier spans stay valid
-        start, end = spans[i]
-        op = rng.choice(("substitute", "insert", "delete"))
-        word = rng.choice(vocabulary)
-        replacement = {"substitute": word, "insert": text[start:end] + " " + word, "delete": ""}[op]
-        text = text[:start] + replacement + text[end:]
-    return text
 
 
 def recase(text: str, rng: random.Random) -> str:

@@ -80,6 +80,7 @@ from pathlib import Path
 
 import numpy as np
 
+from planted import edit  # benchmarks/planted.py, beside this script
 from scaletrain.data.prepare import prepare
 
 # The module itself: the package's attribute `prepare` is the function.
@@ -219,19 +220,6 @@ def distinct_originals(docs: list[dict], pool: list[int], wanted: int) -> list[i
         worst[touched] = np.maximum(worst[touched], jaccard)
     keep = [i for j, i in enumerate(order) if worst[j] < DISTINCT_BELOW]
     return keep[:wanted]
-
-
-def edit(text: str, rate: float, vocabulary: list[str], rng: random.Random) -> str:
-    """text with round(rate * words) of its words (at least one) substituted, deleted or followed by an insertion."""
-    spans = [m.span() for m in WORD.finditer(text)]
-    positions = sorted(rng.sample(range(len(spans)), max(1, round(rate * len(spans)))), reverse=True)
-    for i in positions:  # from the end, so earlier spans stay valid
-        start, end = spans[i]
-        op = rng.choice(("substitute", "insert", "delete"))
-        word = rng.choice(vocabulary)
-        replacement = {"substitute": word, "insert": text[start:end] + " " + word, "delete": ""}[op]
-        text = text[:start] + replacement + text[end:]
-    return text
 
 
 def text_key(text: str) -> str:
