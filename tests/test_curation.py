@@ -101,6 +101,13 @@ def test_every_planted_document_is_dropped_for_its_reason_and_counted(curated):
     assert all(isinstance(n, int) for n in dropped.values())
 
 
+def test_documents_and_bytes_read_are_kept_plus_dropped(curated):
+    stats = json.loads((curated / "stats.json").read_text())
+    for unit in ("documents", "bytes"):
+        assert stats[unit]["read"] == stats[unit]["kept"] + sum(stats[unit]["dropped"].values()), unit
+    assert stats["bytes"]["curated"] <= stats["bytes"]["kept"]
+
+
 def test_rejects_are_written_aside_by_reason(curated):
     rejects = curated / "rejects"
     by_reason = {folder.name: [json.loads(line) for f in folder.glob("*.jsonl") for line in f.read_text().splitlines()]
@@ -120,11 +127,18 @@ def test_kept_code_is_unchanged_and_still_compiles(curated):
     assert kept[0].strip() == "\n".join(line.rstrip() for line in encoder.splitlines()).strip()
 
 
-def test_no_training_document_shares_a_13_gram_with_the_validation_split(stdlib_data):
-    val = decoded(stdlib_data, "val")
+def test_training_documents_sharing_a_13_gram_with_the_validation_split_are_dropped(tmp_path):
+    shared = "\n\n" + prose_documents(13)[12]  # a passage every document quotes
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(prose_documents(12)):
+        (corpus / f"doc_{i:02d}.txt").write_text(text + shared)
+    out = tmp_path / "data"
+    result = prepare([str(corpus)], out, vocab_size=300, val_fraction=0.3, workers=1)
+    val, train = decoded(out, "val"), decoded(out, "train")
+    assert val and result.stats["documents"]["dropped"]["val_overlap"] >= 1
     overlap = Decontaminator(val, whole_short_texts=False)
-    assert not any(overlap.contaminated(text) for text in decoded(stdlib_data, "train"))
-    assert json.loads((stdlib_data / "stats.json").read_text())["documents"]["dropped"]["val_overlap"] >= 0
+    assert not any(overlap.contaminated(text) for text in train)
 
 
 def test_decontaminate_drops_training_documents_that_contain_evaluation_text(corpus, curated, tmp_path):
@@ -159,6 +173,7 @@ def test_bad_inputs_are_counted_drops_never_a_crash(tmp_path):
     (corpus / "one_enormous_line.txt").write_text("x" * 3_000_000)
     (corpus / "latin1.txt").write_bytes(("Caf\xe9 cr\xe8me br\xfbl\xe9e. " * 30).encode("latin-1"))
     (corpus / "minified.js").write_text("var a=1;" * 200_000)
+    (corpus / "surrogate.jsonl").write_text('{"text": "a lone surrogate \\ud800 in valid JSON"}\n')
     result = prepare([str(corpus)], tmp_path / "data", vocab_size=300, val_fraction=0.0, workers=1)
     stats = result.stats
     dropped = stats["documents"]["dropped"]

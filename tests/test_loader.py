@@ -166,3 +166,11 @@ def test_a_mixture_state_for_other_sources_is_refused(two_sources, data_dir):
     state = TokenLoader(two_sources, 16, 8, 2).state_dict()
     with pytest.raises(DataError, match="original data.path"):
         TokenLoader({"low": data_dir, "high": two_sources["high"]}, 16, 8, 2).load_state_dict(state)
+
+
+def test_the_order_a_mixture_names_its_sources_in_does_not_change_the_data(two_sources):
+    forward = TokenLoader(two_sources, 16, 8, 2, seed=3, weights={"low": 0.3, "high": 0.7})
+    backward = TokenLoader(dict(reversed(list(two_sources.items()))), 16, 8, 2, seed=3,
+                           weights={"high": 0.7, "low": 0.3})
+    for _ in range(12):
+        assert torch.equal(forward.next_batch()[0], backward.next_batch()[0])

@@ -8,6 +8,7 @@ the value and what would be valid.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -112,9 +113,9 @@ class DataConfig(_Section):
         if self.mix is not None:
             if not self.mix:
                 raise ValueError("data.mix is empty; name at least one data directory, e.g. {code = 1.0}, or leave it unset")
-            bad = {name: weight for name, weight in self.mix.items() if not weight > 0}
+            bad = {name: weight for name, weight in self.mix.items() if not (0 < weight < math.inf)}
             if bad:
-                raise ValueError(f"data.mix weights must be positive, got {bad}")
+                raise ValueError(f"data.mix weights must be positive finite numbers, got {bad}")
         return self
 
     @property

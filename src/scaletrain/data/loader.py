@@ -65,7 +65,9 @@ class TokenLoader:
         weights = weights or {name: 1.0 for name in sources}
         if set(weights) != set(sources) or min(weights.values()) <= 0:
             raise ValueError(f"weights {weights} must be positive and name exactly the sources {list(sources)}")
-        self.sources = [_Source(i, name, Path(path), split, seq_len, seed) for i, (name, path) in enumerate(sources.items())]
+        # By name, so that listing a mixture's sources in another order draws the same data.
+        self.sources = [_Source(i, name, Path(sources[name]), split, seq_len, seed)
+                        for i, name in enumerate(sorted(sources))]
         total = sum(weights.values())
         self.probabilities = np.array([weights[s.name] / total for s in self.sources])
         self.seq_len, self.seqs_per_step, self.micro_batch = seq_len, seqs_per_step, micro_batch

@@ -109,10 +109,13 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     _check_options(vocab_size, max_bytes, val_fraction, seed, workers, tokenizer, chunk_bytes)
     filter_config = load_filters(filters)
     dedup = dedup and str(filters) != "none"
+    if dedup:  # bad MinHash settings fail here, before anything in out is touched
+        MinHasher(*minhash, seed=seed)
+        DedupIndex(*minhash[:2])
     files = list_files(sources)
     _check_out(out, sources, files)
     workers = workers or os.cpu_count() or 1
-    eval_texts = [_read_eval(path) for path in decontaminate]
+    eval_texts = [example for path in decontaminate for example in _read_eval(path)]
 
     given = None
     if tokenizer is not None:
@@ -132,7 +135,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
                "val_fraction": val_fraction, "seed": seed, "filters": filter_config.model_dump(mode="json"),
                "dedup": dedup, "minhash": list(minhash), "chunk_bytes": chunk_bytes,
                "decontaminate": [hashlib.sha256(t.encode()).hexdigest() for t in eval_texts],
-               "keep_rejects": keep_rejects,
+               "keep_rejects": keep_rejects, "curate": str(filters) != "none",
                "tokenizer": None if given is None else
                {"path": str(tokenizer_path), "sha256": hashlib.sha256(tokenizer_bytes).hexdigest()}}
     content_sha256 = stats.content.hexdigest()
@@ -244,9 +247,12 @@ def _run_passes(pool, files, text_field, max_bytes, stats: ReadStats, settings: 
     kept_documents = splits["train"]["documents"] + splits["val"]["documents"]
     result_stats["documents"].update(kept=kept_documents, train=splits["train"]["documents"],
                                      val=splits["val"]["documents"])
+    # Input bytes throughout, so read = kept + every dropped reason; "curated" is what the kept
+    # documents hold after normalisation and line filtering.
     result_stats["bytes"].update(kept=sum(w["bytes"]["train"] + w["bytes"]["val"] for w in written),
                                  train=sum(w["bytes"]["train"] for w in written),
-                                 val=sum(w["bytes"]["val"] for w in written))
+                                 val=sum(w["bytes"]["val"] for w in written),
+                                 curated=sum(w["curated_bytes"] for w in written))
     result_stats["tokens"] = {"train": splits["train"]["tokens"], "val": splits["val"]["tokens"]}
     result_stats["vocab_size"], result_stats["eos_id"] = vocab_size, eos
     result_stats["tokenizer"] = {"trained": given is None, "learned_vocab_size": tokenizer_vocab_size(tok)}
@@ -301,7 +307,7 @@ def _curate_one_chunk(number, chunk, pool, index: DedupIndex, settings: _Setting
                     reject.write(reason, name, text)
                     continue
                 draw = _split_draw(seed, curated)
-                kept.append((curated, draw < val_fraction))
+                kept.append((curated, draw < val_fraction, nbytes))
                 kept_bytes += len(curated.encode())
                 draws.append(draw)
                 if settings.dedup:
@@ -385,19 +391,26 @@ def _split_overrides(chunks: list[dict], val_fraction: float) -> dict[tuple[int,
 def _curated_documents(work: Path, chunks: list[dict], overrides: dict, progress=None, task=None):
     """(text, is_validation) of every curated document, in order."""
     for chunk in chunks:
-        for position, (text, val) in enumerate(_read_pickled(work / f"curated_{chunk['number']:05d}.pkl")):
+        for position, (text, val, _) in enumerate(_read_pickled(work / f"curated_{chunk['number']:05d}.pkl", chunk)):
             if progress is not None:
                 _advance(progress, task, len(text.encode()))
             yield text, overrides.get((chunk["number"], position), val)
 
 
-def _read_pickled(path: Path) -> Iterator[tuple[str, bool]]:
+def _read_pickled(path: Path, chunk: dict) -> Iterator[tuple[str, bool, int]]:
+    """(curated text, is validation, input bytes) of each document a finished chunk kept."""
+    count = 0
     with open(path, "rb") as f:
         while True:
             try:
-                yield from pickle.load(f)
+                batch = pickle.load(f)
             except EOFError:
-                return
+                break
+            count += len(batch)
+            yield from batch
+    if count != chunk["kept"]:
+        raise DataError(f"{path} holds {count} documents, its record says {chunk['kept']} (damaged by a crash?); "
+                        f"delete {path.parent} and prepare again")
 
 
 # -- pass 3: tokenize -------------------------------------------------------------------------
@@ -422,19 +435,19 @@ def _tokenize_chunks(pool, work: Path, chunks: list[dict], overrides: dict, job:
         done = work / f"shards_{number:05d}.json"
         if done.is_file():  # finished by an earlier run
             records[number] = json.loads(done.read_text())
-            advance(records[number]["bytes"]["train"] + records[number]["bytes"]["val"])
+            advance(records[number]["curated_bytes"])
         else:
             moved = {position: val for (n, position), val in overrides.items() if n == number}
-            pending.append((number, moved, job))
+            pending.append((number, chunk["kept"], moved, job))
     for record in pool(_tokenize_chunk, pending):
         records[record["number"]] = record
-        advance(record["bytes"]["train"] + record["bytes"]["val"])
+        advance(record["curated_bytes"])
     return [records[chunk["number"]] for chunk in chunks]
 
 
-def _tokenize_chunk(task: tuple[int, dict, _TokenizeJob]) -> dict:
+def _tokenize_chunk(task: tuple[int, int, dict, _TokenizeJob]) -> dict:
     """Worker: decontaminate one curated chunk against the validation split, tokenize it, write its shards."""
-    number, moved, job = task
+    number, kept, moved, job = task
     out = Path(job.out)
     work = out / "work"
     tok = _worker_value("tokenizer", str(out / "tokenizer.json"), load_tokenizer)
@@ -445,7 +458,8 @@ def _tokenize_chunk(task: tuple[int, dict, _TokenizeJob]) -> dict:
     writers = {split: ShardWriter(out, split, job.vocab_size, eos, prefix=f"{split}_{number:05d}")
                for split in ("train", "val")}
     dropped: dict[str, list[int]] = {}
-    split_bytes = {"train": 0, "val": 0}
+    split_bytes = {"train": 0, "val": 0}  # input bytes of the documents kept, by split
+    curated_bytes = 0  # their bytes after normalisation and line filtering
     batch: list[tuple[str, bool]] = []
     with _Rejects(Path(job.rejects) if job.rejects else None, number, suffix="tokenize") as reject:
         def flush():
@@ -457,9 +471,10 @@ def _tokenize_chunk(task: tuple[int, dict, _TokenizeJob]) -> dict:
             batch.clear()
 
         size = 0
-        for position, (text, val) in enumerate(_read_pickled(work / f"curated_{number:05d}.pkl")):
+        for position, (text, val, nbytes) in enumerate(_read_pickled(work / f"curated_{number:05d}.pkl",
+                                                                       {"kept": kept})):
             val = moved.get(position, val)
-            nbytes = len(text.encode())
+            curated_bytes += len(text.encode())
             if not val and overlap is not None and overlap.contaminated(text):
                 entry = dropped.setdefault("val_overlap", [0, 0])
                 entry[0] += 1
@@ -468,13 +483,13 @@ def _tokenize_chunk(task: tuple[int, dict, _TokenizeJob]) -> dict:
                 continue
             split_bytes["val" if val else "train"] += nbytes
             batch.append((text, val))
-            size += nbytes
+            size += len(text)
             if size >= BATCH_BYTES:
                 flush()
                 size = 0
         if batch:
             flush()
-    record = {"number": number, "dropped": dropped, "bytes": split_bytes,
+    record = {"number": number, "dropped": dropped, "bytes": split_bytes, "curated_bytes": curated_bytes,
               **{split: writer.close() for split, writer in writers.items()}}
     _write_json(work / f"shards_{number:05d}.json", record)
     return record
@@ -495,7 +510,8 @@ def _init_worker(settings: _Settings) -> None:
     decontamination index of the evaluation texts."""
     _WORKER.clear()
     _WORKER["settings"] = settings
-    _WORKER["hasher"] = MinHasher(settings.bands, settings.rows, settings.ngram, seed=settings.seed)
+    _WORKER["hasher"] = (MinHasher(settings.bands, settings.rows, settings.ngram, seed=settings.seed)
+                         if settings.dedup else None)
     _WORKER["contamination"] = Decontaminator(settings.decontaminate) if settings.decontaminate else None
 
 
@@ -584,11 +600,23 @@ def _reason_summary(dropped: dict[str, int]) -> str:
     return ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items(), key=lambda kv: -kv[1]) if n)
 
 
-def _read_eval(path: str | Path) -> str:
+def _read_eval(path: str | Path) -> list[str]:
+    """The examples of an evaluation file: each record of a .jsonl (its "text", or the whole
+    record), else each paragraph. An example shorter than 13 words is matched whole (GPT-3's rule)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"decontamination file {str(path)!r} does not exist; give files of evaluation text")
-    return path.read_text(encoding="utf-8", errors="replace")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix.lower() == ".jsonl":
+        examples = []
+        for line in text.splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = line
+            examples.append(record.get("text", line) if isinstance(record, dict) else line)
+        return [e if isinstance(e, str) else json.dumps(e) for e in examples if e]
+    return [p for p in text.split("\n\n") if p.strip()]
 
 
 def _check_options(vocab_size: int, max_bytes: int | None, val_fraction: float, seed: int,

@@ -177,7 +177,11 @@ def read_documents(files: list[SourceFile], text_field: str, max_bytes: int | No
     for file in files:
         stats.files_read += 1
         for text, name in _documents_of(file, text_field, stats):
-            nbytes = len(text.encode("utf-8"))
+            try:
+                nbytes = len(text.encode("utf-8"))
+            except UnicodeEncodeError:  # lone surrogates, which JSON's \ud800 escapes can carry
+                text = text.encode("utf-8", errors="replace").decode("utf-8")
+                nbytes = len(text.encode("utf-8"))
             if not text.strip():
                 stats.drop("empty", nbytes)
             elif max_bytes is not None and stats.bytes["kept"] + nbytes > max_bytes:
@@ -192,7 +196,7 @@ def read_documents(files: list[SourceFile], text_field: str, max_bytes: int | No
 
 # A record's own file name, where a .jsonl or .parquet of many files carries one (The Stack's
 # "path", others' "filename"): it tells curation whether the record is code or prose.
-NAME_FIELDS = ("path", "filename", "file_name", "name")
+NAME_FIELDS = ("path", "filename", "file_name")
 
 
 def _documents_of(file: SourceFile, text_field: str, stats: ReadStats) -> Iterator[tuple[str, str]]:

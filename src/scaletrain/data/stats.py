@@ -48,7 +48,10 @@ def describe(data_dir: str | Path, top: int = 20) -> dict:
     data_dir = Path(data_dir)
     index = read_index(data_dir)
     stats_path = data_dir / "stats.json"
-    prepared = json.loads(stats_path.read_text()) if stats_path.is_file() else {}
+    try:
+        prepared = json.loads(stats_path.read_text()) if stats_path.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise DataError(f"{stats_path} is not valid JSON ({e}); prepare the data directory again") from None
     documents = prepared.get("documents", {})
     dropped = {reason: n for reason, n in documents.get("dropped", {}).items() if n}
     read = documents.get("read", 0)
@@ -104,6 +107,9 @@ def plot_lengths(data_dir: str | Path, out: str | Path) -> Path:
     ax.set_title(f"{Path(data_dir).name}: {len(lengths):,} training documents, {int(lengths.sum()):,} tokens")
     fig.tight_layout()
     out = Path(out)
+    if not out.parent.is_dir():
+        plt.close(fig)
+        raise DataError(f"cannot write the histogram to {out}: {out.parent} is not a directory")
     fig.savefig(out)
     plt.close(fig)
     return out

@@ -359,9 +359,13 @@ class Trainer:
                     val_loss = sum(cfg.data.weights[name] * loss for name, loss in by_source.items())
                     metrics.write("eval", self.step, self.tokens, loss=val_loss, loss_by_source=by_source)
                     log.info("step %d/%d  validation loss %.4f", self.step, self.total_steps, val_loss)
+            consumption = {"tokens_by_source": self.loader.tokens_by_source(),
+                           "epochs_by_source": self.loader.epochs_by_source()}
             metrics.write("end", self.step, self.tokens, train_loss=train_loss, val_loss=val_loss,
-                          complete=self.step == self.total_steps, tokens_by_source=self.loader.tokens_by_source(),
-                          epochs_by_source=self.loader.epochs_by_source())
+                          complete=self.step == self.total_steps, **consumption)
+            # What the run consumed of each source, for people and tools (also in the end record).
+            (self.run_dir / "stats.json").write_text(json.dumps(
+                {"step": self.step, "tokens": self.tokens, **consumption}, indent=1) + "\n")
         except TrainingDiverged as e:
             metrics.write("diverged", self.step, self.tokens, message=str(e))
             raise
