@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -123,6 +124,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from scaletrain.train.trainer import TrainingDiverged, train
 
     cfg = load_config(args.config, args.overrides)
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _torchrun(args)
     if args.stop_at_step is not None and args.stop_at_step < 1:
         raise UserError(f"--stop-at-step {args.stop_at_step} must be a step number ≥ 1")
     try:
@@ -130,6 +133,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     except TrainingDiverged as e:
         console.print(f"[red]training diverged:[/] {e}", highlight=False, soft_wrap=True)
         return 1
+    if int(os.environ.get("RANK", 0)) != 0:
+        return 0
     table = Table(title=f"run: {result.run_dir}")
     table.add_column("")
     table.add_column("value", justify="right")
@@ -145,6 +150,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     elif result.step < result.total_steps:
         out.print(f"stopped at step {result.step}; run the same command without --stop-at-step to continue")
     return 0
+
+
+def _torchrun(args: argparse.Namespace) -> int:
+    """Start `args.nproc` processes of this same command on this node through torchrun."""
+    import subprocess
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+               "-m", "scaletrain.cli", "train", args.config, *args.overrides]
+    if args.stop_at_step is not None:
+        command.append(f"--stop-at-step={args.stop_at_step}")
+    # Restarted workers must not read stale addresses from the store torchrun shares across
+    # attempts (pytorch issues #135712, #167288).
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return subprocess.run(command, env=env).returncode
 
 
 def _num(value: float | None) -> str:
@@ -212,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "newest complete checkpoint when there is one.")
     p.add_argument("config", help="TOML config, e.g. configs/tiny.toml")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="processes to start on this node (through torchrun); the layout is the config's [parallel]")
     p.add_argument("--stop-at-step", type=int, default=None,
                    help="end this invocation after step K (with a checkpoint) without changing the schedule")
     p.set_defaults(func=cmd_train)

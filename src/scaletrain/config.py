@@ -178,6 +178,21 @@ class TrainConfig(_Section):
         return self
 
 
+class ParallelConfig(_Section):
+    """How the processes `scaletrain train --nproc N` (or torchrun) starts split the work."""
+
+    dp_replicate: int = Field(default=1, ge=1)
+    """Data-parallel replicas holding whole copies of the (dp_shard-sharded) model."""
+    dp_shard: int = Field(default=-1, ge=-1)
+    """Processes each replica's parameters, gradients and optimizer state are sharded over (FSDP2, ZeRO-3); -1: all remaining processes."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelConfig:
+        if self.dp_shard == 0:
+            raise ValueError("parallel.dp_shard = 0 is not a size; use a positive number of processes, or -1 for all remaining ones")
+        return self
+
+
 class CheckpointConfig(_Section):
     interval: int = Field(default=500, ge=0)
     """Save every this many steps (and always at the end); 0 saves only at the end."""
@@ -204,6 +219,7 @@ class RunConfig(_Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig
+    parallel: ParallelConfig = ParallelConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()

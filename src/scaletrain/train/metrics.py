@@ -14,8 +14,11 @@ from pathlib import Path
 
 
 class MetricsLog:
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, enabled: bool = True):
+        """enabled=False (ranks other than 0) builds records but writes nothing."""
+        self.path, self._file = path, None
+        if not enabled:
+            return
         if path.is_file() and path.stat().st_size:
             with open(path, "rb") as f:
                 f.seek(-1, 2)
@@ -28,12 +31,14 @@ class MetricsLog:
 
     def write(self, kind: str, step: int, tokens: int, **values) -> dict:
         record = {"kind": kind, "step": step, "tokens": tokens, "time": round(time.time(), 3), **values}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         return record
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict]:

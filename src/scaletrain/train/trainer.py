@@ -15,12 +15,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from scaletrain.config import ConfigError, RunConfig, load_config, validate_config
 from scaletrain.data.loader import TokenLoader, eval_batches
 from scaletrain.data.shards import DataError, read_index
 from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.model.llama import Transformer
+from scaletrain.parallel.apply import parallelize
+from scaletrain.parallel.mesh import init_distributed, resolve_layout, shutdown, world
 from scaletrain.plan.hardware import peak_flops
 from scaletrain.train import checkpoint
 from scaletrain.train.metrics import MetricsLog, read_metrics
@@ -109,25 +113,38 @@ def peak_memory_gb(device: torch.device) -> float:
 class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg = resolve(cfg)
+        self.rank, local_rank, world_size = world()
+        self.is_main = self.rank == 0
+        # The layout is checked before any process group starts.
+        self.layout = resolve_layout(cfg.parallel, world_size)
+        if cfg.seqs_per_step % (self.layout.dp * cfg.train.micro_batch):
+            raise ConfigError(f"train.global_batch_tokens = {cfg.train.global_batch_tokens} holds {cfg.seqs_per_step} "
+                              f"sequences, which do not split into {self.layout.dp} data-parallel ranks x "
+                              f"train.micro_batch = {cfg.train.micro_batch}; use a multiple of "
+                              f"{self.layout.dp * cfg.train.micro_batch * cfg.data.seq_len} tokens")
         self.run_dir = cfg.run_dir
         self.ckpt_root = self.run_dir / "checkpoints"
         self.device = pick_device(cfg.train.device)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
         self.dtype = compute_dtype(cfg.train.dtype, self.device)
         self.total_steps = cfg.total_steps
         self._check_run_dir()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # mem_gb is this run's peak, not the process's
+        if not self.is_main:
+            log.setLevel(logging.WARNING)  # one console for people: rank 0's
+        self.mesh = init_distributed(self.device, self.layout)
 
-        torch.manual_seed(cfg.run.seed)
-        self.model = Transformer(cfg.model).to(self.device)
-        if cfg.train.compile:
-            for block in self.model.layers:
-                block.compile()
+        torch.manual_seed(cfg.run.seed)  # every rank builds the same full model, then keeps its shard
+        self.model = parallelize(Transformer(cfg.model).to(self.device), self.mesh, compile_blocks=cfg.train.compile)
         self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                          betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
                                          device=self.device)
         self.loader = TokenLoader(cfg.data.sources, cfg.data.seq_len, cfg.seqs_per_step, cfg.train.micro_batch,
-                                  seed=cfg.run.seed, weights=cfg.data.weights)
+                                  rank=self.rank, world_size=self.layout.dp, seed=cfg.run.seed,
+                                  weights=cfg.data.weights)
         for path in cfg.data.sources.values():
             try:  # fail now, not after the last step, if validation cannot run
                 next(eval_batches(path, cfg.data.seq_len, cfg.eval.tokens, cfg.train.micro_batch))
@@ -262,7 +279,9 @@ class Trainer:
             loss_sum += loss.detach()
         max_norm = cfg.clip if cfg.clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        loss_value, norm_value = loss_sum.item(), grad_norm.item()
+        if isinstance(grad_norm, DTensor):  # sharded parameters: the norm is global already
+            grad_norm = grad_norm.full_tensor()
+        loss_value, norm_value = _mean_over_ranks(loss_sum), grad_norm.item()
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             raise TrainingDiverged(
                 f"step {self.step + 1}: loss is {loss_value} and gradient norm {norm_value}; the update was not "
@@ -287,11 +306,12 @@ class Trainer:
         for name, path in self.cfg.data.sources.items():
             total, count = 0.0, 0
             for inputs, targets in eval_batches(path, self.cfg.data.seq_len, self.cfg.eval.tokens,
-                                                self.cfg.train.micro_batch):
+                                                self.cfg.train.micro_batch, self.rank, self.layout.dp):
                 with self.autocast():
                     loss = self.model(inputs.to(self.device), targets.to(self.device))
                 total += loss.item() * targets.numel()
                 count += targets.numel()
+            total, count = _sum_over_ranks([total, count])
             by_source[name] = total / count
         self.model.train()
         return by_source
@@ -312,10 +332,12 @@ class Trainer:
                  self.run_dir, f"{params['total']:,}", f"{params['non_embedding']:,}", self.flops_per_token,
                  self.total_steps, f"{cfg.train.global_batch_tokens:,}", self.device,
                  str(self.dtype).removeprefix("torch."))
-        (self.run_dir / "config.toml").write_text(cfg.to_toml())
-        if not (self.run_dir / "tokenizer.json").is_file():
-            shutil.copyfile(next(iter(cfg.data.sources.values())) / "tokenizer.json", self.run_dir / "tokenizer.json")
-        metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        if self.is_main:  # one writer of the run directory's files
+            (self.run_dir / "config.toml").write_text(cfg.to_toml())
+            if not (self.run_dir / "tokenizer.json").is_file():
+                shutil.copyfile(next(iter(cfg.data.sources.values())) / "tokenizer.json",
+                                self.run_dir / "tokenizer.json")
+        metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main)
         if resumed_from is not None:
             metrics.write("resume", self.step, self.tokens)
         else:
@@ -364,8 +386,9 @@ class Trainer:
             metrics.write("end", self.step, self.tokens, train_loss=train_loss, val_loss=val_loss,
                           complete=self.step == self.total_steps, **consumption)
             # What the run consumed of each source, for people and tools (also in the end record).
-            (self.run_dir / "stats.json").write_text(json.dumps(
-                {"step": self.step, "tokens": self.tokens, **consumption}, indent=1) + "\n")
+            if self.is_main:
+                (self.run_dir / "stats.json").write_text(json.dumps(
+                    {"step": self.step, "tokens": self.tokens, **consumption}, indent=1) + "\n")
         except TrainingDiverged as e:
             metrics.write("diverged", self.step, self.tokens, message=str(e))
             raise
@@ -379,10 +402,29 @@ class Trainer:
                            resumed_from)
 
 
+def _sum_over_ranks(values: list[float]) -> list[float]:
+    if not dist.is_initialized():
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor)  # gloo has no AVG: sum, then divide where a mean is wanted
+    return tensor.tolist()
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    """The mean over data-parallel ranks of a per-rank scalar (each rank saw an equal share)."""
+    if not dist.is_initialized():
+        return value.item()
+    return _sum_over_ranks([value.item()])[0] / dist.get_world_size()
+
+
 def _flatten(config: dict) -> dict:
     return {f"{section}.{key}": value for section, values in config.items() for key, value in values.items()}
 
 
 def train(cfg: RunConfig, stop_at_step: int | None = None) -> TrainResult:
-    """Train (or resume) the run `cfg` describes; stop cleanly after `stop_at_step` if given."""
-    return Trainer(cfg).fit(stop_at_step=stop_at_step)
+    """Train (or resume) the run `cfg` describes; stop cleanly after `stop_at_step` if given.
+    Under torchrun every process calls this; the layout comes from cfg.parallel."""
+    try:
+        return Trainer(cfg).fit(stop_at_step=stop_at_step)
+    finally:
+        shutdown()

@@ -1,0 +1,72 @@
+"""Data parallelism in real processes over gloo: every layout trains the losses of one process
+on the same global batch, and a checkpoint saved by one layout resumes in another."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli, tiny_config
+from scaletrain.config import ConfigError, ParallelConfig
+from scaletrain.parallel.mesh import resolve_layout
+from scaletrain.train.metrics import read_metrics
+from scaletrain.train.trainer import train
+
+STEPS = ["train.steps=6", "eval.interval=3", "checkpoint.interval=3"]
+
+
+def records(run_dir, kind):
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir, kind)}
+
+
+def launch(stdlib_data, run_dir, nproc: int, *overrides: str):
+    """`scaletrain train configs/tiny.toml --nproc N` as a user runs it (torchrun, gloo)."""
+    result = run_cli("train", "configs/tiny.toml", f"data.path={stdlib_data}", f"run.dir={run_dir.parent}",
+                     f"run.name={run_dir.name}", *STEPS, *overrides, f"--nproc={nproc}", timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def reference(stdlib_data, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    train(tiny_config(stdlib_data, run_dir, *STEPS))
+    return run_dir
+
+
+def assert_parity(run_dir, reference, tolerance=1e-5):
+    for kind in ("train", "eval"):
+        got, expected = records(run_dir, kind), records(reference, kind)
+        assert sorted(got) == sorted(expected), kind
+        for step in expected:
+            assert abs(got[step] - expected[step]) <= tolerance, (kind, step, got[step], expected[step])
+
+
+@pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.dp_replicate=2", "parallel.dp_shard=1"]],
+                         ids=["fsdp", "replicate"])
+def test_data_parallel_layouts_train_the_losses_of_one_process(stdlib_data, reference, tmp_path, layout):
+    run_dir = tmp_path / "run"
+    launch(stdlib_data, run_dir, 2, *layout)
+    assert_parity(run_dir, reference)
+
+
+def test_a_checkpoint_of_two_sharded_ranks_resumes_in_one_process(stdlib_data, reference, tmp_path):
+    """Saved by FSDP over 2 ranks at step 3, resumed by one process: the same losses as a run
+    that never changed layout, and the data continues where it stopped."""
+    run_dir = tmp_path / "run"
+    launch(stdlib_data, run_dir, 2, "parallel.dp_shard=2", "--stop-at-step=3")
+    assert max(records(run_dir, "train")) == 3
+    train(tiny_config(stdlib_data, run_dir, *STEPS))
+    assert_parity(run_dir, reference)
+
+
+@pytest.mark.parametrize("replicate, shard, world, words", [
+    (1, 3, 2, "1 x 3 = 3, but 2 processes"),
+    (3, -1, 4, "dp_replicate = 3 does not divide the 4 processes"),
+])
+def test_a_layout_that_does_not_fit_the_processes_is_refused_with_the_constraint(replicate, shard, world, words):
+    with pytest.raises(ConfigError, match=words):
+        resolve_layout(ParallelConfig(dp_replicate=replicate, dp_shard=shard), world)
+
+
+def test_layouts_resolve_all_remaining_processes():
+    assert resolve_layout(ParallelConfig(), 4).dp_shard == 4
+    assert resolve_layout(ParallelConfig(dp_replicate=2), 4).dp_shard == 2
