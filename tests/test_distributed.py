@@ -40,11 +40,32 @@ def assert_parity(run_dir, reference, tolerance=1e-5):
             assert abs(got[step] - expected[step]) <= tolerance, (kind, step, got[step], expected[step])
 
 
-@pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.dp_replicate=2", "parallel.dp_shard=1"]],
-                         ids=["fsdp", "replicate"])
+@pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
+                                    ["parallel.dp_shard=2", "train.micro_batch=2"]],
+                         ids=["fsdp", "replicate", "fsdp-grad-accumulation"])
 def test_data_parallel_layouts_train_the_losses_of_one_process(stdlib_data, reference, tmp_path, layout):
     run_dir = tmp_path / "run"
     launch(stdlib_data, run_dir, 2, *layout)
+    assert_parity(run_dir, reference)
+
+
+def test_each_rank_reports_the_bytes_it_holds(stdlib_data, reference, tmp_path):
+    """Sharding over 2 ranks halves what each holds (up to the split of odd-sized tensors)."""
+    run_dir = tmp_path / "run"
+    launch(stdlib_data, run_dir, 2, "parallel.dp_shard=2", "train.steps=1", "--stop-at-step=1")
+    sharded = read_metrics(run_dir, "memory")[0]["bytes_by_rank"]
+    whole = read_metrics(reference, "memory")[0]["bytes_by_rank"][0]
+    assert len(sharded) == 2
+    for component in ("parameters", "gradients", "optimizer"):
+        assert sum(rank[component] for rank in sharded) == pytest.approx(whole[component], rel=0.01), component
+        assert max(rank[component] for rank in sharded) < 0.55 * whole[component], component
+    assert whole["optimizer"] > 2 * whole["parameters"]  # AdamW: two moments per parameter, plus step counts
+
+
+def test_a_sharded_run_resumes_exactly_in_the_same_layout(stdlib_data, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    launch(stdlib_data, run_dir, 2, "parallel.dp_shard=2", "--stop-at-step=3")
+    launch(stdlib_data, run_dir, 2, "parallel.dp_shard=2")
     assert_parity(run_dir, reference)
 
 

@@ -156,6 +156,7 @@ class Trainer:
                         "train.lr = %g", cfg.train.warmup_steps, self.total_steps, cfg.train.lr)
         self.step = 0
         self.tokens = 0
+        self.held_bytes: dict[str, int] | None = None
         self.flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.peak_flops = peak_flops(device_name, "bf16" if self.dtype == torch.bfloat16 else "fp32")
@@ -288,6 +289,8 @@ class Trainer:
                 f"applied and nothing was saved over the last good checkpoint"
                 f"{self._last_checkpoint_hint()}; lower train.lr, raise train.warmup_steps or set train.clip")
         self.optimizer.step()
+        if self.held_bytes is None:  # after the first update every piece of state exists
+            self.held_bytes = held_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens += self.cfg.train.global_batch_tokens
@@ -344,6 +347,7 @@ class Trainer:
             metrics.write("start", 0, 0, total_steps=self.total_steps, flops_per_token=self.flops_per_token,
                           device=str(self.device), dtype=str(self.dtype).removeprefix("torch."))
         train_loss = val_loss = None
+        accounted = False
         window_tokens, window_time, window_wait = 0, 0.0, 0.0
         run_tokens, run_time = 0, 0.0
         last_speed = None
@@ -351,6 +355,11 @@ class Trainer:
             while self.step < self.total_steps and (stop_at_step is None or self.step < stop_at_step):
                 t0 = time.perf_counter()
                 train_loss, grad_norm, wait = self.train_step()
+                if not accounted:
+                    by_rank = _gather_over_ranks(self.held_bytes)
+                    metrics.write("memory", self.step, self.tokens, bytes_by_rank=by_rank)
+                    log.info("bytes held by rank 0: %s", ", ".join(f"{k} {v:,}" for k, v in by_rank[0].items()))
+                    accounted = True
                 elapsed = time.perf_counter() - t0
                 window_tokens += cfg.train.global_batch_tokens
                 window_time += elapsed
@@ -400,6 +409,30 @@ class Trainer:
         speed = run_tokens / run_time if run_time else last_speed
         return TrainResult(self.run_dir, self.step, self.total_steps, self.tokens, train_loss, val_loss, speed,
                            resumed_from)
+
+
+def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds in parameters, gradients and optimizer state (its shards only,
+    under FSDP): what plan/memory.py's model of per-device memory must predict exactly."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    params = list(model.parameters())
+    unique = {id(p): p for p in params}.values()  # tied weights count once
+    return {
+        "parameters": sum(local(p).numel() * local(p).element_size() for p in unique),
+        "gradients": sum(local(p.grad).numel() * local(p.grad).element_size() for p in unique if p.grad is not None),
+        "optimizer": sum(local(v).numel() * local(v).element_size() for state in optimizer.state.values()
+                         for v in state.values() if isinstance(v, torch.Tensor)),
+    }
+
+
+def _gather_over_ranks(value: dict) -> list[dict]:
+    if not dist.is_initialized():
+        return [value]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def _sum_over_ranks(values: list[float]) -> list[float]:
