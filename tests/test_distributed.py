@@ -41,8 +41,8 @@ def assert_parity(run_dir, reference, tolerance=1e-5):
 
 
 @pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
-                                    ["parallel.dp_shard=2", "train.micro_batch=2"]],
-                         ids=["fsdp", "replicate", "fsdp-grad-accumulation"])
+                                    ["parallel.dp_shard=2", "train.micro_batch=2", "parallel.recompute=selective"]],
+                         ids=["fsdp", "replicate", "fsdp-grad-accumulation-recompute"])
 def test_data_parallel_layouts_train_the_losses_of_one_process(stdlib_data, reference, tmp_path, layout):
     run_dir = tmp_path / "run"
     launch(stdlib_data, run_dir, 2, *layout)

@@ -272,3 +272,15 @@ def test_repeating_a_source_more_than_four_epochs_is_warned(mixture_root, tmp_pa
         Trainer(tiny_config(mixture_root, tmp_path / "run", "data.mix={stdlib = 0.1, project = 0.9}",
                             f"data.path={mixture_root}", "train.steps=3000"))
     assert "'project' would be repeated" in caplog.text and "'stdlib'" not in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputation_trains_the_same_losses_and_reads_the_same_checkpoints(stdlib_data, tmp_path, mode):
+    plain, recomputed = tmp_path / "plain", tmp_path / "recomputed"
+    common = ["train.steps=4", "eval.interval=0", "checkpoint.interval=2"]
+    train(tiny_config(stdlib_data, plain, *common))
+    train(tiny_config(stdlib_data, recomputed, *common, f"parallel.recompute={mode}"), stop_at_step=2)
+    assert losses(recomputed) == {step: loss for step, loss in losses(plain).items() if step <= 2}
+    # checkpoint keys do not depend on the wrapper: resume the recomputed run without it
+    train(tiny_config(stdlib_data, recomputed, *common))
+    assert losses(recomputed) == losses(plain)

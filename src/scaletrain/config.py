@@ -186,6 +186,9 @@ class ParallelConfig(_Section):
     dp_shard: int = Field(default=-1, ge=-1)
     """Processes each replica's parameters, gradients and optimizer state are sharded over (FSDP2, ZeRO-3); -1: all remaining processes."""
 
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation per block: none; selective (keep matmul and attention outputs, recompute the rest); full (keep only block inputs)."""
+
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:
         if self.dp_shard == 0:

@@ -138,7 +138,8 @@ class Trainer:
         self.mesh = init_distributed(self.device, self.layout)
 
         torch.manual_seed(cfg.run.seed)  # every rank builds the same full model, then keeps its shard
-        self.model = parallelize(Transformer(cfg.model).to(self.device), self.mesh, compile_blocks=cfg.train.compile)
+        self.model = parallelize(Transformer(cfg.model).to(self.device), self.mesh, compile_blocks=cfg.train.compile,
+                                 recompute=cfg.parallel.recompute)
         self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                          betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
                                          device=self.device)

@@ -1,0 +1,44 @@
+"""Activation recomputation: keep fewer activations for the backward pass, recompute the rest.
+
+"full" keeps only each block's input and recomputes the whole block in the backward pass
+(Chen et al. 2016); "selective" keeps the outputs of matmuls and attention — the expensive
+ops — and recomputes the cheap element-wise ones (norms, activations, rope), in the spirit of
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models".
+`checkpoint_wrapper` strips its own prefix from state-dict keys, so checkpoints load the same
+with or without recomputation.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_aten = torch.ops.aten
+# Ops whose outputs "selective" keeps: recomputing them would cost as much as the forward.
+SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
+             _aten._scaled_dot_product_flash_attention.default,
+             _aten._scaled_dot_product_efficient_attention.default,
+             _aten._scaled_dot_product_cudnn_attention.default,
+             _aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_recompute(model: nn.Module, mode: str) -> None:
+    """Wrap each block of model.layers for recomputation ("none", "selective" or "full")."""
+    if mode == "none":
+        return
+    for index, block in enumerate(model.layers):
+        if mode == "full":
+            model.layers[index] = checkpoint_wrapper(block)
+        elif mode == "selective":
+            model.layers[index] = checkpoint_wrapper(
+                block, context_fn=partial(create_selective_checkpoint_contexts, _policy))
+        else:
+            raise ValueError(f"recompute mode {mode!r}; valid: none, selective, full")
