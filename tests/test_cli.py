@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
@@ -96,3 +97,31 @@ def test_data_stats_prints_the_summary_and_writes_a_histogram(stdlib_data, tmp_p
     for words in ["train: documents / tokens", "p50", "documents read by prepare", "duplicate rate", "top 5 tokens"]:
         assert words in result.stdout, words
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_command(tmp_path):
+    script = tmp_path / "job.sbatch"
+    result = run_cli("launch", "slurm", "configs/llama-1b.toml", "train.lr=1e-4", "--nodes", "4",
+                     "--gpus-per-node", "8", "--out", str(script))
+    assert result.returncode == 0, result.stderr
+    text = script.read_text()
+    for words in ["#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "torchrun --nnodes=4 --nproc-per-node=8",
+                  "--rdzv-backend=c10d", "-m scaletrain.cli train configs/llama-1b.toml train.lr=1e-4"]:
+        assert words in text, words
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0  # valid shell
+
+    result = run_cli("launch", "k8s", "configs/llama-1b.toml", "--nodes", "2", "--gpus-per-node", "8",
+                     "--image", "registry.example/scaletrain:1")
+    assert result.returncode == 0, result.stderr
+    service, job = json.loads(result.stdout)["items"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert job["spec"]["completions"] == 2 and job["spec"]["completionMode"] == "Indexed"
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert container["command"][:3] == ["torchrun", "--nnodes=2", "--nproc-per-node=8"]
+
+
+def test_launch_refuses_a_layout_the_processes_do_not_fit(tmp_path):
+    result = run_cli("launch", "slurm", "configs/llama-1b.toml", "parallel.dp_replicate=3", "--nodes", "2",
+                     "--gpus-per-node", "8")
+    assert_one_line_error(result, "dp_replicate = 3 does not divide the 16 processes")

@@ -170,6 +170,28 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
+# -- launch -------------------------------------------------------------------------------
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from scaletrain.config import load_config
+    from scaletrain.launch import k8s_manifest, slurm_script
+
+    cfg = load_config(args.config, args.overrides)
+    if args.launcher == "slurm":
+        text = slurm_script(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node)
+    else:
+        text = k8s_manifest(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node, args.image)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        console.print(f"wrote {args.out}: submit with "
+                      + (f"sbatch {args.out}" if args.launcher == "slurm" else f"kubectl apply -f {args.out}"))
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 # -- generate -------------------------------------------------------------------------------
 
 
@@ -236,6 +258,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-at-step", type=int, default=None,
                    help="end this invocation after step K (with a checkpoint) without changing the schedule")
     p.set_defaults(func=cmd_train)
+
+    p = commands.add_parser("launch", help="write a Slurm script or Kubernetes manifest that trains on many nodes")
+    p.add_argument("launcher", choices=["slurm", "k8s"])
+    p.add_argument("config", help="TOML config, e.g. configs/llama-1b.toml")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
+    p.add_argument("--nodes", type=int, required=True, help="machines")
+    p.add_argument("--gpus-per-node", type=int, required=True, help="processes (GPUs) per machine")
+    p.add_argument("--image", default="scaletrain:latest", help="k8s: container image with scaletrain installed")
+    p.add_argument("--out", default=None, help="file to write (default: print)")
+    p.set_defaults(func=cmd_launch)
 
     p = commands.add_parser("generate", help="sample text from a run's newest checkpoint")
     p.add_argument("run_dir", help="run directory, e.g. runs/demo")

@@ -1,0 +1,84 @@
+"""Job files that run `scaletrain train` on many nodes: a Slurm batch script and a Kubernetes
+manifest. Each starts torchrun once per node with a c10d rendezvous on the first node, so the
+training command is the same one `--nproc` runs on a single node."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from scaletrain.config import ConfigError, RunConfig
+from scaletrain.parallel.mesh import resolve_layout
+
+RDZV_PORT = 29500
+
+
+def _train_args(config: str, overrides: list[str]) -> list[str]:
+    return ["-m", "scaletrain.cli", "train", config, *overrides]
+
+
+def check_layout(cfg: RunConfig, nodes: int, gpus_per_node: int) -> None:
+    """Refuse, before writing anything, a job whose process count the config's layout does not fit."""
+    if nodes < 1 or gpus_per_node < 1:
+        raise ConfigError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must both be at least 1")
+    resolve_layout(cfg.parallel, nodes * gpus_per_node)
+
+
+def slurm_script(cfg: RunConfig, config: str, overrides: list[str], nodes: int, gpus_per_node: int,
+                 cpus_per_gpu: int = 8) -> str:
+    """An sbatch script: one task per node, each running torchrun over that node's GPUs."""
+    check_layout(cfg, nodes, gpus_per_node)
+    torchrun = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", "--rdzv-backend=c10d",
+                f'--rdzv-endpoint="$head":{RDZV_PORT}', '--rdzv-id="$SLURM_JOB_ID"',
+                *(shlex.quote(a) for a in _train_args(config, overrides))]
+    return "\n".join([
+        "#!/bin/bash",
+        f"#SBATCH --job-name={cfg.run.name}",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={gpus_per_node}",
+        f"#SBATCH --cpus-per-task={cpus_per_gpu * gpus_per_node}",
+        f"#SBATCH --output={cfg.run.dir}/{cfg.run.name}/slurm-%j.out",
+        "set -euo pipefail",
+        "# The first node hosts the rendezvous; every node runs torchrun once.",
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "# Restarted workers must not read stale addresses from torchrun's shared store.",
+        "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+        f"mkdir -p {shlex.quote(f'{cfg.run.dir}/{cfg.run.name}')}",
+        "srun " + " ".join(torchrun),
+        "",
+    ])
+
+
+def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, gpus_per_node: int,
+                 image: str) -> str:
+    """A Kubernetes headless Service and Indexed Job (one pod per node) as a JSON List, which
+    `kubectl apply -f` takes like YAML. Pod 0 hosts the rendezvous."""
+    check_layout(cfg, nodes, gpus_per_node)
+    name = "".join(c if c.isalnum() else "-" for c in cfg.run.name.lower()).strip("-") or "scaletrain"
+    command = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint={name}-0.{name}:{RDZV_PORT}", f"--rdzv-id={name}",
+               *_train_args(config, overrides)]
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
+               "spec": {"clusterIP": "None", "selector": {"job-name": name},
+                        "ports": [{"name": "rendezvous", "port": RDZV_PORT}]}}
+    job = {
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
+        "spec": {
+            "completionMode": "Indexed", "completions": nodes, "parallelism": nodes, "backoffLimit": 0,
+            "template": {
+                "metadata": {"labels": {"job-name": name}},
+                "spec": {
+                    "subdomain": name,  # pods are reachable as NAME-INDEX.NAME
+                    "restartPolicy": "Never",
+                    "containers": [{
+                        "name": "train", "image": image, "command": command,
+                        "env": [{"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"}],
+                        "resources": {"limits": {"nvidia.com/gpu": gpus_per_node}},
+                        "ports": [{"containerPort": RDZV_PORT}],
+                    }],
+                },
+            },
+        },
+    }
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": [service, job]}, indent=1) + "\n"
