@@ -41,11 +41,14 @@ def assert_parity(run_dir, reference, tolerance=1e-5):
 
 
 @pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
-                                    ["parallel.dp_shard=2", "train.micro_batch=2", "parallel.recompute=selective"]],
-                         ids=["fsdp", "replicate", "fsdp-grad-accumulation-recompute"])
-def test_data_parallel_layouts_train_the_losses_of_one_process(stdlib_data, reference, tmp_path, layout):
+                                    ["parallel.dp_shard=2", "train.micro_batch=2", "parallel.recompute=selective"],
+                                    ["parallel.tp=2", "parallel.dp_shard=1"],
+                                    ["parallel.tp=2", "parallel.dp_shard=2"]],
+                         ids=["fsdp", "replicate", "fsdp-grad-accumulation-recompute", "tp", "fsdp-x-tp"])
+def test_parallel_layouts_train_the_losses_of_one_process(stdlib_data, reference, tmp_path, layout):
     run_dir = tmp_path / "run"
-    launch(stdlib_data, run_dir, 2, *layout)
+    nproc = 4 if "parallel.dp_shard=2" in layout and "parallel.tp=2" in layout else 2
+    launch(stdlib_data, run_dir, nproc, *layout)
     assert_parity(run_dir, reference)
 
 
@@ -69,25 +72,42 @@ def test_a_sharded_run_resumes_exactly_in_the_same_layout(stdlib_data, reference
     assert_parity(run_dir, reference)
 
 
-def test_a_checkpoint_of_two_sharded_ranks_resumes_in_one_process(stdlib_data, reference, tmp_path):
-    """Saved by FSDP over 2 ranks at step 3, resumed by one process: the same losses as a run
-    that never changed layout, and the data continues where it stopped."""
+@pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.tp=2", "parallel.dp_shard=1"]],
+                         ids=["fsdp", "tp"])
+def test_a_checkpoint_of_two_ranks_resumes_in_one_process(stdlib_data, reference, tmp_path, layout):
+    """Saved by 2 ranks at step 3, resumed by one process: the same losses as a run that never
+    changed layout, and the data continues where it stopped."""
     run_dir = tmp_path / "run"
-    launch(stdlib_data, run_dir, 2, "parallel.dp_shard=2", "--stop-at-step=3")
+    launch(stdlib_data, run_dir, 2, *layout, "--stop-at-step=3")
     assert max(records(run_dir, "train")) == 3
     train(tiny_config(stdlib_data, run_dir, *STEPS))
     assert_parity(run_dir, reference)
 
 
 @pytest.mark.parametrize("replicate, shard, world, words", [
-    (1, 3, 2, "1 x 3 = 3, but 2 processes"),
-    (3, -1, 4, "dp_replicate = 3 does not divide the 4 processes"),
+    (1, 3, 2, "1 x 3 x 1 = 3, but 2 processes"),
+    (3, -1, 4, "dp_replicate = 3 x parallel.tp = 1 does not divide the 4 processes"),
 ])
 def test_a_layout_that_does_not_fit_the_processes_is_refused_with_the_constraint(replicate, shard, world, words):
     with pytest.raises(ConfigError, match=words):
         resolve_layout(ParallelConfig(dp_replicate=replicate, dp_shard=shard), world)
 
 
+@pytest.mark.parametrize("override, words", [
+    ("model.n_heads=3", "model.n_heads = 3 is not divisible by parallel.tp = 2"),
+    ("model.tie_embeddings=true", "model.tie_embeddings = true is not supported with parallel.tp > 1"),
+    ("data.seq_len=63 train.global_batch_tokens=504", "data.seq_len = 63 is not divisible by parallel.tp = 2"),
+])
+def test_a_model_that_tensor_parallelism_cannot_split_is_refused(stdlib_data, tmp_path, override, words):
+    from scaletrain.parallel.mesh import check_model_fits
+
+    overrides = override.split() + (["model.dim=96", "model.n_kv_heads=3"] if "n_heads" in override else [])
+    cfg = tiny_config(stdlib_data, tmp_path / "run", "model.vocab_size=4096", *overrides)
+    with pytest.raises(ConfigError, match=words):
+        check_model_fits(resolve_layout(ParallelConfig(tp=2, dp_shard=1), 2), cfg.model, cfg.data.seq_len)
+
+
 def test_layouts_resolve_all_remaining_processes():
     assert resolve_layout(ParallelConfig(), 4).dp_shard == 4
     assert resolve_layout(ParallelConfig(dp_replicate=2), 4).dp_shard == 2
+    assert resolve_layout(ParallelConfig(tp=2), 8).dp_shard == 4

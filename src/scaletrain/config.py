@@ -186,6 +186,8 @@ class ParallelConfig(_Section):
     dp_shard: int = Field(default=-1, ge=-1)
     """Processes each replica's parameters, gradients and optimizer state are sharded over (FSDP2, ZeRO-3); -1: all remaining processes."""
 
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel degree: attention heads, MLP columns and the vocabulary split over tp ranks, the sequence between blocks (sequence parallel)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation per block: none; selective (keep matmul and attention outputs, recompute the rest); full (keep only block inputs)."""
 

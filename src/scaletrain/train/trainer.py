@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletrain.config import ConfigError, RunConfig, load_config, validate_config
 from scaletrain.data.loader import TokenLoader, eval_batches
@@ -24,7 +25,7 @@ from scaletrain.data.shards import DataError, read_index
 from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.model.llama import Transformer
 from scaletrain.parallel.apply import parallelize
-from scaletrain.parallel.mesh import init_distributed, resolve_layout, shutdown, world
+from scaletrain.parallel.mesh import check_model_fits, init_distributed, resolve_layout, shutdown, world
 from scaletrain.plan.hardware import peak_flops
 from scaletrain.train import checkpoint
 from scaletrain.train.metrics import MetricsLog, read_metrics
@@ -117,6 +118,8 @@ class Trainer:
         self.is_main = self.rank == 0
         # The layout is checked before any process group starts.
         self.layout = resolve_layout(cfg.parallel, world_size)
+        check_model_fits(self.layout, cfg.model, cfg.data.seq_len)
+        self.dp_rank = self.rank // self.layout.tp  # tp is the innermost mesh dimension
         if cfg.seqs_per_step % (self.layout.dp * cfg.train.micro_batch):
             raise ConfigError(f"train.global_batch_tokens = {cfg.train.global_batch_tokens} holds {cfg.seqs_per_step} "
                               f"sequences, which do not split into {self.layout.dp} data-parallel ranks x "
@@ -144,7 +147,7 @@ class Trainer:
                                          betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
                                          device=self.device)
         self.loader = TokenLoader(cfg.data.sources, cfg.data.seq_len, cfg.seqs_per_step, cfg.train.micro_batch,
-                                  rank=self.rank, world_size=self.layout.dp, seed=cfg.run.seed,
+                                  rank=self.dp_rank, world_size=self.layout.dp, seed=cfg.run.seed,
                                   weights=cfg.data.weights)
         for path in cfg.data.sources.values():
             try:  # fail now, not after the last step, if validation cannot run
@@ -256,9 +259,14 @@ class Trainer:
     # -- steps ------------------------------------------------------------------------------
 
     def autocast(self):
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+        """The context of every forward (and, for the loss, backward): mixed precision where it
+        applies, and the vocabulary-sharded loss under tensor parallelism."""
+        stack = contextlib.ExitStack()
+        if self.dtype != torch.float32:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.dtype))
+        if self.layout.tp > 1:
+            stack.enter_context(loss_parallel())
+        return stack
 
     def train_step(self) -> tuple[float, float, float]:
         """One optimizer step over the global batch; returns (loss, grad norm, seconds waiting for data)."""
@@ -275,10 +283,10 @@ class Trainer:
             inputs, targets = self.loader.next_batch()
             inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
             data_wait += time.perf_counter() - t0
-            with self.autocast():
+            with self.autocast():  # loss_parallel must cover the backward too
                 loss = self.model(inputs, targets) / self.loader.micro_steps
-            loss.backward()
-            loss_sum += loss.detach()
+                loss.backward()
+            loss_sum += _local(loss.detach())
         max_norm = cfg.clip if cfg.clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if isinstance(grad_norm, DTensor):  # sharded parameters: the norm is global already
@@ -310,10 +318,10 @@ class Trainer:
         for name, path in self.cfg.data.sources.items():
             total, count = 0.0, 0
             for inputs, targets in eval_batches(path, self.cfg.data.seq_len, self.cfg.eval.tokens,
-                                                self.cfg.train.micro_batch, self.rank, self.layout.dp):
+                                                self.cfg.train.micro_batch, self.dp_rank, self.layout.dp):
                 with self.autocast():
                     loss = self.model(inputs.to(self.device), targets.to(self.device))
-                total += loss.item() * targets.numel()
+                total += _local(loss).item() * targets.numel()
                 count += targets.numel()
             total, count = _sum_over_ranks([total, count])
             by_source[name] = total / count
@@ -434,6 +442,11 @@ def _gather_over_ranks(value: dict) -> list[dict]:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the loss under tensor parallelism) as a plain tensor."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def _sum_over_ranks(values: list[float]) -> list[float]:

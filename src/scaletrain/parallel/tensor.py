@@ -1,0 +1,41 @@
+"""Tensor parallelism with sequence parallelism (Megatron-LM: Shoeybi et al. 2019; Korthikanti
+et al. 2022), through DTensor's `parallelize_module`.
+
+Inside a block, attention heads and MLP columns are split over the tp ranks (column-parallel
+wq/wk/wv/w1/w3, row-parallel wo/w2); between blocks the residual stream is split along the
+sequence (norms run on a sequence shard), so activations are never replicated. The output head
+stays split over the vocabulary and the loss is computed on those shards (`loss_parallel`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        # Logits stay split over the vocabulary: the loss is computed shard-wise.
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    })
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            # (x, cos, sin, kv, start_pos): gather x's sequence for attention; the rest are not DTensors.
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
