@@ -111,3 +111,10 @@ def test_layouts_resolve_all_remaining_processes():
     assert resolve_layout(ParallelConfig(), 4).dp_shard == 4
     assert resolve_layout(ParallelConfig(dp_replicate=2), 4).dp_shard == 2
     assert resolve_layout(ParallelConfig(tp=2), 8).dp_shard == 4
+
+
+def test_nproc_with_a_layout_that_does_not_fit_is_one_line_before_any_process_starts(stdlib_data, tmp_path):
+    result = run_cli("train", "configs/tiny.toml", f"data.path={stdlib_data}", f"run.dir={tmp_path}",
+                     "parallel.dp_shard=3", "--nproc=2")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "1 x 3 x 1 = 3, but 2 processes" in result.stderr
