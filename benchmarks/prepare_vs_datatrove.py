@@ -71,7 +71,6 @@ import re
 import resource
 import shutil
 import subprocess
-import sys
 import sysconfig
 import tempfile
 import time

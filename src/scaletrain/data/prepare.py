@@ -295,7 +295,8 @@ def _curate_one_chunk(number, chunk, pool, index: DedupIndex, settings: _Setting
     kept_bytes = 0
     stem = work / f"curated_{number:05d}"
     with open(f"{stem}.pkl.tmp", "wb") as kept_file, _Rejects(rejects, number) as reject:
-        for batch, results in zip(_batches(chunk), pool(_curate_batch, _batches(chunk))):
+        batches = list(_batches(chunk))
+        for batch, results in zip(batches, pool(_curate_batch, batches)):
             kept = []
             for (text, nbytes, name), (curated, reason, exact, signature) in zip(batch, results):
                 if reason is None and settings.dedup:
