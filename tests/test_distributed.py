@@ -1,13 +1,22 @@
-"""Data parallelism in real processes over gloo: every layout trains the losses of one process
-on the same global batch, and a checkpoint saved by one layout resumes in another."""
+"""Parallelism in real processes over gloo: every layout trains the losses of one process on the
+same global batch, and a checkpoint saved by one layout resumes in another.
+
+Starting processes costs seconds each on a 2-core machine, so most layouts run in a few grouped
+launches (tests/run_layouts.py runs several trainings one after another in one torchrun job);
+a few go through `scaletrain train --nproc`, as a user runs it."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
-from conftest import run_cli, tiny_config
+from conftest import ROOT, run_cli, tiny_config
 from scaletrain.config import ConfigError, ParallelConfig
-from scaletrain.parallel.mesh import resolve_layout
+from scaletrain.parallel.mesh import check_layout, resolve_layout
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
 
@@ -23,22 +32,54 @@ def records(run_dir, kind):
 TRANSIENT = ("Address already in use", "EADDRINUSE", "Connection reset by peer", "Connection closed by peer")
 
 
+def _run_with_retry(run, describe: str):
+    """run() -> CompletedProcess; once more, from the same state, when the launch itself failed
+    for a transient network reason."""
+    result = run()
+    if result.returncode != 0 and any(word in result.stderr for word in TRANSIENT):
+        print(f"retrying {describe}, which failed for a transient reason:\n" + result.stderr[-2000:])
+        result = run()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
 def launch(stdlib_data, run_dir, nproc: int, *overrides: str):
-    """`scaletrain train configs/tiny.toml --nproc N` as a user runs it (torchrun, gloo); one
-    retry, from the same state, when the launch itself failed for a transient network reason."""
+    """`scaletrain train configs/tiny.toml --nproc N` as a user runs it (torchrun, gloo)."""
     args = ["train", "configs/tiny.toml", f"data.path={stdlib_data}", f"run.dir={run_dir.parent}",
             f"run.name={run_dir.name}", *STEPS, *overrides, f"--nproc={nproc}"]
-    result = run_cli(*args, timeout=240)
-    if result.returncode != 0 and any(word in result.stderr for word in TRANSIENT):
-        print("retrying a launch that failed for a transient reason:\n" + result.stderr[-2000:])
-        result = run_cli(*args, timeout=240)
-    assert result.returncode == 0, result.stdout + result.stderr
+    _run_with_retry(lambda: run_cli(*args, timeout=240), "a launch")
+
+
+def launch_layouts(stdlib_data, root, nproc: int, runs: list[tuple[str, list[str], int | None]]):
+    """Train each (run name, overrides, stop at step) under root/, one after another, in one
+    torchrun job of nproc processes; a run name given twice resumes the first one's checkpoint."""
+    spec = [{"config": str(ROOT / "configs" / "tiny.toml"), "stop_at_step": stop,
+             "overrides": [f"data.path={stdlib_data}", f"run.dir={root}", f"run.name={name}", *STEPS, *overrides]}
+            for name, overrides, stop in runs]
+    spec_path = root / f"layouts-{nproc}.json"
+    spec_path.write_text(json.dumps(spec))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(ROOT / "tests" / "run_layouts.py"), str(spec_path)]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # 60 s per run is ample (the 8-process 3-D layout takes ~30 s here).
+    _run_with_retry(lambda: subprocess.run(command, capture_output=True, text=True, timeout=60 * len(runs) + 60,
+                                           env=env, cwd=ROOT), f"{nproc}-process layouts")
 
 
 @pytest.fixture(scope="module")
 def reference(stdlib_data, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("single") / "run"
     train(tiny_config(stdlib_data, run_dir, *STEPS))
+    return run_dir
+
+
+DEEP = ["model.n_layers=4"]  # enough blocks for 4 pipeline stages
+
+
+@pytest.fixture(scope="module")
+def reference_deep(stdlib_data, tmp_path_factory):
+    """One process, 4 blocks, 2 micro-batches of 4 per step: what every layout below must reproduce."""
+    run_dir = tmp_path_factory.mktemp("single-deep") / "run"
+    train(tiny_config(stdlib_data, run_dir, *STEPS, *DEEP))
     return run_dir
 
 
@@ -50,15 +91,75 @@ def assert_parity(run_dir, reference, tolerance=1e-5):
             assert abs(got[step] - expected[step]) <= tolerance, (kind, step, got[step], expected[step])
 
 
-@pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
-                                    ["parallel.dp_shard=2", "train.micro_batch=2", "parallel.recompute=selective"],
-                                    ["parallel.tp=2", "parallel.dp_shard=1"],
-                                    ["parallel.tp=2", "parallel.dp_shard=2"]],
-                         ids=["fsdp", "replicate", "fsdp-grad-accumulation-recompute", "tp", "fsdp-x-tp"])
-def test_parallel_layouts_train_the_losses_of_one_process(stdlib_data, reference, tmp_path, layout):
+ONE_STAGE = ["parallel.dp_shard=1"]
+PP2 = ["parallel.pp=2", "parallel.dp_shard=1", "train.micro_batch=1"]  # 8 micro-batches through 2 ranks
+# name -> overrides of 2-process layouts.
+TWO = {
+    "replicate": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
+    "fsdp-grad-accumulation-recompute": ["parallel.dp_shard=2", "train.micro_batch=2", "parallel.recompute=selective"],
+    "tp": ["parallel.tp=2", *ONE_STAGE],
+    "cp": ["parallel.cp=2", *ONE_STAGE],
+    **{f"pp-{schedule}": [*PP2, f"parallel.pp_schedule={schedule}"]
+       for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+                        "zbv_zero_bubble", "dualpipev")},
+}
+# FSDP gathering bfloat16 parameters (gradients reduced in float32): close to float32, not equal.
+MIXED = {"fsdp-bf16-params": ["parallel.dp_shard=2", "train.dtype=bfloat16"]}
+FOUR = {
+    "fsdp-x-tp": ["parallel.dp_shard=2", "parallel.tp=2"],
+    "fsdp-x-pp": ["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2", "parallel.recompute=full"],
+    "tp-x-pp-interleaved": [*PP2, "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b"],
+    "cp-x-tp": ["parallel.cp=2", "parallel.tp=2", *ONE_STAGE],
+    "fsdp-x-cp": ["parallel.cp=2", "parallel.dp_shard=2"],
+    "cp-x-pp-zbv": [*PP2, "parallel.cp=2", "parallel.pp_schedule=zbv_zero_bubble"],
+    "pp4": ["parallel.pp=4", *ONE_STAGE, "train.micro_batch=1"],
+}
+EIGHT = {"fsdp-x-tp-x-pp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2", "train.micro_batch=2"]}
+# Saved at step 3 by the first layout, continued by the second (4 processes each).
+RESHARD = {
+    "fsdp4-to-fsdp2-x-tp2": (["parallel.dp_shard=4", "train.micro_batch=2"], ["parallel.dp_shard=2", "parallel.tp=2"]),
+    "fsdp2-x-pp2-to-cp2-x-tp2": (["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2"],
+                                 ["parallel.cp=2", "parallel.tp=2", *ONE_STAGE]),
+}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(stdlib_data, tmp_path_factory):
+    """Every grouped layout trained once: name -> run directory (three launches: 2, 4, 8 processes)."""
+    root = tmp_path_factory.mktemp("layouts")
+    launch_layouts(stdlib_data, root, 2, [(name, [*DEEP, *overrides], None)
+                                          for name, overrides in {**TWO, **MIXED}.items()])
+    four = [(name, [*DEEP, *overrides], None) for name, overrides in FOUR.items()]
+    for name, (before, after) in RESHARD.items():
+        four += [(name, [*DEEP, *before], 3), (name, [*DEEP, *after], None)]
+    launch_layouts(stdlib_data, root, 4, four)
+    launch_layouts(stdlib_data, root, 8, [(name, [*DEEP, *overrides], None) for name, overrides in EIGHT.items()])
+    return {name: root / name for name in [*TWO, *MIXED, *FOUR, *EIGHT, *RESHARD]}
+
+
+@pytest.mark.parametrize("name", [*TWO, *FOUR, *EIGHT])
+def test_parallel_layouts_train_the_losses_of_one_process(layout_runs, reference_deep, name):
+    assert_parity(layout_runs[name], reference_deep)
+
+
+@pytest.mark.parametrize("name", list(RESHARD))
+def test_a_checkpoint_resumes_in_another_layout_with_the_losses_of_one_that_never_changed(
+        layout_runs, reference_deep, name):
+    run_dir = layout_runs[name]
+    assert [r["step"] for r in read_metrics(run_dir, "resume")] == [3]
+    assert_parity(run_dir, reference_deep)
+
+
+def test_fsdp_with_bfloat16_parameters_trains_close_to_float32(layout_runs, reference_deep):
+    got, expected = records(layout_runs["fsdp-bf16-params"], "train"), records(reference_deep, "train")
+    differences = [abs(got[step] - expected[step]) for step in expected]
+    assert max(differences) < 0.05, differences  # bf16 keeps ~3 significant digits
+    assert max(differences) > 1e-4, differences  # and it did compute in bf16
+
+
+def test_fsdp_through_the_cli_trains_the_losses_of_one_process(stdlib_data, reference, tmp_path):
     run_dir = tmp_path / "run"
-    nproc = 4 if "parallel.dp_shard=2" in layout and "parallel.tp=2" in layout else 2
-    launch(stdlib_data, run_dir, nproc, *layout)
+    launch(stdlib_data, run_dir, 2, "parallel.dp_shard=2")
     assert_parity(run_dir, reference)
 
 
@@ -94,37 +195,50 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process(stdlib_data, reference
     assert_parity(run_dir, reference)
 
 
-@pytest.mark.parametrize("replicate, shard, world, words", [
-    (1, 3, 2, "1 x 3 x 1 = 3, but 2 processes"),
-    (3, -1, 4, "dp_replicate = 3 x parallel.tp = 1 does not divide the 4 processes"),
-])
-def test_a_layout_that_does_not_fit_the_processes_is_refused_with_the_constraint(replicate, shard, world, words):
+@pytest.mark.parametrize("overrides, world, words", [
+    ("parallel.dp_shard=3", 2, "pp x dp_replicate x dp_shard x cp x tp = 1 x 1 x 3 x 1 x 1 = 3, but 2 processes"),
+    ("parallel.dp_replicate=3", 4, "pp x dp_replicate x cp x tp = 1 x 3 x 1 x 1 = 3 does not divide the 4 processes"),
+    ("parallel.tp=2 model.n_heads=3 model.dim=96 model.n_kv_heads=3", 2,
+     "model.n_heads = 3 is not divisible by parallel.tp = 2"),
+    ("parallel.tp=2 model.tie_embeddings=true", 2, "model.tie_embeddings = true is not supported with parallel.tp > 1"),
+    ("parallel.tp=2 data.seq_len=63 train.global_batch_tokens=504", 2,
+     "data.seq_len = 63 is not divisible by parallel.tp = 2"),
+    ("parallel.pp=2 model.n_layers=3", 2, "model.n_layers = 3 is not divisible into 2 pipeline stages"),
+    ("parallel.pp=2 parallel.pp_schedule=interleaved_1f1b", 2,
+     "model.n_layers = 2 is not divisible into 4 pipeline stages .parallel.pp = 2 x 2 stages per rank"),
+    ("parallel.pp=4 model.n_layers=4", 4, "'1f1b' needs the micro-batches per step on each pipeline .* = 2. to be "
+                                          "at least the 4 pipeline stages"),
+    ("parallel.pp=2 model.tie_embeddings=true", 2, "tie_embeddings = true is not supported with parallel.pp > 1"),
+    ("parallel.cp=2 data.seq_len=62 train.global_batch_tokens=496", 2,
+     "data.seq_len = 62 is not divisible by 2 x parallel.cp = 4"),
+    ("parallel.cp=2 parallel.tp=4 model.n_kv_heads=4 data.seq_len=36 train.global_batch_tokens=288", 8,
+     r"data.seq_len / parallel.cp = 18 is not divisible by parallel.tp = 4"),
+    ("parallel.dp_shard=3", 3, "8 sequences, which do not split into 3 data-parallel ranks"),
+], ids=["product", "remaining", "heads", "tied-tp", "seq-tp", "layers-pp", "layers-virtual", "microbatches",
+        "tied-pp", "seq-cp", "seq-cp-tp", "batch"])
+def test_a_layout_that_cannot_split_the_model_or_batch_is_refused_with_the_constraint(stdlib_data, tmp_path,
+                                                                                     overrides, world, words):
+    cfg = tiny_config(stdlib_data, tmp_path / "run", "model.vocab_size=512", *overrides.split())
     with pytest.raises(ConfigError, match=words):
-        resolve_layout(ParallelConfig(dp_replicate=replicate, dp_shard=shard), world)
+        check_layout(resolve_layout(cfg.parallel, world), cfg)
 
 
-@pytest.mark.parametrize("override, words", [
-    ("model.n_heads=3", "model.n_heads = 3 is not divisible by parallel.tp = 2"),
-    ("model.tie_embeddings=true", "model.tie_embeddings = true is not supported with parallel.tp > 1"),
-    ("data.seq_len=63 train.global_batch_tokens=504", "data.seq_len = 63 is not divisible by parallel.tp = 2"),
-])
-def test_a_model_that_tensor_parallelism_cannot_split_is_refused(stdlib_data, tmp_path, override, words):
-    from scaletrain.parallel.mesh import check_model_fits
-
-    overrides = override.split() + (["model.dim=96", "model.n_kv_heads=3"] if "n_heads" in override else [])
-    cfg = tiny_config(stdlib_data, tmp_path / "run", "model.vocab_size=4096", *overrides)
-    with pytest.raises(ConfigError, match=words):
-        check_model_fits(resolve_layout(ParallelConfig(tp=2, dp_shard=1), 2), cfg.model, cfg.data.seq_len)
+def test_a_schedule_with_the_wrong_number_of_stages_per_rank_is_refused():
+    with pytest.raises(ValueError, match="runs exactly 2 stages per rank"):
+        ParallelConfig(pp=2, pp_schedule="zbv_zero_bubble", pp_stages_per_rank=3)
+    with pytest.raises(ValueError, match="runs one stage per rank"):
+        ParallelConfig(pp=2, pp_schedule="gpipe", pp_stages_per_rank=2)
 
 
 def test_layouts_resolve_all_remaining_processes():
     assert resolve_layout(ParallelConfig(), 4).dp_shard == 4
     assert resolve_layout(ParallelConfig(dp_replicate=2), 4).dp_shard == 2
     assert resolve_layout(ParallelConfig(tp=2), 8).dp_shard == 4
+    assert resolve_layout(ParallelConfig(tp=2, pp=2, cp=2), 16).dp_shard == 2
 
 
 def test_nproc_with_a_layout_that_does_not_fit_is_one_line_before_any_process_starts(stdlib_data, tmp_path):
     result = run_cli("train", "configs/tiny.toml", f"data.path={stdlib_data}", f"run.dir={tmp_path}",
                      "parallel.dp_shard=3", "--nproc=2")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "1 x 3 x 1 = 3, but 2 processes" in result.stderr
+    assert "1 x 1 x 3 x 1 x 1 = 3, but 2 processes" in result.stderr

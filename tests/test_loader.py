@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from scaletrain.data.loader import TokenLoader, eval_batches
+from scaletrain.data.loader import IGNORE, TokenLoader, eval_batches
 from scaletrain.data.shards import DataError, ShardWriter, open_split, write_index
 
 
@@ -96,13 +96,61 @@ def test_ranks_split_each_global_batch_without_overlap(data_dir, world_size):
         assert all(len(p) == seqs_per_step // world_size for p in parts)
 
 
+def test_a_stream_resharded_to_other_data_parallel_degrees_neither_repeats_nor_skips_documents(data_dir):
+    """4 ranks for 3 steps, their state loaded by 2 ranks for 3 steps, then by 3: every step
+    trains on the documents an uninterrupted single process trains on, across epochs."""
+    seq_len, seqs_per_step = 16, 24
+    split = open_split(data_dir, "train")
+    stream = split.read(0, split.tokens)
+    document_of = np.cumsum(stream == 0)  # document index of each token position (eos_id 0 ends one)
+
+    def documents(windows) -> list[int]:
+        return sorted(int(d) for _, w in windows for d in set(document_of[w * seq_len:(w + 1) * seq_len + 1]))
+
+    def step(loaders) -> list[tuple[str, int]]:
+        windows = []
+        for loader in loaders:
+            for _ in range(loader.micro_steps):
+                loader.next_batch()
+                windows += loader.last_windows
+        return windows
+
+    single = TokenLoader(data_dir, seq_len, seqs_per_step, 3)
+    state = None
+    windows_per_step = 0
+    for world_size in (4, 2, 3):
+        loaders = [TokenLoader(data_dir, seq_len, seqs_per_step, 1, rank=r, world_size=world_size)
+                   for r in range(world_size)]
+        for loader in loaders:
+            if state is not None:
+                loader.load_state_dict(state)
+        for _ in range(3):
+            resharded, reference = step(loaders), step([single])
+            assert sorted(resharded) == sorted(reference)
+            assert documents(resharded) == documents(reference)
+            windows_per_step = len(reference)
+        states = [loader.state_dict() for loader in loaders]
+        assert all(s == states[0] for s in states)  # the state is global: any rank's will do
+        state = states[0]
+    assert 9 * windows_per_step > single.sources[0].windows  # the run crossed an epoch boundary
+
+
+def _rows(batches) -> list[tuple]:
+    """The (input, target) rows of eval batches that are not padding."""
+    return [(tuple(x.tolist()), tuple(y.tolist())) for inputs, targets in batches
+            for x, y in zip(inputs, targets) if (y != IGNORE).all()]
+
+
 def test_eval_batches_are_fixed_and_split_across_ranks(data_dir):
-    whole = torch.cat([x for x, _ in eval_batches(data_dir, 16, 160, micro_batch=3)])
-    assert len(whole) == 10
-    again = torch.cat([x for x, _ in eval_batches(data_dir, 16, 160, micro_batch=3)])
-    assert torch.equal(whole, again)
-    parts = [torch.cat([x for x, _ in eval_batches(data_dir, 16, 160, 3, rank=r, world_size=2)]) for r in range(2)]
-    assert sorted(map(tuple, torch.cat(parts).tolist())) == sorted(map(tuple, whole.tolist()))
+    batches = list(eval_batches(data_dir, 16, 160, rows=3))
+    assert [len(x) for x, _ in batches] == [3, 3, 3, 3]  # 10 windows and two rows of padding
+    assert (batches[-1][1][1:] == IGNORE).all() and (batches[-1][1][0] != IGNORE).all()
+    whole = _rows(batches)
+    assert len(whole) == 10 and whole == _rows(eval_batches(data_dir, 16, 160, rows=3))
+    # 10 windows over 4 ranks: 3, 3, 2, 2, but every rank runs the same number of batches.
+    parts = [list(eval_batches(data_dir, 16, 160, 2, rank=r, world_size=4)) for r in range(4)]
+    assert [len(p) for p in parts] == [2, 2, 2, 2]
+    assert sorted(sum((_rows(p) for p in parts), [])) == sorted(whole)
 
 
 def test_a_split_shorter_than_one_sequence_is_refused(data_dir):

@@ -106,7 +106,7 @@ def test_output_projections_get_the_scaled_init_and_tied_weights_are_one_tensor(
     cfg = tiny(dim=256, n_layers=4, n_heads=4, init_std=0.02)
     model = Transformer(cfg)
     residual_std = 0.02 / math.sqrt(2 * 4)
-    for block in model.layers:
+    for block in model.layers.values():
         for weight in (block.attention.wo.weight, block.feed_forward.w2.weight):
             assert weight.std().item() == pytest.approx(residual_std, rel=0.05)
         assert block.attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.05)

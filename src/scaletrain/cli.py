@@ -125,11 +125,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from scaletrain.parallel.mesh import check_model_fits, resolve_layout
+        from scaletrain.parallel.mesh import check_layout, resolve_layout
         from scaletrain.train.trainer import resolve
 
         resolved = resolve(cfg)  # a layout that cannot work is one line here, not N tracebacks there
-        check_model_fits(resolve_layout(resolved.parallel, args.nproc), resolved.model, resolved.data.seq_len)
+        check_layout(resolve_layout(resolved.parallel, args.nproc), resolved)
         return _torchrun(args)
     if args.stop_at_step is not None and args.stop_at_step < 1:
         raise UserError(f"--stop-at-step {args.stop_at_step} must be a step number ≥ 1")

@@ -188,14 +188,40 @@ class ParallelConfig(_Section):
 
     tp: int = Field(default=1, ge=1)
     """Tensor-parallel degree: attention heads, MLP columns and the vocabulary split over tp ranks, the sequence between blocks (sequence parallel)."""
+    cp: int = Field(default=1, ge=1)
+    """Context-parallel degree: each sequence split over cp ranks (load-balanced causal split into 2 x cp chunks), keys and values all-gathered for attention."""
+    pp: int = Field(default=1, ge=1)
+    """Pipeline-parallel degree: the blocks split into consecutive stages on pp ranks; each rank's micro-batches (train.micro_batch sequences each) flow through them."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+                         "zbv_zero_bubble", "dualpipev"] = "1f1b"
+    """Pipeline schedule (torch.distributed.pipelining): gpipe and 1f1b run one stage per rank; the others run several (virtual stages)."""
+    pp_stages_per_rank: int | None = Field(default=None, ge=1)
+    """Virtual pipeline stages per rank. Unset: 1 for gpipe and 1f1b, 2 for the others (zbv_zero_bubble and dualpipev need exactly 2)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation per block: none; selective (keep matmul and attention outputs, recompute the rest); full (keep only block inputs)."""
+    fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype FSDP gathers parameters in for compute (gradients are reduced in float32 and the sharded master weights stay float32). auto: bfloat16 when train.dtype resolves to bfloat16, else float32."""
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:
         if self.dp_shard == 0:
             raise ValueError("parallel.dp_shard = 0 is not a size; use a positive number of processes, or -1 for all remaining ones")
+        single = self.pp_schedule in ("gpipe", "1f1b")
+        if self.pp_stages_per_rank is not None:
+            if single and self.pp_stages_per_rank != 1:
+                raise ValueError(f"parallel.pp_schedule = {self.pp_schedule!r} runs one stage per rank, not "
+                                 f"parallel.pp_stages_per_rank = {self.pp_stages_per_rank}; choose interleaved_1f1b, "
+                                 "looped_bfs or interleaved_zero_bubble for virtual stages")
+            if self.pp_schedule in ("zbv_zero_bubble", "dualpipev") and self.pp_stages_per_rank != 2:
+                raise ValueError(f"parallel.pp_schedule = {self.pp_schedule!r} runs exactly 2 stages per rank (a V "
+                                 f"shape), not parallel.pp_stages_per_rank = {self.pp_stages_per_rank}")
         return self
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.pp_stages_per_rank is not None:
+            return self.pp_stages_per_rank
+        return 1 if self.pp_schedule in ("gpipe", "1f1b") else 2
 
 
 class CheckpointConfig(_Section):

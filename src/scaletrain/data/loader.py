@@ -78,6 +78,7 @@ class TokenLoader:
         self.micro = 0  # micro-batches this rank took of the current step
         self.taken = [0] * len(self.sources)  # samples taken from each source by completed steps
         self._plan: list[tuple[int, int]] = []  # (source, window) of each of this step's global samples
+        self.last_windows: list[tuple[str, int]] = []  # (source name, window) of each row of the last batch
 
     def _plan_step(self) -> list[tuple[int, int]]:
         """Source and window of every sample of the current global step, identical on every rank."""
@@ -99,7 +100,11 @@ class TokenLoader:
         if not self._plan:
             self._plan = self._plan_step()
         first = self.rank * self.seqs_per_rank + self.micro * self.micro_batch
-        rows = np.stack([self.sources[s].read(w) for s, w in self._plan[first:first + self.micro_batch]])
+        taken = self._plan[first:first + self.micro_batch]
+        # Which windows this batch holds (window w is tokens [w seq_len, (w + 1) seq_len] of its
+        # source's split): what tells which documents a rank trained on.
+        self.last_windows = [(self.sources[s].name, w) for s, w in taken]
+        rows = np.stack([self.sources[s].read(w) for s, w in taken])
         self.micro += 1
         if self.micro == self.micro_steps:
             for source, _ in self._plan:
@@ -136,17 +141,28 @@ class TokenLoader:
         self._plan = self._plan_step() if self.micro else []
 
 
-def eval_batches(data_dir: str | Path, seq_len: int, tokens: int, micro_batch: int,
+IGNORE = -100  # the target of a padding row: cross-entropy skips it
+
+
+def eval_batches(data_dir: str | Path, seq_len: int, tokens: int, rows: int,
                  rank: int = 0, world_size: int = 1, split: str = "val"):
     """The fixed validation set of one data directory: the first tokens // seq_len windows of
-    the split (at least one). Rank r takes windows r, r + W, ...; yields (inputs, targets)."""
+    the split (at least one). Rank r takes windows r, r + W, ...; yields (inputs, targets) of
+    exactly `rows` rows, the same number of batches on every rank (sharded models run
+    collectives in every forward): rows past a rank's last window are padding, with targets
+    IGNORE."""
     source = open_split(data_dir, split)
     available = (source.tokens - 1) // seq_len
     if available < 1:
         raise DataError(f"the {split!r} split of {str(data_dir)!r} holds {source.tokens} tokens, fewer than one "
                         f"sequence of {seq_len + 1}; prepare with a larger --val-fraction or lower data.seq_len")
-    windows = list(range(min(available, max(1, tokens // seq_len))))[rank::world_size]
-    for i in range(0, len(windows), micro_batch):
-        rows = np.stack([source.read(w * seq_len, seq_len + 1) for w in windows[i:i + micro_batch]])
-        batch = torch.from_numpy(rows)
-        yield batch[:, :-1], batch[:, 1:]
+    count = min(available, max(1, tokens // seq_len))
+    windows = list(range(count))[rank::world_size]
+    per_rank = -(-count // world_size)  # the most windows any rank has
+    for i in range(0, per_rank, rows):
+        chunk = windows[i:i + rows]
+        padding = [0] * (rows - len(chunk))  # any window: its targets are ignored
+        batch = torch.from_numpy(np.stack([source.read(w * seq_len, seq_len + 1) for w in chunk + padding]))
+        inputs, targets = batch[:, :-1], batch[:, 1:].clone()
+        targets[len(chunk):] = IGNORE
+        yield inputs, targets

@@ -5,6 +5,9 @@ RMSNorm (Zhang & Sennrich 2019), rotary position embeddings (Su et al. 2021, "Ro
 optional QK-norm (Dehghani et al. 2023, "Scaling Vision Transformers to 22B"), no biases.
 Parameter names follow Meta's Llama / torchtitan (`layers.0.attention.wq.weight`), so that
 `parallel/` can address blocks and linears by name; distribution is applied from outside.
+`layers` is a ModuleDict keyed by block index, so a pipeline stage that keeps some blocks (and
+drops the embedding or the output head: those attributes become None) keeps the names a
+checkpoint of the whole model uses.
 Parameter and FLOP counts live in `model/flops.py`, not here.
 """
 
@@ -65,11 +68,12 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.core = CoreAttention()
 
     def forward(
         self,
         x: torch.Tensor,  # (batch, seq, dim)
-        cos: torch.Tensor,  # (seq, head_dim // 2), angles of positions start_pos..
+        cos: torch.Tensor,  # (≥ seq, head_dim // 2), angles of the positions of x's tokens
         sin: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this layer's KVCache.k[i], .v[i]
         start_pos: int = 0,
@@ -85,11 +89,14 @@ class Attention(nn.Module):
             norm_dtype = self.q_norm.weight.dtype
             q = self.q_norm(q.to(norm_dtype)).to(v.dtype)
             k = self.k_norm(k.to(norm_dtype)).to(v.dtype)
+        # Blocks may see fewer positions than the tables hold (a sequence-parallel shard of the
+        # residual stream is gathered for attention): take the first seq.
+        cos, sin = cos[:seq], sin[:seq]
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (batch, heads, seq, head_dim)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (batch, kv_heads, seq, head_dim)
         v = v.transpose(1, 2)
 
-        mask, causal = None, True
+        mask, causal = None, True  # training: causal within the sequence
         if kv is not None:
             end = start_pos + seq
             k_cache, v_cache = kv  # (batch, kv_heads, max_len, head_dim)
@@ -101,13 +108,20 @@ class Attention(nn.Module):
             causal = False
             if seq > 1:
                 mask = torch.ones(seq, end, dtype=torch.bool, device=x.device).tril(diagonal=start_pos)
+        out = self.core(q, k, v, mask, causal)  # (batch, heads, seq, head_dim)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(head_dim)) v, no parameters. A module of its own so that parallel/
+    can swap in a version that attends across ranks (context parallelism)."""
+
+    def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
         # enable_gqa lets each key/value head serve n_heads / kv_heads query heads without
         # materialising repeated copies. On CUDA only the flash and math kernels take it, so
         # a masked (cached, multi-token) call runs the math kernel; training runs flash.
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
-        )  # (batch, heads, seq, head_dim)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
 
 class FeedForward(nn.Module):
@@ -143,7 +157,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
@@ -170,7 +184,7 @@ class Transformer(nn.Module):
         std = self.cfg.init_std
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
-        for block in self.layers:
+        for block in self.layers.values():
             attention, mlp = block.attention, block.feed_forward
             for linear in (attention.wq, attention.wk, attention.wv, mlp.w1, mlp.w3):
                 nn.init.normal_(linear.weight, mean=0.0, std=std)
@@ -202,16 +216,19 @@ class Transformer(nn.Module):
 
     def forward(
         self,
-        tokens: torch.Tensor,  # (batch, seq) token ids
+        tokens: torch.Tensor,  # (batch, seq) token ids; hidden states (batch, seq, dim) without tok_embeddings
         targets: torch.Tensor | None = None,  # (batch, seq) next-token ids
         cache: KVCache | None = None,
         start_pos: int = 0,
+        positions: torch.Tensor | None = None,  # (seq,) positions of the tokens, if not start_pos..
     ) -> torch.Tensor:
-        """Logits (batch, seq, vocab) when targets is None, else the mean cross-entropy loss.
+        """Logits (batch, seq, vocab) when targets is None, else the mean cross-entropy loss
+        (over targets other than -100, which mark padding).
 
         With a cache, `tokens` sit at positions start_pos.. and attend to everything the
-        cache holds before them; without one, attention is causal within `tokens`."""
-        batch, seq = tokens.shape
+        cache holds before them; without one, attention is causal within `tokens`. A
+        pipeline stage without the output head returns its hidden states (batch, seq, dim)."""
+        seq = tokens.shape[1]
         end = start_pos + seq
         if end > self.cfg.max_seq_len:
             raise ValueError(
@@ -220,13 +237,26 @@ class Transformer(nn.Module):
             )
         if cache is not None and end > cache.max_len:
             raise ValueError(f"positions up to {end} requested but the KV cache holds {cache.max_len}")
-        cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]  # (seq, head_dim // 2)
-        x = self.tok_embeddings(tokens)  # (batch, seq, dim)
-        for i, block in enumerate(self.layers):
+        if positions is None:
+            # From start_pos on, not cut at seq: under sequence parallelism a later pipeline stage
+            # receives a shard of the sequence, and attention sees all of it.
+            cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]  # (≥ seq, head_dim // 2)
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        x = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)  # (batch, seq, dim)
+        for name, block in self.layers.items():
             # Blocks get tensors, not a layer index, so compiled blocks see no per-layer constant.
-            x = block(x, cos, sin, None if cache is None else (cache.k[i], cache.v[i]), start_pos)
+            layer_kv = None if cache is None else (cache.k[int(name)], cache.v[int(name)])
+            x = block(x, cos, sin, layer_kv, start_pos)
+        if self.output is None:
+            return x
         logits = self.output(self.norm(x))  # (batch, seq, vocab)
         if targets is None:
             return logits
-        # float32 loss: a bf16 log-softmax over a large vocabulary loses precision.
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return cross_entropy(logits, targets)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss of logits (batch, seq, vocab) against targets (batch, seq), in
+    float32 (a bf16 log-softmax over a large vocabulary loses precision); -100 marks padding."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -1,29 +1,90 @@
-"""`parallelize(model, mesh)`: the one place a single-device model becomes distributed.
+"""`parallelize(model, mesh, ...)`: the one place a single-device model becomes distributed.
 
-Order (each step wraps what the previous one built): tensor parallelism (turns weights into
-DTensors on the tp mesh), activation recomputation around each block, per-block
-torch.compile, then FSDP over the data-parallel dimensions (which shards what the blocks
-have become).
+With pipeline parallelism the model is first cut into this rank's stages; then each piece
+gets, in order (each step wraps what the previous one built): tensor parallelism (turns weights
+into DTensors on the tp mesh), context parallelism (attention across the cp ranks), activation
+recomputation around each block, per-block torch.compile, then FSDP over the data-parallel and
+context-parallel ranks (which shards what the blocks have become).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from scaletrain.config import RunConfig
+from scaletrain.parallel.context import apply_cp
 from scaletrain.parallel.fsdp import apply_fsdp
+from scaletrain.parallel.mesh import Layout
+from scaletrain.parallel.pipeline import build_schedule, forward_only, split_stages, stage_ids
 from scaletrain.parallel.recompute import apply_recompute
 from scaletrain.parallel.tensor import apply_tp
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh | None, compile_blocks: bool = False,
-                recompute: str = "none") -> nn.Module:
-    if mesh is not None and mesh["tp"].size() > 1:
-        apply_tp(model, mesh["tp"])
-    apply_recompute(model, recompute)
-    if compile_blocks:
-        for block in model.layers:
-            block.compile()
-    if mesh is not None:
-        apply_fsdp(model, mesh)
-    return model
+@dataclass
+class ParallelModel:
+    """What one rank holds of the model."""
+
+    module: nn.Module
+    """Every parameter this rank holds, under its name in the whole model: for the optimizer,
+    checkpoints and gradient clipping. Without pipelining it is also what runs forward."""
+    parts: list[nn.Module]
+    """What runs forward: [module], or this rank's pipeline stages."""
+    schedule: Any = None
+    """The pipeline schedule, when pp > 1."""
+    first: bool = True
+    """This rank runs the first pipeline stage (it takes the inputs)."""
+    last: bool = True
+    """This rank runs the last pipeline stage (it takes the targets and computes the loss)."""
+    forward: Callable[[torch.Tensor | None], torch.Tensor | None] | None = None
+    """Under pipelining, a forward pass of a whole batch through every stage (for evaluation):
+    takes the inputs where `first`, returns the logits where `last`."""
+
+
+def _holder(parts: list[nn.Module]) -> nn.Module:
+    """One module whose children are the stages' pieces, named as in the whole model."""
+    holder = nn.Module()
+    holder.layers = nn.ModuleDict()
+    for part in sorted(parts, key=lambda p: min(map(int, p.layers))):
+        for name, child in part.named_children():
+            if name == "layers":
+                holder.layers.update(child)
+            elif child is not None:
+                setattr(holder, name, child)
+    return holder
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout: Layout, cfg: RunConfig,
+                device: torch.device, param_dtype: torch.dtype = torch.float32) -> ParallelModel:
+    parallel = cfg.parallel
+    parts, ids, num_stages = [model], [0], 1
+    if layout.pp > 1:
+        pp_rank = mesh["pp"].get_local_rank()
+        num_stages = layout.pp * parallel.stages_per_rank
+        ids = stage_ids(parallel.pp_schedule, pp_rank, layout.pp, parallel.stages_per_rank)
+        parts = split_stages(model, ids, num_stages)
+    for part in parts:
+        if layout.tp > 1:
+            apply_tp(part, mesh["tp"])
+        if layout.cp > 1:
+            apply_cp(part, mesh["cp"].get_group(), cfg.data.seq_len)
+        apply_recompute(part, parallel.recompute)
+        if cfg.train.compile:
+            for block in part.layers.values():
+                block.compile()
+        if mesh is not None:
+            apply_fsdp(part, mesh, param_dtype=param_dtype, reshard_after_forward=layout.pp == 1)
+    if layout.pp == 1:
+        return ParallelModel(module=model, parts=parts)
+    microbatches = cfg.seqs_per_step // (layout.dp * cfg.train.micro_batch)
+    schedule = build_schedule(parts, ids, num_stages, parallel.pp_schedule, microbatches, mesh["pp"].get_group(),
+                              device)
+    return ParallelModel(module=_holder(parts), parts=parts, schedule=schedule, first=0 in ids,
+                         last=num_stages - 1 in ids,
+                         forward=partial(forward_only, parts, ids, num_stages, parallel.pp_schedule,
+                                         mesh["pp"].get_group()))

@@ -1,18 +1,28 @@
 """Data parallelism with FSDP2 (`fully_shard`): parameters, gradients and optimizer state
-sharded over dp_shard (ZeRO-3, Rajbhandari et al. 2020), replicated over dp_replicate (HSDP
-when both are above 1; plain replication, as DDP, when dp_shard is 1)."""
+sharded over dp_shard (and cp: context-parallel ranks hold the same parameters) — ZeRO-3,
+Rajbhandari et al. 2020 — and replicated over dp_replicate (HSDP when both are above 1; plain
+replication, as DDP, when the shard group has one rank)."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> None:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype = torch.float32,
+               reshard_after_forward: bool = True) -> None:
     """Shard each block on its own, so that one block's parameters are gathered at a time,
-    then the root (embedding, final norm, output head)."""
-    dp_mesh = mesh["dp_replicate", "dp_shard"]
-    for block in model.layers:
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+    then the root (embedding, final norm, output head).
+
+    param_dtype below float32 gathers parameters in that dtype for compute (half the
+    all-gather traffic in bf16) while the sharded master weights and the optimizer stay
+    float32, and gradients are reduced in float32. Pipeline stages keep parameters gathered
+    between micro-batches (reshard_after_forward=False) instead of gathering them again for
+    each one."""
+    dp_mesh = mesh["dp_replicate", "dp_shard_cp"]
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

@@ -34,11 +34,11 @@ def apply_recompute(model: nn.Module, mode: str) -> None:
     """Wrap each block of model.layers for recomputation ("none", "selective" or "full")."""
     if mode == "none":
         return
-    for index, block in enumerate(model.layers):
+    for name, block in model.layers.items():
         if mode == "full":
-            model.layers[index] = checkpoint_wrapper(block)
+            model.layers[name] = checkpoint_wrapper(block)
         elif mode == "selective":
-            model.layers[index] = checkpoint_wrapper(
+            model.layers[name] = checkpoint_wrapper(
                 block, context_fn=partial(create_selective_checkpoint_contexts, _policy))
         else:
             raise ValueError(f"recompute mode {mode!r}; valid: none, selective, full")

@@ -17,13 +17,16 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    parallelize_module(model, tp_mesh, {
+    """Parallelise model (or a pipeline stage of it: parts it lacks are None) over tp_mesh."""
+    plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         # Logits stay split over the vocabulary: the loss is computed shard-wise.
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    })
-    for block in model.layers:
+    }
+    parallelize_module(model, tp_mesh, {name: style for name, style in plan.items()
+                                        if getattr(model, name) is not None})
+    for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
             # (x, cos, sin, kv, start_pos): gather x's sequence for attention; the rest are not DTensors.

@@ -20,12 +20,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletrain.config import ConfigError, RunConfig, load_config, validate_config
-from scaletrain.data.loader import TokenLoader, eval_batches
+from scaletrain.data.loader import IGNORE, TokenLoader, eval_batches
 from scaletrain.data.shards import DataError, read_index
 from scaletrain.model.flops import param_counts, train_flops_per_token
-from scaletrain.model.llama import Transformer
+from scaletrain.model.llama import Transformer, cross_entropy
 from scaletrain.parallel.apply import parallelize
-from scaletrain.parallel.mesh import check_model_fits, init_distributed, resolve_layout, shutdown, world
+from scaletrain.parallel.context import shard_sequence
+from scaletrain.parallel.mesh import check_layout, init_distributed, resolve_layout, shutdown, world
 from scaletrain.plan.hardware import peak_flops
 from scaletrain.train import checkpoint
 from scaletrain.train.metrics import MetricsLog, read_metrics
@@ -118,13 +119,9 @@ class Trainer:
         self.is_main = self.rank == 0
         # The layout is checked before any process group starts.
         self.layout = resolve_layout(cfg.parallel, world_size)
-        check_model_fits(self.layout, cfg.model, cfg.data.seq_len)
-        self.dp_rank = self.rank // self.layout.tp  # tp is the innermost mesh dimension
-        if cfg.seqs_per_step % (self.layout.dp * cfg.train.micro_batch):
-            raise ConfigError(f"train.global_batch_tokens = {cfg.train.global_batch_tokens} holds {cfg.seqs_per_step} "
-                              f"sequences, which do not split into {self.layout.dp} data-parallel ranks x "
-                              f"train.micro_batch = {cfg.train.micro_batch}; use a multiple of "
-                              f"{self.layout.dp * cfg.train.micro_batch * cfg.data.seq_len} tokens")
+        check_layout(self.layout, cfg)
+        self.dp_rank = self.layout.dp_rank(self.rank)
+        self.cp_rank = self.layout.coordinates(self.rank)["cp"]
         self.run_dir = cfg.run_dir
         self.ckpt_root = self.run_dir / "checkpoints"
         self.device = pick_device(cfg.train.device)
@@ -141,8 +138,10 @@ class Trainer:
         self.mesh = init_distributed(self.device, self.layout)
 
         torch.manual_seed(cfg.run.seed)  # every rank builds the same full model, then keeps its shard
-        self.model = parallelize(Transformer(cfg.model).to(self.device), self.mesh, compile_blocks=cfg.train.compile,
-                                 recompute=cfg.parallel.recompute)
+        param_dtype = self.dtype if cfg.parallel.fsdp_param_dtype == "auto" else getattr(torch, cfg.parallel.fsdp_param_dtype)
+        self.parallel = parallelize(Transformer(cfg.model).to(self.device), self.mesh, self.layout, cfg, self.device,
+                                    param_dtype=param_dtype)
+        self.model = self.parallel.module
         self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                          betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
                                          device=self.device)
@@ -278,20 +277,23 @@ class Trainer:
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
+        batches = []
         for _ in range(self.loader.micro_steps):
             t0 = time.perf_counter()
-            inputs, targets = self.loader.next_batch()
-            inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+            batches.append(self._batch(*self.loader.next_batch()))
             data_wait += time.perf_counter() - t0
-            with self.autocast():  # loss_parallel must cover the backward too
-                loss = self.model(inputs, targets) / self.loader.micro_steps
-                loss.backward()
-            loss_sum += _local(loss.detach())
-        max_norm = cfg.clip if cfg.clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if isinstance(grad_norm, DTensor):  # sharded parameters: the norm is global already
-            grad_norm = grad_norm.full_tensor()
-        loss_value, norm_value = _mean_over_ranks(loss_sum), grad_norm.item()
+            if self.parallel.schedule is None:  # one micro-batch at a time: forward, backward
+                inputs, targets = batches.pop()
+                with self.autocast():  # loss_parallel must cover the backward too
+                    loss = self.model(inputs, targets) / self.loader.micro_steps
+                    loss.backward()
+                loss_sum += _local(loss.detach())
+        if self.parallel.schedule is not None:  # the pipeline takes this rank's whole share, in micro-batches
+            losses = self._pipeline(*map(torch.cat, zip(*batches)))
+            if self.parallel.last:
+                loss_sum += torch.stack([_local(loss.detach()) for loss in losses]).mean()
+        grad_norm = self._clip_gradients(cfg.clip if cfg.clip > 0 else math.inf)
+        loss_value, norm_value = self._mean_over_last_stage(loss_sum), grad_norm.item()
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             raise TrainingDiverged(
                 f"step {self.step + 1}: loss is {loss_value} and gradient norm {norm_value}; the update was not "
@@ -306,6 +308,45 @@ class Trainer:
         self.lr = lr
         return loss_value, norm_value, data_wait
 
+    def _batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of whole sequences as this rank feeds it to the model: its part of each
+        sequence under context parallelism, on the device."""
+        if self.layout.cp > 1:
+            inputs, targets = (shard_sequence(t, self.cp_rank, self.layout.cp) for t in (inputs, targets))
+        return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+
+    def _pipeline(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+        """Train on this rank's share of the batch through the pipeline schedule: inputs enter
+        at the first stage, targets at the last, which returns the loss of each micro-batch."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.parallel.first else ()
+        kwargs = {"target": targets, "losses": losses} if self.parallel.last else {}
+        with self.autocast():
+            self.parallel.schedule.step(*args, **kwargs)
+        return losses
+
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Clip the norm of the gradient of the whole model to max_norm; returns the norm before
+        clipping. Sharded gradients (DTensors) give the global norm of their dimensions; pipeline
+        stages add up their squares over the pp ranks."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if self.layout.pp > 1:
+            norm = norm.square()
+            dist.all_reduce(norm, group=self.mesh["pp"].get_group())
+            norm = norm.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def _mean_over_last_stage(self, value: torch.Tensor) -> float:
+        """The mean of a per-rank scalar over the ranks that run the last pipeline stage (all
+        ranks without pipelining): each saw an equal share of the batch or of its sequences."""
+        if not dist.is_initialized():
+            return value.item()
+        return _sum_over_ranks([value.item()])[0] / (dist.get_world_size() // self.layout.pp)
+
     def _last_checkpoint_hint(self) -> str:
         done = checkpoint.complete_checkpoints(self.ckpt_root)
         return f" ({done[0]})" if done else " (there is none yet)"
@@ -319,10 +360,17 @@ class Trainer:
             total, count = 0.0, 0
             for inputs, targets in eval_batches(path, self.cfg.data.seq_len, self.cfg.eval.tokens,
                                                 self.cfg.train.micro_batch, self.dp_rank, self.layout.dp):
+                inputs, targets = self._batch(inputs, targets)
                 with self.autocast():
-                    loss = self.model(inputs.to(self.device), targets.to(self.device))
-                total += _local(loss).item() * targets.numel()
-                count += targets.numel()
+                    if self.parallel.forward is None:
+                        loss = self.model(inputs, targets)
+                    else:  # pipelined: the last stage has the logits, the others contribute nothing
+                        logits = self.parallel.forward(inputs if self.parallel.first else None)
+                        loss = None if logits is None else cross_entropy(logits, targets)
+                n = (targets != IGNORE).sum().item()
+                if loss is not None and n:  # a batch of padding only has a loss of nan
+                    total += _local(loss).item() * n
+                    count += n
             total, count = _sum_over_ranks([total, count])
             by_source[name] = total / count
         self.model.train()
@@ -455,13 +503,6 @@ def _sum_over_ranks(values: list[float]) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor)  # gloo has no AVG: sum, then divide where a mean is wanted
     return tensor.tolist()
-
-
-def _mean_over_ranks(value: torch.Tensor) -> float:
-    """The mean over data-parallel ranks of a per-rank scalar (each rank saw an equal share)."""
-    if not dist.is_initialized():
-        return value.item()
-    return _sum_over_ranks([value.item()])[0] / dist.get_world_size()
 
 
 def _flatten(config: dict) -> dict:

@@ -1,0 +1,93 @@
+"""Context parallelism: each sequence split over the cp ranks, keys and values all-gathered for
+attention — the scheme Llama 3 was trained with for long contexts (Llama Team 2024, "The Llama 3
+Herd of Models", section 3.3.2).
+
+Under a causal mask the later positions of a sequence attend to more keys, so cutting it into
+cp consecutive pieces would leave the last rank with most of the work. The sequence is cut into
+2 x cp chunks instead and rank r takes chunks r and 2 cp - 1 - r: every rank holds one early
+and one late chunk and does the same work. Each rank computes queries, keys and values for its
+own tokens (with their true rotary positions), gathers every rank's keys and values (the
+backward pass sums their gradients back), and masks by position. Gradients of the parameters
+are averaged over the cp ranks by FSDP, whose shard group includes them.
+
+This runs on any device and backend (PyTorch's built-in `context_parallel` has no CPU kernel);
+the mask makes attention use SDPA's masked kernels, so on GPUs it is the portable path, not the
+fastest one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.model.llama import CoreAttention
+
+
+def local_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
+    """Positions (seq_len / cp,) of the tokens rank cp_rank holds: chunks cp_rank and 2 cp - 1 - cp_rank."""
+    chunk = seq_len // (2 * cp)
+    first, second = cp_rank * chunk, (2 * cp - 1 - cp_rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+def shard_sequence(tensor: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
+    """This rank's part of a (batch, seq, ...) tensor, in the order of local_positions."""
+    chunks = tensor.chunk(2 * cp, dim=1)
+    return torch.cat([chunks[cp_rank], chunks[2 * cp - 1 - cp_rank]], dim=1)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather (batch, heads, seq / cp, head_dim) over the cp group along the sequence; the
+    backward pass sums each rank's gradient of the whole and returns this rank's piece."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, x.contiguous(), group=group)
+        return torch.cat(pieces, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(dist.get_world_size(ctx.group), dim=2)[dist.get_rank(ctx.group)], None
+
+
+class ContextParallelAttention(CoreAttention):
+    """Attention of this rank's queries to the keys and values of the whole sequence."""
+
+    def __init__(self, group: dist.ProcessGroup, seq_len: int, device: torch.device):
+        super().__init__()
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group = group
+        query_positions = local_positions(seq_len, rank, cp)
+        key_positions = torch.cat([local_positions(seq_len, r, cp) for r in range(cp)])  # all-gather order
+        # (seq / cp, seq): query i sees key j when j's position is not after i's.
+        mask = key_positions[None, :] <= query_positions[:, None]
+        self.register_buffer("mask", mask.to(device), persistent=False)
+
+    def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        if mask is not None or not causal:
+            raise NotImplementedError("context parallelism runs training and evaluation only (no KV cache)")
+        k = _GatherSequence.apply(k, self.group)  # (batch, kv_heads, seq, head_dim)
+        v = _GatherSequence.apply(v, self.group)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+
+def apply_cp(model: nn.Module, group: dist.ProcessGroup, seq_len: int) -> None:
+    """Make model (or a pipeline stage of it) attend across the cp ranks of `group`. Its inputs
+    must be this rank's part of each sequence (shard_sequence); the rotary positions of those
+    tokens are passed to every forward."""
+    device = model.rope_cos.device
+    positions = local_positions(seq_len, dist.get_rank(group), dist.get_world_size(group)).to(device)
+    for block in model.layers.values():
+        block.attention.core = ContextParallelAttention(group, seq_len, device)
+
+    def add_positions(module, args, kwargs):
+        return args, {**kwargs, "positions": positions}
+
+    model.register_forward_pre_hook(add_positions, with_kwargs=True)

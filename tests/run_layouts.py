@@ -1,0 +1,29 @@
+"""Run several training layouts one after another in one torchrun launch (starting processes
+costs seconds each on a 2-core machine): `torchrun --nproc-per-node N tests/run_layouts.py SPEC`,
+SPEC a JSON list of {"config": path, "overrides": [...], "stop_at_step": int | null}. Every
+layout must use all N processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from scaletrain.config import load_config
+from scaletrain.parallel.mesh import shutdown
+from scaletrain.train.trainer import Trainer
+
+
+def main(spec_path: str) -> None:
+    try:
+        for spec in json.loads(open(spec_path).read()):
+            cfg = load_config(spec["config"], spec["overrides"])
+            try:
+                Trainer(cfg).fit(stop_at_step=spec.get("stop_at_step"))
+            except Exception as e:
+                raise RuntimeError(f"layout {spec['overrides']} failed: {e}") from e
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
