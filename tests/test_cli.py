@@ -124,4 +124,4 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
 def test_launch_refuses_a_layout_the_processes_do_not_fit(tmp_path):
     result = run_cli("launch", "slurm", "configs/llama-1b.toml", "parallel.dp_replicate=3", "--nodes", "2",
                      "--gpus-per-node", "8")
-    assert_one_line_error(result, "dp_replicate = 3 x parallel.tp = 1 does not divide the 16 processes")
+    assert_one_line_error(result, "dp_replicate x cp x tp = 1 x 3 x 1 x 1 = 3 does not divide the 16 processes")

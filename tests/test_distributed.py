@@ -76,11 +76,23 @@ DEEP = ["model.n_layers=4"]  # enough blocks for 4 pipeline stages
 
 
 @pytest.fixture(scope="module")
-def reference_deep(stdlib_data, tmp_path_factory):
-    """One process, 4 blocks, 2 micro-batches of 4 per step: what every layout below must reproduce."""
-    run_dir = tmp_path_factory.mktemp("single-deep") / "run"
-    train(tiny_config(stdlib_data, run_dir, *STEPS, *DEEP))
-    return run_dir
+def single_process(stdlib_data, tmp_path_factory):
+    """One process, 4 blocks, 2 micro-batches of 4 per step, with a layout's model.* overrides:
+    what that layout must reproduce. Each model is trained once."""
+    runs = {}
+
+    def run(overrides: list[str]):
+        model = tuple(o for o in overrides if o.startswith("model."))
+        if model not in runs:
+            runs[model] = tmp_path_factory.mktemp("single-deep") / "run"
+            train(tiny_config(stdlib_data, runs[model], *STEPS, *DEEP, *model))
+        return runs[model]
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference_deep(single_process):
+    return single_process([])
 
 
 def assert_parity(run_dir, reference, tolerance=1e-5):
@@ -92,12 +104,14 @@ def assert_parity(run_dir, reference, tolerance=1e-5):
 
 
 ONE_STAGE = ["parallel.dp_shard=1"]
+TIED_QK = ["model.tie_embeddings=true", "model.qk_norm=true"]
 PP2 = ["parallel.pp=2", "parallel.dp_shard=1", "train.micro_batch=1"]  # 8 micro-batches through 2 ranks
 # name -> overrides of 2-process layouts.
 TWO = {
     "replicate": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
     "fsdp-grad-accumulation-recompute": ["parallel.dp_shard=2", "train.micro_batch=2", "parallel.recompute=selective"],
     "tp": ["parallel.tp=2", *ONE_STAGE],
+    "tp-tied-qk-norm": ["parallel.tp=2", *ONE_STAGE, *TIED_QK],
     "cp": ["parallel.cp=2", *ONE_STAGE],
     **{f"pp-{schedule}": [*PP2, f"parallel.pp_schedule={schedule}"]
        for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
@@ -107,6 +121,7 @@ TWO = {
 MIXED = {"fsdp-bf16-params": ["parallel.dp_shard=2", "train.dtype=bfloat16"]}
 FOUR = {
     "fsdp-x-tp": ["parallel.dp_shard=2", "parallel.tp=2"],
+    "fsdp-x-tp-tied-qk-norm": ["parallel.dp_shard=2", "parallel.tp=2", *TIED_QK],
     "fsdp-x-pp": ["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2", "parallel.recompute=full"],
     "tp-x-pp-interleaved": [*PP2, "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b"],
     "cp-x-tp": ["parallel.cp=2", "parallel.tp=2", *ONE_STAGE],
@@ -138,8 +153,8 @@ def layout_runs(stdlib_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", [*TWO, *FOUR, *EIGHT])
-def test_parallel_layouts_train_the_losses_of_one_process(layout_runs, reference_deep, name):
-    assert_parity(layout_runs[name], reference_deep)
+def test_parallel_layouts_train_the_losses_of_one_process(layout_runs, single_process, name):
+    assert_parity(layout_runs[name], single_process({**TWO, **FOUR, **EIGHT}[name]))
 
 
 @pytest.mark.parametrize("name", list(RESHARD))
@@ -200,7 +215,6 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process(stdlib_data, reference
     ("parallel.dp_replicate=3", 4, "pp x dp_replicate x cp x tp = 1 x 3 x 1 x 1 = 3 does not divide the 4 processes"),
     ("parallel.tp=2 model.n_heads=3 model.dim=96 model.n_kv_heads=3", 2,
      "model.n_heads = 3 is not divisible by parallel.tp = 2"),
-    ("parallel.tp=2 model.tie_embeddings=true", 2, "model.tie_embeddings = true is not supported with parallel.tp > 1"),
     ("parallel.tp=2 data.seq_len=63 train.global_batch_tokens=504", 2,
      "data.seq_len = 63 is not divisible by parallel.tp = 2"),
     ("parallel.pp=2 model.n_layers=3", 2, "model.n_layers = 3 is not divisible into 2 pipeline stages"),
@@ -214,7 +228,7 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process(stdlib_data, reference
     ("parallel.cp=2 parallel.tp=4 model.n_kv_heads=4 data.seq_len=36 train.global_batch_tokens=288", 8,
      r"data.seq_len / parallel.cp = 18 is not divisible by parallel.tp = 4"),
     ("parallel.dp_shard=3", 3, "8 sequences, which do not split into 3 data-parallel ranks"),
-], ids=["product", "remaining", "heads", "tied-tp", "seq-tp", "layers-pp", "layers-virtual", "microbatches",
+], ids=["product", "remaining", "heads", "seq-tp", "layers-pp", "layers-virtual", "microbatches",
         "tied-pp", "seq-cp", "seq-cp-tp", "batch"])
 def test_a_layout_that_cannot_split_the_model_or_batch_is_refused_with_the_constraint(stdlib_data, tmp_path,
                                                                                      overrides, world, words):

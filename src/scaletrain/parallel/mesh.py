@@ -105,11 +105,6 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
             if size % layout.tp:
                 raise ConfigError(f"{name} = {size} is not divisible by parallel.tp = {layout.tp}; tensor "
                                   "parallelism splits it evenly over the tp ranks")
-        for flag, why in (("tie_embeddings", "the embedding and output head are split differently"),
-                          ("qk_norm", "its weights are shared by heads on different ranks")):
-            if getattr(model, flag):
-                raise ConfigError(f"model.{flag} = true is not supported with parallel.tp > 1 yet ({why}); "
-                                  f"set model.{flag} = false or parallel.tp = 1")
     if layout.pp > 1:
         stages = layout.pp * parallel.stages_per_rank
         if model.n_layers % stages:

@@ -4,7 +4,8 @@ et al. 2022), through DTensor's `parallelize_module`.
 Inside a block, attention heads and MLP columns are split over the tp ranks (column-parallel
 wq/wk/wv/w1/w3, row-parallel wo/w2); between blocks the residual stream is split along the
 sequence (norms run on a sequence shard), so activations are never replicated. The output head
-stays split over the vocabulary and the loss is computed on those shards (`loss_parallel`).
+stays split over the vocabulary and the loss is computed on those shards (`loss_parallel`);
+a tied embedding is split the same way (by vocabulary rows), so one sharded matrix serves both.
 """
 
 from __future__ import annotations
@@ -24,8 +25,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         # Logits stay split over the vocabulary: the loss is computed shard-wise.
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
+    tied = (model.output is not None and model.tok_embeddings is not None
+            and model.output.weight is model.tok_embeddings.weight)
     parallelize_module(model, tp_mesh, {name: style for name, style in plan.items()
                                         if getattr(model, name) is not None})
+    if tied:  # both split the (vocab, dim) matrix by rows, so one sharded parameter serves both again
+        model.output.weight = model.tok_embeddings.weight
+    head_norm = SequenceParallel(sequence_dim=2, use_local_output=True)  # (batch, seq, heads, head_dim): heads split
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
@@ -36,6 +42,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            # QK-norm normalises each head on the rank that holds it; its weight, shared by all
+            # heads, stays whole and sums its gradient over the tp ranks.
+            **({"attention.q_norm": head_norm, "attention.k_norm": head_norm}
+               if block.attention.q_norm is not None else {}),
             "ffn_norm": SequenceParallel(),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "feed_forward.w1": ColwiseParallel(),
