@@ -14,15 +14,14 @@ from scaletrain.train.trainer import Trainer
 
 
 def main(spec_path: str) -> None:
-    try:
-        for spec in json.loads(open(spec_path).read()):
-            cfg = load_config(spec["config"], spec["overrides"])
-            try:
-                Trainer(cfg).fit(stop_at_step=spec.get("stop_at_step"))
-            except Exception as e:
-                raise RuntimeError(f"layout {spec['overrides']} failed: {e}") from e
-    finally:
-        shutdown()
+    for spec in json.loads(open(spec_path).read()):
+        cfg = load_config(spec["config"], spec["overrides"])
+        try:
+            Trainer(cfg).fit(stop_at_step=spec.get("stop_at_step"))
+        except BaseException as e:
+            shutdown(clean=False)
+            raise RuntimeError(f"layout {spec['overrides']} failed: {e}") from e
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -138,23 +138,36 @@ RESHARD = {
 }
 
 
+# Stopped at step 3 and resumed in the same layout (2 processes): name -> the uninterrupted run.
+RESUME = {"pp-zbv-resumed": "pp-zbv_zero_bubble", "cp-resumed": "cp"}
+
+
 @pytest.fixture(scope="module")
 def layout_runs(stdlib_data, tmp_path_factory):
     """Every grouped layout trained once: name -> run directory (three launches: 2, 4, 8 processes)."""
     root = tmp_path_factory.mktemp("layouts")
-    launch_layouts(stdlib_data, root, 2, [(name, [*DEEP, *overrides], None)
-                                          for name, overrides in {**TWO, **MIXED}.items()])
+    two = [(name, [*DEEP, *overrides], None) for name, overrides in {**TWO, **MIXED}.items()]
+    for name, uninterrupted in RESUME.items():
+        two += [(name, [*DEEP, *TWO[uninterrupted]], 3), (name, [*DEEP, *TWO[uninterrupted]], None)]
+    launch_layouts(stdlib_data, root, 2, two)
     four = [(name, [*DEEP, *overrides], None) for name, overrides in FOUR.items()]
     for name, (before, after) in RESHARD.items():
         four += [(name, [*DEEP, *before], 3), (name, [*DEEP, *after], None)]
     launch_layouts(stdlib_data, root, 4, four)
     launch_layouts(stdlib_data, root, 8, [(name, [*DEEP, *overrides], None) for name, overrides in EIGHT.items()])
-    return {name: root / name for name in [*TWO, *MIXED, *FOUR, *EIGHT, *RESHARD]}
+    return {name: root / name for name in [*TWO, *MIXED, *FOUR, *EIGHT, *RESHARD, *RESUME]}
 
 
 @pytest.mark.parametrize("name", [*TWO, *FOUR, *EIGHT])
 def test_parallel_layouts_train_the_losses_of_one_process(layout_runs, single_process, name):
     assert_parity(layout_runs[name], single_process({**TWO, **FOUR, **EIGHT}[name]))
+
+
+@pytest.mark.parametrize("name", list(RESUME))
+def test_a_pipelined_or_context_parallel_run_resumes_exactly_in_the_same_layout(layout_runs, name):
+    run_dir = layout_runs[name]
+    assert [r["step"] for r in read_metrics(run_dir, "resume")] == [3]
+    assert_parity(run_dir, layout_runs[RESUME[name]], tolerance=0.0)
 
 
 @pytest.mark.parametrize("name", list(RESHARD))

@@ -149,7 +149,10 @@ def init_distributed(device: torch.device, layout: Layout) -> DeviceMesh | None:
     return mesh
 
 
-def shutdown() -> None:
+def shutdown(clean: bool = True) -> None:
+    """Leave the process group. After an error, without the barrier: the other ranks may never
+    reach it, and waiting there would hide this rank's error until the collective timeout."""
     if dist.is_initialized():
-        dist.barrier()  # without it, destroying the group occasionally aborts a rank still in a collective
+        if clean:
+            dist.barrier()  # without it, destroying the group occasionally aborts a rank still in a collective
         dist.destroy_process_group()

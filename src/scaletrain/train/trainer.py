@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -34,6 +35,12 @@ from scaletrain.train.optim import build_optimizer
 from scaletrain.train.schedule import lr_at
 
 log = logging.getLogger("scaletrain")
+
+
+# Optimizer state and hyperparameters keyed by parameter name ("param_groups.layers.0.….lr"), not
+# by group: under pipelining each rank's groups hold other parameters, and a checkpoint stores one
+# copy of each key, so grouped entries would be rank 0's on every rank.
+STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class TrainingDiverged(RuntimeError):
@@ -210,9 +217,7 @@ class Trainer:
 
     def state(self) -> dict:
         """Everything that determines the rest of the run: a resumed run continues bit for bit."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
         # The loader's state travels as one JSON string: DCP matches nested keys one by one, so a
         # mixture with other source names would fail as a "missing key" instead of the loader's own
         # clear message about which data the checkpoint was trained on.
@@ -220,9 +225,8 @@ class Trainer:
                 "rng": rng_state(self.device), "progress": {"step": self.step, "tokens": self.tokens}}
 
     def load_state(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=STATE_OPTIONS)
         self.loader.load_state_dict(json.loads(state["loader"]))
         set_rng_state(state["rng"], self.device)
         self.step, self.tokens = int(state["progress"]["step"]), int(state["progress"]["tokens"])
@@ -513,6 +517,9 @@ def train(cfg: RunConfig, stop_at_step: int | None = None) -> TrainResult:
     """Train (or resume) the run `cfg` describes; stop cleanly after `stop_at_step` if given.
     Under torchrun every process calls this; the layout comes from cfg.parallel."""
     try:
-        return Trainer(cfg).fit(stop_at_step=stop_at_step)
-    finally:
-        shutdown()
+        result = Trainer(cfg).fit(stop_at_step=stop_at_step)
+    except BaseException:
+        shutdown(clean=False)
+        raise
+    shutdown()
+    return result
