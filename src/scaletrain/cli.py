@@ -197,6 +197,108 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- fit ------------------------------------------------------------------------------------
+
+
+def _flops(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 1e21)") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def _interval(entry: dict, digits: int = 4) -> str:
+    value = f"{entry['value']:.{digits}g}"
+    if entry.get("low") is None:
+        return value
+    return f"{value}  [{entry['low']:.{digits}g}, {entry['high']:.{digits}g}]"
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from scaletrain.scaling import fit as fitting
+    from scaletrain.scaling.laws import ChinchillaLaw, preset
+    from scaletrain.scaling.optimal import data_constrained_optimal, inference_optimal, predict
+
+    if args.preset:
+        try:
+            law = preset(args.preset)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if not isinstance(law, ChinchillaLaw):
+            raise UserError(f"the {args.preset!r} law has no E + A/N^α + B/D^β form to predict with; use hoffmann "
+                            "or epoch")
+        doc, boot, out_dir = {"source": law.source}, [], None
+        out.print(f"published law {args.preset}: {law.source}")
+    else:
+        if (args.sweep_dir is None) == (args.points is None):
+            raise UserError("give a sweep directory or --points CSV (or --preset NAME to predict from a published law)")
+        points_path = Path(args.points) if args.points else Path(args.sweep_dir) / "results.csv"
+        try:
+            points = fitting.read_points(points_path, drop_highest=args.drop_highest)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        doc = fitting.fit_all(points, samples=args.bootstrap)
+        doc["source"] = str(points_path)
+        law, boot = fitting.law_of(doc), fitting.bootstrap_laws(doc)
+        out_dir = Path(args.out) if args.out else points_path.parent
+        table = Table(title=f"scaling law from {len(points)} points, {doc['budgets']} budgets "
+                            f"(95% bootstrap intervals, {len(boot)} resamples)")
+        table.add_column("")
+        table.add_column("value [interval]", justify="right")
+        for name in ("E", "A", "B", "alpha", "beta", "a", "b"):
+            table.add_row(f"approach 3 {name}", _interval(doc["approach3"][name]))
+        for approach in ("approach1", "approach2"):
+            fit = doc[approach]
+            if "skipped" in fit:
+                table.add_row(approach.replace("approach", "approach "), "skipped: " + fit["skipped"])
+            else:
+                for name in ("a", "b"):
+                    table.add_row(f"{approach.replace('approach', 'approach ')} {name}", _interval(fit[name]))
+        out.print(table)
+    predictions = []
+    for compute in args.predict or []:
+        entry = predict(law, compute, boot)
+        if args.inference_tokens:
+            best, reference = inference_optimal(law, compute, args.inference_tokens)
+            entry["inference_aware"] = {"n": best.n, "d": best.d, "tokens_per_parameter": best.tokens_per_parameter,
+                                        "lifetime_flops": best.lifetime_flops,
+                                        "compute_optimal_lifetime_flops": reference.lifetime_flops,
+                                        "saved_fraction": 1 - best.lifetime_flops / reference.lifetime_flops}
+        if args.unique_tokens:
+            best = data_constrained_optimal(law, compute, args.unique_tokens)
+            entry["data_constrained"] = {"n": best.n, "d": best.d, "epochs": best.d / args.unique_tokens,
+                                         "loss": best.loss}
+        predictions.append(entry)
+        out.print(f"C = {compute:.3g} FLOPs: N_opt {entry['n']:.4g}, D_opt {entry['d']:.4g} "
+                  f"({entry['tokens_per_parameter']:.1f} tokens/parameter), loss {entry['loss']:.4f}"
+                  + (f" [{entry['loss_interval'][0]:.4f}, {entry['loss_interval'][1]:.4f}]"
+                     if "loss_interval" in entry else ""))
+        if "inference_aware" in entry:
+            aware = entry["inference_aware"]
+            out.print(f"  with {args.inference_tokens:.3g} inference tokens: N {aware['n']:.4g}, D {aware['d']:.4g} "
+                      f"({aware['tokens_per_parameter']:.1f} tokens/parameter), lifetime compute "
+                      f"{aware['saved_fraction']:.1%} below the compute-optimal model's")
+        if "data_constrained" in entry:
+            limited = entry["data_constrained"]
+            out.print(f"  with {args.unique_tokens:.3g} unique tokens: N {limited['n']:.4g}, D {limited['d']:.4g} "
+                      f"({limited['epochs']:.1f} epochs), loss {limited['loss']:.4f}")
+    if out_dir is not None:
+        from scaletrain.report.scaling import plot_fit
+
+        doc["predictions"] = predictions
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "law.json").write_text(json.dumps(doc, indent=1) + "\n")
+        paths = plot_fit(points, doc, out_dir)
+        out.print(f"wrote {out_dir / 'law.json'} and {', '.join(p.name for p in paths)}")
+    return 0
+
+
 # -- generate -------------------------------------------------------------------------------
 
 
@@ -273,6 +375,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", default="scaletrain:latest", help="k8s: container image with scaletrain installed")
     p.add_argument("--out", default=None, help="file to write (default: print)")
     p.set_defaults(func=cmd_launch)
+
+    p = commands.add_parser("fit", help="fit scaling laws to a sweep's results and predict from them",
+                            description="Fit L(N, D) = E + A/N^α + B/D^β (approach 3) and N_opt, D_opt ∝ C^a, C^b "
+                                        "(approaches 1 and 2) with bootstrap intervals; write law.json and plots.")
+    p.add_argument("sweep_dir", nargs="?", default=None, help="a sweep directory (its results.csv)")
+    p.add_argument("--points", default=None, help="a CSV of points instead: columns n, c (or d), loss[, budget]")
+    p.add_argument("--drop-highest", type=int, default=0, help="leave out this many points of highest loss")
+    p.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals (200)")
+    p.add_argument("--predict", type=_flops, action="append", metavar="C",
+                   help="training FLOPs to predict N_opt, D_opt and loss for (repeatable)")
+    p.add_argument("--inference-tokens", type=_flops, default=None,
+                   help="with --predict: lifetime inference tokens, for inference-aware sizing (Sardana et al. 2023)")
+    p.add_argument("--unique-tokens", type=_flops, default=None,
+                   help="with --predict: unique training tokens available, for data-constrained sizing "
+                        "(Muennighoff et al. 2023)")
+    p.add_argument("--preset", default=None, help="predict from a published law instead: hoffmann, epoch")
+    p.add_argument("--out", default=None, help="where law.json and the plots go (default: beside the points)")
+    p.set_defaults(func=cmd_fit)
 
     p = commands.add_parser("generate", help="sample text from a run's newest checkpoint")
     p.add_argument("run_dir", help="run directory, e.g. runs/demo")

@@ -1,0 +1,1 @@
+"""Plots and reports for people; the library computes, this draws."""

@@ -1,0 +1,95 @@
+"""Plots of a scaling-law fit (PNG, Matplotlib's Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from scaletrain.scaling.fit import Points, bootstrap_laws, budget_minima, law_of  # noqa: E402
+
+
+def plot_fit(points: Points, doc: dict, out: Path) -> list[Path]:
+    """isoflop.png, optimal.png, contours.png and residuals.png in out; returns their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    law, boot = law_of(doc), bootstrap_laws(doc)
+    budgets = np.unique(points.budget)
+    colours = plt.cm.viridis(np.linspace(0, 0.9, len(budgets)))
+    paths = []
+
+    # IsoFLOP profiles: loss against N per budget, the approach-2 parabola and its minimum.
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for budget, colour in zip(budgets, colours):
+        group = points.budget == budget
+        n, loss = points.n[group], points.loss[group]
+        ax.scatter(n, loss, color=colour, s=14, label=f"C = {budget:.2g}")
+        if len(np.unique(n)) >= 3:
+            curvature, slope, intercept = np.polyfit(np.log(n), loss, 2)
+            grid = np.linspace(np.log(n.min()), np.log(n.max()), 50)
+            ax.plot(np.exp(grid), np.polyval([curvature, slope, intercept], grid), color=colour, lw=1)
+            if curvature > 0:
+                vertex = -slope / (2 * curvature)
+                ax.plot(np.exp(vertex), np.polyval([curvature, slope, intercept], vertex), "x", color=colour)
+    ax.set(xscale="log", xlabel="parameters N", ylabel="final loss", title="IsoFLOP profiles (approach 2)")
+    if len(budgets) <= 12:
+        ax.legend(fontsize=7)
+    paths.append(_save(fig, out / "isoflop.png"))
+
+    # N_opt and D_opt against C: each approach, approach 3's bootstrap band.
+    compute = np.geomspace(points.c.min() / 3, points.c.max() * 30, 60)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for index, (ax, name) in enumerate(zip(axes, ("N_opt", "D_opt"))):
+        best = np.array([law.optimum(c)[index] for c in compute])
+        ax.plot(compute, best, color="C0", label=f"approach 3 (exponent {law.exponents[index]:.3f})")
+        if boot:
+            band = np.array([[sample.optimum(c)[index] for c in compute] for sample in boot])
+            ax.fill_between(compute, *np.percentile(band, [2.5, 97.5], axis=0), color="C0", alpha=0.2,
+                            label="95% bootstrap")
+        for approach, parabola, colour in (("approach1", False, "C1"), ("approach2", True, "C2")):
+            fit = doc.get(approach, {})
+            if "a" not in fit:
+                continue
+            c, n, d = budget_minima(points, parabola)
+            exponent = fit["a" if index == 0 else "b"]["value"]
+            coefficient = fit["n_coefficient" if index == 0 else "d_coefficient"]
+            ax.scatter(c, n if index == 0 else d, color=colour, s=16)
+            ax.plot(compute, coefficient * compute ** exponent, color=colour, ls="--",
+                    label=f"{approach.replace('approach', 'approach ')} (exponent {exponent:.3f})")
+        ax.set(xscale="log", yscale="log", xlabel="training FLOPs C", ylabel=name)
+        ax.legend(fontsize=7)
+    paths.append(_save(fig, out / "optimal.png"))
+
+    # Approach 3's loss surface over (N, D) with the points and the compute-optimal frontier.
+    n_grid = np.geomspace(points.n.min() / 2, points.n.max() * 2, 120)
+    d_grid = np.geomspace(points.d.min() / 2, points.d.max() * 2, 120)
+    surface = np.array([[law.loss(n, d) for n in n_grid] for d in d_grid])
+    fig, ax = plt.subplots(figsize=(7, 5))
+    contours = ax.contour(n_grid, d_grid, surface, levels=15, cmap="viridis")
+    ax.clabel(contours, fontsize=6)
+    ax.scatter(points.n, points.d, c=points.loss, cmap="viridis", s=14, edgecolors="k", linewidths=0.3)
+    frontier = np.array([law.optimum(c) for c in compute])
+    ax.plot(frontier[:, 0], frontier[:, 1], color="C3", label="compute-optimal")
+    ax.set(xscale="log", yscale="log", xlim=(n_grid[0], n_grid[-1]), ylim=(d_grid[0], d_grid[-1]),
+           xlabel="parameters N", ylabel="tokens D", title="approach 3: loss contours")
+    ax.legend(fontsize=7)
+    paths.append(_save(fig, out / "contours.png"))
+
+    # Residuals of approach 3 in log loss.
+    predicted = np.array([law.loss(n, d) for n, d in zip(points.n, points.d)])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.scatter(points.c, np.log(points.loss) - np.log(predicted), s=12)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set(xscale="log", xlabel="training FLOPs C", ylabel="log loss − log fit", title="approach 3 residuals")
+    paths.append(_save(fig, out / "residuals.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,311 @@
+"""Fitting scaling laws to (N, D, C, loss) points, three ways (Hoffmann et al. 2022, section 3),
+each with bootstrap confidence intervals.
+
+- Approach 1: for each compute budget the point of lowest loss (the lower envelope of loss
+  against compute); N_opt ∝ C^a and D_opt ∝ C^b fitted to those minima in log space.
+- Approach 2: for each budget a parabola of loss in log N (an IsoFLOP profile); its minimum is
+  that budget's N_opt; then the same power laws.
+- Approach 3: L(N, D) = E + A/N^α + B/D^β, fitted as Besiroglu et al. 2024 (Epoch AI) refit
+  Hoffmann et al.: log L̂ = LSE(a − α log N, b − β log D, e) with A = eᵃ, B = eᵇ, E = eᵉ, a sum
+  of Huber terms (δ = 1e-3) on log-loss residuals, minimised by L-BFGS from a grid of starts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import minimize
+from scipy.special import logsumexp, softmax
+
+from scaletrain.scaling.laws import ChinchillaLaw
+
+HUBER_DELTA = 1e-3
+# Epoch AI's grid of initialisations: α, β ∈ {0, 0.5, …, 2}, e ∈ {−1, −0.5, …, 1}, a, b ∈ {0, 5, …, 25}.
+GRID = {"a": np.arange(0, 30, 5.0), "b": np.arange(0, 30, 5.0), "e": np.arange(-1, 1.5, 0.5),
+        "alpha": np.arange(0, 2.5, 0.5), "beta": np.arange(0, 2.5, 0.5)}
+
+
+@dataclass
+class Points:
+    """Training runs: parameters N, tokens D, compute C (FLOPs), final loss, and the budget
+    (IsoFLOP group) each belongs to."""
+
+    n: np.ndarray
+    d: np.ndarray
+    c: np.ndarray
+    loss: np.ndarray
+    budget: np.ndarray = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self):
+        self.n, self.d, self.c, self.loss = (np.asarray(v, dtype=float) for v in (self.n, self.d, self.c, self.loss))
+        if self.budget is None:
+            self.budget = group_budgets(self.c)
+        self.budget = np.asarray(self.budget, dtype=float)
+        bad = ~(np.isfinite(self.n) & np.isfinite(self.d) & np.isfinite(self.loss) & (self.n > 0) & (self.d > 0)
+                & (self.loss > 0))
+        if bad.any():
+            raise ValueError(f"{int(bad.sum())} of {len(self.n)} points have a non-positive or non-finite N, D or "
+                             "loss; every point needs N > 0, D > 0 and a finite loss > 0")
+
+    def __len__(self) -> int:
+        return len(self.n)
+
+    def take(self, index: np.ndarray) -> Points:
+        return Points(self.n[index], self.d[index], self.c[index], self.loss[index], self.budget[index])
+
+
+def group_budgets(compute: np.ndarray, gap_dex: float = 0.05) -> np.ndarray:
+    """Each point's budget: points whose log10 C lie within gap_dex of a neighbour form one
+    IsoFLOP group, labelled by the group's median C."""
+    log_c = np.log10(compute)
+    order = np.argsort(log_c)
+    labels = np.empty(len(compute))
+    start = 0
+    for i in range(1, len(order) + 1):
+        if i == len(order) or log_c[order[i]] - log_c[order[i - 1]] > gap_dex:
+            members = order[start:i]
+            labels[members] = np.median(compute[members])
+            start = i
+    return labels
+
+
+# -- approach 3 ---------------------------------------------------------------------------------
+
+
+def _objective(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_loss: np.ndarray):
+    """Sum of Huber terms of log-loss residuals, and its gradient in (a, b, e, α, β)."""
+    a, b, e, alpha, beta = theta
+    terms = np.stack([a - alpha * log_n, b - beta * log_d, np.full_like(log_n, e)])  # (3, points)
+    residual = logsumexp(terms, axis=0) - log_loss
+    small = np.abs(residual) <= HUBER_DELTA
+    value = np.where(small, 0.5 * residual ** 2, HUBER_DELTA * (np.abs(residual) - 0.5 * HUBER_DELTA)).sum()
+    slope = np.clip(residual, -HUBER_DELTA, HUBER_DELTA)  # d huber / d residual
+    w = softmax(terms, axis=0) * slope  # d residual / d term, times the slope
+    grad = np.array([w[0].sum(), w[1].sum(), w[2].sum(), -(w[0] * log_n).sum(), -(w[1] * log_d).sum()])
+    return value, grad
+
+
+def _law(theta: np.ndarray, source: str) -> ChinchillaLaw:
+    a, b, e, alpha, beta = theta
+    return ChinchillaLaw(E=float(np.exp(e)), A=float(np.exp(a)), B=float(np.exp(b)), alpha=float(alpha),
+                         beta=float(beta), source=source)
+
+
+def _minimise(points: Points, starts: np.ndarray) -> np.ndarray:
+    log_n, log_d, log_loss = np.log(points.n), np.log(points.d), np.log(points.loss)
+    best, best_value = None, np.inf
+    for start in starts:
+        result = minimize(_objective, start, args=(log_n, log_d, log_loss), jac=True, method="L-BFGS-B")
+        if result.fun < best_value:
+            best, best_value = result.x, result.fun
+    return best
+
+
+_STARTS = np.array(list(itertools.product(GRID["a"], GRID["b"], GRID["e"], GRID["alpha"], GRID["beta"])))
+
+
+def _grid_values(points: Points) -> np.ndarray:
+    """The objective at every grid start at once."""
+    log_n, log_d, log_loss = np.log(points.n), np.log(points.d), np.log(points.loss)
+    a, b, e, alpha, beta = (_STARTS[:, i:i + 1] for i in range(5))  # each (starts, 1)
+    predicted = np.logaddexp(np.logaddexp(a - alpha * log_n, b - beta * log_d), e)  # (starts, points)
+    residual = np.abs(predicted - log_loss)
+    return np.where(residual <= HUBER_DELTA, 0.5 * residual ** 2,
+                    HUBER_DELTA * (residual - 0.5 * HUBER_DELTA)).sum(axis=1)
+
+
+def fit_parametric(points: Points, starts: int | None = 8) -> ChinchillaLaw:
+    """Approach 3. L-BFGS runs from the `starts` grid points of lowest objective (from all
+    4,500 when starts is None): evaluating the grid first costs milliseconds, running from
+    every start a minute, and on the Chinchilla points the best 8 reach the same minimum as all."""
+    grid = _STARTS
+    if starts is not None and starts < len(grid):
+        grid = grid[np.argsort(_grid_values(points))[:starts]]
+    return _law(_minimise(points, grid), f"approach 3 on {len(points)} points")
+
+
+# -- approaches 1 and 2 ---------------------------------------------------------------------------
+
+
+def _power_law(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(exponent, coefficient) of y = coefficient · x^exponent, least squares in log space."""
+    exponent, log_coefficient = np.polyfit(np.log(x), np.log(y), 1)
+    return float(exponent), float(np.exp(log_coefficient))
+
+
+def budget_minima(points: Points, parabola: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(C, N_opt, D_opt) of each budget with at least 3 model sizes: the lowest-loss point
+    (approach 1) or the vertex of a parabola of loss in log N (approach 2, D_opt = C·D/N
+    scaled from the points, i.e. C / (FLOPs per parameter-token))."""
+    budgets, n_opt, d_opt = [], [], []
+    for budget in np.unique(points.budget):
+        group = points.budget == budget
+        if len(np.unique(points.n[group])) < 3:  # (a bootstrap resample may repeat points)
+            continue
+        n, d, c, loss = points.n[group], points.d[group], points.c[group], points.loss[group]
+        if parabola:
+            curvature, slope, _ = np.polyfit(np.log(n), loss, 2)
+            if curvature <= 0:  # no minimum inside: this budget's profile says nothing about the optimum
+                continue
+            best_n = float(np.exp(-slope / (2 * curvature)))
+            flops_per_param_token = float(np.median(c / (n * d)))
+            best_d = float(np.median(c)) / (flops_per_param_token * best_n)
+        else:
+            i = int(np.argmin(loss))
+            best_n, best_d = float(n[i]), float(d[i])
+        budgets.append(float(np.median(c)))
+        n_opt.append(best_n)
+        d_opt.append(best_d)
+    return np.array(budgets), np.array(n_opt), np.array(d_opt)
+
+
+@dataclass
+class Allocation:
+    """N_opt = n_coefficient · C^a, D_opt = d_coefficient · C^b."""
+
+    a: float
+    n_coefficient: float
+    b: float
+    d_coefficient: float
+    budgets: int
+
+    def optimum(self, compute: float) -> tuple[float, float]:
+        return self.n_coefficient * compute ** self.a, self.d_coefficient * compute ** self.b
+
+
+def fit_allocation(points: Points, parabola: bool) -> Allocation:
+    """Approach 1 (parabola=False) or 2 (parabola=True)."""
+    c, n, d = budget_minima(points, parabola)
+    if len(c) < 2:
+        raise ValueError(f"approach {2 if parabola else 1} needs at least 2 budgets of 3 or more points each "
+                         f"(with a minimum inside for approach 2); found {len(c)}")
+    a, n_coefficient = _power_law(c, n)
+    b, d_coefficient = _power_law(c, d)
+    return Allocation(a, n_coefficient, b, d_coefficient, len(c))
+
+
+# -- bootstrap ------------------------------------------------------------------------------------
+
+
+def _resample(points: Points, rng: np.random.Generator) -> Points:
+    """Points drawn with replacement within each budget (so every budget keeps its size)."""
+    index = np.concatenate([rng.choice(np.flatnonzero(points.budget == budget), size=int((points.budget == budget).sum()))
+                            for budget in np.unique(points.budget)])
+    return points.take(index)
+
+
+def interval(samples: list[float], level: float = 0.95) -> tuple[float, float]:
+    tail = 100 * (1 - level) / 2
+    return float(np.percentile(samples, tail)), float(np.percentile(samples, 100 - tail))
+
+
+def bootstrap_parametric(points: Points, samples: int = 200, seed: int = 0) -> list[ChinchillaLaw]:
+    """Approach 3 refitted on resampled points, each from its own best grid starts. (Starting
+    every refit from the full fit's parameters understates the spread several-fold: under a
+    Huber loss this close to L1, L-BFGS stops near where it starts.)"""
+    rng = np.random.default_rng(seed)
+    return [fit_parametric(_resample(points, rng)) for _ in range(samples)]
+
+
+def bootstrap_allocation(points: Points, parabola: bool, samples: int = 200, seed: int = 0) -> list[Allocation]:
+    rng = np.random.default_rng(seed)
+    fits = []
+    for _ in range(samples):
+        try:
+            fits.append(fit_allocation(_resample(points, rng), parabola))
+        except ValueError:  # a resample whose profiles have no minimum: skip it
+            continue
+    return fits
+
+
+# -- everything at once: law.json -----------------------------------------------------------------
+
+
+def _summary(samples: list[float], value: float) -> dict:
+    low, high = interval(samples) if samples else (None, None)
+    return {"value": value, "low": low, "high": high}
+
+
+def fit_all(points: Points, samples: int = 200, seed: int = 0) -> dict:
+    """The three approaches with 95% bootstrap intervals, as law.json holds them. Approaches 1
+    and 2 are null when the points do not form at least two IsoFLOP profiles."""
+    law = fit_parametric(points)
+    boot = bootstrap_parametric(points, samples, seed)
+    a, b = law.exponents
+    doc = {
+        "form": "L(N, D) = E + A / N^alpha + B / D^beta",
+        "conventions": "N: all parameters (embeddings and output head included); D: training tokens; "
+                       "C: training FLOPs as counted per run (model/flops.py), 6ND beside it",
+        "points": len(points),
+        "budgets": len(np.unique(points.budget)),
+        "approach3": {
+            **{name: _summary([getattr(s, name) for s in boot], getattr(law, name))
+               for name in ("E", "A", "B", "alpha", "beta")},
+            "a": _summary([s.exponents[0] for s in boot], a),
+            "b": _summary([s.exponents[1] for s in boot], b),
+        },
+        "bootstrap": [[s.E, s.A, s.B, s.alpha, s.beta] for s in boot],
+    }
+    for approach, parabola in (("approach1", False), ("approach2", True)):
+        try:
+            allocation = fit_allocation(points, parabola)
+        except ValueError as e:
+            doc[approach] = {"skipped": str(e)}
+            continue
+        fits = bootstrap_allocation(points, parabola, samples, seed)
+        doc[approach] = {"a": _summary([f.a for f in fits], allocation.a),
+                         "b": _summary([f.b for f in fits], allocation.b),
+                         "n_coefficient": allocation.n_coefficient, "d_coefficient": allocation.d_coefficient,
+                         "budgets": allocation.budgets}
+    return doc
+
+
+def law_of(doc: dict) -> ChinchillaLaw:
+    """The approach-3 law of a law.json document."""
+    fit = doc["approach3"]
+    return ChinchillaLaw(**{name: fit[name]["value"] for name in ("E", "A", "B", "alpha", "beta")},
+                         source=doc.get("source", "law.json"))
+
+
+def bootstrap_laws(doc: dict) -> list[ChinchillaLaw]:
+    return [ChinchillaLaw(*row, source="bootstrap") for row in doc.get("bootstrap", [])]
+
+
+# Column names accepted for each quantity (ours first; then Epoch AI's Chinchilla extraction).
+COLUMNS = {"n": ("n", "params", "Model Size"), "d": ("d", "tokens"), "c": ("c", "flops", "Training FLOP"),
+           "loss": ("loss", "val_loss", "final_loss"), "budget": ("budget",)}
+
+
+def read_points(path, drop_highest: int = 0) -> Points:
+    """Points from a CSV with columns for N, C and loss (and D and budget, optional: D = C / 6N
+    when absent), e.g. a sweep's results.csv or `../shared/data/chinchilla_fig4_points.csv`.
+    drop_highest leaves out that many points of highest loss (Epoch AI's refit drops 5)."""
+    import csv
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no points file {str(path)!r}; give a CSV with columns n, c (or d) and loss")
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise ValueError(f"{str(path)!r} holds no rows")
+    header = rows[0].keys()
+    found = {key: next((name for name in names if name in header), None) for key, names in COLUMNS.items()}
+    missing = [key for key in ("n", "loss") if found[key] is None] + (["c or d"] if not (found["c"] or found["d"]) else [])
+    if missing:
+        raise ValueError(f"{str(path)!r} has no column for {', '.join(missing)} (columns: {', '.join(header)}); "
+                         f"name them {', '.join(COLUMNS[k][0] if k in COLUMNS else 'c' for k in missing)}")
+
+    def column(key):
+        return None if found[key] is None else np.array([float(row[found[key]]) for row in rows])
+
+    n, d, c, loss, budget = (column(key) for key in ("n", "d", "c", "loss", "budget"))
+    d = c / (6 * n) if d is None else d
+    c = 6 * n * d if c is None else c
+    points = Points(n, d, c, loss, budget)
+    if drop_highest:
+        points = points.take(np.argsort(points.loss)[:len(points) - drop_highest])
+    return points

@@ -1,0 +1,166 @@
+"""Scaling laws: fitters recover known laws, reproduce Epoch AI's refit of the Chinchilla points,
+and the optima they imply match hand-solved cases."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, run_cli
+from scaletrain.scaling.fit import Points, bootstrap_parametric, fit_allocation, fit_parametric, interval, read_points
+from scaletrain.scaling.laws import ChinchillaLaw, KaplanLaw, preset
+from scaletrain.scaling.optimal import (R_STAR_D, compute_optimal, data_constrained_loss, data_constrained_optimal,
+                                        effective_data, inference_optimal, predict)
+
+CHINCHILLA = ROOT.parent / "shared" / "data" / "chinchilla_fig4_points.csv"
+TRUTH = ChinchillaLaw(E=1.7, A=400.0, B=1500.0, alpha=0.34, beta=0.37)
+
+
+def isoflop_points(law: ChinchillaLaw, budgets=(1e18, 1e19, 1e20, 1e21), shapes: int = 7, noise: float = 0.002,
+                   seed: int = 0) -> Points:
+    """Each budget's shapes spaced evenly in log N over 10x around the law's optimum; loss with
+    multiplicative noise."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for c in budgets:
+        n_opt, _ = law.optimum(c)
+        for n in np.geomspace(n_opt / math.sqrt(10), n_opt * math.sqrt(10), shapes):
+            d = c / (6 * n)
+            rows.append((n, d, c, law.loss(n, d) * math.exp(rng.normal(0, noise)), c))
+    return Points(*map(np.array, zip(*rows)))
+
+
+def test_approach_3_recovers_a_known_law_from_noisy_isoflop_points():
+    points = isoflop_points(TRUTH)
+    law = fit_parametric(points)
+    assert law.E == pytest.approx(TRUTH.E, abs=0.05)
+    assert law.alpha == pytest.approx(TRUTH.alpha, abs=0.03)
+    assert law.beta == pytest.approx(TRUTH.beta, abs=0.03)
+    assert law.exponents[0] == pytest.approx(TRUTH.exponents[0], abs=0.02)
+    boot = bootstrap_parametric(points, samples=20)
+    low, high = interval([sample.exponents[0] for sample in boot])
+    assert low < high and low - 0.01 <= TRUTH.exponents[0] <= high + 0.01
+
+
+def test_approaches_1_and_2_recover_the_compute_exponents():
+    points = isoflop_points(TRUTH, shapes=9, noise=0.0005)
+    a_true, b_true = TRUTH.exponents
+    for parabola, tolerance in ((False, 0.06), (True, 0.02)):  # the lowest point is a coarser estimate
+        allocation = fit_allocation(points, parabola)
+        assert allocation.budgets == 4
+        assert allocation.a == pytest.approx(a_true, abs=tolerance)
+        assert allocation.b == pytest.approx(b_true, abs=tolerance)
+
+
+def test_approach_2_needs_isoflop_profiles():
+    points = isoflop_points(TRUTH, budgets=(1e19,))
+    with pytest.raises(ValueError, match="at least 2 budgets"):
+        fit_allocation(points, parabola=True)
+
+
+@pytest.mark.skipif(not CHINCHILLA.is_file(), reason=f"reference data {CHINCHILLA} is absent (it lives in the "
+                                                     "workplace's shared/ folder, not in the repository)")
+def test_the_chinchilla_points_reproduce_epoch_ais_refit():
+    points = read_points(CHINCHILLA, drop_highest=5)
+    assert len(points) == 240
+    law = fit_parametric(points)
+    assert law.E == pytest.approx(1.817, abs=0.01)
+    assert law.alpha == pytest.approx(0.3473, abs=0.005)
+    assert law.beta == pytest.approx(0.3672, abs=0.01)
+    assert law.A == pytest.approx(477.8, rel=0.05)
+    assert law.B == pytest.approx(2143.9, rel=0.05)
+
+
+def test_the_closed_form_optimum_is_the_minimum_on_the_compute_frontier():
+    law = preset("epoch")
+    compute = 1e22
+    n_opt, d_opt = law.optimum(compute)
+    assert 6 * n_opt * d_opt == pytest.approx(compute)
+    for factor in (0.8, 1.25):
+        n = n_opt * factor
+        assert law.loss(n, compute / (6 * n)) > law.loss(n_opt, d_opt)
+    assert law.exponents[0] + law.exponents[1] == pytest.approx(1.0)
+
+
+def test_inference_aware_sizing_matches_a_hand_solved_case():
+    """L = 1/N + 1/D: the compute-optimal model at C = 24 is N = D = 2 (loss 1). With 9
+    inference tokens, minimising 6ND + 2N·9 on 1/N + 1/D = 1 gives 6N(N − 2)/(N − 1)² = −18,
+    i.e. N = 1.5, D = 3."""
+    law = ChinchillaLaw(E=0.0, A=1.0, B=1.0, alpha=1.0, beta=1.0)
+    best, reference = inference_optimal(law, 24.0, 9.0)
+    assert (reference.n, reference.d, reference.loss) == pytest.approx((2.0, 2.0, 1.0))
+    assert (best.n, best.d, best.loss) == pytest.approx((1.5, 3.0, 1.0), rel=1e-6)
+    assert best.lifetime_flops == pytest.approx(6 * 1.5 * 3 + 2 * 1.5 * 9)
+    assert reference.lifetime_flops == pytest.approx(24 + 36)
+    unchanged, _ = inference_optimal(law, 24.0, 0.0)  # without inference: the compute-optimal model
+    assert (unchanged.n, unchanged.d) == pytest.approx((2.0, 2.0), rel=1e-6)
+
+
+def test_data_constrained_sizing():
+    unique = 1e9
+    assert effective_data(unique, 5e8) == 5e8  # no repetition: every token counts
+    four_epochs = effective_data(unique, 4e9)  # R = 3 repetitions
+    assert four_epochs == pytest.approx(unique * (1 + R_STAR_D * (1 - math.exp(-3 / R_STAR_D))))
+    assert 3.7e9 < four_epochs < 4e9  # up to ~4 epochs repeated data is nearly as good as new
+    assert effective_data(unique, 1e15) == pytest.approx(unique * (1 + R_STAR_D), rel=1e-3)  # the limit
+    law = preset("epoch")
+    compute = 1e22
+    free = compute_optimal(law, compute)
+    plenty = data_constrained_optimal(law, compute, unique_tokens=1e16)
+    assert (plenty.n, plenty.loss) == pytest.approx((free.n, free.loss), rel=1e-4)
+    scarce = data_constrained_optimal(law, compute, unique_tokens=free.d / 10)
+    assert scarce.d > free.d / 10  # it repeats data ...
+    assert scarce.loss > free.loss  # ... and loses something for it
+    assert scarce.loss == pytest.approx(data_constrained_loss(law, scarce.n, scarce.d, free.d / 10))
+    assert scarce.loss <= data_constrained_loss(law, free.n, free.d, free.d / 10)  # better than ignoring the limit
+
+
+def test_published_laws_carry_their_provenance_and_predict():
+    assert "Hoffmann" in preset("hoffmann").source and "Epoch" in preset("epoch").source
+    kaplan = preset("kaplan")
+    assert isinstance(kaplan, KaplanLaw) and kaplan.loss(1e9, 1e10) > kaplan.loss(1e10, 1e11) > 0
+    with pytest.raises(ValueError, match="choose one of hoffmann, epoch, kaplan"):
+        preset("gpt")
+    boot = [ChinchillaLaw(E=1.7 + 0.01 * i, A=400.0, B=1500.0, alpha=0.34, beta=0.37) for i in range(-5, 6)]
+    result = predict(TRUTH, 1e21, boot)
+    assert result["loss_interval"][0] < result["loss"] < result["loss_interval"][1]
+
+
+def _write_points(path: Path, points: Points) -> None:
+    lines = ["n,d,c,loss,budget"] + [f"{n},{d},{c},{loss},{b}" for n, d, c, loss, b in
+                                     zip(points.n, points.d, points.c, points.loss, points.budget)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_fit_command_writes_the_law_and_plots_and_predicts(tmp_path):
+    _write_points(tmp_path / "results.csv", isoflop_points(TRUTH))
+    result = run_cli("fit", str(tmp_path), "--bootstrap", "10", "--predict", "1e22", "--inference-tokens", "1e12",
+                     "--unique-tokens", "1e10")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads((tmp_path / "law.json").read_text())
+    assert doc["approach3"]["alpha"]["value"] == pytest.approx(TRUTH.alpha, abs=0.03)
+    assert doc["approach2"]["a"]["low"] <= doc["approach2"]["a"]["value"] <= doc["approach2"]["a"]["high"]
+    prediction = doc["predictions"][0]
+    assert prediction["compute"] == 1e22 and prediction["inference_aware"]["saved_fraction"] > 0
+    assert prediction["data_constrained"]["epochs"] > 1
+    for name in ("isoflop", "optimal", "contours", "residuals"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 10_000
+    assert "N_opt" in result.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--points", "nope.csv"], "no points file"),
+    (["--points", "{bad}"], "has no column for loss"),
+    ([], "give a sweep directory or --points CSV"),
+    (["--preset", "kaplan", "--predict", "1e21"], "has no E + A/N"),
+])
+def test_fit_command_refuses_bad_input_in_one_line(tmp_path, args, words):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("n,c\n1e6,1e15\n")
+    result = run_cli("fit", *[a.replace("{bad}", str(bad)) for a in args])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert words in result.stderr
