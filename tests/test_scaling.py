@@ -41,7 +41,7 @@ def test_approach_3_recovers_a_known_law_from_noisy_isoflop_points():
     assert law.alpha == pytest.approx(TRUTH.alpha, abs=0.03)
     assert law.beta == pytest.approx(TRUTH.beta, abs=0.03)
     assert law.exponents[0] == pytest.approx(TRUTH.exponents[0], abs=0.02)
-    boot = bootstrap_parametric(points, samples=20)
+    boot = bootstrap_parametric(points, law, samples=20)
     low, high = interval([sample.exponents[0] for sample in boot])
     assert low < high and low - 0.01 <= TRUTH.exponents[0] <= high + 0.01
 

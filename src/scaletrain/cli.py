@@ -197,6 +197,47 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- sweep ----------------------------------------------------------------------------------
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from scaletrain.sweep import Sweep, SweepSettings
+
+    budgets = sorted(set(args.budgets))
+    settings = SweepSettings(data=args.data, budgets=budgets, shapes=args.shapes, seq_len=args.seq_len,
+                             prior=args.prior, eval_tokens=args.eval_tokens, seed=args.seed, device=args.device)
+    out_dir = Path(args.out) if args.out else Path("sweeps") / Path(args.data).name
+    try:
+        sweep = Sweep(out_dir, settings)
+    except ValueError as e:  # an unknown prior law
+        raise UserError(str(e)) from None
+    logging.getLogger("scaletrain").setLevel(logging.WARNING)  # the progress bar speaks for the runs
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("sweep", total=len(budgets) * args.shapes, info="", completed=len(sweep.results()))
+
+        def show(p: dict) -> None:
+            eta = f", ETA {p['eta_s']:.0f} s" if p["eta_s"] is not None else ""
+            bar.update(task, completed=p["done"], info=f"{p['name']} · {p['flops']:.3g} FLOPs{eta}")
+
+        rows = sweep.run(progress=show)
+    table = Table(title=f"sweep {out_dir}: {len(rows)} points")
+    for column in ("point", "N", "D", "C", "val loss"):
+        table.add_column(column, justify="right")
+    for row in sorted(rows, key=lambda r: (r["budget"], r["n"])):
+        table.add_row(row["name"], f"{row['n']:,.0f}", f"{row['d']:,.0f}", f"{row['c']:.3g}", f"{row['loss']:.4f}")
+    out.print(table)
+    saved = sweep.savings(rows)
+    out.print(f"cooldown branches: {saved['branched_flops']:.3g} FLOPs instead of {saved['separate_flops']:.3g} for "
+              f"separate runs ({saved['saved_fraction']:.0%} saved). Fit with: scaletrain fit {out_dir}")
+    return 0
+
+
 # -- fit ------------------------------------------------------------------------------------
 
 
@@ -375,6 +416,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", default="scaletrain:latest", help="k8s: container image with scaletrain installed")
     p.add_argument("--out", default=None, help="file to write (default: print)")
     p.set_defaults(func=cmd_launch)
+
+    p = commands.add_parser("sweep", help="train an IsoFLOP grid of small models for fitting scaling laws",
+                            description="For each compute budget, train shapes spanning ~10x in parameters around "
+                                        "the expected optimum for D = C / (FLOPs per token) tokens; one constant-LR "
+                                        "trunk per shape with a cooldown branch per budget. Rerun to resume.")
+    p.add_argument("--data", required=True, help="a data directory written by `scaletrain data prepare`")
+    p.add_argument("--budgets", required=True, type=lambda text: [_flops(x) for x in text.split(",")],
+                   help="training FLOPs of each IsoFLOP profile, comma-separated, e.g. 1e12,3e12,1e13")
+    p.add_argument("--shapes", type=int, default=5, help="models per budget (5)")
+    p.add_argument("--seq-len", type=int, default=128, help="training sequence length (128)")
+    p.add_argument("--prior", default="epoch", help="law that centres the first budgets: epoch or hoffmann")
+    p.add_argument("--eval-tokens", type=int, default=16384, help="validation tokens per point (16384)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--out", default=None, help="sweep directory (default sweeps/DATA_NAME)")
+    p.set_defaults(func=cmd_sweep)
 
     p = commands.add_parser("fit", help="fit scaling laws to a sweep's results and predict from them",
                             description="Fit L(N, D) = E + A/N^α + B/D^β (approach 3) and N_opt, D_opt ∝ C^a, C^b "

@@ -1,0 +1,132 @@
+"""IsoFLOP grids: which model shapes to train at each compute budget, for how many tokens, with
+which learning rate and batch — all arithmetic, no torch.
+
+For each budget C the grid takes `shapes` models whose parameter counts N are spaced evenly in
+log over a 10x range centred on the expected optimum N_opt(C) (from a prior law, or from a fit
+of budgets already run), each trained for D = C / F(N) tokens, F being the exact training
+FLOPs per token of model/flops.py. N counts every parameter (embeddings and output head too).
+
+Shapes come from one family — width 16 or a multiple of 32, heads of width 32 (one head of
+16 at width 16), depth about width / 32 (±1 layer for finer steps in N) — so that N is the one thing
+varying along a profile.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scaletrain.config import ModelConfig
+from scaletrain.model.flops import param_counts, train_flops_per_token
+
+HEAD_DIM = 32
+
+
+@dataclass(frozen=True)
+class Shape:
+    dim: int
+    n_layers: int
+
+    @property
+    def name(self) -> str:
+        return f"d{self.dim}-l{self.n_layers}"
+
+    def model(self, vocab_size: int, max_seq_len: int) -> ModelConfig:
+        heads = max(1, self.dim // HEAD_DIM)
+        return ModelConfig(vocab_size=vocab_size, dim=self.dim, n_layers=self.n_layers, n_heads=heads,
+                           max_seq_len=max_seq_len)
+
+
+def family(vocab_size: int, max_dim: int = 1024) -> list[tuple[int, Shape]]:
+    """(N, shape) of every shape in the family, by increasing N."""
+    shapes = set()
+    for dim in [16, *range(32, max_dim + 1, 32)]:
+        depth = max(1, round(dim / 32))
+        shapes.update(Shape(dim, layers) for layers in (depth - 1, depth, depth + 1) if layers >= 1)
+    sized = [(param_counts(s.model(vocab_size, 64))["total"], s) for s in shapes]
+    return sorted(sized, key=lambda pair: (pair[0], pair[1].dim))
+
+
+def shapes_around(n_opt: float, count: int, vocab_size: int, span: float = 10.0) -> list[Shape]:
+    """`count` distinct shapes whose N are nearest to `count` targets spaced evenly in log N over
+    `span`x centred on n_opt."""
+    candidates = family(vocab_size)
+    if count == 1:
+        targets = [n_opt]
+    else:
+        low = math.log(n_opt / math.sqrt(span))
+        targets = [math.exp(low + i * math.log(span) / (count - 1)) for i in range(count)]
+    chosen: list[Shape] = []
+    for target in targets:
+        free = [(abs(math.log(n / target)), s) for n, s in candidates if s not in chosen]
+        chosen.append(min(free, key=lambda pair: pair[0])[1])
+    return sorted(chosen, key=lambda s: param_counts(s.model(vocab_size, 64))["total"])
+
+
+# -- hyperparameters ------------------------------------------------------------------------------
+
+
+def deepseek_hyperparameters(compute: float, dim: int) -> tuple[float, float]:
+    """(peak learning rate, batch size in tokens) for a run of `compute` FLOPs: DeepSeek LLM
+    (DeepSeek-AI 2024, "DeepSeek LLM: Scaling Open-Source Language Models with Longtermism",
+    section 3.1) fitted η_opt = 0.3118 · C^−0.125 and B_opt = 0.2920 · C^0.3271 (tokens). Their
+    fit is for widths ≥ 1024; narrower models take larger rates, so the rate is scaled by
+    (1024 / dim)^0.5 (a mild width correction in the spirit of μP's 1/width; Yang et al. 2022),
+    capped at 0.02."""
+    lr = 0.3118 * compute ** -0.125 * math.sqrt(1024 / max(dim, 1024 // 32))
+    return min(lr, 0.02), 0.2920 * compute ** 0.3271
+
+
+Hyperparameters = Callable[[float, int], tuple[float, float]]
+
+
+@dataclass
+class Point:
+    """One (shape, budget) of the grid."""
+
+    shape: Shape
+    budget: float
+    n: int  # all parameters
+    flops_per_token: int
+    seq_len: int
+    batch_seqs: int  # sequences per optimizer step
+    steps: int
+    lr: float
+
+    @property
+    def name(self) -> str:
+        return f"C{self.budget:.0e}-{self.shape.name}".replace("+", "")
+
+    @property
+    def tokens(self) -> int:
+        return self.steps * self.batch_seqs * self.seq_len
+
+    @property
+    def compute(self) -> float:
+        """Exact training FLOPs of the point as run (whole steps)."""
+        return float(self.tokens * self.flops_per_token)
+
+    @property
+    def compute_6nd(self) -> float:
+        return 6.0 * self.n * self.tokens
+
+
+def plan_points(budget: float, shapes: list[Shape], vocab_size: int, seq_len: int,
+                hyperparameters: Hyperparameters = deepseek_hyperparameters, min_steps: int = 20,
+                micro_batch: int = 8) -> list[Point]:
+    """The points of one budget: tokens D = C / F(N) in whole steps of the rule's batch (made
+    smaller, down to one micro-batch, when that would leave fewer than min_steps steps)."""
+    points = []
+    for shape in shapes:
+        model = shape.model(vocab_size, seq_len)
+        n = param_counts(model)["total"]
+        per_token = train_flops_per_token(model, seq_len)
+        tokens = budget / per_token
+        lr, batch_tokens = hyperparameters(budget, shape.dim)
+        batch_seqs = max(micro_batch, round(batch_tokens / seq_len / micro_batch) * micro_batch)
+        while batch_seqs > micro_batch and tokens / (batch_seqs * seq_len) < min_steps:
+            batch_seqs -= micro_batch
+        steps = max(1, round(tokens / (batch_seqs * seq_len)))
+        points.append(Point(shape, budget, n, per_token, seq_len, batch_seqs, steps, lr))
+    return points

@@ -1,0 +1,229 @@
+"""Run an IsoFLOP sweep: the one place that joins training and scaling laws.
+
+Every shape trains once, as a "trunk" at constant learning rate after warmup; each (shape,
+budget) point is a cooldown branch taken from the trunk's checkpoint where that point's
+warmup-stable-decay schedule would start decaying, then decayed to the point's length
+(Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training
+Durations"). A branch resumes bit-exactly, so each point's losses are those of a separate
+WSD run of its length, at the cost of its cooldown only. The sweep directory holds grid.json,
+trunks/ and points/ (run directories), results.csv and progress.json; rerunning the same
+command continues where it stopped: finished points are kept, unfinished trunks and branches
+resume from their checkpoints.
+
+Budgets run smallest first; once two are done, later budgets are centred on the optimum that
+approach 2 fits to them instead of the prior law's.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from scaletrain.config import ConfigError, load_config
+from scaletrain.data.shards import read_index
+from scaletrain.scaling.fit import Points, fit_allocation
+from scaletrain.scaling.grid import Point, Shape, deepseek_hyperparameters, plan_points, shapes_around
+from scaletrain.scaling.laws import ChinchillaLaw, preset
+
+log = logging.getLogger("scaletrain")
+
+DECAY_FRACTION = 0.2  # of each point's steps spent in its cooldown (Hägele et al.: 10-20% suffice)
+COLUMNS = ["name", "budget", "shape", "dim", "n_layers", "n", "d", "c", "c_6nd", "loss", "train_loss", "steps",
+           "batch_seqs", "lr", "branch_step"]
+
+
+@dataclass
+class SweepSettings:
+    data: str
+    budgets: list[float]
+    shapes: int = 5
+    seq_len: int = 128
+    prior: str = "epoch"
+    eval_tokens: int = 16384
+    micro_batch: int = 8
+    seed: int = 0
+    device: str = "auto"
+
+
+def _branch_step(steps: int, warmup: int) -> int:
+    """The step at which a WSD schedule of `steps` starts to decay (schedule.lr_at's decay_start)."""
+    return max(steps - max(round(DECAY_FRACTION * steps), 1), warmup)
+
+
+class Sweep:
+    def __init__(self, out: Path, settings: SweepSettings,
+                 hyperparameters: Callable[[float, int], tuple[float, float]] = deepseek_hyperparameters):
+        self.out, self.settings, self.hyperparameters = Path(out), settings, hyperparameters
+        saved = self.out / "grid.json"
+        if saved.is_file():
+            before = json.loads(saved.read_text())["settings"]
+            if before != asdict(settings):
+                changed = {k: (before.get(k), v) for k, v in asdict(settings).items() if before.get(k) != v}
+                raise ConfigError(f"sweep directory {str(self.out)!r} was started with other settings "
+                                  f"({', '.join(f'{k}: {a} then, {b} now' for k, (a, b) in changed.items())}); "
+                                  "rerun it with the same ones or choose a new --out")
+        try:
+            index = read_index(Path(settings.data))
+        except Exception as e:
+            raise ConfigError(f"--data {settings.data!r}: {e}") from None
+        self.vocab_size = -(-index["vocab_size"] // 64) * 64
+        self.prior: ChinchillaLaw = preset(settings.prior)
+        self.out.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps({"settings": asdict(settings), "vocab_size": self.vocab_size}, indent=1) + "\n")
+
+    # -- the grid ------------------------------------------------------------------------------
+
+    def centre(self, budget: float, done: list[dict]) -> tuple[float, str]:
+        """N_opt expected at budget: approach 2 on the finished budgets once there are two, else the prior."""
+        if len({row["budget"] for row in done}) >= 2:
+            points = Points([r["n"] for r in done], [r["d"] for r in done], [r["c"] for r in done],
+                            [r["loss"] for r in done], [r["budget"] for r in done])
+            try:
+                allocation = fit_allocation(points, parabola=True)
+                return allocation.n_coefficient * budget ** allocation.a, f"approach 2 on {allocation.budgets} budgets"
+            except ValueError:
+                pass
+        return self.prior.optimum(budget)[0], f"prior law {self.settings.prior}"
+
+    def points_of(self, budget: float, done: list[dict]) -> list[Point]:
+        n_opt, why = self.centre(budget, done)
+        shapes = shapes_around(n_opt, self.settings.shapes, self.vocab_size)
+        log.info("budget %.3g FLOPs: shapes around N_opt %.3g (%s)", budget, n_opt, why)
+        return plan_points(budget, shapes, self.vocab_size, self.settings.seq_len, self.hyperparameters,
+                           micro_batch=self.settings.micro_batch)
+
+    # -- running -------------------------------------------------------------------------------
+
+    def results(self) -> list[dict]:
+        path = self.out / "results.csv"
+        if not path.is_file():
+            return []
+        with path.open(newline="") as f:
+            return [{k: (v if k in ("name", "shape") else float(v)) for k, v in row.items()} for row in csv.DictReader(f)]
+
+    def _record(self, row: dict) -> None:
+        path = self.out / "results.csv"
+        new = not path.is_file()
+        with path.open("a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+
+    def _shape_plan(self, shape: Shape) -> tuple[float, int, int]:
+        """(learning rate, sequences per step, warmup steps) of every run of `shape`. One trunk
+        serves all its budgets, so these cannot follow each budget's rule: they are the rule's
+        at the sweep's largest budget (the trunk's final length), and the warmup is a tenth of
+        the shape's steps at the smallest budget (at most 100), so that it ends before any
+        branch decays."""
+        s = self.settings
+        lr, batch_tokens = self.hyperparameters(max(s.budgets), shape.dim)
+        largest = plan_points(max(s.budgets), [shape], self.vocab_size, s.seq_len, lambda c, d: (lr, batch_tokens),
+                              micro_batch=s.micro_batch)[0]
+        smallest_steps = min(s.budgets) / largest.flops_per_token / (largest.batch_seqs * s.seq_len)
+        return lr, largest.batch_seqs, max(1, min(100, round(smallest_steps / 10)))
+
+    def _overrides(self, point: Point, lr: float, batch_seqs: int, warmup: int) -> list[str]:
+        s = self.settings
+        model = point.shape.model(self.vocab_size, s.seq_len)
+        return [f"data.path={s.data}", f"data.seq_len={s.seq_len}", f"model.vocab_size={self.vocab_size}",
+                f"model.dim={model.dim}", f"model.n_layers={model.n_layers}", f"model.n_heads={model.n_heads}",
+                f"model.max_seq_len={s.seq_len}", f"train.global_batch_tokens={batch_seqs * s.seq_len}",
+                f"train.micro_batch={min(s.micro_batch, batch_seqs)}", f"train.lr={lr}",
+                f"train.warmup_steps={warmup}", f"run.seed={s.seed}", f"train.device={s.device}",
+                f"eval.tokens={s.eval_tokens}", "eval.interval=0", "log.interval=50", "checkpoint.keep=2"]
+
+    def run(self, progress: Callable[[dict], None] | None = None) -> list[dict]:
+        """Run every point not yet in results.csv; returns all rows. progress gets a dict of
+        points done / total, FLOPs spent and an ETA after each point."""
+        from scaletrain.train.trainer import train
+
+        done = self.results()
+        finished = {row["name"] for row in done}
+        budgets = sorted(self.settings.budgets)
+        total = len(budgets) * self.settings.shapes
+        spent = sum(row["c"] for row in done)
+        started = time.perf_counter()
+        spent_here = 0.0
+        for budget in budgets:
+            for point in self.points_of(budget, done):
+                if point.name in finished:
+                    continue
+                row, cost = self._run_point(point, train)
+                self._record(row)
+                done.append(row)
+                finished.add(point.name)
+                spent += row["c"]
+                spent_here += cost
+                if progress:
+                    elapsed = time.perf_counter() - started
+                    remaining = sum(b for b in budgets for _ in range(self.settings.shapes)) - sum(r["budget"] for r in done)
+                    progress({"done": len(done), "total": total, "flops": spent, "name": point.name,
+                              "eta_s": elapsed / spent_here * max(remaining, 0) if spent_here else None})
+        return done
+
+    def _run_point(self, point: Point, train) -> tuple[dict, float]:
+        """Extend the shape's trunk to the point's branch step, then train the cooldown branch.
+        Returns the point's row and the FLOPs this call actually spent."""
+        s = self.settings
+        lr, batch_seqs, warmup = self._shape_plan(point.shape)
+        steps = max(1, round(point.budget / point.flops_per_token / (batch_seqs * s.seq_len)))
+        point = Point(point.shape, point.budget, point.n, point.flops_per_token, s.seq_len, batch_seqs, steps, lr)
+        branch_at = _branch_step(steps, warmup)
+        trunk_dir = self.out / "trunks" / point.shape.name
+        overrides = self._overrides(point, lr, batch_seqs, warmup)
+        spent = 0.0
+        trunk_step = _newest_step(trunk_dir)
+        if branch_at > trunk_step:
+            # The trunk never decays: constant after warmup, the same warmup as every branch.
+            # Its length is that of the shape's longest possible point, so that extending it for a
+            # later budget changes nothing in its config (the constant schedule ignores it anyway).
+            longest = max(round(max(s.budgets) / point.flops_per_token / (batch_seqs * s.seq_len)), branch_at, 1)
+            cfg = load_config(None, [*overrides, f"run.dir={trunk_dir.parent}", f"run.name={trunk_dir.name}",
+                                     "train.schedule=constant", f"train.steps={longest}", "checkpoint.interval=0"])
+            train(cfg, stop_at_step=branch_at)
+            spent += (branch_at - trunk_step) * batch_seqs * s.seq_len * point.flops_per_token
+        point_dir = self.out / "points" / point.name
+        if _newest_step(point_dir) > 0 or branch_at == 0:
+            resume = "auto"
+        else:
+            resume = str(trunk_dir / "checkpoints" / f"step_{branch_at:07d}")
+        cfg = load_config(None, [*overrides, f"run.dir={point_dir.parent}", f"run.name={point_dir.name}",
+                                 "train.schedule=wsd", f"train.decay_fraction={DECAY_FRACTION}",
+                                 f"train.steps={steps}", f"checkpoint.resume={resume}",
+                                 f"checkpoint.interval={max(1, (steps - branch_at) // 2)}"])
+        result = train(cfg)
+        spent += (steps - branch_at) * batch_seqs * s.seq_len * point.flops_per_token
+        row = {"name": point.name, "budget": point.budget, "shape": point.shape.name, "dim": point.shape.dim,
+               "n_layers": point.shape.n_layers, "n": point.n, "d": point.tokens, "c": point.compute,
+               "c_6nd": point.compute_6nd, "loss": result.val_loss, "train_loss": result.train_loss,
+               "steps": steps, "batch_seqs": batch_seqs, "lr": lr, "branch_step": branch_at}
+        return row, spent
+
+    def savings(self, rows: list[dict] | None = None) -> dict:
+        """FLOPs of the branched sweep against one separate run per point."""
+        rows = rows if rows is not None else self.results()
+        separate = sum(row["c"] for row in rows)
+        by_shape: dict[str, list[dict]] = {}
+        for row in rows:
+            by_shape.setdefault(row["shape"], []).append(row)
+        branched = 0.0
+        for shape_rows in by_shape.values():
+            per_step = [row["c"] / row["steps"] for row in shape_rows]
+            trunk = max(row["branch_step"] * f for row, f in zip(shape_rows, per_step))
+            branched += trunk + sum((row["steps"] - row["branch_step"]) * f for row, f in zip(shape_rows, per_step))
+        return {"separate_flops": separate, "branched_flops": branched,
+                "saved_fraction": 1 - branched / separate if separate else 0.0}
+
+
+def _newest_step(run_dir: Path) -> int:
+    from scaletrain.train import checkpoint
+
+    done = checkpoint.complete_checkpoints(run_dir / "checkpoints")
+    return checkpoint.step_of(done[0]) if done else 0
+

@@ -1,0 +1,113 @@
+"""IsoFLOP grids and sweeps: shapes around the optimum, tokens from the FLOP count, cooldown
+branches that equal separate runs, and a sweep killed mid-way that resumes to the same results."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, run_cli
+from scaletrain.config import load_config
+from scaletrain.model.flops import param_counts
+from scaletrain.scaling.grid import deepseek_hyperparameters, plan_points, shapes_around
+from scaletrain.sweep import Sweep, SweepSettings
+from scaletrain.train.metrics import read_metrics
+from scaletrain.train.trainer import train
+
+BUDGETS = [2e10, 6e10]
+
+
+def settings(data) -> SweepSettings:
+    return SweepSettings(data=str(data), budgets=BUDGETS, shapes=3, seq_len=64, eval_tokens=2048)
+
+
+def test_shapes_span_about_ten_times_around_the_optimum():
+    shapes = shapes_around(1e6, 5, vocab_size=512)
+    sizes = [param_counts(s.model(512, 64))["total"] for s in shapes]
+    assert sizes == sorted(sizes) and len(set(shapes)) == 5
+    assert 5 < sizes[-1] / sizes[0] < 20
+    assert sizes[0] < 1e6 < sizes[-1]
+
+
+def test_points_train_for_the_tokens_their_budget_buys():
+    shapes = shapes_around(3e5, 3, vocab_size=512)
+    for point in plan_points(1e12, shapes, vocab_size=512, seq_len=64):
+        assert point.compute == pytest.approx(1e12, rel=0.05)  # whole steps round the budget
+        assert point.compute == point.tokens * point.flops_per_token
+        assert point.compute_6nd == 6 * point.n * point.tokens
+        assert point.steps >= 20
+
+
+def test_the_hyperparameter_rule_is_deepseeks_at_width_1024():
+    lr, batch = deepseek_hyperparameters(1e20, 1024)
+    assert lr == pytest.approx(0.3118 * 1e20 ** -0.125)
+    assert batch == pytest.approx(0.2920 * 1e20 ** 0.3271)
+    assert deepseek_hyperparameters(1e20, 256)[0] == pytest.approx(2 * lr)  # narrower: larger rate
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(stdlib_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep") / "whole"
+    sweep = Sweep(out, settings(stdlib_data))
+    return sweep, sweep.run()
+
+
+def test_a_cooldown_branch_trains_the_losses_of_a_separate_wsd_run(uninterrupted, tmp_path):
+    sweep, rows = uninterrupted
+    row = max(rows, key=lambda r: r["budget"])  # a branch taken late in its trunk
+    point_dir = sweep.out / "points" / row["name"]
+    saved = load_config(point_dir / "config.toml")
+    separate = load_config(point_dir / "config.toml", [f"run.dir={tmp_path}", "run.name=separate",
+                                                       "checkpoint.resume=auto"])
+    assert saved.train.schedule == "wsd" and row["branch_step"] > 0
+    train(separate)
+    branch = {r["step"]: r["loss"] for r in read_metrics(point_dir, "train")}
+    alone = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "separate", "train")}
+    assert all(branch[step] == alone[step] for step in branch)  # bit for bit
+    assert read_metrics(tmp_path / "separate", "eval")[-1]["loss"] == row["loss"]
+
+
+def test_branching_saves_flops_and_records_both_counts(uninterrupted):
+    sweep, rows = uninterrupted
+    assert len(rows) == 6 and {r["budget"] for r in rows} == set(BUDGETS)
+    for row in rows:
+        assert row["c"] == pytest.approx(row["budget"], rel=0.05)
+        assert row["c_6nd"] == 6 * row["n"] * row["d"]
+        assert math.isfinite(row["loss"])
+    saved = sweep.savings(rows)
+    assert 0.1 < saved["saved_fraction"] < 0.5 and saved["branched_flops"] < saved["separate_flops"]
+
+
+def test_a_sweep_killed_mid_way_resumes_to_the_results_of_one_that_was_not(stdlib_data, uninterrupted, tmp_path):
+    _, whole = uninterrupted
+    out = tmp_path / "killed"
+    args = [sys.executable, "-m", "scaletrain.cli", "sweep", "--data", str(stdlib_data), "--budgets",
+            ",".join(map(str, BUDGETS)), "--shapes", "3", "--seq-len", "64", "--eval-tokens", "2048", "--out", str(out)]
+    process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "COLUMNS": "200"})
+    deadline = time.time() + 120
+    results = out / "results.csv"
+    while time.time() < deadline and not (results.is_file() and len(results.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    done_before = len(results.read_text().splitlines()) - 1
+    assert 2 <= done_before < 6, "the sweep should have been killed part-way"
+    result = run_cli(*args[3:], timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "saved" in result.stdout
+    resumed = {r["name"]: r["loss"] for r in Sweep(out, settings(stdlib_data)).results()}
+    assert resumed == {r["name"]: r["loss"] for r in whole}
+
+
+def test_a_sweep_directory_refuses_other_settings(stdlib_data, uninterrupted):
+    sweep, _ = uninterrupted
+    other = SweepSettings(**{**settings(stdlib_data).__dict__, "shapes": 4})
+    with pytest.raises(ValueError, match="was started with other settings .shapes: 3 then, 4 now"):
+        Sweep(sweep.out, other)
