@@ -1,4 +1,5 @@
-# scaletrain: `make demo` trains a small model on the built-in corpus; `make test` runs the suite.
+# scaletrain: `make demo` runs the whole loop on the built-in corpus (sweep, fit, predict, train,
+# check); `make test` runs the suite.
 # Both create .venv if missing and install the project into it.
 
 PYTHON ?= python3
@@ -13,8 +14,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.scaletrain-installed
 STAMP_KEY := $(TORCH) $(TORCH_PIP_ARGS) $(shell cat pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1)
 
-DEMO_DATA ?= data/python-stdlib
-DEMO_RUN ?= runs/demo
+DEMO_DIR ?= demo
 
 .PHONY: install demo test clean
 
@@ -30,12 +30,11 @@ install:
 	fi
 
 demo: install
-	$(BIN)/scaletrain data prepare builtin:python-stdlib --out $(DEMO_DATA) --vocab-size 4096 --max-bytes 12M --val-fraction 0.02
-	$(BIN)/scaletrain train configs/demo.toml data.path=$(DEMO_DATA) run.dir=$(dir $(DEMO_RUN)) run.name=$(notdir $(DEMO_RUN))
-	$(BIN)/scaletrain generate $(DEMO_RUN) --prompt "$$(printf 'class Parser:\n    def __init__(self')" --max-new-tokens 120 --temperature 0.8 --top-k 50
+	$(BIN)/scaletrain demo --out $(DEMO_DIR)
+	$(BIN)/scaletrain generate $(DEMO_DIR)/final --prompt "$$(printf 'class Parser:\n    def __init__(self')" --max-new-tokens 120 --temperature 0.8 --top-k 50
 
 test: install
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV) data runs
+	rm -rf $(VENV) data runs $(DEMO_DIR)

@@ -3,6 +3,7 @@ branches that equal separate runs, and a sweep killed mid-way that resumes to th
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -111,3 +112,21 @@ def test_a_sweep_directory_refuses_other_settings(stdlib_data, uninterrupted):
     other = SweepSettings(**{**settings(stdlib_data).__dict__, "shapes": 4})
     with pytest.raises(ValueError, match="was started with other settings .shapes: 3 then, 4 now"):
         Sweep(sweep.out, other)
+
+
+def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path):
+    """`scaletrain demo` at a tiny size: prepare, sweep 2 budgets x 3 shapes, fit, train the
+    predicted optimum at 3x the largest budget, report predicted against actual loss."""
+    from scaletrain.demo import DemoSettings, run_demo
+
+    settings = DemoSettings(budgets=(2e10, 6e10), shapes=3, extrapolate=3.0, seq_len=64, max_bytes=400_000,
+                            val_fraction=0.05, eval_tokens=2048, bootstrap=5, device="cpu")
+    stages = []
+    report = run_demo(tmp_path, settings, progress=lambda stage, info: stages.append(stage))
+    assert stages[0] == "prepare" and stages.count("sweep") == 6 and stages[-1] == "train"
+    assert report["points"] == 6 and report["extrapolation"] == pytest.approx(3.0, rel=0.05)
+    assert math.isfinite(report["actual_loss"]) and report["predicted_loss"] > 0
+    assert report["error"] == pytest.approx((report["actual_loss"] - report["predicted_loss"]) / report["predicted_loss"])
+    saved = json.loads((tmp_path / "demo.json").read_text())
+    assert saved["final"] == report["final"]
+    assert (tmp_path / "sweep" / "law.json").is_file() and (tmp_path / "final" / "metrics.jsonl").is_file()

@@ -340,6 +340,47 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- demo -------------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from scaletrain.demo import DemoSettings, run_demo
+
+    settings = DemoSettings.gpu() if args.device == "cuda" else DemoSettings()
+    logging.getLogger("scaletrain").setLevel(logging.WARNING)
+    started = time.perf_counter()
+
+    def show(stage: str, info: dict) -> None:
+        if stage == "sweep":
+            eta = f", ETA {info['eta_s']:.0f} s" if info.get("eta_s") is not None else ""
+            console.print(f"sweep {info['done']}/{info['total']}: {info['name']} ({info['flops']:.3g} FLOPs{eta})")
+        elif stage == "train":
+            console.print(f"training the predicted optimum {info['name']}: N {info['n']:,}, {info['tokens']:,} tokens")
+        else:
+            console.print(f"{stage} …")
+
+    report = run_demo(Path(args.out), settings, progress=show)
+    low, high = report["predicted_interval"]
+    a = report["a"]
+    table = Table(title=f"scaletrain demo: {report['points']} sweep points, then {report['extrapolation']:.1f}x the "
+                        f"largest budget ({time.perf_counter() - started:.0f} s)")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_row("fitted exponent a (N_opt ∝ C^a), 95% interval", f"{a['value']:.3f} [{a['low']:.3f}, {a['high']:.3f}]")
+    b = report["b"]
+    table.add_row("fitted exponent b (D_opt ∝ C^b)", f"{b['value']:.3f} [{b['low']:.3f}, {b['high']:.3f}]")
+    table.add_row("model trained", f"{report['final']['name']}: N {report['final']['n']:,}, "
+                                   f"D {report['final']['tokens']:,}")
+    table.add_row("predicted validation loss", f"{report['predicted_loss']:.4f} [{low:.4f}, {high:.4f}]")
+    table.add_row("actual validation loss", f"{report['actual_loss']:.4f}")
+    table.add_row("error", f"{report['error']:+.2%}")
+    table.add_row("sweep FLOPs saved by cooldown branches", f"{report['sweep_savings']['saved_fraction']:.0%}")
+    out.print(table)
+    return 0
+
+
 # -- generate -------------------------------------------------------------------------------
 
 
@@ -450,6 +491,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default=None, help="predict from a published law instead: hoffmann, epoch")
     p.add_argument("--out", default=None, help="where law.json and the plots go (default: beside the points)")
     p.set_defaults(func=cmd_fit)
+
+    p = commands.add_parser("demo", help="the whole loop on the built-in corpus: sweep, fit, predict, train, check",
+                            description="Prepare the built-in corpus, sweep an IsoFLOP grid, fit the scaling law, "
+                                        "predict the optimum at a budget beyond the sweep, train it and print "
+                                        "predicted against actual loss.")
+    p.add_argument("--out", default="demo", help="directory for data, sweep and runs (default demo/)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda runs the larger version (budgets 1e15-1e16 FLOPs)")
+    p.set_defaults(func=cmd_demo)
 
     p = commands.add_parser("generate", help="sample text from a run's newest checkpoint")
     p.add_argument("run_dir", help="run directory, e.g. runs/demo")

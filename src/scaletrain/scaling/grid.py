@@ -6,9 +6,10 @@ log over a 10x range centred on the expected optimum N_opt(C) (from a prior law,
 of budgets already run), each trained for D = C / F(N) tokens, F being the exact training
 FLOPs per token of model/flops.py. N counts every parameter (embeddings and output head too).
 
-Shapes come from one family — width 16 or a multiple of 32, heads of width 32 (one head of
-16 at width 16), depth about width / 32 (±1 layer for finer steps in N) — so that N is the one thing
-varying along a profile.
+Shapes come from one family — widths from 16 to 1024 spaced about 1.25-1.5x, heads of width
+32 (16 below that), depth about width / 32 — so that N is the one thing varying along a
+profile, smoothly. (A family mixing depths at one width gave profiles whose loss jumped
+between neighbouring N.)
 """
 
 from __future__ import annotations
@@ -33,19 +34,19 @@ class Shape:
         return f"d{self.dim}-l{self.n_layers}"
 
     def model(self, vocab_size: int, max_seq_len: int) -> ModelConfig:
-        heads = max(1, self.dim // HEAD_DIM)
+        heads = max(1, self.dim // HEAD_DIM) if self.dim % HEAD_DIM == 0 else self.dim // 16  # width 48: 3 of 16
         return ModelConfig(vocab_size=vocab_size, dim=self.dim, n_layers=self.n_layers, n_heads=heads,
                            max_seq_len=max_seq_len)
 
 
-def family(vocab_size: int, max_dim: int = 1024) -> list[tuple[int, Shape]]:
-    """(N, shape) of every shape in the family, by increasing N."""
-    shapes = set()
-    for dim in [16, *range(32, max_dim + 1, 32)]:
-        depth = max(1, round(dim / 32))
-        shapes.update(Shape(dim, layers) for layers in (depth - 1, depth, depth + 1) if layers >= 1)
-    sized = [(param_counts(s.model(vocab_size, 64))["total"], s) for s in shapes]
-    return sorted(sized, key=lambda pair: (pair[0], pair[1].dim))
+WIDTHS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024)
+
+
+def family(vocab_size: int) -> list[tuple[int, Shape]]:
+    """(N, shape) of every shape in the family, by increasing N: one depth per width (about
+    width / 32 layers), so that N grows smoothly along a profile."""
+    shapes = [Shape(dim, max(1, round(dim / 32))) for dim in WIDTHS]
+    return sorted(((param_counts(s.model(vocab_size, 64))["total"], s) for s in shapes), key=lambda pair: pair[0])
 
 
 def shapes_around(n_opt: float, count: int, vocab_size: int, span: float = 10.0) -> list[Shape]:

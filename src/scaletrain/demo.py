@@ -1,0 +1,100 @@
+"""`scaletrain demo`: the whole loop on the built-in corpus — prepare data, sweep an IsoFLOP
+grid, fit the law, predict the optimum at a budget several times the largest swept, train that
+model, and compare the prediction with what training reached."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from scaletrain.config import load_config
+from scaletrain.scaling.fit import Points, bootstrap_laws, fit_all, interval, law_of
+from scaletrain.scaling.grid import deepseek_hyperparameters, plan_points, shapes_around
+from scaletrain.sweep import DECAY_FRACTION, Sweep, SweepSettings
+
+log = logging.getLogger("scaletrain")
+
+
+@dataclass
+class DemoSettings:
+    """The CPU demo by default; `gpu()` gives the larger version of the same loop."""
+
+    budgets: tuple[float, ...] = (1e11, 2e11, 5e11, 1e12)
+    shapes: int = 5
+    extrapolate: float = 4.0  # the final run's budget, as a multiple of the largest swept
+    seq_len: int = 128
+    vocab_size: int = 512
+    max_bytes: int = 24_000_000
+    val_fraction: float = 0.03
+    eval_tokens: int = 65536
+    bootstrap: int = 100
+    device: str = "auto"
+
+    @classmethod
+    def gpu(cls) -> DemoSettings:
+        return cls(budgets=(1e15, 3e15, 1e16), shapes=5, extrapolate=10.0, seq_len=512, vocab_size=8192,
+                   max_bytes=200_000_000, val_fraction=0.01, eval_tokens=262144, device="cuda")
+
+
+def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], None] | None = None) -> dict:
+    """Run the loop into out/ (data/, sweep/, final/); returns (and writes to out/demo.json) the
+    prediction next to the result."""
+    from scaletrain.data import prepare
+    from scaletrain.train.trainer import train
+
+    def say(stage: str, **info) -> None:
+        if progress:
+            progress(stage, info)
+
+    out = Path(out)
+    data = out / "data"
+    say("prepare", data=str(data))
+    prepare(["builtin:python-stdlib"], data, vocab_size=settings.vocab_size, max_bytes=settings.max_bytes,
+            val_fraction=settings.val_fraction)
+    sweep = Sweep(out / "sweep", SweepSettings(data=str(data), budgets=list(settings.budgets), shapes=settings.shapes,
+                                               seq_len=settings.seq_len, eval_tokens=settings.eval_tokens,
+                                               device=settings.device))
+    rows = sweep.run(progress=lambda p: say("sweep", **p))
+    points = Points([r["n"] for r in rows], [r["d"] for r in rows], [r["c"] for r in rows], [r["loss"] for r in rows],
+                    [r["budget"] for r in rows])
+    say("fit", points=len(points))
+    doc = fit_all(points, samples=settings.bootstrap)
+    (sweep.out / "law.json").write_text(json.dumps(doc, indent=1) + "\n")
+    law, boot = law_of(doc), bootstrap_laws(doc)
+
+    # The model the law asks for at the target budget, in the sweep's shape family, trained as
+    # the sweep's points are: warmup-stable-decay, and the learning rate and batch the rule gives
+    # at the sweep's largest budget (what the sweep's trunks used), so that only N and D change.
+    target = settings.extrapolate * max(settings.budgets)
+    n_opt, _ = law.optimum(target)
+    shape = shapes_around(n_opt, 1, sweep.vocab_size)[0]
+    lr, batch = deepseek_hyperparameters(max(settings.budgets), shape.dim)
+    point = plan_points(target, [shape], sweep.vocab_size, settings.seq_len, lambda c, d: (lr, batch))[0]
+    predicted = law.loss(point.n, point.tokens)
+    low, high = interval([sample.loss(point.n, point.tokens) for sample in boot])
+    say("train", name=point.name, n=point.n, tokens=point.tokens)
+    model = point.shape.model(sweep.vocab_size, settings.seq_len)
+    cfg = load_config(None, [
+        f"data.path={data}", f"data.seq_len={settings.seq_len}", f"model.vocab_size={sweep.vocab_size}",
+        f"model.dim={model.dim}", f"model.n_layers={model.n_layers}", f"model.n_heads={model.n_heads}",
+        f"model.max_seq_len={settings.seq_len}", f"train.global_batch_tokens={point.batch_seqs * settings.seq_len}",
+        f"train.micro_batch={min(8, point.batch_seqs)}", f"train.lr={point.lr}", f"train.steps={point.steps}",
+        f"train.warmup_steps={max(1, min(100, point.steps // 10))}", "train.schedule=wsd",
+        f"train.decay_fraction={DECAY_FRACTION}", f"train.device={settings.device}", f"run.dir={out}",
+        "run.name=final", f"eval.tokens={settings.eval_tokens}", "eval.interval=0", "log.interval=50",
+        "checkpoint.interval=0"])
+    result = train(cfg)
+    report = {
+        "budgets": list(settings.budgets), "points": len(rows), "target_flops": point.compute,
+        "extrapolation": point.compute / max(settings.budgets),
+        "n_opt": n_opt, "final": {"name": point.name, "n": point.n, "tokens": point.tokens},
+        "predicted_loss": predicted, "predicted_interval": [low, high], "actual_loss": result.val_loss,
+        "error": (result.val_loss - predicted) / predicted,
+        "a": doc["approach3"]["a"], "b": doc["approach3"]["b"],
+        "approach2_a": doc["approach2"].get("a"), "sweep_savings": sweep.savings(rows),
+    }
+    (out / "demo.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
