@@ -130,3 +130,11 @@ def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path):
     saved = json.loads((tmp_path / "demo.json").read_text())
     assert saved["final"] == report["final"]
     assert (tmp_path / "sweep" / "law.json").is_file() and (tmp_path / "final" / "metrics.jsonl").is_file()
+
+
+def test_points_trained_concurrently_give_the_results_of_one_at_a_time(stdlib_data, uninterrupted, tmp_path):
+    _, whole = uninterrupted
+    sweep = Sweep(tmp_path / "concurrent", settings(stdlib_data))
+    rows = sweep.run(concurrency=2)
+    assert {r["name"]: r["loss"] for r in rows} == {r["name"]: r["loss"] for r in whole}
+    assert sweep.spent_here > 0 and sweep.elapsed_s > 0

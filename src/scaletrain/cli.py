@@ -200,6 +200,20 @@ def cmd_launch(args: argparse.Namespace) -> int:
 # -- sweep ----------------------------------------------------------------------------------
 
 
+def _utilisation(flops_per_s: float, device: str) -> str:
+    """', N% of the GPUs' bf16 peak' where the peak is known."""
+    import torch
+
+    from scaletrain.plan.hardware import peak_flops
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return ""
+    peak = peak_flops(torch.cuda.get_device_name(), "bf16")
+    if peak is None:
+        return ""
+    return f", {flops_per_s / (peak * torch.cuda.device_count()):.1%} of the GPUs' bf16 peak"
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -225,7 +239,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             eta = f", ETA {p['eta_s']:.0f} s" if p["eta_s"] is not None else ""
             bar.update(task, completed=p["done"], info=f"{p['name']} · {p['flops']:.3g} FLOPs{eta}")
 
-        rows = sweep.run(progress=show)
+        rows = sweep.run(progress=show, concurrency=args.concurrency)
     table = Table(title=f"sweep {out_dir}: {len(rows)} points")
     for column in ("point", "N", "D", "C", "val loss"):
         table.add_column(column, justify="right")
@@ -233,6 +247,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         table.add_row(row["name"], f"{row['n']:,.0f}", f"{row['d']:,.0f}", f"{row['c']:.3g}", f"{row['loss']:.4f}")
     out.print(table)
     saved = sweep.savings(rows)
+    if sweep.spent_here:
+        rate = sweep.spent_here / sweep.elapsed_s
+        out.print(f"this invocation: {sweep.spent_here:.3g} FLOPs in {sweep.elapsed_s:.0f} s, {rate:.3g} FLOP/s"
+                  + _utilisation(rate, settings.device))
     out.print(f"cooldown branches: {saved['branched_flops']:.3g} FLOPs instead of {saved['separate_flops']:.3g} for "
               f"separate runs ({saved['saved_fraction']:.0%} saved). Fit with: scaletrain fit {out_dir}")
     return 0
@@ -471,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-tokens", type=int, default=16384, help="validation tokens per point (16384)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="points of a budget trained at once, in worker processes (GPUs taken in turn)")
     p.add_argument("--out", default=None, help="sweep directory (default sweeps/DATA_NAME)")
     p.set_defaults(func=cmd_sweep)
 

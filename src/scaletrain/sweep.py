@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -74,7 +75,11 @@ class Sweep:
         self.vocab_size = -(-index["vocab_size"] // 64) * 64
         self.prior: ChinchillaLaw = preset(settings.prior)
         self.out.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps({"settings": asdict(settings), "vocab_size": self.vocab_size}, indent=1) + "\n")
+        text = json.dumps({"settings": asdict(settings), "vocab_size": self.vocab_size}, indent=1) + "\n"
+        if not saved.is_file() or saved.read_text() != text:  # workers of a concurrent sweep open it too
+            temporary = saved.with_suffix(f".{os.getpid()}.tmp")
+            temporary.write_text(text)
+            temporary.replace(saved)
 
     # -- the grid ------------------------------------------------------------------------------
 
@@ -138,33 +143,46 @@ class Sweep:
                 f"train.warmup_steps={warmup}", f"run.seed={s.seed}", f"train.device={s.device}",
                 f"eval.tokens={s.eval_tokens}", "eval.interval=0", "log.interval=50", "checkpoint.keep=2"]
 
-    def run(self, progress: Callable[[dict], None] | None = None) -> list[dict]:
+    def run(self, progress: Callable[[dict], None] | None = None, concurrency: int = 1) -> list[dict]:
         """Run every point not yet in results.csv; returns all rows. progress gets a dict of
-        points done / total, FLOPs spent and an ETA after each point."""
-        from scaletrain.train.trainer import train
+        points done / total, FLOPs spent, achieved FLOP/s and an ETA after each point.
 
+        concurrency > 1 trains that many points of a budget at once in worker processes (the
+        points of one budget have distinct shapes, hence distinct trunks): tiny models leave a
+        device mostly idle one at a time. With several GPUs, workers take them in turn. Budgets
+        still run one after another, since each is centred on the fit of those before it."""
         done = self.results()
         finished = {row["name"] for row in done}
         budgets = sorted(self.settings.budgets)
         total = len(budgets) * self.settings.shapes
         spent = sum(row["c"] for row in done)
         started = time.perf_counter()
-        spent_here = 0.0
-        for budget in budgets:
-            for point in self.points_of(budget, done):
-                if point.name in finished:
-                    continue
-                row, cost = self._run_point(point, train)
-                self._record(row)
-                done.append(row)
-                finished.add(point.name)
-                spent += row["c"]
-                spent_here += cost
-                if progress:
-                    elapsed = time.perf_counter() - started
-                    remaining = sum(b for b in budgets for _ in range(self.settings.shapes)) - sum(r["budget"] for r in done)
-                    progress({"done": len(done), "total": total, "flops": spent, "name": point.name,
-                              "eta_s": elapsed / spent_here * max(remaining, 0) if spent_here else None})
+        self.spent_here = 0.0
+        pool = _pool(concurrency, self.settings.device) if concurrency > 1 else None
+        try:
+            for budget in budgets:
+                todo = [point for point in self.points_of(budget, done) if point.name not in finished]
+                if pool is None:
+                    from scaletrain.train.trainer import train
+                    results = (self._run_point(point, train) for point in todo)
+                else:
+                    results = pool.map(_run_in_worker, [(self.out, self.settings, point) for point in todo])
+                for row, cost in results:
+                    self._record(row)
+                    done.append(row)
+                    finished.add(row["name"])
+                    spent += row["c"]
+                    self.spent_here += cost
+                    if progress:
+                        elapsed = time.perf_counter() - started
+                        remaining = (sum(budgets) * self.settings.shapes - sum(r["budget"] for r in done))
+                        progress({"done": len(done), "total": total, "flops": spent, "name": row["name"],
+                                  "flops_per_s": self.spent_here / elapsed,
+                                  "eta_s": elapsed / self.spent_here * max(remaining, 0) if self.spent_here else None})
+        finally:
+            if pool is not None:
+                pool.shutdown()
+        self.elapsed_s = time.perf_counter() - started
         return done
 
     def _run_point(self, point: Point, train) -> tuple[dict, float]:
@@ -219,6 +237,41 @@ class Sweep:
             branched += trunk + sum((row["steps"] - row["branch_step"]) * f for row, f in zip(shape_rows, per_step))
         return {"separate_flops": separate, "branched_flops": branched,
                 "saved_fraction": 1 - branched / separate if separate else 0.0}
+
+
+def _pool(workers: int, device: str):
+    """Worker processes that each train on their own device (GPUs in turn) with their share of
+    the CPU threads. Spawned, not forked: CUDA and torch's thread pools do not survive a fork."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")
+    counter = context.Value("i", 0)
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    return ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
+                               initargs=(counter, threads, device))
+
+
+def _worker_init(counter, threads: int, device: str) -> None:
+    with counter.get_lock():
+        index = counter.value
+        counter.value += 1
+    if device != "cpu":  # before torch initialises CUDA in this process
+        import torch
+
+        if torch.cuda.is_available():
+            os.environ["LOCAL_RANK"] = str(index % torch.cuda.device_count())
+    import torch
+
+    torch.set_num_threads(threads)
+    logging.getLogger("scaletrain").setLevel(logging.WARNING)
+
+
+def _run_in_worker(job: tuple[Path, SweepSettings, Point]) -> tuple[dict, float]:
+    from scaletrain.train.trainer import train
+
+    out, settings, point = job
+    return Sweep(out, settings)._run_point(point, train)
 
 
 def _newest_step(run_dir: Path) -> int:
