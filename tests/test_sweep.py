@@ -120,7 +120,8 @@ def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path):
     from scaletrain.demo import DemoSettings, run_demo
 
     settings = DemoSettings(budgets=(2e10, 6e10), shapes=3, extrapolate=3.0, seq_len=64, max_bytes=400_000,
-                            val_fraction=0.05, eval_tokens=2048, bootstrap=5, device="cpu")
+                            val_fraction=0.05, eval_tokens=2048, bootstrap=5, device="cpu",
+                            concurrency=1)
     stages = []
     report = run_demo(tmp_path, settings, progress=lambda stage, info: stages.append(stage))
     assert stages[0] == "prepare" and stages.count("sweep") == 6 and stages[-1] == "train"

@@ -32,11 +32,12 @@ class DemoSettings:
     eval_tokens: int = 65536
     bootstrap: int = 100
     device: str = "auto"
+    concurrency: int = 2  # sweep points trained at once (tiny models leave cores idle one at a time)
 
     @classmethod
     def gpu(cls) -> DemoSettings:
         return cls(budgets=(1e15, 3e15, 1e16), shapes=5, extrapolate=10.0, seq_len=512, vocab_size=8192,
-                   max_bytes=200_000_000, val_fraction=0.01, eval_tokens=262144, device="cuda")
+                   max_bytes=200_000_000, val_fraction=0.01, eval_tokens=262144, device="cuda", concurrency=4)
 
 
 def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], None] | None = None) -> dict:
@@ -57,7 +58,7 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
     sweep = Sweep(out / "sweep", SweepSettings(data=str(data), budgets=list(settings.budgets), shapes=settings.shapes,
                                                seq_len=settings.seq_len, eval_tokens=settings.eval_tokens,
                                                device=settings.device))
-    rows = sweep.run(progress=lambda p: say("sweep", **p))
+    rows = sweep.run(progress=lambda p: say("sweep", **p), concurrency=settings.concurrency)
     points = Points([r["n"] for r in rows], [r["d"] for r in rows], [r["c"] for r in rows], [r["loss"] for r in rows],
                     [r["budget"] for r in rows])
     say("fit", points=len(points))
