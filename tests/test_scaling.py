@@ -119,6 +119,20 @@ def test_data_constrained_sizing():
     assert scarce.loss <= data_constrained_loss(law, free.n, free.d, free.d / 10)  # better than ignoring the limit
 
 
+def test_parameters_beyond_the_optimum_for_the_data_decay_like_repeated_data():
+    """With A = B and α = β = 1/2 the compute-optimal N for D tokens is D itself, so with U
+    unique tokens a model of 3U parameters has R_N = 2 excess "repetitions" of parameters:
+    N' = U (1 + R*_N (1 − exp(−2 / R*_N)))."""
+    from scaletrain.scaling.optimal import R_STAR_N, effective_parameters
+
+    law = ChinchillaLaw(E=1.0, A=100.0, B=100.0, alpha=0.5, beta=0.5)
+    unique = 1e9
+    assert effective_parameters(law, unique, 5e8) == 5e8  # below the optimum: every parameter counts
+    assert effective_parameters(law, unique, 3e9) == pytest.approx(unique * (1 + R_STAR_N * (1 - math.exp(-2 / R_STAR_N))))
+    assert data_constrained_loss(law, 3e9, 5e8, unique) == pytest.approx(
+        law.loss(unique * (1 + R_STAR_N * (1 - math.exp(-2 / R_STAR_N))), 5e8))
+
+
 def test_published_laws_carry_their_provenance_and_predict():
     assert "Hoffmann" in preset("hoffmann").source and "Epoch" in preset("epoch").source
     kaplan = preset("kaplan")

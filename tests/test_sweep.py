@@ -139,3 +139,19 @@ def test_points_trained_concurrently_give_the_results_of_one_at_a_time(stdlib_da
     rows = sweep.run(concurrency=2)
     assert {r["name"]: r["loss"] for r in rows} == {r["name"]: r["loss"] for r in whole}
     assert sweep.spent_here > 0 and sweep.elapsed_s > 0
+
+
+def test_a_budget_is_centred_on_smaller_budgets_only(stdlib_data, uninterrupted, tmp_path):
+    """A sweep stopped part-way through a budget must choose that budget's shapes as an
+    uninterrupted one did: its own finished points do not move the centre."""
+    sweep, rows = uninterrupted
+    earlier = [dict(r, budget=r["budget"] / 10, c=r["c"] / 10) for r in rows]  # two finished smaller budgets
+    own = [dict(r, budget=1e13, loss=r["loss"] * (2 if i % 2 else 0.5)) for i, r in enumerate(rows)]
+    assert sweep.centre(1e13, earlier) == sweep.centre(1e13, earlier + own)
+    assert sweep.centre(1e13, earlier)[1].startswith("approach 2")
+
+
+def test_point_names_keep_budgets_apart():
+    shape = shapes_around(1e5, 1, vocab_size=512)
+    names = {plan_points(budget, shape, vocab_size=512, seq_len=64)[0].name for budget in (1e15, 1.4e15, 1.5e15, 2e15)}
+    assert len(names) == 4

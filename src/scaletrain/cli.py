@@ -200,8 +200,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 # -- sweep ----------------------------------------------------------------------------------
 
 
-def _utilisation(flops_per_s: float, device: str) -> str:
-    """', N% of the GPUs' bf16 peak' where the peak is known."""
+def _utilisation(flops_per_s: float, device: str, workers: int) -> str:
+    """', N% of the bf16 peak of the GPUs in use' where the peak is known."""
     import torch
 
     from scaletrain.plan.hardware import peak_flops
@@ -211,7 +211,7 @@ def _utilisation(flops_per_s: float, device: str) -> str:
     peak = peak_flops(torch.cuda.get_device_name(), "bf16")
     if peak is None:
         return ""
-    return f", {flops_per_s / (peak * torch.cuda.device_count()):.1%} of the GPUs' bf16 peak"
+    return f", {flops_per_s / (peak * min(workers, torch.cuda.device_count())):.1%} of the GPUs' bf16 peak"
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -250,7 +250,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if sweep.spent_here:
         rate = sweep.spent_here / sweep.elapsed_s
         out.print(f"this invocation: {sweep.spent_here:.3g} FLOPs in {sweep.elapsed_s:.0f} s, {rate:.3g} FLOP/s"
-                  + _utilisation(rate, settings.device))
+                  + _utilisation(rate, settings.device, args.concurrency))
     out.print(f"cooldown branches: {saved['branched_flops']:.3g} FLOPs instead of {saved['separate_flops']:.3g} for "
               f"separate runs ({saved['saved_fraction']:.0%} saved). Fit with: scaletrain fit {out_dir}")
     return 0
@@ -366,7 +366,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from scaletrain.demo import DemoSettings, run_demo
 
-    settings = DemoSettings.gpu() if args.device == "cuda" else DemoSettings()
+    settings = DemoSettings.gpu() if args.device == "cuda" else DemoSettings(device="cpu")
     logging.getLogger("scaletrain").setLevel(logging.WARNING)
     started = time.perf_counter()
 
@@ -485,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training FLOPs of each IsoFLOP profile, comma-separated, e.g. 1e12,3e12,1e13")
     p.add_argument("--shapes", type=int, default=5, help="models per budget (5)")
     p.add_argument("--seq-len", type=int, default=128, help="training sequence length (128)")
-    p.add_argument("--prior", default="epoch", help="law that centres the first budgets: epoch or hoffmann")
+    p.add_argument("--prior", default="epoch", choices=["epoch", "hoffmann"],
+                   help="published law that centres the first budgets")
     p.add_argument("--eval-tokens", type=int, default=16384, help="validation tokens per point (16384)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

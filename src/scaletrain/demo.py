@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.config import load_config
 from scaletrain.scaling.fit import Points, bootstrap_laws, fit_all, interval, law_of
-from scaletrain.scaling.grid import deepseek_hyperparameters, plan_points, shapes_around
+from scaletrain.scaling.grid import plan_points, shapes_around
 from scaletrain.sweep import DECAY_FRACTION, Sweep, SweepSettings
 
 log = logging.getLogger("scaletrain")
@@ -59,6 +60,7 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
                                                seq_len=settings.seq_len, eval_tokens=settings.eval_tokens,
                                                device=settings.device))
     rows = sweep.run(progress=lambda p: say("sweep", **p), concurrency=settings.concurrency)
+    rows = [r for r in rows if math.isfinite(r["loss"])]  # diverged points are recorded, not fitted
     points = Points([r["n"] for r in rows], [r["d"] for r in rows], [r["c"] for r in rows], [r["loss"] for r in rows],
                     [r["budget"] for r in rows])
     say("fit", points=len(points))
@@ -67,26 +69,20 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
     law, boot = law_of(doc), bootstrap_laws(doc)
 
     # The model the law asks for at the target budget, in the sweep's shape family, trained as
-    # the sweep's points are: warmup-stable-decay, and the learning rate and batch the rule gives
-    # at the sweep's largest budget (what the sweep's trunks used), so that only N and D change.
+    # the sweep's points are: warmup-stable-decay with the learning rate, batch and warmup the
+    # sweep gives that shape, so that only N and D differ from what the law was fitted on.
     target = settings.extrapolate * max(settings.budgets)
     n_opt, _ = law.optimum(target)
     shape = shapes_around(n_opt, 1, sweep.vocab_size)[0]
-    lr, batch = deepseek_hyperparameters(max(settings.budgets), shape.dim)
-    point = plan_points(target, [shape], sweep.vocab_size, settings.seq_len, lambda c, d: (lr, batch))[0]
+    lr, batch_seqs, warmup = sweep.shape_plan(shape)
+    point = plan_points(target, [shape], sweep.vocab_size, settings.seq_len,
+                        lambda c, d: (lr, batch_seqs * settings.seq_len))[0]
     predicted = law.loss(point.n, point.tokens)
     low, high = interval([sample.loss(point.n, point.tokens) for sample in boot])
     say("train", name=point.name, n=point.n, tokens=point.tokens)
-    model = point.shape.model(sweep.vocab_size, settings.seq_len)
-    cfg = load_config(None, [
-        f"data.path={data}", f"data.seq_len={settings.seq_len}", f"model.vocab_size={sweep.vocab_size}",
-        f"model.dim={model.dim}", f"model.n_layers={model.n_layers}", f"model.n_heads={model.n_heads}",
-        f"model.max_seq_len={settings.seq_len}", f"train.global_batch_tokens={point.batch_seqs * settings.seq_len}",
-        f"train.micro_batch={min(8, point.batch_seqs)}", f"train.lr={point.lr}", f"train.steps={point.steps}",
-        f"train.warmup_steps={max(1, min(100, point.steps // 10))}", "train.schedule=wsd",
-        f"train.decay_fraction={DECAY_FRACTION}", f"train.device={settings.device}", f"run.dir={out}",
-        "run.name=final", f"eval.tokens={settings.eval_tokens}", "eval.interval=0", "log.interval=50",
-        "checkpoint.interval=0"])
+    cfg = load_config(None, [*sweep.run_overrides(point, lr, point.batch_seqs, warmup), f"train.steps={point.steps}",
+                             "train.schedule=wsd", f"train.decay_fraction={DECAY_FRACTION}", f"run.dir={out}",
+                             "run.name=final", "checkpoint.interval=0"])
     result = train(cfg)
     report = {
         "budgets": list(settings.budgets), "points": len(rows), "target_flops": point.compute,

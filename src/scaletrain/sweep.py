@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from scaletrain.data.shards import read_index
 from scaletrain.scaling.fit import Points, fit_allocation
 from scaletrain.scaling.grid import Point, Shape, deepseek_hyperparameters, plan_points, shapes_around
 from scaletrain.scaling.laws import ChinchillaLaw, preset
+from scaletrain.train.schedule import wsd_decay_start
 
 log = logging.getLogger("scaletrain")
 
@@ -51,9 +53,6 @@ class SweepSettings:
     device: str = "auto"
 
 
-def _branch_step(steps: int, warmup: int) -> int:
-    """The step at which a WSD schedule of `steps` starts to decay (schedule.lr_at's decay_start)."""
-    return max(steps - max(round(DECAY_FRACTION * steps), 1), warmup)
 
 
 class Sweep:
@@ -73,7 +72,10 @@ class Sweep:
         except Exception as e:
             raise ConfigError(f"--data {settings.data!r}: {e}") from None
         self.vocab_size = -(-index["vocab_size"] // 64) * 64
-        self.prior: ChinchillaLaw = preset(settings.prior)
+        self.prior = preset(settings.prior)
+        if not isinstance(self.prior, ChinchillaLaw):
+            raise ConfigError(f"--prior {settings.prior!r} has no compute-optimal allocation to centre a grid on; "
+                              "use epoch or hoffmann")
         self.out.mkdir(parents=True, exist_ok=True)
         text = json.dumps({"settings": asdict(settings), "vocab_size": self.vocab_size}, indent=1) + "\n"
         if not saved.is_file() or saved.read_text() != text:  # workers of a concurrent sweep open it too
@@ -84,7 +86,10 @@ class Sweep:
     # -- the grid ------------------------------------------------------------------------------
 
     def centre(self, budget: float, done: list[dict]) -> tuple[float, str]:
-        """N_opt expected at budget: approach 2 on the finished budgets once there are two, else the prior."""
+        """N_opt expected at budget: approach 2 on the finished smaller budgets once there are two,
+        else the prior. (Only smaller budgets: a resumed sweep must centre a budget as an
+        uninterrupted one did, not on that budget's own points finished before the stop.)"""
+        done = [row for row in done if row["budget"] < budget and math.isfinite(row["loss"])]
         if len({row["budget"] for row in done}) >= 2:
             points = Points([r["n"] for r in done], [r["d"] for r in done], [r["c"] for r in done],
                             [r["loss"] for r in done], [r["budget"] for r in done])
@@ -120,7 +125,7 @@ class Sweep:
                 writer.writeheader()
             writer.writerow(row)
 
-    def _shape_plan(self, shape: Shape) -> tuple[float, int, int]:
+    def shape_plan(self, shape: Shape) -> tuple[float, int, int]:
         """(learning rate, sequences per step, warmup steps) of every run of `shape`. One trunk
         serves all its budgets, so these cannot follow each budget's rule: they are the rule's
         at the sweep's largest budget (the trunk's final length), and the warmup is a tenth of
@@ -133,7 +138,7 @@ class Sweep:
         smallest_steps = min(s.budgets) / largest.flops_per_token / (largest.batch_seqs * s.seq_len)
         return lr, largest.batch_seqs, max(1, min(100, round(smallest_steps / 10)))
 
-    def _overrides(self, point: Point, lr: float, batch_seqs: int, warmup: int) -> list[str]:
+    def run_overrides(self, point: Point, lr: float, batch_seqs: int, warmup: int) -> list[str]:
         s = self.settings
         model = point.shape.model(self.vocab_size, s.seq_len)
         return [f"data.path={s.data}", f"data.seq_len={s.seq_len}", f"model.vocab_size={self.vocab_size}",
@@ -166,7 +171,8 @@ class Sweep:
                     from scaletrain.train.trainer import train
                     results = (self._run_point(point, train) for point in todo)
                 else:
-                    results = pool.map(_run_in_worker, [(self.out, self.settings, point) for point in todo])
+                    results = pool.map(_run_in_worker, [(self.out, self.settings, self.hyperparameters, point)
+                                                        for point in todo])
                 for row, cost in results:
                     self._record(row)
                     done.append(row)
@@ -181,20 +187,26 @@ class Sweep:
                                   "eta_s": elapsed / self.spent_here * max(remaining, 0) if self.spent_here else None})
         finally:
             if pool is not None:
-                pool.shutdown()
+                pool.shutdown(cancel_futures=True)
         self.elapsed_s = time.perf_counter() - started
         return done
 
     def _run_point(self, point: Point, train) -> tuple[dict, float]:
+        from scaletrain.train.trainer import TrainingDiverged
+
         """Extend the shape's trunk to the point's branch step, then train the cooldown branch.
         Returns the point's row and the FLOPs this call actually spent."""
         s = self.settings
-        lr, batch_seqs, warmup = self._shape_plan(point.shape)
+        lr, batch_seqs, warmup = self.shape_plan(point.shape)
         steps = max(1, round(point.budget / point.flops_per_token / (batch_seqs * s.seq_len)))
         point = Point(point.shape, point.budget, point.n, point.flops_per_token, s.seq_len, batch_seqs, steps, lr)
-        branch_at = _branch_step(steps, warmup)
+        branch_at = wsd_decay_start(steps, warmup, DECAY_FRACTION)
+        if branch_at >= steps:
+            raise ConfigError(f"point {point.name} would train {steps} steps, no more than its warmup of {warmup}: "
+                              "the budgets are too small for this shape's batch; raise the smallest budget or "
+                              "lower --seq-len")
         trunk_dir = self.out / "trunks" / point.shape.name
-        overrides = self._overrides(point, lr, batch_seqs, warmup)
+        overrides = self.run_overrides(point, lr, batch_seqs, warmup)
         spent = 0.0
         trunk_step = _newest_step(trunk_dir)
         if branch_at > trunk_step:
@@ -215,11 +227,17 @@ class Sweep:
                                  "train.schedule=wsd", f"train.decay_fraction={DECAY_FRACTION}",
                                  f"train.steps={steps}", f"checkpoint.resume={resume}",
                                  f"checkpoint.interval={max(1, (steps - branch_at) // 2)}"])
-        result = train(cfg)
+        try:
+            result = train(cfg)
+            loss, train_loss = result.val_loss, result.train_loss
+        except TrainingDiverged as e:  # recorded, not retried: a rerun would diverge the same way
+            log.warning("point %s diverged (%s); it is recorded with a loss of nan and left out of fits",
+                        point.name, e)
+            loss = train_loss = math.nan
         spent += (steps - branch_at) * batch_seqs * s.seq_len * point.flops_per_token
         row = {"name": point.name, "budget": point.budget, "shape": point.shape.name, "dim": point.shape.dim,
                "n_layers": point.shape.n_layers, "n": point.n, "d": point.tokens, "c": point.compute,
-               "c_6nd": point.compute_6nd, "loss": result.val_loss, "train_loss": result.train_loss,
+               "c_6nd": point.compute_6nd, "loss": loss, "train_loss": train_loss,
                "steps": steps, "batch_seqs": batch_seqs, "lr": lr, "branch_step": branch_at}
         return row, spent
 
@@ -270,8 +288,8 @@ def _worker_init(counter, threads: int, device: str) -> None:
 def _run_in_worker(job: tuple[Path, SweepSettings, Point]) -> tuple[dict, float]:
     from scaletrain.train.trainer import train
 
-    out, settings, point = job
-    return Sweep(out, settings)._run_point(point, train)
+    out, settings, hyperparameters, point = job
+    return Sweep(out, settings, hyperparameters)._run_point(point, train)
 
 
 def _newest_step(run_dir: Path) -> int:

@@ -72,8 +72,8 @@ def resolve_layout(cfg: ParallelConfig, world_size: int) -> Layout:
         if world_size % fixed:
             sizes = {"pp": cfg.pp, "dp_replicate": cfg.dp_replicate, "cp": cfg.cp, "tp": cfg.tp}
             raise ConfigError(f"parallel.pp x dp_replicate x cp x tp = {_product_text(sizes)} = {fixed} does not "
-                              f"divide the {world_size} processes; the product of the parallel dimensions must equal "
-                              "the number of processes")
+                              f"divide the {world_size} processes; with parallel.dp_shard = -1 the other dimensions "
+                              "must divide the number of processes")
         return Layout(cfg.dp_replicate, world_size // fixed, cfg.tp, cfg.pp, cfg.cp)
     layout = Layout(cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp, cfg.cp)
     if layout.world_size != world_size:

@@ -314,7 +314,8 @@ def read_points(path, drop_highest: int = 0) -> Points:
     n, d, c, loss, budget = (column(key) for key in ("n", "d", "c", "loss", "budget"))
     d = c / (6 * n) if d is None else d
     c = 6 * n * d if c is None else c
-    points = Points(n, d, c, loss, budget)
+    kept = np.isfinite(loss)  # a sweep records diverged points with a loss of nan
+    points = Points(n[kept], d[kept], c[kept], loss[kept], None if budget is None else budget[kept])
     if drop_highest:
         points = points.take(np.argsort(points.loss)[:len(points) - drop_highest])
     return points

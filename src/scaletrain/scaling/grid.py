@@ -97,7 +97,7 @@ class Point:
 
     @property
     def name(self) -> str:
-        return f"C{self.budget:.0e}-{self.shape.name}".replace("+", "")
+        return f"C{self.budget:.4g}-{self.shape.name}".replace("+", "")
 
     @property
     def tokens(self) -> int:

@@ -5,6 +5,12 @@ from __future__ import annotations
 import math
 
 
+def wsd_decay_start(total_steps: int, warmup_steps: int, decay_fraction: float) -> int:
+    """The first update of a warmup-stable-decay run's decay: its last decay_fraction of updates
+    (at least one), never inside the warmup."""
+    return max(total_steps - max(round(decay_fraction * total_steps), 1), warmup_steps)
+
+
 def lr_at(step: int, total_steps: int, *, lr: float, warmup_steps: int, schedule: str,
           min_lr_ratio: float = 0.1, decay_fraction: float = 0.2) -> float:
     """Learning rate of the update made at `step` (0-based) of a run of `total_steps` updates.
@@ -26,8 +32,7 @@ def lr_at(step: int, total_steps: int, *, lr: float, warmup_steps: int, schedule
         progress = min((step - warmup_steps) / span, 1.0)
         return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
     if schedule == "wsd":
-        decay_steps = max(round(decay_fraction * total_steps), 1)
-        decay_start = max(total_steps - decay_steps, warmup_steps)
+        decay_start = wsd_decay_start(total_steps, warmup_steps, decay_fraction)
         if step < decay_start:
             return lr
         progress = min((step - decay_start + 1) / max(total_steps - decay_start, 1), 1.0)

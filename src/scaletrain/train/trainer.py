@@ -504,7 +504,9 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 def _sum_over_ranks(values: list[float]) -> list[float]:
     if not dist.is_initialized():
         return values
-    tensor = torch.tensor(values, dtype=torch.float64)
+    # On the device NCCL runs on (it has no CPU tensors); gloo takes CPU tensors.
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor)  # gloo has no AVG: sum, then divide where a mean is wanted
     return tensor.tolist()
 
