@@ -77,12 +77,12 @@ DEEP = ["model.n_layers=4"]  # enough blocks for 4 pipeline stages
 
 @pytest.fixture(scope="module")
 def single_process(stdlib_data, tmp_path_factory):
-    """One process, 4 blocks, 2 micro-batches of 4 per step, with a layout's model.* overrides:
-    what that layout must reproduce. Each model is trained once."""
+    """One process, 4 blocks, 2 micro-batches of 4 per step, with a layout's model.* and eval.*
+    overrides: what that layout must reproduce. Each is trained once."""
     runs = {}
 
     def run(overrides: list[str]):
-        model = tuple(o for o in overrides if o.startswith("model."))
+        model = tuple(o for o in overrides if o.startswith(("model.", "eval.")))
         if model not in runs:
             runs[model] = tmp_path_factory.mktemp("single-deep") / "run"
             train(tiny_config(stdlib_data, runs[model], *STEPS, *DEEP, *model))
@@ -112,6 +112,9 @@ TWO = {
     "fsdp-grad-accumulation-recompute": ["parallel.dp_shard=2", "train.micro_batch=2", "parallel.recompute=selective"],
     "tp": ["parallel.tp=2", *ONE_STAGE],
     "tp-tied-qk-norm": ["parallel.tp=2", *ONE_STAGE, *TIED_QK],
+    # 17 validation windows over 2 ranks: one rank's last eval batch is padding, and FSDP's
+    # all-gathers must still meet.
+    "fsdp-uneven-eval": ["parallel.dp_shard=2", "eval.tokens=1088"],
     "cp": ["parallel.cp=2", *ONE_STAGE],
     **{f"pp-{schedule}": [*PP2, f"parallel.pp_schedule={schedule}"]
        for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
