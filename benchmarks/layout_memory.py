@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from scaletrain.train.metrics import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {
     1: {"single": []},
@@ -57,11 +59,10 @@ def main() -> None:
                    str(ROOT / "tests" / "run_layouts.py"), str(spec_path)]
         subprocess.run(command, check=True, capture_output=True, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
         for name in layouts:
-            records = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
-            by_rank = next(r for r in records if r["kind"] == "memory")["bytes_by_rank"]
+            by_rank = read_metrics(work / name, "memory")[0]["bytes_by_rank"]
             report[name] = {"world": world, "bytes_by_rank": by_rank,
                             "max_rank_total": max(sum(rank.values()) for rank in by_rank),
-                            "tokens_per_s": [r for r in records if r["kind"] == "train"][-1]["tokens_per_s"]}
+                            "tokens_per_s": read_metrics(work / name, "train")[-1]["tokens_per_s"]}
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:

@@ -61,8 +61,7 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
                                                device=settings.device))
     rows = sweep.run(progress=lambda p: say("sweep", **p), concurrency=settings.concurrency)
     rows = [r for r in rows if math.isfinite(r["loss"])]  # diverged points are recorded, not fitted
-    points = Points([r["n"] for r in rows], [r["d"] for r in rows], [r["c"] for r in rows], [r["loss"] for r in rows],
-                    [r["budget"] for r in rows])
+    points = Points.from_rows(rows)
     say("fit", points=len(points))
     doc = fit_all(points, samples=settings.bootstrap)
     (sweep.out / "law.json").write_text(json.dumps(doc, indent=1) + "\n")

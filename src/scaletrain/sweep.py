@@ -29,7 +29,7 @@ from pathlib import Path
 from scaletrain.config import ConfigError, load_config
 from scaletrain.data.shards import read_index
 from scaletrain.scaling.fit import Points, fit_allocation
-from scaletrain.scaling.grid import Point, Shape, deepseek_hyperparameters, plan_points, shapes_around
+from scaletrain.scaling.grid import Point, Shape, deepseek_hyperparameters, plan_points, shapes_around, steps_for
 from scaletrain.scaling.laws import ChinchillaLaw, preset
 from scaletrain.train.schedule import wsd_decay_start
 
@@ -91,8 +91,7 @@ class Sweep:
         uninterrupted one did, not on that budget's own points finished before the stop.)"""
         done = [row for row in done if row["budget"] < budget and math.isfinite(row["loss"])]
         if len({row["budget"] for row in done}) >= 2:
-            points = Points([r["n"] for r in done], [r["d"] for r in done], [r["c"] for r in done],
-                            [r["loss"] for r in done], [r["budget"] for r in done])
+            points = Points.from_rows(done)
             try:
                 allocation = fit_allocation(points, parabola=True)
                 return allocation.n_coefficient * budget ** allocation.a, f"approach 2 on {allocation.budgets} budgets"
@@ -135,7 +134,7 @@ class Sweep:
         lr, batch_tokens = self.hyperparameters(max(s.budgets), shape.dim)
         largest = plan_points(max(s.budgets), [shape], self.vocab_size, s.seq_len, lambda c, d: (lr, batch_tokens),
                               micro_batch=s.micro_batch)[0]
-        smallest_steps = min(s.budgets) / largest.flops_per_token / (largest.batch_seqs * s.seq_len)
+        smallest_steps = steps_for(min(s.budgets), largest.flops_per_token, largest.batch_seqs, s.seq_len)
         return lr, largest.batch_seqs, max(1, min(100, round(smallest_steps / 10)))
 
     def run_overrides(self, point: Point, lr: float, batch_seqs: int, warmup: int) -> list[str]:
@@ -198,7 +197,7 @@ class Sweep:
         Returns the point's row and the FLOPs this call actually spent."""
         s = self.settings
         lr, batch_seqs, warmup = self.shape_plan(point.shape)
-        steps = max(1, round(point.budget / point.flops_per_token / (batch_seqs * s.seq_len)))
+        steps = max(1, round(steps_for(point.budget, point.flops_per_token, batch_seqs, s.seq_len)))
         point = Point(point.shape, point.budget, point.n, point.flops_per_token, s.seq_len, batch_seqs, steps, lr)
         branch_at = wsd_decay_start(steps, warmup, DECAY_FRACTION)
         if branch_at >= steps:
@@ -213,7 +212,7 @@ class Sweep:
             # The trunk never decays: constant after warmup, the same warmup as every branch.
             # Its length is that of the shape's longest possible point, so that extending it for a
             # later budget changes nothing in its config (the constant schedule ignores it anyway).
-            longest = max(round(max(s.budgets) / point.flops_per_token / (batch_seqs * s.seq_len)), branch_at, 1)
+            longest = max(round(steps_for(max(s.budgets), point.flops_per_token, batch_seqs, s.seq_len)), branch_at, 1)
             cfg = load_config(None, [*overrides, f"run.dir={trunk_dir.parent}", f"run.name={trunk_dir.name}",
                                      "train.schedule=constant", f"train.steps={longest}", "checkpoint.interval=0"])
             train(cfg, stop_at_step=branch_at)

@@ -52,6 +52,11 @@ class Points:
             raise ValueError(f"{int(bad.sum())} of {len(self.n)} points have a non-positive or non-finite N, D or "
                              "loss; every point needs N > 0, D > 0 and a finite loss > 0")
 
+    @classmethod
+    def from_rows(cls, rows: list[dict]) -> Points:
+        """Points from a sweep's result rows (dicts with n, d, c, loss and budget)."""
+        return cls(*([row[key] for row in rows] for key in ("n", "d", "c", "loss", "budget")))
+
     def __len__(self) -> int:
         return len(self.n)
 

@@ -113,6 +113,11 @@ class Point:
         return 6.0 * self.n * self.tokens
 
 
+def steps_for(budget: float, flops_per_token: int, batch_seqs: int, seq_len: int) -> float:
+    """Optimizer steps (unrounded) that spend `budget` FLOPs at this batch."""
+    return budget / flops_per_token / (batch_seqs * seq_len)
+
+
 def plan_points(budget: float, shapes: list[Shape], vocab_size: int, seq_len: int,
                 hyperparameters: Hyperparameters = deepseek_hyperparameters, min_steps: int = 20,
                 micro_batch: int = 8) -> list[Point]:
@@ -123,11 +128,10 @@ def plan_points(budget: float, shapes: list[Shape], vocab_size: int, seq_len: in
         model = shape.model(vocab_size, seq_len)
         n = param_counts(model)["total"]
         per_token = train_flops_per_token(model, seq_len)
-        tokens = budget / per_token
         lr, batch_tokens = hyperparameters(budget, shape.dim)
         batch_seqs = max(micro_batch, round(batch_tokens / seq_len / micro_batch) * micro_batch)
-        while batch_seqs > micro_batch and tokens / (batch_seqs * seq_len) < min_steps:
+        while batch_seqs > micro_batch and steps_for(budget, per_token, batch_seqs, seq_len) < min_steps:
             batch_seqs -= micro_batch
-        steps = max(1, round(tokens / (batch_seqs * seq_len)))
+        steps = max(1, round(steps_for(budget, per_token, batch_seqs, seq_len)))
         points.append(Point(shape, budget, n, per_token, seq_len, batch_seqs, steps, lr))
     return points
