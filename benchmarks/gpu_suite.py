@@ -1,12 +1,18 @@
-"""One prepared pass on a GPU machine: training throughput and MFU of the ~125M config, eager and
-compiled; of the ~1B config (configs/llama-1b.toml) with each activation-recomputation choice,
-eager and compiled; and whether stop-and-resume is still exact on CUDA. Prints one JSON object.
+"""One prepared pass on a GPU machine: scaletrain's training throughput on the configs of issue 6's
+reference table, with real data through the real loader, metrics on and checkpoints (in the
+background) at an interval; then ablations of the means (compiled blocks, chunked loss) on the
+~126M config, and whether stop-and-resume is still exact on CUDA. Prints one table and one JSON
+object (also written to --out).
 
-    PYTHONPATH=src python benchmarks/gpu_suite.py --out results.json [--steps 30] [--only gpt125m,llama1b,resume]
+    PYTHONPATH=src python benchmarks/gpu_suite.py --out results.json [--only configs,ablations,resume]
+    PYTHONPATH=src python benchmarks/gpu_suite.py --tiny      # the same code on a CPU, tiny shapes
 
-The throughput comes from the trainer's own metrics.jsonl (tokens/s over the last logging
-window, MFU against plan/hardware.py's peak), so it measures what users run, data loading,
-bf16 autocast and fused AdamW included.
+Every figure comes from the trainer's own metrics.jsonl, logged every step: tokens/s is the
+global batch over the median step time of the timed steps (after `--warmup` steps, which
+include compilation); MFU both ways (attention over the whole score matrix as nanoGPT and PaLM
+count it, and causal: half of that term); `cold_start_s`, the time from the run's start to the
+end of its first step (model build, compilation, first batch); peak memory; data wait as a
+share of the step; the blocking time of the background checkpoints.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -27,44 +34,70 @@ from scaletrain.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# name -> (model and batch overrides, the reference measured on one H200 with torch 2.11 + CUDA 13
+# and bf16: tokens/s and MFU (6N + 12·L·d·T against 989 TFLOP/s), from issue 6).
+CONFIGS = {
+    "gpt2-124m": (["model.dim=768", "model.n_layers=12", "model.n_heads=12", "model.vocab_size=50304",
+                   "model.tie_embeddings=true", "data.seq_len=1024", "train.micro_batch=16"],
+                  {"what": "nanoGPT (torch.compile, fused AdamW)", "tokens_per_s": 489e3, "mfu": 0.423}),
+    "llama-126m": (["model.dim=768", "model.n_layers=12", "model.n_heads=12", "model.n_kv_heads=4",
+                    "model.vocab_size=32768", "data.seq_len=2048", "train.micro_batch=16"],
+                   {"what": "plain Llama, SDPA, whole-model compile, fused AdamW", "tokens_per_s": 501e3,
+                    "mfu": 0.497}),
+    "llama-1.1b": (["model.dim=2048", "model.n_layers=16", "model.n_heads=32", "model.n_kv_heads=8",
+                    "model.ffn_dim=8192", "model.vocab_size=32768", "data.seq_len=2048", "train.micro_batch=8"],
+                   {"what": "plain Llama, SDPA, whole-model compile, fused AdamW", "tokens_per_s": 72.5e3,
+                    "mfu": 0.546}),
+}
+TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=512",
+        "data.seq_len=64", "train.micro_batch=4", "train.device=cpu", "train.compile=false"]
+# What every timed run uses unless an ablation says otherwise: the means that should pay.
+BEST = ["train.compile=true", "train.loss_chunk_tokens=8192", "checkpoint.async_save=true"]
 
-def throughput(data: Path, runs: Path, name: str, steps: int, *overrides: str) -> dict:
-    cfg = load_config(ROOT / "configs" / "gpt-125m.toml", [
-        f"data.path={data}", f"run.dir={runs}", f"run.name={name}", f"train.steps={steps}",
-        "train.warmup_steps=10", "data.seq_len=1024", "model.max_seq_len=1024",
-        "train.global_batch_tokens=131072", "train.micro_batch=32", "log.interval=10",
-        "eval.interval=0", "checkpoint.interval=0", *overrides])
-    start = time.perf_counter()
-    result = train(cfg)
-    records = read_metrics(runs / name, "train")
-    last = records[-1]
-    return {"steps": steps, "wall_s": round(time.perf_counter() - start, 1), "final_loss": result.train_loss,
-            "tokens_per_s": last["tokens_per_s"], "mfu": last["mfu"], "mem_gb": last["mem_gb"],
-            "data_wait_ms": last["data_wait_ms"]}
 
-
-def llama_1b(data: Path, runs: Path, steps: int, recompute: str, compile_blocks: bool) -> dict:
-    """configs/llama-1b.toml on one device: 4 sequences of 4096 per micro-batch, 2 micro-batches a step."""
-    name = f"llama1b-{recompute}-{'compiled' if compile_blocks else 'eager'}"
-    cfg = load_config(ROOT / "configs" / "llama-1b.toml", [
-        f"data.path={data}", f"run.dir={runs}", f"run.name={name}", f"train.steps={steps}",
-        "train.warmup_steps=5", "train.global_batch_tokens=32768", "log.interval=5", "eval.interval=0",
-        "checkpoint.interval=0", f"parallel.recompute={recompute}", f"train.compile={str(compile_blocks).lower()}"])
-    start = time.perf_counter()
+def measure(data: Path, runs: Path, name: str, overrides: list[str], steps: int, warmup: int,
+            checkpoint_every: int) -> dict:
+    """Train `steps` steps of one global batch (= one micro-batch) and summarise the metrics."""
+    base = [f"data.path={data}", f"run.dir={runs}", f"run.name={name}", f"train.steps={steps}",
+            "train.warmup_steps=5", "train.lr=3e-4", "log.interval=1", "eval.interval=0",
+            f"checkpoint.interval={checkpoint_every}", "checkpoint.keep=1"]
+    cfg = load_config(None, [*base, *overrides])
+    seq, micro = cfg.data.seq_len, cfg.train.micro_batch
+    cfg = load_config(None, [*base, *overrides, f"train.global_batch_tokens={seq * micro}",
+                             f"model.max_seq_len={seq}"])
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     try:
         train(cfg)
     except torch.OutOfMemoryError as e:
-        torch.cuda.empty_cache()
-        return {"recompute": recompute, "compile": compile_blocks, "error": f"out of memory: {str(e)[:200]}"}
-    last = read_metrics(runs / name, "train")[-1]
-    torch.cuda.empty_cache()
-    return {"recompute": recompute, "compile": compile_blocks, "steps": steps,
-            "wall_s": round(time.perf_counter() - start, 1), "tokens_per_s": last["tokens_per_s"],
-            "mfu": last["mfu"], "mem_gb": last["mem_gb"]}
+        return {"error": f"out of memory: {str(e)[:200]}"}
+    records = read_metrics(runs / name)
+    start = next(r for r in records if r["kind"] == "start")
+    steps_done = [r for r in records if r["kind"] == "train"]
+    timed = steps_done[warmup:]
+    step_s = statistics.median(cfg.train.global_batch_tokens / r["tokens_per_s"] for r in timed)
+    tokens_per_s = cfg.train.global_batch_tokens / step_s
+    blocking = [r["blocking_s"] for r in records if r["kind"] == "checkpoint"]
+    first = steps_done[0]
+    mfu_scale = (timed[-1]["mfu"] / timed[-1]["tokens_per_s"]) if timed[-1]["mfu"] is not None else None
+    causal_scale = (timed[-1]["mfu_causal"] / timed[-1]["tokens_per_s"]) if timed[-1]["mfu"] is not None else None
+    return {
+        "tokens_per_step": cfg.train.global_batch_tokens, "steps": steps, "timed_steps": len(timed),
+        "step_ms": round(1000 * step_s, 2), "tokens_per_s": round(tokens_per_s),
+        "mean_tokens_per_s": round(len(timed) * cfg.train.global_batch_tokens
+                                   / sum(cfg.train.global_batch_tokens / r["tokens_per_s"] for r in timed)),
+        "mfu": None if mfu_scale is None else round(tokens_per_s * mfu_scale, 4),
+        "mfu_causal": None if causal_scale is None else round(tokens_per_s * causal_scale, 4),
+        "cold_start_s": round(first["time"] - start["time"], 1),
+        "peak_mem_gb": max(r["mem_gb"] for r in steps_done),
+        "data_wait_share": round(statistics.median(r["data_wait_ms"] for r in timed) / (1000 * step_s), 5),
+        "checkpoint_blocking_s": blocking, "final_loss": timed[-1]["loss"],
+    }
 
 
-def resume_exactness(data: Path, runs: Path) -> dict:
-    common = [f"data.path={data}", f"run.dir={runs}", "train.steps=8", "eval.interval=4", "checkpoint.interval=0"]
+def resume_exactness(data: Path, runs: Path, device: list[str]) -> dict:
+    common = [f"data.path={data}", f"run.dir={runs}", "train.steps=8", "eval.interval=4", "checkpoint.interval=0",
+              *device]
     tiny = ROOT / "configs" / "tiny.toml"
     train(load_config(tiny, [*common, "run.name=whole"]))
     train(load_config(tiny, [*common, "run.name=split"]), stop_at_step=4)
@@ -75,27 +108,66 @@ def resume_exactness(data: Path, runs: Path) -> dict:
     return {"max_abs_loss_diff_after_resume": max(diffs), "bit_exact": max(diffs) == 0.0}
 
 
+def table(report: dict) -> str:
+    lines = [f"{'run':<32} {'tokens/s':>10} {'step ms':>9} {'MFU':>7} {'MFU causal':>10} {'peak GB':>8} "
+             f"{'data wait':>9} {'ckpt block s':>13} {'cold start s':>12}  reference"]
+    for name, row in {**report.get("configs", {}), **report.get("ablations", {})}.items():
+        if "error" in row:
+            lines.append(f"{name:<32} {row['error']}")
+            continue
+        ref = row.get("reference")
+        against = (f"{ref['tokens_per_s']:,.0f} tok/s, {ref['mfu']:.1%}: x{row['tokens_per_s'] / ref['tokens_per_s']:.2f}"
+                   if ref else "")
+        mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
+        causal = "-" if row["mfu_causal"] is None else f"{row['mfu_causal']:.1%}"
+        block = ",".join(f"{b:.2f}" for b in row["checkpoint_blocking_s"]) or "-"
+        lines.append(f"{name:<32} {row['tokens_per_s']:>10,} {row['step_ms']:>9.1f} {mfu:>7} {causal:>10} "
+                     f"{row['peak_mem_gb']:>8.1f} {row['data_wait_share']:>9.2%} {block:>13} "
+                     f"{row['cold_start_s']:>12.1f}  {against}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
+    parser.add_argument("--only", default="configs,ablations,resume", help="comma-separated sections to run")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="which of the configs to run")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--only", default="gpt125m,llama1b,resume", help="comma-separated sections to run")
+    parser.add_argument("--warmup", type=int, default=10, help="steps not timed (compilation happens in them)")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the suite, measures nothing")
     args = parser.parse_args()
     sections = set(args.only.split(","))
     work = Path(tempfile.mkdtemp())
     data = work / "data"
     t0 = time.perf_counter()
-    prepare(["builtin:python-stdlib"], data, vocab_size=32768, max_bytes=40_000_000)
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "python": platform.python_version(), "prepare_s": round(time.perf_counter() - t0, 1)}
-    if "gpt125m" in sections:
-        report["gpt125m_eager"] = throughput(data, work / "runs", "eager", args.steps, "train.compile=false")
-        report["gpt125m_compiled"] = throughput(data, work / "runs", "compiled", args.steps, "train.compile=true")
-    if "llama1b" in sections:
-        report["llama1b"] = [llama_1b(data, work / "runs", 20, recompute, compile_blocks)
-                             for compile_blocks in (False, True) for recompute in ("none", "selective", "full")]
+    prepare(["builtin:python-stdlib"], data, vocab_size=512 if args.tiny else 32768,
+            max_bytes=2_000_000 if args.tiny else 40_000_000)
+    report: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu",
+                    "torch": torch.__version__, "python": platform.python_version(),
+                    "prepare_s": round(time.perf_counter() - t0, 1)}
+    runs = work / "runs"
+    # A checkpoint two thirds of the way: realistic runs save every ~30 min, this measures one save.
+    every = max(1, (2 * args.steps) // 3)
+    if "configs" in sections:
+        report["configs"] = {}
+        for name in args.configs.split(","):
+            shape, reference = CONFIGS[name]
+            overrides = [*shape, *BEST, *(TINY if args.tiny else [])]
+            row = measure(data, runs, name, overrides, args.steps, args.warmup, every)
+            report["configs"][name] = {**row, "settings": BEST, "reference": None if args.tiny else reference}
+    if "ablations" in sections:
+        shape = CONFIGS["llama-126m"][0]
+        variants = {"eager": ["train.compile=false"], "whole-batch loss": ["train.loss_chunk_tokens=0"],
+                    "synchronous checkpoint": ["checkpoint.async_save=false"]}
+        report["ablations"] = {}
+        for what, change in variants.items():
+            overrides = [*shape, *BEST, *change, *(TINY if args.tiny else [])]
+            report["ablations"][f"llama-126m, {what}"] = {
+                **measure(data, runs, f"ablation-{what.replace(' ', '-')}", overrides, args.steps, args.warmup, every),
+                "settings": [*BEST, *change]}
     if "resume" in sections:
-        report["resume"] = resume_exactness(data, work / "runs")
+        report["resume"] = resume_exactness(data, runs, ["train.device=cpu"] if args.tiny else [])
+    print(table(report))
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:

@@ -141,8 +141,12 @@ RESHARD = {
 }
 
 
-# Stopped at step 3 and resumed in the same layout (2 processes): name -> the uninterrupted run.
-RESUME = {"pp-zbv-resumed": "pp-zbv_zero_bubble", "cp-resumed": "cp"}
+# Stopped at step 3 and resumed in the same layout (2 processes): name -> (the uninterrupted run,
+# overrides of the interrupted one). The FSDP run saves in the background at every step, so
+# each checkpoint is written while the next step's collectives run.
+RESUME = {"pp-zbv-resumed": ("pp-zbv_zero_bubble", []), "cp-resumed": ("cp", []),
+          "fsdp-async-resumed": ("fsdp-grad-accumulation-recompute",
+                                 ["checkpoint.async_save=true", "checkpoint.interval=1"])}
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +154,8 @@ def layout_runs(stdlib_data, tmp_path_factory):
     """Every grouped layout trained once: name -> run directory (three launches: 2, 4, 8 processes)."""
     root = tmp_path_factory.mktemp("layouts")
     two = [(name, [*DEEP, *overrides], None) for name, overrides in {**TWO, **MIXED}.items()]
-    for name, uninterrupted in RESUME.items():
-        two += [(name, [*DEEP, *TWO[uninterrupted]], 3), (name, [*DEEP, *TWO[uninterrupted]], None)]
+    for name, (uninterrupted, extra) in RESUME.items():
+        two += [(name, [*DEEP, *TWO[uninterrupted], *extra], 3), (name, [*DEEP, *TWO[uninterrupted], *extra], None)]
     launch_layouts(stdlib_data, root, 2, two)
     four = [(name, [*DEEP, *overrides], None) for name, overrides in FOUR.items()]
     for name, (before, after) in RESHARD.items():
@@ -167,10 +171,13 @@ def test_parallel_layouts_train_the_losses_of_one_process(layout_runs, single_pr
 
 
 @pytest.mark.parametrize("name", list(RESUME))
-def test_a_pipelined_or_context_parallel_run_resumes_exactly_in_the_same_layout(layout_runs, name):
+def test_a_pipelined_context_parallel_or_background_saving_run_resumes_exactly_in_the_same_layout(
+        layout_runs, name):
     run_dir = layout_runs[name]
     assert [r["step"] for r in read_metrics(run_dir, "resume")] == [3]
-    assert_parity(run_dir, layout_runs[RESUME[name]], tolerance=0.0)
+    assert_parity(run_dir, layout_runs[RESUME[name][0]], tolerance=0.0)
+    if RESUME[name][1]:
+        assert all(r["background"] for r in read_metrics(run_dir, "checkpoint"))
 
 
 @pytest.mark.parametrize("name", list(RESHARD))

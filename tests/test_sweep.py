@@ -145,7 +145,10 @@ def test_a_budget_is_centred_on_smaller_budgets_only(stdlib_data, uninterrupted,
     """A sweep stopped part-way through a budget must choose that budget's shapes as an
     uninterrupted one did: its own finished points do not move the centre."""
     sweep, rows = uninterrupted
-    earlier = [dict(r, budget=r["budget"] / 10, c=r["c"] / 10) for r in rows]  # two finished smaller budgets
+    # Two finished smaller budgets whose profiles have their minimum inside (a parabola in log N).
+    middle = sorted(r["n"] for r in rows)[len(rows) // 2]
+    earlier = [dict(r, budget=r["budget"] / 10, c=r["c"] / 10, loss=3 + 0.1 * math.log(r["n"] / middle) ** 2)
+               for r in rows]
     own = [dict(r, budget=1e13, loss=r["loss"] * (2 if i % 2 else 0.5)) for i, r in enumerate(rows)]
     assert sweep.centre(1e13, earlier) == sweep.centre(1e13, earlier + own)
     assert sweep.centre(1e13, earlier)[1].startswith("approach 2")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import logging
 from pathlib import Path
 
@@ -83,6 +84,27 @@ def test_checkpoints_are_committed_pointed_to_and_pruned(stdlib_data, tmp_path):
     assert (root / "latest").read_text().strip() == "step_0000008"
     marker = json.loads((root / "step_0000008" / checkpoint.MARKER).read_text())
     assert marker["step"] == 8 and ".metadata" in marker["files"]
+
+
+def test_background_checkpoints_hold_the_state_of_their_step_and_resume_exactly(stdlib_data, tmp_path):
+    """Async saves every 2 steps while training goes on changing the weights: each checkpoint is
+    committed with the state of its own step, and resuming from step 4 logs the losses of the
+    run that never stopped."""
+    common = ["train.steps=8", "eval.interval=0", "checkpoint.keep=4", "train.warmup_steps=2"]
+    whole = tmp_path / "whole"
+    train(tiny_config(stdlib_data, whole, *common, "checkpoint.interval=0"))
+    split = tmp_path / "split"
+    background = [*common, "checkpoint.interval=2", "checkpoint.async_save=true"]
+    train(tiny_config(stdlib_data, split, *background), stop_at_step=5)
+    records = read_metrics(split, "checkpoint")
+    assert [r["step"] for r in records] == [2, 4, 5] and all(r["background"] for r in records)
+    assert all(r["blocking_s"] >= 0 for r in records)
+    root = split / "checkpoints"
+    assert [p.name for p in checkpoint.complete_checkpoints(root)] == ["step_0000005", "step_0000004", "step_0000002"]
+    shutil.rmtree(root / "step_0000005")  # resume from 4, a checkpoint written while steps 5 trained
+    train(tiny_config(stdlib_data, split, *background))
+    expected, got = losses(whole), losses(split)
+    assert [got[s] for s in range(5, 9)] == [expected[s] for s in range(5, 9)]
 
 
 def test_truncated_or_unmarked_newest_checkpoint_falls_back_to_the_previous(stdlib_data, tmp_path, caplog):

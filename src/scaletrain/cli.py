@@ -519,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "predicted against actual loss.")
     p.add_argument("--out", default="demo", help="directory for data, sweep and runs (default demo/)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="cuda runs the larger version (budgets 1e15-1e16 FLOPs)")
+                   help="cuda runs the larger version (budgets 3e14-3e15 FLOPs, final run 3e16)")
     p.set_defaults(func=cmd_demo)
 
     p = commands.add_parser("generate", help="sample text from a run's newest checkpoint")

@@ -166,6 +166,8 @@ class TrainConfig(_Section):
     """Compute dtype: auto is bf16 autocast on GPUs and float32 on CPUs. Weights stay float32."""
     compile: bool = False
     """Compile each transformer block with torch.compile."""
+    loss_chunk_tokens: int = Field(default=0, ge=0)
+    """Run the output head and loss this many tokens at a time, never holding a micro-batch's float32 logits (0: all at once). Not under tensor or pipeline parallelism, whose heads are split."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: auto picks CUDA when available."""
 
@@ -229,6 +231,8 @@ class CheckpointConfig(_Section):
     """Save every this many steps (and always at the end); 0 saves only at the end."""
     keep: int = Field(default=3, ge=1)
     """How many of the newest complete checkpoints to keep."""
+    async_save: bool = False
+    """Write checkpoints in the background: training waits only while the state is copied to host memory (and for the previous checkpoint, if still writing). The last one is always waited for."""
     resume: str = "auto"
     """"auto": resume from the newest complete checkpoint in the run directory if any; "never"; or a checkpoint path."""
 

@@ -23,7 +23,9 @@ log = logging.getLogger("scaletrain")
 class DemoSettings:
     """The CPU demo by default; `gpu()` gives the larger version of the same loop."""
 
-    budgets: tuple[float, ...] = (1e11, 2e11, 5e11, 1e12)
+    # Six budgets over a decade (five per decade): the trunks cost what the largest budget
+    # costs, so the denser the budgets, the more profiles per FLOP (and the more saved).
+    budgets: tuple[float, ...] = (1e11, 1.6e11, 2.5e11, 4e11, 6.3e11, 1e12)
     shapes: int = 5
     extrapolate: float = 4.0  # the final run's budget, as a multiple of the largest swept
     seq_len: int = 128
@@ -37,7 +39,10 @@ class DemoSettings:
 
     @classmethod
     def gpu(cls) -> DemoSettings:
-        return cls(budgets=(1e15, 3e15, 1e16), shapes=5, extrapolate=10.0, seq_len=512, vocab_size=8192,
+        # Sized (not yet measured) from the ~125M config's H200 throughput: sweep 3e14-3e15 FLOPs,
+        # the final run at 10x the largest budget, 3e16 FLOPs.
+        return cls(budgets=(3e14, 4.8e14, 7.5e14, 1.2e15, 1.9e15, 3e15), shapes=5, extrapolate=10.0,
+                   seq_len=512, vocab_size=8192,
                    max_bytes=200_000_000, val_fraction=0.01, eval_tokens=262144, device="cuda", concurrency=4)
 
 

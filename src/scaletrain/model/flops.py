@@ -36,7 +36,7 @@ def matmul_params(cfg: Any) -> int:
     return cfg.n_layers * _block_linear_params(cfg) + cfg.vocab * cfg.dim
 
 
-def train_flops_per_token(cfg: Any, seq_len: int) -> int:
+def train_flops_per_token(cfg: Any, seq_len: int, causal: bool = False) -> int:
     """FLOPs of one forward and backward pass, per token, at sequence length `seq_len`.
 
     6 N for the matmuls (2 forward, 4 backward: gradients of inputs and of weights;
@@ -45,10 +45,11 @@ def train_flops_per_token(cfg: Any, seq_len: int) -> int:
     L layers, H query heads of width Q, context T. The attention term is counted over the
     whole T x T score matrix, without halving for the causal mask, as
     `torch.utils.flop_counter.FlopCounterMode` counts SDPA; elementwise work (norms,
-    rotary, softmax, SiLU, loss) is not counted.
+    rotary, softmax, SiLU, loss) is not counted. `causal` counts only the lower triangle of
+    the scores, the work a causal kernel (FlashAttention) does: half the attention term.
     """
     attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
-    return 6 * matmul_params(cfg) + attention
+    return 6 * matmul_params(cfg) + (attention // 2 if causal else attention)
 
 
 def forward_flops_per_token(cfg: Any, seq_len: int) -> int:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.config import ModelConfig
+from scaletrain.model.loss import chunked_cross_entropy, cross_entropy
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,6 +163,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Tokens per chunk of the output head and loss when forward() is given targets; 0 for the
+        # whole batch at once (model/loss.py). Set by the trainer from train.loss_chunk_tokens.
+        self.loss_chunk = 0
         # Derived from cfg, so not saved in checkpoints; init_weights() fills them.
         table = (cfg.max_seq_len, cfg.head_dim // 2)
         self.register_buffer("rope_cos", torch.empty(table, dtype=torch.float32), persistent=False)
@@ -250,13 +254,9 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, layer_kv, start_pos)
         if self.output is None:
             return x
+        if targets is not None and self.loss_chunk:
+            return chunked_cross_entropy(self.norm(x), self.output.weight, targets, self.loss_chunk)
         logits = self.output(self.norm(x))  # (batch, seq, vocab)
         if targets is None:
             return logits
         return cross_entropy(logits, targets)
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss of logits (batch, seq, vocab) against targets (batch, seq), in
-    float32 (a bf16 log-softmax over a large vocabulary loses precision); -100 marks padding."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from scaletrain.model.llama import cross_entropy
+from scaletrain.model.loss import cross_entropy
 
 # Our names for the schedules -> torch.distributed.pipelining's.
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "looped_bfs": "LoopedBFS",

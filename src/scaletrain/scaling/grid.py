@@ -6,10 +6,12 @@ log over a 10x range centred on the expected optimum N_opt(C) (from a prior law,
 of budgets already run), each trained for D = C / F(N) tokens, F being the exact training
 FLOPs per token of model/flops.py. N counts every parameter (embeddings and output head too).
 
-Shapes come from one family — widths from 16 to 1024 spaced about 1.25-1.5x, heads of width
-32 (16 below that), depth about width / 32 — so that N is the one thing varying along a
-profile, smoothly. (A family mixing depths at one width gave profiles whose loss jumped
-between neighbouring N.)
+Shapes come from one family — widths from 16 to 1024 spaced about 1.15-1.5x, heads of width
+32 (16, or one head, below that), depth about width / 32 — so that N is the one thing varying
+along a profile, smoothly. (A family mixing depths at one width gave profiles whose loss
+jumped between neighbouring N. One with only 16, 32, 48, 64, 96 below width 128 left tiny
+budgets' minima on its smallest shapes, with nothing below them; widths 24 and 40 fixed that.
+A minimum depth of 2 instead of 1 made the narrow end worse, not better.)
 """
 
 from __future__ import annotations
@@ -34,12 +36,15 @@ class Shape:
         return f"d{self.dim}-l{self.n_layers}"
 
     def model(self, vocab_size: int, max_seq_len: int) -> ModelConfig:
-        heads = max(1, self.dim // HEAD_DIM) if self.dim % HEAD_DIM == 0 else self.dim // 16  # width 48: 3 of 16
+        if self.dim % HEAD_DIM == 0:
+            heads = self.dim // HEAD_DIM
+        else:  # narrow widths: heads of 16 (width 48: 3), else one head (width 24, 40)
+            heads = self.dim // 16 if self.dim % 16 == 0 else 1
         return ModelConfig(vocab_size=vocab_size, dim=self.dim, n_layers=self.n_layers, n_heads=heads,
                            max_seq_len=max_seq_len)
 
 
-WIDTHS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024)
+WIDTHS = (16, 24, 32, 40, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
 
 def family(vocab_size: int) -> list[tuple[int, Shape]]:

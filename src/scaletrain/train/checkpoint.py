@@ -14,7 +14,6 @@ pointer loses nothing.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -28,6 +27,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 log = logging.getLogger("scaletrain")
+# DCP warns on every call without a process group (one process is a supported case here), also
+# from the thread of a background save, so the filter is the process's, not a context's.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 MARKER = "COMMITTED"
 PREFIX = "step_"
@@ -53,14 +55,6 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-@contextlib.contextmanager
-def _single_process_quiet():
-    """DCP warns on every call without a process group; one process is a supported case here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -68,6 +62,44 @@ def _is_main() -> bool:
 def save(root: Path, step: int, tokens: int, state: dict, keep: int) -> Path:
     """Write `state` as checkpoint `step`, mark it complete, point `latest` at it, and keep the
     `keep` newest complete checkpoints up to this step (older ones are deleted)."""
+    path = _prepare(root, step)
+    dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    _commit(root, path, step, tokens, keep)
+    return path
+
+
+class AsyncSave:
+    """A checkpoint being written in the background by `save_async`. `done()` says whether the
+    writing has finished; `wait()` waits for it, then commits the checkpoint (marker, `latest`,
+    older ones pruned), once. Until then the directory has no marker and is never resumed from."""
+
+    def __init__(self, root: Path, path: Path, step: int, tokens: int, keep: int, future) -> None:
+        self.root, self.path, self.step, self.tokens, self.keep = root, path, step, tokens, keep
+        self._future, self._committed = future, False
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> Path:
+        if not self._committed:
+            self._future.result()  # raises what the writer raised
+            _commit(self.root, self.path, self.step, self.tokens, self.keep)
+            self._committed = True
+        return self.path
+
+
+def save_async(root: Path, step: int, tokens: int, state: dict, keep: int, group=None) -> AsyncSave:
+    """Start writing `state` as checkpoint `step` and return once it has been copied to host
+    memory, so that training can go on changing the live tensors. Under torch.distributed,
+    `group` must be a process group of its own (gloo): DCP's background collectives on the
+    group training uses interleave with training's and deadlock or corrupt it."""
+    path = _prepare(root, step)
+    future = dcp.async_save(state, checkpoint_id=path, process_group=group, no_dist=not dist.is_initialized())
+    future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse where the stager is async
+    return AsyncSave(root, path, step, tokens, keep, future)
+
+
+def _prepare(root: Path, step: int) -> Path:
     path = checkpoint_dir(root, step)
     if _is_main():
         if path.exists():  # a leftover of an interrupted save of this step
@@ -75,16 +107,19 @@ def save(root: Path, step: int, tokens: int, state: dict, keep: int) -> Path:
         path.mkdir(parents=True)
     if dist.is_initialized():
         dist.barrier()
-    with _single_process_quiet():
-        dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
-    if _is_main():
-        files = {name: [size, _crc32(path / name)] for name, size in _sizes(path).items()}
-        _write_atomic(path / MARKER, json.dumps({"step": step, "tokens": tokens, "files": files}, indent=1))
-        _write_atomic(root / "latest", path.name + "\n")
-        older = [p for p in complete_checkpoints(root) if step_of(p) < step]
-        for old in older[keep - 1:]:
-            shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def _commit(root: Path, path: Path, step: int, tokens: int, keep: int) -> None:
+    """Mark `path` complete (one process writes) and prune older checkpoints."""
+    if not _is_main():
+        return
+    files = {name: [size, _crc32(path / name)] for name, size in _sizes(path).items()}
+    _write_atomic(path / MARKER, json.dumps({"step": step, "tokens": tokens, "files": files}, indent=1))
+    _write_atomic(root / "latest", path.name + "\n")
+    older = [p for p in complete_checkpoints(root) if step_of(p) < step]
+    for old in older[keep - 1:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -139,8 +174,7 @@ def load(path: Path, state: dict) -> None:
     if problem:
         raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
     try:
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
         cause = (str(e).strip().splitlines() or [""])[-1]  # DCP wraps the cause in a traceback; its last line
         raise CheckpointError(f"checkpoint {path} could not be read ({type(e).__name__}: {cause})") from e

@@ -24,7 +24,8 @@ from scaletrain.config import ConfigError, RunConfig, load_config, validate_conf
 from scaletrain.data.loader import IGNORE, TokenLoader, eval_batches
 from scaletrain.data.shards import DataError, read_index
 from scaletrain.model.flops import param_counts, train_flops_per_token
-from scaletrain.model.llama import Transformer, cross_entropy
+from scaletrain.model.llama import Transformer
+from scaletrain.model.loss import cross_entropy
 from scaletrain.parallel.apply import parallelize
 from scaletrain.parallel.context import shard_sequence
 from scaletrain.parallel.mesh import check_layout, init_distributed, resolve_layout, shutdown, world
@@ -149,6 +150,9 @@ class Trainer:
         self.parallel = parallelize(Transformer(cfg.model).to(self.device), self.mesh, self.layout, cfg, self.device,
                                     param_dtype=param_dtype)
         self.model = self.parallel.module
+        if self.layout.tp == 1 and self.layout.pp == 1:
+            # (A vocabulary-sharded head takes loss_parallel; a pipeline's loss is the schedule's.)
+            self.model.loss_chunk = cfg.train.loss_chunk_tokens
         self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                          betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
                                          device=self.device)
@@ -167,7 +171,10 @@ class Trainer:
         self.step = 0
         self.tokens = 0
         self.held_bytes: dict[str, int] | None = None
+        self.pending: checkpoint.AsyncSave | None = None  # a checkpoint being written in the background
+        self.checkpoint_group = None  # the process group of background checkpoint writes
         self.flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
+        self.causal_flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len, causal=True)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.peak_flops = peak_flops(device_name, "bf16" if self.dtype == torch.bfloat16 else "fp32")
 
@@ -257,7 +264,22 @@ class Trainer:
         return self.step
 
     def save(self) -> Path:
-        return checkpoint.save(self.ckpt_root, self.step, self.tokens, self.state(), self.cfg.checkpoint.keep)
+        """Checkpoint the current step; returns its path. With checkpoint.async_save the writing
+        goes on in the background (see finish_saving); the previous one is finished first."""
+        if not self.cfg.checkpoint.async_save:
+            return checkpoint.save(self.ckpt_root, self.step, self.tokens, self.state(), self.cfg.checkpoint.keep)
+        self.finish_saving(wait=True)
+        if dist.is_initialized() and self.checkpoint_group is None:
+            self.checkpoint_group = dist.new_group(backend="gloo")  # see checkpoint.save_async
+        self.pending = checkpoint.save_async(self.ckpt_root, self.step, self.tokens, self.state(),
+                                             self.cfg.checkpoint.keep, self.checkpoint_group)
+        return self.pending.path
+
+    def finish_saving(self, wait: bool) -> None:
+        """Commit a background checkpoint that has finished writing (or, with wait, once it has)."""
+        if self.pending is not None and (wait or self.pending.done()):
+            self.pending.wait()
+            self.pending = None
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -317,6 +339,10 @@ class Trainer:
         sequence under context parallelism, on the device."""
         if self.layout.cp > 1:
             inputs, targets = (shard_sequence(t, self.cp_rank, self.layout.cp) for t in (inputs, targets))
+        if self.device.type == "cuda":
+            # From page-locked memory the copy is queued behind the GPU's work and the host goes
+            # on (from pageable memory it would wait for the copy to finish).
+            inputs, targets = inputs.pin_memory(), targets.pin_memory()
         return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
 
     def _pipeline(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
@@ -380,10 +406,12 @@ class Trainer:
         self.model.train()
         return by_source
 
-    def mfu(self, tokens_per_s: float) -> float | None:
+    def mfu(self, tokens_per_s: float, causal: bool = False) -> float | None:
+        """Model FLOPs utilisation: attention counted over the whole score matrix (PaLM's and
+        nanoGPT's convention), or with causal=True over the half a causal kernel computes."""
         if self.peak_flops is None:
             return None
-        return tokens_per_s * self.flops_per_token / self.peak_flops
+        return tokens_per_s * (self.causal_flops_per_token if causal else self.flops_per_token) / self.peak_flops
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -434,6 +462,7 @@ class Trainer:
                     record = metrics.write(
                         "train", self.step, self.tokens, loss=train_loss, lr=self.lr, grad_norm=grad_norm,
                         tokens_per_s=round(last_speed, 1), mfu=self.mfu(last_speed),
+                        mfu_causal=self.mfu(last_speed, causal=True),
                         mem_gb=round(peak_memory_gb(self.device), 3),
                         data_wait_ms=round(1000 * window_wait / (window_tokens / cfg.train.global_batch_tokens), 3),
                         tokens_by_source=self.loader.tokens_by_source(),
@@ -442,15 +471,21 @@ class Trainer:
                              train_loss, self.lr, grad_norm, last_speed,
                              f"  mfu {record['mfu']:.1%}" if record["mfu"] is not None else "")
                     window_tokens, window_time, window_wait = 0, 0.0, 0.0
+                self.finish_saving(wait=False)
                 if (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0) or last:
+                    t_save = time.perf_counter()
                     path = self.save()
-                    metrics.write("checkpoint", self.step, self.tokens, path=str(path))
+                    # What training waited for: the whole save, or its copy to host memory.
+                    metrics.write("checkpoint", self.step, self.tokens, path=str(path),
+                                  blocking_s=round(time.perf_counter() - t_save, 4),
+                                  background=cfg.checkpoint.async_save)
                 if (cfg.eval.interval and self.step % cfg.eval.interval == 0) or self.step == self.total_steps:
                     by_source = self.evaluate()
                     # The mixture's loss: each source's loss at its training weight.
                     val_loss = sum(cfg.data.weights[name] * loss for name, loss in by_source.items())
                     metrics.write("eval", self.step, self.tokens, loss=val_loss, loss_by_source=by_source)
                     log.info("step %d/%d  validation loss %.4f", self.step, self.total_steps, val_loss)
+            self.finish_saving(wait=True)  # the run's last checkpoint is complete before it returns
             consumption = {"tokens_by_source": self.loader.tokens_by_source(),
                            "epochs_by_source": self.loader.epochs_by_source()}
             metrics.write("end", self.step, self.tokens, train_loss=train_loss, val_loss=val_loss,
@@ -460,6 +495,7 @@ class Trainer:
                 (self.run_dir / "stats.json").write_text(json.dumps(
                     {"step": self.step, "tokens": self.tokens, **consumption}, indent=1) + "\n")
         except TrainingDiverged as e:
+            self.finish_saving(wait=True)  # it holds the last good state
             metrics.write("diverged", self.step, self.tokens, message=str(e))
             raise
         finally:

@@ -1,0 +1,87 @@
+"""The next-token loss, whole or in chunks.
+
+`cross_entropy` takes logits (batch, seq, vocab) that the output head produced: simple, but the
+logits of a micro-batch are held twice over (in the compute dtype, and in float32 for the
+log-softmax), plus their gradient — at 8 × 2048 tokens and a 32,768-token vocabulary that is
+2 GiB each in float32.
+
+`chunked_cross_entropy` takes the final hidden states and the head's weight instead and runs
+head and loss `chunk` tokens at a time. Each chunk's gradients (with respect to the hidden
+states and to the weight) are computed in the forward pass, while its logits are at hand, so
+no logits survive a chunk and the backward pass only scales what was stored — the approach of
+Liger Kernel's fused linear cross-entropy (Hsu et al. 2024), here in plain PyTorch.
+The loss is the same to float32 rounding: log-sum-exp and the softmax gradient are computed
+in float32 from logits in the compute dtype, as `cross_entropy` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100  # targets that mark padding: no loss, no gradient
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss of logits (batch, seq, vocab) against targets (batch, seq), in
+    float32 (a bf16 log-softmax over a large vocabulary loses precision); -100 marks padding."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          chunk: int) -> torch.Tensor:
+    """cross_entropy(hidden @ weight.T, targets) for hidden (batch, seq, dim), weight
+    (vocab, dim), without holding more than `chunk` tokens' logits at once. Under autocast the
+    product is taken in the autocast dtype, as nn.Linear would."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    flat_hidden, flat_targets = hidden.flatten(0, 1), targets.flatten()
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        with torch.no_grad():
+            total, _, _ = _chunks(flat_hidden.to(dtype), weight.to(dtype), flat_targets, chunk, gradients=False)
+        return total / (flat_targets != IGNORE).sum().clamp(min=1)
+    with torch.autocast(device, enabled=False):
+        return _ChunkedLoss.apply(flat_hidden, weight, flat_targets, chunk, dtype)
+
+
+def _chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+            gradients: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Summed loss over the rows and, if asked, the gradients of that sum with respect to hidden
+    (in hidden's dtype) and weight (float32)."""
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if gradients else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if gradients else None
+    for start in range(0, hidden.shape[0], chunk):
+        h, t = hidden[start:start + chunk], targets[start:start + chunk]
+        logits = (h @ weight.T).float()  # (chunk, vocab)
+        valid = t != IGNORE
+        safe = torch.where(valid, t, 0)[:, None]
+        log_norm = torch.logsumexp(logits, dim=-1)
+        total += ((log_norm - logits.gather(1, safe)[:, 0]) * valid).sum()
+        if gradients:
+            # d(loss)/d(logits) = softmax - one_hot(target), zero on padding.
+            grad = logits.sub_(log_norm[:, None]).exp_()
+            grad.scatter_add_(1, safe, -torch.ones_like(safe, dtype=grad.dtype))
+            grad.mul_(valid[:, None])
+            grad = grad.to(h.dtype)
+            grad_hidden[start:start + chunk] = grad @ weight
+            grad_weight.addmm_(grad.T.float(), h.float())
+    return total, grad_hidden, grad_weight
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, dtype):
+        count = (targets != IGNORE).sum().clamp(min=1)
+        total, grad_hidden, grad_weight = _chunks(hidden.to(dtype), weight.to(dtype), targets, chunk, gradients=True)
+        ctx.save_for_backward(grad_hidden, grad_weight, count)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight, count = ctx.saved_tensors
+        scale = grad_output / count
+        hidden_dtype, weight_dtype = ctx.dtypes
+        return (grad_hidden.mul(scale.to(grad_hidden.dtype)).to(hidden_dtype),
+                grad_weight.mul_(scale).to(weight_dtype), None, None, None)

@@ -1,0 +1,93 @@
+"""The chunked output-head loss: the same loss and gradients as the whole-batch one, without
+ever holding a whole micro-batch's logits."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from scaletrain.config import ModelConfig
+from scaletrain.model.llama import Transformer
+from scaletrain.model.loss import IGNORE, chunked_cross_entropy, cross_entropy
+
+
+def _inputs(seed=0, batch=3, seq=20, dim=32, vocab=512, padded=5):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, seq, dim, generator=g, requires_grad=True)
+    weight = (0.1 * torch.randn(vocab, dim, generator=g)).requires_grad_()
+    targets = torch.randint(0, vocab, (batch, seq), generator=g)
+    targets[-1, -padded:] = IGNORE  # padding: no loss, no gradient
+    return hidden, weight, targets
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 60, 1000])  # one row, uneven, even, exactly all, more than all
+def test_chunked_loss_and_gradients_equal_the_whole_batch_ones(chunk):
+    hidden, weight, targets = _inputs()
+    whole = cross_entropy(hidden @ weight.T, targets)
+    whole.backward()
+    expected = (whole.detach(), hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    loss = chunked_cross_entropy(hidden, weight, targets, chunk)
+    (2.5 * loss).backward()  # an upstream gradient other than 1 scales both gradients
+    torch.testing.assert_close(loss.detach(), expected[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, 2.5 * expected[1], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(weight.grad, 2.5 * expected[2], rtol=1e-5, atol=1e-7)
+    with torch.no_grad():  # evaluation takes the forward-only path
+        torch.testing.assert_close(chunked_cross_entropy(hidden, weight, targets, chunk), expected[0], rtol=0, atol=1e-6)
+
+
+def test_chunked_loss_under_bf16_autocast_matches_the_autocast_linear_and_keeps_parameter_dtypes():
+    hidden, weight, targets = _inputs(seed=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = cross_entropy(torch.nn.functional.linear(hidden, weight), targets)
+        loss = chunked_cross_entropy(hidden, weight, targets, 16)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, whole, rtol=0, atol=2e-3)
+    loss.backward()
+    assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements any operator produced."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_tensor_as_large_as_the_logits_is_ever_made():
+    hidden, weight, targets = _inputs(batch=4, seq=32, dim=16, vocab=512)  # logits: 128 x 512; weight 512 x 16
+    rows, vocab = 4 * 32, 512
+    with _LargestTensor() as whole:
+        cross_entropy(hidden @ weight.T, targets).backward()
+    assert whole.largest >= rows * vocab  # the check can see the logits when they are made
+    with _LargestTensor() as chunked:
+        chunked_cross_entropy(hidden, weight, targets, 16).backward()
+    assert chunked.largest <= 16 * vocab
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_model_with_a_loss_chunk_trains_as_one_without(tie):
+    cfg = ModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=2, max_seq_len=16, tie_embeddings=tie)
+    torch.manual_seed(0)
+    plain = Transformer(cfg)
+    chunked = Transformer(cfg)
+    chunked.load_state_dict(plain.state_dict())
+    chunked.loss_chunk = 10
+    tokens = torch.randint(0, 256, (3, 16))
+    targets = torch.roll(tokens, -1, dims=1)
+    losses = []
+    for model in (plain, chunked):
+        loss = model(tokens, targets)
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=1e-6)
+    for (name, p), q in zip(plain.named_parameters(), chunked.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-7, msg=name)
+    assert chunked(tokens).shape == (3, 16, 256)  # without targets it still gives logits
