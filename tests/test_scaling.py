@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_cli
-from scaletrain.scaling.fit import Points, bootstrap_parametric, fit_allocation, fit_parametric, interval, read_points
+from scaletrain.scaling.fit import (Points, bootstrap_parametric, envelope_minima, fit_allocation, fit_parametric, interval,
+                                   read_points)
 from scaletrain.scaling.laws import ChinchillaLaw, KaplanLaw, preset
 from scaletrain.scaling.optimal import (R_STAR_D, compute_optimal, data_constrained_loss, data_constrained_optimal,
                                         effective_data, inference_optimal, predict)
@@ -178,3 +179,23 @@ def test_fit_command_refuses_bad_input_in_one_line(tmp_path, args, words):
     result = run_cli("fit", *[a.replace("{bad}", str(bad)) for a in args])
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert words in result.stderr
+
+
+def test_approach_1_follows_the_lower_envelope_between_budgets():
+    """Two sizes whose loss curves cross between budgets 1e10 and 1e11: the envelope switches
+    from the small to the large size where the interpolated curves cross, not at a budget."""
+    rows = [(1e5, 3.0, 1e10), (1e5, 2.8, 1e11), (1e5, 2.7, 1e12),  # small: better at 1e10 only
+            (4e5, 3.2, 1e10), (4e5, 2.75, 1e11), (4e5, 2.5, 1e12),
+            (9e5, 2.9, 1e12)]  # a third size at the last budget only
+    n, loss, c = map(np.array, zip(*rows))
+    points = Points(n, c / (6 * n), c, loss, c)
+    where, n_opt, d_opt = envelope_minima(points, grid=19)
+    assert where[0] == pytest.approx(1e10) and where[-1] == pytest.approx(1e12)
+    # Crossing: log(3.0) + t (log 2.8 - log 3.0) = log(3.2) + t (log 2.75 - log 3.2), t in [0, 1].
+    t = (math.log(3.2) - math.log(3.0)) / ((math.log(3.2) - math.log(3.0)) + (math.log(2.8) - math.log(2.75)))
+    crossing = 1e10 * 10 ** t
+    assert all(n_opt[where < crossing] == 1e5) and all(n_opt[where > crossing] == 4e5)
+    assert 1e10 < crossing < 1e11 and (where < crossing).sum() > 1  # strictly between the budgets
+    assert d_opt == pytest.approx(where / (6 * n_opt))
+    allocation = fit_allocation(points, parabola=False)
+    assert allocation.budgets == 3 and allocation.a > 0

@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from scaletrain.scaling.fit import Points, bootstrap_laws, budget_minima, law_of  # noqa: E402
+from scaletrain.scaling.fit import Points, bootstrap_laws, budget_minima, envelope_minima, law_of  # noqa: E402
 
 
 def plot_fit(points: Points, doc: dict, out: Path) -> list[Path]:
@@ -53,7 +53,7 @@ def plot_fit(points: Points, doc: dict, out: Path) -> list[Path]:
             fit = doc.get(approach, {})
             if "a" not in fit:
                 continue
-            c, n, d = budget_minima(points, parabola)
+            c, n, d = budget_minima(points, parabola) if parabola else envelope_minima(points)
             exponent = fit["a" if index == 0 else "b"]["value"]
             coefficient = fit["n_coefficient" if index == 0 else "d_coefficient"]
             ax.scatter(c, n if index == 0 else d, color=colour, s=16)

@@ -13,6 +13,7 @@ each with bootstrap confidence intervals.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -147,9 +148,39 @@ def _power_law(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return float(exponent), float(np.exp(log_coefficient))
 
 
+def envelope_minima(points: Points, grid: int = 64) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Approach 1 (Hoffmann et al. 2022): (C, N_opt, D_opt) along the lower envelope of loss
+    against compute. Each model size's loss is known at the budgets it was trained to (its
+    cooldown branches, or separate runs) and interpolated linearly in log C – log L between
+    them; at every budget and at `grid` compute values spaced evenly in log between the
+    smallest and largest budget, the size of lowest loss among those covering that compute (at
+    least 2) is N_opt, and D_opt = C / (its FLOPs per token). (A WSD trunk's loss before its
+    cooldown is not that of a finished run, so branches stand in for Chinchilla's training
+    curves.) Where no size spans two budgets this is the lowest point of each budget."""
+    curves = []
+    for n in np.unique(points.n):
+        mine = points.n == n
+        order = np.argsort(points.budget[mine], kind="stable")
+        flops_per_token = float(np.median(points.c[mine] / points.d[mine]))
+        curves.append((float(n), np.log(points.budget[mine][order]), np.log(points.loss[mine][order]), flops_per_token))
+    budgets = np.log(np.unique(points.budget))
+    where = np.union1d(budgets, np.linspace(budgets[0], budgets[-1], grid))
+    c_opt, n_opt, d_opt = [], [], []
+    for x in where:
+        covering = [(float(np.interp(x, xs, ys)), n, per_token) for n, xs, ys, per_token in curves
+                    if xs[0] - 1e-9 <= x <= xs[-1] + 1e-9]
+        if len(covering) < 2:
+            continue
+        _, n, per_token = min(covering)
+        c_opt.append(math.exp(x))
+        n_opt.append(n)
+        d_opt.append(math.exp(x) / per_token)
+    return np.array(c_opt), np.array(n_opt), np.array(d_opt)
+
+
 def budget_minima(points: Points, parabola: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(C, N_opt, D_opt) of each budget with at least 3 model sizes: the lowest-loss point
-    (approach 1) or the vertex of a parabola of loss in log N (approach 2, D_opt = C·D/N
+    (parabola=False) or the vertex of a parabola of loss in log N (approach 2, D_opt = C·D/N
     scaled from the points, i.e. C / (FLOPs per parameter-token))."""
     budgets, n_opt, d_opt = [], [], []
     for budget in np.unique(points.budget):
@@ -188,14 +219,21 @@ class Allocation:
 
 
 def fit_allocation(points: Points, parabola: bool) -> Allocation:
-    """Approach 1 (parabola=False) or 2 (parabola=True)."""
-    c, n, d = budget_minima(points, parabola)
-    if len(c) < 2:
-        raise ValueError(f"approach {2 if parabola else 1} needs at least 2 budgets of 3 or more points each "
-                         f"(with a minimum inside for approach 2); found {len(c)}")
+    """Approach 1 (parabola=False: the envelope) or 2 (parabola=True: a parabola per budget),
+    then N_opt = n_coefficient · C^a and D_opt = d_coefficient · C^b by least squares in log."""
+    if parabola:
+        c, n, d = budget_minima(points, parabola=True)
+        budgets = len(c)
+    else:
+        c, n, d = envelope_minima(points)
+        budgets = sum(bool(np.isclose(c, budget, rtol=1e-9).any()) for budget in np.unique(points.budget))
+    if budgets < 2:
+        raise ValueError(f"approach {2 if parabola else 1} needs at least 2 budgets of "
+                         f"{'3 or more points each (with a minimum inside)' if parabola else '2 or more sizes each'}; "
+                         f"found {budgets}")
     a, n_coefficient = _power_law(c, n)
     b, d_coefficient = _power_law(c, d)
-    return Allocation(a, n_coefficient, b, d_coefficient, len(c))
+    return Allocation(a, n_coefficient, b, d_coefficient, budgets)
 
 
 # -- bootstrap ------------------------------------------------------------------------------------
