@@ -12,7 +12,9 @@ global batch over the median step time of the timed steps (after `--warmup` step
 include compilation); MFU both ways (attention over the whole score matrix as nanoGPT and PaLM
 count it, and causal: half of that term); `cold_start_s`, the time from the run's start to the
 end of its first step (model build, compilation, first batch); peak memory; data wait as a
-share of the step; the blocking time of the background checkpoints.
+share of the step; the blocking time of the background checkpoints; and beside the peak, the
+peak plan/memory.py predicts (parameters, gradients, optimizer, bf16 weight copies, activations,
+loss) — CPUs report process RSS, not comparable.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 
 from scaletrain.config import load_config
 from scaletrain.data import prepare
+from scaletrain.plan.memory import training_memory
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
 
@@ -71,6 +74,8 @@ def measure(data: Path, runs: Path, name: str, overrides: list[str], steps: int,
         train(cfg)
     except torch.OutOfMemoryError as e:
         return {"error": f"out of memory: {str(e)[:200]}"}
+    predicted = training_memory(cfg.model, seq, micro, bf16=torch.cuda.is_available() and "train.device=cpu" not in overrides,
+                                recompute=cfg.parallel.recompute, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
     records = read_metrics(runs / name)
     start = next(r for r in records if r["kind"] == "start")
     steps_done = [r for r in records if r["kind"] == "train"]
@@ -89,7 +94,8 @@ def measure(data: Path, runs: Path, name: str, overrides: list[str], steps: int,
         "mfu": None if mfu_scale is None else round(tokens_per_s * mfu_scale, 4),
         "mfu_causal": None if causal_scale is None else round(tokens_per_s * causal_scale, 4),
         "cold_start_s": round(first["time"] - start["time"], 1),
-        "peak_mem_gb": max(r["mem_gb"] for r in steps_done),
+        "peak_mem_gb": max(r["mem_gb"] for r in steps_done), "predicted_peak_gb": round(predicted.peak / 1e9, 3),
+        "predicted_memory": predicted.as_dict(),
         "data_wait_share": round(statistics.median(r["data_wait_ms"] for r in timed) / (1000 * step_s), 5),
         "checkpoint_blocking_s": blocking, "final_loss": timed[-1]["loss"],
     }
@@ -109,11 +115,11 @@ def resume_exactness(data: Path, runs: Path, device: list[str]) -> dict:
 
 
 def table(report: dict) -> str:
-    lines = [f"{'run':<32} {'tokens/s':>10} {'step ms':>9} {'MFU':>7} {'MFU causal':>10} {'peak GB':>8} "
+    lines = [f"{'run':<38} {'tokens/s':>10} {'step ms':>9} {'MFU':>7} {'MFU causal':>10} {'peak GB':>8} {'planned':>8} "
              f"{'data wait':>9} {'ckpt block s':>13} {'cold start s':>12}  reference"]
     for name, row in {**report.get("configs", {}), **report.get("ablations", {})}.items():
         if "error" in row:
-            lines.append(f"{name:<32} {row['error']}")
+            lines.append(f"{name:<38} {row['error']}")
             continue
         ref = row.get("reference")
         against = (f"{ref['tokens_per_s']:,.0f} tok/s, {ref['mfu']:.1%}: x{row['tokens_per_s'] / ref['tokens_per_s']:.2f}"
@@ -121,8 +127,8 @@ def table(report: dict) -> str:
         mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
         causal = "-" if row["mfu_causal"] is None else f"{row['mfu_causal']:.1%}"
         block = ",".join(f"{b:.2f}" for b in row["checkpoint_blocking_s"]) or "-"
-        lines.append(f"{name:<32} {row['tokens_per_s']:>10,} {row['step_ms']:>9.1f} {mfu:>7} {causal:>10} "
-                     f"{row['peak_mem_gb']:>8.1f} {row['data_wait_share']:>9.2%} {block:>13} "
+        lines.append(f"{name:<38} {row['tokens_per_s']:>10,} {row['step_ms']:>9.1f} {mfu:>7} {causal:>10} "
+                     f"{row['peak_mem_gb']:>8.1f} {row['predicted_peak_gb']:>8.1f} {row['data_wait_share']:>9.2%} {block:>13} "
                      f"{row['cold_start_s']:>12.1f}  {against}")
     return "\n".join(lines)
 

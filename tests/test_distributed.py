@@ -115,6 +115,8 @@ TWO = {
     # 17 validation windows over 2 ranks: one rank's last eval batch is padding, and FSDP's
     # all-gathers must still meet.
     "fsdp-uneven-eval": ["parallel.dp_shard=2", "eval.tokens=1088"],
+    # The output head and loss 100 tokens at a time, on the head FSDP gathers.
+    "fsdp-chunked-loss": ["parallel.dp_shard=2", "train.loss_chunk_tokens=100"],
     "cp": ["parallel.cp=2", *ONE_STAGE],
     **{f"pp-{schedule}": [*PP2, f"parallel.pp_schedule={schedule}"]
        for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",

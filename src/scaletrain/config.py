@@ -199,8 +199,8 @@ class ParallelConfig(_Section):
     """Pipeline schedule (torch.distributed.pipelining): gpipe and 1f1b run one stage per rank; the others run several (virtual stages)."""
     pp_stages_per_rank: int | None = Field(default=None, ge=1)
     """Virtual pipeline stages per rank. Unset: 1 for gpipe and 1f1b, 2 for the others (zbv_zero_bubble and dualpipev need exactly 2)."""
-    recompute: Literal["none", "selective", "full"] = "none"
-    """Activation recomputation per block: none; selective (keep matmul and attention outputs, recompute the rest); full (keep only block inputs)."""
+    recompute: Literal["none", "selective", "full", "auto"] = "none"
+    """Activation recomputation per block: none; selective (keep matmul and attention outputs, recompute the rest); full (keep only block inputs); auto: the least of these whose peak memory, as plan/memory.py predicts it, fits in 90% of the GPU's memory (none on CPUs)."""
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Dtype FSDP gathers parameters in for compute (gradients are reduced in float32 and the sharded master weights stay float32). auto: bfloat16 when train.dtype resolves to bfloat16, else float32."""
 

@@ -149,8 +149,11 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0):
-        x = x + self.attention(self.attention_norm(x), cos, sin, kv, start_pos)
-        return x + self.feed_forward(self.ffn_norm(x))
+        # Norm outputs go to the compute dtype once: left in float32, autocast would cast them
+        # again for each projection (q, k, v; w1, w3), and backward would keep every copy.
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x = x + self.attention(self.attention_norm(x).to(dtype), cos, sin, kv, start_pos)
+        return x + self.feed_forward(self.ffn_norm(x).to(dtype))
 
 
 class Transformer(nn.Module):

@@ -30,6 +30,7 @@ from scaletrain.parallel.apply import parallelize
 from scaletrain.parallel.context import shard_sequence
 from scaletrain.parallel.mesh import check_layout, init_distributed, resolve_layout, shutdown, world
 from scaletrain.plan.hardware import peak_flops
+from scaletrain.plan.memory import choose_recompute
 from scaletrain.train import checkpoint
 from scaletrain.train.metrics import MetricsLog, read_metrics
 from scaletrain.train.optim import build_optimizer
@@ -137,6 +138,8 @@ class Trainer:
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
         self.dtype = compute_dtype(cfg.train.dtype, self.device)
+        if cfg.parallel.recompute == "auto":
+            self.cfg = cfg = self._choose_recompute(cfg)
         self.total_steps = cfg.total_steps
         self._check_run_dir()
         if self.device.type == "cuda":
@@ -177,6 +180,22 @@ class Trainer:
         self.causal_flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len, causal=True)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.peak_flops = peak_flops(device_name, "bf16" if self.dtype == torch.bfloat16 else "fp32")
+
+    def _choose_recompute(self, cfg: RunConfig) -> RunConfig:
+        """parallel.recompute = auto: the planner's choice for this device's memory."""
+        mode = "none"
+        if self.device.type == "cuda":
+            capacity = 0.9 * torch.cuda.get_device_properties(self.device).total_memory
+            mode, estimate = choose_recompute(
+                cfg.model, cfg.data.seq_len, cfg.train.micro_batch, capacity,
+                micro_steps=cfg.train.global_batch_tokens // (cfg.data.seq_len * cfg.train.micro_batch * self.layout.dp),
+                bf16=self.dtype == torch.bfloat16, fsdp=self.layout.dp_shard * self.layout.cp, tp=self.layout.tp,
+                cp=self.layout.cp, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+            log.info("parallel.recompute = auto: %s (predicted peak %.1f GB of %.1f GB usable)", mode,
+                     estimate.peak / 1e9, capacity / 1e9)
+        data = cfg.model_dump()
+        data["parallel"]["recompute"] = mode
+        return validate_config(data)
 
     def _warn_repeated_data(self) -> None:
         """Repeating data beyond ~4 epochs is worth much less than fresh data (Muennighoff et al.

@@ -1,0 +1,121 @@
+"""Bytes one device holds while training, predicted from the config alone — arithmetic, no torch.
+
+Components (per device, in bytes):
+- parameters, gradients: float32, N / (FSDP shards × tensor-parallel ranks); norm weights stay
+  whole under tensor parallelism;
+- optimizer: AdamW's two float32 moments per parameter and a float32 step count per tensor;
+- weight copies: the bf16 copies that autocast (or FSDP's bf16 all-gather) makes of the matmul
+  weights and that the backward pass keeps — all of them on one device, two blocks' worth
+  under FSDP (one in use, one prefetched);
+- activations: what each block saves for the backward pass, per token (below), times tokens
+  per micro-batch and layers, over tensor × context parallel ranks;
+- loss: the output head's logits and their gradient at the loss (float32 log-softmax), or one
+  chunk's with train.loss_chunk_tokens.
+
+Per token and layer, a block of width d, h query heads, key/value width k (kv heads × head
+dim) and MLP width F saves, with bf16 compute (residual stream float32), 26d + 4k + 8F + 4h + 8
+bytes without recomputation: for each of its two norms the float32 input, the normalised input
+(4d each) and the bf16 copy the projections read (2d); rotated q, k and v (2d + 4k); the
+attention output and its (batch, seq, dim) copy for wo (2d each) and the attention's float32
+log-sum-exp (4h); w1, w3, silu(w1) and their product (2F each); two float32 norm scales (8).
+In float32: 36d + 8k + 16F + 4h + 8 (the norms' outputs are then a third float32 copy, not a
+bf16 one). This is the tally of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models", section 4.1) redone for this SwiGLU block, whose attention kernel
+keeps no score matrix; tests check it against the bytes autograd actually saves. Selective
+recomputation keeps the outputs of matmuls and attention and the block input: 12d + 4k + 4F +
+4h in bf16, 20d + 8k + 8F + 4h in float32; full recomputation keeps the block input (4d) and
+rebuilds one block at a time.
+
+Peak = parameters + optimizer + weight copies + the larger of (activations + loss, plus the
+gradients when micro-batches accumulate into them) and (gradients + one block's activations):
+with gradients set to None after each step, a single micro-batch's backward starts holding
+none. The CUDA caching allocator adds fragmentation on top, which this does not model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from scaletrain.model.flops import matmul_params, param_counts
+
+
+@dataclass
+class MemoryEstimate:
+    parameters: int
+    gradients: int
+    optimizer: int
+    weight_copies: int
+    activations: int
+    loss: int
+    peak: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def parameter_tensors(cfg: Any) -> int:
+    """Parameter tensors of model/llama.py's Transformer (AdamW keeps a step count for each)."""
+    per_layer = 7 + 2 + (2 if cfg.qk_norm else 0)  # wq wk wv wo w1 w2 w3, two norms, q/k norms
+    return cfg.n_layers * per_layer + 1 + 1 + (0 if cfg.tie_embeddings else 1)  # embedding, final norm, head
+
+
+def activation_bytes_per_token(cfg: Any, bf16: bool, recompute: str) -> int:
+    """Bytes one block saves per token for its backward pass (see the module's docstring)."""
+    d, k, f, lse = cfg.dim, cfg.kv_heads * cfg.head_dim, cfg.hidden_dim, 4 * cfg.n_heads
+    if recompute == "full":
+        return 4 * d
+    if recompute == "selective":
+        return (12 * d + 4 * k + 4 * f if bf16 else 20 * d + 8 * k + 8 * f) + lse
+    return (26 * d + 4 * k + 8 * f if bf16 else 36 * d + 8 * k + 16 * f) + lse + 8
+
+
+def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 1, bf16: bool = True,
+                    recompute: str = "none", fsdp: int = 1, tp: int = 1, cp: int = 1,
+                    loss_chunk_tokens: int = 0) -> MemoryEstimate:
+    """Predicted bytes per device for training model `cfg` (any object with ModelConfig's
+    fields) on micro-batches of `micro_batch` sequences of `seq_len` tokens, gradients
+    accumulated over `micro_steps` of them, parameters sharded over `fsdp` ranks (dp_shard × cp)
+    and split over `tp`, each sequence split over `cp`."""
+    counts = param_counts(cfg)
+    norms = cfg.n_layers * (2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0)) + cfg.dim
+    local = (counts["total"] - norms) / (fsdp * tp) + norms / fsdp
+    parameters = gradients = round(4 * local)
+    optimizer = round(8 * local) + 4 * parameter_tensors(cfg)
+    matmul, head = matmul_params(cfg), cfg.vocab * cfg.dim  # block projections and the output head
+    if not bf16:
+        weight_copies = 0
+    elif fsdp > 1:  # two blocks gathered in bf16, and the root's embedding and head
+        weight_copies = round(2 * (2 * (matmul - head) / cfg.n_layers + head * (1 if cfg.tie_embeddings else 2)) / tp)
+    else:
+        weight_copies = round(2 * matmul / tp)
+    tokens = micro_batch * seq_len / cp
+    per_layer = activation_bytes_per_token(cfg, bf16, recompute) * tokens / tp
+    activations = round(cfg.n_layers * per_layer)
+    one_block = activation_bytes_per_token(cfg, bf16, "none") * tokens / tp
+    if recompute == "full":
+        activations += round(one_block)  # the block being rebuilt
+    vocab = cfg.vocab / tp
+    rows = min(loss_chunk_tokens, tokens) if loss_chunk_tokens else tokens
+    # Logits in the compute dtype, float32 copy, saved log-softmax and its gradient; a chunk's
+    # logits and gradient, plus the stored hidden-state gradient, when chunked.
+    loss = round(rows * vocab * ((2 if bf16 else 0) + 4 + 4 + 4))
+    if loss_chunk_tokens:
+        loss += round(tokens * cfg.dim * (2 if bf16 else 4) + 4 * vocab * cfg.dim)
+    accumulating = gradients if micro_steps > 1 else 0
+    peak = parameters + optimizer + weight_copies + max(activations + loss + accumulating, gradients + round(one_block))
+    return MemoryEstimate(parameters, gradients, optimizer, weight_copies, activations, loss, peak)
+
+
+RECOMPUTE_ORDER = ("none", "selective", "full")
+
+
+def choose_recompute(cfg: Any, seq_len: int, micro_batch: int, capacity: float, **layout: Any) -> tuple[str, MemoryEstimate]:
+    """The least recomputation whose predicted peak fits in `capacity` bytes (recomputing
+    costs up to a third more compute, so none is preferred whenever it fits); full when
+    nothing fits, with its estimate, for the caller to report."""
+    for mode in RECOMPUTE_ORDER:
+        estimate = training_memory(cfg, seq_len, micro_batch, recompute=mode, **layout)
+        if estimate.peak <= capacity:
+            return mode, estimate
+    return "full", estimate

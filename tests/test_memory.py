@@ -1,0 +1,88 @@
+"""The planner's memory model against what training actually holds: the bytes autograd saves
+for the backward pass (counted by a saved-tensors hook) and the parameter, gradient and
+optimizer bytes a real run reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from scaletrain.config import ModelConfig
+from scaletrain.model.llama import Transformer
+from scaletrain.plan.memory import activation_bytes_per_token, choose_recompute, training_memory
+from scaletrain.train.metrics import read_metrics
+from scaletrain.train.trainer import train
+
+SHAPES = [dict(dim=128, n_layers=3, n_heads=4, n_kv_heads=2), dict(dim=96, n_layers=2, n_heads=3, ffn_dim=160)]
+
+
+def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool) -> int:
+    """Bytes of the distinct tensors the blocks save for backward, leaving out parameters,
+    buffers and autocast's bf16 copies of the weights (the estimate's weight_copies)."""
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    weight_shapes = {shape for p in model.parameters() for shape in (tuple(p.shape), tuple(p.shape)[::-1])}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own and not (t.dtype == torch.bfloat16 and tuple(t.shape) in weight_shapes):
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    x = model.tok_embeddings(tokens)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for block in model.layers.values():
+            x = block(x, model.rope_cos, model.rope_sin)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["gqa", "mha-ffn"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+def test_predicted_activation_bytes_are_what_autograd_saves(shape, bf16):
+    cfg = ModelConfig(vocab_size=512, max_seq_len=64, **shape)
+    model = Transformer(cfg)
+    batch, seq = 3, 64
+    measured = saved_bytes(model, torch.randint(0, 512, (batch, seq)), bf16)
+    predicted = activation_bytes_per_token(cfg, bf16, "none") * batch * seq * cfg.n_layers
+    assert measured == pytest.approx(predicted, rel=0.01)
+    assert training_memory(cfg, seq, batch, bf16=bf16).activations == pytest.approx(measured, rel=0.01)
+
+
+def test_recomputation_and_sharding_lower_the_prediction_in_order():
+    cfg = ModelConfig(vocab_size=32768, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                      max_seq_len=2048)
+    peaks = [training_memory(cfg, 2048, 8, recompute=mode).peak for mode in ("none", "selective", "full")]
+    assert peaks[0] > peaks[1] > peaks[2]
+    whole, sharded = training_memory(cfg, 2048, 8), training_memory(cfg, 2048, 8, fsdp=8)
+    assert sharded.optimizer < whole.optimizer / 7 and sharded.activations == whole.activations
+    chunked = training_memory(cfg, 2048, 8, loss_chunk_tokens=4096)
+    assert chunked.loss < whole.loss / 2
+
+
+def test_parameter_gradient_and_optimizer_bytes_equal_a_real_runs(stdlib_data, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = train(tiny_config(stdlib_data, run_dir, "train.steps=1", "eval.interval=0")).run_dir
+    held = read_metrics(cfg, "memory")[0]["bytes_by_rank"][0]
+    resolved = tiny_config(stdlib_data, run_dir, "model.vocab_size=512")
+    estimate = training_memory(resolved.model, resolved.data.seq_len, resolved.train.micro_batch, micro_steps=2,
+                               bf16=False)
+    assert (estimate.parameters, estimate.gradients, estimate.optimizer) == (
+        held["parameters"], held["gradients"], held["optimizer"])
+
+
+def test_the_planner_chooses_the_least_recomputation_that_fits():
+    cfg = ModelConfig(vocab_size=32768, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                      max_seq_len=4096)
+    peaks = {mode: training_memory(cfg, 4096, 4, recompute=mode).peak for mode in ("none", "selective", "full")}
+    assert choose_recompute(cfg, 4096, 4, peaks["none"])[0] == "none"
+    assert choose_recompute(cfg, 4096, 4, peaks["none"] - 1)[0] == "selective"
+    assert choose_recompute(cfg, 4096, 4, peaks["selective"] - 1)[0] == "full"
+    assert choose_recompute(cfg, 4096, 4, 1e9)[0] == "full"  # nothing fits: the most it can do
+
+
+def test_auto_recomputation_on_a_cpu_trains_without_and_says_so_in_the_resolved_config(stdlib_data, tmp_path):
+    run_dir = tmp_path / "run"
+    train(tiny_config(stdlib_data, run_dir, "train.steps=1", "eval.interval=0", "parallel.recompute=auto"))
+    assert 'recompute = "none"' in (run_dir / "config.toml").read_text()
