@@ -1,8 +1,9 @@
 """One prepared pass on a GPU machine: scaletrain's training throughput on the configs of issue 6's
 reference table, with real data through the real loader, metrics on and checkpoints (in the
-background) at an interval; then ablations of the means (compiled blocks, chunked loss) on the
-~126M config, and whether stop-and-resume is still exact on CUDA. Prints one table and one JSON
-object (also written to --out).
+background) at an interval; then ablations of the means (compiled blocks, chunked loss,
+background checkpoints, float8 where torchao and a Hopper-class GPU are present) on the ~126M
+config, and whether stop-and-resume is still exact on CUDA. Prints one table and one JSON object
+(also written to --out).
 
     PYTHONPATH=src python benchmarks/gpu_suite.py --out results.json [--only configs,ablations,resume]
     PYTHONPATH=src python benchmarks/gpu_suite.py --tiny      # the same code on a CPU, tiny shapes
@@ -114,6 +115,14 @@ def resume_exactness(data: Path, runs: Path, device: list[str]) -> dict:
     return {"max_abs_loss_diff_after_resume": max(diffs), "bit_exact": max(diffs) == 0.0}
 
 
+def _float8_available() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
 def table(report: dict) -> str:
     lines = [f"{'run':<38} {'tokens/s':>10} {'step ms':>9} {'MFU':>7} {'MFU causal':>10} {'peak GB':>8} {'planned':>8} "
              f"{'data wait':>9} {'ckpt block s':>13} {'cold start s':>12}  reference"]
@@ -165,6 +174,8 @@ def main() -> None:
         shape = CONFIGS["llama-126m"][0]
         variants = {"eager": ["train.compile=false"], "whole-batch loss": ["train.loss_chunk_tokens=0"],
                     "synchronous checkpoint": ["checkpoint.async_save=false"]}
+        if _float8_available() and not args.tiny:
+            variants["float8"] = ["train.float8=true"]
         report["ablations"] = {}
         for what, change in variants.items():
             overrides = [*shape, *BEST, *change, *(TINY if args.tiny else [])]

@@ -305,3 +305,10 @@ def test_recomputation_trains_the_same_losses_and_reads_the_same_checkpoints(std
     # checkpoint keys do not depend on the wrapper: resume the recomputed run without it
     train(tiny_config(stdlib_data, recomputed, *common))
     assert losses(recomputed) == losses(plain)
+
+
+def test_float8_on_a_cpu_is_refused_in_one_sentence_before_anything_starts(stdlib_data, tmp_path):
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match="compute capability 8.9 or newer.*this run is on cpu"):
+        Trainer(tiny_config(stdlib_data, run_dir, "train.float8=true"))
+    assert not run_dir.exists()

@@ -166,6 +166,8 @@ class TrainConfig(_Section):
     """Compute dtype: auto is bf16 autocast on GPUs and float32 on CPUs. Weights stay float32."""
     compile: bool = False
     """Compile each transformer block with torch.compile."""
+    float8: bool = False
+    """Compute the blocks' linear layers in float8 (torchao, dynamic scaling; Hopper-class GPUs; pip install 'scaletrain[float8]'). Weights, optimizer and checkpoints are unchanged."""
     loss_chunk_tokens: int = Field(default=0, ge=0)
     """Run the output head and loss this many tokens at a time, never holding a micro-batch's float32 logits (0: all at once). Not under tensor or pipeline parallelism, whose heads are split."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -32,6 +32,7 @@ from scaletrain.parallel.mesh import check_layout, init_distributed, resolve_lay
 from scaletrain.plan.hardware import peak_flops
 from scaletrain.plan.memory import choose_recompute
 from scaletrain.train import checkpoint
+from scaletrain.train.float8 import check_float8, convert_to_float8
 from scaletrain.train.metrics import MetricsLog, read_metrics
 from scaletrain.train.optim import build_optimizer
 from scaletrain.train.schedule import lr_at
@@ -138,6 +139,8 @@ class Trainer:
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
         self.dtype = compute_dtype(cfg.train.dtype, self.device)
+        if cfg.train.float8:
+            check_float8(self.device, self.layout.tp)  # before any process group starts
         if cfg.parallel.recompute == "auto":
             self.cfg = cfg = self._choose_recompute(cfg)
         self.total_steps = cfg.total_steps
@@ -150,8 +153,11 @@ class Trainer:
 
         torch.manual_seed(cfg.run.seed)  # every rank builds the same full model, then keeps its shard
         param_dtype = self.dtype if cfg.parallel.fsdp_param_dtype == "auto" else getattr(torch, cfg.parallel.fsdp_param_dtype)
-        self.parallel = parallelize(Transformer(cfg.model).to(self.device), self.mesh, self.layout, cfg, self.device,
-                                    param_dtype=param_dtype)
+        model = Transformer(cfg.model).to(self.device)
+        if cfg.train.float8:  # before sharding: FSDP then gathers float8-aware weights
+            log.info("train.float8: %d linear layers compute in float8",
+                     convert_to_float8(model, self.device, self.layout.tp))
+        self.parallel = parallelize(model, self.mesh, self.layout, cfg, self.device, param_dtype=param_dtype)
         self.model = self.parallel.module
         if self.layout.tp == 1 and self.layout.pp == 1:
             # (A vocabulary-sharded head takes loss_parallel; a pipeline's loss is the schedule's.)
