@@ -1,6 +1,7 @@
 """The benchmarks run and print the JSON they promise (their numbers are recorded in BENCHMARKS.md, not tested)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -35,3 +36,13 @@ def test_gpu_suite_runs_its_configs_ablations_and_resume_check_on_tiny_shapes(tm
         assert row["mfu"] is None  # no peak is known for a CPU
     assert report["resume"]["bit_exact"]
     assert "llama-126m" in result.stdout.splitlines()[1]  # the table comes before the JSON
+
+
+def test_loss_chunk_benchmark_prints_both_variants_with_the_same_loss():
+    result = subprocess.run([sys.executable, "benchmarks/loss_chunk.py", "--tokens", "256", "--dim", "32", "--vocab",
+                             "512", "--chunk", "64", "--repeats", "1"], capture_output=True, text=True, cwd=ROOT,
+                            timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["whole"]["chunk"] == 0 and report["chunked"]["chunk"] == 64
+    assert report["loss_difference"] < 1e-5 and report["time_ratio_chunked_over_whole"] > 0
