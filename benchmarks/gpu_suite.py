@@ -1,7 +1,7 @@
 """One prepared pass on a GPU machine: scaletrain's training throughput on the configs of issue 6's
 reference table, with real data through the real loader, metrics on and checkpoints (in the
 background) at an interval; then ablations of the means (compiled blocks, chunked loss,
-background checkpoints, float8 where torchao and a Hopper-class GPU are present) on the ~126M
+background checkpoints, CUDA graphs, float8 where torchao and a Hopper-class GPU are present) on the ~126M
 config, and whether stop-and-resume is still exact on CUDA. Prints one table and one JSON object
 (also written to --out).
 
@@ -174,6 +174,8 @@ def main() -> None:
         shape = CONFIGS["llama-126m"][0]
         variants = {"eager": ["train.compile=false"], "whole-batch loss": ["train.loss_chunk_tokens=0"],
                     "synchronous checkpoint": ["checkpoint.async_save=false"]}
+        if not args.tiny:  # (tiny runs are not compiled: inductor on a CPU takes minutes)
+            variants["CUDA graphs"] = ["train.compile_mode=reduce-overhead"]
         if _float8_available() and not args.tiny:
             variants["float8"] = ["train.float8=true"]
         report["ablations"] = {}

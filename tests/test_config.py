@@ -75,3 +75,9 @@ def test_a_length_override_replaces_the_files_other_length(tmp_path):
     assert load_config(path, ["train.steps=30"]).total_steps == 30
     with pytest.raises(ConfigError, match="exactly one"):
         load_config(path, ["train.steps=30", "train.tokens=5"])
+
+
+def test_a_compile_mode_without_compile_is_refused():
+    with pytest.raises(ConfigError, match="has no effect without train.compile = true"):
+        load_config(None, ["train.steps=1", "train.compile_mode=reduce-overhead"])
+    assert load_config(None, ["train.steps=1", "train.compile=true", "train.compile_mode=max-autotune"]).train.compile

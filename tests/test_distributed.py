@@ -253,8 +253,9 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process(stdlib_data, reference
     ("parallel.cp=2 parallel.tp=4 model.n_kv_heads=4 data.seq_len=36 train.global_batch_tokens=288", 8,
      r"data.seq_len / parallel.cp = 18 is not divisible by parallel.tp = 4"),
     ("parallel.dp_shard=3", 3, "8 sequences, which do not split into 3 data-parallel ranks"),
+    ("train.compile=true train.compile_mode=reduce-overhead", 2, "replays CUDA graphs, which one process can do but 2"),
 ], ids=["product", "remaining", "heads", "seq-tp", "layers-pp", "layers-virtual", "microbatches",
-        "tied-pp", "seq-cp", "seq-cp-tp", "batch"])
+        "tied-pp", "seq-cp", "seq-cp-tp", "batch", "cuda-graphs"])
 def test_a_layout_that_cannot_split_the_model_or_batch_is_refused_with_the_constraint(stdlib_data, tmp_path,
                                                                                      overrides, world, words):
     cfg = tiny_config(stdlib_data, tmp_path / "run", "model.vocab_size=512", *overrides.split())

@@ -166,12 +166,21 @@ class TrainConfig(_Section):
     """Compute dtype: auto is bf16 autocast on GPUs and float32 on CPUs. Weights stay float32."""
     compile: bool = False
     """Compile each transformer block with torch.compile."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    """torch.compile mode for the blocks; reduce-overhead and max-autotune replay CUDA graphs (static shapes, one process only)."""
     float8: bool = False
     """Compute the blocks' linear layers in float8 (torchao, dynamic scaling; Hopper-class GPUs; pip install 'scaletrain[float8]'). Weights, optimizer and checkpoints are unchanged."""
     loss_chunk_tokens: int = Field(default=0, ge=0)
     """Run the output head and loss this many tokens at a time, never holding a micro-batch's float32 logits (0: all at once). Not under tensor or pipeline parallelism, whose heads are split."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: auto picks CUDA when available."""
+
+    @model_validator(mode="after")
+    def _check_compile_mode(self) -> TrainConfig:
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(f"train.compile_mode = {self.compile_mode!r} has no effect without train.compile = true; "
+                             "set both or leave compile_mode at 'default'")
+        return self
 
     @model_validator(mode="after")
     def _check_length(self) -> TrainConfig:

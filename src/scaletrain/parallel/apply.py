@@ -75,8 +75,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout: Layout, cfg: 
             apply_cp(part, mesh["cp"].get_group(), cfg.data.seq_len)
         apply_recompute(part, parallel.recompute)
         if cfg.train.compile:
+            mode = None if cfg.train.compile_mode == "default" else cfg.train.compile_mode
             for block in part.layers.values():
-                block.compile()
+                block.compile(mode=mode)
         if mesh is not None:
             apply_fsdp(part, mesh, param_dtype=param_dtype, reshard_after_forward=layout.pp == 1)
     if layout.pp == 1:
