@@ -1,8 +1,8 @@
 """One prepared pass on a GPU machine: scaletrain's training throughput on the configs of issue 6's
 reference table, with real data through the real loader, metrics on and checkpoints (in the
 background) at an interval; then ablations of the means (compiled blocks, chunked loss,
-background checkpoints, CUDA graphs, float8 where torchao and a Hopper-class GPU are present) on the ~126M
-config, and whether stop-and-resume is still exact on CUDA. Prints one table and one JSON object
+background checkpoints, CUDA graphs, float8 where torchao and a Hopper-class GPU are present)
+on the ~126M config, and whether stop-and-resume is still exact on CUDA. Prints one table and one JSON object
 (also written to --out).
 
     PYTHONPATH=src python benchmarks/gpu_suite.py --out results.json [--only configs,ablations,resume]
