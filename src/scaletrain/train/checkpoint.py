@@ -88,15 +88,31 @@ class AsyncSave:
         return self.path
 
 
-def save_async(root: Path, step: int, tokens: int, state: dict, keep: int, group=None) -> AsyncSave:
+def save_async(root: Path, step: int, tokens: int, state: dict, keep: int, group=None, stager=None) -> AsyncSave:
     """Start writing `state` as checkpoint `step` and return once it has been copied to host
     memory, so that training can go on changing the live tensors. Under torch.distributed,
     `group` must be a process group of its own (gloo): DCP's background collectives on the
-    group training uses interleave with training's and deadlock or corrupt it."""
+    group training uses interleave with training's and deadlock or corrupt it. `stager` (see
+    pinned_stager) is DCP's default, pageable copies, when None."""
     path = _prepare(root, step)
-    future = dcp.async_save(state, checkpoint_id=path, process_group=group, no_dist=not dist.is_initialized())
-    future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse where the stager is async
+    future = dcp.async_save(state, checkpoint_id=path, process_group=group, no_dist=not dist.is_initialized(),
+                            async_stager=stager)
+    if hasattr(future, "staging_completion"):  # an asynchronous stager: the copy must end before training goes on
+        future.staging_completion.result()
+        future = future.upload_completion
     return AsyncSave(root, path, step, tokens, keep, future)
+
+
+def pinned_stager():
+    """A stager copying GPU state into page-locked host buffers, kept from one checkpoint to the
+    next (the copy runs at the link's full speed, and only the first save allocates); None where
+    this torch has no such stager. The caller closes it after the last save."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=True))
 
 
 def _prepare(root: Path, step: int) -> Path:

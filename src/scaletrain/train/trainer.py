@@ -182,6 +182,7 @@ class Trainer:
         self.held_bytes: dict[str, int] | None = None
         self.pending: checkpoint.AsyncSave | None = None  # a checkpoint being written in the background
         self.checkpoint_group = None  # the process group of background checkpoint writes
+        self.stager = None  # page-locked host buffers that background checkpoints copy into (CUDA)
         self.flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
         self.causal_flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len, causal=True)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -296,8 +297,10 @@ class Trainer:
         self.finish_saving(wait=True)
         if dist.is_initialized() and self.checkpoint_group is None:
             self.checkpoint_group = dist.new_group(backend="gloo")  # see checkpoint.save_async
+        if self.device.type == "cuda" and self.stager is None:
+            self.stager = checkpoint.pinned_stager()
         self.pending = checkpoint.save_async(self.ckpt_root, self.step, self.tokens, self.state(),
-                                             self.cfg.checkpoint.keep, self.checkpoint_group)
+                                             self.cfg.checkpoint.keep, self.checkpoint_group, self.stager)
         return self.pending.path
 
     def finish_saving(self, wait: bool) -> None:
@@ -511,6 +514,9 @@ class Trainer:
                     metrics.write("eval", self.step, self.tokens, loss=val_loss, loss_by_source=by_source)
                     log.info("step %d/%d  validation loss %.4f", self.step, self.total_steps, val_loss)
             self.finish_saving(wait=True)  # the run's last checkpoint is complete before it returns
+            if self.stager is not None:
+                self.stager.close()
+                self.stager = None
             consumption = {"tokens_by_source": self.loader.tokens_by_source(),
                            "epochs_by_source": self.loader.epochs_by_source()}
             metrics.write("end", self.step, self.tokens, train_loss=train_loss, val_loss=val_loss,
