@@ -46,3 +46,12 @@ def test_loss_chunk_benchmark_prints_both_variants_with_the_same_loss():
     report = json.loads(result.stdout)
     assert report["whole"]["chunk"] == 0 and report["chunked"]["chunk"] == 64
     assert report["loss_difference"] < 1e-5 and report["time_ratio_chunked_over_whole"] > 0
+
+
+def test_data_wait_benchmark_reports_both_loaders():
+    result = subprocess.run([sys.executable, "benchmarks/data_wait.py", "--seq-len", "64", "--micro-batch", "4",
+                             "--step-ms", "2", "--steps", "8", "--max-bytes", "1000000"], capture_output=True,
+                            text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["plain"]["median_wait_ms"] > 0 and report["prefetched"]["median_wait_ms"] >= 0

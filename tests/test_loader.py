@@ -1,10 +1,12 @@
 """The data loader: packed windows, deterministic order, exact state round-trip, disjoint ranks."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
 
-from scaletrain.data.loader import IGNORE, TokenLoader, eval_batches
+from scaletrain.data.loader import IGNORE, Prefetcher, TokenLoader, eval_batches
 from scaletrain.data.shards import DataError, ShardWriter, open_split, write_index
 
 
@@ -222,3 +224,34 @@ def test_the_order_a_mixture_names_its_sources_in_does_not_change_the_data(two_s
                            weights={"high": 0.7, "low": 0.3})
     for _ in range(12):
         assert torch.equal(forward.next_batch()[0], backward.next_batch()[0])
+
+
+def test_the_prefetcher_hands_out_the_loaders_batches_and_the_state_of_what_it_handed_out(data_dir):
+    plain = TokenLoader(data_dir, 16, 8, 2, seed=3)
+    ahead = Prefetcher(TokenLoader(data_dir, 16, 8, 2, seed=3), depth=3)
+    for _ in range(7):  # not a whole number of steps: the state is mid-step
+        expected, got = plain.next_batch(), ahead.next_batch()
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+        assert ahead.last_windows == plain.last_windows
+    time.sleep(0.2)  # the thread has read ahead by now; the state must not show it
+    assert ahead.state_dict() == plain.state_dict()
+    assert ahead.tokens_by_source() == plain.tokens_by_source()
+    assert ahead.loader.state_dict() != plain.state_dict()
+    resumed = Prefetcher(TokenLoader(data_dir, 16, 8, 2, seed=3))
+    resumed.load_state_dict(ahead.state_dict())
+    for _ in range(5):
+        assert all(torch.equal(a, b) for a, b in zip(plain.next_batch(), resumed.next_batch()))
+    for loader in (ahead, resumed):
+        loader.close()
+    with pytest.raises(RuntimeError, match="before the first batch"):
+        ahead.load_state_dict(plain.state_dict())
+
+
+def test_an_error_in_the_prefetch_thread_is_raised_to_the_consumer(data_dir):
+    class Broken(TokenLoader):
+        def next_batch(self):
+            raise DataError("shard 3 is unreadable")
+
+    ahead = Prefetcher(Broken(data_dir, 16, 8, 2))
+    with pytest.raises(DataError, match="shard 3 is unreadable"):
+        ahead.next_batch()

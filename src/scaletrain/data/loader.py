@@ -18,6 +18,8 @@ a different number of ranks) continues exactly where it stopped.
 
 from __future__ import annotations
 
+import queue
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -139,6 +141,74 @@ class TokenLoader:
         self.consumed, self.micro = int(state["consumed"]), int(state["micro"])
         self.taken = [int(state["taken"][s.name]) for s in self.sources]
         self._plan = self._plan_step() if self.micro else []
+
+
+class Prefetcher:
+    """A TokenLoader read `depth` micro-batches ahead by a background thread, so that the next
+    batch is ready (and, with pin=True, already in page-locked memory for an asynchronous copy
+    to the GPU) when training asks for it. The wrapped loader runs ahead of training, so
+    state_dict(), tokens_by_source(), epochs_by_source() and last_windows are snapshots taken
+    after the last micro-batch handed out: a checkpoint resumes where training stopped, not
+    where reading did. Load a state before the first next_batch()."""
+
+    def __init__(self, loader: TokenLoader, depth: int = 2, pin: bool = False):
+        self.loader, self.depth, self.pin = loader, depth, pin
+        self.micro_steps, self.sources = loader.micro_steps, loader.sources
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+        self._after = self._snapshot()
+
+    def _snapshot(self) -> tuple[dict, dict, dict, list]:
+        loader = self.loader
+        return loader.state_dict(), loader.tokens_by_source(), loader.epochs_by_source(), list(loader.last_windows)
+
+    def _read(self) -> None:
+        try:
+            while not self._stop.is_set():
+                inputs, targets = self.loader.next_batch()
+                if self.pin:
+                    inputs, targets = inputs.pin_memory(), targets.pin_memory()
+                item = ((inputs, targets), self._snapshot())
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # handed to the consumer, which raises it
+            self._queue.put(e)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._queue is None:
+            self._queue = queue.Queue(self.depth)
+            threading.Thread(target=self._read, name="scaletrain-prefetch", daemon=True).start()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        batch, self._after = item
+        return batch
+
+    @property
+    def last_windows(self) -> list[tuple[str, int]]:
+        return self._after[3]
+
+    def state_dict(self) -> dict:
+        return self._after[0]
+
+    def tokens_by_source(self) -> dict[str, int]:
+        return self._after[1]
+
+    def epochs_by_source(self) -> dict[str, float]:
+        return self._after[2]
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._queue is not None:
+            raise RuntimeError("load the loader's state before the first batch is read")
+        self.loader.load_state_dict(state)
+        self._after = self._snapshot()
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 IGNORE = -100  # the target of a padding row: cross-entropy skips it

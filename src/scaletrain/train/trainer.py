@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletrain.config import ConfigError, RunConfig, load_config, validate_config
-from scaletrain.data.loader import IGNORE, TokenLoader, eval_batches
+from scaletrain.data.loader import IGNORE, Prefetcher, TokenLoader, eval_batches
 from scaletrain.data.shards import DataError, read_index
 from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.model.llama import Transformer
@@ -165,9 +165,12 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                          betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
                                          device=self.device)
-        self.loader = TokenLoader(cfg.data.sources, cfg.data.seq_len, cfg.seqs_per_step, cfg.train.micro_batch,
-                                  rank=self.dp_rank, world_size=self.layout.dp, seed=cfg.run.seed,
-                                  weights=cfg.data.weights)
+        # Read ahead in a thread, so that a step never waits for its batch (and, on a GPU,
+        # batches arrive page-locked for an asynchronous copy).
+        self.loader = Prefetcher(TokenLoader(cfg.data.sources, cfg.data.seq_len, cfg.seqs_per_step,
+                                             cfg.train.micro_batch, rank=self.dp_rank, world_size=self.layout.dp,
+                                             seed=cfg.run.seed, weights=cfg.data.weights),
+                                 pin=self.device.type == "cuda")
         for path in cfg.data.sources.values():
             try:  # fail now, not after the last step, if validation cannot run
                 next(eval_batches(path, cfg.data.seq_len, cfg.eval.tokens, cfg.train.micro_batch))
@@ -367,9 +370,10 @@ class Trainer:
         sequence under context parallelism, on the device."""
         if self.layout.cp > 1:
             inputs, targets = (shard_sequence(t, self.cp_rank, self.layout.cp) for t in (inputs, targets))
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not inputs.is_pinned():
             # From page-locked memory the copy is queued behind the GPU's work and the host goes
-            # on (from pageable memory it would wait for the copy to finish).
+            # on (from pageable memory it would wait for the copy to finish). The prefetcher
+            # pins whole batches; context-parallel slices of them are copies, pinned here.
             inputs, targets = inputs.pin_memory(), targets.pin_memory()
         return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
 
@@ -531,6 +535,7 @@ class Trainer:
             raise
         finally:
             metrics.close()
+            self.loader.close()
         if train_loss is None:  # resumed a finished run: report what it ended with
             train_loss = next((r["loss"] for r in reversed(read_metrics(self.run_dir, "train"))), None)
             val_loss = next((r["loss"] for r in reversed(read_metrics(self.run_dir, "eval"))), None)
