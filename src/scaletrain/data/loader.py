@@ -155,6 +155,7 @@ class Prefetcher:
         self.loader, self.depth, self.pin = loader, depth, pin
         self.micro_steps, self.sources = loader.micro_steps, loader.sources
         self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._after = self._snapshot()
 
@@ -163,25 +164,28 @@ class Prefetcher:
         return loader.state_dict(), loader.tokens_by_source(), loader.epochs_by_source(), list(loader.last_windows)
 
     def _read(self) -> None:
-        try:
-            while not self._stop.is_set():
+        while not self._stop.is_set():
+            try:
                 inputs, targets = self.loader.next_batch()
                 if self.pin:
                     inputs, targets = inputs.pin_memory(), targets.pin_memory()
                 item = ((inputs, targets), self._snapshot())
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-        except BaseException as e:  # handed to the consumer, which raises it
-            self._queue.put(e)
+            except BaseException as e:  # handed to the consumer, which raises it
+                item = e
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._queue is None:
             self._queue = queue.Queue(self.depth)
-            threading.Thread(target=self._read, name="scaletrain-prefetch", daemon=True).start()
+            self._thread = threading.Thread(target=self._read, name="scaletrain-prefetch", daemon=True)
+            self._thread.start()
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
@@ -208,7 +212,11 @@ class Prefetcher:
         self._after = self._snapshot()
 
     def close(self) -> None:
+        """Stop reading and wait for the thread: one still inside torch when the interpreter
+        exits can abort the process ("terminate called without an active exception")."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
 
 
 IGNORE = -100  # the target of a padding row: cross-entropy skips it
