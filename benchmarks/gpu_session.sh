@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (15 minutes of device time a session, start-up included):
+# install the wheels carried in .whl/ (packages that machine lacks, e.g. pydantic), then run
+# either the GPU suite (issue 6) or the GPU demo (issue 5), bounded so that the call ends in
+# time, with logs and JSON under $OUT.
+#
+#     bash benchmarks/gpu_session.sh suite [seconds]   # benchmarks/gpu_suite.py, default 480 s
+#     bash benchmarks/gpu_session.sh demo [seconds]    # scaletrain demo --device cuda, default 540 s
+set -u
+what=${1:-suite}
+case "$what" in suite|demo) ;; *) echo "usage: gpu_session.sh suite|demo [seconds]"; exit 2 ;; esac
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch; print(torch.__version__)"; } \
+    > "$out/machine.txt" 2>&1
+case "$what" in
+    suite) timeout "${2:-480}" python3 benchmarks/gpu_suite.py --out "$out/suite.json" 2>&1 | tee "$out/suite.log" ;;
+    demo) timeout "${2:-540}" python3 -m scaletrain.cli demo --device cuda --out /tmp/demo 2>&1 | tee "$out/demo.log"
+          cp /tmp/demo/demo.json /tmp/demo/sweep/results.csv "$out/" 2>/dev/null ;;
+esac
