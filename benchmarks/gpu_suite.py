@@ -30,9 +30,10 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.config import load_config
+from scaletrain.config import ConfigError, load_config
 from scaletrain.data import prepare
 from scaletrain.plan.memory import training_memory
+from scaletrain.train.float8 import check_float8
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
 
@@ -116,11 +117,14 @@ def resume_exactness(data: Path, runs: Path, device: list[str]) -> dict:
 
 
 def _float8_available() -> bool:
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError:
+    """Whether train.float8 can run here (the trainer's own check: GPU, layout, torchao)."""
+    if not torch.cuda.is_available():
         return False
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    try:
+        check_float8(torch.device("cuda"), tp=1)
+    except ConfigError:
+        return False
+    return True
 
 
 def table(report: dict) -> str:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.config import ModelConfig
-from scaletrain.model.loss import chunked_cross_entropy, cross_entropy
+from scaletrain.model.loss import chunked_cross_entropy, compute_dtype, cross_entropy
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +151,7 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0):
         # Norm outputs go to the compute dtype once: left in float32, autocast would cast them
         # again for each projection (q, k, v; w1, w3), and backward would keep every copy.
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        dtype = compute_dtype(x)
         x = x + self.attention(self.attention_norm(x).to(dtype), cos, sin, kv, start_pos)
         return x + self.feed_forward(self.ffn_norm(x).to(dtype))
 

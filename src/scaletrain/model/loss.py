@@ -22,6 +22,12 @@ import torch.nn.functional as F
 IGNORE = -100  # targets that mark padding: no loss, no gradient
 
 
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on `t` run in: autocast's where it is on, else t's own."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss of logits (batch, seq, vocab) against targets (batch, seq), in
     float32 (a bf16 log-softmax over a large vocabulary loses precision); -100 marks padding."""
@@ -33,8 +39,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     """cross_entropy(hidden @ weight.T, targets) for hidden (batch, seq, dim), weight
     (vocab, dim), without holding more than `chunk` tokens' logits at once. Under autocast the
     product is taken in the autocast dtype, as nn.Linear would."""
-    device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    device, dtype = hidden.device.type, compute_dtype(hidden)
     flat_hidden, flat_targets = hidden.flatten(0, 1), targets.flatten()
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         with torch.no_grad():

@@ -198,7 +198,7 @@ class Trainer:
             capacity = 0.9 * torch.cuda.get_device_properties(self.device).total_memory
             mode, estimate = choose_recompute(
                 cfg.model, cfg.data.seq_len, cfg.train.micro_batch, capacity,
-                micro_steps=cfg.train.global_batch_tokens // (cfg.data.seq_len * cfg.train.micro_batch * self.layout.dp),
+                micro_steps=cfg.seqs_per_step // (self.layout.dp * cfg.train.micro_batch),
                 bf16=self.dtype == torch.bfloat16, fsdp=self.layout.dp_shard * self.layout.cp, tp=self.layout.tp,
                 cp=self.layout.cp, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
             log.info("parallel.recompute = auto: %s (predicted peak %.1f GB of %.1f GB usable)", mode,
