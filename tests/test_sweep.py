@@ -25,7 +25,8 @@ BUDGETS = [2e10, 6e10]
 
 
 def settings(data) -> SweepSettings:
-    return SweepSettings(data=str(data), budgets=BUDGETS, shapes=3, seq_len=64, eval_tokens=2048)
+    # min_steps 20: points of a few dozen steps keep these tests fast (the default, 250, is for fits)
+    return SweepSettings(data=str(data), budgets=BUDGETS, shapes=3, seq_len=64, eval_tokens=2048, min_steps=20)
 
 
 def test_shapes_span_about_ten_times_around_the_optimum():
@@ -45,11 +46,27 @@ def test_points_train_for_the_tokens_their_budget_buys():
         assert point.steps >= 20
 
 
-def test_the_hyperparameter_rule_is_deepseeks_at_width_1024():
+def test_the_hyperparameter_rule_is_deepseeks():
     lr, batch = deepseek_hyperparameters(1e20, 1024)
     assert lr == pytest.approx(0.3118 * 1e20 ** -0.125)
     assert batch == pytest.approx(0.2920 * 1e20 ** 0.3271)
-    assert deepseek_hyperparameters(1e20, 256)[0] == pytest.approx(2 * lr)  # narrower: larger rate
+    assert deepseek_hyperparameters(1e20, 64) == (lr, batch)  # no width correction (measured; see its docstring)
+    assert deepseek_hyperparameters(1e12, 64)[0] == pytest.approx(0.0099, rel=0.01)
+
+
+def test_no_point_shorter_than_min_steps_is_planned(stdlib_data, tmp_path):
+    sweep = Sweep(tmp_path / "plan", SweepSettings(data=str(stdlib_data), budgets=[1e11, 1e12], shapes=5, seq_len=128,
+                                                   min_steps=250))
+    small, large = (sweep.points_of(budget, []) for budget in (1e11, 1e12))
+    assert 1 <= len(small) < 5 and len(large) == 5  # the small budget keeps only the shapes that fit
+    for point in small + large:
+        lr, batch_seqs, warmup = sweep.shape_plan(point.shape)
+        assert sweep.steps_of(point.shape, point.budget) >= 250
+        assert 1 <= warmup <= 125  # ends before the cooldown of the shortest possible point
+        assert warmup == min(round(point.n / (batch_seqs * 128)), 125)  # N tokens (Porian et al. 2024)
+    assert sweep.planned() == {1e11: len(small), 1e12: 5}
+    with pytest.raises(ValueError, match=r"budget 1e\+09 FLOPs is too small .* raise it to at least"):
+        sweep.points_of(1e9, [])
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +106,8 @@ def test_a_sweep_killed_mid_way_resumes_to_the_results_of_one_that_was_not(stdli
     _, whole = uninterrupted
     out = tmp_path / "killed"
     args = [sys.executable, "-m", "scaletrain.cli", "sweep", "--data", str(stdlib_data), "--budgets",
-            ",".join(map(str, BUDGETS)), "--shapes", "3", "--seq-len", "64", "--eval-tokens", "2048", "--out", str(out)]
+            ",".join(map(str, BUDGETS)), "--shapes", "3", "--seq-len", "64", "--eval-tokens", "2048", "--min-steps", "20",
+            "--out", str(out)]
     process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env={**os.environ, "COLUMNS": "200"})
     deadline = time.time() + 120
@@ -121,7 +139,7 @@ def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path):
 
     settings = DemoSettings(budgets=(2e10, 6e10), shapes=3, extrapolate=3.0, seq_len=64, max_bytes=400_000,
                             val_fraction=0.05, eval_tokens=2048, bootstrap=5, device="cpu",
-                            concurrency=1)
+                            concurrency=1, min_steps=20)
     stages = []
     report = run_demo(tmp_path, settings, progress=lambda stage, info: stages.append(stage))
     assert stages[0] == "prepare" and stages.count("sweep") == 6 and stages[-1] == "train"

@@ -223,7 +223,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     budgets = sorted(set(args.budgets))
     settings = SweepSettings(data=args.data, budgets=budgets, shapes=args.shapes, seq_len=args.seq_len,
-                             prior=args.prior, eval_tokens=args.eval_tokens, seed=args.seed, device=args.device)
+                             prior=args.prior, eval_tokens=args.eval_tokens, min_steps=args.min_steps, seed=args.seed,
+                             device=args.device)
     out_dir = Path(args.out) if args.out else Path("sweeps") / Path(args.data).name
     try:
         sweep = Sweep(out_dir, settings)
@@ -233,7 +234,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn())
     with Progress(*columns, console=console) as bar:
-        task = bar.add_task("sweep", total=len(budgets) * args.shapes, info="", completed=len(sweep.results()))
+        task = bar.add_task("sweep", total=sum(sweep.planned().values()), info="", completed=len(sweep.results()))
 
         def show(p: dict) -> None:
             eta = f", ETA {p['eta_s']:.0f} s" if p["eta_s"] is not None else ""
@@ -488,6 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prior", default="epoch", choices=["epoch", "hoffmann"],
                    help="published law that centres the first budgets")
     p.add_argument("--eval-tokens", type=int, default=16384, help="validation tokens per point (16384)")
+    p.add_argument("--min-steps", type=int, default=250,
+                   help="plan no point shorter than this many optimizer steps (250): shorter runs are set by their "
+                        "few updates, not by N and D, and bend the fit")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--concurrency", type=int, default=1,

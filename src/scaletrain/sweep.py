@@ -11,7 +11,8 @@ command continues where it stopped: finished points are kept, unfinished trunks 
 resume from their checkpoints.
 
 Budgets run smallest first; once two are done, later budgets are centred on the optimum that
-approach 2 fits to them instead of the prior law's.
+approach 2 fits to them instead of the prior law's. A budget takes only shapes that train at
+least `min_steps` optimizer steps there (`Sweep.fits`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from pathlib import Path
 from scaletrain.config import ConfigError, load_config
 from scaletrain.data.shards import read_index
 from scaletrain.scaling.fit import Points, fit_allocation
-from scaletrain.scaling.grid import Point, Shape, deepseek_hyperparameters, plan_points, shapes_around, steps_for
+from scaletrain.model.flops import train_flops_per_token
+from scaletrain.scaling.grid import (Point, Shape, deepseek_hyperparameters, family, plan_points, shapes_around,
+                                    steps_for, warmup_steps)
 from scaletrain.scaling.laws import ChinchillaLaw, preset
 from scaletrain.train.schedule import wsd_decay_start
 
@@ -49,6 +52,7 @@ class SweepSettings:
     prior: str = "epoch"
     eval_tokens: int = 16384
     micro_batch: int = 8
+    min_steps: int = 250
     seed: int = 0
     device: str = "auto"
 
@@ -99,9 +103,36 @@ class Sweep:
                 pass
         return self.prior.optimum(budget)[0], f"prior law {self.settings.prior}"
 
+    def steps_of(self, shape: Shape, budget: float) -> float:
+        """Optimizer steps a point of `shape` takes to spend `budget` at the shape's batch."""
+        model = shape.model(self.vocab_size, self.settings.seq_len)
+        _, batch_seqs, _ = self.shape_plan(shape)
+        return steps_for(budget, train_flops_per_token(model, self.settings.seq_len), batch_seqs, self.settings.seq_len)
+
+    def fits(self, shape: Shape, budget: float) -> bool:
+        """Whether `shape` trains at least min_steps steps at `budget`. Shorter runs are not
+        planned: their loss is still falling steeply with the step count, set by how few
+        updates they made rather than by N and D. (On the built-in corpus, fitting L(N, D) to
+        the demo's sweep with its 78-195-step points moved the prediction at 4x the largest
+        budget 3% further from the loss reached; BENCHMARKS.md.)"""
+        return self.steps_of(shape, budget) >= self.settings.min_steps
+
+    def planned(self) -> dict[float, int]:
+        """Points the sweep trains at each budget: `shapes`, or as many as fit."""
+        candidates = [shape for _, shape in family(self.vocab_size)]
+        return {budget: min(self.settings.shapes, sum(self.fits(s, budget) for s in candidates))
+                for budget in self.settings.budgets}
+
     def points_of(self, budget: float, done: list[dict]) -> list[Point]:
         n_opt, why = self.centre(budget, done)
-        shapes = shapes_around(n_opt, self.settings.shapes, self.vocab_size)
+        shapes = shapes_around(n_opt, self.settings.shapes, self.vocab_size, allowed=lambda s: self.fits(s, budget))
+        if not shapes:
+            smallest = family(self.vocab_size)[0][1]
+            needed = budget * self.settings.min_steps / self.steps_of(smallest, budget)
+            raise ConfigError(f"budget {budget:.3g} FLOPs is too small for a sweep point of at least "
+                              f"{self.settings.min_steps} steps (the narrowest shape, {smallest.name}, would train "
+                              f"{self.steps_of(smallest, budget):.0f}); raise it to at least {needed:.2g} or lower "
+                              "--min-steps")
         log.info("budget %.3g FLOPs: shapes around N_opt %.3g (%s)", budget, n_opt, why)
         return plan_points(budget, shapes, self.vocab_size, self.settings.seq_len, self.hyperparameters,
                            micro_batch=self.settings.micro_batch)
@@ -127,15 +158,16 @@ class Sweep:
     def shape_plan(self, shape: Shape) -> tuple[float, int, int]:
         """(learning rate, sequences per step, warmup steps) of every run of `shape`. One trunk
         serves all its budgets, so these cannot follow each budget's rule: they are the rule's
-        at the sweep's largest budget (the trunk's final length), and the warmup is a tenth of
-        the shape's steps at the smallest budget (at most 100), so that it ends before any
-        branch decays."""
+        at the sweep's largest budget (the trunk's final length). The warmup is the shape's N
+        in tokens (Porian et al. 2024), at most min_steps / 2 steps, so that it ends before any
+        point's cooldown begins (no point is shorter than min_steps; its cooldown is its last
+        fifth)."""
         s = self.settings
         lr, batch_tokens = self.hyperparameters(max(s.budgets), shape.dim)
         largest = plan_points(max(s.budgets), [shape], self.vocab_size, s.seq_len, lambda c, d: (lr, batch_tokens),
                               micro_batch=s.micro_batch)[0]
-        smallest_steps = steps_for(min(s.budgets), largest.flops_per_token, largest.batch_seqs, s.seq_len)
-        return lr, largest.batch_seqs, max(1, min(100, round(smallest_steps / 10)))
+        warmup = warmup_steps(largest.n, largest.batch_seqs * s.seq_len, max(1, s.min_steps // 2))
+        return lr, largest.batch_seqs, warmup
 
     def run_overrides(self, point: Point, lr: float, batch_seqs: int, warmup: int) -> list[str]:
         s = self.settings
@@ -158,7 +190,8 @@ class Sweep:
         done = self.results()
         finished = {row["name"] for row in done}
         budgets = sorted(self.settings.budgets)
-        total = len(budgets) * self.settings.shapes
+        planned = self.planned()
+        total = sum(planned.values())
         spent = sum(row["c"] for row in done)
         started = time.perf_counter()
         self.spent_here = 0.0
@@ -180,7 +213,7 @@ class Sweep:
                     self.spent_here += cost
                     if progress:
                         elapsed = time.perf_counter() - started
-                        remaining = (sum(budgets) * self.settings.shapes - sum(r["budget"] for r in done))
+                        remaining = sum(b * k for b, k in planned.items()) - sum(r["budget"] for r in done)
                         progress({"done": len(done), "total": total, "flops": spent, "name": row["name"],
                                   "flops_per_s": self.spent_here / elapsed,
                                   "eta_s": elapsed / self.spent_here * max(remaining, 0) if self.spent_here else None})

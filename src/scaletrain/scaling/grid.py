@@ -54,10 +54,12 @@ def family(vocab_size: int) -> list[tuple[int, Shape]]:
     return sorted(((param_counts(s.model(vocab_size, 64))["total"], s) for s in shapes), key=lambda pair: pair[0])
 
 
-def shapes_around(n_opt: float, count: int, vocab_size: int, span: float = 10.0) -> list[Shape]:
-    """`count` distinct shapes whose N are nearest to `count` targets spaced evenly in log N over
-    `span`x centred on n_opt."""
-    candidates = family(vocab_size)
+def shapes_around(n_opt: float, count: int, vocab_size: int, span: float = 10.0,
+                  allowed: Callable[[Shape], bool] | None = None) -> list[Shape]:
+    """`count` distinct shapes (fewer when fewer are `allowed`) whose N are nearest to `count`
+    targets spaced evenly in log N over `span`x centred on n_opt."""
+    candidates = [(n, s) for n, s in family(vocab_size) if allowed is None or allowed(s)]
+    count = min(count, len(candidates))
     if count == 1:
         targets = [n_opt]
     else:
@@ -76,12 +78,23 @@ def shapes_around(n_opt: float, count: int, vocab_size: int, span: float = 10.0)
 def deepseek_hyperparameters(compute: float, dim: int) -> tuple[float, float]:
     """(peak learning rate, batch size in tokens) for a run of `compute` FLOPs: DeepSeek LLM
     (DeepSeek-AI 2024, "DeepSeek LLM: Scaling Open-Source Language Models with Longtermism",
-    section 3.1) fitted η_opt = 0.3118 · C^−0.125 and B_opt = 0.2920 · C^0.3271 (tokens). Their
-    fit is for widths ≥ 1024; narrower models take larger rates, so the rate is scaled by
-    (1024 / dim)^0.5 (a mild width correction in the spirit of μP's 1/width; Yang et al. 2022),
-    capped at 0.02."""
-    lr = 0.3118 * compute ** -0.125 * math.sqrt(1024 / max(dim, 1024 // 32))
-    return min(lr, 0.02), 0.2920 * compute ** 0.3271
+    section 3.1) fitted η_opt = 0.3118 · C^−0.125 and B_opt = 0.2920 · C^0.3271 (tokens).
+
+    The rule is a function of the width too, so that a rule with a width correction can be
+    swapped in (`Sweep(..., hyperparameters=...)`); this one applies none, as measured: on the
+    built-in corpus at 4e11 FLOPs, widths 24 to 80 (1 and 2 layers) all trained best at 0.01
+    of {0.005, 0.01, 0.02}, and η_opt(4e11) = 0.011. (A μP-style (1024 / width)^0.5 correction,
+    capped at 0.02, doubled the rate of every narrow shape and made the 2-layer ones unstable:
+    +0.25 to +0.6 nats at 1e12 FLOPs; BENCHMARKS.md.)"""
+    return 0.3118 * compute ** -0.125, 0.2920 * compute ** 0.3271
+
+
+def warmup_steps(n: int, batch_tokens: int, longest: int) -> int:
+    """Warmup of a model of n parameters: as many tokens as parameters (Porian et al. 2024,
+    "Resolving Discrepancies in Compute-Optimal Scaling of Language Models", section 3: a
+    warmup of N tokens, shorter than the fixed ones Kaplan et al. used for small models), in
+    steps of batch_tokens, at most `longest` steps."""
+    return max(1, min(round(n / batch_tokens), longest))
 
 
 Hyperparameters = Callable[[float, int], tuple[float, float]]
