@@ -7,11 +7,16 @@ of budgets already run), each trained for D = C / F(N) tokens, F being the exact
 FLOPs per token of model/flops.py. N counts every parameter (embeddings and output head too).
 
 Shapes come from one family — widths from 16 to 1024 spaced about 1.15-1.5x, heads of width
-32 (16, or one head, below that), depth about width / 32 — so that N is the one thing varying
-along a profile, smoothly. (A family mixing depths at one width gave profiles whose loss
-jumped between neighbouring N. One with only 16, 32, 48, 64, 96 below width 128 left tiny
-budgets' minima on its smallest shapes, with nothing below them; widths 24 and 40 fixed that.
-A minimum depth of 2 instead of 1 made the narrow end worse, not better.)
+32 (16, or one head, below that), depth about width / 64 (GPT-2 small's aspect ratio, 768 /
+12) — so that N is the one thing varying along a profile, smoothly. (A family mixing depths at
+one width gave profiles whose loss jumped between neighbouring N. One with only 16, 32, 48,
+64, 96 below width 128 left tiny budgets' minima on its smallest shapes, with nothing below
+them; widths 24 and 40 fixed that. A minimum depth of 2 instead of 1 made the narrow end
+worse. Depth width / 32 put the step from one layer to two at width 48, between the CPU
+demo's swept optimum and its extrapolated one: a law fitted on 1-layer models then predicted
+2-layer ones, and missed by 5.3% on average over three seeds, against 4.0% at width / 64;
+BENCHMARKS.md. Kaplan et al. 2020, figure 5: at fixed N, loss changes little over a wide
+range of aspect ratios.)
 """
 
 from __future__ import annotations
@@ -49,8 +54,8 @@ WIDTHS = (16, 24, 32, 40, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384
 
 def family(vocab_size: int) -> list[tuple[int, Shape]]:
     """(N, shape) of every shape in the family, by increasing N: one depth per width (about
-    width / 32 layers), so that N grows smoothly along a profile."""
-    shapes = [Shape(dim, max(1, round(dim / 32))) for dim in WIDTHS]
+    width / 64 layers), so that N grows smoothly along a profile."""
+    shapes = [Shape(dim, max(1, round(dim / 64))) for dim in WIDTHS]
     return sorted(((param_counts(s.model(vocab_size, 64))["total"], s) for s in shapes), key=lambda pair: pair[0])
 
 
