@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 
 import pytest
 
@@ -139,7 +140,7 @@ def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path):
 
     settings = DemoSettings(budgets=(2e10, 6e10), shapes=3, extrapolate=3.0, seq_len=64, max_bytes=400_000,
                             val_fraction=0.05, eval_tokens=2048, bootstrap=5, device="cpu",
-                            concurrency=1, min_steps=20)
+                            concurrency=1, min_steps=20, seed=3)
     stages = []
     report = run_demo(tmp_path, settings, progress=lambda stage, info: stages.append(stage))
     assert stages[0] == "prepare" and stages.count("sweep") == 6 and stages[-1] == "train"
@@ -149,6 +150,8 @@ def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path):
     saved = json.loads((tmp_path / "demo.json").read_text())
     assert saved["final"] == report["final"]
     assert (tmp_path / "sweep" / "law.json").is_file() and (tmp_path / "final" / "metrics.jsonl").is_file()
+    assert json.loads((tmp_path / "sweep" / "grid.json").read_text())["settings"]["seed"] == 3
+    assert tomllib.loads((tmp_path / "final" / "config.toml").read_text())["run"]["seed"] == 3
 
 
 def test_points_trained_concurrently_give_the_results_of_one_at_a_time(stdlib_data, uninterrupted, tmp_path):

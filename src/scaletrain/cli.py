@@ -368,6 +368,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from scaletrain.demo import DemoSettings, run_demo
 
     settings = DemoSettings.gpu() if args.device == "cuda" else DemoSettings(device="cpu")
+    settings.seed = args.seed
     logging.getLogger("scaletrain").setLevel(logging.WARNING)
     started = time.perf_counter()
 
@@ -522,6 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "predict the optimum at a budget beyond the sweep, train it and print "
                                         "predicted against actual loss.")
     p.add_argument("--out", default="demo", help="directory for data, sweep and runs (default demo/)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sweep's points and the final run (0)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda runs the larger version (budgets 3e14-3e15 FLOPs, final run 3e16)")
     p.set_defaults(func=cmd_demo)

@@ -38,6 +38,7 @@ class DemoSettings:
     device: str = "auto"
     concurrency: int = 2  # sweep points trained at once (tiny models leave cores idle one at a time)
     min_steps: int = 250  # no sweep point shorter (scaling.sweep.Sweep.fits)
+    seed: int = 0  # of every sweep point and the final run (one demo's miss is one draw: BENCHMARKS.md)
 
     @classmethod
     def gpu(cls) -> DemoSettings:
@@ -66,7 +67,8 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
             val_fraction=settings.val_fraction)
     sweep = Sweep(out / "sweep", SweepSettings(data=str(data), budgets=list(settings.budgets), shapes=settings.shapes,
                                                seq_len=settings.seq_len, eval_tokens=settings.eval_tokens,
-                                               min_steps=settings.min_steps, device=settings.device))
+                                               min_steps=settings.min_steps, seed=settings.seed,
+                                               device=settings.device))
     rows = sweep.run(progress=lambda p: say("sweep", **p), concurrency=settings.concurrency)
     rows = [r for r in rows if math.isfinite(r["loss"])]  # diverged points are recorded, not fitted
     points = Points.from_rows(rows)
