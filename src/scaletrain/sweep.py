@@ -129,11 +129,11 @@ class Sweep:
         shapes = shapes_around(n_opt, self.settings.shapes, self.vocab_size, allowed=lambda s: self.fits(s, budget))
         if not shapes:
             smallest = family(self.vocab_size)[0][1]
-            needed = budget * self.settings.min_steps / self.steps_of(smallest, budget)
+            steps = self.steps_of(smallest, budget)
             raise ConfigError(f"budget {budget:.3g} FLOPs is too small for a sweep point of at least "
                               f"{self.settings.min_steps} steps (the narrowest shape, {smallest.name}, would train "
-                              f"{self.steps_of(smallest, budget):.0f}); raise it to at least {needed:.2g} or lower "
-                              "--min-steps")
+                              f"{steps:.0f}); raise it to at least {budget * self.settings.min_steps / steps:.2g} or "
+                              "lower --min-steps")
         log.info("budget %.3g FLOPs: shapes around N_opt %.3g (%s)", budget, n_opt, why)
         return plan_points(budget, shapes, self.vocab_size, self.settings.seq_len, self.hyperparameters,
                            micro_batch=self.settings.micro_batch)
