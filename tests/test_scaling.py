@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_cli
-from scaletrain.scaling.fit import (Points, bootstrap_parametric, envelope_minima, fit_allocation, fit_parametric, interval,
+from scaletrain.scaling.fit import (Points, backtest, bootstrap_parametric, envelope_minima, fit_allocation, fit_parametric, interval,
                                    read_points)
 from scaletrain.scaling.laws import ChinchillaLaw, KaplanLaw, preset
 from scaletrain.scaling.optimal import (R_STAR_D, compute_optimal, data_constrained_loss, data_constrained_optimal,
@@ -55,6 +55,19 @@ def test_approaches_1_and_2_recover_the_compute_exponents():
         assert allocation.budgets == 4
         assert allocation.a == pytest.approx(a_true, abs=tolerance)
         assert allocation.b == pytest.approx(b_true, abs=tolerance)
+
+
+def test_the_backtest_measures_how_the_law_extrapolates_on_its_own_points():
+    points = isoflop_points(TRUTH, budgets=(1e18, 3e18, 1e19, 3e19, 1e20), shapes=5)
+    rows = backtest(points)
+    assert [round(row["extrapolation"], 1) for row in rows] == [3.3, 10.0, 33.3]
+    assert all(abs(row["error"]) < 0.01 for row in rows)  # the form holds: extrapolation is right
+    # A largest budget that reaches 5% below the law fitted on the others: every row says so.
+    bent = np.where(points.budget == 1e20, points.loss * 0.95, points.loss)
+    rows = backtest(Points(points.n, points.d, points.c, bent, points.budget))
+    assert [row["error"] for row in rows] == [pytest.approx(-0.05, abs=0.01)] * 3
+    assert rows[0]["loss"] == bent[points.budget == 1e20].min()
+    assert backtest(isoflop_points(TRUTH, budgets=(1e18, 1e19))) == []  # nothing left to fit on
 
 
 def test_approach_2_needs_isoflop_profiles():
@@ -159,6 +172,7 @@ def test_fit_command_writes_the_law_and_plots_and_predicts(tmp_path):
     doc = json.loads((tmp_path / "law.json").read_text())
     assert doc["approach3"]["alpha"]["value"] == pytest.approx(TRUTH.alpha, abs=0.03)
     assert doc["approach2"]["a"]["low"] <= doc["approach2"]["a"]["value"] <= doc["approach2"]["a"]["high"]
+    assert [row["fitted_up_to"] for row in doc["backtest"]] == [1e20, 1e19] and "backtest" in result.stdout
     prediction = doc["predictions"][0]
     assert prediction["compute"] == 1e22 and prediction["inference_aware"]["saved_fraction"] > 0
     assert prediction["data_constrained"]["epochs"] > 1

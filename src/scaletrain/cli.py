@@ -277,6 +277,12 @@ def _interval(entry: dict, digits: int = 4) -> str:
     return f"{value}  [{entry['low']:.{digits}g}, {entry['high']:.{digits}g}]"
 
 
+def _backtest(rows: list[dict]) -> str:
+    """fit.backtest's rows as '1.4x: -2.8%, 1.9x: -4.3%': how far beyond its budgets the law
+    was asked to predict, and by how much the loss reached differed."""
+    return ", ".join(f"{row['extrapolation']:.1f}x: {row['error']:+.1%}" for row in rows)
+
+
 def cmd_fit(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
@@ -320,6 +326,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
             else:
                 for name in ("a", "b"):
                     table.add_row(f"{approach.replace('approach', 'approach ')} {name}", _interval(fit[name]))
+        if doc["backtest"]:
+            table.add_row("backtest: approach 3 without the largest budgets", _backtest(doc["backtest"]))
         out.print(table)
     predictions = []
     for compute in args.predict or []:
@@ -396,6 +404,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     table.add_row("predicted validation loss", f"{report['predicted_loss']:.4f} [{low:.4f}, {high:.4f}]")
     table.add_row("actual validation loss", f"{report['actual_loss']:.4f}")
     table.add_row("error", f"{report['error']:+.2%}")
+    if report["backtest"]:
+        table.add_row("backtest: the law without the largest budgets", _backtest(report["backtest"]))
     table.add_row("sweep FLOPs saved by cooldown branches", f"{report['sweep_savings']['saved_fraction']:.0%}")
     out.print(table)
     return 0

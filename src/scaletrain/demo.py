@@ -82,7 +82,9 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
     # sweep gives that shape, so that only N and D differ from what the law was fitted on.
     target = settings.extrapolate * max(settings.budgets)
     n_opt, _ = law.optimum(target)
-    shape = shapes_around(n_opt, 1, sweep.vocab_size)[0]
+    # Of the shapes that train at least min_steps there, as every sweep point does (a law fitted
+    # on few points can ask for a model so large that the budget buys it a step or two).
+    shape = shapes_around(n_opt, 1, sweep.vocab_size, allowed=lambda s: sweep.fits(s, target))[0]
     lr, batch_seqs, warmup = sweep.shape_plan(shape)
     point = plan_points(target, [shape], sweep.vocab_size, settings.seq_len,
                         lambda c, d: (lr, batch_seqs * settings.seq_len))[0]
@@ -100,7 +102,7 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
         "predicted_loss": predicted, "predicted_interval": [low, high], "actual_loss": result.val_loss,
         "error": (result.val_loss - predicted) / predicted,
         "a": doc["approach3"]["a"], "b": doc["approach3"]["b"],
-        "approach2_a": doc["approach2"].get("a"), "sweep_savings": sweep.savings(rows),
+        "approach2_a": doc["approach2"].get("a"), "backtest": doc["backtest"], "sweep_savings": sweep.savings(rows),
     }
     (out / "demo.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
