@@ -111,11 +111,12 @@ class Sweep:
 
     def fits(self, shape: Shape, budget: float) -> bool:
         """Whether `shape` trains at least min_steps steps at `budget`. Shorter runs are not
-        planned: their loss is still falling steeply with the step count, set by how few
-        updates they made rather than by N and D, and the law fitted to them is pessimistic
-        about longer runs. (On the built-in corpus, refitting three seeds' CPU demo sweeps on
-        only their points of >= 400 and >= 700 steps moved the mean miss at 4x the largest
-        budget from -4.0% to -2.9% and -0.7%; BENCHMARKS.md.)"""
+        planned: their loss is still in the early regime, falling faster with D than the law
+        that longer runs follow, and the law fitted to them is pessimistic about longer runs.
+        (On the built-in corpus, refitting three seeds' CPU demo sweeps on only their points
+        of >= 400 and >= 700 steps moved the mean miss at 4x the largest budget from -4.1% to
+        -2.4% and +0.1%. It is their tokens, not their updates: twice the steps at the same
+        tokens, with half the batch, changed their loss by 1% or less; BENCHMARKS.md.)"""
         return self.steps_of(shape, budget) >= self.settings.min_steps
 
     def planned(self) -> dict[float, int]:
