@@ -150,7 +150,10 @@ def _projected_starts(points: Points, count: int) -> np.ndarray:
                                   (np.exp(-exps[:, None] * log_d[None, :]) * weight)[None, :, :])
     design = np.stack(columns, axis=-1)  # (alpha, beta, points, 3): E, A, B
     normal = np.einsum("ijpk,ijpl->ijkl", design, design) + 1e-12 * np.eye(3)
-    coefficients = np.linalg.solve(normal, design.sum(axis=2)[..., None])[..., 0]  # (alpha, beta, 3)
+    try:
+        coefficients = np.linalg.solve(normal, design.sum(axis=2)[..., None])[..., 0]  # (alpha, beta, 3)
+    except np.linalg.LinAlgError:  # e.g. a single model size: the grid's starts will do
+        return np.empty((0, 5))
     alpha, beta = np.meshgrid(exps, exps, indexing="ij")
     feasible = (coefficients > 0).all(axis=-1)
     if not feasible.any():
