@@ -298,8 +298,8 @@ def backtest(points: Points, holdouts: int = 3) -> list[dict]:
     top = points.budget == budgets[-1]
     best = np.flatnonzero(top)[np.argmin(points.loss[top])]
     rows = []
-    for k in range(1, holdouts + 1):
-        kept = points.budget < budgets[-k] if k < len(budgets) else points.budget < budgets[0]
+    for k in range(1, min(holdouts, len(budgets) - 1) + 1):
+        kept = points.budget < budgets[-k]
         if len(np.unique(points.budget[kept])) < 2 or kept.sum() < 6:
             break
         law = fit_parametric(points.take(np.flatnonzero(kept)), starts=8)
