@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_cli
-from scaletrain.scaling.fit import (Points, backtest, bootstrap_parametric, envelope_minima, fit_allocation, fit_parametric, interval,
-                                   read_points)
+from scaletrain.scaling.fit import (Points, backtest, bootstrap_parametric, envelope_minima, fit_all, fit_allocation,
+                                   fit_parametric, interval, law_of, read_points)
 from scaletrain.scaling.laws import ChinchillaLaw, KaplanLaw, preset
 from scaletrain.scaling.optimal import (R_STAR_D, compute_optimal, data_constrained_loss, data_constrained_optimal,
                                         effective_data, inference_optimal, predict)
@@ -68,6 +68,35 @@ def test_the_backtest_measures_how_the_law_extrapolates_on_its_own_points():
     assert [row["error"] for row in rows] == [pytest.approx(-0.05, abs=0.01)] * 3
     assert rows[0]["loss"] == bent[points.budget == 1e20].min()
     assert backtest(isoflop_points(TRUTH, budgets=(1e18, 1e19))) == []  # nothing left to fit on
+
+
+def early_bent_points(batch_tokens: float = 2e6) -> tuple[Points, float]:
+    """IsoFLOP points from TRUTH with steps = D / batch, the shorter half 4% above the law (the
+    steep start of training), and that half's bound in steps."""
+    points = isoflop_points(TRUTH, budgets=(1e18, 1e19, 1e20, 1e21), shapes=7)
+    steps = np.round(points.d / batch_tokens)
+    threshold = float(np.median(steps))
+    loss = np.where(steps < threshold, points.loss * 1.04, points.loss)
+    return Points(points.n, points.d, points.c, loss, points.budget, steps), threshold
+
+
+def test_approach_3_can_be_fitted_to_the_longer_runs_only():
+    points, threshold = early_bent_points()
+    longer = points.steps >= threshold
+    doc = fit_all(points, samples=5, law_min_steps=int(threshold))
+    assert doc["points"] == len(points) and doc["approach3"]["points"] == longer.sum() < len(points)
+    assert doc["approach3"]["min_steps"] == int(threshold)
+    assert doc["approach3"]["alpha"]["value"] == pytest.approx(TRUTH.alpha, abs=0.03)
+    assert doc["approach2"]["budgets"] == 4  # approaches 1 and 2 keep every point: whole profiles
+    # 100x beyond the sweep the law of the longer runs predicts the truth; the bent short runs
+    # pull the law of every point off it.
+    n, d = TRUTH.optimum(1e23)
+    assert law_of(doc).loss(n, d) == pytest.approx(TRUTH.loss(n, d), rel=0.01)
+    assert abs(fit_parametric(points).loss(n, d) / TRUTH.loss(n, d) - 1) > 0.015
+    with pytest.raises(ValueError, match="approach 3 needs 6 points in 2 budgets"):
+        fit_all(points, samples=5, law_min_steps=int(points.steps.max()))
+    with pytest.raises(ValueError, match="these points have none"):
+        fit_all(Points(points.n, points.d, points.c, points.loss, points.budget), law_min_steps=10)
 
 
 def test_approach_2_needs_isoflop_profiles():
@@ -158,21 +187,21 @@ def test_published_laws_carry_their_provenance_and_predict():
     assert result["loss_interval"][0] < result["loss"] < result["loss_interval"][1]
 
 
-def _write_points(path: Path, points: Points) -> None:
-    lines = ["n,d,c,loss,budget"] + [f"{n},{d},{c},{loss},{b}" for n, d, c, loss, b in
-                                     zip(points.n, points.d, points.c, points.loss, points.budget)]
-    path.write_text("\n".join(lines) + "\n")
-
-
 def test_fit_command_writes_the_law_and_plots_and_predicts(tmp_path):
-    _write_points(tmp_path / "results.csv", isoflop_points(TRUTH))
+    points, threshold = early_bent_points()  # approach 3 on the longer runs only (--min-steps)
+    lines = ["n,d,c,loss,budget,steps"] + [",".join(map(str, row)) for row in
+                                           zip(points.n, points.d, points.c, points.loss, points.budget, points.steps)]
+    (tmp_path / "results.csv").write_text("\n".join(lines) + "\n")
     result = run_cli("fit", str(tmp_path), "--bootstrap", "10", "--predict", "1e22", "--inference-tokens", "1e12",
-                     "--unique-tokens", "1e10")
+                     "--unique-tokens", "1e10", "--min-steps", str(int(threshold)))
     assert result.returncode == 0, result.stderr
     doc = json.loads((tmp_path / "law.json").read_text())
+    assert doc["approach3"]["points"] == (points.steps >= threshold).sum() < len(points)
+    assert f">= {int(threshold)} steps" in result.stdout
     assert doc["approach3"]["alpha"]["value"] == pytest.approx(TRUTH.alpha, abs=0.03)
     assert doc["approach2"]["a"]["low"] <= doc["approach2"]["a"]["value"] <= doc["approach2"]["a"]["high"]
-    assert [row["fitted_up_to"] for row in doc["backtest"]] == [1e20, 1e19] and "backtest" in result.stdout
+    # The backtest, on the fitted points: 2 budgets of the longer half leave too few below 1e20.
+    assert [row["fitted_up_to"] for row in doc["backtest"]] == [1e20] and "backtest" in result.stdout
     prediction = doc["predictions"][0]
     assert prediction["compute"] == 1e22 and prediction["inference_aware"]["saved_fraction"] > 0
     assert prediction["data_constrained"]["epochs"] > 1

@@ -145,6 +145,8 @@ def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path):
     report = run_demo(tmp_path, settings, progress=lambda stage, info: stages.append(stage))
     assert stages[0] == "prepare" and stages.count("sweep") == 6 and stages[-1] == "train"
     assert report["points"] == 6 and report["extrapolation"] == pytest.approx(3.0, rel=0.05)
+    # No point is 500 steps long (fit_min_steps): approach 3 falls back to every point, and says so.
+    assert report["law_min_steps"] == 0 and report["law_points"] == 6
     assert math.isfinite(report["actual_loss"]) and report["predicted_loss"] > 0
     assert report["error"] == pytest.approx((report["actual_loss"] - report["predicted_loss"]) / report["predicted_loss"])
     saved = json.loads((tmp_path / "demo.json").read_text())

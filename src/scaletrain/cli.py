@@ -307,14 +307,16 @@ def cmd_fit(args: argparse.Namespace) -> int:
         points_path = Path(args.points) if args.points else Path(args.sweep_dir) / "results.csv"
         try:
             points = fitting.read_points(points_path, drop_highest=args.drop_highest)
+            doc = fitting.fit_all(points, samples=args.bootstrap, law_min_steps=args.min_steps)
         except ValueError as e:
             raise UserError(str(e)) from None
-        doc = fitting.fit_all(points, samples=args.bootstrap)
         doc["source"] = str(points_path)
         law, boot = fitting.law_of(doc), fitting.bootstrap_laws(doc)
         out_dir = Path(args.out) if args.out else points_path.parent
+        fitted = doc["approach3"]["points"]
         table = Table(title=f"scaling law from {len(points)} points, {doc['budgets']} budgets "
-                            f"(95% bootstrap intervals, {len(boot)} resamples)")
+                            f"(95% bootstrap intervals, {len(boot)} resamples)"
+                            + (f"; approach 3 on the {fitted} of >= {args.min_steps} steps" if args.min_steps else ""))
         table.add_column("")
         table.add_column("value [interval]", justify="right")
         for name in ("E", "A", "B", "alpha", "beta", "a", "b"):
@@ -396,6 +398,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         f"largest budget ({time.perf_counter() - started:.0f} s)")
     table.add_column("")
     table.add_column("value", justify="right")
+    table.add_row("approach 3 fitted to", f"the {report['law_points']} points of >= {report['law_min_steps']} steps"
+                  if report["law_min_steps"] else f"all {report['law_points']} points")
     table.add_row("fitted exponent a (N_opt ∝ C^a), 95% interval", f"{a['value']:.3f} [{a['low']:.3f}, {a['high']:.3f}]")
     b = report["b"]
     table.add_row("fitted exponent b (D_opt ∝ C^b)", f"{b['value']:.3f} [{b['low']:.3f}, {b['high']:.3f}]")
@@ -516,6 +520,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("sweep_dir", nargs="?", default=None, help="a sweep directory (its results.csv)")
     p.add_argument("--points", default=None, help="a CSV of points instead: columns n, c (or d), loss[, budget]")
     p.add_argument("--drop-highest", type=int, default=0, help="leave out this many points of highest loss")
+    p.add_argument("--min-steps", type=int, default=0,
+                   help="fit approach 3 only to points of at least this many optimizer steps (0: all); the demo "
+                        "fits at 500 (twice its sweep's --min-steps): short runs are early in training and bend "
+                        "the law")
     p.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals (200)")
     p.add_argument("--predict", type=_flops, action="append", metavar="C",
                    help="training FLOPs to predict N_opt, D_opt and loss for (repeatable)")

@@ -70,7 +70,12 @@ def plot_fit(points: Points, doc: dict, out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 5))
     contours = ax.contour(n_grid, d_grid, surface, levels=15, cmap="viridis")
     ax.clabel(contours, fontsize=6)
-    ax.scatter(points.n, points.d, c=points.loss, cmap="viridis", s=14, edgecolors="k", linewidths=0.3)
+    fitted = _fitted(points, doc)
+    ax.scatter(points.n[fitted], points.d[fitted], c=points.loss[fitted], cmap="viridis", s=14, edgecolors="k",
+               linewidths=0.3, label="fitted")
+    if not fitted.all():
+        ax.scatter(points.n[~fitted], points.d[~fitted], s=14, facecolors="none", edgecolors="0.5", linewidths=0.6,
+                   label=f"left out (< {doc['approach3']['min_steps']} steps)")
     frontier = np.array([law.optimum(c) for c in compute])
     ax.plot(frontier[:, 0], frontier[:, 1], color="C3", label="compute-optimal")
     ax.set(xscale="log", yscale="log", xlim=(n_grid[0], n_grid[-1]), ylim=(d_grid[0], d_grid[-1]),
@@ -81,11 +86,24 @@ def plot_fit(points: Points, doc: dict, out: Path) -> list[Path]:
     # Residuals of approach 3 in log loss.
     predicted = np.array([law.loss(n, d) for n, d in zip(points.n, points.d)])
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.scatter(points.c, np.log(points.loss) - np.log(predicted), s=12)
+    residual = np.log(points.loss) - np.log(predicted)
+    ax.scatter(points.c[fitted], residual[fitted], s=12, label="fitted")
+    if not fitted.all():
+        ax.scatter(points.c[~fitted], residual[~fitted], s=12, facecolors="none", edgecolors="0.5",
+                   label=f"left out (< {doc['approach3']['min_steps']} steps)")
+        ax.legend(fontsize=7)
     ax.axhline(0, color="k", lw=0.8)
     ax.set(xscale="log", xlabel="training FLOPs C", ylabel="log loss − log fit", title="approach 3 residuals")
     paths.append(_save(fig, out / "residuals.png"))
     return paths
+
+
+def _fitted(points: Points, doc: dict) -> np.ndarray:
+    """Which points approach 3 was fitted to (fit_all's law_min_steps)."""
+    min_steps = doc["approach3"].get("min_steps", 0)
+    if not min_steps or points.steps is None:
+        return np.ones(len(points), dtype=bool)
+    return points.steps >= min_steps
 
 
 def _save(fig, path: Path) -> Path:
