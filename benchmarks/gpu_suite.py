@@ -8,9 +8,12 @@ on the ~126M config, and whether stop-and-resume is still exact on CUDA. Prints 
     PYTHONPATH=src python benchmarks/gpu_suite.py --out results.json [--only configs,ablations,resume]
     PYTHONPATH=src python benchmarks/gpu_suite.py --tiny      # the same code on a CPU, tiny shapes
 
-Every figure comes from the trainer's own metrics.jsonl, logged every step: tokens/s is the
-global batch over the median step time of the timed steps (after `--warmup` steps, which
-include compilation); MFU both ways (attention over the whole score matrix as nanoGPT and PaLM
+Every figure comes from the trainer's own metrics.jsonl, logged every `--log-every` steps
+(5: the host reads the loss only at the steps it logs, so logging every step would make the
+GPU wait for the host after each one; the ablation "loss read every step" measures what that
+costs): tokens/s is the global batch over the median step time of the timed logging windows
+(after `--warmup` steps, which include compilation; `mean_tokens_per_s` is all their tokens
+over all their time); MFU both ways (attention over the whole score matrix as nanoGPT and PaLM
 count it, and causal: half of that term); `cold_start_s`, the time from the run's start to the
 end of its first step (model build, compilation, first batch); peak memory; data wait as a
 share of the step; the blocking time of the background checkpoints; and beside the peak, the
@@ -61,10 +64,10 @@ BEST = ["train.compile=true", "train.loss_chunk_tokens=8192", "checkpoint.async_
 
 
 def measure(data: Path, runs: Path, name: str, overrides: list[str], steps: int, warmup: int,
-            checkpoint_every: int) -> dict:
+            checkpoint_every: int, log_every: int) -> dict:
     """Train `steps` steps of one global batch (= one micro-batch) and summarise the metrics."""
     base = [f"data.path={data}", f"run.dir={runs}", f"run.name={name}", f"train.steps={steps}",
-            "train.warmup_steps=5", "train.lr=3e-4", "log.interval=1", "eval.interval=0",
+            "train.warmup_steps=5", "train.lr=3e-4", f"log.interval={log_every}", "eval.interval=0",
             f"checkpoint.interval={checkpoint_every}", "checkpoint.keep=1"]
     cfg = load_config(None, [*base, *overrides])
     seq, micro = cfg.data.seq_len, cfg.train.micro_batch
@@ -80,26 +83,30 @@ def measure(data: Path, runs: Path, name: str, overrides: list[str], steps: int,
                                 recompute=cfg.parallel.recompute, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
     records = read_metrics(runs / name)
     start = next(r for r in records if r["kind"] == "start")
+    first = next(r for r in records if r["kind"] == "memory")  # written once the first step is done
     steps_done = [r for r in records if r["kind"] == "train"]
-    timed = steps_done[warmup:]
-    step_s = statistics.median(cfg.train.global_batch_tokens / r["tokens_per_s"] for r in timed)
+    # Each train record covers the steps since the one before it (its window); time those after warmup.
+    windows = [(r, r["step"] - before) for r, before in zip(steps_done, [0] + [r["step"] for r in steps_done])]
+    timed = [(r, size) for r, size in windows if r["step"] > warmup]
+    step_s = statistics.median(cfg.train.global_batch_tokens / r["tokens_per_s"] for r, _ in timed)
     tokens_per_s = cfg.train.global_batch_tokens / step_s
     blocking = [r["blocking_s"] for r in records if r["kind"] == "checkpoint"]
-    first = steps_done[0]
-    mfu_scale = (timed[-1]["mfu"] / timed[-1]["tokens_per_s"]) if timed[-1]["mfu"] is not None else None
-    causal_scale = (timed[-1]["mfu_causal"] / timed[-1]["tokens_per_s"]) if timed[-1]["mfu"] is not None else None
+    last = timed[-1][0]
+    mfu_scale = (last["mfu"] / last["tokens_per_s"]) if last["mfu"] is not None else None
+    causal_scale = (last["mfu_causal"] / last["tokens_per_s"]) if last["mfu"] is not None else None
+    timed_steps = sum(size for _, size in timed)
     return {
-        "tokens_per_step": cfg.train.global_batch_tokens, "steps": steps, "timed_steps": len(timed),
-        "step_ms": round(1000 * step_s, 2), "tokens_per_s": round(tokens_per_s),
-        "mean_tokens_per_s": round(len(timed) * cfg.train.global_batch_tokens
-                                   / sum(cfg.train.global_batch_tokens / r["tokens_per_s"] for r in timed)),
+        "tokens_per_step": cfg.train.global_batch_tokens, "steps": steps, "timed_steps": timed_steps,
+        "log_every": log_every, "step_ms": round(1000 * step_s, 2), "tokens_per_s": round(tokens_per_s),
+        "mean_tokens_per_s": round(timed_steps * cfg.train.global_batch_tokens
+                                   / sum(size * cfg.train.global_batch_tokens / r["tokens_per_s"] for r, size in timed)),
         "mfu": None if mfu_scale is None else round(tokens_per_s * mfu_scale, 4),
         "mfu_causal": None if causal_scale is None else round(tokens_per_s * causal_scale, 4),
         "cold_start_s": round(first["time"] - start["time"], 1),
         "peak_mem_gb": max(r["mem_gb"] for r in steps_done), "predicted_peak_gb": round(predicted.peak / 1e9, 3),
         "predicted_memory": predicted.as_dict(),
-        "data_wait_share": round(statistics.median(r["data_wait_ms"] for r in timed) / (1000 * step_s), 5),
-        "checkpoint_blocking_s": blocking, "final_loss": timed[-1]["loss"],
+        "data_wait_share": round(statistics.median(r["data_wait_ms"] for r, _ in timed) / (1000 * step_s), 5),
+        "checkpoint_blocking_s": blocking, "final_loss": last["loss"],
     }
 
 
@@ -153,8 +160,13 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help="which of the configs to run")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps not timed (compilation happens in them)")
+    parser.add_argument("--log-every", type=int, default=5, help="steps per metrics record: the host reads the "
+                        "loss only then (a divisor of --warmup and --steps, so that the timed windows are whole)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the suite, measures nothing")
     args = parser.parse_args()
+    if args.warmup % args.log_every or args.steps % args.log_every or args.steps <= args.warmup:
+        parser.error(f"--log-every {args.log_every} must divide --warmup {args.warmup} and --steps {args.steps}, "
+                     "and --steps exceed --warmup, so that the timed steps are whole logging windows")
     sections = set(args.only.split(","))
     work = Path(tempfile.mkdtemp())
     data = work / "data"
@@ -172,12 +184,12 @@ def main() -> None:
         for name in args.configs.split(","):
             shape, reference = CONFIGS[name]
             overrides = [*shape, *BEST, *(TINY if args.tiny else [])]
-            row = measure(data, runs, name, overrides, args.steps, args.warmup, every)
+            row = measure(data, runs, name, overrides, args.steps, args.warmup, every, args.log_every)
             report["configs"][name] = {**row, "settings": BEST, "reference": None if args.tiny else reference}
     if "ablations" in sections:
         shape = CONFIGS["llama-126m"][0]
         variants = {"eager": ["train.compile=false"], "whole-batch loss": ["train.loss_chunk_tokens=0"],
-                    "synchronous checkpoint": ["checkpoint.async_save=false"]}
+                    "synchronous checkpoint": ["checkpoint.async_save=false"], "loss read every step": ["log.interval=1"]}
         if not args.tiny:  # (tiny runs are not compiled: inductor on a CPU takes minutes)
             variants["CUDA graphs"] = ["train.compile_mode=reduce-overhead"]
         if _float8_available() and not args.tiny:
@@ -186,7 +198,8 @@ def main() -> None:
         for what, change in variants.items():
             overrides = [*shape, *BEST, *change, *(TINY if args.tiny else [])]
             report["ablations"][f"llama-126m, {what}"] = {
-                **measure(data, runs, f"ablation-{what.replace(' ', '-')}", overrides, args.steps, args.warmup, every),
+                **measure(data, runs, f"ablation-{what.replace(' ', '-')}", overrides, args.steps, args.warmup, every,
+                          args.log_every),
                 "settings": [*BEST, *change]}
     if "resume" in sections:
         report["resume"] = resume_exactness(data, runs, ["train.device=cpu"] if args.tiny else [])

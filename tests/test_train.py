@@ -211,6 +211,33 @@ def test_divergence_stops_at_the_step_and_keeps_the_last_good_checkpoint(stdlib_
     assert read_metrics(run_dir)[-1]["kind"] == "diverged"
 
 
+def test_a_step_not_looked_at_never_applies_a_non_finite_update(stdlib_data, tmp_path):
+    """Between the steps it logs, checkpoints or evaluates, the loop does not wait for the loss
+    (train_step(look=False)); a step whose gradient is not finite is skipped on the device and
+    raised at the next look, naming that step."""
+    from scaletrain.train.trainer import Trainer
+
+    trainer = Trainer(tiny_config(stdlib_data, tmp_path / "run", "train.steps=30", "train.lr=1e4",
+                                  "train.warmup_steps=0", "train.clip=0", "eval.interval=0"))
+    before = None
+    while trainer.first_bad[0] < 0 and trainer.step < 30:
+        before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+        assert trainer.train_step(look=False)[:2] == (None, None)
+    bad_step = int(trainer.first_bad[0])
+    assert bad_step == trainer.step  # it diverged, and ...
+    for name, p in trainer.model.named_parameters():  # ... its update was not applied
+        assert torch.equal(p.detach(), before[name]), name
+    with pytest.raises(TrainingDiverged, match=f"^step {bad_step}: loss is .* gradient norm (nan|inf)"):
+        trainer.train_step(look=True)
+    # Run by the loop with checkpoints every 10 steps: raised at the next look, nothing saved after.
+    run_dir = tmp_path / "loop"
+    with pytest.raises(TrainingDiverged, match=f"^step {bad_step}:"):
+        train(tiny_config(stdlib_data, run_dir, "train.steps=30", "train.lr=1e4", "train.warmup_steps=0",
+                          "train.clip=0", "checkpoint.interval=10", "log.interval=10", "eval.interval=0"))
+    saved = [int(p.name.removeprefix("step_")) for p in checkpoint.complete_checkpoints(run_dir / "checkpoints")]
+    assert all(step < bad_step for step in saved)
+
+
 def test_a_run_directory_refuses_checkpoints_of_a_different_model(stdlib_data, tmp_path):
     run_dir = tmp_path / "run"
     train(tiny_config(stdlib_data, run_dir, "train.steps=2", "eval.interval=0"))

@@ -183,6 +183,9 @@ class Trainer:
         self.step = 0
         self.tokens = 0
         self.held_bytes: dict[str, int] | None = None
+        # The first step since the last look whose gradient norm was not finite, with its loss and
+        # norm (-1 when none), kept on the device: see train_step.
+        self.first_bad = torch.tensor([-1.0, 0.0, 0.0], device=self.device)
         self.pending: checkpoint.AsyncSave | None = None  # a checkpoint being written in the background
         self.checkpoint_group = None  # the process group of background checkpoint writes
         self.stager = None  # page-locked host buffers that background checkpoints copy into (CUDA)
@@ -324,8 +327,16 @@ class Trainer:
             stack.enter_context(loss_parallel())
         return stack
 
-    def train_step(self) -> tuple[float, float, float]:
-        """One optimizer step over the global batch; returns (loss, grad norm, seconds waiting for data)."""
+    def train_step(self, look: bool = True) -> tuple[float | None, float | None, float]:
+        """One optimizer step over the global batch; returns (loss, grad norm, seconds waiting
+        for data), the loss and norm only when `look` (None otherwise).
+
+        Reading a value on the host waits for the device to finish the step, and the device then
+        idles while the host queues the next one; so a step is only looked at when asked (the
+        loop asks at steps it logs, checkpoints or evaluates). A step whose gradient norm is not
+        finite is still never applied: the fused AdamW skips it on the device (the found_inf its
+        kernel takes from GradScaler), and the first such step is remembered on the device and
+        raised as TrainingDiverged at the next look, before anything is saved."""
         cfg = self.cfg.train
         lr = lr_at(self.step, self.total_steps, lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule,
                    min_lr_ratio=cfg.min_lr_ratio, decay_fraction=cfg.decay_fraction)
@@ -350,12 +361,14 @@ class Trainer:
             if self.parallel.last:
                 loss_sum += torch.stack([_local(loss.detach()) for loss in losses]).mean()
         grad_norm = self._clip_gradients(cfg.clip if cfg.clip > 0 else math.inf)
-        loss_value, norm_value = self._mean_over_last_stage(loss_sum), grad_norm.item()
-        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-            raise TrainingDiverged(
-                f"step {self.step + 1}: loss is {loss_value} and gradient norm {norm_value}; the update was not "
-                f"applied and nothing was saved over the last good checkpoint"
-                f"{self._last_checkpoint_hint()}; lower train.lr, raise train.warmup_steps or set train.clip")
+        # The norm is global (every rank holds the same), so every rank skips the same steps.
+        bad = ~torch.isfinite(grad_norm)
+        values = torch.stack([torch.full_like(grad_norm, self.step + 1), loss_sum.to(grad_norm.dtype), grad_norm])
+        self.first_bad = torch.where(bad & (self.first_bad[0] < 0), values.float(), self.first_bad)
+        if self.optimizer.defaults.get("fused"):
+            self.optimizer.found_inf = bad.float()  # the kernel leaves parameters and state as they were
+        else:  # no skip on the device: every step is looked at before it applies
+            self._check(None)
         self.optimizer.step()
         if self.held_bytes is None:  # after the first update every piece of state exists
             self.held_bytes = held_bytes(self.model, self.optimizer)
@@ -363,7 +376,23 @@ class Trainer:
         self.step += 1
         self.tokens += self.cfg.train.global_batch_tokens
         self.lr = lr
-        return loss_value, norm_value, data_wait
+        if not look:
+            return None, None, data_wait
+        loss_value = self._mean_over_last_stage(loss_sum)
+        self._check(loss_value)
+        return loss_value, grad_norm.item(), data_wait
+
+    def _check(self, loss: float | None) -> None:
+        """Raise TrainingDiverged for the first step since the last look whose gradient norm was
+        not finite (its update was skipped), or for a loss that is not."""
+        step, bad_loss, bad_norm = self.first_bad.tolist()
+        if step < 0 and (loss is None or math.isfinite(loss)):
+            return
+        step, bad_loss, bad_norm = (int(step), bad_loss, bad_norm) if step >= 0 else (self.step, loss, "finite")
+        raise TrainingDiverged(
+            f"step {step}: loss is {bad_loss} and gradient norm {bad_norm}; the update was not applied and nothing "
+            f"was saved over the last good checkpoint{self._last_checkpoint_hint()}; lower train.lr, raise "
+            "train.warmup_steps or set train.clip")
 
     def _batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch of whole sequences as this rank feeds it to the model: its part of each
@@ -475,7 +504,12 @@ class Trainer:
         try:
             while self.step < self.total_steps and (stop_at_step is None or self.step < stop_at_step):
                 t0 = time.perf_counter()
-                train_loss, grad_norm, wait = self.train_step()
+                # Loss and norm reach the host only at the steps that use them (train_step).
+                coming = self.step + 1
+                look = coming in (self.total_steps, stop_at_step) or any(
+                    interval and coming % interval == 0
+                    for interval in (cfg.log.interval, cfg.checkpoint.interval, cfg.eval.interval))
+                train_loss, grad_norm, wait = self.train_step(look=look)
                 if not accounted:
                     by_rank = _gather_over_ranks(self.held_bytes)
                     metrics.write("memory", self.step, self.tokens, bytes_by_rank=by_rank)
