@@ -79,12 +79,12 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
     points = Points.from_rows(rows)
     say("fit", points=len(points))
     fit_min_steps = settings.fit_min_steps
-    longer = points.trained_at_least(fit_min_steps)
-    if len(longer) < 6 or len(set(longer.budget)) < 2:
-        log.warning("only %d sweep points trained >= %d steps: approach 3 is fitted to all %d", len(longer),
-                    fit_min_steps, len(points))
+    try:
+        doc = fit_all(points, samples=settings.bootstrap, law_min_steps=fit_min_steps)
+    except ValueError as e:  # too few points that long
+        log.warning("%s; approach 3 is fitted to all %d points instead", e, len(points))
         fit_min_steps = 0
-    doc = fit_all(points, samples=settings.bootstrap, law_min_steps=fit_min_steps)
+        doc = fit_all(points, samples=settings.bootstrap)
     (sweep.out / "law.json").write_text(json.dumps(doc, indent=1) + "\n")
     law, boot = law_of(doc), bootstrap_laws(doc)
 
