@@ -388,11 +388,13 @@ class Trainer:
         step, bad_loss, bad_norm = self.first_bad.tolist()
         if step < 0 and (loss is None or math.isfinite(loss)):
             return
-        step, bad_loss, bad_norm = (int(step), bad_loss, bad_norm) if step >= 0 else (self.step, loss, "finite")
+        if step >= 0:
+            what = f"step {int(step)}: loss is {bad_loss} and gradient norm {bad_norm}; the update was not applied"
+        else:  # a loss that is not finite with a gradient that is (its update did apply, in memory only)
+            what = f"step {self.step}: loss is {loss} with a finite gradient norm"
         raise TrainingDiverged(
-            f"step {step}: loss is {bad_loss} and gradient norm {bad_norm}; the update was not applied and nothing "
-            f"was saved over the last good checkpoint{self._last_checkpoint_hint()}; lower train.lr, raise "
-            "train.warmup_steps or set train.clip")
+            f"{what} and nothing was saved over the last good checkpoint{self._last_checkpoint_hint()}; lower "
+            "train.lr, raise train.warmup_steps or set train.clip")
 
     def _batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch of whole sequences as this rank feeds it to the model: its part of each
