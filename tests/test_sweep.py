@@ -17,7 +17,8 @@ import pytest
 from conftest import ROOT, run_cli
 from scaletrain.config import load_config
 from scaletrain.model.flops import param_counts
-from scaletrain.scaling.grid import deepseek_hyperparameters, plan_points, shapes_around
+from scaletrain.scaling.grid import deepseek_hyperparameters, family, plan_points, shapes_around
+from scaletrain.scaling.laws import ChinchillaLaw
 from scaletrain.sweep import Sweep, SweepSettings
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
@@ -68,6 +69,30 @@ def test_no_point_shorter_than_min_steps_is_planned(stdlib_data, tmp_path):
     assert sweep.planned() == {1e11: len(small), 1e12: 5}
     with pytest.raises(ValueError, match=r"budget 1e\+09 FLOPs is too small .* raise it to at least"):
         sweep.points_of(1e9, [])
+
+
+def test_the_final_run_is_the_shape_the_law_predicts_lowest(stdlib_data, tmp_path):
+    """Not the shape nearest N_opt: this law (approach 3 on the CPU demo's sweep at seed 4)
+    asks for 259k parameters at 4e12 FLOPs; the nearest shape (d96-l2, 320k) is predicted a
+    little worse than d80-l1 (169k), which is also the one that trained better."""
+    sweep = Sweep(tmp_path / "plan", SweepSettings(data=str(stdlib_data), budgets=[1e11, 1e12], seq_len=128,
+                                                   min_steps=250))
+    law = ChinchillaLaw(E=1.88695, A=154.345, B=35716.6, alpha=0.477335, beta=0.807415)
+    n_opt, _ = law.optimum(4e12)
+    assert shapes_around(n_opt, 1, sweep.vocab_size)[0].name == "d96-l2"
+    point, warmup = sweep.best_point(law, 4e12)
+    assert point.shape.name == "d80-l1"
+    # trained as the sweep trains that shape, for the tokens the budget buys it
+    lr, batch_seqs, shape_warmup = sweep.shape_plan(point.shape)
+    assert (point.lr, point.batch_seqs, warmup) == (lr, batch_seqs, shape_warmup)
+    assert point.compute == pytest.approx(4e12, rel=0.01)
+    for _, shape in family(sweep.vocab_size):
+        if sweep.fits(shape, 4e12) and shape != point.shape:
+            _, other_batch, _ = sweep.shape_plan(shape)
+            other = plan_points(4e12, [shape], sweep.vocab_size, 128, lambda c, d: (lr, other_batch * 128))[0]
+            assert law.loss(other.n, other.tokens) > law.loss(point.n, point.tokens)
+    with pytest.raises(ValueError, match="no shape of the family trains 250 steps at 1e\\+09 FLOPs"):
+        sweep.best_point(law, 1e9)
 
 
 @pytest.fixture(scope="module")

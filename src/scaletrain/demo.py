@@ -13,7 +13,6 @@ from pathlib import Path
 
 from scaletrain.config import load_config
 from scaletrain.scaling.fit import Points, bootstrap_laws, fit_all, interval, law_of
-from scaletrain.scaling.grid import plan_points, shapes_around
 from scaletrain.sweep import DECAY_FRACTION, Sweep, SweepSettings
 
 log = logging.getLogger("scaletrain")
@@ -94,15 +93,13 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
     target = settings.extrapolate * max(settings.budgets)
     n_opt, _ = law.optimum(target)
     # Of the shapes that train at least min_steps there, as every sweep point does (a law fitted
-    # on few points can ask for a model so large that the budget buys it a step or two).
-    shape = shapes_around(n_opt, 1, sweep.vocab_size, allowed=lambda s: sweep.fits(s, target))[0]
-    lr, batch_seqs, warmup = sweep.shape_plan(shape)
-    point = plan_points(target, [shape], sweep.vocab_size, settings.seq_len,
-                        lambda c, d: (lr, batch_seqs * settings.seq_len))[0]
+    # on few points can ask for a model so large that the budget buys it a step or two), the one
+    # the law predicts lowest.
+    point, warmup = sweep.best_point(law, target)
     predicted = law.loss(point.n, point.tokens)
     low, high = interval([sample.loss(point.n, point.tokens) for sample in boot])
     say("train", name=point.name, n=point.n, tokens=point.tokens)
-    cfg = load_config(None, [*sweep.run_overrides(point, lr, point.batch_seqs, warmup), f"train.steps={point.steps}",
+    cfg = load_config(None, [*sweep.run_overrides(point, point.lr, point.batch_seqs, warmup), f"train.steps={point.steps}",
                              "train.schedule=wsd", f"train.decay_fraction={DECAY_FRACTION}", f"run.dir={out}",
                              "run.name=final", "checkpoint.interval=0"])
     result = train(cfg)

@@ -139,6 +139,32 @@ class Sweep:
         return plan_points(budget, shapes, self.vocab_size, self.settings.seq_len, self.hyperparameters,
                            micro_batch=self.settings.micro_batch)
 
+    def best_point(self, law: ChinchillaLaw, budget: float) -> tuple[Point, int]:
+        """(point, warmup steps) of the shape a fitted law predicts to reach the lowest loss at
+        `budget`, trained as the sweep trains that shape (its learning rate, batch and warmup),
+        among the family's shapes that train at least min_steps there.
+
+        The lowest predicted loss, not the shape nearest N_opt in log N: around the optimum
+        L(N, C/F(N)) is flat on the side of small N and steep on the side of large N, and the
+        family's shapes are up to 1.9x apart in N, so the nearest one can be the worse. (On the
+        CPU demo, seed 4, N_opt was 259k: the nearest shape, d96-l2 with 320k parameters, was
+        predicted 2.533 and reached 2.655; the next below, d80-l1 with 169k, was predicted
+        2.532 and reached 2.523; BENCHMARKS.md.)"""
+        candidates = []
+        for _, shape in family(self.vocab_size):
+            if not self.fits(shape, budget):
+                continue
+            lr, batch_seqs, warmup = self.shape_plan(shape)
+            point = plan_points(budget, [shape], self.vocab_size, self.settings.seq_len,
+                                lambda c, d: (lr, batch_seqs * self.settings.seq_len),
+                                micro_batch=self.settings.micro_batch)[0]
+            candidates.append((law.loss(point.n, point.tokens), point, warmup))
+        if not candidates:
+            raise ConfigError(f"no shape of the family trains {self.settings.min_steps} steps at {budget:.3g} FLOPs; "
+                              "raise the budget or lower min_steps")
+        _, point, warmup = min(candidates, key=lambda c: c[0])
+        return point, warmup
+
     # -- running -------------------------------------------------------------------------------
 
     def results(self) -> list[dict]:
