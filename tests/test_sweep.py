@@ -3,6 +3,7 @@ branches that equal separate runs, and a sweep killed mid-way that resumes to th
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -161,6 +162,9 @@ def test_a_sweep_directory_refuses_other_settings(stdlib_data, uninterrupted):
 def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path):
     """`scaletrain demo` at a tiny size: prepare, sweep 2 budgets x 3 shapes, fit, train the
     predicted optimum at 3x the largest budget, report predicted against actual loss."""
+    from rich.console import Console
+
+    from scaletrain.cli import demo_table
     from scaletrain.demo import DemoSettings, run_demo
 
     settings = DemoSettings(budgets=(2e10, 6e10), shapes=3, extrapolate=3.0, seq_len=64, max_bytes=400_000,
@@ -174,6 +178,19 @@ def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path):
     assert report["law_min_steps"] == 0 and report["law_points"] == 6
     assert math.isfinite(report["actual_loss"]) and report["predicted_loss"] > 0
     assert report["error"] == pytest.approx((report["actual_loss"] - report["predicted_loss"]) / report["predicted_loss"])
+    speed = report["throughput"]  # FLOP/s of the sweep and of the final run; no peak known for a CPU
+    assert speed["device"] == "cpu" and speed["final"]["flops"] == report["target_flops"]
+    for part in ("sweep", "final"):
+        assert speed[part]["flops_per_s"] == pytest.approx(speed[part]["flops"] / speed[part]["seconds"])
+        assert speed[part]["flops_per_s"] > 0 and speed[part]["utilisation"] is None
+    printed = io.StringIO()  # the table `scaletrain demo` prints from this report
+    Console(file=printed, width=200).print(demo_table(report, settings.concurrency, 12.0))
+    assert f"{report['error']:+.2%}" in printed.getvalue() and "all 6 points" in printed.getvalue()
+    assert "sweep throughput (1 at once)" in printed.getvalue() and " FLOP/s over " in printed.getvalue()
+    on_gpu = {**report, "throughput": {**speed, "sweep": {**speed["sweep"], "utilisation": 0.031}}}
+    printed = io.StringIO()
+    Console(file=printed, width=200).print(demo_table(on_gpu, 4, 12.0))
+    assert "3.1% of the bf16 peak" in printed.getvalue()
     saved = json.loads((tmp_path / "demo.json").read_text())
     assert saved["final"] == report["final"]
     assert (tmp_path / "sweep" / "law.json").is_file() and (tmp_path / "final" / "metrics.jsonl").is_file()

@@ -200,18 +200,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
 # -- sweep ----------------------------------------------------------------------------------
 
 
-def _utilisation(flops_per_s: float, device: str, workers: int) -> str:
+def _utilisation(flops_per_s: float | None, device: str, workers: int) -> str:
     """', N% of the bf16 peak of the GPUs in use' where the peak is known."""
-    import torch
+    from scaletrain.sweep import peak_in_use
 
-    from scaletrain.plan.hardware import peak_flops
-
-    if device == "cpu" or not torch.cuda.is_available():
+    _, peak = peak_in_use(device, workers)
+    if peak is None or flops_per_s is None:
         return ""
-    peak = peak_flops(torch.cuda.get_device_name(), "bf16")
-    if peak is None:
-        return ""
-    return f", {flops_per_s / (peak * min(workers, torch.cuda.device_count())):.1%} of the GPUs' bf16 peak"
+    return f", {flops_per_s / peak:.1%} of the GPUs' bf16 peak"
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -372,6 +368,36 @@ def cmd_fit(args: argparse.Namespace) -> int:
 # -- demo -------------------------------------------------------------------------------------
 
 
+def demo_table(report: dict, concurrency: int, seconds: float) -> Table:
+    """The demo's report (demo.json) as the table `scaletrain demo` prints."""
+    low, high = report["predicted_interval"]
+    a = report["a"]
+    table = Table(title=f"scaletrain demo: {report['points']} sweep points, then {report['extrapolation']:.1f}x the "
+                        f"largest budget ({seconds:.0f} s)")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_row("approach 3 fitted to", f"the {report['law_points']} points of >= {report['law_min_steps']} steps"
+                  if report["law_min_steps"] else f"all {report['law_points']} points")
+    table.add_row("fitted exponent a (N_opt ∝ C^a), 95% interval", f"{a['value']:.3f} [{a['low']:.3f}, {a['high']:.3f}]")
+    b = report["b"]
+    table.add_row("fitted exponent b (D_opt ∝ C^b)", f"{b['value']:.3f} [{b['low']:.3f}, {b['high']:.3f}]")
+    table.add_row("model trained", f"{report['final']['name']}: N {report['final']['n']:,}, "
+                                   f"D {report['final']['tokens']:,}")
+    table.add_row("predicted validation loss", f"{report['predicted_loss']:.4f} [{low:.4f}, {high:.4f}]")
+    table.add_row("actual validation loss", f"{report['actual_loss']:.4f}")
+    table.add_row("error", f"{report['error']:+.2%}")
+    if report["backtest"]:
+        table.add_row("backtest: the law without the largest budgets", _backtest(report["backtest"]))
+    table.add_row("sweep FLOPs saved by cooldown branches", f"{report['sweep_savings']['saved_fraction']:.0%}")
+    speed = report["throughput"]
+    for part, what in (("sweep", f"sweep throughput ({concurrency} at once)"), ("final", "final run throughput")):
+        run = speed[part]
+        if run["seconds"]:
+            table.add_row(what, f"{run['flops_per_s']:.3g} FLOP/s over {run['seconds']:.0f} s"
+                          + (f", {run['utilisation']:.1%} of the bf16 peak" if run["utilisation"] is not None else ""))
+    return table
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -392,26 +418,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             console.print(f"{stage} …")
 
     report = run_demo(Path(args.out), settings, progress=show)
-    low, high = report["predicted_interval"]
-    a = report["a"]
-    table = Table(title=f"scaletrain demo: {report['points']} sweep points, then {report['extrapolation']:.1f}x the "
-                        f"largest budget ({time.perf_counter() - started:.0f} s)")
-    table.add_column("")
-    table.add_column("value", justify="right")
-    table.add_row("approach 3 fitted to", f"the {report['law_points']} points of >= {report['law_min_steps']} steps"
-                  if report["law_min_steps"] else f"all {report['law_points']} points")
-    table.add_row("fitted exponent a (N_opt ∝ C^a), 95% interval", f"{a['value']:.3f} [{a['low']:.3f}, {a['high']:.3f}]")
-    b = report["b"]
-    table.add_row("fitted exponent b (D_opt ∝ C^b)", f"{b['value']:.3f} [{b['low']:.3f}, {b['high']:.3f}]")
-    table.add_row("model trained", f"{report['final']['name']}: N {report['final']['n']:,}, "
-                                   f"D {report['final']['tokens']:,}")
-    table.add_row("predicted validation loss", f"{report['predicted_loss']:.4f} [{low:.4f}, {high:.4f}]")
-    table.add_row("actual validation loss", f"{report['actual_loss']:.4f}")
-    table.add_row("error", f"{report['error']:+.2%}")
-    if report["backtest"]:
-        table.add_row("backtest: the law without the largest budgets", _backtest(report["backtest"]))
-    table.add_row("sweep FLOPs saved by cooldown branches", f"{report['sweep_savings']['saved_fraction']:.0%}")
-    out.print(table)
+    out.print(demo_table(report, settings.concurrency, time.perf_counter() - started))
     return 0
 
 

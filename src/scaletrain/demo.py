@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.config import load_config
 from scaletrain.scaling.fit import Points, bootstrap_laws, fit_all, interval, law_of
-from scaletrain.sweep import DECAY_FRACTION, Sweep, SweepSettings
+from scaletrain.sweep import DECAY_FRACTION, Sweep, SweepSettings, peak_in_use
 
 log = logging.getLogger("scaletrain")
 
@@ -102,7 +103,9 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
     cfg = load_config(None, [*sweep.run_overrides(point, point.lr, point.batch_seqs, warmup), f"train.steps={point.steps}",
                              "train.schedule=wsd", f"train.decay_fraction={DECAY_FRACTION}", f"run.dir={out}",
                              "run.name=final", "checkpoint.interval=0"])
+    started = time.perf_counter()
     result = train(cfg)
+    final_s = time.perf_counter() - started
     report = {
         "budgets": list(settings.budgets), "points": len(rows), "law_points": doc["approach3"]["points"],
         "law_min_steps": fit_min_steps, "target_flops": point.compute,
@@ -112,6 +115,24 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
         "error": (result.val_loss - predicted) / predicted,
         "a": doc["approach3"]["a"], "b": doc["approach3"]["b"],
         "approach2_a": doc["approach2"].get("a"), "backtest": doc["backtest"], "sweep_savings": sweep.savings(rows),
+        "throughput": _throughput(settings, sweep, point.compute, final_s),
     }
     (out / "demo.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def _throughput(settings: DemoSettings, sweep: Sweep, final_flops: float, final_s: float) -> dict:
+    """Training FLOPs per second of the sweep (this invocation's points, `concurrency` at once,
+    evaluation and checkpoints included) and of the final run, and their share of the bf16 peak
+    of the GPUs in use: what tiny models make of a device (the sweep's `--concurrency` exists
+    because one at a time they leave most of it idle)."""
+    device, sweep_peak = peak_in_use(settings.device, settings.concurrency)
+    _, final_peak = peak_in_use(settings.device)
+
+    def part(flops: float, seconds: float, peak: float | None) -> dict:
+        rate = flops / seconds if flops and seconds else None
+        return {"flops": flops, "seconds": seconds, "flops_per_s": rate,
+                "utilisation": rate / peak if rate is not None and peak is not None else None}
+
+    return {"device": device, "sweep": part(sweep.spent_here, sweep.elapsed_s if sweep.spent_here else 0.0, sweep_peak),
+            "final": part(final_flops, final_s, final_peak)}

@@ -317,6 +317,21 @@ class Sweep:
                 "saved_fraction": 1 - branched / separate if separate else 0.0}
 
 
+def peak_in_use(device: str, workers: int = 1) -> tuple[str, float | None]:
+    """(name, dense bf16 peak FLOP/s) of the devices `workers` concurrent runs on `device` use:
+    the GPUs they take in turn (at most one each), or the CPU, whose peak is not known (None),
+    as for a GPU plan/hardware.py does not list."""
+    import torch
+
+    from scaletrain.plan.hardware import peak_flops
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return "cpu", None
+    name = torch.cuda.get_device_name()
+    peak = peak_flops(name, "bf16")
+    return name, None if peak is None else peak * min(workers, torch.cuda.device_count())
+
+
 def _pool(workers: int, device: str):
     """Worker processes that each train on their own device (GPUs in turn) with their share of
     the CPU threads. Spawned, not forked: CUDA and torch's thread pools do not survive a fork."""
