@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT, run_cli
 from scaletrain.scaling.fit import (Points, backtest, bootstrap_parametric, envelope_minima, fit_all, fit_allocation,
-                                   fit_parametric, interval, law_of, read_points)
+                                   bootstrap_laws, fit_parametric, interval, law_of, read_points)
 from scaletrain.scaling.laws import ChinchillaLaw, KaplanLaw, preset
 from scaletrain.scaling.optimal import (R_STAR_D, compute_optimal, data_constrained_loss, data_constrained_optimal,
                                         effective_data, inference_optimal, predict)
@@ -185,6 +185,21 @@ def test_published_laws_carry_their_provenance_and_predict():
     boot = [ChinchillaLaw(E=1.7 + 0.01 * i, A=400.0, B=1500.0, alpha=0.34, beta=0.37) for i in range(-5, 6)]
     result = predict(TRUTH, 1e21, boot)
     assert result["loss_interval"][0] < result["loss"] < result["loss_interval"][1]
+
+
+def test_plots_survive_a_degenerate_bootstrap_resample(tmp_path):
+    """A resample of few points can fit exponents near 0, whose optimum is astronomical or
+    overflows: the plots cut the band off instead of failing (as they did on a 6-point sweep)."""
+    from scaletrain.report.scaling import plot_fit
+
+    points = isoflop_points(TRUTH, budgets=(1e18, 1e19), shapes=3)
+    doc = fit_all(points, samples=3)
+    doc["bootstrap"] += [[0.0, 7.4, 5.7, 0.0005, 0.0005], [0.0, 400.0, 5.7, 0.0005, 0.0005]]
+    assert bootstrap_laws(doc)[-2].optimum(1e20)[0] > 1e120  # finite, but beyond what a log axis can tick
+    assert bootstrap_laws(doc)[-1].optimum(1e20) == (math.inf, 0.0)  # beyond a float: no OverflowError
+    paths = plot_fit(points, doc, tmp_path)
+    assert [p.name for p in paths] == ["isoflop.png", "optimal.png", "contours.png", "residuals.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)
 
 
 def test_fit_command_writes_the_law_and_plots_and_predicts(tmp_path):

@@ -45,9 +45,12 @@ def plot_fit(points: Points, doc: dict, out: Path) -> list[Path]:
     for index, (ax, name) in enumerate(zip(axes, ("N_opt", "D_opt"))):
         best = np.array([law.optimum(c)[index] for c in compute])
         ax.plot(compute, best, color="C0", label=f"approach 3 (exponent {law.exponents[index]:.3f})")
+        shown = [best]  # what the axis must hold; a degenerate resample's optimum may be 1e300 or inf
         if boot:
             band = np.array([[sample.optimum(c)[index] for c in compute] for sample in boot])
-            ax.fill_between(compute, *np.percentile(band, [2.5, 97.5], axis=0), color="C0", alpha=0.2,
+            with np.errstate(invalid="ignore"):  # between two infinite optima: nan, not drawn
+                low, high = np.percentile(band, [2.5, 97.5], axis=0)
+            ax.fill_between(compute, low, high, where=np.isfinite(low) & np.isfinite(high), color="C0", alpha=0.2,
                             label="95% bootstrap")
         for approach, parabola, colour in (("approach1", False, "C1"), ("approach2", True, "C2")):
             fit = doc.get(approach, {})
@@ -59,7 +62,12 @@ def plot_fit(points: Points, doc: dict, out: Path) -> list[Path]:
             ax.scatter(c, n if index == 0 else d, color=colour, s=16)
             ax.plot(compute, coefficient * compute ** exponent, color=colour, ls="--",
                     label=f"{approach.replace('approach', 'approach ')} (exponent {exponent:.3f})")
+            shown.append(n if index == 0 else d)
+        shown = np.concatenate(shown)
+        shown = shown[(shown > 0) & (shown < 1e100)]
         ax.set(xscale="log", yscale="log", xlabel="training FLOPs C", ylabel=name)
+        if len(shown):  # the fits and the points, with a decade either side; a wider band is cut off
+            ax.set_ylim(shown.min() / 10, shown.max() * 10)
         ax.legend(fontsize=7)
     paths.append(_save(fig, out / "optimal.png"))
 

@@ -9,6 +9,7 @@ stated with each preset.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 
@@ -33,9 +34,14 @@ class ChinchillaLaw:
         closed form of Hoffmann et al. appendix D.2, N_opt = G (C/6)^(β/(α+β)), D_opt = G⁻¹
         (C/6)^(α/(α+β)), G = (αA / βB)^(1/(α+β))."""
         a, b = self.alpha, self.beta
-        g = (a * self.A / (b * self.B)) ** (1 / (a + b))
-        scaled = compute / flops_per_param_token
-        return g * scaled ** (b / (a + b)), scaled ** (a / (a + b)) / g
+        # In logs: exponents near 0 (a resample of few points can fit them) put G beyond a float;
+        # N_opt is then inf and D_opt 0 rather than an OverflowError.
+        log_g = (math.log(a * self.A) - math.log(b * self.B)) / (a + b)
+        log_scaled = math.log(compute / flops_per_param_token)
+        log_n = log_g + log_scaled * b / (a + b)
+        if log_n > 700:
+            return math.inf, 0.0
+        return math.exp(log_n), math.exp(log_scaled - log_n)
 
     @property
     def exponents(self) -> tuple[float, float]:
