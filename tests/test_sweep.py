@@ -18,6 +18,7 @@ import pytest
 from conftest import ROOT, run_cli
 from scaletrain.config import load_config
 from scaletrain.model.flops import param_counts
+from scaletrain.scaling.fit import law_of
 from scaletrain.scaling.grid import deepseek_hyperparameters, family, plan_points, shapes_around
 from scaletrain.scaling.laws import ChinchillaLaw
 from scaletrain.sweep import Sweep, SweepSettings
@@ -127,6 +128,26 @@ def test_branching_saves_flops_and_records_both_counts(uninterrupted):
         assert math.isfinite(row["loss"])
     saved = sweep.savings(rows)
     assert 0.1 < saved["saved_fraction"] < 0.5 and saved["branched_flops"] < saved["separate_flops"]
+
+
+def test_fit_names_the_shape_to_train_and_writes_its_config(uninterrupted, tmp_path):
+    sweep, _ = uninterrupted
+    result = run_cli("fit", str(sweep.out), "--bootstrap", "5", "--predict", "2e11", "--predict", "1e9",
+                     "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    doc = json.loads((tmp_path / "law.json").read_text())
+    shape, none = (entry["shape"] for entry in doc["predictions"])
+    assert "no shape of the family trains 20 steps at 1e+09 FLOPs" in none["skipped"]
+    point, warmup = Sweep.open(sweep.out).best_point(law_of(doc), 2e11)
+    assert (shape["name"], shape["n"], shape["d"], shape["steps"]) == (point.shape.name, point.n, point.tokens,
+                                                                       point.steps)
+    assert f"train it with: scaletrain train {shape['config']}" in " ".join(result.stdout.split())
+    cfg = load_config(shape["config"])  # the run the sweep would make of that point, alone
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.train.steps) == (point.shape.dim, point.shape.n_layers, point.steps)
+    assert (cfg.train.lr, cfg.train.warmup_steps, cfg.train.schedule) == (point.lr, warmup, "wsd")
+    assert cfg.train.global_batch_tokens == point.batch_seqs * 64 and cfg.data.path == sweep.settings.data
+    with pytest.raises(ValueError, match="is not a sweep directory"):
+        Sweep.open(tmp_path)
 
 
 def test_a_sweep_killed_mid_way_resumes_to_the_results_of_one_that_was_not(stdlib_data, uninterrupted, tmp_path):

@@ -327,6 +327,15 @@ def cmd_fit(args: argparse.Namespace) -> int:
         if doc["backtest"]:
             table.add_row("backtest: approach 3 without the largest budgets", _backtest(doc["backtest"]))
         out.print(table)
+    sweep = None  # a sweep directory names the shape of its family to train at each budget
+    if args.predict and out_dir is not None and args.sweep_dir and (Path(args.sweep_dir) / "grid.json").is_file():
+        from scaletrain.config import ConfigError
+        from scaletrain.sweep import Sweep
+
+        try:
+            sweep = Sweep.open(Path(args.sweep_dir))
+        except ConfigError as e:
+            out.print(f"(no shape of the sweep's family named: {e})")
     predictions = []
     for compute in args.predict or []:
         entry = predict(law, compute, boot)
@@ -354,6 +363,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
             limited = entry["data_constrained"]
             out.print(f"  with {args.unique_tokens:.3g} unique tokens: N {limited['n']:.4g}, D {limited['d']:.4g} "
                       f"({limited['epochs']:.1f} epochs), loss {limited['loss']:.4f}")
+        if sweep is not None:
+            entry["shape"] = _shape_to_train(sweep, law, compute, out_dir)
     if out_dir is not None:
         from scaletrain.report.scaling import plot_fit
 
@@ -363,6 +374,28 @@ def cmd_fit(args: argparse.Namespace) -> int:
         paths = plot_fit(points, doc, out_dir)
         out.print(f"wrote {out_dir / 'law.json'} and {', '.join(p.name for p in paths)}")
     return 0
+
+
+def _shape_to_train(sweep, law, compute: float, out_dir) -> dict:
+    """The shape of the sweep's family that `law` predicts lowest at `compute`, trained as the
+    sweep trains it; writes its config beside law.json and says how to train it."""
+    from scaletrain.config import ConfigError
+
+    name = f"{sweep.out.name}-C{compute:.4g}".replace("+", "")
+    try:
+        point, cfg = sweep.best_run(law, compute, ["run.dir=runs", f"run.name={name}"])
+    except ConfigError as e:
+        out.print(f"  in the sweep's shape family: none ({e})")
+        return {"skipped": str(e)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"train-{point.name}.toml"
+    path.write_text(cfg.to_toml())
+    loss = law.loss(point.n, point.tokens)
+    out.print(f"  in the sweep's shape family: {point.shape.name} (N {point.n:,}, D {point.tokens:,}: {point.steps:,} "
+              f"steps of {point.batch_seqs} sequences, lr {point.lr:.3g}), loss {loss:.4f}; "
+              f"train it with: scaletrain train {path}")
+    return {"name": point.shape.name, "n": point.n, "d": point.tokens, "steps": point.steps,
+            "batch_seqs": point.batch_seqs, "lr": point.lr, "loss": loss, "config": str(path)}
 
 
 # -- demo -------------------------------------------------------------------------------------
@@ -533,7 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the law")
     p.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals (200)")
     p.add_argument("--predict", type=_flops, action="append", metavar="C",
-                   help="training FLOPs to predict N_opt, D_opt and loss for (repeatable)")
+                   help="training FLOPs to predict N_opt, D_opt and loss for (repeatable); from a sweep "
+                        "directory, also the shape of its family to train there, with its config written beside "
+                        "law.json")
     p.add_argument("--inference-tokens", type=_flops, default=None,
                    help="with --predict: lifetime inference tokens, for inference-aware sizing (Sardana et al. 2023)")
     p.add_argument("--unique-tokens", type=_flops, default=None,

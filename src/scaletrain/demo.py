@@ -12,9 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletrain.config import load_config
 from scaletrain.scaling.fit import Points, bootstrap_laws, fit_all, interval, law_of
-from scaletrain.sweep import DECAY_FRACTION, Sweep, SweepSettings, peak_in_use
+from scaletrain.sweep import Sweep, SweepSettings, peak_in_use
 
 log = logging.getLogger("scaletrain")
 
@@ -96,13 +95,10 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
     # Of the shapes that train at least min_steps there, as every sweep point does (a law fitted
     # on few points can ask for a model so large that the budget buys it a step or two), the one
     # the law predicts lowest.
-    point, warmup = sweep.best_point(law, target)
+    point, cfg = sweep.best_run(law, target, [f"run.dir={out}", "run.name=final", "checkpoint.interval=0"])
     predicted = law.loss(point.n, point.tokens)
     low, high = interval([sample.loss(point.n, point.tokens) for sample in boot])
     say("train", name=point.name, n=point.n, tokens=point.tokens)
-    cfg = load_config(None, [*sweep.run_overrides(point, point.lr, point.batch_seqs, warmup), f"train.steps={point.steps}",
-                             "train.schedule=wsd", f"train.decay_fraction={DECAY_FRACTION}", f"run.dir={out}",
-                             "run.name=final", "checkpoint.interval=0"])
     started = time.perf_counter()
     result = train(cfg)
     final_s = time.perf_counter() - started

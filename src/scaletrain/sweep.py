@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from scaletrain.config import ConfigError, load_config
+from scaletrain.config import ConfigError, RunConfig, load_config
 from scaletrain.data.shards import read_index
 from scaletrain.scaling.fit import Points, fit_allocation
 from scaletrain.model.flops import train_flops_per_token
@@ -86,6 +86,15 @@ class Sweep:
             temporary = saved.with_suffix(f".{os.getpid()}.tmp")
             temporary.write_text(text)
             temporary.replace(saved)
+
+    @classmethod
+    def open(cls, out: Path) -> Sweep:
+        """The sweep that `out` holds, with the settings it was started with (and the default
+        hyperparameter rule: a swapped-in rule is code, not recorded in grid.json)."""
+        saved = Path(out) / "grid.json"
+        if not saved.is_file():
+            raise ConfigError(f"{str(out)!r} is not a sweep directory (no grid.json)")
+        return cls(out, SweepSettings(**json.loads(saved.read_text())["settings"]))
 
     # -- the grid ------------------------------------------------------------------------------
 
@@ -164,6 +173,15 @@ class Sweep:
                               "raise the budget or lower min_steps")
         _, point, warmup = min(candidates, key=lambda c: c[0])
         return point, warmup
+
+    def best_run(self, law: ChinchillaLaw, budget: float, overrides: list[str] = ()) -> tuple[Point, RunConfig]:
+        """best_point's point and the config that trains it as a single warmup-stable-decay run
+        (then `overrides`, e.g. run.dir and run.name)."""
+        point, warmup = self.best_point(law, budget)
+        cfg = load_config(None, [*self.run_overrides(point, point.lr, point.batch_seqs, warmup),
+                                 f"train.steps={point.steps}", "train.schedule=wsd",
+                                 f"train.decay_fraction={DECAY_FRACTION}", *overrides])
+        return point, cfg
 
     # -- running -------------------------------------------------------------------------------
 
