@@ -392,8 +392,8 @@ def _shape_to_train(sweep, law, compute: float, out_dir) -> dict:
     path.write_text(cfg.to_toml())
     loss = law.loss(point.n, point.tokens)
     out.print(f"  in the sweep's shape family: {point.shape.name} (N {point.n:,}, D {point.tokens:,}: {point.steps:,} "
-              f"steps of {point.batch_seqs} sequences, lr {point.lr:.3g}), loss {loss:.4f}; "
-              f"train it with: scaletrain train {path}")
+              f"steps of {point.batch_seqs} sequences, lr {point.lr:.3g}), loss {loss:.4f}")
+    out.print(f"  train it with: scaletrain train {path}", soft_wrap=True, highlight=False)
     return {"name": point.shape.name, "n": point.n, "d": point.tokens, "steps": point.steps,
             "batch_seqs": point.batch_seqs, "lr": point.lr, "loss": loss, "config": str(path)}
 
