@@ -235,6 +235,12 @@ def test_builtin_python_stdlib_prepares_within_max_bytes(tmp_path):
     assert open_split(tmp_path / "data", "train").tokens == stats["tokens"]["train"]
 
 
+def test_builtin_python_packages_reads_the_installed_packages(tmp_path):
+    result = prepare(["builtin:python-packages"], tmp_path / "data", 512, max_bytes=300_000, workers=1)
+    assert 0 < result.stats["bytes"]["kept"] <= 300_000 and result.stats["documents"]["train"] > 0
+    assert result.stats["files"]["listed"] > 1000  # numpy and torch alone have thousands of modules
+
+
 def test_max_bytes_keeps_whole_documents_in_order_up_to_the_limit(tmp_path):
     for i in range(10):
         (tmp_path / f"{i}.txt").write_text(f"document {i} " + "x" * 89)  # 100 bytes each

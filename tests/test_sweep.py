@@ -17,6 +17,7 @@ import pytest
 
 from conftest import ROOT, run_cli
 from scaletrain.config import load_config
+from scaletrain.data.shards import read_index
 from scaletrain.model.flops import param_counts
 from scaletrain.scaling.fit import law_of
 from scaletrain.scaling.grid import deepseek_hyperparameters, family, plan_points, shapes_around
@@ -180,7 +181,7 @@ def test_a_sweep_directory_refuses_other_settings(stdlib_data, uninterrupted):
         Sweep(sweep.out, other)
 
 
-def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path):
+def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path, caplog):
     """`scaletrain demo` at a tiny size: prepare, sweep 2 budgets x 3 shapes, fit, train the
     predicted optimum at 3x the largest budget, report predicted against actual loss."""
     from rich.console import Console
@@ -199,6 +200,11 @@ def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path):
     assert report["law_min_steps"] == 0 and report["law_points"] == 6
     assert math.isfinite(report["actual_loss"]) and report["predicted_loss"] > 0
     assert report["error"] == pytest.approx((report["actual_loss"] - report["predicted_loss"]) / report["predicted_loss"])
+    data = report["data"]  # how often the runs repeat the training tokens
+    assert data["train_tokens"] == read_index(tmp_path / "data")["splits"]["train"]["tokens"]
+    assert data["final_epochs"] == report["final"]["tokens"] / data["train_tokens"]
+    assert data["final_epochs"] > 0 and data["sweep_max_epochs"] > settings.max_epochs  # 400 kB: warned
+    assert f"repeated up to {data['sweep_max_epochs']:.1f} times in the sweep" in caplog.text
     speed = report["throughput"]  # FLOP/s of the sweep and of the final run; no peak known for a CPU
     assert speed["device"] == "cpu" and speed["final"]["flops"] == report["target_flops"]
     for part in ("sweep", "final"):
@@ -208,6 +214,7 @@ def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path):
     Console(file=printed, width=200).print(demo_table(report, settings.concurrency, 12.0))
     assert f"{report['error']:+.2%}" in printed.getvalue() and "all 6 points" in printed.getvalue()
     assert "sweep throughput (1 at once)" in printed.getvalue() and " FLOP/s over " in printed.getvalue()
+    assert f"{data['final_epochs']:.2f} in the final run" in printed.getvalue()
     on_gpu = {**report, "throughput": {**speed, "sweep": {**speed["sweep"], "utilisation": 0.031}}}
     printed = io.StringIO()
     Console(file=printed, width=200).print(demo_table(on_gpu, 4, 12.0))

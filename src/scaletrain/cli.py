@@ -422,6 +422,9 @@ def demo_table(report: dict, concurrency: int, seconds: float) -> Table:
     if report["backtest"]:
         table.add_row("backtest: the law without the largest budgets", _backtest(report["backtest"]))
     table.add_row("sweep FLOPs saved by cooldown branches", f"{report['sweep_savings']['saved_fraction']:.0%}")
+    data = report["data"]
+    table.add_row("epochs of the training data", f"{data['final_epochs']:.2f} in the final run, at most "
+                  f"{data['sweep_max_epochs']:.2f} in the sweep ({data['train_tokens']:,} tokens)")
     speed = report["throughput"]
     for part, what in (("sweep", f"sweep throughput ({concurrency} at once)"), ("final", "final run throughput")):
         run = speed[part]

@@ -30,6 +30,7 @@ class DemoSettings:
     extrapolate: float = 4.0  # the final run's budget, as a multiple of the largest swept
     seq_len: int = 128
     vocab_size: int = 512
+    sources: tuple[str, ...] = ("builtin:python-stdlib",)
     max_bytes: int = 24_000_000
     val_fraction: float = 0.03
     eval_tokens: int = 65536
@@ -43,21 +44,32 @@ class DemoSettings:
     # the miss went from -4.3% on average (fitted to every point) to -0.7%: BENCHMARKS.md.
     fit_min_steps: int = 500
     seed: int = 0  # of every sweep point and the final run (one demo's miss is one draw: BENCHMARKS.md)
+    # A run that repeats its data more often than this gets a warning: up to about 4 epochs,
+    # repeated tokens are worth nearly as much as unique ones (Muennighoff et al. 2023,
+    # "Scaling Data-Constrained Language Models"); beyond, the law would be fitted to, and
+    # predict, runs of repeated data.
+    max_epochs: float = 4.0
 
     @classmethod
     def gpu(cls) -> DemoSettings:
         # Sized (not yet measured) from the ~125M config's H200 throughput: sweep 3e14-3e15 FLOPs,
         # the final run at 10x the largest budget, 3e16 FLOPs. A 4,096-token vocabulary: with
-        # 8,192 the narrowest shapes at 3e14 would be 98% embedding and head.
+        # 8,192 the narrowest shapes at 3e14 would be 98% embedding and head. The final run is
+        # about 14M parameters on 340M tokens, and the smallest shapes at 3e15 train on up to
+        # 500M: the standard library alone (~30 MB, ~8M tokens) would be repeated 40-60 times,
+        # so the installed packages' code comes too, up to 400 MB (~125M tokens at 3.2 bytes a
+        # token, as measured on this project's own environment, whose 190 MB gave 50M tokens
+        # in 2 minutes on 2 cores), and demo.json reports the epochs each run saw.
         return cls(budgets=(3e14, 4.8e14, 7.5e14, 1.2e15, 1.9e15, 3e15), shapes=5, extrapolate=10.0,
-                   seq_len=512, vocab_size=4096,
-                   max_bytes=200_000_000, val_fraction=0.01, eval_tokens=262144, device="cuda", concurrency=4)
+                   seq_len=512, vocab_size=4096, sources=("builtin:python-stdlib", "builtin:python-packages"),
+                   max_bytes=400_000_000, val_fraction=0.01, eval_tokens=262144, device="cuda", concurrency=4)
 
 
 def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], None] | None = None) -> dict:
     """Run the loop into out/ (data/, sweep/, final/); returns (and writes to out/demo.json) the
     prediction next to the result."""
     from scaletrain.data import prepare
+    from scaletrain.data.shards import read_index
     from scaletrain.train.trainer import train
 
     def say(stage: str, **info) -> None:
@@ -67,8 +79,9 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
     out = Path(out)
     data = out / "data"
     say("prepare", data=str(data))
-    prepare(["builtin:python-stdlib"], data, vocab_size=settings.vocab_size, max_bytes=settings.max_bytes,
+    prepare(list(settings.sources), data, vocab_size=settings.vocab_size, max_bytes=settings.max_bytes,
             val_fraction=settings.val_fraction)
+    data_tokens = read_index(data)["splits"]["train"]["tokens"]
     sweep = Sweep(out / "sweep", SweepSettings(data=str(data), budgets=list(settings.budgets), shapes=settings.shapes,
                                                seq_len=settings.seq_len, eval_tokens=settings.eval_tokens,
                                                min_steps=settings.min_steps, seed=settings.seed,
@@ -99,6 +112,12 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
     predicted = law.loss(point.n, point.tokens)
     low, high = interval([sample.loss(point.n, point.tokens) for sample in boot])
     say("train", name=point.name, n=point.n, tokens=point.tokens)
+    epochs = {"train_tokens": data_tokens, "sweep_max_epochs": max(r["d"] for r in rows) / data_tokens,
+              "final_epochs": point.tokens / data_tokens}
+    if max(epochs["sweep_max_epochs"], epochs["final_epochs"]) > settings.max_epochs:
+        log.warning("the data (%d training tokens) is repeated up to %.1f times in the sweep and %.1f times in the "
+                    "final run: beyond about %g epochs the law describes repeated data; prepare more text",
+                    data_tokens, epochs["sweep_max_epochs"], epochs["final_epochs"], settings.max_epochs)
     started = time.perf_counter()
     result = train(cfg)
     final_s = time.perf_counter() - started
@@ -111,7 +130,7 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
         "error": (result.val_loss - predicted) / predicted,
         "a": doc["approach3"]["a"], "b": doc["approach3"]["b"],
         "approach2_a": doc["approach2"].get("a"), "backtest": doc["backtest"], "sweep_savings": sweep.savings(rows),
-        "throughput": _throughput(settings, sweep, point.compute, final_s),
+        "throughput": _throughput(settings, sweep, point.compute, final_s), "data": epochs,
     }
     (out / "demo.json").write_text(json.dumps(report, indent=1) + "\n")
     return report

@@ -40,7 +40,15 @@ def _python_stdlib() -> tuple[Path, list[Path]]:
     return root, [p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts]
 
 
-BUILTINS: dict[str, Callable[[], tuple[Path, list[Path]]]] = {"python-stdlib": _python_stdlib}
+def _python_packages() -> tuple[Path, list[Path]]:
+    """The .py files of the packages installed for the running interpreter (its site-packages:
+    a virtual environment's own when it runs in one); from 100 MB to over 1 GB of code."""
+    root = Path(sysconfig.get_paths()["purelib"])
+    return root, list(root.rglob("*.py")) if root.is_dir() else []
+
+
+BUILTINS: dict[str, Callable[[], tuple[Path, list[Path]]]] = {"python-stdlib": _python_stdlib,
+                                                               "python-packages": _python_packages}
 
 
 def list_files(sources: list[str]) -> list[SourceFile]:
