@@ -153,9 +153,11 @@ class Sweep:
         `budget`, trained as the sweep trains that shape (its learning rate, batch and warmup),
         among the family's shapes that train at least min_steps there.
 
-        The lowest predicted loss, not the shape nearest N_opt in log N: around the optimum
-        L(N, C/F(N)) is flat on the side of small N and steep on the side of large N, and the
-        family's shapes are up to 1.9x apart in N, so the nearest one can be the worse. (On the
+        The lowest predicted loss, not the shape nearest N_opt in log N: L(N, C/F(N)) need not
+        rise alike on both sides of the optimum (with beta > alpha, as the CPU demo fits, it
+        rises faster above), and the family's shapes are up to 1.9x apart in N, so the nearest
+        one can be the worse; the loss is also taken at the tokens the exact FLOPs per token
+        buy, not at 6ND. (On the
         CPU demo, seed 4, N_opt was 259k: the nearest shape, d96-l2 with 320k parameters, was
         predicted 2.533 and reached 2.655; the next below, d80-l1 with 169k, was predicted
         2.532 and reached 2.523; BENCHMARKS.md.)"""
