@@ -22,5 +22,6 @@ fi
 case "$what" in
     suite) timeout "${2:-480}" python3 benchmarks/gpu_suite.py --out "$out/suite.json" 2>&1 | tee "$out/suite.log" ;;
     demo) timeout "${2:-540}" python3 -m scaletrain.cli demo --device cuda --out /tmp/demo 2>&1 | tee "$out/demo.log"
-          cp /tmp/demo/demo.json /tmp/demo/sweep/results.csv "$out/" 2>/dev/null ;;
+          cp /tmp/demo/demo.json /tmp/demo/sweep/results.csv /tmp/demo/sweep/law.json /tmp/demo/data/stats.json \
+             "$out/" 2>/dev/null ;;
 esac
