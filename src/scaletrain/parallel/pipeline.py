@@ -57,10 +57,21 @@ def build_schedule(parts: list[nn.Module], ids: list[int], num_stages: int, sche
     """The schedule that runs this rank's stages: `.step(inputs, target=..., losses=[...])`
     trains on a batch (gradients averaged over its micro-batches)."""
     stages = [PipelineStage(part, stage, num_stages, device, group=group) for part, stage in zip(parts, ids)]
+    for stage in stages:
+        _no_p2p_to_self(stage, dist.get_rank(group))
     cls = get_schedule_class(SCHEDULES[schedule])
     if schedule in ("gpipe", "1f1b"):
         return cls(stages[0], n_microbatches=microbatches, loss_fn=cross_entropy)
     return cls(stages, n_microbatches=microbatches, loss_fn=cross_entropy)
+
+
+def _no_p2p_to_self(stage: PipelineStage, me: int) -> None:
+    """torch 2.11 and 2.12 open a pipeline's links by sending a tensor to each stage's
+    neighbours, the one on the same rank too (V-shaped schedules), which gloo cannot do ("Pair is
+    not connected"); later releases open them otherwise. Leave those sends out."""
+    ops_of = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if ops_of is not None:
+        stage._get_init_p2p_neighbors_ops = lambda: [op for op in ops_of() if op.group_peer != me]
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
