@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_cli
-from scaletrain.scaling.fit import (Points, backtest, bootstrap_parametric, envelope_minima, fit_all, fit_allocation,
-                                   bootstrap_laws, fit_parametric, interval, law_of, read_points)
+from scaletrain.scaling.fit import (Points, backtest, bootstrap_laws, bootstrap_parametric, budget_minima,
+                                   envelope_minima, fit_all, fit_allocation, fit_parametric, interval, law_of,
+                                   read_points)
 from scaletrain.scaling.laws import ChinchillaLaw, KaplanLaw, preset
 from scaletrain.scaling.optimal import (R_STAR_D, compute_optimal, data_constrained_loss, data_constrained_optimal,
                                         effective_data, inference_optimal, predict)
@@ -97,6 +98,17 @@ def test_approach_3_can_be_fitted_to_the_longer_runs_only():
         fit_all(points, samples=5, law_min_steps=int(points.steps.max()))
     with pytest.raises(ValueError, match="these points have none"):
         fit_all(Points(points.n, points.d, points.c, points.loss, points.budget), law_min_steps=10)
+
+
+def test_approach_2_takes_d_opt_at_the_vertexs_own_flops_per_parameter_token():
+    """Exact FLOPs per parameter-token differ between shapes (5, 6, 7 here): D_opt at the vertex
+    (the largest size) is C / (7 N), not C over the budget's median ratio times N."""
+    n = np.array([1e6, 2e6, 4e6])
+    ratio = np.array([5.0, 6.0, 7.0])
+    c = np.full(3, 1e18)
+    loss = 3 + (np.log(n) - math.log(4e6)) ** 2
+    budgets, n_opt, d_opt = budget_minima(Points(n, c / (ratio * n), c, loss, budget=c), parabola=True)
+    assert n_opt[0] == pytest.approx(4e6) and d_opt[0] == pytest.approx(1e18 / (7 * 4e6))
 
 
 def test_approach_2_needs_isoflop_profiles():
@@ -187,19 +199,29 @@ def test_published_laws_carry_their_provenance_and_predict():
     assert result["loss_interval"][0] < result["loss"] < result["loss_interval"][1]
 
 
-def test_plots_survive_a_degenerate_bootstrap_resample(tmp_path):
+def test_plots_and_predictions_survive_a_degenerate_bootstrap_resample(tmp_path):
     """A resample of few points can fit exponents near 0, whose optimum is astronomical or
-    overflows: the plots cut the band off instead of failing (as they did on a 6-point sweep)."""
+    overflows either way: the plots cut the band off and the prediction's intervals keep to the
+    finite samples, instead of failing (as the plots did on a 6-point sweep)."""
     from scaletrain.report.scaling import plot_fit
 
     points = isoflop_points(TRUTH, budgets=(1e18, 1e19), shapes=3)
     doc = fit_all(points, samples=3)
-    doc["bootstrap"] += [[0.0, 7.4, 5.7, 0.0005, 0.0005], [0.0, 400.0, 5.7, 0.0005, 0.0005]]
-    assert bootstrap_laws(doc)[-2].optimum(1e20)[0] > 1e120  # finite, but beyond what a log axis can tick
-    assert bootstrap_laws(doc)[-1].optimum(1e20) == (math.inf, 0.0)  # beyond a float: no OverflowError
+    doc["bootstrap"] += [[0.0, 7.4, 5.7, 0.0005, 0.0005], [0.0, 400.0, 5.7, 0.0005, 0.0005],
+                         [0.0, 5.7, 400.0, 0.0005, 0.0005]]
+    laws = bootstrap_laws(doc)
+    assert laws[-3].optimum(1e20)[0] > 1e120  # finite, but beyond what a log axis can tick
+    assert laws[-2].optimum(1e20) == (math.inf, 0.0)  # beyond a float: no OverflowError
+    assert laws[-1].optimum(1e20) == (0.0, math.inf)  # and the other way
+    assert laws[-2].loss(math.inf, 0.0) == laws[-1].loss(0.0, math.inf) == math.inf
     paths = plot_fit(points, doc, tmp_path)
     assert [p.name for p in paths] == ["isoflop.png", "optimal.png", "contours.png", "residuals.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)
+    prediction = predict(law_of(doc), 1e20, laws)
+    fits = [compute_optimal(law, 1e20) for law in laws[:-2]]  # those with an optimum within a float
+    assert prediction["loss_interval"][0] >= min(c.loss for c in fits) - 1e-12
+    assert prediction["loss_interval"][1] <= max(c.loss for c in fits) + 1e-12
+    assert all(math.isnan(x) for x in interval([math.inf, math.nan]))  # nothing finite: no interval
 
 
 def test_fit_command_writes_the_law_and_plots_and_predicts(tmp_path):

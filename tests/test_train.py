@@ -256,11 +256,18 @@ def test_resume_from_an_explicit_checkpoint_path(stdlib_data, tmp_path):
     first = tmp_path / "first"
     train(tiny_config(stdlib_data, first, "train.steps=4", "checkpoint.interval=2", "eval.interval=0"))
     second = tmp_path / "second"
-    cfg = tiny_config(stdlib_data, second, "train.steps=4", "eval.interval=0",
+    # What a run killed while writing its first checkpoint leaves: a save with no marker, which
+    # is no history to protect (a sweep's cooldown branch restarts from its trunk over it).
+    (second / "checkpoints" / "step_0000003").mkdir(parents=True)
+    cfg = tiny_config(stdlib_data, second, "train.steps=4", "eval.interval=0", "checkpoint.interval=3",
                       f"checkpoint.resume={first / 'checkpoints' / 'step_0000002'}")
     result = train(cfg)
     assert result.resumed_from == 2
     assert losses(second)[3] == losses(first)[3]
+    assert checkpoint.check_complete(second / "checkpoints" / "step_0000003") is None
+    # A complete newer checkpoint is a history: going back to step 2 over it is refused.
+    with pytest.raises(ConfigError, match="older than checkpoints already in .*step_0000004, step_0000003.*new run.name"):
+        Trainer(cfg).resume()
 
 
 def test_compiled_blocks_train_the_same_losses(stdlib_data, tmp_path):

@@ -87,7 +87,11 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
                                                min_steps=settings.min_steps, seed=settings.seed,
                                                device=settings.device))
     rows = sweep.run(progress=lambda p: say("sweep", **p), concurrency=settings.concurrency)
-    rows = [r for r in rows if math.isfinite(r["loss"])]  # diverged points are recorded, not fitted
+    finite = [r for r in rows if math.isfinite(r["loss"])]  # diverged points are recorded, not fitted
+    if len(finite) < len(rows):
+        log.warning("%d of the sweep's %d points diverged; they are left out of the fit", len(rows) - len(finite),
+                    len(rows))
+    rows = finite
     points = Points.from_rows(rows)
     say("fit", points=len(points))
     fit_min_steps = settings.fit_min_steps

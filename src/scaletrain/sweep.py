@@ -38,6 +38,7 @@ from scaletrain.train.schedule import wsd_decay_start
 
 log = logging.getLogger("scaletrain")
 
+DIVERGED = "DIVERGED"  # in a trunk's directory: the step where it diverged (JSON)
 DECAY_FRACTION = 0.2  # of each point's steps spent in its cooldown (Hägele et al.: 10-20% suffice)
 COLUMNS = ["name", "budget", "shape", "dim", "n_layers", "n", "d", "c", "c_6nd", "loss", "train_loss", "steps",
            "batch_seqs", "lr", "branch_step"]
@@ -60,6 +61,11 @@ class SweepSettings:
 
 
 class Sweep:
+    """The sweep in directory `out`. `hyperparameters(budget, width)` -> (learning rate, tokens
+    per step) is the rule the runs follow (DeepSeek's by default, scaling.grid); with
+    concurrency > 1 the workers are spawned processes, which import it by name, so it must be a
+    module-level function, not a lambda or a closure."""
+
     def __init__(self, out: Path, settings: SweepSettings,
                  hyperparameters: Callable[[float, int], tuple[float, float]] = deepseek_hyperparameters):
         self.out, self.settings, self.hyperparameters = Path(out), settings, hyperparameters
@@ -243,6 +249,7 @@ class Sweep:
         spent = sum(row["c"] for row in done)
         started = time.perf_counter()
         self.spent_here = 0.0
+        nominal_here = 0.0  # the points' budgets done by this call: the ETA's unit of work
         pool = _pool(concurrency, self.settings.device) if concurrency > 1 else None
         try:
             for budget in budgets:
@@ -259,12 +266,15 @@ class Sweep:
                     finished.add(row["name"])
                     spent += row["c"]
                     self.spent_here += cost
+                    nominal_here += row["budget"]
                     if progress:
+                        # Budgets left at the rate budgets were done (a branch costs less than its
+                        # budget, so FLOPs spent would overstate what is left by the share saved).
                         elapsed = time.perf_counter() - started
                         remaining = sum(b * k for b, k in planned.items()) - sum(r["budget"] for r in done)
                         progress({"done": len(done), "total": total, "flops": spent, "name": row["name"],
                                   "flops_per_s": self.spent_here / elapsed,
-                                  "eta_s": elapsed / self.spent_here * max(remaining, 0) if self.spent_here else None})
+                                  "eta_s": elapsed / nominal_here * max(remaining, 0)})
         finally:
             if pool is not None:
                 pool.shutdown(cancel_futures=True)
@@ -272,10 +282,13 @@ class Sweep:
         return done
 
     def _run_point(self, point: Point, train) -> tuple[dict, float]:
+        """Extend the shape's trunk to the point's branch step, then train the cooldown branch.
+        Returns the point's row and the FLOPs this call actually spent. A run that diverges is
+        recorded with a loss of nan (left out of fits), not retried: a rerun would diverge the
+        same way. A trunk that diverged says so in its directory (DIVERGED), and the shape's
+        later points are recorded as diverged without training."""
         from scaletrain.train.trainer import TrainingDiverged
 
-        """Extend the shape's trunk to the point's branch step, then train the cooldown branch.
-        Returns the point's row and the FLOPs this call actually spent."""
         s = self.settings
         lr, batch_seqs, warmup = self.shape_plan(point.shape)
         steps = max(1, round(steps_for(point.budget, point.flops_per_token, batch_seqs, s.seq_len)))
@@ -287,34 +300,46 @@ class Sweep:
                               "lower --seq-len")
         trunk_dir = self.out / "trunks" / point.shape.name
         overrides = self.run_overrides(point, lr, batch_seqs, warmup)
+        tokens_per_step = batch_seqs * s.seq_len * point.flops_per_token
         spent = 0.0
+        loss = train_loss = math.nan
+        diverged = _diverged_at(trunk_dir)
         trunk_step = _newest_step(trunk_dir)
-        if branch_at > trunk_step:
+        if diverged is None and branch_at > trunk_step:
             # The trunk never decays: constant after warmup, the same warmup as every branch.
             # Its length is that of the shape's longest possible point, so that extending it for a
             # later budget changes nothing in its config (the constant schedule ignores it anyway).
             longest = max(round(steps_for(max(s.budgets), point.flops_per_token, batch_seqs, s.seq_len)), branch_at, 1)
             cfg = load_config(None, [*overrides, f"run.dir={trunk_dir.parent}", f"run.name={trunk_dir.name}",
                                      "train.schedule=constant", f"train.steps={longest}", "checkpoint.interval=0"])
-            train(cfg, stop_at_step=branch_at)
-            spent += (branch_at - trunk_step) * batch_seqs * s.seq_len * point.flops_per_token
-        point_dir = self.out / "points" / point.name
-        if _newest_step(point_dir) > 0 or branch_at == 0:
-            resume = "auto"
+            try:
+                train(cfg, stop_at_step=branch_at)
+                spent += (branch_at - trunk_step) * tokens_per_step
+            except TrainingDiverged as e:
+                diverged = max(e.step, trunk_step + 1)
+                spent += (diverged - trunk_step) * tokens_per_step
+                (trunk_dir / DIVERGED).write_text(json.dumps({"step": diverged, "error": str(e)}) + "\n")
+        if diverged is not None:
+            log.warning("the trunk of shape %s diverged at step %d (%s); point %s and the shape's later points "
+                        "are recorded with a loss of nan and left out of fits", point.shape.name, diverged,
+                        trunk_dir / DIVERGED, point.name)
         else:
-            resume = str(trunk_dir / "checkpoints" / f"step_{branch_at:07d}")
-        cfg = load_config(None, [*overrides, f"run.dir={point_dir.parent}", f"run.name={point_dir.name}",
-                                 "train.schedule=wsd", f"train.decay_fraction={DECAY_FRACTION}",
-                                 f"train.steps={steps}", f"checkpoint.resume={resume}",
-                                 f"checkpoint.interval={max(1, (steps - branch_at) // 2)}"])
-        try:
-            result = train(cfg)
-            loss, train_loss = result.val_loss, result.train_loss
-        except TrainingDiverged as e:  # recorded, not retried: a rerun would diverge the same way
-            log.warning("point %s diverged (%s); it is recorded with a loss of nan and left out of fits",
-                        point.name, e)
-            loss = train_loss = math.nan
-        spent += (steps - branch_at) * batch_seqs * s.seq_len * point.flops_per_token
+            point_dir = self.out / "points" / point.name
+            if _newest_step(point_dir) > 0 or branch_at == 0:
+                resume = "auto"
+            else:
+                resume = str(trunk_dir / "checkpoints" / f"step_{branch_at:07d}")
+            cfg = load_config(None, [*overrides, f"run.dir={point_dir.parent}", f"run.name={point_dir.name}",
+                                     "train.schedule=wsd", f"train.decay_fraction={DECAY_FRACTION}",
+                                     f"train.steps={steps}", f"checkpoint.resume={resume}",
+                                     f"checkpoint.interval={max(1, (steps - branch_at) // 2)}"])
+            try:
+                result = train(cfg)
+                loss, train_loss = result.val_loss, result.train_loss
+            except TrainingDiverged as e:
+                log.warning("point %s diverged (%s); it is recorded with a loss of nan and left out of fits",
+                            point.name, e)
+            spent += (steps - branch_at) * tokens_per_step
         row = {"name": point.name, "budget": point.budget, "shape": point.shape.name, "dim": point.shape.dim,
                "n_layers": point.shape.n_layers, "n": point.n, "d": point.tokens, "c": point.compute,
                "c_6nd": point.compute_6nd, "loss": loss, "train_loss": train_loss,
@@ -385,6 +410,11 @@ def _run_in_worker(job: tuple[Path, SweepSettings, Point]) -> tuple[dict, float]
 
     out, settings, hyperparameters, point = job
     return Sweep(out, settings, hyperparameters)._run_point(point, train)
+
+
+def _diverged_at(trunk_dir: Path) -> int | None:
+    marker = trunk_dir / DIVERGED
+    return int(json.loads(marker.read_text())["step"]) if marker.is_file() else None
 
 
 def _newest_step(run_dir: Path) -> int:

@@ -39,15 +39,18 @@ def plot_fit(points: Points, doc: dict, out: Path) -> list[Path]:
         ax.legend(fontsize=7)
     paths.append(_save(fig, out / "isoflop.png"))
 
-    # N_opt and D_opt against C: each approach, approach 3's bootstrap band.
+    # N_opt and D_opt against C: each approach, approach 3's bootstrap band. The axis is the
+    # points' exact FLOPs, so approach 3's optimum is taken at C = k·N·D with the points' own k
+    # (6 for C = 6ND), as approaches 1 and 2 are.
     compute = np.geomspace(points.c.min() / 3, points.c.max() * 30, 60)
+    k = float(np.median(points.c / (points.n * points.d)))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for index, (ax, name) in enumerate(zip(axes, ("N_opt", "D_opt"))):
-        best = np.array([law.optimum(c)[index] for c in compute])
-        ax.plot(compute, best, color="C0", label=f"approach 3 (exponent {law.exponents[index]:.3f})")
+        best = np.array([law.optimum(c, k)[index] for c in compute])
+        ax.plot(compute, best, color="C0", label=f"approach 3 (exponent {law.exponents[index]:.3f}; C = {k:.2f} ND)")
         shown = [best]  # what the axis must hold; a degenerate resample's optimum may be 1e300 or inf
         if boot:
-            band = np.array([[sample.optimum(c)[index] for c in compute] for sample in boot])
+            band = np.array([[sample.optimum(c, k)[index] for c in compute] for sample in boot])
             with np.errstate(invalid="ignore"):  # between two infinite optima: nan, not drawn
                 low, high = np.percentile(band, [2.5, 97.5], axis=0)
             ax.fill_between(compute, low, high, where=np.isfinite(low) & np.isfinite(high), color="C0", alpha=0.2,

@@ -132,6 +132,8 @@ def _minimise(points: Points, starts: np.ndarray) -> np.ndarray:
                           bounds=BOUNDS, options=TOLERANCES)
         if result.fun < best_value:
             best, best_value = result.x, result.fun
+    if best is None:
+        raise ValueError(f"approach 3 reached no finite objective from {len(starts)} starts on {len(points)} points")
     return best
 
 
@@ -193,6 +195,8 @@ def fit_parametric(points: Points, starts: int | None = 32, also: ChinchillaLaw 
         grid = np.vstack([grid, _projected_starts(points, projected)])
     if also is not None:
         grid = np.vstack([grid, [np.log(also.A), np.log(also.B), np.log(also.E), also.alpha, also.beta]])
+    if not len(grid):  # starts=0 and no other start: the grid's best
+        grid = _STARTS[[int(np.argmin(_objectives(_STARTS, points)))]]
     return _law(_minimise(points, grid), f"approach 3 on {len(points)} points")
 
 
@@ -237,8 +241,8 @@ def envelope_minima(points: Points, grid: int = 64) -> tuple[np.ndarray, np.ndar
 
 def budget_minima(points: Points, parabola: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(C, N_opt, D_opt) of each budget with at least 3 model sizes: the lowest-loss point
-    (parabola=False) or the vertex of a parabola of loss in log N (approach 2, D_opt = C·D/N
-    scaled from the points, i.e. C / (FLOPs per parameter-token))."""
+    (parabola=False) or the vertex of a parabola of loss in log N (approach 2, D_opt = C /
+    (FLOPs per parameter-token · N_opt), that ratio interpolated between the points' own)."""
     budgets, n_opt, d_opt = [], [], []
     for budget in np.unique(points.budget):
         group = points.budget == budget
@@ -250,7 +254,11 @@ def budget_minima(points: Points, parabola: bool) -> tuple[np.ndarray, np.ndarra
             if curvature <= 0:  # no minimum inside: this budget's profile says nothing about the optimum
                 continue
             best_n = float(np.exp(-slope / (2 * curvature)))
-            flops_per_param_token = float(np.median(c / (n * d)))
+            # FLOPs per parameter-token vary with the shape (attention and the head's share):
+            # take them at the vertex, interpolated in log N between the budget's sizes.
+            order = np.argsort(n, kind="stable")
+            flops_per_param_token = math.exp(float(np.interp(math.log(best_n), np.log(n[order]),
+                                                             np.log(c[order] / (n[order] * d[order])))))
             best_d = float(np.median(c)) / (flops_per_param_token * best_n)
         else:
             i = int(np.argmin(loss))
@@ -338,7 +346,10 @@ def _resample(points: Points, rng: np.random.Generator) -> Points:
 
 
 def interval(samples: list[float], level: float = 0.95) -> tuple[float, float]:
+    """The central `level` percentile interval of the finite samples; (nan, nan) if none is."""
     samples = [x for x in samples if np.isfinite(x)]
+    if not samples:
+        return math.nan, math.nan
     tail = 100 * (1 - level) / 2
     return float(np.percentile(samples, tail)), float(np.percentile(samples, 100 - tail))
 
@@ -374,7 +385,7 @@ def _summary(samples: list[float], value: float) -> dict:
 
 def fit_all(points: Points, samples: int = 200, seed: int = 0, law_min_steps: int = 0) -> dict:
     """The three approaches with 95% bootstrap intervals, as law.json holds them. Approaches 1
-    and 2 are null when the points do not form at least two IsoFLOP profiles.
+    and 2 hold {"skipped": why} when the points do not form at least two IsoFLOP profiles.
 
     law_min_steps > 0 fits approach 3 (its law, bootstrap and backtest) only to the points that
     trained at least that many optimizer steps; approaches 1 and 2 keep every point, since they
@@ -386,9 +397,12 @@ def fit_all(points: Points, samples: int = 200, seed: int = 0, law_min_steps: in
     3%); BENCHMARKS.md.)"""
     fitted = points.trained_at_least(law_min_steps)
     if len(fitted) < 6 or len(np.unique(fitted.budget)) < 2:
-        raise ValueError(f"{len(fitted)} of {len(points)} points (in {len(np.unique(fitted.budget))} budgets) trained "
-                         f"at least {law_min_steps} steps; approach 3 needs 6 points in 2 budgets or more: lower the "
-                         "minimum steps of the fit or add larger budgets")
+        if law_min_steps > 0:
+            raise ValueError(f"{len(fitted)} of {len(points)} points (in {len(np.unique(fitted.budget))} budgets) "
+                             f"trained at least {law_min_steps} steps; approach 3 needs 6 points in 2 budgets or "
+                             "more: lower the minimum steps of the fit or add larger budgets")
+        raise ValueError(f"{len(points)} points in {len(np.unique(points.budget))} budgets; approach 3 needs 6 points "
+                         "in 2 budgets or more: add budgets or shapes")
     law = fit_parametric(fitted)
     boot = bootstrap_parametric(fitted, law, samples, seed)
     a, b = law.exponents

@@ -27,6 +27,8 @@ class ChinchillaLaw:
     source: str = "fitted"
 
     def loss(self, n: float, d: float) -> float:
+        if n == 0 or d == 0:  # an optimum beyond a float (see optimum): no model, or no data
+            return math.inf
         return self.E + self.A / n ** self.alpha + self.B / d ** self.beta
 
     def optimum(self, compute: float, flops_per_param_token: float = 6.0) -> tuple[float, float]:
@@ -34,14 +36,12 @@ class ChinchillaLaw:
         closed form of Hoffmann et al. appendix D.2, N_opt = G (C/6)^(β/(α+β)), D_opt = G⁻¹
         (C/6)^(α/(α+β)), G = (αA / βB)^(1/(α+β))."""
         a, b = self.alpha, self.beta
-        # In logs: exponents near 0 (a resample of few points can fit them) put G beyond a float;
-        # N_opt is then inf and D_opt 0 rather than an OverflowError.
+        # In logs: exponents near 0 (a resample of few points can fit them) put G beyond a float
+        # either way; N_opt or D_opt is then inf (and the other 0) rather than an OverflowError.
         log_g = (math.log(a * self.A) - math.log(b * self.B)) / (a + b)
         log_scaled = math.log(compute / flops_per_param_token)
         log_n = log_g + log_scaled * b / (a + b)
-        if log_n > 700:
-            return math.inf, 0.0
-        return math.exp(log_n), math.exp(log_scaled - log_n)
+        return _exp(log_n), _exp(log_scaled - log_n)
 
     @property
     def exponents(self) -> tuple[float, float]:
@@ -50,6 +50,10 @@ class ChinchillaLaw:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _exp(x: float) -> float:
+    return math.exp(x) if x < 700 else math.inf
 
 
 @dataclass(frozen=True)

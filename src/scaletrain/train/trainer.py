@@ -47,7 +47,12 @@ STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss or gradient became NaN or infinite; nothing was saved over the last good checkpoint."""
+    """The loss or gradient became NaN or infinite at `step`; nothing was saved over the last
+    good checkpoint."""
+
+    def __init__(self, message: str, step: int = -1):
+        super().__init__(message)
+        self.step = step
 
 
 @dataclass
@@ -285,7 +290,8 @@ class Trainer:
                 raise ConfigError(f"checkpoint.resume = {choice!r} is not a directory; give a checkpoint directory "
                                   "(…/checkpoints/step_NNNNNNN), 'auto' or 'never'")
             checkpoint.load(path, state)
-            newer = [p.name for p in checkpoint.all_checkpoints(self.ckpt_root)
+            # A leftover of an interrupted save is no history (the next save of its step replaces it).
+            newer = [p.name for p in checkpoint.complete_checkpoints(self.ckpt_root)
                      if checkpoint.step_of(p) > int(state["progress"]["step"])]
             if newer:
                 raise ConfigError(f"checkpoint.resume = {choice!r} is older than checkpoints already in "
@@ -391,10 +397,10 @@ class Trainer:
         if step >= 0:
             what = f"step {int(step)}: loss is {bad_loss} and gradient norm {bad_norm}; the update was not applied"
         else:  # a loss that is not finite with a gradient that is (its update did apply, in memory only)
-            what = f"step {self.step}: loss is {loss} with a finite gradient norm"
+            step, what = self.step, f"step {self.step}: loss is {loss} with a finite gradient norm"
         raise TrainingDiverged(
             f"{what} and nothing was saved over the last good checkpoint{self._last_checkpoint_hint()}; lower "
-            "train.lr, raise train.warmup_steps or set train.clip")
+            "train.lr, raise train.warmup_steps or set train.clip", int(step))
 
     def _batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch of whole sequences as this rank feeds it to the model: its part of each
