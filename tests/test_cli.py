@@ -109,6 +109,8 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
                   "--rdzv-backend=c10d", "-m scaletrain.cli train configs/llama-1b.toml train.lr=1e-4"]:
         assert words in text, words
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0  # valid shell
+    # Slurm opens its log before the script runs, so not in the run directory the script makes.
+    assert "#SBATCH --output=slurm-llama-1b-%j.out" in text
 
     result = run_cli("launch", "k8s", "configs/llama-1b.toml", "--nodes", "2", "--gpus-per-node", "8",
                      "--image", "registry.example/scaletrain:1")
@@ -116,9 +118,31 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
     service, job = json.loads(result.stdout)["items"]
     assert service["spec"]["clusterIP"] == "None"
     assert job["spec"]["completions"] == 2 and job["spec"]["completionMode"] == "Indexed"
+    assert service["metadata"]["name"] == "llama-1b"
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert container["command"][:3] == ["torchrun", "--nnodes=2", "--nproc-per-node=8"]
+
+
+def test_k8s_names_are_dns_labels_whatever_the_run_name():
+    from scaletrain.config import load_config
+    from scaletrain.launch import k8s_manifest
+
+    for run_name, expected in [("1b", "run-1b"), ("My_Run.v2", "my-run-v2"), ("x" * 80, "x" * 56)]:
+        cfg = load_config(ROOT / "configs" / "llama-1b.toml", [f"run.name={run_name}"])
+        service, job = json.loads(k8s_manifest(cfg, "configs/llama-1b.toml", [], 2, 8, "image:1"))["items"]
+        assert service["metadata"]["name"] == job["metadata"]["name"] == expected
+
+
+def test_launch_refuses_a_batch_that_does_not_split_over_its_ranks():
+    from scaletrain.config import ConfigError, load_config
+    from scaletrain.launch import slurm_script
+
+    cfg = load_config(ROOT / "configs" / "llama-1b.toml", ["train.micro_batch=1"])
+    small = cfg.model_copy(update={"train": cfg.train.model_copy(update={"global_batch_tokens": 8 * cfg.data.seq_len})})
+    with pytest.raises(ConfigError, match="do not split into 16 data-parallel ranks"):
+        slurm_script(small, "configs/llama-1b.toml", [], 2, 8)
+    assert "srun torchrun" in slurm_script(cfg, "configs/llama-1b.toml", [], 2, 8)
 
 
 def test_launch_refuses_a_layout_the_processes_do_not_fit(tmp_path):

@@ -14,7 +14,8 @@ from scaletrain.plan.memory import activation_bytes_per_token, choose_recompute,
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
 
-SHAPES = [dict(dim=128, n_layers=3, n_heads=4, n_kv_heads=2), dict(dim=96, n_layers=2, n_heads=3, ffn_dim=160)]
+SHAPES = [dict(dim=128, n_layers=3, n_heads=4, n_kv_heads=2), dict(dim=96, n_layers=2, n_heads=3, ffn_dim=160),
+          dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, qk_norm=True)]
 
 
 def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool) -> int:
@@ -38,7 +39,7 @@ def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=["gqa", "mha-ffn"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["gqa", "mha-ffn", "qk-norm"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
 def test_predicted_activation_bytes_are_what_autograd_saves(shape, bf16):
     cfg = ModelConfig(vocab_size=512, max_seq_len=64, **shape)

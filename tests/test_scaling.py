@@ -252,6 +252,8 @@ def test_fit_command_writes_the_law_and_plots_and_predicts(tmp_path):
     (["--points", "{bad}"], "has no column for loss"),
     ([], "give a sweep directory or --points CSV"),
     (["--preset", "kaplan", "--predict", "1e21"], "has no E + A/N"),
+    (["--preset", "epoch", "--points", "x.csv", "--predict", "1e21"], "not from fitted points"),
+    (["--preset", "epoch", "--inference-tokens", "1e12"], "add --predict C"),
 ])
 def test_fit_command_refuses_bad_input_in_one_line(tmp_path, args, words):
     bad = tmp_path / "bad.csv"

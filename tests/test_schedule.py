@@ -28,6 +28,11 @@ def test_cosine_decays_monotonically_to_the_floor():
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (int(middle) - 10) / 89)))
 
 
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_the_last_update_is_at_the_floor_even_right_after_warmup(schedule):
+    assert lr_at(9, 10, lr=1.0, warmup_steps=9, schedule=schedule, min_lr_ratio=0.1) == pytest.approx(0.1)
+
+
 def test_wsd_is_flat_then_decays_linearly_over_the_last_fraction():
     values = lrs("wsd", decay_fraction=0.2)
     assert values[10:80] == pytest.approx([1.0] * 70)

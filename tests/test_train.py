@@ -50,6 +50,20 @@ def test_resume_is_bit_exact_with_grad_accumulation_and_eval(stdlib_data, tmp_pa
     assert len(losses(whole, "eval")) == 3
 
 
+def test_mfu_divides_the_jobs_flops_by_the_peak_of_all_its_devices(stdlib_data, tmp_path):
+    """tokens/s counts the whole job's batch, so its MFU is against every device's peak: a
+    4-way data-parallel job at the speed of one device at full peak is at 25%."""
+    import dataclasses
+
+    trainer = Trainer(tiny_config(stdlib_data, tmp_path / "run", "train.steps=1"))
+    trainer.peak_flops = 1e12  # a CPU's peak is not known; as for one of a GPU's
+    full = 1e12 / trainer.flops_per_token
+    assert trainer.mfu(full) == pytest.approx(1.0)
+    trainer.layout = dataclasses.replace(trainer.layout, dp_shard=4)
+    assert trainer.mfu(full) == pytest.approx(0.25)
+    assert trainer.mfu(full, causal=True) == pytest.approx(0.25 * trainer.causal_flops_per_token / trainer.flops_per_token)
+
+
 def test_metrics_records_carry_the_documented_fields(stdlib_data, tmp_path):
     run_dir = tmp_path / "run"
     result = train(tiny_config(stdlib_data, run_dir, "train.steps=4", "eval.interval=2"))
@@ -147,10 +161,59 @@ def test_checkpoints_that_all_fail_to_load_stop_the_run_instead_of_restarting_it
     cfg = tiny_config(stdlib_data, run_dir, "train.steps=4", "checkpoint.interval=2", "eval.interval=0")
     train(cfg)
     for path in checkpoint.all_checkpoints(run_dir / "checkpoints"):
-        (path / checkpoint.MARKER).unlink()
+        data_file = next(path.glob("*.distcp"))
+        data_file.write_bytes(data_file.read_bytes()[:100])  # committed, then damaged
     with pytest.raises(checkpoint.CheckpointError, match="none of the 2 checkpoints"):
         train(cfg)
     assert [p.name for p in checkpoint.all_checkpoints(run_dir / "checkpoints")] == ["step_0000004", "step_0000002"]
+
+
+def test_a_run_stopped_while_writing_its_first_checkpoint_starts_again(stdlib_data, tmp_path, caplog):
+    """Saves that never committed hold no run to protect: resume = auto starts from step 0 (and
+    so does resume = never), training what a fresh run trains."""
+    fresh, run_dir = tmp_path / "fresh", tmp_path / "run"
+    common = ["train.steps=3", "eval.interval=0", "checkpoint.interval=2"]
+    train(tiny_config(stdlib_data, fresh, *common))
+    leftover = run_dir / "checkpoints" / "step_0000002"
+    leftover.mkdir(parents=True)
+    (leftover / "__0_0.distcp").write_bytes(b"half a save")
+    with caplog.at_level(logging.WARNING, logger="scaletrain"):
+        result = train(tiny_config(stdlib_data, run_dir, *common))
+    assert result.resumed_from is None and "was ever committed" in caplog.text
+    assert losses(run_dir) == losses(fresh)
+    assert checkpoint.check_complete(leftover) is None  # the save of step 2 replaced the leftover
+
+
+def test_an_intact_checkpoint_that_does_not_fit_is_raised_not_skipped(stdlib_data, tmp_path):
+    """A checkpoint that passes its checksums but does not fit the state is no damage to fall
+    back from (an older one would not fit either): the error names what is missing. State the
+    trainer marks optional (the CUDA generator's, absent from a CPU run's checkpoint) is left
+    out instead."""
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(stdlib_data, run_dir, "train.steps=4", "checkpoint.interval=2", "eval.interval=0")
+    train(cfg)
+    trainer = Trainer(cfg)
+    root = run_dir / "checkpoints"
+    state = trainer.state()
+    state["rng"]["cuda"] = torch.zeros(16, dtype=torch.uint8)  # what a GPU run's state holds
+    assert checkpoint.load_newest(root, state, optional=("rng.cuda",)) == root / "step_0000004"
+    assert "cuda" not in state["rng"]
+    state["extra"] = {"w": torch.zeros(3)}
+    with pytest.raises(checkpoint.CheckpointError, match="step_0000004 could not be read.*extra") as error:
+        checkpoint.load_newest(root, state)
+    assert not isinstance(error.value, checkpoint.CheckpointDamaged)
+
+
+def test_a_resumed_run_takes_the_optimizer_settings_of_its_config(stdlib_data, tmp_path):
+    run_dir = tmp_path / "run"
+    train(tiny_config(stdlib_data, run_dir, "train.steps=2", "eval.interval=0", "train.weight_decay=0.1",
+                      "train.beta2=0.95", "train.eps=1e-8"))
+    trainer = Trainer(tiny_config(stdlib_data, run_dir, "train.steps=4", "eval.interval=0", "train.weight_decay=0.02",
+                                  "train.beta2=0.99", "train.eps=1e-6"))
+    assert trainer.resume() == 2
+    decay, vectors = trainer.optimizer.param_groups
+    assert (decay["weight_decay"], vectors["weight_decay"]) == (0.02, 0.0)
+    assert all(group["betas"][1] == 0.99 and group["eps"] == 1e-6 for group in (decay, vectors))
 
 
 def test_a_fresh_run_trains_the_same_whether_resume_is_auto_or_never(stdlib_data, tmp_path):

@@ -44,7 +44,7 @@ def _bytes(text: str) -> int:
         if text and text[-1] in units:
             return int(float(text[:-1]) * units[text[-1]])
         return int(text)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 12000000, 12M, 1.5G)") from None
 
 
@@ -55,6 +55,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from scaletrain.data import prepare
+    from scaletrain.data.prepare import DEFAULT_CHUNK_BYTES
 
     start = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -64,7 +65,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
                          seed=args.seed, workers=args.workers, progress=progress, filters=args.filters,
                          dedup=not args.no_dedup, minhash=(args.minhash_bands, args.minhash_rows, args.minhash_ngram),
                          decontaminate=args.decontaminate, keep_rejects=args.keep_rejects,
-                         chunk_bytes=args.chunk_bytes)
+                         chunk_bytes=args.chunk_bytes or DEFAULT_CHUNK_BYTES)
     if result.resumed_chunks:
         console.print(f"resumed an interrupted prepare: {result.resumed_chunks} chunks were already curated")
     for warning in result.warnings:
@@ -124,6 +125,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from scaletrain.train.trainer import TrainingDiverged, train
 
     cfg = load_config(args.config, args.overrides)
+    if args.stop_at_step is not None and args.stop_at_step < 1:
+        raise UserError(f"--stop-at-step {args.stop_at_step} must be a step number ≥ 1")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from scaletrain.parallel.mesh import check_layout, resolve_layout
         from scaletrain.train.trainer import resolve
@@ -131,8 +134,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         resolved = resolve(cfg)  # a layout that cannot work is one line here, not N tracebacks there
         check_layout(resolve_layout(resolved.parallel, args.nproc), resolved)
         return _torchrun(args)
-    if args.stop_at_step is not None and args.stop_at_step < 1:
-        raise UserError(f"--stop-at-step {args.stop_at_step} must be a step number ≥ 1")
     try:
         result = train(cfg, stop_at_step=args.stop_at_step)
     except TrainingDiverged as e:
@@ -162,7 +163,7 @@ def _torchrun(args: argparse.Namespace) -> int:
     import subprocess
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               "-m", "scaletrain.cli", "train", args.config, *args.overrides]
+               "-m", "scaletrain.cli", *(["--verbose"] if args.verbose else []), "train", args.config, *args.overrides]
     if args.stop_at_step is not None:
         command.append(f"--stop-at-step={args.stop_at_step}")
     # Restarted workers must not read stale addresses from the store torchrun shares across
@@ -287,7 +288,12 @@ def cmd_fit(args: argparse.Namespace) -> int:
     from scaletrain.scaling.laws import ChinchillaLaw, preset
     from scaletrain.scaling.optimal import data_constrained_optimal, inference_optimal, predict
 
+    if (args.inference_tokens is not None or args.unique_tokens is not None) and not args.predict:
+        raise UserError("--inference-tokens and --unique-tokens size the run of a --predict budget; add --predict C")
     if args.preset:
+        if args.sweep_dir is not None or args.points is not None:
+            raise UserError(f"--preset {args.preset} predicts from a published law, not from fitted points; drop the "
+                            "sweep directory and --points, or drop --preset")
         try:
             law = preset(args.preset)
         except ValueError as e:
@@ -504,8 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decontaminate", nargs="+", default=[], metavar="FILE",
                    help="evaluation texts: drop training documents sharing a 13-gram with any of them")
     p.add_argument("--keep-rejects", action="store_true", help="write dropped documents to OUT/rejects/REASON/")
-    p.add_argument("--chunk-bytes", type=_bytes, default="64M",
-                   help="input per resumable unit of work (default 64M)")
+    p.add_argument("--chunk-bytes", type=_bytes, default=None,
+                   help="input per resumable unit of work (default 64 MiB, the library's)")
     p.set_defaults(func=cmd_data_prepare)
 
     p = data.add_parser("stats", help="summarise a prepared data directory and plot its document lengths")

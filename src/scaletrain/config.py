@@ -149,7 +149,7 @@ class TrainConfig(_Section):
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     """Learning-rate schedule after warmup: cosine decay, warmup-stable-decay, or constant."""
     warmup_steps: int = Field(default=100, ge=0)
-    """Linear warmup from 0 to `lr` over this many steps."""
+    """Linear warmup to `lr` over this many steps (the first update at `lr` / warmup_steps)."""
     decay_fraction: float = Field(default=0.2, gt=0, le=1)
     """WSD only: fraction of all steps spent in the final linear decay."""
     weight_decay: float = Field(default=0.1, ge=0)

@@ -8,6 +8,7 @@ import json
 import shlex
 
 from scaletrain.config import ConfigError, RunConfig
+from scaletrain.parallel.mesh import check_layout as check_mesh
 from scaletrain.parallel.mesh import resolve_layout
 
 RDZV_PORT = 29500
@@ -18,10 +19,15 @@ def _train_args(config: str, overrides: list[str]) -> list[str]:
 
 
 def check_layout(cfg: RunConfig, nodes: int, gpus_per_node: int) -> None:
-    """Refuse, before writing anything, a job whose process count the config's layout does not fit."""
+    """Refuse, before writing anything, a job whose layout does not fit its processes or does not
+    split the model and batch evenly (as `train --nproc` does before it starts any). A vocabulary
+    still to come from the data's tokenizer is checked when training starts."""
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must both be at least 1")
-    resolve_layout(cfg.parallel, nodes * gpus_per_node)
+    layout = resolve_layout(cfg.parallel, nodes * gpus_per_node)
+    if cfg.model.vocab_size is None:
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": 64 * layout.tp})})
+    check_mesh(layout, cfg)
 
 
 def slurm_script(cfg: RunConfig, config: str, overrides: list[str], nodes: int, gpus_per_node: int,
@@ -38,7 +44,9 @@ def slurm_script(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --gpus-per-node={gpus_per_node}",
         f"#SBATCH --cpus-per-task={cpus_per_gpu * gpus_per_node}",
-        f"#SBATCH --output={cfg.run.dir}/{cfg.run.name}/slurm-%j.out",
+        # In the submission directory: Slurm opens it before the script runs, when the run's own
+        # directory may not exist yet.
+        f"#SBATCH --output=slurm-{cfg.run.name}-%j.out",
         "set -euo pipefail",
         "# The first node hosts the rendezvous; every node runs torchrun once.",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -55,7 +63,12 @@ def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
     """A Kubernetes headless Service and Indexed Job (one pod per node) as a JSON List, which
     `kubectl apply -f` takes like YAML. Pod 0 hosts the rendezvous."""
     check_layout(cfg, nodes, gpus_per_node)
+    # A DNS label (Service and Job names): lower-case letters, digits and '-', starting with a
+    # letter, at most 63 characters (with room for the pods' "-N" suffixes).
     name = "".join(c if c.isalnum() else "-" for c in cfg.run.name.lower()).strip("-") or "scaletrain"
+    if not name[0].isalpha():
+        name = f"run-{name}"
+    name = name[:56].rstrip("-")
     command = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint={name}-0.{name}:{RDZV_PORT}", f"--rdzv-id={name}",
                *_train_args(config, overrides)]

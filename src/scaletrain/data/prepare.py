@@ -475,13 +475,13 @@ def _tokenize_chunk(task: tuple[int, int, dict, _TokenizeJob]) -> dict:
         for position, (text, val, nbytes) in enumerate(_read_pickled(work / f"curated_{number:05d}.pkl",
                                                                        {"kept": kept})):
             val = moved.get(position, val)
-            curated_bytes += len(text.encode())
             if not val and overlap is not None and overlap.contaminated(text):
                 entry = dropped.setdefault("val_overlap", [0, 0])
                 entry[0] += 1
                 entry[1] += nbytes
                 reject.write("val_overlap", "", text)
                 continue
+            curated_bytes += len(text.encode())  # of kept documents only
             split_bytes["val" if val else "train"] += nbytes
             batch.append((text, val))
             size += len(text)

@@ -19,7 +19,8 @@ bytes without recomputation: for each of its two norms the float32 input, the no
 attention output and its (batch, seq, dim) copy for wo (2d each) and the attention's float32
 log-sum-exp (4h); w1, w3, silu(w1) and their product (2F each); two float32 norm scales (8).
 In float32: 36d + 8k + 16F + 4h + 8 (the norms' outputs are then a third float32 copy, not a
-bf16 one). This is the tally of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+bf16 one). QK-norm adds 8d + 8k + 4h + 4·(kv heads) either way: the float32 input and output
+of q's and k's norms and one scale per head. This is the tally of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models", section 4.1) redone for this SwiGLU block, whose attention kernel
 keeps no score matrix; tests check it against the bytes autograd actually saves. Selective
 recomputation keeps the outputs of matmuls and attention and the block input: 12d + 4k + 4F +
@@ -67,7 +68,9 @@ def activation_bytes_per_token(cfg: Any, bf16: bool, recompute: str) -> int:
         return 4 * d
     if recompute == "selective":
         return (12 * d + 4 * k + 4 * f if bf16 else 20 * d + 8 * k + 8 * f) + lse
-    return (26 * d + 4 * k + 8 * f if bf16 else 36 * d + 8 * k + 16 * f) + lse + 8
+    # QK-norm keeps the float32 input and output of q's and k's norms and a scale per head.
+    qk = 8 * d + 8 * k + 4 * cfg.n_heads + 4 * cfg.kv_heads if cfg.qk_norm else 0
+    return (26 * d + 4 * k + 8 * f if bf16 else 36 * d + 8 * k + 16 * f) + lse + 8 + qk
 
 
 def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 1, bf16: bool = True,

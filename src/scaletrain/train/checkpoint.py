@@ -39,6 +39,11 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint where one was asked for."""
 
 
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint whose save did not finish, or whose files are not those it wrote: an older
+    one may stand in for it."""
+
+
 def checkpoint_dir(root: Path, step: int) -> Path:
     return root / f"{PREFIX}{step:07d}"
 
@@ -70,22 +75,41 @@ def save(root: Path, step: int, tokens: int, state: dict, keep: int) -> Path:
 
 class AsyncSave:
     """A checkpoint being written in the background by `save_async`. `done()` says whether the
-    writing has finished; `wait()` waits for it, then commits the checkpoint (marker, `latest`,
-    older ones pruned), once. Until then the directory has no marker and is never resumed from."""
+    writing, and the checksums of what was written, have finished; `wait()` waits for them,
+    then commits the checkpoint (marker, `latest`, older ones pruned), once. Until then the
+    directory has no marker and is never resumed from. The checksums are taken in a background
+    thread too (zlib releases the GIL): over a large model's state they take seconds, which the
+    training thread would otherwise spend at the commit."""
 
     def __init__(self, root: Path, path: Path, step: int, tokens: int, keep: int, future) -> None:
         self.root, self.path, self.step, self.tokens, self.keep = root, path, step, tokens, keep
-        self._future, self._committed = future, False
+        self._future, self._committed = _background().submit(self._written, future), False
+
+    def _written(self, future) -> dict | None:
+        future.result()  # raises what the writer raised
+        return _file_table(self.path) if _is_main() else None
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait(self) -> Path:
         if not self._committed:
-            self._future.result()  # raises what the writer raised
-            _commit(self.root, self.path, self.step, self.tokens, self.keep)
+            _commit(self.root, self.path, self.step, self.tokens, self.keep, self._future.result())
             self._committed = True
         return self.path
+
+
+_BACKGROUND = None
+
+
+def _background():
+    """The thread that finishes background saves, one after another."""
+    global _BACKGROUND
+    if _BACKGROUND is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
+    return _BACKGROUND
 
 
 def save_async(root: Path, step: int, tokens: int, state: dict, keep: int, group=None, stager=None) -> AsyncSave:
@@ -126,11 +150,17 @@ def _prepare(root: Path, step: int) -> Path:
     return path
 
 
-def _commit(root: Path, path: Path, step: int, tokens: int, keep: int) -> None:
-    """Mark `path` complete (one process writes) and prune older checkpoints."""
+def _file_table(path: Path) -> dict[str, list[int]]:
+    """Each file of a written checkpoint: [size, CRC-32], as its marker records them."""
+    return {name: [size, _crc32(path / name)] for name, size in _sizes(path).items()}
+
+
+def _commit(root: Path, path: Path, step: int, tokens: int, keep: int, files: dict | None = None) -> None:
+    """Mark `path` complete (one process writes) and prune older checkpoints. files: its
+    _file_table, when already taken."""
     if not _is_main():
         return
-    files = {name: [size, _crc32(path / name)] for name, size in _sizes(path).items()}
+    files = files if files is not None else _file_table(path)
     _write_atomic(path / MARKER, json.dumps({"step": step, "tokens": tokens, "files": files}, indent=1))
     _write_atomic(root / "latest", path.name + "\n")
     older = [p for p in complete_checkpoints(root) if step_of(p) < step]
@@ -184,11 +214,26 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for p in all_checkpoints(root) if check_complete(p) is None]
 
 
-def load(path: Path, state: dict) -> None:
-    """Load checkpoint `path` into `state` in place (tensors are filled, other values replaced)."""
+def committed_checkpoints(root: Path) -> list[Path]:
+    """Checkpoints whose save finished (they have a marker), whether or not damaged since."""
+    return [p for p in all_checkpoints(root) if (p / MARKER).is_file()]
+
+
+def load(path: Path, state: dict, optional: tuple[str, ...] = ()) -> None:
+    """Load checkpoint `path` into `state` in place (tensors are filled, other values replaced).
+    Entries of `state` named in `optional` ("section.key") that the checkpoint lacks are
+    removed from it instead of failing the load (e.g. the CUDA generator's state when a run
+    checkpointed on a CPU resumes on a GPU). Raises CheckpointDamaged for a save that did not
+    finish or files that changed, CheckpointError when intact files do not fit `state`."""
     problem = check_complete(path, verify=True)
     if problem:
-        raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+        raise CheckpointDamaged(f"checkpoint {path} is not usable: {problem}")
+    if optional:
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        for name in optional:
+            section, key = name.split(".", 1)
+            if name not in saved and isinstance(state.get(section), dict):
+                state[section].pop(key, None)
     try:
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
@@ -196,21 +241,23 @@ def load(path: Path, state: dict) -> None:
         raise CheckpointError(f"checkpoint {path} could not be read ({type(e).__name__}: {cause})") from e
 
 
-def load_newest(root: Path, state: dict) -> Path | None:
-    """Load the newest checkpoint under root that is complete and readable; None if root holds none.
+def load_newest(root: Path, state: dict, optional: tuple[str, ...] = ()) -> Path | None:
+    """Load the newest checkpoint under root that is complete and intact; None if root holds none.
 
     Incomplete or damaged newer checkpoints are reported and skipped, so a crash during a save,
-    or a damaged file, costs one checkpoint interval and nothing else. If checkpoints exist but
-    none can be loaded, that is an error: starting again from step 0 would overwrite the run.
-    (A load that fails part-way may have filled some of `state`; a later successful load
-    overwrites every entry, so nothing of the damaged checkpoint survives.)
+    or a damaged file, costs one checkpoint interval and nothing else. An intact checkpoint that
+    fails to load (it does not fit `state`, or reading failed) is raised, not skipped: an older
+    one would fail alike or silently lose an interval. If checkpoints exist but none can be
+    loaded, that is an error: starting again from step 0 would overwrite the run. (A load that
+    fails part-way may have filled some of `state`; a later successful load overwrites every
+    entry, so nothing of the damaged checkpoint survives.)
     """
     problems = []
     for path in all_checkpoints(root):
         try:
-            load(path, state)
+            load(path, state, optional)
             return path
-        except CheckpointError as e:
+        except CheckpointDamaged as e:
             problems.append(str(e))
             log.warning("skipping %s; falling back to the previous checkpoint", e)
     if problems:

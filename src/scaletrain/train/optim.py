@@ -18,3 +18,12 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     # The fused kernel is one launch per step instead of one per tensor group.
     fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, *, weight_decay: float, betas: tuple[float, float],
+                        eps: float) -> None:
+    """Give every group the config's values again (decay on its matrices' group only): loading
+    a checkpoint restores the values it was saved with, and a resumed run follows its config."""
+    for group in optimizer.param_groups:
+        matrices = all(p.ndim >= 2 for p in group["params"])
+        group.update(weight_decay=weight_decay if matrices else 0.0, betas=betas, eps=eps)

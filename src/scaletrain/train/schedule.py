@@ -28,6 +28,8 @@ def lr_at(step: int, total_steps: int, *, lr: float, warmup_steps: int, schedule
     if schedule == "constant":
         return lr
     if schedule == "cosine":
+        if step >= last:  # also when warmup leaves a single update after it
+            return min_lr
         span = max(last - warmup_steps, 1)
         progress = min((step - warmup_steps) / span, 1.0)
         return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))

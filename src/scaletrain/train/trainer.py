@@ -34,7 +34,7 @@ from scaletrain.plan.memory import choose_recompute
 from scaletrain.train import checkpoint
 from scaletrain.train.float8 import check_float8, convert_to_float8
 from scaletrain.train.metrics import MetricsLog, read_metrics
-from scaletrain.train.optim import build_optimizer
+from scaletrain.train.optim import build_optimizer, set_hyperparameters
 from scaletrain.train.schedule import lr_at
 
 log = logging.getLogger("scaletrain")
@@ -104,6 +104,10 @@ def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
     if choice == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, choice)
+
+
+# State a checkpoint may lack: the CUDA generator's, when the run was checkpointed on a CPU.
+OPTIONAL = ("rng.cuda",)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -229,7 +233,7 @@ class Trainer:
 
     def _check_run_dir(self) -> None:
         """A run directory holds one run: refuse to continue it with another model, data or seed."""
-        if not checkpoint.all_checkpoints(self.ckpt_root):
+        if not checkpoint.committed_checkpoints(self.ckpt_root):
             return
         if self.cfg.checkpoint.resume == "never":
             raise ConfigError(f"run directory {str(self.run_dir)!r} already holds checkpoints and checkpoint.resume "
@@ -271,6 +275,9 @@ class Trainer:
     def load_state(self, state: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=STATE_OPTIONS)
+        train = self.cfg.train  # the learning rate is set each step; the rest follows the config here
+        set_hyperparameters(self.optimizer, weight_decay=train.weight_decay, betas=(train.beta1, train.beta2),
+                            eps=train.eps)
         self.loader.load_state_dict(json.loads(state["loader"]))
         set_rng_state(state["rng"], self.device)
         self.step, self.tokens = int(state["progress"]["step"]), int(state["progress"]["tokens"])
@@ -281,15 +288,21 @@ class Trainer:
         # it when there is a checkpoint to load into it: a fresh run starts with a clean optimizer.
         if choice == "never" or (choice == "auto" and not checkpoint.all_checkpoints(self.ckpt_root)):
             return None
+        if choice == "auto" and not checkpoint.committed_checkpoints(self.ckpt_root):
+            # Only saves that never finished (a run stopped while writing its first checkpoint):
+            # there is no run to lose, so it starts again (and overwrites them as it saves).
+            log.warning("no checkpoint in %s was ever committed (%s: saves that did not finish); starting from "
+                        "step 0", self.ckpt_root, ", ".join(p.name for p in checkpoint.all_checkpoints(self.ckpt_root)))
+            return None
         state = self.state()
         if choice == "auto":
-            path = checkpoint.load_newest(self.ckpt_root, state)
+            path = checkpoint.load_newest(self.ckpt_root, state, OPTIONAL)
         else:
             path = Path(choice)
             if not path.is_dir():
                 raise ConfigError(f"checkpoint.resume = {choice!r} is not a directory; give a checkpoint directory "
                                   "(…/checkpoints/step_NNNNNNN), 'auto' or 'never'")
-            checkpoint.load(path, state)
+            checkpoint.load(path, state, OPTIONAL)
             # A leftover of an interrupted save is no history (the next save of its step replaces it).
             newer = [p.name for p in checkpoint.complete_checkpoints(self.ckpt_root)
                      if checkpoint.step_of(p) > int(state["progress"]["step"])]
@@ -398,6 +411,7 @@ class Trainer:
             what = f"step {int(step)}: loss is {bad_loss} and gradient norm {bad_norm}; the update was not applied"
         else:  # a loss that is not finite with a gradient that is (its update did apply, in memory only)
             step, what = self.step, f"step {self.step}: loss is {loss} with a finite gradient norm"
+        self.finish_saving(wait=True)  # a save still being written holds a good state: name it
         raise TrainingDiverged(
             f"{what} and nothing was saved over the last good checkpoint{self._last_checkpoint_hint()}; lower "
             "train.lr, raise train.warmup_steps or set train.clip", int(step))
@@ -476,11 +490,13 @@ class Trainer:
         return by_source
 
     def mfu(self, tokens_per_s: float, causal: bool = False) -> float | None:
-        """Model FLOPs utilisation: attention counted over the whole score matrix (PaLM's and
-        nanoGPT's convention), or with causal=True over the half a causal kernel computes."""
+        """Model FLOPs utilisation of the job's tokens/s against the peak of all its devices:
+        attention counted over the whole score matrix (PaLM's and nanoGPT's convention), or
+        with causal=True over the half a causal kernel computes."""
         if self.peak_flops is None:
             return None
-        return tokens_per_s * (self.causal_flops_per_token if causal else self.flops_per_token) / self.peak_flops
+        flops = tokens_per_s * (self.causal_flops_per_token if causal else self.flops_per_token)
+        return flops / (self.peak_flops * self.layout.world_size)
 
     # -- the loop ---------------------------------------------------------------------------
 
