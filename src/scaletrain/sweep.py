@@ -300,7 +300,7 @@ class Sweep:
                               "lower --seq-len")
         trunk_dir = self.out / "trunks" / point.shape.name
         overrides = self.run_overrides(point, lr, batch_seqs, warmup)
-        tokens_per_step = batch_seqs * s.seq_len * point.flops_per_token
+        flops_per_step = batch_seqs * s.seq_len * point.flops_per_token
         spent = 0.0
         loss = train_loss = math.nan
         diverged = _diverged_at(trunk_dir)
@@ -314,10 +314,10 @@ class Sweep:
                                      "train.schedule=constant", f"train.steps={longest}", "checkpoint.interval=0"])
             try:
                 train(cfg, stop_at_step=branch_at)
-                spent += (branch_at - trunk_step) * tokens_per_step
+                spent += (branch_at - trunk_step) * flops_per_step
             except TrainingDiverged as e:
                 diverged = max(e.step, trunk_step + 1)
-                spent += (diverged - trunk_step) * tokens_per_step
+                spent += (diverged - trunk_step) * flops_per_step
                 (trunk_dir / DIVERGED).write_text(json.dumps({"step": diverged, "error": str(e)}) + "\n")
         if diverged is not None:
             log.warning("the trunk of shape %s diverged at step %d (%s); point %s and the shape's later points "
@@ -339,7 +339,7 @@ class Sweep:
             except TrainingDiverged as e:
                 log.warning("point %s diverged (%s); it is recorded with a loss of nan and left out of fits",
                             point.name, e)
-            spent += (steps - branch_at) * tokens_per_step
+            spent += (steps - branch_at) * flops_per_step
         row = {"name": point.name, "budget": point.budget, "shape": point.shape.name, "dim": point.shape.dim,
                "n_layers": point.shape.n_layers, "n": point.n, "d": point.tokens, "c": point.compute,
                "c_6nd": point.compute_6nd, "loss": loss, "train_loss": train_loss,

@@ -11,13 +11,11 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     """Decay applies to weight matrices (embeddings and linears), not to norm gains or other vectors:
     shrinking a norm's gain towards zero has no regularising meaning (as in GPT-3 and Llama)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
+    groups = [{"params": [p for p in params if p.ndim >= 2]}, {"params": [p for p in params if p.ndim < 2]}]
     # The fused kernel is one launch per step instead of one per tensor group.
-    fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+    optimizer = torch.optim.AdamW(groups, lr=lr, fused=device.type in ("cuda", "cpu"))
+    set_hyperparameters(optimizer, weight_decay=weight_decay, betas=betas, eps=eps)
+    return optimizer
 
 
 def set_hyperparameters(optimizer: torch.optim.Optimizer, *, weight_decay: float, betas: tuple[float, float],
