@@ -12,22 +12,11 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
+from scaletrain.errors import UserError
+
 # Piped output (CI logs, files) gets wide lines instead of Rich's 80-column default.
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 out = Console(width=None if sys.stdout.isatty() else 160)
-
-
-class UserError(Exception):
-    """Raised for mistakes the user can fix; printed as one line without a traceback."""
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from scaletrain.config import ConfigError
-    from scaletrain.data.shards import DataError
-    from scaletrain.generate import GenerateError
-    from scaletrain.train.checkpoint import CheckpointError
-
-    return ConfigError, DataError, CheckpointError, GenerateError, UserError
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -122,11 +111,12 @@ def cmd_data_stats(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from scaletrain.config import load_config
-    from scaletrain.train.trainer import TrainingDiverged, train
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)  # a bad config is refused before torch loads
     if args.stop_at_step is not None and args.stop_at_step < 1:
         raise UserError(f"--stop-at-step {args.stop_at_step} must be a step number ≥ 1")
+    from scaletrain.train.trainer import TrainingDiverged, train
+
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from scaletrain.parallel.mesh import check_layout, resolve_layout
         from scaletrain.train.trainer import resolve
@@ -613,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     try:
         return args.func(args)
-    except _user_errors() as e:
+    except UserError as e:
         console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:

@@ -7,9 +7,10 @@ from pathlib import Path
 import torch
 
 from scaletrain.config import ConfigError, load_config
+from scaletrain.errors import UserError
 
 
-class GenerateError(ValueError):
+class GenerateError(UserError, ValueError):
     """A sampling request that cannot be served (prompt too long, bad sampling settings)."""
 
 

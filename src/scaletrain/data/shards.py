@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from scaletrain.errors import UserError
+
 INDEX_VERSION = 1
 DEFAULT_SHARD_TOKENS = 1 << 28  # 256 Mi tokens: 512 MB of uint16 per shard
 
@@ -86,7 +88,7 @@ def _write_atomic(path: Path, payload: bytes) -> None:
     os.replace(tmp, path)
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A data directory that cannot be read; the message says what is wrong and how to fix it."""
 
 

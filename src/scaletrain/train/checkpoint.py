@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from scaletrain.errors import UserError
+
 log = logging.getLogger("scaletrain")
 # DCP warns on every call without a process group (one process is a supported case here), also
 # from the thread of a background save, so the filter is the process's, not a context's.
@@ -35,7 +37,7 @@ MARKER = "COMMITTED"
 PREFIX = "step_"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """No usable checkpoint where one was asked for."""
 
 
