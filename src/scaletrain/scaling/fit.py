@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import minimize
-from scipy.special import logsumexp, softmax
 
 from scaletrain.scaling.laws import ChinchillaLaw
 
@@ -102,11 +101,16 @@ def _objective(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_loss
     """Sum of Huber terms of log-loss residuals, and its gradient in (a, b, e, α, β)."""
     a, b, e, alpha, beta = theta
     terms = np.stack([a - alpha * log_n, b - beta * log_d, np.full_like(log_n, e)])  # (3, points)
-    residual = logsumexp(terms, axis=0) - log_loss
+    # log-sum-exp and softmax by hand: SciPy's checks cost more than the arithmetic here, and
+    # L-BFGS calls this thousands of times a fit.
+    top = terms.max(axis=0)
+    exp = np.exp(terms - top)
+    total = exp.sum(axis=0)
+    residual = top + np.log(total) - log_loss
     small = np.abs(residual) <= HUBER_DELTA
     value = np.where(small, 0.5 * residual ** 2, HUBER_DELTA * (np.abs(residual) - 0.5 * HUBER_DELTA)).sum()
     slope = np.clip(residual, -HUBER_DELTA, HUBER_DELTA)  # d huber / d residual
-    w = softmax(terms, axis=0) * slope  # d residual / d term, times the slope
+    w = exp / total * slope  # d residual / d term (the softmax of the terms), times the slope
     grad = np.array([w[0].sum(), w[1].sum(), w[2].sum(), -(w[0] * log_n).sum(), -(w[1] * log_d).sum()])
     return value, grad
 
