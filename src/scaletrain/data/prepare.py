@@ -536,7 +536,7 @@ class _pool:
     chunks are kept, so running it again resumes."""
 
     def __init__(self, workers: int, settings: _Settings):
-        self.workers, self.settings, self.executor = workers, settings, None
+        self.workers, self.settings, self.executor, self.broken = workers, settings, None, False
 
     def __enter__(self):
         if self.workers == 1:
@@ -553,12 +553,16 @@ class _pool:
         try:
             yield from self.executor.map(fn, tasks)
         except BrokenProcessPool:
+            self.broken = True
             raise DataError("a worker process of data prepare died (killed, or out of memory); run the same "
                             "command again to resume from the finished chunks") from None
 
     def __exit__(self, *exc):
         if self.executor is not None:
-            self.executor.shutdown(wait=exc[0] is None, cancel_futures=True)
+            # A broken pool is waited for: its workers are already stopping, and a process that
+            # exits while the pool's manager thread is still closing its pipes prints a traceback
+            # from concurrent.futures' exit hook (Python 3.11).
+            self.executor.shutdown(wait=exc[0] is None or self.broken, cancel_futures=True)
 
 
 class _Rejects:
