@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -20,7 +21,8 @@ from scaletrain.parallel.mesh import check_layout, resolve_layout
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
 
-STEPS = ["train.steps=6", "eval.interval=3", "checkpoint.interval=3"]
+STEPS = ["train.steps=4", "train.warmup_steps=2", "eval.interval=2", "checkpoint.interval=2"]
+STOP = 2  # where interrupted runs stop, on a checkpoint
 
 
 def records(run_dir, kind):
@@ -60,7 +62,7 @@ def launch_layouts(stdlib_data, root, nproc: int, runs: list[tuple[str, list[str
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                str(ROOT / "tests" / "run_layouts.py"), str(spec_path)]
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    # 60 s per run is ample (the 8-process 3-D layout takes ~30 s here).
+    # 60 s per run is ample (the 8-process 3-D layout takes ~15 s here).
     _run_with_retry(lambda: subprocess.run(command, capture_output=True, text=True, timeout=60 * len(runs) + 60,
                                            env=env, cwd=ROOT), f"{nproc}-process layouts")
 
@@ -111,7 +113,6 @@ TWO = {
     "replicate": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
     "fsdp-grad-accumulation-recompute": ["parallel.dp_shard=2", "train.micro_batch=2", "parallel.recompute=selective"],
     "tp": ["parallel.tp=2", *ONE_STAGE],
-    "tp-tied-qk-norm": ["parallel.tp=2", *ONE_STAGE, *TIED_QK],
     # 17 validation windows over 2 ranks: one rank's last eval batch is padding, and FSDP's
     # all-gathers must still meet.
     "fsdp-uneven-eval": ["parallel.dp_shard=2", "eval.tokens=1088"],
@@ -124,18 +125,17 @@ TWO = {
 }
 # FSDP gathering bfloat16 parameters (gradients reduced in float32): close to float32, not equal.
 MIXED = {"fsdp-bf16-params": ["parallel.dp_shard=2", "train.dtype=bfloat16"]}
+# FSDP x TP and CP x TP untied: the second halves of RESHARD's runs.
 FOUR = {
-    "fsdp-x-tp": ["parallel.dp_shard=2", "parallel.tp=2"],
     "fsdp-x-tp-tied-qk-norm": ["parallel.dp_shard=2", "parallel.tp=2", *TIED_QK],
     "fsdp-x-pp": ["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2", "parallel.recompute=full"],
     "tp-x-pp-interleaved": [*PP2, "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b"],
-    "cp-x-tp": ["parallel.cp=2", "parallel.tp=2", *ONE_STAGE],
     "fsdp-x-cp": ["parallel.cp=2", "parallel.dp_shard=2"],
     "cp-x-pp-zbv": [*PP2, "parallel.cp=2", "parallel.pp_schedule=zbv_zero_bubble"],
     "pp4": ["parallel.pp=4", *ONE_STAGE, "train.micro_batch=1"],
 }
 EIGHT = {"fsdp-x-tp-x-pp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2", "train.micro_batch=2"]}
-# Saved at step 3 by the first layout, continued by the second (4 processes each).
+# Saved at step STOP by the first layout, continued by the second (4 processes each).
 RESHARD = {
     "fsdp4-to-fsdp2-x-tp2": (["parallel.dp_shard=4", "train.micro_batch=2"], ["parallel.dp_shard=2", "parallel.tp=2"]),
     "fsdp2-x-pp2-to-cp2-x-tp2": (["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2"],
@@ -143,12 +143,16 @@ RESHARD = {
 }
 
 
-# Stopped at step 3 and resumed in the same layout (2 processes): name -> (the uninterrupted run,
+# Stopped at step STOP and resumed in the same layout (2 processes): name -> (the uninterrupted run,
 # overrides of the interrupted one). The FSDP run saves in the background at every step, so
 # each checkpoint is written while the next step's collectives run.
 RESUME = {"pp-zbv-resumed": ("pp-zbv_zero_bubble", []), "cp-resumed": ("cp", []),
           "fsdp-async-resumed": ("fsdp-grad-accumulation-recompute",
                                  ["checkpoint.async_save=true", "checkpoint.interval=1"])}
+
+
+# Stopped at step STOP by 2 ranks, to be resumed by one process.
+TO_ONE = {"fsdp-to-one": ["parallel.dp_shard=2"], "tp-to-one": TWO["tp"]}
 
 
 @pytest.fixture(scope="module")
@@ -157,14 +161,16 @@ def layout_runs(stdlib_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("layouts")
     two = [(name, [*DEEP, *overrides], None) for name, overrides in {**TWO, **MIXED}.items()]
     for name, (uninterrupted, extra) in RESUME.items():
-        two += [(name, [*DEEP, *TWO[uninterrupted], *extra], 3), (name, [*DEEP, *TWO[uninterrupted], *extra], None)]
+        two += [(name, [*DEEP, *TWO[uninterrupted], *extra], STOP),
+                (name, [*DEEP, *TWO[uninterrupted], *extra], None)]
+    two += [(name, [*DEEP, *overrides], STOP) for name, overrides in TO_ONE.items()]
     launch_layouts(stdlib_data, root, 2, two)
     four = [(name, [*DEEP, *overrides], None) for name, overrides in FOUR.items()]
     for name, (before, after) in RESHARD.items():
-        four += [(name, [*DEEP, *before], 3), (name, [*DEEP, *after], None)]
+        four += [(name, [*DEEP, *before], STOP), (name, [*DEEP, *after], None)]
     launch_layouts(stdlib_data, root, 4, four)
     launch_layouts(stdlib_data, root, 8, [(name, [*DEEP, *overrides], None) for name, overrides in EIGHT.items()])
-    return {name: root / name for name in [*TWO, *MIXED, *FOUR, *EIGHT, *RESHARD, *RESUME]}
+    return {name: root / name for name in [*TWO, *MIXED, *FOUR, *EIGHT, *RESHARD, *RESUME, *TO_ONE]}
 
 
 @pytest.mark.parametrize("name", [*TWO, *FOUR, *EIGHT])
@@ -176,7 +182,7 @@ def test_parallel_layouts_train_the_losses_of_one_process(layout_runs, single_pr
 def test_a_pipelined_context_parallel_or_background_saving_run_resumes_exactly_in_the_same_layout(
         layout_runs, name):
     run_dir = layout_runs[name]
-    assert [r["step"] for r in read_metrics(run_dir, "resume")] == [3]
+    assert [r["step"] for r in read_metrics(run_dir, "resume")] == [STOP]
     assert_parity(run_dir, layout_runs[RESUME[name][0]], tolerance=0.0)
     if RESUME[name][1]:
         assert all(r["background"] for r in read_metrics(run_dir, "checkpoint"))
@@ -186,7 +192,19 @@ def test_a_pipelined_context_parallel_or_background_saving_run_resumes_exactly_i
 def test_a_checkpoint_resumes_in_another_layout_with_the_losses_of_one_that_never_changed(
         layout_runs, reference_deep, name):
     run_dir = layout_runs[name]
-    assert [r["step"] for r in read_metrics(run_dir, "resume")] == [3]
+    assert [r["step"] for r in read_metrics(run_dir, "resume")] == [STOP]
+    assert_parity(run_dir, reference_deep)
+
+
+@pytest.mark.parametrize("name", list(TO_ONE))
+def test_a_checkpoint_of_two_ranks_resumes_in_one_process(stdlib_data, layout_runs, reference_deep, tmp_path, name):
+    """Saved by 2 ranks, resumed by one process: the same losses as a run that never changed
+    layout, and the data continues where it stopped."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(layout_runs[name], run_dir)
+    assert max(records(run_dir, "train")) == STOP
+    train(tiny_config(stdlib_data, run_dir, *STEPS, *DEEP))
+    assert [r["step"] for r in read_metrics(run_dir, "resume")] == [STOP]
     assert_parity(run_dir, reference_deep)
 
 
@@ -197,18 +215,10 @@ def test_fsdp_with_bfloat16_parameters_trains_close_to_float32(layout_runs, refe
     assert max(differences) > 1e-4, differences  # and it did compute in bf16
 
 
-def test_fsdp_through_the_cli_trains_the_losses_of_one_process(stdlib_data, reference, tmp_path):
-    run_dir = tmp_path / "run"
-    launch(stdlib_data, run_dir, 2, "parallel.dp_shard=2")
-    assert_parity(run_dir, reference)
-
-
-def test_each_rank_reports_the_bytes_it_holds(stdlib_data, reference, tmp_path):
+def test_each_rank_reports_the_bytes_it_holds(layout_runs, reference_deep):
     """Sharding over 2 ranks halves what each holds (up to the split of odd-sized tensors)."""
-    run_dir = tmp_path / "run"
-    launch(stdlib_data, run_dir, 2, "parallel.dp_shard=2", "train.steps=1", "--stop-at-step=1")
-    sharded = read_metrics(run_dir, "memory")[0]["bytes_by_rank"]
-    whole = read_metrics(reference, "memory")[0]["bytes_by_rank"][0]
+    sharded = read_metrics(layout_runs["fsdp-chunked-loss"], "memory")[0]["bytes_by_rank"]
+    whole = read_metrics(reference_deep, "memory")[0]["bytes_by_rank"][0]
     assert len(sharded) == 2
     for component in ("parameters", "gradients", "optimizer"):
         assert sum(rank[component] for rank in sharded) == pytest.approx(whole[component], rel=0.01), component
@@ -216,22 +226,13 @@ def test_each_rank_reports_the_bytes_it_holds(stdlib_data, reference, tmp_path):
     assert whole["optimizer"] > 2 * whole["parameters"]  # AdamW: two moments per parameter, plus step counts
 
 
-def test_a_sharded_run_resumes_exactly_in_the_same_layout(stdlib_data, reference, tmp_path):
+def test_fsdp_through_the_cli_stops_and_resumes_with_the_losses_of_one_process(stdlib_data, reference, tmp_path):
+    """`scaletrain train --nproc 2`, stopped with --stop-at-step and run again, as a user does."""
     run_dir = tmp_path / "run"
-    launch(stdlib_data, run_dir, 2, "parallel.dp_shard=2", "--stop-at-step=3")
+    launch(stdlib_data, run_dir, 2, "parallel.dp_shard=2", f"--stop-at-step={STOP}")
+    assert max(records(run_dir, "train")) == STOP
     launch(stdlib_data, run_dir, 2, "parallel.dp_shard=2")
-    assert_parity(run_dir, reference)
-
-
-@pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.tp=2", "parallel.dp_shard=1"]],
-                         ids=["fsdp", "tp"])
-def test_a_checkpoint_of_two_ranks_resumes_in_one_process(stdlib_data, reference, tmp_path, layout):
-    """Saved by 2 ranks at step 3, resumed by one process: the same losses as a run that never
-    changed layout, and the data continues where it stopped."""
-    run_dir = tmp_path / "run"
-    launch(stdlib_data, run_dir, 2, *layout, "--stop-at-step=3")
-    assert max(records(run_dir, "train")) == 3
-    train(tiny_config(stdlib_data, run_dir, *STEPS))
+    assert [r["step"] for r in read_metrics(run_dir, "resume")] == [STOP]
     assert_parity(run_dir, reference)
 
 
