@@ -1,13 +1,16 @@
 """Run several training layouts one after another in one torchrun launch (starting processes
 costs seconds each on a 2-core machine): `torchrun --nproc-per-node N tests/run_layouts.py SPEC`,
-SPEC a JSON list of {"config": path, "overrides": [...], "stop_at_step": int | null}. Every
-layout must use all N processes."""
+SPEC a JSON list of {"config": path, "overrides": [...], "stop_at_step": int | null, "damage":
+path | null}. Every layout must use all N processes. "damage" names a file of the run directory
+that every process overwrites in the middle with the same 16 bytes (its size unchanged) before
+that training starts: a checkpoint file corrupted on disk."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from pathlib import Path
 
 from scaletrain.config import load_config
 from scaletrain.parallel.mesh import shutdown
@@ -17,6 +20,8 @@ from scaletrain.train.trainer import Trainer
 def main(spec_path: str) -> None:
     for spec in json.loads(open(spec_path).read()):
         cfg = load_config(spec["config"], spec["overrides"])
+        if spec.get("damage"):
+            damage(Path(cfg.run.dir) / cfg.run.name / spec["damage"])
         try:
             Trainer(cfg).fit(stop_at_step=spec.get("stop_at_step"))
         except BaseException as e:
@@ -28,6 +33,13 @@ def main(spec_path: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def damage(path: Path) -> None:
+    """Idempotent, so the processes may do it in any order: none restores what another changed."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        f.write(b"damaged by test!")
 
 
 if __name__ == "__main__":

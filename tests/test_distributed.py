@@ -23,6 +23,7 @@ from scaletrain.train.trainer import train
 
 STEPS = ["train.steps=4", "train.warmup_steps=2", "eval.interval=2", "checkpoint.interval=2"]
 STOP = 2  # where interrupted runs stop, on a checkpoint
+LAST = "checkpoints/step_0000004"  # the checkpoint of the last step
 
 
 def records(run_dir, kind):
@@ -51,12 +52,13 @@ def launch(stdlib_data, run_dir, nproc: int, *overrides: str):
     _run_with_retry(lambda: run_cli(*args, timeout=240), "a launch")
 
 
-def launch_layouts(stdlib_data, root, nproc: int, runs: list[tuple[str, list[str], int | None]]):
-    """Train each (run name, overrides, stop at step) under root/, one after another, in one
-    torchrun job of nproc processes; a run name given twice resumes the first one's checkpoint."""
-    spec = [{"config": str(ROOT / "configs" / "tiny.toml"), "stop_at_step": stop,
+def launch_layouts(stdlib_data, root, nproc: int, runs: list[tuple]):
+    """Train each (run name, overrides, stop at step[, file of the run to damage first]) under
+    root/, one after another, in one torchrun job of nproc processes; a run name given twice
+    resumes the first one's checkpoint."""
+    spec = [{"config": str(ROOT / "configs" / "tiny.toml"), "stop_at_step": stop, "damage": damage[0] if damage else None,
              "overrides": [f"data.path={stdlib_data}", f"run.dir={root}", f"run.name={name}", *STEPS, *overrides]}
-            for name, overrides, stop in runs]
+            for name, overrides, stop, *damage in runs]
     spec_path = root / f"layouts-{nproc}.json"
     spec_path.write_text(json.dumps(spec))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -153,6 +155,10 @@ RESUME = {"pp-zbv-resumed": ("pp-zbv_zero_bubble", []), "cp-resumed": ("cp", [])
 
 # Stopped at step STOP by 2 ranks, to be resumed by one process.
 TO_ONE = {"fsdp-to-one": ["parallel.dp_shard=2"], "tp-to-one": TWO["tp"]}
+# Trained to the end by 2 ranks, then run again after a file of the last checkpoint was damaged
+# on disk: the one rank 0 wrote, which rank 1 checksums (the ranks share the files; sorted, they
+# are .metadata, __0_0.distcp, __1_0.distcp).
+DAMAGED = {"fsdp-damaged": (["parallel.dp_shard=2"], f"{LAST}/__0_0.distcp")}
 
 
 @pytest.fixture(scope="module")
@@ -164,13 +170,15 @@ def layout_runs(stdlib_data, tmp_path_factory):
         two += [(name, [*DEEP, *TWO[uninterrupted], *extra], STOP),
                 (name, [*DEEP, *TWO[uninterrupted], *extra], None)]
     two += [(name, [*DEEP, *overrides], STOP) for name, overrides in TO_ONE.items()]
+    for name, (overrides, damaged) in DAMAGED.items():
+        two += [(name, [*DEEP, *overrides], None), (name, [*DEEP, *overrides], None, damaged)]
     launch_layouts(stdlib_data, root, 2, two)
     four = [(name, [*DEEP, *overrides], None) for name, overrides in FOUR.items()]
     for name, (before, after) in RESHARD.items():
         four += [(name, [*DEEP, *before], STOP), (name, [*DEEP, *after], None)]
     launch_layouts(stdlib_data, root, 4, four)
     launch_layouts(stdlib_data, root, 8, [(name, [*DEEP, *overrides], None) for name, overrides in EIGHT.items()])
-    return {name: root / name for name in [*TWO, *MIXED, *FOUR, *EIGHT, *RESHARD, *RESUME, *TO_ONE]}
+    return {name: root / name for name in [*TWO, *MIXED, *FOUR, *EIGHT, *RESHARD, *RESUME, *TO_ONE, *DAMAGED]}
 
 
 @pytest.mark.parametrize("name", [*TWO, *FOUR, *EIGHT])
@@ -206,6 +214,14 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process(stdlib_data, layout_ru
     train(tiny_config(stdlib_data, run_dir, *STEPS, *DEEP))
     assert [r["step"] for r in read_metrics(run_dir, "resume")] == [STOP]
     assert_parity(run_dir, reference_deep)
+
+
+@pytest.mark.parametrize("name", list(DAMAGED))
+def test_ranks_that_share_the_checksums_agree_on_a_damaged_checkpoint_and_resume_the_previous_one(
+        layout_runs, reference_deep, name):
+    run_dir = layout_runs[name]
+    assert [r["step"] for r in read_metrics(run_dir, "resume")] == [STOP]  # not the finished step 4
+    assert_parity(run_dir, reference_deep)  # steps 3 and 4 again, to the same losses
 
 
 def test_fsdp_with_bfloat16_parameters_trains_close_to_float32(layout_runs, reference_deep):

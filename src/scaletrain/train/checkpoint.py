@@ -7,7 +7,9 @@
 A checkpoint directory without its COMMITTED marker, or whose files differ in size from
 what the marker recorded, is incomplete and never resumed from. DCP keeps no checksums of
 tensor data, so the marker records a CRC-32 of every file, checked before loading: a
-damaged checkpoint is reported rather than silently loaded. `latest` is a convenience for
+damaged checkpoint is reported rather than silently loaded. Under torch.distributed the ranks
+share the checksumming, at the save and at the load: each reads its share of the files, so the
+job reads the checkpoint once, not once per rank. `latest` is a convenience for
 people and tools; resuming scans the directories, so a crash between the marker and the
 pointer loses nothing.
 """
@@ -66,6 +68,22 @@ def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def _share(names: list[str], group=None) -> list[str]:
+    """This rank's share of `names`, split among the ranks of `group` (all of them for one process)."""
+    if not dist.is_initialized():
+        return names
+    return names[dist.get_rank(group)::dist.get_world_size(group)]
+
+
+def _gather(value, group=None) -> list:
+    """`value` from every rank of `group`, in rank order (this process's alone without a group)."""
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
 def save(root: Path, step: int, tokens: int, state: dict, keep: int) -> Path:
     """Write `state` as checkpoint `step`, mark it complete, point `latest` at it, and keep the
     `keep` newest complete checkpoints up to this step (older ones are deleted)."""
@@ -83,13 +101,15 @@ class AsyncSave:
     thread too (zlib releases the GIL): over a large model's state they take seconds, which the
     training thread would otherwise spend at the commit."""
 
-    def __init__(self, root: Path, path: Path, step: int, tokens: int, keep: int, future) -> None:
+    def __init__(self, root: Path, path: Path, step: int, tokens: int, keep: int, future, group=None) -> None:
         self.root, self.path, self.step, self.tokens, self.keep = root, path, step, tokens, keep
-        self._future, self._committed = _background().submit(self._written, future), False
+        self._future, self._committed = _background().submit(self._written, future, group), False
 
-    def _written(self, future) -> dict | None:
+    def _written(self, future, group) -> dict:
         future.result()  # raises what the writer raised
-        return _file_table(self.path) if _is_main() else None
+        # On the save's own group, after DCP's last collective on it and before the next
+        # save's first (the trainer finishes one save before starting the next).
+        return _file_table(self.path, group)
 
     def done(self) -> bool:
         return self._future.done()
@@ -126,7 +146,7 @@ def save_async(root: Path, step: int, tokens: int, state: dict, keep: int, group
     if hasattr(future, "staging_completion"):  # an asynchronous stager: the copy must end before training goes on
         future.staging_completion.result()
         future = future.upload_completion
-    return AsyncSave(root, path, step, tokens, keep, future)
+    return AsyncSave(root, path, step, tokens, keep, future, group)
 
 
 def pinned_stager():
@@ -152,17 +172,24 @@ def _prepare(root: Path, step: int) -> Path:
     return path
 
 
-def _file_table(path: Path) -> dict[str, list[int]]:
-    """Each file of a written checkpoint: [size, CRC-32], as its marker records them."""
-    return {name: [size, _crc32(path / name)] for name, size in _sizes(path).items()}
+def _file_table(path: Path, group=None) -> dict[str, list[int]]:
+    """Each file of a written checkpoint: [size, CRC-32], as its marker records them. Every rank
+    of `group` takes part and gets the whole table: the files are those the first rank sees
+    (it writes DCP's metadata last), and each rank checksums its share of them."""
+    sizes = [_sizes(path) if _is_main() else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(sizes, src=0, group=group)
+    sizes = sizes[0]
+    mine = {name: [sizes[name], _crc32(path / name)] for name in _share(sorted(sizes), group)}
+    return dict(sorted(item for part in _gather(mine, group) for item in part.items()))
 
 
 def _commit(root: Path, path: Path, step: int, tokens: int, keep: int, files: dict | None = None) -> None:
-    """Mark `path` complete (one process writes) and prune older checkpoints. files: its
-    _file_table, when already taken."""
+    """Mark `path` complete (one process writes) and prune older checkpoints. Every rank calls
+    it (the checksums are shared) unless `files`, its _file_table, was already taken."""
+    files = files if files is not None else _file_table(path)
     if not _is_main():
         return
-    files = files if files is not None else _file_table(path)
     _write_atomic(path / MARKER, json.dumps({"step": step, "tokens": tokens, "files": files}, indent=1))
     _write_atomic(root / "latest", path.name + "\n")
     older = [p for p in complete_checkpoints(root) if step_of(p) < step]
@@ -184,24 +211,37 @@ def step_of(path: Path) -> int:
 
 
 def check_complete(path: Path, verify: bool = False) -> str | None:
-    """None if `path` is a complete checkpoint, else why not. `verify` also checks every file's CRC-32."""
+    """None if `path` is a complete checkpoint, else why not. `verify` also checks every file's
+    CRC-32; under torch.distributed every rank must then call it, and each checks a share of the
+    files (all get the same answer)."""
+    problem, recorded = _check_marker_and_sizes(path)
+    if not verify:
+        return problem
+    if problem is None:
+        for name in _share(sorted(recorded)):
+            if _crc32(path / name) != recorded[name][1]:
+                problem = f"file {name} does not match the checksum recorded when it was written (corrupted)"
+                break
+    return next((p for p in _gather(problem) if p is not None), None)
+
+
+def _check_marker_and_sizes(path: Path) -> tuple[str | None, dict[str, tuple[int, int]]]:
+    """(why `path` is incomplete or None, the marker's {file: (size, CRC-32)})."""
     marker = path / MARKER
     if not marker.is_file():
-        return "it has no COMMITTED marker (the save did not finish)"
+        return "it has no COMMITTED marker (the save did not finish)", {}
     try:
         recorded = json.loads(marker.read_bytes())["files"]
         recorded = {str(name): (int(size), int(crc)) for name, (size, crc) in recorded.items()}
     except (ValueError, KeyError, TypeError, AttributeError):
-        return "its COMMITTED marker is unreadable"
+        return "its COMMITTED marker is unreadable", {}
     actual = _sizes(path)
-    for name, (size, crc) in recorded.items():
+    for name, (size, _) in recorded.items():
         if name not in actual:
-            return f"file {name} is missing"
+            return f"file {name} is missing", recorded
         if actual[name] != size:
-            return f"file {name} is {actual[name]} bytes, {size} were written (truncated or changed)"
-        if verify and _crc32(path / name) != crc:
-            return f"file {name} does not match the checksum recorded when it was written (corrupted)"
-    return None
+            return f"file {name} is {actual[name]} bytes, {size} were written (truncated or changed)", recorded
+    return None, recorded
 
 
 def all_checkpoints(root: Path) -> list[Path]:
