@@ -18,6 +18,7 @@ import pytest
 from conftest import ROOT, run_cli, tiny_config
 from scaletrain.config import ConfigError, ParallelConfig
 from scaletrain.parallel.mesh import check_layout, resolve_layout
+from scaletrain.plan.memory import rank_memory
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
 
@@ -222,6 +223,21 @@ def test_ranks_that_share_the_checksums_agree_on_a_damaged_checkpoint_and_resume
     run_dir = layout_runs[name]
     assert [r["step"] for r in read_metrics(run_dir, "resume")] == [STOP]  # not the finished step 4
     assert_parity(run_dir, reference_deep)  # steps 3 and 4 again, to the same losses
+
+
+@pytest.mark.parametrize("name, holds", [("pp-1f1b", [(True, False), (False, True)]),
+                                         ("pp-zbv_zero_bubble", [(True, True), (False, False)])])
+def test_each_pipeline_rank_holds_the_bytes_the_memory_model_gives_it(stdlib_data, layout_runs, tmp_path, name,
+                                                                      holds):
+    """(embedding, head) per rank: 1F1B puts them on the first and last rank, a V-shaped
+    schedule both on rank 0 (its first and last stage)."""
+    held = read_metrics(layout_runs[name], "memory")[0]["bytes_by_rank"]
+    cfg = tiny_config(stdlib_data, tmp_path / "run", *DEEP, *TWO[name], "model.vocab_size=512")
+    for rank, (embedding, head) in zip(held, holds, strict=True):
+        estimate = rank_memory(cfg.model, cfg.data.seq_len, cfg.train.micro_batch, bf16=False, pp=2,
+                               embedding=embedding, head=head)
+        assert (estimate.parameters, estimate.gradients, estimate.optimizer) == (
+            rank["parameters"], rank["gradients"], rank["optimizer"]), (embedding, head)
 
 
 def test_fsdp_with_bfloat16_parameters_trains_close_to_float32(layout_runs, reference_deep):

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_config
-from scaletrain.config import ModelConfig
+from conftest import ROOT, tiny_config
+from scaletrain.config import ModelConfig, load_config
 from scaletrain.model.llama import Transformer
-from scaletrain.plan.memory import activation_bytes_per_token, choose_recompute, training_memory
+from scaletrain.plan.memory import (activation_bytes_per_token, choose_recompute, in_flight_microbatches, rank_memory,
+                                    training_memory)
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
 
@@ -87,3 +88,27 @@ def test_auto_recomputation_on_a_cpu_trains_without_and_says_so_in_the_resolved_
     run_dir = tmp_path / "run"
     train(tiny_config(stdlib_data, run_dir, "train.steps=1", "eval.interval=0", "parallel.recompute=auto"))
     assert 'recompute = "none"' in (run_dir / "config.toml").read_text()
+
+
+def test_pipeline_ranks_hold_the_micro_batches_their_schedule_keeps_in_flight():
+    assert in_flight_microbatches(1, 8) == 1
+    assert in_flight_microbatches(4, 8, "1f1b") == 4  # the first stage runs pp forwards before its first backward
+    assert in_flight_microbatches(4, 8, "gpipe") == in_flight_microbatches(4, 8, "looped_bfs") == 8
+    assert in_flight_microbatches(4, 8, "interleaved_1f1b", 2) == pytest.approx(4 * (1 + 3 / 8))
+    assert in_flight_microbatches(4, 8, "zbv_zero_bubble", 2) == 4
+    assert in_flight_microbatches(4, 8, "dualpipev", 2) == 5
+    assert in_flight_microbatches(4, 2, "1f1b") == 2  # never more than there are
+
+
+def test_pipelining_splits_the_parameters_and_keeps_1f1b_activations_where_one_device_had_them():
+    cfg = load_config(ROOT / "configs" / "llama-1b.toml", ["model.vocab_size=32768"]).model
+    whole = training_memory(cfg, 2048, 1, micro_steps=8)
+    piped = training_memory(cfg, 2048, 1, micro_steps=8, pp=4)
+    # the busier rank: a quarter of the blocks, and the head with the final norm (larger than the embedding)
+    assert whole.parameters / 4 < piped.parameters < whole.parameters / 2
+    # 1F1B: pp micro-batches of L/pp blocks on the first rank are one micro-batch of all L blocks
+    first = rank_memory(cfg, 2048, 1, micro_steps=8, pp=4, in_flight=in_flight_microbatches(4, 8), head=False)
+    assert first.activations == whole.activations and first.loss == 0
+    gpipe = training_memory(cfg, 2048, 1, micro_steps=8, pp=4, pp_schedule="gpipe")
+    assert gpipe.activations == pytest.approx(2 * whole.activations, rel=1e-6)  # 8 micro-batches of L/4 blocks
+    assert gpipe.peak > piped.peak

@@ -31,6 +31,18 @@ Peak = parameters + optimizer + weight copies + the larger of (activations + los
 gradients when micro-batches accumulate into them) and (gradients + one block's activations):
 with gradients set to None after each step, a single micro-batch's backward starts holding
 none. The CUDA caching allocator adds fragmentation on top, which this does not model.
+
+Pipeline parallelism (pp ranks) gives each rank L/pp blocks, the embedding to the rank of the
+first stage and the final norm and output head (and the loss) to the rank of the last; the
+V-shaped schedules put both on rank 0. The first rank holds the activations of several
+micro-batches at once, each of its L/pp blocks (in_flight_microbatches): all of them under
+GPipe and breadth-first looping; pp under 1F1B (Narayanan et al. 2021, "Efficient Large-Scale
+Language Model Training on GPU Clusters", section 2.2), times 1 + (pp - 1)/(pp·v) when it
+interleaves v stages a rank (Korthikanti et al. 2022, section 4.2.3); pp under the zero-bubble
+schedules (Qi et al. 2023, "Zero Bubble Pipeline Parallelism": ZB-H1 and ZB-V keep 1F1B's
+peak), pp + 1 under DualPipe (DeepSeek-V3 technical report, 2024, table 2). The last rank of a
+1F1B-like schedule holds one micro-batch and the loss. The estimate is that of the rank with
+the larger peak; the split of the other schedules is taken from their papers, not measured here.
 """
 
 from __future__ import annotations
@@ -73,28 +85,78 @@ def activation_bytes_per_token(cfg: Any, bf16: bool, recompute: str) -> int:
     return (26 * d + 4 * k + 8 * f if bf16 else 36 * d + 8 * k + 16 * f) + lse + 8 + qk
 
 
+V_SHAPED = ("zbv_zero_bubble", "dualpipev")
+
+
+def in_flight_microbatches(pp: int, microbatches: int, schedule: str = "1f1b", stages_per_rank: int = 1) -> float:
+    """Micro-batches whose activations the first pipeline rank holds at its peak, each of its
+    L/pp blocks (see the module's docstring); 1 without pipelining."""
+    if pp == 1:
+        return 1
+    if schedule in ("gpipe", "looped_bfs"):
+        count = microbatches
+    elif schedule == "dualpipev":
+        count = pp + 1
+    elif schedule in V_SHAPED or stages_per_rank == 1:
+        count = pp
+    else:
+        count = pp * (1 + (pp - 1) / (pp * stages_per_rank))
+    return min(count, microbatches)
+
+
 def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 1, bf16: bool = True,
-                    recompute: str = "none", fsdp: int = 1, tp: int = 1, cp: int = 1,
+                    recompute: str = "none", fsdp: int = 1, tp: int = 1, cp: int = 1, pp: int = 1,
+                    pp_schedule: str = "1f1b", pp_stages_per_rank: int = 1,
                     loss_chunk_tokens: int = 0) -> MemoryEstimate:
     """Predicted bytes per device for training model `cfg` (any object with ModelConfig's
     fields) on micro-batches of `micro_batch` sequences of `seq_len` tokens, gradients
-    accumulated over `micro_steps` of them, parameters sharded over `fsdp` ranks (dp_shard × cp)
-    and split over `tp`, each sequence split over `cp`."""
+    accumulated over `micro_steps` of them (the micro-batches a pipeline runs per step),
+    parameters sharded over `fsdp` ranks (dp_shard × cp) and split over `tp`, each sequence
+    split over `cp`, the blocks over `pp` pipeline ranks. Under pipelining, the estimate of the
+    pipeline rank with the larger peak."""
+    common = dict(micro_steps=micro_steps, bf16=bf16, recompute=recompute, fsdp=fsdp, tp=tp, cp=cp,
+                  loss_chunk_tokens=loss_chunk_tokens)
+    if pp == 1:
+        return rank_memory(cfg, seq_len, micro_batch, **common)
+    in_flight = in_flight_microbatches(pp, micro_steps, pp_schedule, pp_stages_per_rank)
+    if pp_schedule in V_SHAPED:  # rank 0 runs the first and the last stage
+        ranks = [(in_flight, True, True)]
+    else:
+        ranks = [(in_flight, True, False), (1 if pp_schedule not in ("gpipe", "looped_bfs") else in_flight, False, True)]
+    estimates = [rank_memory(cfg, seq_len, micro_batch, **common, pp=pp, in_flight=count, embedding=embedding,
+                             head=head) for count, embedding, head in ranks]
+    return max(estimates, key=lambda e: e.peak)
+
+
+def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 1, bf16: bool = True,
+                recompute: str = "none", fsdp: int = 1, tp: int = 1, cp: int = 1, loss_chunk_tokens: int = 0,
+                pp: int = 1, in_flight: float = 1, embedding: bool = True, head: bool = True) -> MemoryEstimate:
+    """One rank's bytes (arguments as training_memory's): L/pp blocks, the embedding and the
+    output head (with the final norm and the loss) where it holds them, the activations of
+    `in_flight` micro-batches of its blocks."""
     counts = param_counts(cfg)
-    norms = cfg.n_layers * (2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0)) + cfg.dim
-    local = (counts["total"] - norms) / (fsdp * tp) + norms / fsdp
+    outer = cfg.vocab * cfg.dim  # the embedding, and the output head unless tied to it
+    block_norms = cfg.n_layers * (2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0))
+    blocks = counts["total"] - block_norms - cfg.dim - outer * (1 if cfg.tie_embeddings else 2)
+    matrices = (embedding + head) if not cfg.tie_embeddings else 1  # vocab x dim matrices here
+    split = (blocks / pp + outer * matrices) / (fsdp * tp)  # split over tp too
+    whole = (block_norms / pp + (cfg.dim if head else 0)) / fsdp  # norm weights: whole under tp
+    local = split + whole
     parameters = gradients = round(4 * local)
-    optimizer = round(8 * local) + 4 * parameter_tensors(cfg)
-    matmul, head = matmul_params(cfg), cfg.vocab * cfg.dim  # block projections and the output head
+    tensors = parameter_tensors(cfg) - 2 - (0 if cfg.tie_embeddings else 1)  # the blocks' tensors
+    tensors = tensors / pp + int(embedding) + int(head) * (1 if cfg.tie_embeddings else 2)  # head: norm (+ matrix)
+    optimizer = round(8 * local + 4 * tensors)
+    block_matmul = matmul_params(cfg) - outer  # the blocks' projections; the head is a matmul too
+    head_matmul = outer if head else 0
     if not bf16:
         weight_copies = 0
     elif fsdp > 1:  # two blocks gathered in bf16, and the root's embedding and head
-        weight_copies = round(2 * (2 * (matmul - head) / cfg.n_layers + head * (1 if cfg.tie_embeddings else 2)) / tp)
+        weight_copies = round(2 * (2 * block_matmul / cfg.n_layers + outer * matrices) / tp)
     else:
-        weight_copies = round(2 * matmul / tp)
+        weight_copies = round(2 * (block_matmul / pp + head_matmul) / tp)
     tokens = micro_batch * seq_len / cp
     per_layer = activation_bytes_per_token(cfg, bf16, recompute) * tokens / tp
-    activations = round(cfg.n_layers * per_layer)
+    activations = round(in_flight * cfg.n_layers / pp * per_layer)
     one_block = activation_bytes_per_token(cfg, bf16, "none") * tokens / tp
     if recompute == "full":
         activations += round(one_block)  # the block being rebuilt
@@ -102,12 +164,12 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
     rows = min(loss_chunk_tokens, tokens) if loss_chunk_tokens else tokens
     # Logits in the compute dtype, float32 copy, saved log-softmax and its gradient; a chunk's
     # logits and gradient, plus the stored hidden-state gradient, when chunked.
-    loss = round(rows * vocab * ((2 if bf16 else 0) + 4 + 4 + 4))
-    if loss_chunk_tokens:
+    loss = round(rows * vocab * ((2 if bf16 else 0) + 4 + 4 + 4)) if head else 0
+    if loss_chunk_tokens and head:
         loss += round(tokens * cfg.dim * (2 if bf16 else 4) + 4 * vocab * cfg.dim)
     accumulating = gradients if micro_steps > 1 else 0
     peak = parameters + optimizer + weight_copies + max(activations + loss + accumulating, gradients + round(one_block))
-    return MemoryEstimate(parameters, gradients, optimizer, weight_copies, activations, loss, peak)
+    return MemoryEstimate(parameters, gradients, optimizer, weight_copies, activations, loss, round(peak))
 
 
 RECOMPUTE_ORDER = ("none", "selective", "full")

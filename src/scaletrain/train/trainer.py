@@ -212,7 +212,8 @@ class Trainer:
                 cfg.model, cfg.data.seq_len, cfg.train.micro_batch, capacity,
                 micro_steps=cfg.seqs_per_step // (self.layout.dp * cfg.train.micro_batch),
                 bf16=self.dtype == torch.bfloat16, fsdp=self.layout.dp_shard * self.layout.cp, tp=self.layout.tp,
-                cp=self.layout.cp, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+                cp=self.layout.cp, pp=self.layout.pp, pp_schedule=cfg.parallel.pp_schedule,
+                pp_stages_per_rank=cfg.parallel.stages_per_rank, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
             log.info("parallel.recompute = auto: %s (predicted peak %.1f GB of %.1f GB usable)", mode,
                      estimate.peak / 1e9, capacity / 1e9)
         data = cfg.model_dump()
