@@ -9,6 +9,7 @@ import torch
 
 from conftest import ROOT, tiny_config
 from scaletrain.config import ModelConfig, load_config
+from scaletrain.model.flops import matmul_params
 from scaletrain.model.llama import Transformer
 from scaletrain.plan.memory import (activation_bytes_per_token, choose_recompute, in_flight_microbatches, rank_memory,
                                     training_memory)
@@ -101,7 +102,7 @@ def test_pipeline_ranks_hold_the_micro_batches_their_schedule_keeps_in_flight():
 
 
 def test_pipelining_splits_the_parameters_and_keeps_1f1b_activations_where_one_device_had_them():
-    cfg = load_config(ROOT / "configs" / "llama-1b.toml", ["model.vocab_size=32768"]).model
+    cfg = load_config(ROOT / "configs" / "llama-1b.toml", ["model.vocab_size=32768", "model.tie_embeddings=false"]).model
     whole = training_memory(cfg, 2048, 1, micro_steps=8)
     piped = training_memory(cfg, 2048, 1, micro_steps=8, pp=4)
     # the busier rank: a quarter of the blocks, and the head with the final norm (larger than the embedding)
@@ -111,4 +112,11 @@ def test_pipelining_splits_the_parameters_and_keeps_1f1b_activations_where_one_d
     assert first.activations == whole.activations and first.loss == 0
     gpipe = training_memory(cfg, 2048, 1, micro_steps=8, pp=4, pp_schedule="gpipe")
     assert gpipe.activations == pytest.approx(2 * whole.activations, rel=1e-6)  # 8 micro-batches of L/4 blocks
+    assert gpipe.loss == pytest.approx(8 * whole.loss, rel=1e-6)  # the last rank keeps every loss to its backward
     assert gpipe.peak > piped.peak
+    # FSDP with pipelining keeps all of a rank's blocks gathered from forward to backward.
+    block = (matmul_params(cfg) - cfg.vocab * cfg.dim) / cfg.n_layers
+    for pp, blocks in ((1, 2), (2, cfg.n_layers / 2)):
+        copies = training_memory(cfg, 2048, 1, micro_steps=8, fsdp=4, pp=pp).weight_copies
+        head_and_embedding = 2 if pp == 1 else 1  # the busier pipeline rank holds the head alone
+        assert copies == round(2 * (blocks * block + head_and_embedding * cfg.vocab * cfg.dim)), pp

@@ -140,20 +140,31 @@ def test_truncated_or_unmarked_newest_checkpoint_falls_back_to_the_previous(stdl
     assert "step_0000006" in text and "COMMITTED" in text
 
 
-@pytest.mark.parametrize("damage", ["metadata", "tensor bytes"])
-def test_corrupted_checkpoint_of_the_right_size_is_reported_and_skipped(stdlib_data, tmp_path, caplog, damage):
+@pytest.mark.parametrize("damage", ["metadata", "tensor bytes", "unreadable"])
+def test_corrupted_checkpoint_of_the_right_size_is_reported_and_skipped(stdlib_data, tmp_path, caplog, monkeypatch,
+                                                                         damage):
     run_dir = tmp_path / "run"
     cfg = tiny_config(stdlib_data, run_dir, "train.steps=4", "checkpoint.interval=2", "eval.interval=0")
     train(cfg)
     newest = run_dir / "checkpoints" / "step_0000004"
-    target = newest / ".metadata" if damage == "metadata" else next(newest.glob("*.distcp"))
-    payload = bytearray(target.read_bytes())
-    middle = len(payload) // 2
-    payload[middle:middle + 64] = bytes(64)  # same size, different bytes
-    target.write_bytes(bytes(payload))
+    if damage == "unreadable":  # a disk that fails the read (root reads any file, so the failure is injected)
+        crc32 = checkpoint._crc32
+
+        def failing(path):
+            if path.parent == newest:
+                raise OSError(5, "Input/output error")
+            return crc32(path)
+        monkeypatch.setattr(checkpoint, "_crc32", failing)
+    else:
+        target = newest / ".metadata" if damage == "metadata" else next(newest.glob("*.distcp"))
+        payload = bytearray(target.read_bytes())
+        middle = len(payload) // 2
+        payload[middle:middle + 64] = bytes(64)  # same size, different bytes
+        target.write_bytes(bytes(payload))
     with caplog.at_level(logging.WARNING, logger="scaletrain"):
         assert Trainer(cfg).resume() == 2
-    assert "step_0000004" in caplog.text and "corrupted" in caplog.text
+    assert "step_0000004" in caplog.text
+    assert ("cannot be read" if damage == "unreadable" else "corrupted") in caplog.text
 
 
 def test_checkpoints_that_all_fail_to_load_stop_the_run_instead_of_restarting_it(stdlib_data, tmp_path):

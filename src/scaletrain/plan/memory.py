@@ -6,7 +6,8 @@ Components (per device, in bytes):
 - optimizer: AdamW's two float32 moments per parameter and a float32 step count per tensor;
 - weight copies: the bf16 copies that autocast (or FSDP's bf16 all-gather) makes of the matmul
   weights and that the backward pass keeps — all of them on one device, two blocks' worth
-  under FSDP (one in use, one prefetched);
+  under FSDP (one in use, one prefetched), all of the rank's blocks under FSDP with pipelining
+  (which keeps them gathered from forward to backward: parallel/apply.py);
 - activations: what each block saves for the backward pass, per token (below), times tokens
   per micro-batch and layers, over tensor × context parallel ranks;
 - loss: the output head's logits and their gradient at the loss (float32 log-softmax), or one
@@ -40,9 +41,12 @@ GPipe and breadth-first looping; pp under 1F1B (Narayanan et al. 2021, "Efficien
 Language Model Training on GPU Clusters", section 2.2), times 1 + (pp - 1)/(pp·v) when it
 interleaves v stages a rank (Korthikanti et al. 2022, section 4.2.3); pp under the zero-bubble
 schedules (Qi et al. 2023, "Zero Bubble Pipeline Parallelism": ZB-H1 and ZB-V keep 1F1B's
-peak), pp + 1 under DualPipe (DeepSeek-V3 technical report, 2024, table 2). The last rank of a
-1F1B-like schedule holds one micro-batch and the loss. The estimate is that of the rank with
-the larger peak; the split of the other schedules is taken from their papers, not measured here.
+peak), pp + 1 under DualPipe (DeepSeek-V3 technical report, 2024, table 2). The last rank holds
+one micro-batch and its loss under 1F1B, ((v - 1)·pp + 1)/v under interleaving (the same
+count of warm-up chunks, for the last rank), and every micro-batch with its loss under GPipe
+and breadth-first looping, which keep each loss until its backward. The estimate is that of
+the rank with the larger peak; the counts of the other schedules are taken from their papers,
+not measured here.
 """
 
 from __future__ import annotations
@@ -119,21 +123,25 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
     if pp == 1:
         return rank_memory(cfg, seq_len, micro_batch, **common)
     in_flight = in_flight_microbatches(pp, micro_steps, pp_schedule, pp_stages_per_rank)
-    if pp_schedule in V_SHAPED:  # rank 0 runs the first and the last stage
-        ranks = [(in_flight, True, True)]
+    if pp_schedule in V_SHAPED:  # rank 0 runs the first and the last stage; the loss's backward follows at once
+        ranks = [(in_flight, 1, True, True)]
+    elif pp_schedule in ("gpipe", "looped_bfs"):
+        ranks = [(in_flight, 0, True, False), (in_flight, in_flight, False, True)]
     else:
-        ranks = [(in_flight, True, False), (1 if pp_schedule not in ("gpipe", "looped_bfs") else in_flight, False, True)]
-    estimates = [rank_memory(cfg, seq_len, micro_batch, **common, pp=pp, in_flight=count, embedding=embedding,
-                             head=head) for count, embedding, head in ranks]
+        last = min(((pp_stages_per_rank - 1) * pp + 1) / pp_stages_per_rank, micro_steps)
+        ranks = [(in_flight, 0, True, False), (last, 1, False, True)]
+    estimates = [rank_memory(cfg, seq_len, micro_batch, **common, pp=pp, in_flight=count, losses=losses,
+                             embedding=embedding, head=head) for count, losses, embedding, head in ranks]
     return max(estimates, key=lambda e: e.peak)
 
 
 def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 1, bf16: bool = True,
                 recompute: str = "none", fsdp: int = 1, tp: int = 1, cp: int = 1, loss_chunk_tokens: int = 0,
-                pp: int = 1, in_flight: float = 1, embedding: bool = True, head: bool = True) -> MemoryEstimate:
+                pp: int = 1, in_flight: float = 1, losses: float = 1, embedding: bool = True,
+                head: bool = True) -> MemoryEstimate:
     """One rank's bytes (arguments as training_memory's): L/pp blocks, the embedding and the
-    output head (with the final norm and the loss) where it holds them, the activations of
-    `in_flight` micro-batches of its blocks."""
+    output head (with the final norm) where it holds them, the activations of `in_flight`
+    micro-batches of its blocks and, with the head, of `losses` micro-batches' loss."""
     counts = param_counts(cfg)
     outer = cfg.vocab * cfg.dim  # the embedding, and the output head unless tied to it
     block_norms = cfg.n_layers * (2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0))
@@ -150,8 +158,9 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     head_matmul = outer if head else 0
     if not bf16:
         weight_copies = 0
-    elif fsdp > 1:  # two blocks gathered in bf16, and the root's embedding and head
-        weight_copies = round(2 * (2 * block_matmul / cfg.n_layers + outer * matrices) / tp)
+    elif fsdp > 1:  # two blocks gathered in bf16 (all of the rank's when pipelining), the root's embedding and head
+        gathered = cfg.n_layers / pp if pp > 1 else 2
+        weight_copies = round(2 * (gathered * block_matmul / cfg.n_layers + outer * matrices) / tp)
     else:
         weight_copies = round(2 * (block_matmul / pp + head_matmul) / tp)
     tokens = micro_batch * seq_len / cp
@@ -164,9 +173,10 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     rows = min(loss_chunk_tokens, tokens) if loss_chunk_tokens else tokens
     # Logits in the compute dtype, float32 copy, saved log-softmax and its gradient; a chunk's
     # logits and gradient, plus the stored hidden-state gradient, when chunked.
-    loss = round(rows * vocab * ((2 if bf16 else 0) + 4 + 4 + 4)) if head else 0
-    if loss_chunk_tokens and head:
-        loss += round(tokens * cfg.dim * (2 if bf16 else 4) + 4 * vocab * cfg.dim)
+    loss = rows * vocab * ((2 if bf16 else 0) + 4 + 4 + 4)
+    if loss_chunk_tokens:
+        loss += tokens * cfg.dim * (2 if bf16 else 4) + 4 * vocab * cfg.dim
+    loss = round(losses * loss) if head else 0
     accumulating = gradients if micro_steps > 1 else 0
     peak = parameters + optimizer + weight_copies + max(activations + loss + accumulating, gradients + round(one_block))
     return MemoryEstimate(parameters, gradients, optimizer, weight_copies, activations, loss, round(peak))

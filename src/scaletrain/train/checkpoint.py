@@ -174,14 +174,28 @@ def _prepare(root: Path, step: int) -> Path:
 
 def _file_table(path: Path, group=None) -> dict[str, list[int]]:
     """Each file of a written checkpoint: [size, CRC-32], as its marker records them. Every rank
-    of `group` takes part and gets the whole table: the files are those the first rank sees
-    (it writes DCP's metadata last), and each rank checksums its share of them."""
-    sizes = [_sizes(path) if _is_main() else None]
+    of `group` takes part and gets the whole table: the files are those the group's first rank
+    sees (rank 0 writes DCP's metadata last), and each rank checksums its share of them. A rank
+    that cannot read its share makes every rank raise, rather than leave them waiting."""
+    listing = [None]
+    if not dist.is_initialized() or dist.get_rank(group) == 0:
+        try:
+            listing = [_sizes(path)]
+        except OSError as e:
+            listing = [f"{path} cannot be listed ({e})"]
     if dist.is_initialized():
-        dist.broadcast_object_list(sizes, src=0, group=group)
-    sizes = sizes[0]
-    mine = {name: [sizes[name], _crc32(path / name)] for name in _share(sorted(sizes), group)}
-    return dict(sorted(item for part in _gather(mine, group) for item in part.items()))
+        dist.broadcast_object_list(listing, group=group, group_src=0)
+    sizes = listing[0]
+    try:
+        mine = sizes if isinstance(sizes, str) else {
+            name: [sizes[name], _crc32(path / name)] for name in _share(sorted(sizes), group)}
+    except OSError as e:
+        mine = f"a file of {path} cannot be read back to checksum it ({e})"
+    parts = _gather(mine, group)
+    failed = [part for part in parts if isinstance(part, str)]
+    if failed:
+        raise OSError(f"checkpoint not committed: {failed[0]}")
+    return dict(sorted(item for part in parts for item in part.items()))
 
 
 def _commit(root: Path, path: Path, step: int, tokens: int, keep: int, files: dict | None = None) -> None:
@@ -214,14 +228,17 @@ def check_complete(path: Path, verify: bool = False) -> str | None:
     """None if `path` is a complete checkpoint, else why not. `verify` also checks every file's
     CRC-32; under torch.distributed every rank must then call it, and each checks a share of the
     files (all get the same answer)."""
-    problem, recorded = _check_marker_and_sizes(path)
+    try:
+        problem, recorded = _check_marker_and_sizes(path)
+        if verify and problem is None:
+            for name in _share(sorted(recorded)):
+                if _crc32(path / name) != recorded[name][1]:
+                    problem = f"file {name} does not match the checksum recorded when it was written (corrupted)"
+                    break
+    except OSError as e:  # every rank still reaches the gather below
+        problem = f"it cannot be read ({e})"
     if not verify:
         return problem
-    if problem is None:
-        for name in _share(sorted(recorded)):
-            if _crc32(path / name) != recorded[name][1]:
-                problem = f"file {name} does not match the checksum recorded when it was written (corrupted)"
-                break
     return next((p for p in _gather(problem) if p is not None), None)
 
 
