@@ -41,14 +41,14 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, t
     from scaletrain.data.tokenizer import eos_id as find_eos, load_tokenizer
     from scaletrain.model.sample import generate
 
+    if temperature < 0 or (top_k is not None and top_k < 1) or max_new_tokens < 1:  # before loading anything
+        raise GenerateError(f"temperature must be ≥ 0 (0 is greedy), top_k ≥ 1 or unset, max_new_tokens ≥ 1; "
+                            f"got {temperature}, {top_k}, {max_new_tokens}")
     model, cfg, _ = load_model(run_dir)
     tokenizer = load_tokenizer(Path(run_dir) / "tokenizer.json")
     eos_id = find_eos(tokenizer)
     # An empty prompt starts a new document, as the end-of-document token does in training.
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids or [eos_id]
-    if temperature < 0 or (top_k is not None and top_k < 1) or max_new_tokens < 1:
-        raise GenerateError(f"temperature must be ≥ 0 (0 is greedy), top_k ≥ 1 or unset, max_new_tokens ≥ 1; "
-                            f"got {temperature}, {top_k}, {max_new_tokens}")
     room = cfg.model.max_seq_len - len(ids)
     if room < 1:
         raise GenerateError(f"the prompt is {len(ids)} tokens and the model's context model.max_seq_len is "
