@@ -528,7 +528,7 @@ class Trainer:
         train_loss = val_loss = None
         accounted = False
         window_tokens, window_time, window_wait = 0, 0.0, 0.0
-        run_tokens, run_time, first_here = 0, 0.0, True
+        run_tokens, run_time = 0, 0.0
         last_speed = None
         try:
             while self.step < self.total_steps and (stop_at_step is None or self.step < stop_at_step):
@@ -548,9 +548,7 @@ class Trainer:
                 window_tokens += cfg.train.global_batch_tokens
                 window_time += elapsed
                 window_wait += wait
-                if first_here:  # a process's first step pays one-off costs (compilation, allocation)
-                    first_here = False
-                else:
+                if self.step > (resumed_from or 0) + 1:  # this process's first step pays one-off costs
                     run_tokens += cfg.train.global_batch_tokens
                     run_time += elapsed
                 last = self.step == self.total_steps or self.step == stop_at_step
