@@ -468,6 +468,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- export ---------------------------------------------------------------------------------
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from scaletrain.export import export_hf
+
+    result = export_hf(args.run_dir, args.out, dtype=args.dtype, step=args.step,
+                       max_shard_bytes=args.max_shard_size)
+    out.print(f"wrote {result.out}: {result.architecture} from step {result.step:,}, "
+              f"{result.bytes / 2**20:,.1f} MiB of weights in {args.dtype} ({', '.join(result.files)})")
+    return 0
+
+
 # -- parser ---------------------------------------------------------------------------------
 
 
@@ -595,6 +608,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0 for all")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
+
+    p = commands.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory",
+                            description="Write config.json, safetensors weights, the tokenizer and a model card "
+                                        "that transformers' AutoModelForCausalLM and AutoTokenizer load "
+                                        "(LlamaForCausalLM; Qwen3ForCausalLM with QK-norm).")
+    p.add_argument("run_dir", help="run directory, e.g. demo/final")
+    p.add_argument("--out", required=True, help="directory to write (new or empty)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights' dtype (float32: exactly as trained)")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
+    p.add_argument("--max-shard-size", type=_bytes, default="5G",
+                   help="split the weights into files of at most this size (5G, Hugging Face's default)")
+    p.set_defaults(func=cmd_export)
     return parser
 
 

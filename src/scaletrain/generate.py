@@ -14,8 +14,9 @@ class GenerateError(UserError, ValueError):
     """A sampling request that cannot be served (prompt too long, bad sampling settings)."""
 
 
-def load_model(run_dir: str | Path, device: str = "cpu"):
-    """The model of a run directory with the weights of its newest complete checkpoint, and its step."""
+def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None):
+    """The model of a run directory with the weights of its newest intact checkpoint (or of
+    the checkpoint of `step`), and that checkpoint's step."""
     from scaletrain.model.llama import Transformer
     from scaletrain.train import checkpoint
 
@@ -24,15 +25,22 @@ def load_model(run_dir: str | Path, device: str = "cpu"):
         raise ConfigError(f"{str(run_dir)!r} is not a run directory (no config.toml); give the directory "
                           "`scaletrain train` wrote, e.g. runs/demo")
     cfg = load_config(run_dir / "config.toml")
-    done = checkpoint.complete_checkpoints(run_dir / "checkpoints")
-    if not done:
-        raise checkpoint.CheckpointError(f"run directory {str(run_dir)!r} has no complete checkpoint yet")
+    root = run_dir / "checkpoints"
     model = Transformer(cfg.model)
-    state = {"model": model.state_dict()}
-    checkpoint.load(done[0], state)  # reads only the model's entries of the checkpoint
+    state = {"model": model.state_dict()}  # reads only the model's entries of the checkpoint
+    if step is None:
+        if not checkpoint.complete_checkpoints(root):
+            raise checkpoint.CheckpointError(f"run directory {str(run_dir)!r} has no complete checkpoint yet")
+        path = checkpoint.load_newest(root, state)  # past a damaged newest one, with a warning
+    else:
+        path = checkpoint.checkpoint_dir(root, step)
+        if not path.is_dir():
+            have = ", ".join(str(checkpoint.step_of(p)) for p in checkpoint.committed_checkpoints(root)) or "none"
+            raise checkpoint.CheckpointError(f"run directory {str(run_dir)!r} has no checkpoint of step {step}; "
+                                             f"it has steps: {have}")
+        checkpoint.load(path, state)
     model.load_state_dict(state["model"])
-    step = checkpoint.step_of(done[0])
-    return model.to(device).eval(), cfg, step
+    return model.to(device).eval(), cfg, checkpoint.step_of(path)
 
 
 def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,

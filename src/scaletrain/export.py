@@ -1,0 +1,225 @@
+"""A run's checkpoint as a Hugging Face model directory.
+
+`export_hf(run_dir, out)` writes what `transformers.AutoModelForCausalLM.from_pretrained(out)`
+and `AutoTokenizer.from_pretrained(out)` load: `config.json`, the weights as safetensors
+(`model.safetensors`, or shards of at most `max_shard_bytes` with `model.safetensors.index.json`),
+`generation_config.json`, the run's `tokenizer.json` with `tokenizer_config.json`, and a
+`README.md` model card. The decoder of `model/llama.py` is Hugging Face's `LlamaForCausalLM`
+(its rotary embeddings already use the "rotate half" pairing, so no weight is permuted); with
+QK-norm it is `Qwen3ForCausalLM`, Llama plus a per-head RMSNorm of queries and keys before the
+rotation, as ours. Nothing is written to `out` until every file is ready: the files go to a
+sibling directory that is renamed to `out` last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from scaletrain.config import ConfigError, ModelConfig
+from scaletrain.errors import UserError
+
+DTYPES = ("float32", "bfloat16", "float16")
+# Hugging Face's own default shard size (`save_pretrained(max_shard_size="5GB")`).
+MAX_SHARD_BYTES = 5 * 10**9
+
+# Our parameter names (Meta's Llama / torchtitan) -> Hugging Face's, for block `{}`.
+_BLOCK_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+
+
+class ExportError(UserError, ValueError):
+    """An export that cannot be written (bad destination or settings)."""
+
+
+@dataclass
+class Exported:
+    out: Path
+    step: int
+    architecture: str
+    files: list[str]
+    bytes: int  # of the weight files
+
+
+def hf_name(name: str) -> str:
+    """Hugging Face's name of one of our parameters, e.g. layers.3.attention.wq.weight ->
+    model.layers.3.self_attn.q_proj.weight."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    prefix, index, rest = name.split(".", 2)
+    if prefix != "layers" or rest not in _BLOCK_NAMES:
+        raise KeyError(f"no Hugging Face name for parameter {name!r}")
+    return f"model.layers.{index}.{_BLOCK_NAMES[rest]}"
+
+
+def architecture(cfg: ModelConfig) -> str:
+    """The transformers class that computes what our model with this shape computes."""
+    return "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
+
+
+def hf_config(cfg: ModelConfig, dtype: str, eos_id: int) -> dict:
+    """config.json for the model `cfg` describes: LlamaForCausalLM, or Qwen3ForCausalLM with QK-norm.
+
+    RoPE's base is written both ways transformers has read it (`rope_theta` before v5,
+    `rope_parameters` since), and the dtype under both of its names, for the same reason."""
+    config = {
+        "architectures": [architecture(cfg)],
+        "model_type": "qwen3" if cfg.qk_norm else "llama",
+        "vocab_size": cfg.vocab,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        # Documents are separated by the end-of-text token and none starts with another, so the
+        # same token begins a generation (as `scaletrain generate` does for an empty prompt).
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        "use_cache": True,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+    if cfg.qk_norm:
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    return config
+
+
+def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step: int | None = None,
+              max_shard_bytes: int = MAX_SHARD_BYTES) -> Exported:
+    """Write the run's newest complete checkpoint (or the one of `step`) to `out` as a Hugging
+    Face model directory; `out` must not exist or be empty. float32 keeps the trained weights
+    exactly; bfloat16 or float16 halve the files."""
+    out = Path(out)
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if max_shard_bytes < 1:
+        raise ExportError(f"the largest shard must be at least 1 byte, got {max_shard_bytes}")
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise ExportError(f"{str(out)!r} already exists and is not an empty directory; give a new path "
+                          "(an export never overwrites files)")
+    tokenizer_json = Path(run_dir) / "tokenizer.json"
+    if (Path(run_dir) / "config.toml").is_file() and not tokenizer_json.is_file():
+        raise ConfigError(f"run directory {str(run_dir)!r} has no tokenizer.json; it is copied there when "
+                          "training starts, so this run never trained")
+
+    import torch
+    from safetensors.torch import save_file
+
+    from scaletrain.data.tokenizer import eos_id as find_eos, load_tokenizer
+    from scaletrain.generate import load_model
+    from scaletrain.model.flops import param_counts
+
+    model, cfg, step = load_model(run_dir, step=step)
+    tokenizer = load_tokenizer(tokenizer_json)
+    eos_id = find_eos(tokenizer)
+    eos = tokenizer.id_to_token(eos_id)
+    weights = {hf_name(name): tensor.detach().to(getattr(torch, dtype)).contiguous()
+               for name, tensor in model.state_dict().items()
+               if not (cfg.model.tie_embeddings and name == "output.weight")}  # tied: one tensor, in the embedding
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        shards = _shards(weights, max_shard_bytes)
+        total = sum(t.numel() * t.element_size() for t in weights.values())
+        for file, names in shards.items():
+            save_file({name: weights[name] for name in names}, staging / file, metadata={"format": "pt"})
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {name: file for file, names in shards.items() for name in names}}
+            _write_json(staging / "model.safetensors.index.json", index)
+        _write_json(staging / "config.json", hf_config(cfg.model, dtype, eos_id))
+        _write_json(staging / "generation_config.json",
+                    {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": True, "temperature": 0.8,
+                     "top_k": 50})
+        shutil.copyfile(tokenizer_json, staging / "tokenizer.json")
+        # split_special_tokens: "<|endoftext|>" written in a text is encoded as text, as in training
+        # (data/tokenizer.py); only the token appended between documents ends one.
+        _write_json(staging / "tokenizer_config.json",
+                    {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos, "eos_token": eos,
+                     "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+                     "split_special_tokens": True, "model_max_length": cfg.model.max_seq_len})
+        (staging / "README.md").write_text(_model_card(Path(run_dir), cfg, step, param_counts(cfg.model)["total"],
+                                                       dtype))
+        os.replace(staging, out)  # rename(2) replaces an empty directory
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return Exported(out=out, step=step, architecture=architecture(cfg.model), files=sorted(p.name for p in out.iterdir()),
+                    bytes=total)
+
+
+def _shards(weights: dict, max_shard_bytes: int) -> dict[str, list[str]]:
+    """File name -> tensor names, in order, each file at most max_shard_bytes unless one tensor is larger."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in weights.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    if len(groups) == 1:
+        return {"model.safetensors": groups[0]}
+    return {f"model-{i:05d}-of-{len(groups):05d}.safetensors": names for i, names in enumerate(groups, 1)}
+
+
+def _model_card(run_dir: Path, cfg, step: int, params: int, dtype: str) -> str:
+    from scaletrain.train.metrics import read_metrics
+
+    evals = [r for r in read_metrics(run_dir, "eval") if r["step"] <= step] if (run_dir / "metrics.jsonl").is_file() else []
+    m = cfg.model
+    lines = [
+        f"# {cfg.run.name}",
+        "",
+        f"A {params:,}-parameter decoder pre-trained with scaletrain (run `{cfg.run.name}`, step {step:,}), "
+        f"exported in {dtype}.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| layers, width, heads (key/value) | {m.n_layers}, {m.dim}, {m.n_heads} ({m.kv_heads}) |",
+        f"| MLP width, vocabulary, context | {m.hidden_dim}, {m.vocab}, {m.max_seq_len} |",
+        f"| QK-norm, tied embeddings | {'yes' if m.qk_norm else 'no'}, {'yes' if m.tie_embeddings else 'no'} |",
+    ]
+    if evals:
+        last = evals[-1]
+        lines.append(f"| validation loss at step {last['step']:,} ({last['tokens']:,} tokens) | {last['loss']:.4f} |")
+    lines += ["", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+              "model = AutoModelForCausalLM.from_pretrained(PATH)",
+              "tokenizer = AutoTokenizer.from_pretrained(PATH)", "```", ""]
+    return "\n".join(lines)
+
+
+def _write_json(path: Path, value) -> None:
+    path.write_text(json.dumps(value, indent=2) + "\n")
