@@ -55,3 +55,13 @@ def test_data_wait_benchmark_reports_both_loaders():
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["plain"]["median_wait_ms"] > 0 and report["prefetched"]["median_wait_ms"] >= 0
+
+
+def test_stop_vote_benchmark_prints_both_variants():
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "benchmarks/stop_vote.py", "--steps", "5", "--rounds", "1", "--width", "16"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["world_size"] == 2 and report["step_us_with_vote"] > 0 and report["step_us_without_vote"] > 0

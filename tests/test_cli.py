@@ -106,14 +106,16 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
     assert result.returncode == 0, result.stderr
     text = script.read_text()
     for words in ["#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "torchrun --nnodes=4 --nproc-per-node=8",
-                  "--rdzv-backend=c10d", "-m scaletrain.cli train configs/llama-1b.toml train.lr=1e-4"]:
+                  "--rdzv-backend=c10d", "-m scaletrain.cli train configs/llama-1b.toml train.lr=1e-4",
+                  # SIGTERM 180 s before the time limit; torchrun lets the workers save; preempted jobs requeue
+                  "#SBATCH --signal=TERM@180", "#SBATCH --requeue", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=170"]:
         assert words in text, words
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0  # valid shell
     # Slurm opens its log before the script runs, so not in the run directory the script makes.
     assert "#SBATCH --output=slurm-llama-1b-%j.out" in text
 
     result = run_cli("launch", "k8s", "configs/llama-1b.toml", "--nodes", "2", "--gpus-per-node", "8",
-                     "--image", "registry.example/scaletrain:1")
+                     "--image", "registry.example/scaletrain:1", "--grace", "600")
     assert result.returncode == 0, result.stderr
     service, job = json.loads(result.stdout)["items"]
     assert service["spec"]["clusterIP"] == "None"
@@ -122,6 +124,8 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert container["command"][:3] == ["torchrun", "--nnodes=2", "--nproc-per-node=8"]
+    assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 600
+    assert {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "590"} in container["env"]
 
 
 def test_k8s_names_are_dns_labels_whatever_the_run_name():
@@ -149,3 +153,14 @@ def test_launch_refuses_a_layout_the_processes_do_not_fit(tmp_path):
     result = run_cli("launch", "slurm", "configs/llama-1b.toml", "parallel.dp_replicate=3", "--nodes", "2",
                      "--gpus-per-node", "8")
     assert_one_line_error(result, "dp_replicate x cp x tp = 1 x 3 x 1 x 1 = 3 does not divide the 16 processes")
+
+
+def test_launch_refuses_a_grace_too_short_to_save():
+    from scaletrain.config import ConfigError, load_config
+    from scaletrain.launch import k8s_manifest, slurm_script
+
+    cfg = load_config(ROOT / "configs" / "llama-1b.toml")
+    with pytest.raises(ConfigError, match="--grace 5 s leaves no time to save; give at least 20 seconds"):
+        slurm_script(cfg, "configs/llama-1b.toml", [], 2, 8, grace_s=5)
+    with pytest.raises(ConfigError, match="--grace 0 s"):
+        k8s_manifest(cfg, "configs/llama-1b.toml", [], 2, 8, "image:1", grace_s=0)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -19,6 +21,7 @@ from conftest import ROOT, run_cli, tiny_config
 from scaletrain.config import ConfigError, ParallelConfig
 from scaletrain.parallel.mesh import check_layout, resolve_layout
 from scaletrain.plan.memory import rank_memory
+from scaletrain.train import checkpoint
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
 
@@ -258,14 +261,42 @@ def test_each_rank_reports_the_bytes_it_holds(layout_runs, reference_deep):
     assert whole["optimizer"] > 2 * whole["parameters"]  # AdamW: two moments per parameter, plus step counts
 
 
-def test_fsdp_through_the_cli_stops_and_resumes_with_the_losses_of_one_process(stdlib_data, reference, tmp_path):
-    """`scaletrain train --nproc 2`, stopped with --stop-at-step and run again, as a user does."""
+LONG = ["train.steps=60", "checkpoint.interval=1000", "eval.interval=30"]  # long enough to be signalled mid-way
+
+
+@pytest.fixture(scope="module")
+def reference_long(stdlib_data, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single-long") / "run"
+    train(tiny_config(stdlib_data, run_dir, *STEPS, *LONG))
+    return run_dir
+
+
+def test_sigterm_stops_every_rank_after_the_same_step_and_the_cli_resumes_with_the_losses_of_one_process(
+        stdlib_data, reference_long, tmp_path):
+    """`scaletrain train --nproc 2` (FSDP) sent SIGTERM mid-run, as a scheduler preempts a job:
+    the command passes it to torchrun, which passes it to the workers; they agree on a step,
+    save it and end with status 143. The same command then finishes the run with the losses of
+    one process that was never stopped."""
     run_dir = tmp_path / "run"
-    launch(stdlib_data, run_dir, 2, "parallel.dp_shard=2", f"--stop-at-step={STOP}")
-    assert max(records(run_dir, "train")) == STOP
-    launch(stdlib_data, run_dir, 2, "parallel.dp_shard=2")
-    assert [r["step"] for r in read_metrics(run_dir, "resume")] == [STOP]
-    assert_parity(run_dir, reference)
+    args = [sys.executable, "-m", "scaletrain.cli", "train", "configs/tiny.toml", f"data.path={stdlib_data}",
+            f"run.dir={tmp_path}", "run.name=run", *STEPS, *LONG, "parallel.dp_shard=2", "--nproc=2"]
+    process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "COLUMNS": "200"})
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None and not (
+            (run_dir / "metrics.jsonl").is_file() and max(records(run_dir, "train"), default=0) >= 3):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143, stdout[-2000:] + stderr[-4000:]
+    stop = checkpoint.step_of(checkpoint.complete_checkpoints(run_dir / "checkpoints")[0])
+    assert 3 < stop < 60
+    assert f"stopped by SIGTERM after step {stop} with a checkpoint" in stdout + stderr
+    assert max(records(run_dir, "train")) == stop
+    assert read_metrics(run_dir, "end")[-1]["stopped_by"] == "SIGTERM"
+    launch(stdlib_data, run_dir, 2, *LONG, "parallel.dp_shard=2")
+    assert [r["step"] for r in read_metrics(run_dir, "resume")] == [stop]
+    assert_parity(run_dir, reference_long)
 
 
 @pytest.mark.parametrize("overrides, world, words", [

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 import logging
+import os
+import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,7 @@ from conftest import run_cli, tiny_config
 from scaletrain.config import ConfigError
 from scaletrain.train import checkpoint
 from scaletrain.train.metrics import read_metrics
+from scaletrain.train.resilience import StoppedBySignal
 from scaletrain.train.trainer import Trainer, TrainingDiverged, train
 
 
@@ -420,3 +425,41 @@ def test_float8_on_a_cpu_is_refused_in_one_sentence_before_anything_starts(stdli
     with pytest.raises(ConfigError, match="compute capability 8.9 or newer.*this run is on cpu"):
         Trainer(tiny_config(stdlib_data, run_dir, "train.float8=true"))
     assert not run_dir.exists()
+
+
+def _signal_when(run_dir: Path, step: int, signum: int) -> threading.Thread:
+    """A thread that sends this process `signum` once the run has logged `step`."""
+    def watch():
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if (run_dir / "metrics.jsonl").is_file() and max(losses(run_dir), default=0) >= step:
+                os.kill(os.getpid(), signum)
+                return
+            time.sleep(0.01)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_signal_stops_after_the_next_step_with_a_checkpoint_and_the_run_resumes_exactly(stdlib_data, tmp_path):
+    """What a scheduler's preemption notice does to one process (SIGUSR1 here; SIGTERM across
+    processes in test_distributed): the run ends a step later with a checkpoint of that step,
+    not at the last interval, and running it again gives the losses of a run never stopped."""
+    common = ["train.steps=100", "checkpoint.interval=1000", "eval.interval=50"]
+    whole = tmp_path / "whole"
+    train(tiny_config(stdlib_data, whole, *common))
+    stopped = tmp_path / "stopped"
+    _signal_when(stopped, 3, signal.SIGUSR1)
+    with pytest.raises(StoppedBySignal, match=r"stopped by SIGUSR1 after step \d+ with a checkpoint at .*; run the "
+                                              "same command to continue") as info:
+        train(tiny_config(stdlib_data, stopped, *common))
+    step = info.value.step
+    assert 3 < step < 100 and info.value.code == 128 + signal.SIGUSR1
+    assert [checkpoint.step_of(p) for p in checkpoint.complete_checkpoints(stopped / "checkpoints")] == [step]
+    assert max(losses(stopped)) == step
+    end = read_metrics(stopped, "end")[-1]
+    assert (end["step"], end["complete"], end["stopped_by"]) == (step, False, "SIGUSR1")
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the handlers are the process's again
+    result = train(tiny_config(stdlib_data, stopped, *common))
+    assert result.resumed_from == step and result.step == 100
+    assert losses(stopped) == losses(whole) and losses(stopped, "eval") == losses(whole, "eval")

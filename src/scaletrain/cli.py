@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -12,7 +13,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from scaletrain.errors import UserError
+from scaletrain.errors import Stopped, UserError
 
 # Piped output (CI logs, files) gets wide lines instead of Rich's 80-column default.
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
@@ -159,7 +160,24 @@ def _torchrun(args: argparse.Namespace) -> int:
     # Restarted workers must not read stale addresses from the store torchrun shares across
     # attempts (pytorch issues #135712, #167288).
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    return subprocess.run(command, env=env).returncode
+    child = subprocess.Popen(command, env=env)
+    # A scheduler's SIGTERM or SIGUSR1 to this process is passed on as SIGTERM (torchrun hands
+    # that to the workers, which stop after a step with a checkpoint; SIGUSR1 would end torchrun
+    # alone) instead of ending this process with torchrun still running.
+    received = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        child.send_signal(signal.SIGTERM)
+
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        code = child.wait()
+        # torchrun ends with 1 after stopping its workers on a signal; say which signal, as the workers do.
+        return 128 + received[0] if received and code else code
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _num(value: float | None) -> str:
@@ -175,9 +193,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if args.launcher == "slurm":
-        text = slurm_script(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node)
+        text = slurm_script(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node, grace_s=args.grace)
     else:
-        text = k8s_manifest(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node, args.image)
+        text = k8s_manifest(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node, args.image,
+                            grace_s=args.grace)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
@@ -542,6 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, required=True, help="processes (GPUs) per machine")
     p.add_argument("--image", default="scaletrain:latest", help="k8s: container image with scaletrain installed")
     p.add_argument("--out", default=None, help="file to write (default: print)")
+    p.add_argument("--grace", type=int, default=180,
+                   help="seconds between SIGTERM (time limit near, preemption) and the kill: enough for a step or "
+                        "two and a checkpoint (180)")
     p.set_defaults(func=cmd_launch)
 
     p = commands.add_parser("sweep", help="train an IsoFLOP grid of small models for fitting scaling laws",
@@ -632,6 +654,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         return 2
+    except Stopped as e:
+        if int(os.environ.get("RANK", 0)) == 0:  # every rank stops alike: one says so
+            console.print(str(e), highlight=False, soft_wrap=True)
+        return e.code
     except KeyboardInterrupt:
         console.print("interrupted")
         return 130

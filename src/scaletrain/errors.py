@@ -9,3 +9,10 @@ from __future__ import annotations
 
 class UserError(Exception):
     """A mistake the user can fix, said in one sentence."""
+
+
+class Stopped(Exception):
+    """A command that ended early but cleanly, when asked to (a scheduler's signal); the message
+    says how to continue, and `code` is the exit status to end with."""
+
+    code = 1

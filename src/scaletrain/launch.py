@@ -1,6 +1,13 @@
 """Job files that run `scaletrain train` on many nodes: a Slurm batch script and a Kubernetes
 manifest. Each starts torchrun once per node with a c10d rendezvous on the first node, so the
-training command is the same one `--nproc` runs on a single node."""
+training command is the same one `--nproc` runs on a single node.
+
+Both give a stopping job time to save: the workers end a step or two after SIGTERM with a
+checkpoint (train/resilience.py), so the job asks for SIGTERM `grace_s` seconds before it is
+killed — Slurm before the time limit (`--signal`), Kubernetes as the pod's termination grace —
+and torchrun waits as long before it kills its workers (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, read
+by torch ≥ 2.13; 30 s before). A Slurm job is requeueable: a preempted one starts again and
+resumes from its newest checkpoint."""
 
 from __future__ import annotations
 
@@ -12,6 +19,8 @@ from scaletrain.parallel.mesh import check_layout as check_mesh
 from scaletrain.parallel.mesh import resolve_layout
 
 RDZV_PORT = 29500
+# Seconds between SIGTERM and the kill: the step or two the ranks take to agree, and a checkpoint.
+GRACE_S = 180
 
 
 def _train_args(config: str, overrides: list[str]) -> list[str]:
@@ -30,8 +39,16 @@ def check_layout(cfg: RunConfig, nodes: int, gpus_per_node: int) -> None:
     check_mesh(layout, cfg)
 
 
+def _shutdown_timeout(grace_s: int) -> int:
+    """How long torchrun waits for stopping workers: the grace less a little for torchrun itself."""
+    if grace_s < 20:
+        raise ConfigError(f"--grace {grace_s} s leaves no time to save; give at least 20 seconds (the default 180 "
+                          "fits a step or two and a checkpoint of most runs)")
+    return grace_s - 10
+
+
 def slurm_script(cfg: RunConfig, config: str, overrides: list[str], nodes: int, gpus_per_node: int,
-                 cpus_per_gpu: int = 8) -> str:
+                 cpus_per_gpu: int = 8, grace_s: int = GRACE_S) -> str:
     """An sbatch script: one task per node, each running torchrun over that node's GPUs."""
     check_layout(cfg, nodes, gpus_per_node)
     torchrun = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", "--rdzv-backend=c10d",
@@ -47,11 +64,14 @@ def slurm_script(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
         # In the submission directory: Slurm opens it before the script runs, when the run's own
         # directory may not exist yet.
         f"#SBATCH --output=slurm-{cfg.run.name}-%j.out",
+        f"#SBATCH --signal=TERM@{grace_s}",
+        "#SBATCH --requeue",
         "set -euo pipefail",
         "# The first node hosts the rendezvous; every node runs torchrun once.",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "# Restarted workers must not read stale addresses from torchrun's shared store.",
         "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+        f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={_shutdown_timeout(grace_s)}",
         f"mkdir -p {shlex.quote(f'{cfg.run.dir}/{cfg.run.name}')}",
         "srun " + " ".join(torchrun),
         "",
@@ -59,7 +79,7 @@ def slurm_script(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
 
 
 def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, gpus_per_node: int,
-                 image: str) -> str:
+                 image: str, grace_s: int = GRACE_S) -> str:
     """A Kubernetes headless Service and Indexed Job (one pod per node) as a JSON List, which
     `kubectl apply -f` takes like YAML. Pod 0 hosts the rendezvous."""
     check_layout(cfg, nodes, gpus_per_node)
@@ -84,9 +104,11 @@ def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
                 "spec": {
                     "subdomain": name,  # pods are reachable as NAME-INDEX.NAME
                     "restartPolicy": "Never",
+                    "terminationGracePeriodSeconds": grace_s,
                     "containers": [{
                         "name": "train", "image": image, "command": command,
-                        "env": [{"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"}],
+                        "env": [{"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},
+                                {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(_shutdown_timeout(grace_s))}],
                         "resources": {"limits": {"nvidia.com/gpu": gpus_per_node}},
                         "ports": [{"containerPort": RDZV_PORT}],
                     }],

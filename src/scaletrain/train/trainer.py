@@ -9,6 +9,7 @@ import math
 import random
 import resource
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from scaletrain.train import checkpoint
 from scaletrain.train.float8 import check_float8, convert_to_float8
 from scaletrain.train.metrics import MetricsLog, read_metrics
 from scaletrain.train.optim import build_optimizer, set_hyperparameters
+from scaletrain.train.resilience import StopSignals, StoppedBySignal
 from scaletrain.train.schedule import lr_at
 
 log = logging.getLogger("scaletrain")
@@ -530,12 +532,19 @@ class Trainer:
         window_tokens, window_time, window_wait = 0, 0.0, 0.0
         run_tokens, run_time = 0, 0.0
         last_speed = None
+        stopped_by, saved = None, None  # the signal that ends the run early; the last checkpoint
+        # A gloo group of its own for the stop vote (resilience.py), as for background saves.
+        signals = StopSignals(dist.new_group(backend="gloo") if dist.is_initialized() else None)
+        signals.install()
+        finished = False
         try:
-            while self.step < self.total_steps and (stop_at_step is None or self.step < stop_at_step):
+            while (self.step < self.total_steps and (stop_at_step is None or self.step < stop_at_step)
+                   and stopped_by is None):
                 t0 = time.perf_counter()
+                stopped_by = signals.stop_before_next_step()  # then this step is the last
                 # Loss and norm reach the host only at the steps that use them (train_step).
                 coming = self.step + 1
-                look = coming in (self.total_steps, stop_at_step) or any(
+                look = stopped_by is not None or coming in (self.total_steps, stop_at_step) or any(
                     interval and coming % interval == 0
                     for interval in (cfg.log.interval, cfg.checkpoint.interval, cfg.eval.interval))
                 train_loss, grad_norm, wait = self.train_step(look=look)
@@ -551,7 +560,7 @@ class Trainer:
                 if self.step > (resumed_from or 0) + 1:  # this process's first step pays one-off costs
                     run_tokens += cfg.train.global_batch_tokens
                     run_time += elapsed
-                last = self.step == self.total_steps or self.step == stop_at_step
+                last = self.step == self.total_steps or self.step == stop_at_step or stopped_by is not None
                 if self.step % cfg.log.interval == 0 or last:
                     last_speed = window_tokens / window_time
                     record = metrics.write(
@@ -569,7 +578,7 @@ class Trainer:
                 self.finish_saving(wait=False)
                 if (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0) or last:
                     t_save = time.perf_counter()
-                    path = self.save()
+                    path = saved = self.save()
                     # What training waited for: the whole save, or its copy to host memory.
                     metrics.write("checkpoint", self.step, self.tokens, path=str(path),
                                   blocking_s=round(time.perf_counter() - t_save, 4),
@@ -587,18 +596,23 @@ class Trainer:
             consumption = {"tokens_by_source": self.loader.tokens_by_source(),
                            "epochs_by_source": self.loader.epochs_by_source()}
             metrics.write("end", self.step, self.tokens, train_loss=train_loss, val_loss=val_loss,
-                          complete=self.step == self.total_steps, **consumption)
+                          complete=self.step == self.total_steps,
+                          stopped_by=signal.Signals(stopped_by).name if stopped_by else None, **consumption)
             # What the run consumed of each source, for people and tools (also in the end record).
             if self.is_main:
                 (self.run_dir / "stats.json").write_text(json.dumps(
                     {"step": self.step, "tokens": self.tokens, **consumption}, indent=1) + "\n")
+            finished = True
         except TrainingDiverged as e:
             self.finish_saving(wait=True)  # it holds the last good state
             metrics.write("diverged", self.step, self.tokens, message=str(e))
             raise
         finally:
+            signals.uninstall(finished)
             metrics.close()
             self.loader.close()
+        if stopped_by is not None and self.step < self.total_steps:
+            raise StoppedBySignal(stopped_by, self.step, str(saved))
         if train_loss is None:  # resumed a finished run: report what it ended with
             train_loss = next((r["loss"] for r in reversed(read_metrics(self.run_dir, "train"))), None)
             val_loss = next((r["loss"] for r in reversed(read_metrics(self.run_dir, "eval"))), None)
@@ -655,6 +669,9 @@ def train(cfg: RunConfig, stop_at_step: int | None = None) -> TrainResult:
     Under torchrun every process calls this; the layout comes from cfg.parallel."""
     try:
         result = Trainer(cfg).fit(stop_at_step=stop_at_step)
+    except StoppedBySignal:  # every rank stopped after the same step, its checkpoint complete
+        shutdown()
+        raise
     except BaseException:
         shutdown(clean=False)
         raise

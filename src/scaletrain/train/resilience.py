@@ -1,0 +1,90 @@
+"""Stopping cleanly when asked: a preemption notice costs a step or two, not the work since the
+last checkpoint.
+
+Schedulers announce the end of a job with a signal and kill it a grace period later: Slurm
+sends SIGTERM on preemption (and, with `--signal=TERM@T`, T seconds before the time limit),
+Kubernetes SIGTERM before SIGKILL (30 s by default), torchrun forwards SIGTERM to its workers
+and kills them 30 s later. `StopSignals` turns SIGTERM and SIGUSR1 into a request: the loop
+ends a step later with a checkpoint, and `train()` raises `StoppedBySignal`. Ctrl-C (SIGINT)
+still interrupts at once: a terminal sends it to torchrun and to every worker, and torchrun
+sends it again, so a "second Ctrl-C aborts" rule could not tell a user's second press.
+
+Under torch.distributed the ranks must stop after the same step, or the one that stops first
+leaves the others in a collective; the signal may reach them during different steps. Every
+step, each rank posts whether it has been signalled to a MAX all-reduce on a gloo group of its
+own (CPU tensors; it never waits for the GPU), without waiting for it, and reads the result
+posted a step earlier, which every rank reads alike. A signal during step s thus ends the run
+after step s + 2 on every rank (s + 1 in one process).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+from scaletrain.errors import Stopped
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StoppedBySignal(Stopped):
+    """Training ended early on a signal, after saving a checkpoint of `step`; running the same
+    command resumes it. `code` is the exit status a shell gives a process the signal ended."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None):
+        self.signum, self.step = signum, step
+        self.code = 128 + signum
+        where = f" with a checkpoint at {checkpoint}" if checkpoint else ""
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}{where}; run the same "
+                         "command to continue")
+
+
+class StopSignals:
+    """Between install() and uninstall(): SIGTERM and SIGUSR1 are recorded instead of ending
+    the process, and `stop_before_next_step()` says, the same on every rank, when to stop.
+
+    Handlers can only be installed from the main thread; elsewhere (a sweep point trained in a
+    thread) signals keep their previous meaning and this never asks to stop."""
+
+    def __init__(self, group=None):
+        self.group = group  # a gloo group used for nothing else; None in one process
+        self.received: int | None = None  # the first signal this process got
+        self._previous: dict[int, object] = {}
+        self._vote: torch.Tensor | None = None
+        self._work = None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for signum in SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+
+    def uninstall(self, finished: bool) -> None:
+        """Restore the previous handlers. `finished`: the loop ended normally on every rank, so
+        each posted as many votes and the last one completes; after an error another rank may
+        never post it, and it is not waited for."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+        if self._work is not None and finished:
+            self._work.wait()
+        self._work = None
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signum
+
+    def stop_before_next_step(self) -> int | None:
+        """The signal to stop on if the step about to run is to be the last, else None. Every
+        rank calls it once before each step."""
+        if self.group is None:
+            return self.received
+        agreed = None
+        if self._work is not None:
+            self._work.wait()
+            agreed = int(self._vote.item()) or None
+        self._vote = torch.tensor([self.received or 0], dtype=torch.int64)
+        self._work = dist.all_reduce(self._vote, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return agreed
