@@ -105,7 +105,7 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
                      "--gpus-per-node", "8", "--out", str(script))
     assert result.returncode == 0, result.stderr
     text = script.read_text()
-    for words in ["#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "torchrun --nnodes=4 --nproc-per-node=8",
+    for words in ["#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "torchrun --nnodes=4 --nproc-per-node=8 --max-restarts=3",
                   "--rdzv-backend=c10d", "-m scaletrain.cli train configs/llama-1b.toml train.lr=1e-4",
                   # SIGTERM 180 s before the time limit; torchrun lets the workers save; preempted jobs requeue
                   "#SBATCH --signal=TERM@180", "#SBATCH --requeue", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=170"]:
@@ -123,7 +123,7 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
     assert service["metadata"]["name"] == "llama-1b"
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
-    assert container["command"][:3] == ["torchrun", "--nnodes=2", "--nproc-per-node=8"]
+    assert container["command"][:4] == ["torchrun", "--nnodes=2", "--nproc-per-node=8", "--max-restarts=3"]
     assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 600
     assert {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "590"} in container["env"]
 
@@ -155,7 +155,7 @@ def test_launch_refuses_a_layout_the_processes_do_not_fit(tmp_path):
     assert_one_line_error(result, "dp_replicate x cp x tp = 1 x 3 x 1 x 1 = 3 does not divide the 16 processes")
 
 
-def test_launch_refuses_a_grace_too_short_to_save():
+def test_launch_refuses_a_grace_too_short_to_save_and_negative_restarts():
     from scaletrain.config import ConfigError, load_config
     from scaletrain.launch import k8s_manifest, slurm_script
 
@@ -164,3 +164,5 @@ def test_launch_refuses_a_grace_too_short_to_save():
         slurm_script(cfg, "configs/llama-1b.toml", [], 2, 8, grace_s=5)
     with pytest.raises(ConfigError, match="--grace 0 s"):
         k8s_manifest(cfg, "configs/llama-1b.toml", [], 2, 8, "image:1", grace_s=0)
+    with pytest.raises(ConfigError, match="--max-restarts -1 must be ≥ 0"):
+        k8s_manifest(cfg, "configs/llama-1b.toml", [], 2, 8, "image:1", max_restarts=-1)

@@ -116,6 +116,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # a bad config is refused before torch loads
     if args.stop_at_step is not None and args.stop_at_step < 1:
         raise UserError(f"--stop-at-step {args.stop_at_step} must be a step number ≥ 1")
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts {args.max_restarts} must be ≥ 0")
     from scaletrain.train.trainer import TrainingDiverged, train
 
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
@@ -154,7 +156,7 @@ def _torchrun(args: argparse.Namespace) -> int:
     import subprocess
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               "-m", "scaletrain.cli", *(["--verbose"] if args.verbose else []), "train", args.config, *args.overrides]
+               f"--max-restarts={args.max_restarts}", "-m", "scaletrain.cli", *(["--verbose"] if args.verbose else []), "train", args.config, *args.overrides]
     if args.stop_at_step is not None:
         command.append(f"--stop-at-step={args.stop_at_step}")
     # Restarted workers must not read stale addresses from the store torchrun shares across
@@ -193,10 +195,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if args.launcher == "slurm":
-        text = slurm_script(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node, grace_s=args.grace)
+        text = slurm_script(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node, grace_s=args.grace,
+                            max_restarts=args.max_restarts)
     else:
         text = k8s_manifest(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node, args.image,
-                            grace_s=args.grace)
+                            grace_s=args.grace, max_restarts=args.max_restarts)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
@@ -551,6 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="processes to start on this node (through torchrun); the layout is the config's [parallel]")
     p.add_argument("--stop-at-step", type=int, default=None,
                    help="end this invocation after step K (with a checkpoint) without changing the schedule")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="with --nproc: times torchrun starts every process again after one fails or hangs "
+                        "(train.hang_timeout_s); they resume from the newest checkpoint (0)")
     p.set_defaults(func=cmd_train)
 
     p = commands.add_parser("launch", help="write a Slurm script or Kubernetes manifest that trains on many nodes")
@@ -564,6 +570,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=int, default=180,
                    help="seconds between SIGTERM (time limit near, preemption) and the kill: enough for a step or "
                         "two and a checkpoint (180)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="times torchrun starts every process again after one fails or hangs; they resume from the "
+                        "newest checkpoint (3)")
     p.set_defaults(func=cmd_launch)
 
     p = commands.add_parser("sweep", help="train an IsoFLOP grid of small models for fitting scaling laws",

@@ -176,6 +176,8 @@ class TrainConfig(_Section):
     """Run the output head and loss this many tokens at a time, never holding a micro-batch's float32 logits (0: all at once). Not under tensor or pipeline parallelism, whose heads are split."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: auto picks CUDA when available."""
+    hang_timeout_s: float = Field(default=900.0, ge=0)
+    """After the first step: seconds without a finished step, evaluation or checkpoint after which the process prints every thread's stack and exits with status 75, for the launcher to restart the job from its newest checkpoint (torchrun --max-restarts); 0 disables."""
 
     @model_validator(mode="after")
     def _check_compile_mode(self) -> TrainConfig:

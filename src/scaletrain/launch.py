@@ -7,7 +7,8 @@ checkpoint (train/resilience.py), so the job asks for SIGTERM `grace_s` seconds 
 killed — Slurm before the time limit (`--signal`), Kubernetes as the pod's termination grace —
 and torchrun waits as long before it kills its workers (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, read
 by torch ≥ 2.13; 30 s before). A Slurm job is requeueable: a preempted one starts again and
-resumes from its newest checkpoint."""
+resumes from its newest checkpoint. torchrun starts every worker again `max_restarts` times
+after one fails or hangs (train/resilience.py's watchdog ends a hung one), and they resume too."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from scaletrain.parallel.mesh import resolve_layout
 RDZV_PORT = 29500
 # Seconds between SIGTERM and the kill: the step or two the ranks take to agree, and a checkpoint.
 GRACE_S = 180
+# Times torchrun starts every worker again after one fails or hangs (train/resilience.py's
+# watchdog); each start resumes from the newest checkpoint.
+MAX_RESTARTS = 3
 
 
 def _train_args(config: str, overrides: list[str]) -> list[str]:
@@ -47,11 +51,18 @@ def _shutdown_timeout(grace_s: int) -> int:
     return grace_s - 10
 
 
+def _check_restarts(max_restarts: int) -> None:
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts {max_restarts} must be ≥ 0 (0: a failed or hung worker ends the job)")
+
+
 def slurm_script(cfg: RunConfig, config: str, overrides: list[str], nodes: int, gpus_per_node: int,
-                 cpus_per_gpu: int = 8, grace_s: int = GRACE_S) -> str:
+                 cpus_per_gpu: int = 8, grace_s: int = GRACE_S, max_restarts: int = MAX_RESTARTS) -> str:
     """An sbatch script: one task per node, each running torchrun over that node's GPUs."""
     check_layout(cfg, nodes, gpus_per_node)
-    torchrun = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", "--rdzv-backend=c10d",
+    _check_restarts(max_restarts)
+    torchrun = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", f"--max-restarts={max_restarts}",
+                "--rdzv-backend=c10d",
                 f'--rdzv-endpoint="$head":{RDZV_PORT}', '--rdzv-id="$SLURM_JOB_ID"',
                 *(shlex.quote(a) for a in _train_args(config, overrides))]
     return "\n".join([
@@ -79,7 +90,7 @@ def slurm_script(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
 
 
 def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, gpus_per_node: int,
-                 image: str, grace_s: int = GRACE_S) -> str:
+                 image: str, grace_s: int = GRACE_S, max_restarts: int = MAX_RESTARTS) -> str:
     """A Kubernetes headless Service and Indexed Job (one pod per node) as a JSON List, which
     `kubectl apply -f` takes like YAML. Pod 0 hosts the rendezvous."""
     check_layout(cfg, nodes, gpus_per_node)
@@ -89,7 +100,9 @@ def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
     if not name[0].isalpha():
         name = f"run-{name}"
     name = name[:56].rstrip("-")
-    command = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", "--rdzv-backend=c10d",
+    _check_restarts(max_restarts)
+    command = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", f"--max-restarts={max_restarts}",
+               "--rdzv-backend=c10d",
                f"--rdzv-endpoint={name}-0.{name}:{RDZV_PORT}", f"--rdzv-id={name}",
                *_train_args(config, overrides)]
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name},

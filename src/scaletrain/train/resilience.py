@@ -1,10 +1,10 @@
-"""Stopping cleanly when asked: a preemption notice costs a step or two, not the work since the
-last checkpoint.
+"""Ending well when a run cannot go on: a preemption notice costs a step or two, a hang costs
+the work since the last checkpoint, not the rest of the job's allocation.
 
-Schedulers announce the end of a job with a signal and kill it a grace period later: Slurm
+**Signals.** Schedulers announce the end of a job with a signal and kill it a grace period later: Slurm
 sends SIGTERM on preemption (and, with `--signal=TERM@T`, T seconds before the time limit),
 Kubernetes SIGTERM before SIGKILL (30 s by default), torchrun forwards SIGTERM to its workers
-and kills them 30 s later. `StopSignals` turns SIGTERM and SIGUSR1 into a request: the loop
+and kills them 30 s later (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, torch ≥ 2.13). `StopSignals` turns SIGTERM and SIGUSR1 into a request: the loop
 ends a step later with a checkpoint, and `train()` raises `StoppedBySignal`. Ctrl-C (SIGINT)
 still interrupts at once: a terminal sends it to torchrun and to every worker, and torchrun
 sends it again, so a "second Ctrl-C aborts" rule could not tell a user's second press.
@@ -15,19 +15,36 @@ step, each rank posts whether it has been signalled to a MAX all-reduce on a glo
 own (CPU tensors; it never waits for the GPU), without waiting for it, and reads the result
 posted a step earlier, which every rank reads alike. A signal during step s thus ends the run
 after step s + 2 on every rank (s + 1 in one process).
+
+**Hangs.** A rank stuck outside a collective (a filesystem that stopped answering, a deadlock)
+or inside one that no timeout ends holds the whole job, and nothing fails. `Watchdog` is a
+thread that expects a beat (a step, an evaluation or a checkpoint finished) every `timeout_s`;
+without one it prints every thread's stack, says so and ends the process with status 75
+(EX_TEMPFAIL: try again). torchrun then stops the other workers and, given `--max-restarts`,
+starts them all again; they resume from the newest checkpoint. It is armed after the first
+step, whose compilation and first collectives may take long.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import logging
+import os
 import signal
+import sys
 import threading
+import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from scaletrain.errors import Stopped
 
+log = logging.getLogger("scaletrain")
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+HANG_EXIT_STATUS = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, worth a retry
 
 
 class StoppedBySignal(Stopped):
@@ -46,8 +63,8 @@ class StopSignals:
     """Between install() and uninstall(): SIGTERM and SIGUSR1 are recorded instead of ending
     the process, and `stop_before_next_step()` says, the same on every rank, when to stop.
 
-    Handlers can only be installed from the main thread; elsewhere (a sweep point trained in a
-    thread) signals keep their previous meaning and this never asks to stop."""
+    Handlers can only be installed from the main thread; when training runs in another thread,
+    signals keep their previous meaning and this never asks to stop."""
 
     def __init__(self, group=None):
         self.group = group  # a gloo group used for nothing else; None in one process
@@ -88,3 +105,44 @@ class StopSignals:
         self._vote = torch.tensor([self.received or 0], dtype=torch.int64)
         self._work = dist.all_reduce(self._vote, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         return agreed
+
+
+class Watchdog:
+    """Ends the process with HANG_EXIT_STATUS when, after the first `beat()`, the next does not
+    come within `timeout_s` seconds (0: never). `on_hang(seconds)` runs first, e.g. to record the
+    hang; the stacks go to stderr."""
+
+    def __init__(self, timeout_s: float, on_hang: Callable[[float], None] | None = None):
+        self.timeout_s, self.on_hang = timeout_s, on_hang
+        self._last: float | None = None  # disarmed until the first beat
+        self._done = threading.Event()
+        self._thread = None
+        if timeout_s > 0:
+            self._thread = threading.Thread(target=self._watch, name="scaletrain-watchdog", daemon=True)
+            self._thread.start()
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    def close(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(self.timeout_s / 4, 5.0)):
+            if self._last is None:
+                continue
+            quiet = time.monotonic() - self._last
+            if quiet < self.timeout_s:
+                continue
+            log.error("no step, evaluation or checkpoint finished in %.0f s (train.hang_timeout_s = %g): the "
+                      "stacks of every thread follow; exiting with status %d so that the launcher restarts the "
+                      "job from its newest checkpoint", quiet, self.timeout_s, HANG_EXIT_STATUS)
+            try:
+                if self.on_hang is not None:
+                    self.on_hang(quiet)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                sys.stderr.flush()
+            finally:
+                os._exit(HANG_EXIT_STATUS)  # the main thread is stuck: nothing else would end the process

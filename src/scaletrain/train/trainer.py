@@ -36,7 +36,7 @@ from scaletrain.train import checkpoint
 from scaletrain.train.float8 import check_float8, convert_to_float8
 from scaletrain.train.metrics import MetricsLog, read_metrics
 from scaletrain.train.optim import build_optimizer, set_hyperparameters
-from scaletrain.train.resilience import StopSignals, StoppedBySignal
+from scaletrain.train.resilience import StopSignals, StoppedBySignal, Watchdog
 from scaletrain.train.schedule import lr_at
 
 log = logging.getLogger("scaletrain")
@@ -536,6 +536,8 @@ class Trainer:
         # A gloo group of its own for the stop vote (resilience.py), as for background saves.
         signals = StopSignals(dist.new_group(backend="gloo") if dist.is_initialized() else None)
         signals.install()
+        watchdog = Watchdog(cfg.train.hang_timeout_s, on_hang=lambda quiet: metrics.write(
+            "hang", self.step, self.tokens, seconds=round(quiet, 1)))
         finished = False
         try:
             while (self.step < self.total_steps and (stop_at_step is None or self.step < stop_at_step)
@@ -548,6 +550,7 @@ class Trainer:
                     interval and coming % interval == 0
                     for interval in (cfg.log.interval, cfg.checkpoint.interval, cfg.eval.interval))
                 train_loss, grad_norm, wait = self.train_step(look=look)
+                watchdog.beat()  # the first beat arms it
                 if not accounted:
                     by_rank = _gather_over_ranks(self.held_bytes)
                     metrics.write("memory", self.step, self.tokens, bytes_by_rank=by_rank)
@@ -583,12 +586,14 @@ class Trainer:
                     metrics.write("checkpoint", self.step, self.tokens, path=str(path),
                                   blocking_s=round(time.perf_counter() - t_save, 4),
                                   background=cfg.checkpoint.async_save)
+                    watchdog.beat()
                 if (cfg.eval.interval and self.step % cfg.eval.interval == 0) or self.step == self.total_steps:
                     by_source = self.evaluate()
                     # The mixture's loss: each source's loss at its training weight.
                     val_loss = sum(cfg.data.weights[name] * loss for name, loss in by_source.items())
                     metrics.write("eval", self.step, self.tokens, loss=val_loss, loss_by_source=by_source)
                     log.info("step %d/%d  validation loss %.4f", self.step, self.total_steps, val_loss)
+                    watchdog.beat()
             self.finish_saving(wait=True)  # the run's last checkpoint is complete before it returns
             if self.stager is not None:
                 self.stager.close()
@@ -609,6 +614,7 @@ class Trainer:
             raise
         finally:
             signals.uninstall(finished)
+            watchdog.close()
             metrics.close()
             self.loader.close()
         if stopped_by is not None and self.step < self.total_steps:
