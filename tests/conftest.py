@@ -35,3 +35,21 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "scaletrain.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
+
+
+def nan_norm_once_after(step: int):
+    """A replacement for Trainer._clip_gradients under which the gradient norm of step `step` + 1
+    reads NaN, once per process (a numerical accident: a flipped bit, one kernel's overflow);
+    the step's update is then skipped as for any non-finite norm."""
+    from scaletrain.train.trainer import Trainer
+
+    clip = Trainer._clip_gradients
+    fired = []
+
+    def glitched(self, max_norm):
+        norm = clip(self, max_norm)
+        if self.step == step and not fired:
+            fired.append(True)
+            return norm.new_full(norm.shape, float("nan"))
+        return norm
+    return glitched

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, run_cli, tiny_config
+from conftest import ROOT, nan_norm_once_after, run_cli, tiny_config
 from scaletrain.config import ConfigError, ParallelConfig
 from scaletrain.parallel.mesh import check_layout, resolve_layout
 from scaletrain.plan.memory import rank_memory
@@ -57,12 +57,13 @@ def launch(stdlib_data, run_dir, nproc: int, *overrides: str):
 
 
 def launch_layouts(stdlib_data, root, nproc: int, runs: list[tuple]):
-    """Train each (run name, overrides, stop at step[, file of the run to damage first]) under
-    root/, one after another, in one torchrun job of nproc processes; a run name given twice
-    resumes the first one's checkpoint."""
-    spec = [{"config": str(ROOT / "configs" / "tiny.toml"), "stop_at_step": stop, "damage": damage[0] if damage else None,
+    """Train each (run name, overrides, stop at step[, file of the run to damage first[, step after
+    which a gradient norm reads NaN]]) under root/, one after another, in one torchrun job of nproc
+    processes; a run name given twice resumes the first one's checkpoint."""
+    spec = [{"config": str(ROOT / "configs" / "tiny.toml"), "stop_at_step": stop,
+             "damage": extra[0] if extra else None, "glitch": extra[1] if len(extra) > 1 else None,
              "overrides": [f"data.path={stdlib_data}", f"run.dir={root}", f"run.name={name}", *STEPS, *overrides]}
-            for name, overrides, stop, *damage in runs]
+            for name, overrides, stop, *extra in runs]
     spec_path = root / f"layouts-{nproc}.json"
     spec_path.write_text(json.dumps(spec))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -163,6 +164,10 @@ TO_ONE = {"fsdp-to-one": ["parallel.dp_shard=2"], "tp-to-one": TWO["tp"]}
 # on disk: the one rank 0 wrote, which rank 1 checksums (the ranks share the files; sorted, they
 # are .metadata, __0_0.distcp, __1_0.distcp).
 DAMAGED = {"fsdp-damaged": (["parallel.dp_shard=2"], f"{LAST}/__0_0.distcp")}
+# Step 3's gradient norm reads NaN on both ranks: the run rewinds to step 2's checkpoint, skips
+# step 3's batches and trains steps 3 and 4 on the next ones.
+REWOUND = {"fsdp-rewound": ["parallel.dp_shard=2", "train.rewinds=1"]}
+GLITCH = 2
 
 
 @pytest.fixture(scope="module")
@@ -176,13 +181,15 @@ def layout_runs(stdlib_data, tmp_path_factory):
     two += [(name, [*DEEP, *overrides], STOP) for name, overrides in TO_ONE.items()]
     for name, (overrides, damaged) in DAMAGED.items():
         two += [(name, [*DEEP, *overrides], None), (name, [*DEEP, *overrides], None, damaged)]
+    two += [(name, [*DEEP, *overrides], None, None, GLITCH) for name, overrides in REWOUND.items()]
     launch_layouts(stdlib_data, root, 2, two)
     four = [(name, [*DEEP, *overrides], None) for name, overrides in FOUR.items()]
     for name, (before, after) in RESHARD.items():
         four += [(name, [*DEEP, *before], STOP), (name, [*DEEP, *after], None)]
     launch_layouts(stdlib_data, root, 4, four)
     launch_layouts(stdlib_data, root, 8, [(name, [*DEEP, *overrides], None) for name, overrides in EIGHT.items()])
-    return {name: root / name for name in [*TWO, *MIXED, *FOUR, *EIGHT, *RESHARD, *RESUME, *TO_ONE, *DAMAGED]}
+    return {name: root / name
+            for name in [*TWO, *MIXED, *FOUR, *EIGHT, *RESHARD, *RESUME, *TO_ONE, *DAMAGED, *REWOUND]}
 
 
 @pytest.mark.parametrize("name", [*TWO, *FOUR, *EIGHT])
@@ -226,6 +233,24 @@ def test_ranks_that_share_the_checksums_agree_on_a_damaged_checkpoint_and_resume
     run_dir = layout_runs[name]
     assert [r["step"] for r in read_metrics(run_dir, "resume")] == [STOP]  # not the finished step 4
     assert_parity(run_dir, reference_deep)  # steps 3 and 4 again, to the same losses
+
+
+@pytest.mark.parametrize("name", list(REWOUND))
+def test_ranks_that_diverge_together_rewind_together_to_the_losses_of_one_process(
+        stdlib_data, layout_runs, tmp_path, name):
+    run_dir = layout_runs[name]
+    [rewind] = read_metrics(run_dir, "rewind")
+    assert (rewind["step"], rewind["diverged_at"], rewind["skipped_steps"]) == (STOP, GLITCH + 1, 1)
+    from scaletrain.train.trainer import Trainer
+
+    clip, Trainer._clip_gradients = Trainer._clip_gradients, nan_norm_once_after(GLITCH)
+    try:
+        one = tmp_path / "one"
+        train(tiny_config(stdlib_data, one, *STEPS, *DEEP, "train.rewinds=1"))
+    finally:
+        Trainer._clip_gradients = clip
+    assert read_metrics(one, "rewind")[0]["skipped_steps"] == 1
+    assert_parity(run_dir, one)
 
 
 @pytest.mark.parametrize("name, holds", [("pp-1f1b", [(True, False), (False, True)]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_cli, tiny_config
+from conftest import nan_norm_once_after, run_cli, tiny_config
 from scaletrain.config import ConfigError
 from scaletrain.train import checkpoint
 from scaletrain.train.metrics import read_metrics
@@ -463,3 +464,40 @@ def test_a_signal_stops_after_the_next_step_with_a_checkpoint_and_the_run_resume
     result = train(tiny_config(stdlib_data, stopped, *common))
     assert result.resumed_from == step and result.step == 100
     assert losses(stopped) == losses(whole) and losses(stopped, "eval") == losses(whole, "eval")
+
+
+def test_a_divergence_rewinds_to_the_checkpoint_skips_the_batches_since_and_resumes_exactly(
+        stdlib_data, tmp_path, monkeypatch):
+    """train.rewinds = 1: step 7's gradient is NaN (its update is skipped on the device); the loop
+    sees it at step 8, goes back to step 4's checkpoint with the data at step 8 (4 steps of
+    batches skipped) and trains to the end. A run stopped after the rewind and resumed gives the
+    same losses."""
+    common = ["train.steps=12", "checkpoint.interval=4", "eval.interval=0", "log.interval=4", "train.rewinds=1"]
+    monkeypatch.setattr(Trainer, "_clip_gradients", nan_norm_once_after(6))
+    whole = tmp_path / "whole"
+    result = train(tiny_config(stdlib_data, whole, *common))
+    assert result.step == 12 and math.isfinite(result.train_loss)
+    [rewind] = read_metrics(whole, "rewind")
+    assert (rewind["step"], rewind["diverged_at"], rewind["skipped_steps"]) == (4, 7, 4)
+    assert rewind["checkpoint"].endswith("step_0000004")
+    assert sorted(losses(whole)) == [4, 8, 12]  # step 8 of the diverged attempt is superseded
+    end = read_metrics(whole, "end")[-1]
+    assert end["tokens_by_source"] == {"stdlib": (12 + 4) * 512}  # the skipped batches were read, never trained
+
+    monkeypatch.setattr(Trainer, "_clip_gradients", nan_norm_once_after(6))
+    split = tmp_path / "split"
+    train(tiny_config(stdlib_data, split, *common), stop_at_step=10)
+    assert max(losses(split)) == 10
+    train(tiny_config(stdlib_data, split, *common))
+    got = losses(split)
+    assert got.pop(10)  # the stop logs its own step too
+    assert got == losses(whole)
+
+
+def test_a_divergence_that_recurs_after_its_rewinds_stops_the_run(stdlib_data, tmp_path):
+    run_dir = tmp_path / "run"
+    with pytest.raises(TrainingDiverged, match="nothing was saved over the last good checkpoint"):
+        train(tiny_config(stdlib_data, run_dir, "train.steps=30", "train.lr=1e4", "train.warmup_steps=0",
+                          "train.clip=0", "checkpoint.interval=2", "eval.interval=0", "train.rewinds=2"))
+    kinds = [r["kind"] for r in read_metrics(run_dir) if r["kind"] in ("rewind", "diverged")]
+    assert kinds == ["rewind", "rewind", "diverged"]

@@ -3,7 +3,8 @@
 Every record has `kind` ("train", "eval", "checkpoint", "resume", "end", ...), `step`,
 `tokens` and `time` (unix seconds). A resumed run appends a "resume" record; records of an
 earlier invocation with a step past the resumed one (work lost with a crash) are superseded,
-and `read_metrics` drops them so the history reads as one run.
+and `read_metrics` drops them so the history reads as one run. A "rewind" record (a divergence
+sent the run back to a checkpoint) supersedes the records past its step alike.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict]:
             continue
         if record["kind"] == "start":
             records = []
-        elif record["kind"] == "resume":
+        elif record["kind"] in ("resume", "rewind"):
             records = [r for r in records if r["step"] <= record["step"]]
         records.append(record)
     return [r for r in records if kind is None or r["kind"] == kind]

@@ -176,12 +176,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                          betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
                                          device=self.device)
-        # Read ahead in a thread, so that a step never waits for its batch (and, on a GPU,
-        # batches arrive page-locked for an asynchronous copy).
-        self.loader = Prefetcher(TokenLoader(cfg.data.sources, cfg.data.seq_len, cfg.seqs_per_step,
-                                             cfg.train.micro_batch, rank=self.dp_rank, world_size=self.layout.dp,
-                                             seed=cfg.run.seed, weights=cfg.data.weights),
-                                 pin=self.device.type == "cuda")
+        self.loader = self._new_loader()
         for path in cfg.data.sources.values():
             try:  # fail now, not after the last step, if validation cannot run
                 next(eval_batches(path, cfg.data.seq_len, cfg.eval.tokens, cfg.train.micro_batch))
@@ -204,6 +199,16 @@ class Trainer:
         self.causal_flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len, causal=True)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.peak_flops = peak_flops(device_name, "bf16" if self.dtype == torch.bfloat16 else "fp32")
+
+    def _new_loader(self) -> Prefetcher:
+        """This rank's training batches from the start of the data order. Read ahead in a thread, so
+        that a step never waits for its batch (and, on a GPU, batches arrive page-locked for an
+        asynchronous copy)."""
+        cfg = self.cfg
+        return Prefetcher(TokenLoader(cfg.data.sources, cfg.data.seq_len, cfg.seqs_per_step, cfg.train.micro_batch,
+                                      rank=self.dp_rank, world_size=self.layout.dp, seed=cfg.run.seed,
+                                      weights=cfg.data.weights),
+                          pin=self.device.type == "cuda")
 
     def _choose_recompute(self, cfg: RunConfig) -> RunConfig:
         """parallel.recompute = auto: the planner's choice for this device's memory."""
@@ -316,6 +321,25 @@ class Trainer:
         self.load_state(state)
         log.info("resumed from %s at step %d", path, self.step)
         return self.step
+
+    def rewind(self) -> Path | None:
+        """After a divergence: back to the newest intact checkpoint's model, optimizer, RNG and
+        step, with the data where it got to, so that the batches read since that checkpoint (those
+        that led to the divergence) are skipped (Chowdhery et al. 2022, "PaLM", section 5.1, who
+        restarted ~100 steps before a spike and skipped 200-500 batches). Returns the checkpoint,
+        or None when there is none to go back to (nothing changed then)."""
+        self.finish_saving(wait=True)
+        if not checkpoint.complete_checkpoints(self.ckpt_root):
+            return None
+        position = self.loader.state_dict()  # after the last batch handed out, not the read-ahead ones
+        self.loader.close()
+        self.loader = self._new_loader()
+        state = self.state()
+        path = checkpoint.load_newest(self.ckpt_root, state, OPTIONAL)
+        self.load_state(state)
+        self.loader.load_state_dict(position)
+        self.first_bad = torch.tensor([-1.0, 0.0, 0.0], device=self.device)
+        return path
 
     def save(self) -> Path:
         """Checkpoint the current step; returns its path. With checkpoint.async_save the writing
@@ -533,6 +557,7 @@ class Trainer:
         run_tokens, run_time = 0, 0.0
         last_speed = None
         stopped_by, saved = None, None  # the signal that ends the run early; the last checkpoint
+        rewinds_left = cfg.train.rewinds
         # A gloo group of its own for the stop vote (resilience.py), as for background saves.
         signals = StopSignals(dist.new_group(backend="gloo") if dist.is_initialized() else None)
         signals.install()
@@ -549,7 +574,22 @@ class Trainer:
                 look = stopped_by is not None or coming in (self.total_steps, stop_at_step) or any(
                     interval and coming % interval == 0
                     for interval in (cfg.log.interval, cfg.checkpoint.interval, cfg.eval.interval))
-                train_loss, grad_norm, wait = self.train_step(look=look)
+                try:
+                    train_loss, grad_norm, wait = self.train_step(look=look)
+                except TrainingDiverged as e:
+                    if rewinds_left == 0:
+                        raise
+                    diverged_at = self.step
+                    path = self.rewind()
+                    if path is None:
+                        raise
+                    rewinds_left -= 1
+                    metrics.write("rewind", self.step, self.tokens, diverged_at=e.step, checkpoint=str(path),
+                                  skipped_steps=diverged_at - self.step, message=str(e))
+                    log.warning("%s; rewound to %s, skipping the %d steps' batches read since (%d rewinds left)",
+                                str(e).split(" and nothing was saved")[0], path, diverged_at - self.step, rewinds_left)
+                    watchdog.beat()
+                    continue
                 watchdog.beat()  # the first beat arms it
                 if not accounted:
                     by_rank = _gather_over_ranks(self.held_bytes)
