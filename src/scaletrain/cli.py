@@ -126,6 +126,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         resolved = resolve(cfg)  # a layout that cannot work is one line here, not N tracebacks there
         check_layout(resolve_layout(resolved.parallel, args.nproc), resolved)
+        if resolved.checkpoint.init_from:
+            from scaletrain.hf import check_matches, check_tokenizer
+
+            check_matches(resolved.model, resolved.checkpoint.init_from)
+            check_tokenizer(resolved.checkpoint.init_from,
+                            next(iter(resolved.data.sources.values())) / "tokenizer.json")
         return _torchrun(args)
     try:
         result = train(cfg, stop_at_step=args.stop_at_step)
@@ -494,7 +500,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from scaletrain.export import export_hf
+    from scaletrain.hf import export_hf
 
     result = export_hf(args.run_dir, args.out, dtype=args.dtype, step=args.step,
                        max_shard_bytes=args.max_shard_size)

@@ -252,6 +252,8 @@ class CheckpointConfig(_Section):
     """Write checkpoints in the background: training waits only while the state is copied to host memory (and for the previous checkpoint, if still writing). The last one is always waited for."""
     resume: str = "auto"
     """"auto": resume from the newest complete checkpoint in the run directory if any; "never"; or a checkpoint path."""
+    init_from: str | None = None
+    """A Hugging Face model directory (LlamaForCausalLM or Qwen3ForCausalLM, e.g. what `scaletrain export` writes) whose weights start a new run (continued pre-training); model.* must describe its config.json. A run that resumes takes its checkpoint instead."""
 
 
 class EvalConfig(_Section):

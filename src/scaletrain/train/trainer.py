@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from scaletrain.config import ConfigError, RunConfig, load_config, validate_config
 from scaletrain.data.loader import IGNORE, Prefetcher, TokenLoader, eval_batches
 from scaletrain.data.shards import DataError, read_index
+from scaletrain.hf import check_matches, check_tokenizer, load_hf_weights
 from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.model.llama import Transformer
 from scaletrain.model.loss import cross_entropy
@@ -141,6 +142,9 @@ class Trainer:
         # The layout is checked before any process group starts.
         self.layout = resolve_layout(cfg.parallel, world_size)
         check_layout(self.layout, cfg)
+        if cfg.checkpoint.init_from:  # before any process group starts
+            check_matches(cfg.model, cfg.checkpoint.init_from)
+            check_tokenizer(cfg.checkpoint.init_from, next(iter(cfg.data.sources.values())) / "tokenizer.json")
         self.dp_rank = self.layout.dp_rank(self.rank)
         self.cp_rank = self.layout.coordinates(self.rank)["cp"]
         self.run_dir = cfg.run_dir
@@ -165,6 +169,9 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)  # every rank builds the same full model, then keeps its shard
         param_dtype = self.dtype if cfg.parallel.fsdp_param_dtype == "auto" else getattr(torch, cfg.parallel.fsdp_param_dtype)
         model = Transformer(cfg.model).to(self.device)
+        if cfg.checkpoint.init_from and not checkpoint.committed_checkpoints(self.ckpt_root):
+            model.load_state_dict(load_hf_weights(cfg.checkpoint.init_from, cfg.model))
+            log.info("weights from %s (checkpoint.init_from)", cfg.checkpoint.init_from)
         if cfg.train.float8:  # before sharding: FSDP then gathers float8-aware weights
             log.info("train.float8: %d linear layers compute in float8",
                      convert_to_float8(model, self.device, self.layout.tp))

@@ -1,4 +1,5 @@
-"""`scaletrain export`: a trained run as a Hugging Face model directory, loaded by transformers itself."""
+"""Hugging Face interop: `scaletrain export` loaded by transformers itself, and runs started from
+Hugging Face models (checkpoint.init_from), compared with transformers' own forward."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import shutil
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from conftest import run_cli, tiny_config
 from scaletrain.data.tokenizer import load_tokenizer
 from scaletrain.errors import UserError
-from scaletrain.export import export_hf, hf_name
+from scaletrain.hf import export_hf, hf_name
 from scaletrain.generate import load_model
 from scaletrain.model.sample import generate
 from scaletrain.train.trainer import train
@@ -118,3 +120,80 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_a_damaged_chosen_one_ref
     with pytest.raises(UserError, match="step_0000006 is not usable: file .* does not match the checksum"):
         export_hf(run_dir, tmp_path / "hf6", step=6)
     assert not (tmp_path / "hf6").exists()
+
+
+def test_a_run_starts_from_an_exported_model_and_trains_on(runs, stdlib_data, tmp_path):
+    """checkpoint.init_from: the new run's step-0 weights are the exported ones; with a checkpoint
+    of its own it resumes from that instead."""
+    from scaletrain.train.trainer import Trainer
+
+    export_hf(runs / "qwen3", tmp_path / "hf")
+    ours, cfg, _ = load_model(runs / "qwen3")
+    new = tiny_config(stdlib_data, tmp_path / "continued", "train.steps=2", "eval.interval=0",
+                      "model.qk_norm=true", "model.tie_embeddings=true", "model.n_kv_heads=4", "model.rope_theta=500.0",
+                      "model.norm_eps=1e-6", f"checkpoint.init_from={tmp_path / 'hf'}")
+    trainer = Trainer(new)
+    start = trainer.model.state_dict()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(start[name], tensor), name
+    trainer.loader.close()
+    result = train(new)
+    fresh = train(tiny_config(stdlib_data, tmp_path / "fresh", "train.steps=2", "eval.interval=0",
+                              "model.qk_norm=true", "model.tie_embeddings=true", "model.n_kv_heads=4"))
+    assert result.train_loss < fresh.train_loss  # it starts from a trained model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, kind):
+    from scaletrain.config import ModelConfig
+    from scaletrain.hf import load_hf_weights, model_settings
+    from scaletrain.model.llama import Transformer
+
+    shape = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    if kind == "llama":
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, rope_theta=1e4, tie_word_embeddings=False))
+    else:
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, head_dim=16, tie_word_embeddings=True))
+    with torch.no_grad():  # norms initialised to ones would hide a mix-up of norm weights
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="50KB")  # several shards and an index
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+
+    cfg = ModelConfig(**model_settings(tmp_path / "hf"))
+    assert (cfg.qk_norm, cfg.tie_embeddings) == (kind == "qwen3", kind == "qwen3")
+    ours = Transformer(cfg)
+    ours.load_state_dict(load_hf_weights(tmp_path / "hf", cfg))
+    tokens = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf.eval()(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_of_another_shape_or_kind_is_refused_with_the_settings_to_use(runs, stdlib_data, tmp_path):
+    from scaletrain.config import ConfigError
+    from scaletrain.hf import model_settings
+    from scaletrain.train.trainer import Trainer
+
+    export_hf(runs / "llama", tmp_path / "hf")
+    cfg = tiny_config(stdlib_data, tmp_path / "run", "train.steps=2", f"checkpoint.init_from={tmp_path / 'hf'}",
+                      "model.n_layers=3")
+    with pytest.raises(ConfigError, match=r"model.n_layers is 3, the model's is 2.*model.rope_theta is 10000.0, "
+                                          r"the model's is 500.0.*; set model.n_layers=2 .*model.rope_theta=500.0"):
+        Trainer(cfg)
+    shutil.copytree(tmp_path / "hf", tmp_path / "other")
+    other = Tokenizer.from_file(str(tmp_path / "other" / "tokenizer.json"))
+    other.add_tokens(["<|another|>"])
+    other.save(str(tmp_path / "other" / "tokenizer.json"))
+    with pytest.raises(ConfigError, match="its tokenizer is not the one the data was prepared with .*--tokenizer"):
+        Trainer(tiny_config(stdlib_data, tmp_path / "run", "train.steps=2", f"checkpoint.init_from={tmp_path / 'other'}",
+                            "model.rope_theta=500.0", "model.norm_eps=1e-6"))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0}, attention_bias=True)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="does not compute: attention_bias true .*; rotary scaling 'llama3'"):
+        model_settings(tmp_path / "hf")
+    with pytest.raises(ConfigError, match="has no readable config.json"):
+        model_settings(tmp_path)

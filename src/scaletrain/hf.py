@@ -1,4 +1,4 @@
-"""A run's checkpoint as a Hugging Face model directory.
+"""A run's checkpoint as a Hugging Face model directory, and such a directory as a run's start.
 
 `export_hf(run_dir, out)` writes what `transformers.AutoModelForCausalLM.from_pretrained(out)`
 and `AutoTokenizer.from_pretrained(out)` load: `config.json`, the weights as safetensors
@@ -9,6 +9,11 @@ and `AutoTokenizer.from_pretrained(out)` load: `config.json`, the weights as saf
 QK-norm it is `Qwen3ForCausalLM`, Llama plus a per-head RMSNorm of queries and keys before the
 rotation, as ours. Nothing is written to `out` until every file is ready: the files go to a
 sibling directory that is renamed to `out` last.
+
+The other way, `model_settings(hf_dir)` reads a Llama or Qwen3 config.json as model.* settings
+and `load_hf_weights(hf_dir, cfg)` its safetensors as our state dict (`checkpoint.init_from`:
+continued pre-training from a published or exported model), refusing what the decoder of
+`model/llama.py` does not compute (biases, rotary scaling, sliding windows, another activation).
 """
 
 from __future__ import annotations
@@ -223,3 +228,117 @@ def _model_card(run_dir: Path, cfg, step: int, params: int, dtype: str) -> str:
 
 def _write_json(path: Path, value) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n")
+
+
+# Our ModelConfig field -> Hugging Face config.json key, for the settings that must agree.
+_SETTINGS = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
+             "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size",
+             "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings"}
+
+
+def _hf_config(hf_dir: Path) -> dict:
+    path = Path(hf_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} has no readable config.json ({e}); give a Hugging "
+                          "Face model directory (config.json and *.safetensors)") from None
+
+
+def model_settings(hf_dir: str | Path) -> dict:
+    """The model.* settings (as `model.KEY=value` would set them) of the Hugging Face model in
+    hf_dir; ConfigError for a model our decoder does not compute."""
+    hf = _hf_config(Path(hf_dir))
+    kind = hf.get("model_type")
+    problems = []
+    if kind not in ("llama", "qwen3"):
+        problems.append(f"model_type {kind!r} (supported: llama, qwen3)")
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {hf['hidden_act']!r} (SwiGLU needs silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            problems.append(f"{key} true (the decoder has no biases)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        problems.append(f"rotary scaling {rope.get('rope_type', rope.get('type'))!r} (only plain RoPE)")
+    if hf.get("use_sliding_window"):
+        problems.append("sliding-window attention")
+    if problems:
+        raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} holds a model scaletrain's decoder does not "
+                          f"compute: {'; '.join(problems)}")
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
+        raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} has head_dim {head_dim} x "
+                          f"{hf['num_attention_heads']} heads, not its hidden_size {hf['hidden_size']}; "
+                          "scaletrain's heads split the width exactly")
+    settings = {ours: hf[theirs] for ours, theirs in _SETTINGS.items() if theirs in hf}
+    settings["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    settings["max_seq_len"] = hf.get("max_position_embeddings", 2048)
+    settings["qk_norm"] = kind == "qwen3"
+    return settings
+
+
+def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
+    """ConfigError naming every model.* setting that differs from the Hugging Face model's and the
+    values to set (max_seq_len may differ: the rotary tables are computed, not loaded)."""
+    want = model_settings(hf_dir)
+    have = {"vocab_size": cfg.vocab, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
+            "n_kv_heads": cfg.kv_heads, "ffn_dim": cfg.hidden_dim, "norm_eps": cfg.norm_eps,
+            "tie_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta, "qk_norm": cfg.qk_norm}
+    wrong = [key for key in have if key in want and have[key] != want[key]]
+    if wrong:
+        fix = " ".join(f"model.{key}={json.dumps(want[key])}" for key in wrong)
+        raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} holds another shape: "
+                          + ", ".join(f"model.{key} is {have[key]}, the model's is {want[key]}" for key in wrong)
+                          + f"; set {fix}")
+
+
+def check_tokenizer(hf_dir: str | Path, data_tokenizer: str | Path) -> None:
+    """ConfigError when the model directory's tokenizer.json (if it has one) maps tokens to other ids
+    than the tokenizer the data was prepared with: the model would read the data as other words."""
+    from scaletrain.data.tokenizer import load_tokenizer
+
+    model_tokenizer = Path(hf_dir) / "tokenizer.json"
+    if not model_tokenizer.is_file():
+        return
+    if load_tokenizer(model_tokenizer).get_vocab() != load_tokenizer(data_tokenizer).get_vocab():
+        raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r}: its tokenizer is not the one the data was "
+                          f"prepared with ({data_tokenizer}); prepare the data with `scaletrain data prepare "
+                          f"--tokenizer {model_tokenizer}`")
+
+
+def load_hf_weights(hf_dir: str | Path, cfg: ModelConfig) -> dict:
+    """The Hugging Face model's weights (model.safetensors, or the shards its index names) as the
+    state dict of `Transformer(cfg)`, in float32; checked against cfg first."""
+    import torch
+    from safetensors.torch import load_file
+
+    hf_dir = Path(hf_dir)
+    check_matches(cfg, hf_dir)
+    index = hf_dir / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+             else ["model.safetensors"])
+    theirs = {}
+    for file in files:
+        if not (hf_dir / file).is_file():
+            raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} lacks {file}; give a directory with the "
+                              "model's safetensors weights")
+        theirs.update(load_file(hf_dir / file))
+    ours = {}
+    for name in _our_names(cfg):
+        if cfg.tie_embeddings and name == "output.weight":
+            continue  # one tensor, the embedding's (a tied checkpoint may hold lm_head too)
+        if hf_name(name) not in theirs:
+            raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} has no tensor {hf_name(name)}")
+        ours[name] = theirs[hf_name(name)].to(torch.float32)
+    if cfg.tie_embeddings:
+        ours["output.weight"] = ours["tok_embeddings.weight"]
+    return ours
+
+
+def _our_names(cfg: ModelConfig) -> list[str]:
+    """The names of Transformer(cfg)'s parameters, without building it."""
+    optional = ("attention.q_norm.weight", "attention.k_norm.weight")
+    return ["tok_embeddings.weight", "norm.weight", "output.weight",
+            *(f"layers.{i}.{rest}" for i in range(cfg.n_layers) for rest in _BLOCK_NAMES
+              if cfg.qk_norm or rest not in optional)]
