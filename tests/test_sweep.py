@@ -222,6 +222,14 @@ def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path, capl
     saved = json.loads((tmp_path / "demo.json").read_text())
     assert saved["final"] == report["final"]
     assert (tmp_path / "sweep" / "law.json").is_file() and (tmp_path / "final" / "metrics.jsonl").is_file()
+    # The final run's report predicts what the demo predicted, from the same law, N and tokens.
+    from scaletrain.report.run import run_report
+
+    summary = run_report(tmp_path / "final", json.loads((tmp_path / "sweep" / "law.json").read_text()))
+    assert summary["prediction"]["loss"] == pytest.approx(report["predicted_loss"], rel=1e-12)
+    assert summary["prediction"]["interval"] == pytest.approx(report["predicted_interval"], rel=1e-12)
+    assert summary["prediction"]["error"] == pytest.approx(report["error"], rel=1e-9)
+    assert saved["report"] == str(tmp_path / "final" / "report.html")
     assert json.loads((tmp_path / "sweep" / "grid.json").read_text())["settings"]["seed"] == 3
     assert tomllib.loads((tmp_path / "final" / "config.toml").read_text())["run"]["seed"] == 3
 

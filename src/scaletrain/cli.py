@@ -479,6 +479,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     report = run_demo(Path(args.out), settings, progress=show)
     out.print(demo_table(report, settings.concurrency, time.perf_counter() - started))
+    out.print(f"the final run's report: {report['report']}", soft_wrap=True, highlight=False)
     return 0
 
 
@@ -493,6 +494,48 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out.rule("sample")
     out.print(text, markup=False, highlight=False)
     out.rule()
+    return 0
+
+
+# -- report ---------------------------------------------------------------------------------
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    import json
+
+    from scaletrain.report.run import run_report
+
+    law = None
+    if args.law:
+        try:
+            law = json.loads(open(args.law).read())
+            law["approach3"]["E"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"--law {args.law!r} is not a law.json written by `scaletrain fit` ({e})") from None
+    summary = run_report(args.run_dir, law)
+    table = Table(title=f"run: {summary['run']}")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_row("parameters", f"{summary['parameters']:,}")
+    table.add_row("steps", f"{summary['step']:,} / {summary['total_steps']:,}")
+    table.add_row("final train loss", _num(summary["train_loss"]))
+    table.add_row("final validation loss", _num(summary["val_loss"]))
+    table.add_row("tokens/s (median)", f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "-")
+    if summary["mfu"] is not None:
+        table.add_row("MFU (median)", f"{summary['mfu']:.1%}")
+    prediction = summary.get("prediction")
+    if prediction is not None:
+        low, high = prediction.get("interval", (None, None))
+        table.add_row("predicted final validation loss", f"{prediction['loss']:.4f}"
+                      + (f" [{low:.4f}, {high:.4f}]" if low is not None else ""))
+        if "error" in prediction:
+            table.add_row("reached against predicted", f"{prediction['error']:+.2%}")
+    for kind in ("resume", "rewind", "hang", "diverged"):
+        count = sum(e["kind"] == kind for e in summary["events"])
+        if count:
+            table.add_row(f"{kind} events", str(count))
+    out.print(table)
+    out.print(f"wrote {', '.join(summary['files'])}", soft_wrap=True, highlight=False)
     return 0
 
 
@@ -645,6 +688,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0 for all")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
+
+    p = commands.add_parser("report", help="summarise a run (losses, speed, events; against a law's prediction)",
+                            description="Write loss.png, speed.png and a self-contained report.html into the run "
+                                        "directory and print its summary; with --law, the law's predicted final "
+                                        "loss for this model and token count beside the loss reached.")
+    p.add_argument("run_dir", help="run directory, e.g. demo/final")
+    p.add_argument("--law", default=None, help="a law.json written by `scaletrain fit` (or the demo's sweep)")
+    p.set_defaults(func=cmd_report)
 
     p = commands.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory",
                             description="Write config.json, safetensors weights, the tokenizer and a model card "

@@ -70,6 +70,7 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
     prediction next to the result."""
     from scaletrain.data import prepare
     from scaletrain.data.shards import read_index
+    from scaletrain.report.run import run_report
     from scaletrain.train.trainer import train
 
     def say(stage: str, **info) -> None:
@@ -136,6 +137,8 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
         "approach2_a": doc["approach2"].get("a"), "backtest": doc["backtest"], "sweep_savings": sweep.savings(rows),
         "throughput": _throughput(settings, sweep, point.compute, final_s), "data": epochs,
     }
+    # The final run's own report (loss and speed plots, events), against the law it was chosen by.
+    report["report"] = run_report(out / "final", doc)["files"][-1]
     (out / "demo.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
 

@@ -1,0 +1,160 @@
+"""A run's report: what it reached, how fast, what happened on the way, and — given a scaling law
+— how the loss it reached compares with the law's prediction. `run_report` reads a run
+directory (config.toml, metrics.jsonl) and writes loss.png, speed.png and a self-contained
+report.html (the plots inlined) into it; it returns the summary the CLI prints.
+
+The law's prediction is L(N, D) of approach 3 for this model's N (all parameters, as the sweep
+counts them) at the tokens the run trains for, with the 95% interval of the law's bootstrap
+refits. It predicts the final loss of a run whose learning rate has decayed, so the curve drawn
+along the run (L(N, D) at each D reached) bounds the loss of a finished run of that length, not
+the loss mid-way through a longer one.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import statistics
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from scaletrain.config import ConfigError, load_config  # noqa: E402
+from scaletrain.model.flops import param_counts  # noqa: E402
+from scaletrain.scaling.fit import bootstrap_laws, interval, law_of  # noqa: E402
+from scaletrain.train.metrics import read_metrics  # noqa: E402
+
+# Events worth a line in the report, with what each record says beyond its step.
+EVENTS = {"start": (), "resume": (), "checkpoint": ("blocking_s",), "rewind": ("diverged_at", "skipped_steps"),
+          "hang": ("seconds",), "diverged": ("message",), "end": ("complete", "stopped_by")}
+
+
+def run_report(run_dir: str | Path, law_doc: dict | None = None) -> dict:
+    """Summarise the run in `run_dir` (against `law_doc`, a law.json document, if given), write
+    loss.png, speed.png and report.html there; returns the summary."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").is_file() or not (run_dir / "metrics.jsonl").is_file():
+        raise ConfigError(f"{str(run_dir)!r} is not a run directory that has trained (no config.toml and "
+                          "metrics.jsonl); give the directory `scaletrain train` wrote, e.g. runs/demo")
+    cfg = load_config(run_dir / "config.toml")
+    records = read_metrics(run_dir)
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    n = param_counts(cfg.model)["total"]
+    planned_tokens = cfg.total_steps * cfg.train.global_batch_tokens
+    summary = {
+        "run": str(run_dir), "parameters": n, "step": max((r["step"] for r in records), default=0),
+        "total_steps": cfg.total_steps, "tokens": max((r["tokens"] for r in records), default=0),
+        "planned_tokens": planned_tokens,
+        "train_loss": train[-1]["loss"] if train else None, "val_loss": evals[-1]["loss"] if evals else None,
+        "tokens_per_s": _median(r["tokens_per_s"] for r in train[1:] or train),  # the first includes start-up
+        "mfu": _median(r.get("mfu") for r in train[1:] or train),
+        "data_wait_share": _median(r["data_wait_ms"] * r["tokens_per_s"] / cfg.train.global_batch_tokens / 1000
+                                   for r in train[1:] or train if r.get("data_wait_ms") is not None),
+        "peak_memory_gb": max((r.get("mem_gb") or 0 for r in train), default=None),
+        "events": [{"kind": r["kind"], "step": r["step"], **{k: r.get(k) for k in EVENTS[r["kind"]]}}
+                   for r in records if r["kind"] in EVENTS],
+    }
+    law = prediction = None
+    if law_doc is not None:
+        law, boot = law_of(law_doc), bootstrap_laws(law_doc)
+        predicted = law.loss(n, planned_tokens)
+        prediction = {"loss": predicted, "n": n, "tokens": planned_tokens}
+        if boot:
+            prediction["interval"] = list(interval([sample.loss(n, planned_tokens) for sample in boot]))
+        if summary["val_loss"] is not None and summary["step"] == cfg.total_steps:
+            prediction["error"] = (summary["val_loss"] - predicted) / predicted
+        summary["prediction"] = prediction
+    plots = [_loss_plot(run_dir / "loss.png", train, evals, law, prediction), _speed_plot(run_dir / "speed.png", train)]
+    (run_dir / "report.html").write_text(_html(cfg, summary, [p for p in plots if p is not None]))
+    summary["files"] = [str(p) for p in plots if p is not None] + [str(run_dir / "report.html")]
+    return summary
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _loss_plot(path: Path, train: list[dict], evals: list[dict], law, prediction: dict | None) -> Path | None:
+    if not train and not evals:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if train:
+        ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], lw=1, color="C0", label="train loss")
+    if evals:
+        ax.plot([r["tokens"] for r in evals], [r["loss"] for r in evals], "o-", ms=4, color="C1",
+                label="validation loss")
+    if prediction is not None:
+        first = min((r["tokens"] for r in train + evals), default=prediction["tokens"] / 100)
+        d = np.geomspace(max(first, prediction["tokens"] / 100, 1), prediction["tokens"], 60)
+        ax.plot(d, [law.loss(prediction["n"], x) for x in d], "--", color="C2", lw=1,
+                label="law: L(N, D) of a finished run of D tokens")
+        if "interval" in prediction:  # a line, not error bars: the fit may lie outside its resamples' interval
+            ax.vlines(prediction["tokens"], *prediction["interval"], color="C2", lw=2, alpha=0.5,
+                      label="95% bootstrap interval")
+        ax.plot([prediction["tokens"]], [prediction["loss"]], "s", color="C2",
+                label=f"predicted final loss {prediction['loss']:.4f}")
+    ax.set(xscale="log", xlabel="tokens", ylabel="loss", title="loss")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _speed_plot(path: Path, train: list[dict]) -> Path | None:
+    if len(train) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train], color="C0", lw=1)
+    ax.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    mfu = [r.get("mfu") for r in train]
+    if all(m is not None for m in mfu):
+        twin = ax.twinx()
+        twin.plot([r["step"] for r in train], [100 * m for m in mfu], color="C3", lw=1)
+        twin.set_ylabel("MFU (%)", color="C3")
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _html(cfg, summary: dict, plots: list[Path]) -> str:
+    def number(value, form: str) -> str:
+        return "-" if value is None else format(value, form)
+
+    rows = [("parameters", f"{summary['parameters']:,}"),
+            ("steps", f"{summary['step']:,} of {summary['total_steps']:,}"),
+            ("tokens", f"{summary['tokens']:,} of {summary['planned_tokens']:,}"),
+            ("final train loss", number(summary["train_loss"], ".4f")),
+            ("final validation loss", number(summary["val_loss"], ".4f")),
+            ("tokens/s (median)", number(summary["tokens_per_s"], ",.0f")),
+            ("MFU (median)", number(summary["mfu"], ".1%")),
+            ("data wait, share of a step (median)", number(summary["data_wait_share"], ".2%")),
+            ("peak memory (GB)", number(summary["peak_memory_gb"], ".2f"))]
+    prediction = summary.get("prediction")
+    if prediction is not None:
+        low, high = prediction.get("interval", (None, None))
+        rows.append(("law's prediction of the final validation loss",
+                     f"{prediction['loss']:.4f}" + (f" [{low:.4f}, {high:.4f}]" if low is not None else "")))
+        if "error" in prediction:
+            rows.append(("reached against predicted", f"{prediction['error']:+.2%}"))
+    table = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
+    events = "".join(
+        f"<tr><td>{e['step']:,}</td><td>{html.escape(e['kind'])}</td><td>"
+        + html.escape(", ".join(f"{k} {v}" for k, v in e.items() if k not in ("kind", "step") and v is not None))
+        + "</td></tr>" for e in summary["events"])
+    images = "".join(f'<p><img alt="{p.stem}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
+                     "</p>" for p in plots)
+    return (f"<!doctype html><meta charset='utf-8'><title>{html.escape(cfg.run.name)}</title>"
+            "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:collapse}"
+            "th,td{text-align:left;padding:.2em .8em;border-bottom:1px solid #ddd}</style>"
+            f"<h1>{html.escape(cfg.run.name)}</h1><table>{table}</table>{images}"
+            f"<h2>events</h2><table><tr><th>step</th><th>event</th><th></th></tr>{events}</table>"
+            f"<h2>config</h2><pre>{html.escape(cfg.to_toml())}</pre>")

@@ -1,0 +1,55 @@
+"""`scaletrain report`: a run's losses, speed and events, and the law's prediction beside them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli, tiny_config
+from scaletrain.config import load_config
+from scaletrain.model.flops import param_counts
+from scaletrain.scaling.fit import interval
+from scaletrain.scaling.laws import ChinchillaLaw
+from scaletrain.train.trainer import train
+
+LAW = ChinchillaLaw(E=2.0, A=60.0, B=400.0, alpha=0.3, beta=0.3)
+BOOTSTRAP = [[2.0, 60.0, 400.0, 0.3, 0.3], [1.9, 60.0, 400.0, 0.3, 0.3], [2.1, 60.0, 400.0, 0.3, 0.3]]
+
+
+def test_report_writes_plots_and_html_and_compares_the_final_loss_with_the_law(stdlib_data, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(stdlib_data, run_dir, "train.steps=6", "eval.interval=3", "checkpoint.interval=3")
+    train(cfg, stop_at_step=3)
+    train(cfg)  # a resume, an event the report lists
+    law = tmp_path / "law.json"
+    law.write_text(json.dumps({"approach3": {k: {"value": v} for k, v in LAW.to_dict().items() if k != "source"},
+                               "bootstrap": BOOTSTRAP}))
+    result = run_cli("report", str(run_dir), "--law", str(law))
+    assert result.returncode == 0, result.stderr
+
+    n = param_counts(load_config(run_dir / "config.toml").model)["total"]  # the vocabulary resolved
+    tokens = 6 * cfg.train.global_batch_tokens
+    predicted = LAW.loss(n, tokens)
+    low, high = interval([ChinchillaLaw(*row).loss(n, tokens) for row in BOOTSTRAP])
+    val_loss = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                if '"kind": "eval"' in line][-1]["loss"]
+    assert f"{predicted:.4f} [{low:.4f}, {high:.4f}]" in result.stdout
+    assert f"{(val_loss - predicted) / predicted:+.2%}" in result.stdout
+    assert "resume events" in result.stdout
+    for name in ("loss.png", "speed.png"):
+        assert (run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (run_dir / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 2  # self-contained
+    assert "<td>resume</td>" in page and "<td>end</td>" in page and "[model]" in page
+
+
+def test_report_refuses_what_is_not_a_run_or_a_law_in_one_line(stdlib_data, tmp_path):
+    result = run_cli("report", str(tmp_path))
+    assert result.returncode == 2 and "is not a run directory that has trained" in result.stderr
+    run_dir = tmp_path / "run"
+    train(tiny_config(stdlib_data, run_dir, "train.steps=2", "eval.interval=0"))
+    (tmp_path / "law.json").write_text("{}")
+    result = run_cli("report", str(run_dir), "--law", str(tmp_path / "law.json"))
+    assert result.returncode == 2 and "is not a law.json written by `scaletrain fit`" in result.stderr
+    assert "Traceback" not in result.stderr
