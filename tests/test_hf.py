@@ -4,6 +4,7 @@ Hugging Face models (checkpoint.init_from), compared with transformers' own forw
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -67,6 +68,9 @@ def test_a_chosen_step_in_bfloat16_and_in_shards_loads_as_one_model(runs, tmp_pa
     run_dir = runs / "llama"
     (tmp_path / "hf").mkdir()  # an empty directory is a destination too
     exported = export_hf(run_dir, tmp_path / "hf", dtype="bfloat16", step=3, max_shard_bytes=40_000)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o777 & ~umask  # not a private temporary directory
     assert exported.step == 3
     shards = sorted(p.name for p in (tmp_path / "hf").glob("model-*.safetensors"))
     assert len(shards) > 2 and not (tmp_path / "hf" / "model.safetensors").exists()
@@ -141,6 +145,8 @@ def test_a_run_starts_from_an_exported_model_and_trains_on(runs, stdlib_data, tm
     fresh = train(tiny_config(stdlib_data, tmp_path / "fresh", "train.steps=2", "eval.interval=0",
                               "model.qk_norm=true", "model.tie_embeddings=true", "model.n_kv_heads=4"))
     assert result.train_loss < fresh.train_loss  # it starts from a trained model
+    shutil.rmtree(tmp_path / "hf")  # resuming takes the run's own checkpoint: the model directory may go
+    Trainer(new).loader.close()
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -21,7 +21,9 @@ def test_report_writes_plots_and_html_and_compares_the_final_loss_with_the_law(s
     run_dir = tmp_path / "run"
     cfg = tiny_config(stdlib_data, run_dir, "train.steps=6", "eval.interval=3", "checkpoint.interval=3")
     train(cfg, stop_at_step=3)
-    train(cfg)  # a resume, an event the report lists
+    with open(run_dir / "metrics.jsonl", "a") as f:  # an attempt that got to step 5 and hung there
+        f.write(json.dumps({"kind": "hang", "step": 5, "tokens": 2560, "time": 0.0, "seconds": 900.0}) + "\n")
+    train(cfg)  # resumes from step 3: the hang's step is gone over again, the hang stays an event
     law = tmp_path / "law.json"
     law.write_text(json.dumps({"approach3": {k: {"value": v} for k, v in LAW.to_dict().items() if k != "source"},
                                "bootstrap": BOOTSTRAP}))
@@ -36,12 +38,12 @@ def test_report_writes_plots_and_html_and_compares_the_final_loss_with_the_law(s
                 if '"kind": "eval"' in line][-1]["loss"]
     assert f"{predicted:.4f} [{low:.4f}, {high:.4f}]" in result.stdout
     assert f"{(val_loss - predicted) / predicted:+.2%}" in result.stdout
-    assert "resume events" in result.stdout
+    assert "resume events" in result.stdout and "hang events" in result.stdout
     for name in ("loss.png", "speed.png"):
         assert (run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (run_dir / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 2  # self-contained
-    assert "<td>resume</td>" in page and "<td>end</td>" in page and "[model]" in page
+    assert "<td>resume</td>" in page and "<td>hang</td>" in page and "<td>end</td>" in page and "[model]" in page
 
 
 def test_report_refuses_what_is_not_a_run_or_a_law_in_one_line(stdlib_data, tmp_path):

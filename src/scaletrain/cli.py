@@ -126,7 +126,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         resolved = resolve(cfg)  # a layout that cannot work is one line here, not N tracebacks there
         check_layout(resolve_layout(resolved.parallel, args.nproc), resolved)
-        if resolved.checkpoint.init_from:
+        from scaletrain.train.checkpoint import committed_checkpoints
+
+        if resolved.checkpoint.init_from and not committed_checkpoints(resolved.run_dir / "checkpoints"):
             from scaletrain.hf import check_matches, check_tokenizer
 
             check_matches(resolved.model, resolved.checkpoint.init_from)
@@ -507,9 +509,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     law = None
     if args.law:
+        from scaletrain.scaling.fit import bootstrap_laws, law_of
+
         try:
             law = json.loads(open(args.law).read())
-            law["approach3"]["E"]
+            law_of(law), bootstrap_laws(law)  # what the report reads of it
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise UserError(f"--law {args.law!r} is not a law.json written by `scaletrain fit` ({e})") from None
     summary = run_report(args.run_dir, law)

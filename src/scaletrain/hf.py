@@ -176,6 +176,9 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
                      "split_special_tokens": True, "model_max_length": cfg.model.max_seq_len})
         (staging / "README.md").write_text(_model_card(Path(run_dir), cfg, step, param_counts(cfg.model)["total"],
                                                        dtype))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 would keep the export from everyone else
         os.replace(staging, out)  # rename(2) replaces an empty directory
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -272,6 +275,7 @@ def model_settings(hf_dir: str | Path) -> dict:
                           f"{hf['num_attention_heads']} heads, not its hidden_size {hf['hidden_size']}; "
                           "scaletrain's heads split the width exactly")
     settings = {ours: hf[theirs] for ours, theirs in _SETTINGS.items() if theirs in hf}
+    settings.setdefault("tie_embeddings", False)  # transformers' default for both architectures
     settings["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     settings["max_seq_len"] = hf.get("max_position_embeddings", 2048)
     settings["qk_norm"] = kind == "qwen3"
@@ -311,26 +315,28 @@ def load_hf_weights(hf_dir: str | Path, cfg: ModelConfig) -> dict:
     """The Hugging Face model's weights (model.safetensors, or the shards its index names) as the
     state dict of `Transformer(cfg)`, in float32; checked against cfg first."""
     import torch
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     hf_dir = Path(hf_dir)
     check_matches(cfg, hf_dir)
     index = hf_dir / "model.safetensors.index.json"
     files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
              else ["model.safetensors"])
-    theirs = {}
+    wanted = {hf_name(name): name for name in _our_names(cfg)
+              if not (cfg.tie_embeddings and name == "output.weight")}  # tied: the embedding's tensor
+    ours = {}
     for file in files:
         if not (hf_dir / file).is_file():
             raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} lacks {file}; give a directory with the "
                               "model's safetensors weights")
-        theirs.update(load_file(hf_dir / file))
-    ours = {}
-    for name in _our_names(cfg):
-        if cfg.tie_embeddings and name == "output.weight":
-            continue  # one tensor, the embedding's (a tied checkpoint may hold lm_head too)
-        if hf_name(name) not in theirs:
-            raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} has no tensor {hf_name(name)}")
-        ours[name] = theirs[hf_name(name)].to(torch.float32)
+        with safe_open(hf_dir / file, framework="pt") as f:  # one tensor at a time, not whole shards
+            for key in f.keys():
+                if key in wanted:
+                    ours[wanted[key]] = f.get_tensor(key).to(torch.float32)
+    missing = [key for key, name in wanted.items() if name not in ours]
+    if missing:
+        raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} has no tensor {missing[0]}"
+                          + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""))
     if cfg.tie_embeddings:
         ours["output.weight"] = ours["tok_embeddings.weight"]
     return ours

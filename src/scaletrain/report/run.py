@@ -56,8 +56,9 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None) -> dict:
         "data_wait_share": _median(r["data_wait_ms"] * r["tokens_per_s"] / cfg.train.global_batch_tokens / 1000
                                    for r in train[1:] or train if r.get("data_wait_ms") is not None),
         "peak_memory_gb": max((r.get("mem_gb") or 0 for r in train), default=None),
+        # Every event that happened, also those of steps a resume or rewind went back over.
         "events": [{"kind": r["kind"], "step": r["step"], **{k: r.get(k) for k in EVENTS[r["kind"]]}}
-                   for r in records if r["kind"] in EVENTS],
+                   for r in read_metrics(run_dir, superseded=True) if r["kind"] in EVENTS],
     }
     law = prediction = None
     if law_doc is not None:

@@ -42,8 +42,9 @@ class MetricsLog:
             self._file.close()
 
 
-def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict]:
-    """The run's records in order, without those superseded by a later resume."""
+def read_metrics(run_dir: str | Path, kind: str | None = None, superseded: bool = False) -> list[dict]:
+    """The run's records in order, without those superseded by a later resume or rewind (with
+    them if `superseded`: every event that happened, e.g. a hang past the step resumed from)."""
     path = Path(run_dir) / "metrics.jsonl"
     records: list[dict] = []
     for line in path.read_text().splitlines():
@@ -51,9 +52,9 @@ def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict]:
             record = json.loads(line)
         except json.JSONDecodeError:  # blank, or torn by a crash
             continue
-        if record["kind"] == "start":
+        if record["kind"] == "start" and not superseded:
             records = []
-        elif record["kind"] in ("resume", "rewind"):
+        elif record["kind"] in ("resume", "rewind") and not superseded:
             records = [r for r in records if r["step"] <= record["step"]]
         records.append(record)
     return [r for r in records if kind is None or r["kind"] == kind]

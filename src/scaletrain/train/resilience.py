@@ -140,9 +140,12 @@ class Watchdog:
                       "stacks of every thread follow; exiting with status %d so that the launcher restarts the "
                       "job from its newest checkpoint", quiet, self.timeout_s, HANG_EXIT_STATUS)
             try:
-                if self.on_hang is not None:
-                    self.on_hang(quiet)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                sys.stderr.flush()
+                if self.on_hang is not None:
+                    # In a thread of its own, waited for a few seconds only: on a filesystem that
+                    # stopped answering (one of the hangs this is for), recording it blocks too.
+                    record = threading.Thread(target=self.on_hang, args=(quiet,), daemon=True)
+                    record.start()
+                    record.join(timeout=5)
             finally:
                 os._exit(HANG_EXIT_STATUS)  # the main thread is stuck: nothing else would end the process

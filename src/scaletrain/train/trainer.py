@@ -142,13 +142,16 @@ class Trainer:
         # The layout is checked before any process group starts.
         self.layout = resolve_layout(cfg.parallel, world_size)
         check_layout(self.layout, cfg)
-        if cfg.checkpoint.init_from:  # before any process group starts
-            check_matches(cfg.model, cfg.checkpoint.init_from)
-            check_tokenizer(cfg.checkpoint.init_from, next(iter(cfg.data.sources.values())) / "tokenizer.json")
         self.dp_rank = self.layout.dp_rank(self.rank)
         self.cp_rank = self.layout.coordinates(self.rank)["cp"]
         self.run_dir = cfg.run_dir
         self.ckpt_root = self.run_dir / "checkpoints"
+        # A new run from a Hugging Face model (a resumed one takes its checkpoint, and needs the
+        # model's directory no more): checked before any process group starts.
+        self.init_from = cfg.checkpoint.init_from if not checkpoint.committed_checkpoints(self.ckpt_root) else None
+        if self.init_from:
+            check_matches(cfg.model, cfg.checkpoint.init_from)
+            check_tokenizer(cfg.checkpoint.init_from, next(iter(cfg.data.sources.values())) / "tokenizer.json")
         self.device = pick_device(cfg.train.device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
@@ -169,8 +172,8 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)  # every rank builds the same full model, then keeps its shard
         param_dtype = self.dtype if cfg.parallel.fsdp_param_dtype == "auto" else getattr(torch, cfg.parallel.fsdp_param_dtype)
         model = Transformer(cfg.model).to(self.device)
-        if cfg.checkpoint.init_from and not checkpoint.committed_checkpoints(self.ckpt_root):
-            model.load_state_dict(load_hf_weights(cfg.checkpoint.init_from, cfg.model))
+        if self.init_from:
+            model.load_state_dict(load_hf_weights(self.init_from, cfg.model))
             log.info("weights from %s (checkpoint.init_from)", cfg.checkpoint.init_from)
         if cfg.train.float8:  # before sharding: FSDP then gathers float8-aware weights
             log.info("train.float8: %d linear layers compute in float8",
@@ -329,13 +332,16 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.step)
         return self.step
 
-    def rewind(self) -> Path | None:
+    def rewind(self) -> tuple[Path, int] | None:
         """After a divergence: back to the newest intact checkpoint's model, optimizer, RNG and
         step, with the data where it got to, so that the batches read since that checkpoint (those
         that led to the divergence) are skipped (Chowdhery et al. 2022, "PaLM", section 5.1, who
-        restarted ~100 steps before a spike and skipped 200-500 batches). Returns the checkpoint,
-        or None when there is none to go back to (nothing changed then)."""
+        restarted ~100 steps before a spike and skipped 200-500 batches). Returns the checkpoint
+        and the steps of batches skipped, or None when there is no checkpoint to go back to
+        (nothing changed then). Every rank calls it (they diverge at the same step)."""
         self.finish_saving(wait=True)
+        if dist.is_initialized():
+            dist.barrier()  # rank 0 has committed (and pruned) what it was saving: all ranks list alike
         if not checkpoint.complete_checkpoints(self.ckpt_root):
             return None
         position = self.loader.state_dict()  # after the last batch handed out, not the read-ahead ones
@@ -346,7 +352,8 @@ class Trainer:
         self.load_state(state)
         self.loader.load_state_dict(position)
         self.first_bad = torch.tensor([-1.0, 0.0, 0.0], device=self.device)
-        return path
+        skipped = (position["consumed"] - json.loads(state["loader"])["consumed"]) // self.cfg.seqs_per_step
+        return path, skipped
 
     def save(self) -> Path:
         """Checkpoint the current step; returns its path. With checkpoint.async_save the writing
@@ -584,17 +591,17 @@ class Trainer:
                 try:
                     train_loss, grad_norm, wait = self.train_step(look=look)
                 except TrainingDiverged as e:
-                    if rewinds_left == 0:
+                    rewound = self.rewind() if rewinds_left else None
+                    if rewound is None:
                         raise
-                    diverged_at = self.step
-                    path = self.rewind()
-                    if path is None:
-                        raise
+                    # Until the next checkpoint, a stop or crash resumes from this one without the
+                    # skip (its batches are read again); a signal stops the run here.
+                    saved, skipped = rewound
                     rewinds_left -= 1
-                    metrics.write("rewind", self.step, self.tokens, diverged_at=e.step, checkpoint=str(path),
-                                  skipped_steps=diverged_at - self.step, message=str(e))
+                    metrics.write("rewind", self.step, self.tokens, diverged_at=e.step, checkpoint=str(saved),
+                                  skipped_steps=skipped, message=str(e))
                     log.warning("%s; rewound to %s, skipping the %d steps' batches read since (%d rewinds left)",
-                                str(e).split(" and nothing was saved")[0], path, diverged_at - self.step, rewinds_left)
+                                str(e).split(" and nothing was saved")[0], saved, skipped, rewinds_left)
                     watchdog.beat()
                     continue
                 watchdog.beat()  # the first beat arms it
