@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from conftest import ROOT, run_cli, tiny_config
+from scaletrain.errors import UserError
 from scaletrain.generate import generate_text
 from scaletrain.train.trainer import train
 
@@ -80,8 +81,11 @@ def test_generate_prints_a_sample_from_the_newest_checkpoint(trained_run):
 
 def test_generate_reports_bad_requests_in_one_line(tmp_path, trained_run):
     assert_one_line_error(run_cli("generate", str(tmp_path)), "not a run directory")
-    assert_one_line_error(run_cli("generate", str(trained_run), "--temperature", "-1"), "temperature must be")
-    assert_one_line_error(run_cli("generate", str(trained_run), "--prompt", "x = 1\n" * 100), "shorten the prompt")
+    # The others in this process (every UserError reaches the command line as the one above did).
+    with pytest.raises(UserError, match="temperature must be"):
+        generate_text(trained_run, "", temperature=-1)
+    with pytest.raises(UserError, match="shorten the prompt"):
+        generate_text(trained_run, "x = 1\n" * 100)
 
 
 def test_greedy_text_is_the_same_with_and_without_the_kv_cache(trained_run):
