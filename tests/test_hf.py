@@ -203,3 +203,7 @@ def test_a_model_of_another_shape_or_kind_is_refused_with_the_settings_to_use(ru
         model_settings(tmp_path / "hf")
     with pytest.raises(ConfigError, match="has no readable config.json"):
         model_settings(tmp_path)
+    qwen3 = {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
+    (tmp_path / "config.json").write_text(json.dumps(qwen3))  # no head_dim: Qwen3's default 128, not 64 / 4
+    with pytest.raises(ConfigError, match="head_dim 128 x 4 heads, not its hidden_size 64"):
+        model_settings(tmp_path)

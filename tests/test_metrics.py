@@ -37,3 +37,18 @@ def test_a_line_torn_by_a_crash_is_skipped_and_does_not_swallow_the_next(tmp_pat
     log.write("train", 2, 20, loss=2.0)
     log.close()
     assert [r["loss"] for r in read_metrics(tmp_path, "train")] == [1.0, 2.0]
+
+
+def test_superseded_records_are_kept_on_request_but_an_earlier_run_is_not(tmp_path):
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.write("start", 0, 0)
+    log.write("end", 4, 40, complete=True)  # an earlier run in this directory
+    log.write("start", 0, 0)
+    log.write("train", 5, 50, loss=5.0)
+    log.write("hang", 5, 50, seconds=900.0)  # an attempt that hung after step 5 ...
+    log.write("resume", 4, 40)  # ... resumed from step 4's checkpoint
+    log.write("rewind", 2, 20)  # a divergence sent it back further
+    log.close()
+    assert [r["kind"] for r in read_metrics(tmp_path)] == ["start", "rewind"]  # the rewind went back past it all
+    assert [r["kind"] for r in read_metrics(tmp_path, superseded=True)] == [
+        "start", "train", "hang", "resume", "rewind"]

@@ -128,7 +128,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_layout(resolve_layout(resolved.parallel, args.nproc), resolved)
         from scaletrain.train.checkpoint import committed_checkpoints
 
-        if resolved.checkpoint.init_from and not committed_checkpoints(resolved.run_dir / "checkpoints"):
+        if (resolved.checkpoint.init_from and resolved.checkpoint.resume in ("auto", "never")
+                and not committed_checkpoints(resolved.run_dir / "checkpoints")):
             from scaletrain.hf import check_matches, check_tokenizer
 
             check_matches(resolved.model, resolved.checkpoint.init_from)

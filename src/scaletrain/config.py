@@ -177,7 +177,7 @@ class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: auto picks CUDA when available."""
     rewinds: int = Field(default=0, ge=0)
-    """Times a NaN or infinite loss or gradient sends the run back to its newest checkpoint, skipping the batches read since (PaLM's remedy for loss spikes), before one stops it; 0: the first stops it."""
+    """Times (per invocation of train) a NaN or infinite loss or gradient sends the run back to its newest checkpoint, skipping the batches read since (PaLM's remedy for loss spikes), before one stops it; 0: the first stops it."""
     hang_timeout_s: float = Field(default=900.0, ge=0)
     """After the first step: seconds without a finished step, evaluation or checkpoint after which the process prints every thread's stack and exits with status 75, for the launcher to restart the job from its newest checkpoint (torchrun --max-restarts); 0 disables. Keep it above the slowest checkpoint save and evaluation."""
 

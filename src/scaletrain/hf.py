@@ -176,15 +176,26 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
                      "split_special_tokens": True, "model_max_length": cfg.model.max_seq_len})
         (staging / "README.md").write_text(_model_card(Path(run_dir), cfg, step, param_counts(cfg.model)["total"],
                                                        dtype))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 would keep the export from everyone else
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the export from everyone else
         os.replace(staging, out)  # rename(2) replaces an empty directory
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return Exported(out=out, step=step, architecture=architecture(cfg.model), files=sorted(p.name for p in out.iterdir()),
                     bytes=total)
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask sets it for every thread meanwhile)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o022)  # no /proc (not Linux): set and restore, briefly
+    os.umask(umask)
+    return umask
 
 
 def _shards(weights: dict, max_shard_bytes: int) -> dict[str, list[str]]:
@@ -269,7 +280,7 @@ def model_settings(hf_dir: str | Path) -> dict:
     if problems:
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} holds a model scaletrain's decoder does not "
                           f"compute: {'; '.join(problems)}")
-    head_dim = hf.get("head_dim")
+    head_dim = hf.get("head_dim", 128 if kind == "qwen3" else None)  # Qwen3Config's default is 128, not width/heads
     if head_dim is not None and head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} has head_dim {head_dim} x "
                           f"{hf['num_attention_heads']} heads, not its hidden_size {hf['hidden_size']}; "

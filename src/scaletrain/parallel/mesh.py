@@ -15,8 +15,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from scaletrain.config import ConfigError, ParallelConfig, RunConfig
 
 # A rank that raises mid-collective leaves the others waiting for gloo's timeout (30 minutes
-# by default): fail within minutes instead.
+# by default): fail within minutes instead. With the hang watchdog on (train/resilience.py),
+# collectives wait a minute longer than it, so that a hung rank's watchdog (and those of the
+# ranks waiting for it) ends the job with the stacks, not a collective timeout without them.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+def collective_timeout(hang_timeout_s: float) -> datetime.timedelta:
+    if hang_timeout_s <= 0:
+        return COLLECTIVE_TIMEOUT
+    return max(COLLECTIVE_TIMEOUT, datetime.timedelta(seconds=hang_timeout_s + 60))
 
 
 # Outermost first, as init_device_mesh lays ranks out (row-major): tensor parallelism, the most
@@ -136,13 +144,15 @@ def world() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def init_distributed(device: torch.device, layout: Layout) -> DeviceMesh | None:
-    """Start the process group (NCCL on GPUs, gloo on CPUs) and the mesh; None in one process."""
+def init_distributed(device: torch.device, layout: Layout,
+                     timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> DeviceMesh | None:
+    """Start the process group (NCCL on GPUs, gloo on CPUs; collectives fail after `timeout`)
+    and the mesh; None in one process."""
     _, _, world_size = world()
     if world_size == 1:
         return None
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     mesh = init_device_mesh(device.type, layout.sizes, mesh_dim_names=DIMS)
     # FSDP shards over the data-parallel and context-parallel ranks alike: cp ranks hold the same
     # parameters and each contributes the gradient of its part of the sequence. (Slicing

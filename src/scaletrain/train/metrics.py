@@ -44,7 +44,7 @@ class MetricsLog:
 
 def read_metrics(run_dir: str | Path, kind: str | None = None, superseded: bool = False) -> list[dict]:
     """The run's records in order, without those superseded by a later resume or rewind (with
-    them if `superseded`: every event that happened, e.g. a hang past the step resumed from)."""
+    them if `superseded`: every event of this run, e.g. a hang past the step resumed from)."""
     path = Path(run_dir) / "metrics.jsonl"
     records: list[dict] = []
     for line in path.read_text().splitlines():
@@ -52,7 +52,7 @@ def read_metrics(run_dir: str | Path, kind: str | None = None, superseded: bool 
             record = json.loads(line)
         except json.JSONDecodeError:  # blank, or torn by a crash
             continue
-        if record["kind"] == "start" and not superseded:
+        if record["kind"] == "start":  # a new run in this directory: the earlier one's records go
             records = []
         elif record["kind"] in ("resume", "rewind") and not superseded:
             records = [r for r in records if r["step"] <= record["step"]]

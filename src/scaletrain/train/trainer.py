@@ -30,7 +30,8 @@ from scaletrain.model.llama import Transformer
 from scaletrain.model.loss import cross_entropy
 from scaletrain.parallel.apply import parallelize
 from scaletrain.parallel.context import shard_sequence
-from scaletrain.parallel.mesh import check_layout, init_distributed, resolve_layout, shutdown, world
+from scaletrain.parallel.mesh import (check_layout, collective_timeout, init_distributed, resolve_layout, shutdown,
+                                     world)
 from scaletrain.plan.hardware import peak_flops
 from scaletrain.plan.memory import choose_recompute
 from scaletrain.train import checkpoint
@@ -148,7 +149,8 @@ class Trainer:
         self.ckpt_root = self.run_dir / "checkpoints"
         # A new run from a Hugging Face model (a resumed one takes its checkpoint, and needs the
         # model's directory no more): checked before any process group starts.
-        self.init_from = cfg.checkpoint.init_from if not checkpoint.committed_checkpoints(self.ckpt_root) else None
+        fresh = cfg.checkpoint.resume in ("auto", "never") and not checkpoint.committed_checkpoints(self.ckpt_root)
+        self.init_from = cfg.checkpoint.init_from if fresh else None
         if self.init_from:
             check_matches(cfg.model, cfg.checkpoint.init_from)
             check_tokenizer(cfg.checkpoint.init_from, next(iter(cfg.data.sources.values())) / "tokenizer.json")
@@ -167,7 +169,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)  # mem_gb is this run's peak, not the process's
         if not self.is_main:
             log.setLevel(logging.WARNING)  # one console for people: rank 0's
-        self.mesh = init_distributed(self.device, self.layout)
+        self.mesh = init_distributed(self.device, self.layout, collective_timeout(cfg.train.hang_timeout_s))
 
         torch.manual_seed(cfg.run.seed)  # every rank builds the same full model, then keeps its shard
         param_dtype = self.dtype if cfg.parallel.fsdp_param_dtype == "auto" else getattr(torch, cfg.parallel.fsdp_param_dtype)
@@ -352,6 +354,7 @@ class Trainer:
         self.load_state(state)
         self.loader.load_state_dict(position)
         self.first_bad = torch.tensor([-1.0, 0.0, 0.0], device=self.device)
+        self.optimizer.zero_grad(set_to_none=True)  # a step that raised before applying left its gradients
         skipped = (position["consumed"] - json.loads(state["loader"])["consumed"]) // self.cfg.seqs_per_step
         return path, skipped
 
@@ -591,7 +594,10 @@ class Trainer:
                 try:
                     train_loss, grad_norm, wait = self.train_step(look=look)
                 except TrainingDiverged as e:
-                    rewound = self.rewind() if rewinds_left else None
+                    try:
+                        rewound = self.rewind() if rewinds_left else None
+                    except checkpoint.CheckpointError as failed:  # no checkpoint could be loaded
+                        raise e from failed
                     if rewound is None:
                         raise
                     # Until the next checkpoint, a stop or crash resumes from this one without the
