@@ -126,15 +126,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         resolved = resolve(cfg)  # a layout that cannot work is one line here, not N tracebacks there
         check_layout(resolve_layout(resolved.parallel, args.nproc), resolved)
-        from scaletrain.train.checkpoint import committed_checkpoints
+        from scaletrain.hf import init_source
 
-        if (resolved.checkpoint.init_from and resolved.checkpoint.resume in ("auto", "never")
-                and not committed_checkpoints(resolved.run_dir / "checkpoints")):
-            from scaletrain.hf import check_matches, check_tokenizer
-
-            check_matches(resolved.model, resolved.checkpoint.init_from)
-            check_tokenizer(resolved.checkpoint.init_from,
-                            next(iter(resolved.data.sources.values())) / "tokenizer.json")
+        init_source(resolved)  # a model directory that does not fit the run, likewise
         return _torchrun(args)
     try:
         result = train(cfg, stop_at_step=args.stop_at_step)

@@ -322,6 +322,22 @@ def check_tokenizer(hf_dir: str | Path, data_tokenizer: str | Path) -> None:
                           f"--tokenizer {model_tokenizer}`")
 
 
+def init_source(cfg) -> Path | None:
+    """The Hugging Face model directory a run `cfg` (a resolved RunConfig) starts from, checked
+    against its model and data (ConfigError if they do not fit); None when the run takes no
+    weights from one: no checkpoint.init_from, or a run that resumes from a checkpoint (its own,
+    or the one checkpoint.resume names) and needs the directory no more."""
+    from scaletrain.train.checkpoint import committed_checkpoints
+
+    hf_dir = cfg.checkpoint.init_from
+    if (not hf_dir or cfg.checkpoint.resume not in ("auto", "never")
+            or committed_checkpoints(cfg.run_dir / "checkpoints")):
+        return None
+    check_matches(cfg.model, hf_dir)
+    check_tokenizer(hf_dir, next(iter(cfg.data.sources.values())) / "tokenizer.json")
+    return Path(hf_dir)
+
+
 def load_hf_weights(hf_dir: str | Path, cfg: ModelConfig) -> dict:
     """The Hugging Face model's weights (model.safetensors, or the shards its index names) as the
     state dict of `Transformer(cfg)`, in float32; checked against cfg first."""

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from scaletrain.config import ConfigError, RunConfig, load_config, validate_config
 from scaletrain.data.loader import IGNORE, Prefetcher, TokenLoader, eval_batches
 from scaletrain.data.shards import DataError, read_index
-from scaletrain.hf import check_matches, check_tokenizer, load_hf_weights
+from scaletrain.hf import init_source, load_hf_weights
 from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.model.llama import Transformer
 from scaletrain.model.loss import cross_entropy
@@ -147,13 +147,7 @@ class Trainer:
         self.cp_rank = self.layout.coordinates(self.rank)["cp"]
         self.run_dir = cfg.run_dir
         self.ckpt_root = self.run_dir / "checkpoints"
-        # A new run from a Hugging Face model (a resumed one takes its checkpoint, and needs the
-        # model's directory no more): checked before any process group starts.
-        fresh = cfg.checkpoint.resume in ("auto", "never") and not checkpoint.committed_checkpoints(self.ckpt_root)
-        self.init_from = cfg.checkpoint.init_from if fresh else None
-        if self.init_from:
-            check_matches(cfg.model, cfg.checkpoint.init_from)
-            check_tokenizer(cfg.checkpoint.init_from, next(iter(cfg.data.sources.values())) / "tokenizer.json")
+        self.init_from = init_source(cfg)  # checked before any process group starts
         self.device = pick_device(cfg.train.device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
