@@ -19,7 +19,7 @@ import pytest
 
 from conftest import ROOT, nan_norm_once_after, run_cli, tiny_config
 from scaletrain.config import ConfigError, ParallelConfig
-from scaletrain.parallel.mesh import check_layout, resolve_layout
+from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.plan.memory import rank_memory
 from scaletrain.train import checkpoint
 from scaletrain.train.metrics import read_metrics

@@ -121,7 +121,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from scaletrain.train.trainer import TrainingDiverged, train
 
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from scaletrain.parallel.mesh import check_layout, resolve_layout
+        from scaletrain.parallel.layout import check_layout, resolve_layout
         from scaletrain.train.trainer import resolve
 
         resolved = resolve(cfg)  # a layout that cannot work is one line here, not N tracebacks there

@@ -16,8 +16,8 @@ import json
 import shlex
 
 from scaletrain.config import ConfigError, RunConfig
-from scaletrain.parallel.mesh import check_layout as check_mesh
-from scaletrain.parallel.mesh import resolve_layout
+from scaletrain.parallel.layout import check_layout as check_mesh
+from scaletrain.parallel.layout import resolve_layout
 
 RDZV_PORT = 29500
 # Seconds between SIGTERM and the kill: the step or two the ranks take to agree, and a checkpoint.

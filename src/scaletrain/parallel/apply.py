@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from scaletrain.config import RunConfig
 from scaletrain.parallel.context import apply_cp
 from scaletrain.parallel.fsdp import apply_fsdp
-from scaletrain.parallel.mesh import Layout
+from scaletrain.parallel.layout import Layout
 from scaletrain.parallel.pipeline import build_schedule, forward_only, split_stages, stage_ids
 from scaletrain.parallel.recompute import apply_recompute
 from scaletrain.parallel.tensor import apply_tp

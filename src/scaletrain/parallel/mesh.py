@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import warnings
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from scaletrain.config import ConfigError, ParallelConfig, RunConfig
+from scaletrain.parallel.layout import DIMS, Layout
 
 # A rank that raises mid-collective leaves the others waiting for gloo's timeout (30 minutes
 # by default): fail within minutes instead. With the hang watchdog on (train/resilience.py),
@@ -25,118 +23,6 @@ def collective_timeout(hang_timeout_s: float) -> datetime.timedelta:
     if hang_timeout_s <= 0:
         return COLLECTIVE_TIMEOUT
     return max(COLLECTIVE_TIMEOUT, datetime.timedelta(seconds=hang_timeout_s + 60))
-
-
-# Outermost first, as init_device_mesh lays ranks out (row-major): tensor parallelism, the most
-# communication-hungry, on neighbouring ranks (one node); pipeline stages farthest apart.
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-
-
-@dataclass
-class Layout:
-    """Sizes of each mesh dimension, resolved against the world size."""
-
-    dp_replicate: int
-    dp_shard: int
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(getattr(self, dim) for dim in DIMS)
-
-    @property
-    def world_size(self) -> int:
-        return math.prod(self.sizes)
-
-    def coordinates(self, rank: int) -> dict[str, int]:
-        """Where `rank` sits on each dimension of the mesh."""
-        coords = {}
-        for dim, size in reversed(list(zip(DIMS, self.sizes))):
-            rank, coords[dim] = divmod(rank, size)
-        return coords
-
-    def dp_rank(self, rank: int) -> int:
-        """Which share of each step's global batch `rank` trains on: ranks that differ only in
-        tp, cp or pp coordinates take the same sequences."""
-        coords = self.coordinates(rank)
-        return coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
-
-
-def _product_text(sizes: dict[str, int | str]) -> str:
-    return " x ".join(f"{size}" for size in sizes.values())
-
-
-def resolve_layout(cfg: ParallelConfig, world_size: int) -> Layout:
-    """The layout cfg asks for on world_size processes, or a ConfigError saying which constraint fails."""
-    names = "parallel.pp x dp_replicate x dp_shard x cp x tp"
-    fixed = cfg.pp * cfg.dp_replicate * cfg.cp * cfg.tp
-    if cfg.dp_shard == -1:
-        if world_size % fixed:
-            sizes = {"pp": cfg.pp, "dp_replicate": cfg.dp_replicate, "cp": cfg.cp, "tp": cfg.tp}
-            raise ConfigError(f"parallel.pp x dp_replicate x cp x tp = {_product_text(sizes)} = {fixed} does not "
-                              f"divide the {world_size} processes; with parallel.dp_shard = -1 the other dimensions "
-                              "must divide the number of processes")
-        return Layout(cfg.dp_replicate, world_size // fixed, cfg.tp, cfg.pp, cfg.cp)
-    layout = Layout(cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp, cfg.cp)
-    if layout.world_size != world_size:
-        raise ConfigError(f"{names} = {' x '.join(map(str, layout.sizes))} = {layout.world_size}, but {world_size} "
-                          "processes were started; their product must equal the number of processes (or set "
-                          "parallel.dp_shard = -1 to use all remaining ones)")
-    return layout
-
-
-def check_layout(layout: Layout, cfg: RunConfig) -> None:
-    """Refuse, before any process group starts, a layout that cannot split this model and batch
-    evenly: each constraint in one sentence."""
-    model, parallel, seq_len = cfg.model, cfg.parallel, cfg.data.seq_len
-    if cfg.train.compile_mode in ("reduce-overhead", "max-autotune") and layout.world_size > 1:
-        raise ConfigError(f"train.compile_mode = {cfg.train.compile_mode!r} replays CUDA graphs, which one process "
-                          f"can do but {layout.world_size} sharing parameters and collectives cannot; use 'default' or "
-                          "'max-autotune-no-cudagraphs'")
-    if cfg.seqs_per_step % (layout.dp * cfg.train.micro_batch):
-        raise ConfigError(f"train.global_batch_tokens = {cfg.train.global_batch_tokens} holds {cfg.seqs_per_step} "
-                          f"sequences, which do not split into {layout.dp} data-parallel ranks x "
-                          f"train.micro_batch = {cfg.train.micro_batch}; use a multiple of "
-                          f"{layout.dp * cfg.train.micro_batch * seq_len} tokens")
-    if layout.cp > 1:
-        if seq_len % (2 * layout.cp):
-            raise ConfigError(f"data.seq_len = {seq_len} is not divisible by 2 x parallel.cp = {2 * layout.cp}; "
-                              "context parallelism splits each sequence into 2 x cp equal chunks")
-    if layout.tp > 1:
-        local_seq = seq_len // layout.cp
-        sizes = {"model.n_heads": model.n_heads, "model.n_kv_heads": model.kv_heads, "the MLP width (model.ffn_dim)":
-                 model.hidden_dim, "model.vocab_size": model.vocab,
-                 "data.seq_len" if layout.cp == 1 else "data.seq_len / parallel.cp": local_seq}
-        for name, size in sizes.items():
-            if size % layout.tp:
-                raise ConfigError(f"{name} = {size} is not divisible by parallel.tp = {layout.tp}; tensor "
-                                  "parallelism splits it evenly over the tp ranks")
-    if layout.pp > 1:
-        stages = layout.pp * parallel.stages_per_rank
-        if model.n_layers % stages:
-            raise ConfigError(f"model.n_layers = {model.n_layers} is not divisible into {stages} pipeline stages "
-                              f"(parallel.pp = {layout.pp} x {parallel.stages_per_rank} stages per rank); each stage "
-                              "holds the same number of blocks")
-        if model.tie_embeddings:
-            raise ConfigError("model.tie_embeddings = true is not supported with parallel.pp > 1 (the embedding "
-                              "and the output head live on different stages); set it to false")
-        microbatches = cfg.seqs_per_step // (layout.dp * cfg.train.micro_batch)
-        need = None
-        if parallel.pp_schedule in ("1f1b", "zbv_zero_bubble", "dualpipev") and microbatches < stages:
-            need = f"at least the {stages} pipeline stages"
-        elif parallel.pp_schedule not in ("gpipe", "1f1b") and microbatches % layout.pp:
-            need = f"a multiple of parallel.pp = {layout.pp}"
-        if need:
-            raise ConfigError(f"parallel.pp_schedule = {parallel.pp_schedule!r} needs the micro-batches per step on "
-                              f"each pipeline ({cfg.seqs_per_step} sequences / {layout.dp} data-parallel ranks / "
-                              f"train.micro_batch = {cfg.train.micro_batch} = {microbatches}) to be {need}; lower "
-                              "train.micro_batch or raise train.global_batch_tokens")
 
 
 def world() -> tuple[int, int, int]:

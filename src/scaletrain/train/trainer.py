@@ -30,8 +30,8 @@ from scaletrain.model.llama import Transformer
 from scaletrain.model.loss import cross_entropy
 from scaletrain.parallel.apply import parallelize
 from scaletrain.parallel.context import shard_sequence
-from scaletrain.parallel.mesh import (check_layout, collective_timeout, init_distributed, resolve_layout, shutdown,
-                                     world)
+from scaletrain.parallel.layout import check_layout, resolve_layout
+from scaletrain.parallel.mesh import collective_timeout, init_distributed, shutdown, world
 from scaletrain.plan.hardware import peak_flops
 from scaletrain.plan.memory import choose_recompute
 from scaletrain.train import checkpoint
