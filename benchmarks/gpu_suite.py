@@ -35,7 +35,9 @@ import torch
 
 from scaletrain.config import ConfigError, load_config
 from scaletrain.data import prepare
+from scaletrain.plan.hardware import device
 from scaletrain.plan.memory import training_memory
+from scaletrain.plan.timing import PlanLayout, step_time
 from scaletrain.train.float8 import check_float8
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
@@ -81,6 +83,16 @@ def measure(data: Path, runs: Path, name: str, overrides: list[str], steps: int,
         return {"error": f"out of memory: {str(e)[:200]}"}
     predicted = training_memory(cfg.model, seq, micro, bf16=torch.cuda.is_available() and "train.device=cpu" not in overrides,
                                 recompute=cfg.parallel.recompute, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+    predicted_speed = None  # the planner's step-time model for this GPU, beside what was measured
+    if torch.cuda.is_available() and "train.device=cpu" not in overrides:
+        try:
+            spec = device(torch.cuda.get_device_name())
+        except ValueError:
+            spec = None
+        if spec is not None:
+            layout = PlanLayout(micro_batch=micro, recompute=cfg.parallel.recompute,
+                                loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+            predicted_speed = round(step_time(cfg.model, seq, micro, layout, spec).tokens_per_s)
     records = read_metrics(runs / name)
     start = next(r for r in records if r["kind"] == "start")
     first = next(r for r in records if r["kind"] == "memory")  # written once the first step is done
@@ -104,7 +116,7 @@ def measure(data: Path, runs: Path, name: str, overrides: list[str], steps: int,
         "mfu_causal": None if causal_scale is None else round(tokens_per_s * causal_scale, 4),
         "cold_start_s": round(first["time"] - start["time"], 1),
         "peak_mem_gb": max(r["mem_gb"] for r in steps_done), "predicted_peak_gb": round(predicted.peak / 1e9, 3),
-        "predicted_memory": predicted.as_dict(),
+        "predicted_memory": predicted.as_dict(), "predicted_tokens_per_s": predicted_speed,
         "data_wait_share": round(statistics.median(r["data_wait_ms"] for r, _ in timed) / (1000 * step_s), 5),
         "checkpoint_blocking_s": blocking, "final_loss": last["loss"],
     }

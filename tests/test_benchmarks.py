@@ -65,3 +65,14 @@ def test_stop_vote_benchmark_prints_both_variants():
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["world_size"] == 2 and report["step_us_with_vote"] > 0 and report["step_us_without_vote"] > 0
+
+
+def test_plan_backtest_prints_a_prediction_beside_each_published_figure():
+    result = subprocess.run([sys.executable, "benchmarks/plan_backtest.py"], capture_output=True, text=True, cwd=ROOT,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(rows) == 9
+    for row in rows:
+        published = [k for k in row if k.startswith("published_")]
+        assert published and all(row[k.replace("published_", "predicted_")] > 0 for k in published)

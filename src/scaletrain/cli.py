@@ -213,6 +213,210 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- plan -----------------------------------------------------------------------------------
+
+
+def _hardware(args: argparse.Namespace):
+    import json
+    from pathlib import Path
+
+    from scaletrain.plan.cost import Prices, Reliability
+    from scaletrain.plan.hardware import device, device_from_dict
+    from scaletrain.plan.planner import Hardware
+
+    try:
+        spec = device(args.gpu)
+        if args.hardware:
+            path = Path(args.hardware)
+            if not path.is_file():
+                raise UserError(f"--hardware {args.hardware!r} does not exist; give a JSON file describing the device")
+            try:
+                spec = device_from_dict(json.loads(path.read_text()), base=spec)
+            except json.JSONDecodeError as e:
+                raise UserError(f"--hardware {args.hardware!r} is not valid JSON: {e}") from None
+        if args.inter_node_gbps is not None:
+            spec = device_from_dict({"inter_node_gbs": args.inter_node_gbps / 8}, base=spec)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    reliability = Reliability(failures_per_device_hour=args.failure_rate, restart_s=args.restart_minutes * 60,
+                              async_save=not args.sync_checkpoints)
+    prices = Prices(per_device_hour=args.price, pue=args.pue, watts=args.watts)
+    return Hardware(spec, args.gpus, args.gpus_per_node or spec.gpus_per_node, reliability=reliability,
+                    prices=prices)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from scaletrain.config import load_config
+    from scaletrain.plan.planner import Sizing, make_plan, model_for, plan_for_time, size, vocab_of
+
+    hardware = _hardware(args)
+    modes = [args.config is not None, args.compute is not None, args.hours is not None, args.params is not None]
+    if sum(modes) != 1:
+        raise UserError("say what to plan: a config FILE (a run as configured), --compute C or --hours H (a budget "
+                        "of FLOPs or of wall-clock on the devices, sized by --law or --preset), or --params N with "
+                        "--tokens D")
+    sized = args.compute is not None or args.hours is not None
+    if (args.inference_tokens or args.unique_tokens) and not sized:
+        raise UserError("--inference-tokens and --unique-tokens size the model for a budget; add --compute C or "
+                        "--hours H")
+    law, boot = (_law_file(args.law) if args.law else (_chinchilla_preset(args.preset or "epoch"), [])) \
+        if (sized or args.law or args.preset) else (None, [])
+    if (args.params is None) != (args.tokens is None) and args.config is None:
+        raise UserError("--params and --tokens go together: the model's parameter count and its training tokens")
+    base, sizing = None, None
+    if args.config is not None:
+        base = load_config(args.config, args.overrides)
+        model, seq_len, data_path = base.model, base.data.seq_len, base.data.path
+        if model.vocab_size is None:
+            vocab = args.vocab or vocab_of(data_path)
+            if vocab is None:
+                raise UserError(f"model.vocab_size is unset and {data_path!r} is not a prepared data directory to "
+                                "take it from; set model.vocab_size or pass --vocab")
+            base = load_config(args.config, [*args.overrides, f"model.vocab_size={vocab}"])
+            model = base.model
+        tokens = base.total_steps * base.train.global_batch_tokens
+        batch = base.train.global_batch_tokens
+    else:
+        seq_len, data_path = args.seq_len, args.data or "data/corpus"
+        vocab = args.vocab or (vocab_of(args.data) if args.data else None) or 32768
+        batch = args.global_batch_tokens
+        if args.compute is not None:
+            model, tokens, sizing = size(law, args.compute, vocab, seq_len, args.inference_tokens or 0.0,
+                                         args.unique_tokens, boot)
+        elif args.params is not None:
+            model, tokens = model_for(args.params, vocab, seq_len), int(args.tokens)
+    if law is not None and sizing is None:  # a given model: the law only predicts its loss
+        sizing = Sizing("given", law=law, bootstrap=boot)
+    common = dict(data_path=data_path, name=args.name, top=args.top)
+    if args.hours is not None:
+        plan = plan_for_time(law, args.hours, hardware, vocab, seq_len, inference_tokens=args.inference_tokens or 0.0,
+                             unique_tokens=args.unique_tokens, bootstrap=boot, batch_tokens=batch, **common)
+    else:
+        plan = make_plan(model, tokens, seq_len, hardware, batch_tokens=batch, base=base, sizing=sizing, **common)
+    if args.write_config:
+        with open(args.write_config, "w") as f:
+            f.write(plan["config"])
+    if args.json:
+        sys.stdout.write(json.dumps(plan, indent=1) + "\n")
+        return 0
+    for table in plan_tables(plan):
+        out.print(table)
+    if args.write_config:
+        nodes = plan["hardware"]["nodes"]
+        out.print(f"wrote {args.write_config}: train it with `scaletrain train {args.write_config} --nproc "
+                  f"{hardware.count}`" if nodes == 1 else
+                  f"wrote {args.write_config}: `scaletrain launch {args.write_config} --nodes {nodes} "
+                  f"--gpus-per-node {hardware.gpus_per_node}` writes the job for it")
+    return 0
+
+
+def _law_file(path: str):
+    import json
+    from pathlib import Path
+
+    from scaletrain.scaling.fit import bootstrap_laws, law_of
+
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"--law {path!r} does not exist; give a law.json written by `scaletrain fit`")
+    try:
+        doc = json.loads(file.read_text())
+        return law_of(doc), bootstrap_laws(doc)
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise UserError(f"--law {path!r} is not a law.json of `scaletrain fit` ({type(e).__name__}: {e})") from None
+
+
+def _gb(value: float) -> str:
+    return f"{value / 1e9:.1f} GB"
+
+
+def _duration(hours: float) -> str:
+    if hours < 1:
+        return f"{hours * 60:.1f} min"
+    if hours < 48:
+        return f"{hours:.1f} h"
+    return f"{hours / 24:.1f} days"
+
+
+def plan_tables(plan: dict) -> list[Table]:
+    """The plan for people: what to train, on what, how it is split, and what it will take."""
+    m, hw, step, run = plan["model"], plan["hardware"], plan["step"], plan["run"]
+    what = Table(title="what to train", show_header=False)
+    what.add_column(style="bold")
+    what.add_column()
+    what.add_row("model", f"{m['n'] / 1e9:.3g}B parameters ({m['n_non_embedding'] / 1e9:.3g}B non-embedding): width "
+                          f"{m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads ({m['n_kv_heads']} key/value), "
+                          f"MLP {m['ffn_dim']}, vocabulary {m['vocab_size']:,}, sequence {m['seq_len']:,}")
+    what.add_row("tokens", f"{plan['tokens']:.4g} ({plan['tokens_per_parameter']:.1f} per parameter)")
+    what.add_row("compute", f"{plan['compute']:.4g} FLOPs (6ND: {plan['compute_6nd']:.4g})")
+    sizing = plan["sizing"]
+    if sizing["kind"] != "given":
+        text = f"{sizing['kind']} for {sizing['budget']:.3g} FLOPs"
+        if sizing["kind"] == "inference-aware":
+            text += (f" and {sizing['inference_tokens']:.3g} inference tokens: lifetime compute "
+                     f"{sizing['lifetime_flops_saved']:.3g} FLOPs below the compute-optimal model's "
+                     f"({sizing['compute_optimal_n'] / 1e9:.3g}B)")
+        elif sizing["kind"] == "data-constrained":
+            text += f" with {sizing['unique_tokens']:.3g} unique tokens ({plan['tokens'] / sizing['unique_tokens']:.1f} epochs)"
+        if sizing.get("hours"):
+            text += f": the budget these devices spend in {sizing['hours']:g} hours"
+        what.add_row("sizing", text)
+    if plan["predicted_loss"]:
+        loss = plan["predicted_loss"]
+        what.add_row("predicted loss", f"{loss['value']:.4f}" + (f" [{loss['interval'][0]:.4f}, {loss['interval'][1]:.4f}]"
+                                                                if "interval" in loss else "")
+                     + f"  ({loss['source']})")
+    hp = plan["hyperparameters"]
+    what.add_row("batch, lr", f"{hp['global_batch_tokens']:,} tokens a step, peak lr {hp['lr']:.3g}, warmup "
+                              f"{hp['warmup_steps']} steps, warmup-stable-decay")
+
+    how = Table(title=f"on {hw['devices']} x {hw['device']['name']} ({hw['nodes']} node{'s' * (hw['nodes'] > 1)})",
+                show_header=False)
+    how.add_column(style="bold")
+    how.add_column()
+    how.add_row("layout", plan["layout"]["text"])
+    mem = plan["memory"]
+    how.add_row("memory per device", f"{_gb(mem['peak'])} of {_gb(mem['usable'])} usable: parameters "
+                                      f"{_gb(mem['parameters'])}, gradients {_gb(mem['gradients'])}, optimizer "
+                                      f"{_gb(mem['optimizer'])}, weight copies {_gb(mem['weight_copies'])}, activations "
+                                      f"{_gb(mem['activations'])}, loss {_gb(mem['loss'])}")
+    parts = ", ".join(f"{key.replace('_', ' ')} {step[key]:.3g} s" for key in
+                      ("compute", "tensor_parallel", "context_parallel", "data_parallel", "pipeline_bubble",
+                       "pipeline_sends", "optimizer") if step[key] > 0)
+    how.add_row("step", f"{step['total']:.3g} s ({parts})")
+    how.add_row("throughput", f"{step['tokens_per_s']:,.0f} tokens/s, MFU {step['mfu']:.1%} "
+                              f"({step['mfu_causal']:.1%} counting causal attention)")
+
+    cost = Table(title="what it will take", show_header=False)
+    cost.add_column(style="bold")
+    cost.add_column()
+    cost.add_row("wall-clock", f"{_duration(run['wall_hours'])} ({run['steps']:,} steps; "
+                               f"{_duration(run['train_hours'])} without failures)")
+    cost.add_row("failures", f"{run['expected_failures']:.2g} expected (job MTBF {_duration(run['mtbf_hours'])}); "
+                             f"goodput {run['goodput']:.1%}")
+    cost.add_row("checkpoints", f"every {run['checkpoint_interval_steps']:,} steps ({_duration(run['checkpoint_interval_s'] / 3600)}), "
+                                f"blocking {run['checkpoint_block_s']:.2g} s, writing {run['checkpoint_write_s']:.2g} s")
+    cost.add_row("device-hours", f"{run['device_hours']:,.0f}")
+    cost.add_row("energy", f"{run['energy_kwh'] / 1000:,.3g} MWh (board power x PUE {hw['prices']['pue']})")
+    cost.add_row("cost", f"{run['cost']:,.0f} at {hw['prices']['per_device_hour']} a device-hour" if run["cost"] is not None
+                  else "give --price (per device-hour)")
+    if plan["inference"]["tokens"]:
+        cost.add_row("lifetime compute", f"{plan['inference']['lifetime_flops']:.3g} FLOPs with "
+                                         f"{plan['inference']['tokens']:.3g} inference tokens")
+    tables = [what, how, cost]
+    if plan["alternatives"]:
+        alt = Table(title="next best layouts")
+        for column in ("layout", "tokens/s", "MFU", "memory"):
+            alt.add_column(column, justify="left" if column == "layout" else "right")
+        for c in plan["alternatives"]:
+            alt.add_row(c["text"], f"{c['time']['tokens_per_s']:,.0f}", f"{c['time']['mfu']:.1%}",
+                        _gb(c["memory"]["peak"]))
+        tables.append(alt)
+    return tables
+
+
 # -- sweep ----------------------------------------------------------------------------------
 
 
@@ -282,6 +486,19 @@ def _flops(text: str) -> float:
     return value
 
 
+def _chinchilla_preset(name: str):
+    """A published law of the form E + A/N^α + B/D^β, or a UserError naming those there are."""
+    from scaletrain.scaling.laws import ChinchillaLaw, preset
+
+    try:
+        law = preset(name)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not isinstance(law, ChinchillaLaw):
+        raise UserError(f"the {name!r} law has no E + A/N^α + B/D^β form to predict with; use hoffmann or epoch")
+    return law
+
+
 def _interval(entry: dict, digits: int = 4) -> str:
     value = f"{entry['value']:.{digits}g}"
     if entry.get("low") is None:
@@ -300,7 +517,6 @@ def cmd_fit(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from scaletrain.scaling import fit as fitting
-    from scaletrain.scaling.laws import ChinchillaLaw, preset
     from scaletrain.scaling.optimal import data_constrained_optimal, inference_optimal, predict
 
     if (args.inference_tokens is not None or args.unique_tokens is not None) and not args.predict:
@@ -309,13 +525,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         if args.sweep_dir is not None or args.points is not None:
             raise UserError(f"--preset {args.preset} predicts from a published law, not from fitted points; drop the "
                             "sweep directory and --points, or drop --preset")
-        try:
-            law = preset(args.preset)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        if not isinstance(law, ChinchillaLaw):
-            raise UserError(f"the {args.preset!r} law has no E + A/N^α + B/D^β form to predict with; use hoffmann "
-                            "or epoch")
+        law = _chinchilla_preset(args.preset)
         doc, boot, out_dir = {"source": law.source}, [], None
         out.print(f"published law {args.preset}: {law.source}")
     else:
@@ -555,6 +765,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from scaletrain.plan.cost import LLAMA3_FAILURES_PER_DEVICE_HOUR
+
     parser = argparse.ArgumentParser(prog="scaletrain", description="Pre-train language models by plan.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -622,6 +834,54 @@ def build_parser() -> argparse.ArgumentParser:
                    help="times torchrun starts every process again after one fails or hangs; they resume from the "
                         "newest checkpoint (3)")
     p.set_defaults(func=cmd_launch)
+
+    p = commands.add_parser("plan", help="choose model, tokens and layout for a budget and hardware; predict "
+                                         "memory, time, failures, energy and cost",
+                            description="Plan a run before it starts: size the model for a compute budget from a "
+                                        "scaling law (or take a config's), search the parallel layout for the "
+                                        "hardware, predict memory per device, step time, MFU, wall-clock with "
+                                        "failures and checkpoints, energy and cost; write the config to train it.")
+    p.add_argument("config", nargs="?", default=None, help="a run config to plan as it is (model and tokens kept)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of the config, e.g. train.tokens=1e9")
+    p.add_argument("--compute", type=_flops, default=None, metavar="C", help="training FLOPs to size the model for")
+    p.add_argument("--hours", type=_flops, default=None, metavar="H",
+                   help="wall-clock to fill instead: the law's model that finishes in H hours on these devices")
+    p.add_argument("--law", default=None, help="a law.json of `scaletrain fit` to size with (and predict the loss)")
+    p.add_argument("--preset", default=None, help="published law to size with when no --law: epoch (the default), "
+                                                  "hoffmann")
+    p.add_argument("--inference-tokens", type=_flops, default=None,
+                   help="lifetime inference tokens: the smaller model reaching the same loss (Sardana et al. 2023)")
+    p.add_argument("--unique-tokens", type=_flops, default=None,
+                   help="unique training tokens available (Muennighoff et al. 2023's data-constrained optimum)")
+    p.add_argument("--params", type=_flops, default=None, metavar="N", help="plan a model of about N parameters")
+    p.add_argument("--tokens", type=_flops, default=None, metavar="D", help="with --params: training tokens")
+    p.add_argument("--gpu", default="H100 SXM", help="device from the catalog (default 'H100 SXM'): "
+                   "H100 SXM, H100 PCIe, H100 NVL, H200, H200 NVL, A100, A100 40GB, L4, L40S, A10, A10G, RTX 4090, "
+                   "B200, GB200, MI300X")
+    p.add_argument("--gpus", type=int, default=8, help="devices to plan for (8)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (the device's usual: 8)")
+    p.add_argument("--hardware", default=None, help="a JSON file of device figures replacing the catalog's "
+                                                    "(memory_gb, peak_tflops, memory_bandwidth_gbs, intra_node_gbs, "
+                                                    "inter_node_gbs, watts, gpus_per_node)")
+    p.add_argument("--inter-node-gbps", type=_flops, default=None,
+                   help="network bandwidth per device in Gb/s (default 400)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence, without a config (4096)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size, without a config or --data (32768)")
+    p.add_argument("--global-batch-tokens", type=int, default=None,
+                   help="fix the batch (default: DeepSeek LLM's rule for the compute, rounded for the layout)")
+    p.add_argument("--data", default=None, help="prepared data directory for the written config (and its vocabulary)")
+    p.add_argument("--name", default="planned", help="run name in the written config")
+    p.add_argument("--price", type=float, default=None, help="price of a device-hour, for the cost")
+    p.add_argument("--pue", type=float, default=1.2, help="power usage effectiveness of the data centre (1.2)")
+    p.add_argument("--watts", type=float, default=None, help="power per device (default: its maximum board power)")
+    p.add_argument("--failure-rate", type=float, default=LLAMA3_FAILURES_PER_DEVICE_HOUR,
+                   help="failures per device-hour (default: Llama 3's, one per ~50,700)")
+    p.add_argument("--restart-minutes", type=float, default=10.0, help="minutes from a failure to training again (10)")
+    p.add_argument("--sync-checkpoints", action="store_true", help="plan blocking checkpoint writes, not async")
+    p.add_argument("--top", type=int, default=5, help="layouts to show (5)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--write-config", default=None, metavar="FILE", help="write the config that trains the plan")
+    p.set_defaults(func=cmd_plan)
 
     p = commands.add_parser("sweep", help="train an IsoFLOP grid of small models for fitting scaling laws",
                             description="For each compute budget, train shapes spanning ~10x in parameters around "

@@ -10,6 +10,7 @@ Pure data and string matching: imports no torch.
 from __future__ import annotations
 
 import re
+from dataclasses import asdict, dataclass
 
 T = 1e12
 
@@ -97,3 +98,108 @@ def peak_flops(device_name: str, dtype: str) -> float | None:
     if canonical is None:
         return None
     return PEAK_FLOPS[canonical][_DTYPE_ALIASES[key]]
+
+
+# -- what the planner needs to know of a device ------------------------------------------------
+
+G = 1e9
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator as the planner sees it: dense peak FLOP/s by dtype, memory, memory
+    bandwidth, the bandwidth of its links to the other devices of its node and to other nodes
+    (bytes/s each way, per device), and its board power."""
+
+    name: str
+    peak: dict[str, float]
+    memory: float  # bytes
+    memory_bandwidth: float  # bytes/s
+    intra_node: float  # bytes/s each way, per device, to the devices of its node
+    inter_node: float  # bytes/s each way, per device, to other nodes
+    watts: float  # maximum board power
+    gpus_per_node: int = 8
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# A network interface of 400 Gb/s per GPU (NDR InfiniBand or 400G Ethernet, as in NVIDIA's DGX
+# H100/H200/B200 reference designs): 50 GB/s each way. Override with the planner's --inter-node-gbps.
+INTER_NODE = 400 / 8 * G
+# PCIe per direction: Gen4 x16 ~32 GB/s, Gen5 x16 ~64 GB/s (what PCIe cards without NVLink talk over).
+PCIE4, PCIE5 = 32 * G, 64 * G
+
+# Canonical name -> (memory GB, memory bandwidth GB/s, link GB/s each way, max board W), from each
+# vendor's datasheet; NVLink figures are the datasheets' totals (both directions) halved.
+_SPECS: dict[str, tuple[float, float, float, float]] = {
+    "H100 SXM": (80, 3350, 900 / 2, 700),       # HBM3; NVLink 4 900 GB/s
+    "H100 PCIe": (80, 2000, PCIE5 / G, 350),    # HBM2e; PCIe Gen5 (an NVLink bridge joins pairs only)
+    "H100 NVL": (94, 3900, PCIE5 / G, 400),     # HBM3; NVLink bridge joins pairs only
+    "H200": (141, 4800, 900 / 2, 700),          # HBM3e; NVLink 4 900 GB/s
+    "H200 NVL": (141, 4800, PCIE5 / G, 600),    # NVLink bridge joins 2 or 4 cards only
+    "A100": (80, 2039, 600 / 2, 400),           # 80 GB SXM; NVLink 3 600 GB/s
+    "A100 40GB": (40, 1555, 600 / 2, 400),      # 40 GB SXM
+    "L4": (24, 300, PCIE4 / G, 72),             # GDDR6, PCIe Gen4
+    "L40S": (48, 864, PCIE4 / G, 350),          # GDDR6, PCIe Gen4
+    "A10": (24, 600, PCIE4 / G, 150),
+    "A10G": (24, 600, PCIE4 / G, 300),          # AWS G5; approximate, as its peaks
+    "RTX 4090": (24, 1008, PCIE4 / G, 450),
+    "B200": (180, 8000, 1800 / 2, 1000),        # HGX B200 (1,440 GB over 8); NVLink 5 1.8 TB/s
+    "GB200": (186, 8000, 1800 / 2, 1200),       # NVL72 (13.4 TB over 72); NVLink 5; ~2.7 kW per 2 GPUs + CPU
+    "MI300X": (192, 5300, 896 / 2, 750),        # HBM3; Infinity Fabric 896 GB/s peer-to-peer in total
+}
+
+
+def _device(name: str) -> Device:
+    memory, bandwidth, link, watts = _SPECS[name]
+    peaks = PEAK_FLOPS["A100" if name == "A100 40GB" else name]
+    return Device(name, dict(peaks), memory * G, bandwidth * G, link * G, INTER_NODE, watts,
+                  gpus_per_node=72 if name == "GB200" else 8)
+
+
+DEVICES: dict[str, Device] = {name: _device(name) for name in _SPECS}
+
+
+def device(name: str) -> Device:
+    """The catalog's Device for a name: a key of DEVICES (any case) or a device name as
+    torch.cuda.get_device_name() gives it; ValueError naming the known ones otherwise."""
+    for key, spec in DEVICES.items():
+        if key.lower() == name.strip().lower():
+            return spec
+    canonical = identify(name)
+    if canonical is None:
+        raise ValueError(f"no device {name!r} in the catalog; use one of {', '.join(DEVICES)}, or describe it "
+                         "in a JSON file (plan --hardware FILE)")
+    return DEVICES[canonical]
+
+
+def device_from_dict(data: dict, base: Device | None = None) -> Device:
+    """A Device from a JSON object (plan --hardware FILE): the Device fields, with memory in GB,
+    bandwidths in GB/s and peaks in TFLOP/s, e.g. {"name": "X", "peak_tflops": {"bf16": 400},
+    "memory_gb": 64, "memory_bandwidth_gbs": 2000, "intra_node_gbs": 300, "inter_node_gbs": 25,
+    "watts": 500, "gpus_per_node": 8}; fields missing are taken from `base`."""
+    units = {"memory_gb": ("memory", G), "memory_bandwidth_gbs": ("memory_bandwidth", G),
+             "intra_node_gbs": ("intra_node", G), "inter_node_gbs": ("inter_node", G)}
+    known = {"name", "peak_tflops", "watts", "gpus_per_node", *units}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown device field(s) {', '.join(unknown)}; the fields are {', '.join(sorted(known))}")
+    fields = base.to_dict() if base is not None else {}
+    for key, (field, scale) in units.items():
+        if key in data:
+            fields[field] = float(data[key]) * scale
+    if "peak_tflops" in data:
+        fields["peak"] = {dtype: float(value) * T for dtype, value in data["peak_tflops"].items()}
+    for key in ("name", "watts", "gpus_per_node"):
+        if key in data:
+            fields[key] = data[key]
+    keys = {"name": "name", "peak": "peak_tflops", "watts": "watts", **{f: k for k, (f, _) in units.items()}}
+    missing = [key for field, key in keys.items() if field not in fields]
+    if missing:
+        raise ValueError(f"the device description lacks {', '.join(missing)}; give them, or start from a "
+                         "catalog device (plan --gpu NAME) and change only what differs")
+    bad = {k: v for k, v in fields.items() if isinstance(v, (int, float)) and not v > 0}
+    if bad or not all(v > 0 for v in fields["peak"].values()):
+        raise ValueError(f"device figures must be positive, got {bad or fields['peak']}")
+    return Device(**fields)

@@ -41,7 +41,7 @@ def compute_optimal(law: ChinchillaLaw, compute: float) -> Choice:
     return Choice(n, d, law.loss(n, d), 6 * n * d)
 
 
-def _tokens_for_loss(law: ChinchillaLaw, n: float, target: float) -> float:
+def tokens_for_loss(law: ChinchillaLaw, n: float, target: float) -> float:
     """D with L(N, D) = target, or inf when a model of N parameters cannot reach it."""
     room = target - law.E - law.A / n ** law.alpha
     return (law.B / room) ** (1 / law.beta) if room > 0 else math.inf
@@ -58,7 +58,7 @@ def inference_optimal(law: ChinchillaLaw, compute: float, inference_tokens: floa
 
     def lifetime(log_n: float) -> float:
         n = math.exp(log_n)
-        return 6 * n * _tokens_for_loss(law, n, target) + 2 * n * inference_tokens
+        return 6 * n * tokens_for_loss(law, n, target) + 2 * n * inference_tokens
 
     # The smallest N that can reach the target, and the compute-optimal N: more inference only
     # ever favours a smaller model (Sardana et al. section 3), so the optimum lies between.
@@ -66,7 +66,7 @@ def inference_optimal(law: ChinchillaLaw, compute: float, inference_tokens: floa
     result = minimize_scalar(lifetime, bounds=(math.log(n_floor) + 1e-9, math.log(reference.n)), method="bounded",
                              options={"xatol": 1e-10})
     n = math.exp(result.x)
-    d = _tokens_for_loss(law, n, target)
+    d = tokens_for_loss(law, n, target)
     return Choice(n, d, law.loss(n, d), 6 * n * d, 2 * n * inference_tokens), reference
 
 

@@ -34,6 +34,7 @@ from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.parallel.mesh import collective_timeout, init_distributed, shutdown, world
 from scaletrain.plan.hardware import peak_flops
 from scaletrain.plan.memory import choose_recompute
+from scaletrain.plan.timing import PlanLayout
 from scaletrain.train import checkpoint
 from scaletrain.train.float8 import check_float8, convert_to_float8
 from scaletrain.train.metrics import MetricsLog, read_metrics
@@ -221,12 +222,9 @@ class Trainer:
         mode = "none"
         if self.device.type == "cuda":
             capacity = 0.9 * torch.cuda.get_device_properties(self.device).total_memory
-            mode, estimate = choose_recompute(
-                cfg.model, cfg.data.seq_len, cfg.train.micro_batch, capacity,
-                micro_steps=cfg.seqs_per_step // (self.layout.dp * cfg.train.micro_batch),
-                bf16=self.dtype == torch.bfloat16, fsdp=self.layout.dp_shard * self.layout.cp, tp=self.layout.tp,
-                cp=self.layout.cp, pp=self.layout.pp, pp_schedule=cfg.parallel.pp_schedule,
-                pp_stages_per_rank=cfg.parallel.stages_per_rank, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+            layout = PlanLayout.of(cfg, self.layout).memory_layout(cfg.seqs_per_step)
+            mode, estimate = choose_recompute(cfg.model, cfg.data.seq_len, cfg.train.micro_batch, capacity,
+                                              bf16=self.dtype == torch.bfloat16, **layout)
             log.info("parallel.recompute = auto: %s (predicted peak %.1f GB of %.1f GB usable)", mode,
                      estimate.peak / 1e9, capacity / 1e9)
         data = cfg.model_dump()

@@ -1,0 +1,284 @@
+"""The plan of a run, before it starts: which model and how many tokens (from a scaling law and a
+compute budget, or as given), which layout on which hardware, and what it will take — memory per
+device, step time, MFU, wall-clock with failures, device-hours, energy, cost — written as a
+config that `scaletrain train` runs. Arithmetic, no torch.
+
+Model shapes for a parameter count come from one family: heads of 128 (64 below width 1024),
+eight key/value heads (grouped-query attention, as Llama 3; fewer below width 1024, as many as
+divide the heads), widths multiples of 128 up to 2048 and of 1024 above, the default SwiGLU width, untied
+embeddings (so that any pipeline split is open), and a depth near width / 128 — the aspect
+ratio of Llama 3 8B (4096 / 32) and 405B (16384 / 126) and of GPT-3 175B (12288 / 96); the loss
+depends little on it over a wide range (Kaplan et al. 2020, figure 5). Of the widths (multiples
+of 128) and depths within a factor 1.5 of that ratio, the one with N closest to the target wins.
+
+Learning rate and batch follow the sweeps' rule (scaling/grid.py: DeepSeek LLM's η_opt(C) and
+B_opt(C)) at the run's compute, the warmup as many tokens as parameters, the schedule
+warmup-stable-decay (so that the run can be extended from any stable-phase checkpoint).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scaletrain.config import ModelConfig, RunConfig, validate_config
+from scaletrain.model.flops import param_counts, train_flops_per_token
+from scaletrain.parallel.layout import check_layout, resolve_layout
+from scaletrain.plan.cost import Prices, Reliability, run_cost
+from scaletrain.plan.hardware import Device
+from scaletrain.plan.search import PlanError, describe, search
+from scaletrain.plan.timing import Efficiency
+from scaletrain.scaling.grid import deepseek_hyperparameters, warmup_steps
+from scaletrain.scaling.laws import ChinchillaLaw
+
+ASPECT = 128  # width / depth
+
+
+def model_for(n: float, vocab: int, seq_len: int) -> ModelConfig:
+    """The family's shape whose parameter count (all of them) is nearest n (see the module's
+    docstring)."""
+    best = None
+    for dim in _widths():
+        aim = dim / ASPECT
+        for layers in range(max(1, math.floor(aim / 1.5)), math.ceil(aim * 1.5) + 1):
+            cfg = _shape(dim, layers, vocab, seq_len)
+            miss = abs(math.log(param_counts(cfg)["total"] / n)) + 0.01 * abs(math.log(layers / aim))
+            if best is None or miss < best[0]:
+                best = (miss, cfg)
+        if vocab * dim > 2 * n:  # wider still only grows the embedding
+            break
+    return best[1]
+
+
+def _shape(dim: int, layers: int, vocab: int, seq_len: int) -> ModelConfig:
+    head = 128 if dim >= 1024 else 64
+    heads = dim // head
+    return ModelConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=math.gcd(heads, 8),
+                       max_seq_len=seq_len, rope_theta=500000.0 if seq_len >= 4096 else 10000.0)
+
+
+def _widths():
+    """Multiples of 128 up to 2048, then of 1024 (whole groups of eight 128-wide heads)."""
+    yield from range(128, 2048, 128)
+    yield from range(2048, 65536 + 1, 1024)
+
+
+@dataclass
+class Hardware:
+    device: Device
+    count: int
+    gpus_per_node: int
+    efficiency: Efficiency = Efficiency()
+    reliability: Reliability = Reliability()
+    prices: Prices = Prices()
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.count // self.gpus_per_node)
+
+    def check(self) -> None:
+        if self.count < 1:
+            raise PlanError(f"--gpus {self.count}: plan for at least one device")
+        if self.count > self.gpus_per_node and self.count % self.gpus_per_node:
+            raise PlanError(f"{self.count} devices are not whole nodes of {self.gpus_per_node}; use a multiple of "
+                            f"{self.gpus_per_node} (or set --gpus-per-node)")
+
+
+@dataclass
+class Sizing:
+    """Why this model and these tokens: a law's choice for a budget, or as given."""
+
+    kind: str  # "compute-optimal", "inference-aware", "data-constrained", "given"
+    compute: float | None = None
+    law: ChinchillaLaw | None = None
+    bootstrap: list[ChinchillaLaw] = field(default_factory=list)
+    inference_tokens: float = 0.0
+    unique_tokens: float | None = None
+    notes: dict = field(default_factory=dict)
+
+
+def size(law: ChinchillaLaw, compute: float, vocab: int, seq_len: int, inference_tokens: float = 0.0,
+         unique_tokens: float | None = None, bootstrap: list[ChinchillaLaw] = ()) -> tuple[ModelConfig, int, Sizing]:
+    """The model and tokens a law chooses for `compute` FLOPs: compute-optimal; or, with
+    inference tokens, Sardana et al.'s smaller model reaching the same loss; or, with a limit on
+    unique tokens, Muennighoff et al.'s data-constrained optimum."""
+    from scaletrain.scaling.optimal import compute_optimal, data_constrained_optimal, inference_optimal, \
+        tokens_for_loss
+
+    if inference_tokens and unique_tokens:
+        raise PlanError("give inference tokens or unique tokens, not both: the planner sizes for one constraint")
+    sizing = Sizing("compute-optimal", compute, law, list(bootstrap), inference_tokens, unique_tokens)
+    if inference_tokens:
+        choice, reference = inference_optimal(law, compute, inference_tokens)
+        sizing.kind = "inference-aware"
+        sizing.notes = {"compute_optimal_n": reference.n, "target_loss": reference.loss,
+                        "lifetime_flops_saved": reference.lifetime_flops - choice.lifetime_flops}
+    elif unique_tokens:
+        choice = data_constrained_optimal(law, compute, unique_tokens)
+        sizing.kind = "data-constrained"
+    else:
+        choice = compute_optimal(law, compute)
+    model = model_for(choice.n, vocab, seq_len)
+    n = param_counts(model)["total"]
+    if sizing.kind == "inference-aware":  # the tokens that bring this shape to the target loss
+        tokens = tokens_for_loss(law, n, sizing.notes["target_loss"])
+        if not math.isfinite(tokens):
+            raise PlanError(f"the nearest shape ({n:,} parameters) cannot reach the target loss; plan more compute")
+    else:  # spend the budget: D = C / (exact FLOPs per token)
+        tokens = compute / train_flops_per_token(model, seq_len)
+    sizing.notes.update({"law_n": choice.n, "law_d": choice.d})
+    return model, int(tokens), sizing
+
+
+def predicted_loss(sizing: Sizing, n: int, tokens: int) -> dict | None:
+    if sizing.law is None:
+        return None
+    from scaletrain.scaling.fit import interval
+    from scaletrain.scaling.optimal import data_constrained_loss
+
+    def loss(law: ChinchillaLaw) -> float:
+        if sizing.unique_tokens:
+            return data_constrained_loss(law, n, tokens, sizing.unique_tokens)
+        return law.loss(n, tokens)
+
+    out = {"value": loss(sizing.law), "source": sizing.law.source}
+    if sizing.bootstrap:
+        out["interval"] = list(interval([loss(law) for law in sizing.bootstrap]))
+    return out
+
+
+def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware, *, batch_tokens: int | None = None,
+              base: RunConfig | None = None, sizing: Sizing | None = None, data_path: str = "data/corpus",
+              name: str = "planned", top: int = 5) -> dict:
+    """The whole plan as a JSON-able dict (the keys of DESIGN.md's plan contract), with the config
+    to train it under "config" (TOML). `batch_tokens` fixes the global batch; otherwise the
+    rule's batch for the run's compute is the target each layout rounds to its data-parallel
+    ranks. `base` is a config whose other settings the written config keeps."""
+    hardware.check()
+    sizing = sizing or Sizing("given")
+    per_token = train_flops_per_token(model, seq_len)
+    compute = tokens * per_token
+    lr, rule_batch = deepseek_hyperparameters(compute, model.dim)
+    fixed = batch_tokens is not None
+    if fixed and batch_tokens % seq_len:
+        raise PlanError(f"a global batch of {batch_tokens} tokens is not whole sequences of {seq_len}; use a multiple "
+                        f"of {seq_len}")
+    target = batch_tokens // seq_len if fixed else max(1, round(rule_batch / seq_len))
+    ranked = search(model, seq_len, target, hardware.count, hardware.device, fixed_batch=fixed,
+                    gpus_per_node=hardware.gpus_per_node, efficiency=hardware.efficiency, top=top)
+    best = ranked[0]
+    batch_tokens = best.global_batch * seq_len
+    steps = max(1, -(-tokens // batch_tokens))
+    state = best.memory.parameters + best.memory.optimizer  # what a checkpoint saves of each device
+    cost = run_cost(steps, best.time.total, hardware.count, hardware.nodes, state,
+                    state * hardware.count / best.layout.dp_replicate, hardware.device.watts, hardware.reliability,
+                    hardware.prices)
+    if cost.goodput <= 0:
+        raise PlanError(f"{hardware.count} devices fail every {cost.mtbf_hours * 60:.0f} minutes at the assumed rate, "
+                        f"too often to make progress between restarts of {hardware.reliability.restart_s:.0f} s; "
+                        "plan fewer devices or a lower failure rate")
+    counts = param_counts(model)
+    plan = {
+        "model": {"dim": model.dim, "n_layers": model.n_layers, "n_heads": model.n_heads, "n_kv_heads": model.kv_heads,
+                  "ffn_dim": model.hidden_dim, "vocab_size": model.vocab, "seq_len": seq_len,
+                  "tie_embeddings": model.tie_embeddings, "qk_norm": model.qk_norm,
+                  "n": counts["total"], "n_non_embedding": counts["non_embedding"]},
+        "tokens": steps * batch_tokens,
+        "tokens_per_parameter": steps * batch_tokens / counts["total"],
+        "compute": steps * batch_tokens * per_token,
+        "compute_6nd": 6.0 * counts["total"] * steps * batch_tokens,
+        "flops_per_token": per_token,
+        "sizing": {"kind": sizing.kind, "budget": sizing.compute, "law": sizing.law.to_dict() if sizing.law else None,
+                   "inference_tokens": sizing.inference_tokens, "unique_tokens": sizing.unique_tokens,
+                   **sizing.notes},
+        "predicted_loss": predicted_loss(sizing, counts["total"], steps * batch_tokens),
+        "hardware": {"device": hardware.device.to_dict(), "devices": hardware.count,
+                     "nodes": hardware.nodes, "gpus_per_node": hardware.gpus_per_node,
+                     "efficiency": vars(hardware.efficiency), "reliability": vars(hardware.reliability),
+                     "prices": vars(hardware.prices)},
+        "layout": {**best.to_dict(), "text": describe(best.layout)},
+        "memory": {**best.memory.as_dict(), "usable": 0.9 * hardware.device.memory,
+                   "capacity": hardware.device.memory},
+        "step": best.time.to_dict(),
+        "run": cost.to_dict(),
+        "hyperparameters": {"lr": lr, "rule_batch_tokens": rule_batch, "global_batch_tokens": batch_tokens,
+                            "warmup_steps": warmup_steps(counts["total"], batch_tokens, max(1, steps // 10))},
+        "inference": {"tokens": sizing.inference_tokens, "flops": 2.0 * counts["total"] * sizing.inference_tokens,
+                      "lifetime_flops": steps * batch_tokens * per_token
+                      + 2.0 * counts["total"] * sizing.inference_tokens},
+        "alternatives": [{**c.to_dict(), "text": describe(c.layout)} for c in ranked[1:]],
+    }
+    config = planned_config(plan, hardware, base=base, data_path=data_path, name=name)
+    plan["config"] = config.to_toml()
+    return plan
+
+
+def plan_for_time(law: ChinchillaLaw, hours: float, hardware: Hardware, vocab: int, seq_len: int, *,
+                  inference_tokens: float = 0.0, unique_tokens: float | None = None,
+                  bootstrap: list[ChinchillaLaw] = (), batch_tokens: int | None = None, **plan_args: Any) -> dict:
+    """The plan whose law-sized model finishes in `hours` of wall-clock on `hardware`, failures
+    included: the budget is found by iterating C <- C x hours / predicted wall-clock from a
+    first guess at 40% MFU, until the two agree within 1% (a few rounds: the wall-clock grows
+    almost in proportion to C, through MFU changing slowly with the model)."""
+    compute = 0.4 * hardware.device.peak["bf16"] * hardware.count * hours * 3600
+    for _ in range(12):
+        model, tokens, sizing = size(law, compute, vocab, seq_len, inference_tokens, unique_tokens, bootstrap)
+        plan = make_plan(model, tokens, seq_len, hardware, batch_tokens=batch_tokens, sizing=sizing, **plan_args)
+        ratio = hours / plan["run"]["wall_hours"]
+        if abs(ratio - 1) < 0.01:
+            break
+        compute *= ratio
+    else:
+        raise PlanError(f"no budget's plan takes {hours:g} hours within 1% (the last took "
+                        f"{plan['run']['wall_hours']:.3g}); give --compute instead")
+    plan["sizing"]["hours"] = hours
+    return plan
+
+
+def planned_config(plan: dict, hardware: Hardware, base: RunConfig | None = None, data_path: str = "data/corpus",
+                   name: str = "planned") -> RunConfig:
+    """The RunConfig that trains the plan, checked as train checks it before starting."""
+    data = base.model_dump(exclude_none=True) if base is not None else {
+        "run": {"name": name},
+        "model": {key: plan["model"][key] for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                                                      "vocab_size")}
+        | {"max_seq_len": plan["model"]["seq_len"], "rope_theta": 500000.0 if plan["model"]["seq_len"] >= 4096
+           else 10000.0},
+        "data": {"path": data_path, "seq_len": plan["model"]["seq_len"]},
+        "train": {"lr": plan["hyperparameters"]["lr"], "warmup_steps": plan["hyperparameters"]["warmup_steps"],
+                  "schedule": "wsd", "decay_fraction": 0.2, "compile": True, "rewinds": 3},
+    }
+    lay, run = plan["layout"]["layout"], plan["run"]
+    train = data.setdefault("train", {})
+    train.pop("steps", None)
+    train.update(tokens=plan["tokens"], global_batch_tokens=plan["hyperparameters"]["global_batch_tokens"],
+                 micro_batch=lay["micro_batch"], loss_chunk_tokens=lay["loss_chunk_tokens"],
+                 hang_timeout_s=max(900.0, 10 * run["step_s"], 3 * run["checkpoint_block_s"]))
+    parallel = {"dp_replicate": lay["dp_replicate"], "dp_shard": lay["dp_shard"], "tp": lay["tp"], "cp": lay["cp"],
+                "pp": lay["pp"], "recompute": lay["recompute"]}
+    if lay["pp"] > 1:
+        parallel.update(pp_schedule=lay["pp_schedule"], pp_stages_per_rank=lay["pp_stages_per_rank"])
+    data["parallel"] = {**data.get("parallel", {}), **parallel}
+    if lay["pp"] == 1:
+        data["parallel"].pop("pp_stages_per_rank", None)
+        data["parallel"]["pp_schedule"] = "1f1b"
+    data["checkpoint"] = {**data.get("checkpoint", {}), "interval": run["checkpoint_interval_steps"],
+                          "async_save": hardware.reliability.async_save}
+    cfg = validate_config(data, source="the planned config")
+    check_layout(resolve_layout(cfg.parallel, hardware.count), cfg)
+    return cfg
+
+
+def vocab_of(data_path: str | Path) -> int | None:
+    """The vocabulary a run on this data directory gets (the tokenizer's, rounded up to 64, as
+    train fills it in), or None when there is no prepared directory there."""
+    from scaletrain.data.shards import read_index
+
+    try:
+        index = read_index(Path(data_path))
+    except Exception:  # not prepared (yet): the caller asks for --vocab
+        return None
+    return -(-index["vocab_size"] // 64) * 64
+

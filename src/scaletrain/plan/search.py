@@ -1,0 +1,183 @@
+"""The parallel layout for a model on given hardware, chosen by search — arithmetic, no torch.
+
+Every layout that train accepts (parallel/layout.py's checks: tp dividing the heads, key/value
+heads, MLP width, vocabulary and the local sequence, 2 x cp dividing the sequence, pp dividing
+the blocks, enough micro-batches for the schedule) is a candidate: tp within a node (over a
+node's links, as torchtitan and Megatron-LM keep it), cp, pp (1F1B, and interleaved 1F1B with
+two stages a rank), the data-parallel ranks split every way between FSDP shards and replicas,
+micro-batches of 1 to 64 sequences, and for each the least recomputation (none, selective,
+full; then chunking the loss) whose predicted peak fits in the usable memory. The fastest by
+plan/timing.py wins; among layouts within 1% of it, the simplest (fewest kinds of
+parallelism, smaller tp, no recomputation), since the difference is below what the model can
+tell apart.
+
+The global batch is either fixed (a config's, which every layout must split evenly) or a
+target in sequences that each layout rounds to its nearest multiple of data-parallel ranks x
+micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from scaletrain.errors import UserError
+from scaletrain.plan.hardware import Device
+from scaletrain.plan.memory import MemoryEstimate
+from scaletrain.plan.timing import Efficiency, PlanLayout, StepTime, step_time
+
+USABLE_MEMORY = 0.9  # of the device's memory: the rest for the CUDA context, NCCL and the allocator's fragmentation
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+RECOMPUTE = ("none", "selective", "full")
+LOSS_CHUNK = 8192  # tokens at a time, when the whole micro-batch's logits do not fit
+
+
+class PlanError(UserError, ValueError):
+    """Nothing fits, or the request cannot be planned; the message says what would."""
+
+
+@dataclass
+class Candidate:
+    layout: PlanLayout
+    global_batch: int  # sequences per step
+    memory: MemoryEstimate
+    time: StepTime
+
+    @property
+    def seconds_per_token(self) -> float:
+        return 1 / self.time.tokens_per_s
+
+    @property
+    def complexity(self) -> tuple:
+        lay = self.layout
+        kinds = (lay.tp > 1) + (lay.cp > 1) + (lay.pp > 1) + (lay.dp_replicate > 1 and lay.dp_shard > 1)
+        return (kinds, RECOMPUTE.index(lay.recompute), lay.loss_chunk_tokens > 0, lay.tp, lay.pp, lay.cp,
+                lay.pp_stages_per_rank, -lay.micro_batch)
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout.to_dict(), "global_batch": self.global_batch,
+                "microbatches": self.layout.microbatches(self.global_batch), "memory": self.memory.as_dict(),
+                "time": self.time.to_dict()}
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _tp_sizes(cfg: Any, seq_len: int, cp: int, gpus_per_node: int) -> list[int]:
+    sizes = (cfg.n_heads, cfg.kv_heads, cfg.hidden_dim, cfg.vocab, seq_len // cp)
+    return [tp for tp in divisors(gpus_per_node) if all(size % tp == 0 for size in sizes)]
+
+
+def _pipelines(cfg: Any, world: int) -> list[tuple[int, str, int]]:
+    """(pp, schedule, stages per rank) choices: one stage a rank under 1F1B, two interleaved."""
+    if cfg.tie_embeddings:  # the embedding and the tied head would live on different stages
+        return [(1, "1f1b", 1)]
+    out = [(1, "1f1b", 1)]
+    for pp in divisors(world):
+        if 1 < pp <= cfg.n_layers:
+            if cfg.n_layers % pp == 0:
+                out.append((pp, "1f1b", 1))
+            if cfg.n_layers % (2 * pp) == 0:
+                out.append((pp, "interleaved_1f1b", 2))
+    return out
+
+
+def _batch(target: int, unit: int, fixed: bool) -> int | None:
+    if fixed:
+        return target if target % unit == 0 else None
+    return max(unit, round(target / unit) * unit)
+
+
+def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fixed_batch: bool = False,
+               gpus_per_node: int | None = None, efficiency: Efficiency = Efficiency(), dtype: str = "bf16",
+               usable: float = USABLE_MEMORY) -> tuple[list[Candidate], Candidate | None]:
+    """Every layout of `world` devices that fits (each with its least recomputation), and the
+    one closest to fitting when none does (for the message)."""
+    gpus_per_node = gpus_per_node or device.gpus_per_node
+    capacity = usable * device.memory
+    fits: list[Candidate] = []
+    closest: Candidate | None = None
+    cps = [cp for cp in divisors(world) if cp == 1 or (cp <= 64 and seq_len % (2 * cp) == 0)]
+    for cp in cps:
+        for tp in _tp_sizes(cfg, seq_len, cp, min(gpus_per_node, world)):
+            if world % (cp * tp):
+                continue
+            for pp, schedule, stages in _pipelines(cfg, world // (cp * tp)):
+                dp = world // (cp * tp * pp)
+                for replicate in divisors(dp):
+                    for micro_batch in MICRO_BATCHES:
+                        global_batch = _batch(batch, dp * micro_batch, fixed_batch)
+                        if global_batch is None:
+                            continue
+                        steps = global_batch // (dp * micro_batch)
+                        if pp > 1 and (steps < pp * stages or (stages > 1 and steps % pp)):
+                            continue
+                        chunks = (0, LOSS_CHUNK) if tp == 1 and pp == 1 and micro_batch * seq_len // cp > LOSS_CHUNK \
+                            else (0,)
+                        for recompute in RECOMPUTE:
+                            layout = memory = None
+                            for chunk in chunks:
+                                layout = PlanLayout(replicate, dp // replicate, tp, cp, pp, micro_batch, recompute,
+                                                    schedule, stages, chunk)
+                                memory = layout.memory(cfg, seq_len, global_batch, bf16=dtype == "bf16")
+                                if memory.peak <= capacity:
+                                    break
+                            time = step_time(cfg, seq_len, global_batch, layout, device, efficiency,
+                                             gpus_per_node, dtype)
+                            candidate = Candidate(layout, global_batch, memory, time)
+                            if memory.peak <= capacity:
+                                fits.append(candidate)
+                                break
+                            if closest is None or memory.peak < closest.memory.peak:
+                                closest = candidate
+    return fits, closest
+
+
+def search(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fixed_batch: bool = False,
+           gpus_per_node: int | None = None, efficiency: Efficiency = Efficiency(), dtype: str = "bf16",
+           usable: float = USABLE_MEMORY, top: int = 5) -> list[Candidate]:
+    """The best `top` layouts, best first (see the module's docstring); PlanError when none fits."""
+    fits, closest = candidates(cfg, seq_len, batch, world, device, fixed_batch=fixed_batch,
+                               gpus_per_node=gpus_per_node, efficiency=efficiency, dtype=dtype, usable=usable)
+    if not fits:
+        if closest is None:
+            raise PlanError(f"no layout of {world} devices splits this model and a batch of {batch} sequences of "
+                            f"{seq_len} tokens evenly; use a number of devices that divides the batch (or let the "
+                            "planner choose the batch)")
+        raise PlanError(f"no layout fits on {world} x {device.name}: the least memory any needs is "
+                        f"{closest.memory.peak / 1e9:.1f} GB per device ({describe(closest.layout)}), against "
+                        f"{usable * device.memory / 1e9:.1f} GB usable; use more devices, devices with more memory, a "
+                        "shorter sequence or a smaller model")
+    best = min(c.seconds_per_token for c in fits)
+    near = sorted((c for c in fits if c.seconds_per_token <= 1.01 * best), key=lambda c: c.complexity)
+    rest = sorted((c for c in fits if c.seconds_per_token > 1.01 * best), key=lambda c: c.seconds_per_token)
+    ranked, seen = [], set()
+    for c in near + rest:  # one entry per mesh shape and schedule: its best micro-batch and recomputation
+        key = (c.layout.dp_replicate, c.layout.dp_shard, c.layout.tp, c.layout.cp, c.layout.pp, c.layout.pp_schedule)
+        if key not in seen:
+            seen.add(key)
+            ranked.append(c)
+    return ranked[:top]
+
+
+def describe(layout: PlanLayout) -> str:
+    """'dp 4 (fsdp 4) x tp 2, micro-batch 2, selective recompute' — the sizes above 1."""
+    lay = layout
+    if lay.dp_replicate > 1 and lay.dp_shard > 1:
+        dp = f"dp {lay.dp} (replicate {lay.dp_replicate} x fsdp {lay.dp_shard})"
+    elif lay.dp_replicate > 1:
+        dp = f"dp {lay.dp} (replicated)"
+    else:
+        dp = f"dp {lay.dp} (fsdp)" if lay.dp > 1 else "dp 1"
+    parts = [dp] + [f"{name} {size}" for name, size in (("tp", lay.tp), ("cp", lay.cp), ("pp", lay.pp)) if size > 1]
+    text = " x ".join(parts)
+    if lay.pp > 1:
+        text += f" ({lay.pp_schedule}" + (f", {lay.pp_stages_per_rank} stages a rank)" if lay.pp_stages_per_rank > 1
+                                           else ")")
+    text += f", micro-batch {lay.micro_batch}"
+    if lay.recompute != "none":
+        text += f", {lay.recompute} recompute"
+    if lay.loss_chunk_tokens:
+        text += f", loss in chunks of {lay.loss_chunk_tokens} tokens"
+    return text

@@ -1,0 +1,274 @@
+"""How long one training step takes, predicted from the model, the layout and the device —
+arithmetic, no torch.
+
+Per micro-batch, each device runs its share of the model: L/pp blocks (and the output head on
+the last pipeline stage) over micro_batch x seq_len / cp tokens, the matmuls split over tp ranks.
+
+- Compute: matmul and attention FLOPs (model/flops.py: 6 N per token, attention counted over
+  the causal half, the work FlashAttention does) at `Efficiency.matmul` of the device's dense
+  peak, plus the elementwise work (norms, rotary, SiLU, residual adds, casts) as memory traffic
+  — `Efficiency.elementwise` bytes for each byte a block saves for its backward pass
+  (plan/memory.py) — and the loss's logits traffic, at the device's memory bandwidth. The
+  forward pass is a third of it, the backward two thirds. Recomputation adds the forward
+  again: all of it for full recomputation, the elementwise part for selective.
+- Tensor parallelism (Megatron-style with sequence parallelism, Korthikanti et al. 2022,
+  section 4.2.2): per block, an all-gather and a reduce-scatter of the micro-batch's
+  activations around attention and around the MLP, forward and backward (8 collectives, 12 with
+  full recomputation), and one pair at the output head; none overlapped with compute.
+- Context parallelism: per block, keys and values all-gathered in the forward, their gradients
+  reduce-scattered in the backward (parallel/context.py), not overlapped.
+- FSDP (ZeRO-3, Rajbhandari et al. 2020) over dp_shard x cp: each block's parameters are
+  all-gathered in bf16 for the forward and again for the backward, and gradients
+  reduce-scattered in float32, for every micro-batch (under pipelining, once a step: the stages
+  keep parameters gathered and reduce after the last micro-batch). FSDP prefetches the next
+  block's parameters during the current block's compute: only what exceeds the forward (or
+  backward) compute is exposed, plus the first block's gather. dp_replicate adds an all-reduce
+  of each gradient shard across replicas, overlapped like the reduce-scatter.
+- Pipeline parallelism: the step takes (micro-batches + bubble) x one stage's micro-batch
+  time; the bubble is pp - 1 micro-batches for GPipe and 1F1B (Narayanan et al. 2021, section
+  2.2), (pp - 1) / v with v stages a rank (interleaved 1F1B and breadth-first looping), a third
+  of that for the zero-bubble schedule (Qi et al. 2023, ZB-H1: (p-1)(F+B-W) against 1F1B's
+  (p-1)(F+B+W), with F = B = W). Activations between stages cost one send each way per
+  micro-batch, counted as exposed.
+- The optimizer: fused AdamW reads the parameter, gradient and both moments and writes back
+  three of them (float32): 28 bytes per local parameter, plus the gradient-norm pass and the
+  zeroing of gradients (4 each), at memory bandwidth.
+
+Collectives follow the ring algorithm: an all-gather or reduce-scatter of B bytes over n ranks
+moves (n - 1)/n x B through each rank's link, an all-reduce twice that (Patarasuk and Yuan 2009),
+at `Efficiency.link` of the link's bandwidth, plus `Efficiency.latency` each. A group lies
+within one node when its ranks, laid out as the mesh lays them (parallel/layout.py: tp
+innermost, then cp, dp_shard, dp_replicate, pp), span at most a node's devices; otherwise its
+ring crosses nodes at the per-device network bandwidth.
+
+The two free constants of Efficiency were fitted to two measurements of a plain Llama
+(whole-model torch.compile, SDPA, fused AdamW, bf16) on one H200 with torch 2.11 (issue 6's
+reference table): 126M parameters (width 768, 12 layers) at 501k tokens/s and 1.1B (width 2048,
+16 layers) at 72.5k tokens/s, which the defaults reproduce. Everything else — other shapes,
+devices, layouts, communication — is prediction; BENCHMARKS.md compares it with published
+measurements at scale. Not modelled: kernel efficiency falling for narrow tensor-parallel
+matmuls, communication slowing compute it overlaps with, stragglers, data loading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from scaletrain.model.flops import matmul_params, train_flops_per_token
+from scaletrain.plan.hardware import Device
+from scaletrain.plan.memory import MemoryEstimate, activation_bytes_per_token, training_memory
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """What a device achieves of its datasheet figures (see the module's docstring)."""
+
+    matmul: float = 0.701
+    """Fraction of dense peak FLOP/s that matmuls and attention reach."""
+    elementwise: float = 8.94
+    """Bytes of memory traffic of elementwise work per byte a block saves for its backward pass."""
+    link: float = 0.82
+    """Fraction of a node's link bandwidth a collective's data moves at (NCCL's bus bandwidth:
+    ~370 of NVLink 4's 450 GB/s each way on 8 H100s, nccl-tests issue 212)."""
+    network: float = 0.92
+    """The same across nodes (46-48 of 50 GB/s on 400 Gb/s InfiniBand, nccl-tests issue 290)."""
+    latency: float = 20e-6
+    """Seconds each collective costs beyond its bytes."""
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """A layout as the planner chooses it: mesh sizes, the pipeline schedule, the micro-batch
+    and the recomputation."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    micro_batch: int = 1
+    recompute: str = "none"
+    pp_schedule: str = "1f1b"
+    pp_stages_per_rank: int = 1
+    loss_chunk_tokens: int = 0
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.cp * self.pp
+
+    def microbatches(self, global_batch: int) -> int:
+        """Micro-batches each data-parallel rank runs per step of `global_batch` sequences."""
+        return global_batch // (self.dp * self.micro_batch)
+
+    @classmethod
+    def of(cls, cfg: Any, layout: Any) -> PlanLayout:
+        """The layout a RunConfig `cfg` trains with on the resolved mesh sizes `layout`
+        (parallel/layout.py's Layout)."""
+        return cls(layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp, layout.pp, cfg.train.micro_batch,
+                   cfg.parallel.recompute, cfg.parallel.pp_schedule, cfg.parallel.stages_per_rank,
+                   cfg.train.loss_chunk_tokens)
+
+    def memory_layout(self, global_batch: int) -> dict:
+        """training_memory's keyword arguments for this layout (all but the recomputation)."""
+        return dict(micro_steps=self.microbatches(global_batch), fsdp=self.dp_shard * self.cp, tp=self.tp, cp=self.cp,
+                    pp=self.pp, pp_schedule=self.pp_schedule, pp_stages_per_rank=self.pp_stages_per_rank,
+                    loss_chunk_tokens=self.loss_chunk_tokens)
+
+    def memory(self, cfg: Any, seq_len: int, global_batch: int, bf16: bool = True) -> MemoryEstimate:
+        """plan/memory.py's prediction of the bytes per device of this layout."""
+        return training_memory(cfg, seq_len, self.micro_batch, bf16=bf16, recompute=self.recompute,
+                               **self.memory_layout(global_batch))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class StepTime:
+    """Seconds of one optimizer step on the slowest device, by what they are spent on."""
+
+    compute: float  # forward and backward of every micro-batch, recomputation included
+    recompute: float  # of which recomputation
+    tensor_parallel: float  # exposed communication, by kind
+    context_parallel: float
+    data_parallel: float  # FSDP gathers and reductions, and replicas' all-reduce, beyond what overlaps
+    pipeline_bubble: float
+    pipeline_sends: float
+    optimizer: float
+    total: float
+    tokens_per_s: float
+    mfu: float  # model FLOPs (attention over the whole score matrix) / (time x peak x devices)
+    mfu_causal: float  # attention counted over its causal half
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def collective(kind: str, nbytes: float, ranks: int, bandwidth: float, efficiency: Efficiency) -> float:
+    """Seconds of a ring all_gather / reduce_scatter / all_reduce of `nbytes` (the whole
+    tensor) over `ranks` ranks whose links carry `bandwidth` bytes/s each way (achieved: see
+    group_bandwidth)."""
+    if ranks <= 1:
+        return 0.0
+    factor = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}[kind]
+    return factor * (ranks - 1) / ranks * nbytes / bandwidth + efficiency.latency
+
+
+def group_bandwidth(layout: PlanLayout, dim: str, device: Device, gpus_per_node: int,
+                    efficiency: Efficiency = Efficiency()) -> float:
+    """Achieved per-device bandwidth of the groups along mesh dimension `dim` (or "fsdp":
+    dp_shard x cp): the node's links when the group's ranks lie within a node, the network
+    otherwise."""
+    inner = {"tp": 1, "cp": layout.tp, "fsdp": layout.tp, "dp_shard": layout.tp * layout.cp,
+             "dp_replicate": layout.tp * layout.cp * layout.dp_shard,
+             "pp": layout.tp * layout.cp * layout.dp}[dim]
+    size = {"tp": layout.tp, "cp": layout.cp, "fsdp": layout.dp_shard * layout.cp, "dp_shard": layout.dp_shard,
+            "dp_replicate": layout.dp_replicate, "pp": layout.pp}[dim]
+    if inner * size <= gpus_per_node:
+        return device.intra_node * efficiency.link
+    return device.inter_node * efficiency.network
+
+
+def bubble_microbatches(schedule: str, pp: int, stages_per_rank: int) -> float:
+    """Idle micro-batch times a pipeline step adds (see the module's docstring)."""
+    if pp == 1:
+        return 0.0
+    if schedule not in SCHEDULES:
+        raise ValueError(f"no timing model for pipeline schedule {schedule!r}; the planner times {', '.join(SCHEDULES)}")
+    if schedule in ("gpipe", "1f1b"):
+        return pp - 1
+    if schedule == "interleaved_zero_bubble":
+        return (pp - 1) / (3 * stages_per_rank)
+    return (pp - 1) / stages_per_rank
+
+
+def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, device: Device,
+              efficiency: Efficiency = Efficiency(), gpus_per_node: int | None = None, dtype: str = "bf16") -> StepTime:
+    """Predicted seconds of one step training model `cfg` (ModelConfig's fields) on
+    `global_batch` sequences of `seq_len` tokens with `layout` on devices `device`."""
+    gpus_per_node = gpus_per_node or device.gpus_per_node
+    lay = layout
+    peak = device.peak[dtype] * efficiency.matmul
+    bf16 = dtype == "bf16"
+    act_bytes = 2 if bf16 else 4
+    if global_batch % (lay.dp * lay.micro_batch):
+        raise ValueError(f"{global_batch} sequences do not split into {lay.dp} data-parallel ranks x micro-batches "
+                         f"of {lay.micro_batch}")
+    micro_steps = lay.microbatches(global_batch)
+    tokens = lay.micro_batch * seq_len / lay.cp  # per device and micro-batch
+    layers = cfg.n_layers / lay.pp
+    d, kv_width = cfg.dim, cfg.kv_heads * cfg.head_dim
+    bandwidth = device.memory_bandwidth
+
+    # -- compute of one micro-batch on one device (the last stage's: it holds the head) ----------
+    head_matmul = cfg.vocab * cfg.dim
+    block_flops = (train_flops_per_token(cfg, seq_len, causal=True) - 6 * head_matmul) / cfg.n_layers
+    elementwise = efficiency.elementwise * activation_bytes_per_token(cfg, bf16, "none")  # per token and block
+    blocks_matmul = tokens * layers * block_flops / lay.tp / peak
+    blocks_elementwise = tokens * layers * elementwise / lay.tp / bandwidth
+    head = tokens * (6 * head_matmul / lay.tp / peak + cfg.vocab / lay.tp * (act_bytes + 12) / bandwidth)
+    recompute = {"none": 0.0, "selective": blocks_elementwise / 3,
+                 "full": (blocks_matmul + blocks_elementwise) / 3}[lay.recompute]
+    forward = (blocks_matmul + blocks_elementwise + head) / 3
+    backward = 2 * forward + recompute
+
+    # -- communication inside the micro-batch ------------------------------------------------------
+    activations = tokens * d * act_bytes  # the (sequence-sharded) residual stream, whole
+    tp_bw = group_bandwidth(lay, "tp", device, gpus_per_node, efficiency)
+    tp_collectives = layers * (12 if lay.recompute == "full" else 8) + 2
+    tp_time = tp_collectives * collective("all_gather", activations, lay.tp, tp_bw, efficiency)
+    kv = lay.micro_batch * seq_len * 2 * kv_width / lay.tp * act_bytes  # keys and values of whole sequences
+    cp_bw = group_bandwidth(lay, "cp", device, gpus_per_node, efficiency)
+    cp_collectives = layers * (3 if lay.recompute == "full" else 2)
+    cp_time = cp_collectives * collective("all_gather", kv, lay.cp, cp_bw, efficiency)
+    sends = 0.0
+    if lay.pp > 1:
+        pp_bw = group_bandwidth(lay, "pp", device, gpus_per_node, efficiency)
+        sends = 2 * (activations / lay.tp / pp_bw + efficiency.latency)
+    microbatch = forward + backward + tp_time + cp_time + sends
+
+    # -- data parallelism --------------------------------------------------------------------------
+    stage_params = _stage_parameters(cfg, lay.pp) / lay.tp  # one tp rank's part of one stage, unsharded
+    shard = lay.dp_shard * lay.cp
+    fsdp_bw = group_bandwidth(lay, "fsdp", device, gpus_per_node, efficiency)
+    gather = collective("all_gather", stage_params * act_bytes, shard, fsdp_bw, efficiency)
+    reduce = collective("reduce_scatter", stage_params * 4, shard, fsdp_bw, efficiency)
+    rep_bw = group_bandwidth(lay, "dp_replicate", device, gpus_per_node, efficiency)
+    reduce += collective("all_reduce", stage_params * 4 / shard, lay.dp_replicate, rep_bw, efficiency)
+    if lay.pp == 1:  # gathered for each micro-batch's forward and backward, reduced after each
+        first_block = gather / max(1.0, layers)
+        per_micro = max(0.0, gather - forward) + max(0.0, gather + reduce - backward) + first_block
+        data_parallel = micro_steps * per_micro
+    else:  # gathered once (overlapping the first micro-batch), reduced after the last
+        data_parallel = max(0.0, gather - forward) + max(0.0, reduce - backward)
+
+    bubble = bubble_microbatches(lay.pp_schedule, lay.pp, lay.pp_stages_per_rank) * microbatch
+    optimizer = 36 * stage_params / shard / bandwidth
+    total = micro_steps * microbatch + bubble + data_parallel + optimizer
+
+    step_tokens = global_batch * seq_len
+    world = lay.world_size
+    mfu = step_tokens * train_flops_per_token(cfg, seq_len) / (total * device.peak[dtype] * world)
+    mfu_causal = step_tokens * train_flops_per_token(cfg, seq_len, causal=True) / (total * device.peak[dtype] * world)
+    return StepTime(compute=micro_steps * (forward + backward), recompute=micro_steps * recompute,
+                    tensor_parallel=micro_steps * tp_time, context_parallel=micro_steps * cp_time,
+                    data_parallel=data_parallel, pipeline_bubble=bubble, pipeline_sends=micro_steps * sends,
+                    optimizer=optimizer, total=total, tokens_per_s=step_tokens / total, mfu=mfu,
+                    mfu_causal=mfu_causal)
+
+
+def _stage_parameters(cfg: Any, pp: int) -> float:
+    """Parameters of the largest pipeline stage: L/pp blocks and, on the last, the output head
+    and final norm (the embedding, on the first, is no larger than the head; counted once
+    when tied and there is one stage)."""
+    blocks = matmul_params(cfg) - cfg.vocab * cfg.dim + cfg.n_layers * 2 * cfg.dim
+    outer = cfg.vocab * cfg.dim * (1 if (cfg.tie_embeddings or pp > 1) else 2)
+    return blocks / pp + outer + cfg.dim
+
