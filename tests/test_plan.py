@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import tomllib
 
 import pytest
 
@@ -47,12 +48,15 @@ def test_collectives_follow_the_ring_algorithm():
 
 
 def test_pipeline_bubble_is_pp_minus_one_microbatches_and_interleaving_divides_it():
+    def per_microbatch(t):
+        return (t.compute + t.tensor_parallel + t.context_parallel + t.pipeline_sends) / 32
+
     one = step_time(EIGHT_B, 4096, 64, PlanLayout(dp_shard=2, pp=4, micro_batch=1), H100)
-    per_microbatch = (one.compute + one.tensor_parallel + one.context_parallel + one.pipeline_sends) / 32
-    assert one.pipeline_bubble == pytest.approx(3 * per_microbatch)
+    assert one.pipeline_bubble == pytest.approx(3 * per_microbatch(one))
     two = step_time(EIGHT_B, 4096, 64, PlanLayout(dp_shard=2, pp=4, micro_batch=1, pp_schedule="interleaved_1f1b",
                                                   pp_stages_per_rank=2), H100)
-    assert two.pipeline_bubble == pytest.approx(one.pipeline_bubble / 2)
+    assert two.pipeline_bubble == pytest.approx(3 / 2 * per_microbatch(two))
+    assert two.pipeline_sends == pytest.approx(2 * one.pipeline_sends)  # each rank's two stages send
     with pytest.raises(ValueError, match="no timing model"):
         step_time(EIGHT_B, 4096, 64, PlanLayout(pp=4, pp_schedule="dualpipev", pp_stages_per_rank=2), H100)
 
@@ -86,7 +90,7 @@ def test_every_layout_the_search_returns_is_one_train_accepts_and_fits():
             plan = {"model": {"seq_len": seq}, "layout": {"layout": c.layout.to_dict()},
                     "hyperparameters": {"global_batch_tokens": c.global_batch * seq, "lr": 3e-4, "warmup_steps": 10},
                     "tokens": 10 * c.global_batch * seq,
-                    "run": {"step_s": 1.0, "checkpoint_block_s": 0.1, "checkpoint_interval_steps": 100}}
+                    "run": {"step_s": 1.0, "checkpoint_write_s": 0.1, "checkpoint_interval_steps": 100}}
             plan["model"].update(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads,
                                  ffn_dim=cfg.hidden_dim, vocab_size=cfg.vocab)
             config = planned_config(plan, Hardware(H100, world, 8))  # raises what train would
@@ -105,6 +109,23 @@ def test_the_search_recomputes_only_when_memory_runs_short_and_says_when_nothing
         search(odd, 2050, 3, 8, H100, fixed_batch=True)  # 3 heads: no tp; 2050 tokens: no cp; tied: no pp
 
 
+def test_batch_stays_near_the_rule_and_a_given_config_keeps_its_settings(tmp_path):
+    model = model_for(1e8, 32768, 4096)
+    plan = make_plan(model, int(2e9), 4096, Hardware(H100, 256, 8))
+    rule = plan["hyperparameters"]["rule_batch_tokens"]
+    assert plan["hyperparameters"]["global_batch_tokens"] <= max(2 * rule, 256 * 4096)  # one sequence a rank at most
+    config = tmp_path / "mine.toml"
+    config.write_text(plan["config"].replace("async_save = true", "async_save = false")
+                      .replace("hang_timeout_s = 900.0", "hang_timeout_s = 0.0"))
+    base = load_config(config)
+    again = make_plan(base.model, 10**9, 4096, Hardware(H100, 8, 8, reliability=Reliability(async_save=False)),
+                      batch_tokens=base.train.global_batch_tokens, base=base)
+    written = tomllib.loads(again["config"])
+    assert written["train"]["hang_timeout_s"] == 0 and written["checkpoint"]["async_save"] is False
+    assert again["hyperparameters"]["lr"] == base.train.lr and again["hyperparameters"]["source"] == "the config"
+    assert again["run"]["checkpoint_block_s"] == again["run"]["checkpoint_write_s"]  # blocking saves
+
+
 def test_young_interval_and_first_order_goodput():
     assert checkpoint_interval(2.0, 3600.0) == pytest.approx(math.sqrt(2 * 2 * 3600))
     assert goodput(2.0, 120.0, 3600.0, 600.0) == pytest.approx(1 - 2 / 120 - (600 + 60) / 3600)
@@ -121,6 +142,10 @@ def test_young_interval_and_first_order_goodput():
     # More devices fail more often and checkpoint more often (while writes are quick)...
     small, bigger = (run_cost(1000, 10.0, n, n // 8, 20e9, 1e9, 700, rel) for n in (1024, 8192))
     assert bigger.goodput < small.goodput and bigger.checkpoint_interval_steps < small.checkpoint_interval_steps
+    # With no failures only the checkpoints' blocking costs: hourly checkpoints.
+    never = run_cost(1000, 10.0, 64, 8, 20e9, 1e9, 700, Reliability(failures_per_device_hour=0))
+    assert never.mtbf_hours is None and never.expected_failures == 0 and never.checkpoint_interval_s == 3600
+    assert never.goodput == pytest.approx(1 - never.checkpoint_block_s / 3600)
     # ...but never more often than a checkpoint takes to write.
     slow = run_cost(1000, 10.0, 8192, 1024, 20e9, 20e9 * 8192, 700, rel)
     assert slow.checkpoint_interval_s >= slow.checkpoint_write_s > checkpoint_interval(2.0, 3600 / (1e-4 * 8192))
@@ -161,13 +186,14 @@ def test_plan_holds_the_design_contract_and_a_config_that_train_accepts(tmp_path
     json.dumps(plan)
 
 
-def test_a_plan_for_hours_takes_those_hours_and_more_hours_buy_a_bigger_model():
-    hardware = Hardware(H200, 64, 8)
-    plans = [plan_for_time(preset("epoch"), hours, hardware, 32768, 4096) for hours in (24.0, 240.0)]
-    for hours, plan in zip((24.0, 240.0), plans):
-        assert plan["run"]["wall_hours"] == pytest.approx(hours, rel=0.01)
-        assert plan["sizing"]["hours"] == hours and plan["sizing"]["kind"] == "compute-optimal"
-    assert plans[1]["model"]["n"] > plans[0]["model"]["n"] and plans[1]["compute"] > 8 * plans[0]["compute"]
+@pytest.mark.parametrize("hours, gpus", [(1.0, 8), (2000.0, 64)])
+def test_a_plan_for_hours_fits_in_them_and_more_hours_buy_a_bigger_model(hours, gpus):
+    hardware = Hardware(H200, gpus, 8)
+    plan = plan_for_time(preset("epoch"), hours, hardware, 32768, 4096)
+    assert 0.9 * hours <= plan["run"]["wall_hours"] <= hours  # shapes and layouts change in steps
+    assert plan["sizing"]["hours"] == hours and plan["sizing"]["kind"] == "compute-optimal"
+    longer = plan_for_time(preset("epoch"), 3 * hours, hardware, 32768, 4096)
+    assert longer["model"]["n"] > plan["model"]["n"] and longer["compute"] > 2 * plan["compute"]
 
 
 def test_the_cli_prints_the_plan_for_people_and_writes_its_config(tmp_path, capsys):
@@ -204,11 +230,21 @@ def test_plan_refuses_bad_input_in_one_sentence(tmp_path, capsys):
         (["plan", "--compute", "1e21", "--gpus", "12"], "not whole nodes of 8"),
         (["plan", "--params", "4e11", "--tokens", "1e12", "--gpus", "1"], "no layout fits on 1 x H100 SXM"),
     ]
-    (tmp_path / "bad.json").write_text('{"memory_gb": -1}')
-    cases.append((["plan", "--compute", "1e21", "--hardware", str(tmp_path / "bad.json")], "must be positive"))
+    for i, (text, message) in enumerate([('{"memory_gb": -1}', "memory_gb = -1 must be a positive number"),
+                                         ('{"peak_tflops": 400}', "must map dtypes to TFLOP/s"),
+                                         ('{"watts": "500"}', "watts = '500' must be a positive number"),
+                                         ('[1, 2]', "is a JSON object of"), ('{"gpus_per_node": 2.5}', "whole number"),
+                                         ("{", "is not valid JSON")]):
+        (tmp_path / f"bad{i}.json").write_text(text)
+        cases.append((["plan", "--compute", "1e21", "--hardware", str(tmp_path / f"bad{i}.json")], message))
+    cases.append((["plan", "--compute", "1e21", "--data", str(tmp_path)], "is not a prepared data directory"))
     for argv, message in cases:
         assert main(argv) == 2, argv
         assert message in capsys.readouterr().err.replace("\n", " "), argv
+    for argv in (["--gpus", "0"], ["--top", "0"], ["--seq-len", "-4"], ["--price", "-1"], ["--hours", "-1"]):
+        with pytest.raises(SystemExit) as stop:  # argparse: one line naming the option
+            main(["plan", "--compute", "1e21", *argv])
+        assert stop.value.code == 2 and argv[0] in capsys.readouterr().err
 
 
 def test_a_planned_config_trains_on_two_processes(stdlib_data, tmp_path):

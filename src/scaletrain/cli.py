@@ -246,12 +246,14 @@ def _hardware(args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    import dataclasses
     import json
 
     from scaletrain.config import load_config
     from scaletrain.plan.planner import Sizing, make_plan, model_for, plan_for_time, size, vocab_of
 
     hardware = _hardware(args)
+    hardware.check()
     modes = [args.config is not None, args.compute is not None, args.hours is not None, args.params is not None]
     if sum(modes) != 1:
         raise UserError("say what to plan: a config FILE (a run as configured), --compute C or --hours H (a budget "
@@ -276,11 +278,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                 "take it from; set model.vocab_size or pass --vocab")
             base = load_config(args.config, [*args.overrides, f"model.vocab_size={vocab}"])
             model = base.model
+        if not base.checkpoint.async_save:  # the config saves blocking: plan its checkpoints so
+            hardware.reliability = dataclasses.replace(hardware.reliability, async_save=False)
         tokens = base.total_steps * base.train.global_batch_tokens
         batch = base.train.global_batch_tokens
     else:
         seq_len, data_path = args.seq_len, args.data or "data/corpus"
-        vocab = args.vocab or (vocab_of(args.data) if args.data else None) or 32768
+        vocab = args.vocab or (vocab_of(args.data) if args.data else 32768)
+        if vocab is None:
+            raise UserError(f"--data {args.data!r} is not a prepared data directory to take the vocabulary from; "
+                            "prepare it first (scaletrain data prepare) or pass --vocab")
         batch = args.global_batch_tokens
         if args.compute is not None:
             model, tokens, sizing = size(law, args.compute, vocab, seq_len, args.inference_tokens or 0.0,
@@ -307,8 +314,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         nodes = plan["hardware"]["nodes"]
         out.print(f"wrote {args.write_config}: train it with `scaletrain train {args.write_config} --nproc "
                   f"{hardware.count}`" if nodes == 1 else
-                  f"wrote {args.write_config}: `scaletrain launch {args.write_config} --nodes {nodes} "
-                  f"--gpus-per-node {hardware.gpus_per_node}` writes the job for it")
+                  f"wrote {args.write_config}: `scaletrain launch slurm {args.write_config} --nodes {nodes} "
+                  f"--gpus-per-node {hardware.gpus_per_node}` (or `launch k8s ... --image IMAGE`) writes the job "
+                  "for it")
     return 0
 
 
@@ -369,8 +377,9 @@ def plan_tables(plan: dict) -> list[Table]:
                                                                 if "interval" in loss else "")
                      + f"  ({loss['source']})")
     hp = plan["hyperparameters"]
+    schedule = {"wsd": "warmup-stable-decay", "cosine": "cosine decay", "constant": "constant"}[hp["schedule"]]
     what.add_row("batch, lr", f"{hp['global_batch_tokens']:,} tokens a step, peak lr {hp['lr']:.3g}, warmup "
-                              f"{hp['warmup_steps']} steps, warmup-stable-decay")
+                              f"{hp['warmup_steps']} steps, {schedule} ({hp['source']})")
 
     how = Table(title=f"on {hw['devices']} x {hw['device']['name']} ({hw['nodes']} node{'s' * (hw['nodes'] > 1)})",
                 show_header=False)
@@ -394,8 +403,9 @@ def plan_tables(plan: dict) -> list[Table]:
     cost.add_column()
     cost.add_row("wall-clock", f"{_duration(run['wall_hours'])} ({run['steps']:,} steps; "
                                f"{_duration(run['train_hours'])} without failures)")
-    cost.add_row("failures", f"{run['expected_failures']:.2g} expected (job MTBF {_duration(run['mtbf_hours'])}); "
-                             f"goodput {run['goodput']:.1%}")
+    cost.add_row("failures", "none assumed" if run["mtbf_hours"] is None else
+                 f"{run['expected_failures']:.2g} expected (job MTBF {_duration(run['mtbf_hours'])}); "
+                 f"goodput {run['goodput']:.1%}")
     cost.add_row("checkpoints", f"every {run['checkpoint_interval_steps']:,} steps ({_duration(run['checkpoint_interval_s'] / 3600)}), "
                                 f"blocking {run['checkpoint_block_s']:.2g} s, writing {run['checkpoint_write_s']:.2g} s")
     cost.add_row("device-hours", f"{run['device_hours']:,.0f}")
@@ -497,6 +507,26 @@ def _chinchilla_preset(name: str):
     if not isinstance(law, ChinchillaLaw):
         raise UserError(f"the {name!r} law has no E + A/N^α + B/D^β form to predict with; use hoffmann or epoch")
     return law
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _amount(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be zero or positive")
+    return value
 
 
 def _interval(entry: dict, digits: int = 4) -> str:
@@ -858,27 +888,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default="H100 SXM", help="device from the catalog (default 'H100 SXM'): "
                    "H100 SXM, H100 PCIe, H100 NVL, H200, H200 NVL, A100, A100 40GB, L4, L40S, A10, A10G, RTX 4090, "
                    "B200, GB200, MI300X")
-    p.add_argument("--gpus", type=int, default=8, help="devices to plan for (8)")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (the device's usual: 8)")
+    p.add_argument("--gpus", type=_count, default=8, help="devices to plan for (8)")
+    p.add_argument("--gpus-per-node", type=_count, default=None, help="devices per node (the device's usual: 8)")
     p.add_argument("--hardware", default=None, help="a JSON file of device figures replacing the catalog's "
                                                     "(memory_gb, peak_tflops, memory_bandwidth_gbs, intra_node_gbs, "
                                                     "inter_node_gbs, watts, gpus_per_node)")
     p.add_argument("--inter-node-gbps", type=_flops, default=None,
                    help="network bandwidth per device in Gb/s (default 400)")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence, without a config (4096)")
-    p.add_argument("--vocab", type=int, default=None, help="vocabulary size, without a config or --data (32768)")
-    p.add_argument("--global-batch-tokens", type=int, default=None,
+    p.add_argument("--seq-len", type=_count, default=4096, help="tokens per sequence, without a config (4096)")
+    p.add_argument("--vocab", type=_count, default=None, help="vocabulary size, without a config or --data (32768)")
+    p.add_argument("--global-batch-tokens", type=_count, default=None,
                    help="fix the batch (default: DeepSeek LLM's rule for the compute, rounded for the layout)")
     p.add_argument("--data", default=None, help="prepared data directory for the written config (and its vocabulary)")
     p.add_argument("--name", default="planned", help="run name in the written config")
-    p.add_argument("--price", type=float, default=None, help="price of a device-hour, for the cost")
-    p.add_argument("--pue", type=float, default=1.2, help="power usage effectiveness of the data centre (1.2)")
-    p.add_argument("--watts", type=float, default=None, help="power per device (default: its maximum board power)")
-    p.add_argument("--failure-rate", type=float, default=LLAMA3_FAILURES_PER_DEVICE_HOUR,
-                   help="failures per device-hour (default: Llama 3's, one per ~50,700)")
-    p.add_argument("--restart-minutes", type=float, default=10.0, help="minutes from a failure to training again (10)")
+    p.add_argument("--price", type=_amount, default=None, help="price of a device-hour, for the cost")
+    p.add_argument("--pue", type=_flops, default=1.2, help="power usage effectiveness of the data centre (1.2)")
+    p.add_argument("--watts", type=_amount, default=None, help="power per device (default: its maximum board power)")
+    p.add_argument("--failure-rate", type=_amount, default=LLAMA3_FAILURES_PER_DEVICE_HOUR,
+                   help="failures per device-hour (default: Llama 3's, one per ~50,700; 0: none)")
+    p.add_argument("--restart-minutes", type=_amount, default=10.0,
+                   help="minutes from a failure to training again (10)")
     p.add_argument("--sync-checkpoints", action="store_true", help="plan blocking checkpoint writes, not async")
-    p.add_argument("--top", type=int, default=5, help="layouts to show (5)")
+    p.add_argument("--top", type=_count, default=5, help="layouts to show (5)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--write-config", default=None, metavar="FILE", help="write the config that trains the plan")
     p.set_defaults(func=cmd_plan)

@@ -70,7 +70,10 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, c
             grad.mul_(valid[:, None])
             grad = grad.to(h.dtype)
             grad_hidden[start:start + chunk] = grad @ weight
-            grad_weight.addmm_(grad.T.float(), h.float())
+            if h.dtype == torch.float32:
+                grad_weight.addmm_(grad.T, h)
+            else:  # in the compute dtype, as autocast's unchunked head does (a float32 matmul would run
+                grad_weight += grad.T @ h  # at a fraction of the tensor cores' rate), summed in float32
     return total, grad_hidden, grad_weight
 
 

@@ -57,7 +57,7 @@ class RunCost:
     checkpoint_write_s: float
     checkpoint_interval_s: float
     checkpoint_interval_steps: int
-    mtbf_hours: float  # of the whole job
+    mtbf_hours: float | None  # of the whole job; None when nothing fails
     expected_failures: float
     goodput: float
     wall_hours: float
@@ -76,7 +76,7 @@ def checkpoint_interval(block_s: float, mtbf_s: float) -> float:
 
 def goodput(block_s: float, interval_s: float, mtbf_s: float, restart_s: float) -> float:
     """Fraction of wall-clock that trains, to first order (see the module's docstring)."""
-    return max(0.0, 1 - block_s / interval_s - (restart_s + interval_s / 2) / mtbf_s)
+    return max(0.0, 1 - block_s / interval_s - (restart_s + interval_s / 2) / mtbf_s)  # mtbf inf: no failures
 
 
 def run_cost(steps: int, step_s: float, devices: int, nodes: int, state_bytes_per_device: float,
@@ -88,8 +88,12 @@ def run_cost(steps: int, step_s: float, devices: int, nodes: int, state_bytes_pe
     rel = reliability
     write = checkpoint_bytes / min(rel.storage_per_node * nodes, rel.storage_total)
     block = state_bytes_per_device / rel.host_copy_bandwidth if rel.async_save else write
-    mtbf = 3600 / (rel.failures_per_device_hour * devices)
-    interval = max(step_s, write, checkpoint_interval(block, mtbf))
+    if rel.failures_per_device_hour > 0:
+        mtbf = 3600 / (rel.failures_per_device_hour * devices)
+        interval = max(step_s, write, checkpoint_interval(block, mtbf))
+    else:  # nothing fails: checkpoint hourly (for the run's own sake: evaluation, extension)
+        mtbf = math.inf
+        interval = max(step_s, write, 3600.0)
     interval_steps = max(1, math.ceil(interval / step_s))
     interval = interval_steps * step_s
     fraction = goodput(block, interval, mtbf, rel.restart_s)
@@ -104,6 +108,7 @@ def run_cost(steps: int, step_s: float, devices: int, nodes: int, state_bytes_pe
     energy = device_hours * watts * prices.pue / 1000
     cost = device_hours * prices.per_device_hour if prices.per_device_hour is not None else None
     return RunCost(steps=steps, step_s=step_s, train_hours=train_s / 3600, checkpoint_block_s=block, checkpoint_write_s=write,
-                   checkpoint_interval_s=interval, checkpoint_interval_steps=interval_steps, mtbf_hours=mtbf / 3600,
+                   checkpoint_interval_s=interval, checkpoint_interval_steps=interval_steps,
+                   mtbf_hours=mtbf / 3600 if math.isfinite(mtbf) else None,
                    expected_failures=wall_s / mtbf, goodput=fraction, wall_hours=wall_hours,
                    device_hours=device_hours, energy_kwh=energy, cost=cost)

@@ -9,8 +9,10 @@ Pure data and string matching: imports no torch.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
+from typing import Any
 
 T = 1e12
 
@@ -180,26 +182,41 @@ def device_from_dict(data: dict, base: Device | None = None) -> Device:
     "memory_gb": 64, "memory_bandwidth_gbs": 2000, "intra_node_gbs": 300, "inter_node_gbs": 25,
     "watts": 500, "gpus_per_node": 8}; fields missing are taken from `base`."""
     units = {"memory_gb": ("memory", G), "memory_bandwidth_gbs": ("memory_bandwidth", G),
-             "intra_node_gbs": ("intra_node", G), "inter_node_gbs": ("inter_node", G)}
-    known = {"name", "peak_tflops", "watts", "gpus_per_node", *units}
+             "intra_node_gbs": ("intra_node", G), "inter_node_gbs": ("inter_node", G), "watts": ("watts", 1)}
+    known = {"name", "peak_tflops", "gpus_per_node", *units}
+    if not isinstance(data, dict):
+        raise ValueError(f"a device description is a JSON object of {', '.join(sorted(known))}, not {data!r}")
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"unknown device field(s) {', '.join(unknown)}; the fields are {', '.join(sorted(known))}")
+
+    def number(key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"device field {key} = {value!r} must be a positive number")
+        return float(value)
+
     fields = base.to_dict() if base is not None else {}
     for key, (field, scale) in units.items():
         if key in data:
-            fields[field] = float(data[key]) * scale
+            fields[field] = number(key, data[key]) * scale
     if "peak_tflops" in data:
-        fields["peak"] = {dtype: float(value) * T for dtype, value in data["peak_tflops"].items()}
-    for key in ("name", "watts", "gpus_per_node"):
-        if key in data:
-            fields[key] = data[key]
+        peaks = data["peak_tflops"]
+        if not isinstance(peaks, dict) or not peaks:
+            raise ValueError(f"device field peak_tflops = {peaks!r} must map dtypes to TFLOP/s, e.g. {{\"bf16\": 400}}")
+        fields["peak"] = {**fields.get("peak", {}),
+                          **{dtype: number(f"peak_tflops.{dtype}", value) * T for dtype, value in peaks.items()}}
+        if "bf16" not in fields["peak"]:
+            raise ValueError("device field peak_tflops needs a bf16 entry (the planner's default compute dtype)")
+    if "gpus_per_node" in data:
+        count = data["gpus_per_node"]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"device field gpus_per_node = {count!r} must be a whole number of at least 1")
+        fields["gpus_per_node"] = count
+    if "name" in data:
+        fields["name"] = str(data["name"])
     keys = {"name": "name", "peak": "peak_tflops", "watts": "watts", **{f: k for k, (f, _) in units.items()}}
     missing = [key for field, key in keys.items() if field not in fields]
     if missing:
         raise ValueError(f"the device description lacks {', '.join(missing)}; give them, or start from a "
                          "catalog device (plan --gpu NAME) and change only what differs")
-    bad = {k: v for k, v in fields.items() if isinstance(v, (int, float)) and not v > 0}
-    if bad or not all(v > 0 for v in fields["peak"].values()):
-        raise ValueError(f"device figures must be positive, got {bad or fields['peak']}")
     return Device(**fields)

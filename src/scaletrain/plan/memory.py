@@ -11,7 +11,8 @@ Components (per device, in bytes):
 - activations: what each block saves for the backward pass, per token (below), times tokens
   per micro-batch and layers, over tensor × context parallel ranks;
 - loss: the output head's logits and their gradient at the loss (float32 log-softmax), or one
-  chunk's with train.loss_chunk_tokens.
+  chunk's with train.loss_chunk_tokens (then also the head's float32 weight gradient, and in
+  bf16 a chunk's bf16 part of it before it is summed in).
 
 Per token and layer, a block of width d, h query heads, key/value width k (kv heads × head
 dim) and MLP width F saves, with bf16 compute (residual stream float32), 26d + 4k + 8F + 4h + 8
@@ -174,8 +175,8 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     # Logits in the compute dtype, float32 copy, saved log-softmax and its gradient; a chunk's
     # logits and gradient, plus the stored hidden-state gradient, when chunked.
     loss = rows * vocab * ((2 if bf16 else 0) + 4 + 4 + 4)
-    if loss_chunk_tokens:
-        loss += tokens * cfg.dim * (2 if bf16 else 4) + 4 * vocab * cfg.dim
+    if loss_chunk_tokens:  # + the float32 weight gradient, and in bf16 a chunk's contribution before it is added
+        loss += tokens * cfg.dim * (2 if bf16 else 4) + (6 if bf16 else 4) * vocab * cfg.dim
     loss = round(losses * loss) if head else 0
     accumulating = gradients if micro_steps > 1 else 0
     peak = parameters + optimizer + weight_copies + max(activations + loss + accumulating, gradients + round(one_block))

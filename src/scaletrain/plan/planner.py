@@ -3,9 +3,9 @@ compute budget, or as given), which layout on which hardware, and what it will t
 device, step time, MFU, wall-clock with failures, device-hours, energy, cost — written as a
 config that `scaletrain train` runs. Arithmetic, no torch.
 
-Model shapes for a parameter count come from one family: heads of 128 (64 below width 1024),
-eight key/value heads (grouped-query attention, as Llama 3; fewer below width 1024, as many as
-divide the heads), widths multiples of 128 up to 2048 and of 1024 above, the default SwiGLU width, untied
+Model shapes for a parameter count come from one family: widths multiples of 128 below 2048
+with heads of 64, multiples of 1024 from 2048 with heads of 128; eight key/value heads
+(grouped-query attention, as Llama 3), or as many as divide the heads (at least two), the default SwiGLU width, untied
 embeddings (so that any pipeline split is open), and a depth near width / 128 — the aspect
 ratio of Llama 3 8B (4096 / 32) and 405B (16384 / 126) and of GPT-3 175B (12288 / 96); the loss
 depends little on it over a wide range (Kaplan et al. 2020, figure 5). Of the widths (multiples
@@ -53,7 +53,7 @@ def model_for(n: float, vocab: int, seq_len: int) -> ModelConfig:
 
 
 def _shape(dim: int, layers: int, vocab: int, seq_len: int) -> ModelConfig:
-    head = 128 if dim >= 1024 else 64
+    head = 128 if dim >= 2048 else 64
     heads = dim // head
     return ModelConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=math.gcd(heads, 8),
                        max_seq_len=seq_len, rope_theta=500000.0 if seq_len >= 4096 else 10000.0)
@@ -161,13 +161,16 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
     per_token = train_flops_per_token(model, seq_len)
     compute = tokens * per_token
     lr, rule_batch = deepseek_hyperparameters(compute, model.dim)
+    dtype = "fp32" if base is not None and base.train.dtype == "float32" else "bf16"
     fixed = batch_tokens is not None
     if fixed and batch_tokens % seq_len:
         raise PlanError(f"a global batch of {batch_tokens} tokens is not whole sequences of {seq_len}; use a multiple "
                         f"of {seq_len}")
     target = batch_tokens // seq_len if fixed else max(1, round(rule_batch / seq_len))
+    if top < 1:
+        raise PlanError(f"top = {top}: show at least the one best layout")
     ranked = search(model, seq_len, target, hardware.count, hardware.device, fixed_batch=fixed,
-                    gpus_per_node=hardware.gpus_per_node, efficiency=hardware.efficiency, top=top)
+                    gpus_per_node=hardware.gpus_per_node, efficiency=hardware.efficiency, dtype=dtype, top=top)
     best = ranked[0]
     batch_tokens = best.global_batch * seq_len
     steps = max(1, -(-tokens // batch_tokens))
@@ -204,7 +207,12 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
         "step": best.time.to_dict(),
         "run": cost.to_dict(),
         "hyperparameters": {"lr": lr, "rule_batch_tokens": rule_batch, "global_batch_tokens": batch_tokens,
-                            "warmup_steps": warmup_steps(counts["total"], batch_tokens, max(1, steps // 10))},
+                            "warmup_steps": warmup_steps(counts["total"], batch_tokens, max(1, steps // 10)),
+                            "schedule": "wsd", "source": "DeepSeek LLM's rule at the run's compute"}
+        if base is None else {"lr": base.train.lr, "global_batch_tokens": batch_tokens,
+                              "warmup_steps": base.train.warmup_steps, "schedule": base.train.schedule,
+                              "source": "the config"},
+        "dtype": dtype,
         "inference": {"tokens": sizing.inference_tokens, "flops": 2.0 * counts["total"] * sizing.inference_tokens,
                       "lifetime_flops": steps * batch_tokens * per_token
                       + 2.0 * counts["total"] * sizing.inference_tokens},
@@ -218,21 +226,41 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
 def plan_for_time(law: ChinchillaLaw, hours: float, hardware: Hardware, vocab: int, seq_len: int, *,
                   inference_tokens: float = 0.0, unique_tokens: float | None = None,
                   bootstrap: list[ChinchillaLaw] = (), batch_tokens: int | None = None, **plan_args: Any) -> dict:
-    """The plan whose law-sized model finishes in `hours` of wall-clock on `hardware`, failures
-    included: the budget is found by iterating C <- C x hours / predicted wall-clock from a
-    first guess at 40% MFU, until the two agree within 1% (a few rounds: the wall-clock grows
-    almost in proportion to C, through MFU changing slowly with the model)."""
-    compute = 0.4 * hardware.device.peak["bf16"] * hardware.count * hours * 3600
-    for _ in range(12):
+    """The plan of the largest budget whose law-sized model finishes within `hours` of
+    wall-clock on `hardware`, failures included. The wall-clock grows almost in proportion to
+    the budget but jumps where the chosen shape or layout changes, so the budget is bracketed
+    (from a first guess at 40% MFU, scaled by hours / wall-clock) and then bisected in log C, to
+    within 1% below `hours` or 0.1% in C."""
+    hardware.check()
+
+    def plan_at(compute: float) -> dict:
         model, tokens, sizing = size(law, compute, vocab, seq_len, inference_tokens, unique_tokens, bootstrap)
-        plan = make_plan(model, tokens, seq_len, hardware, batch_tokens=batch_tokens, sizing=sizing, **plan_args)
-        ratio = hours / plan["run"]["wall_hours"]
-        if abs(ratio - 1) < 0.01:
-            break
-        compute *= ratio
-    else:
-        raise PlanError(f"no budget's plan takes {hours:g} hours within 1% (the last took "
-                        f"{plan['run']['wall_hours']:.3g}); give --compute instead")
+        return make_plan(model, tokens, seq_len, hardware, batch_tokens=batch_tokens, sizing=sizing, **plan_args)
+
+    compute = 0.4 * hardware.device.peak["bf16"] * hardware.count * hours * 3600
+    below: tuple[float, dict] | None = None  # the largest budget known to fit, and its plan
+    above: float | None = None  # the smallest known not to
+    for _ in range(60):
+        plan = plan_at(compute)
+        wall = plan["run"]["wall_hours"]
+        if wall <= hours:
+            if below is None or compute > below[0]:
+                below = (compute, plan)
+            if wall >= 0.99 * hours:
+                break
+        else:
+            above = compute if above is None else min(above, compute)
+        if below is not None and above is not None:
+            if above / below[0] < 1.001:
+                break
+            compute = (above * below[0]) ** 0.5
+        else:  # not bracketed yet: step by the ratio, at least 5% and at most 10x
+            ratio = hours / wall
+            compute *= min(10.0, max(1.05, ratio)) if ratio > 1 else max(0.1, min(0.95, ratio))
+    if below is None:
+        raise PlanError(f"no model the law sizes finishes in {hours:g} hours on these devices (the smallest tried "
+                        f"took {plan['run']['wall_hours']:.3g}); allow more hours or use --compute")
+    plan = below[1]
     plan["sizing"]["hours"] = hours
     return plan
 
@@ -253,9 +281,11 @@ def planned_config(plan: dict, hardware: Hardware, base: RunConfig | None = None
     lay, run = plan["layout"]["layout"], plan["run"]
     train = data.setdefault("train", {})
     train.pop("steps", None)
+    needed = max(900.0, 10 * run["step_s"], 3 * run["checkpoint_write_s"])  # above a step, a save, an eval
+    hang = train.get("hang_timeout_s", needed)
     train.update(tokens=plan["tokens"], global_batch_tokens=plan["hyperparameters"]["global_batch_tokens"],
                  micro_batch=lay["micro_batch"], loss_chunk_tokens=lay["loss_chunk_tokens"],
-                 hang_timeout_s=max(900.0, 10 * run["step_s"], 3 * run["checkpoint_block_s"]))
+                 hang_timeout_s=hang if hang == 0 else max(hang, needed))  # 0: the config turned the watchdog off
     parallel = {"dp_replicate": lay["dp_replicate"], "dp_shard": lay["dp_shard"], "tp": lay["tp"], "cp": lay["cp"],
                 "pp": lay["pp"], "recompute": lay["recompute"]}
     if lay["pp"] > 1:

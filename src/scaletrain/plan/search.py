@@ -1,19 +1,22 @@
 """The parallel layout for a model on given hardware, chosen by search — arithmetic, no torch.
 
-Every layout that train accepts (parallel/layout.py's checks: tp dividing the heads, key/value
-heads, MLP width, vocabulary and the local sequence, 2 x cp dividing the sequence, pp dividing
-the blocks, enough micro-batches for the schedule) is a candidate: tp within a node (over a
-node's links, as torchtitan and Megatron-LM keep it), cp, pp (1F1B, and interleaved 1F1B with
-two stages a rank), the data-parallel ranks split every way between FSDP shards and replicas,
-micro-batches of 1 to 64 sequences, and for each the least recomputation (none, selective,
-full; then chunking the loss) whose predicted peak fits in the usable memory. The fastest by
-plan/timing.py wins; among layouts within 1% of it, the simplest (fewest kinds of
-parallelism, smaller tp, no recomputation), since the difference is below what the model can
-tell apart.
+The candidates are layouts train accepts (each passes parallel/layout.py's checks: tp
+dividing the heads, key/value heads, MLP width, vocabulary and the sequence, pp dividing the
+blocks, enough micro-batches for the schedule): tp within a node (over a node's links, as
+torchtitan and Megatron-LM keep it), pp under 1F1B or interleaved 1F1B with two stages a rank
+(at least two micro-batches a stage), the data-parallel ranks split every way between FSDP
+shards and replicas, micro-batches of 1 to 64 sequences (powers of two), and for each the
+least recomputation (none, selective, full; then chunking the loss) whose predicted peak fits
+in the usable memory. Not searched: GPipe and the zero-bubble schedules; and context
+parallelism unless asked for (`allow_cp`), since parallel/context.py's masked attention is
+not the flash-class kernel the models assume (plan/timing.py). The fastest by plan/timing.py
+wins; among layouts within 1% of it, the simplest (fewest kinds of parallelism, smaller tp,
+no recomputation), since the difference is below what the model can tell apart.
 
 The global batch is either fixed (a config's, which every layout must split evenly) or a
-target in sequences that each layout rounds to its nearest multiple of data-parallel ranks x
-micro-batch.
+target in sequences: each layout takes the multiple of its data-parallel ranks x micro-batch
+nearest it, with micro-batches no larger than the target allows (so that a large micro-batch
+cannot grow the batch beyond the rule's).
 """
 
 from __future__ import annotations
@@ -83,22 +86,25 @@ def _pipelines(cfg: Any, world: int) -> list[tuple[int, str, int]]:
     return out
 
 
-def _batch(target: int, unit: int, fixed: bool) -> int | None:
+def _batch(target: int, dp: int, micro_batch: int, fixed: bool) -> int | None:
+    unit = dp * micro_batch
     if fixed:
         return target if target % unit == 0 else None
+    if unit > target and micro_batch > 1:  # more sequences than the target wants: only one a micro-batch
+        return None
     return max(unit, round(target / unit) * unit)
 
 
 def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fixed_batch: bool = False,
                gpus_per_node: int | None = None, efficiency: Efficiency = Efficiency(), dtype: str = "bf16",
-               usable: float = USABLE_MEMORY) -> tuple[list[Candidate], Candidate | None]:
+               usable: float = USABLE_MEMORY, allow_cp: bool = False) -> tuple[list[Candidate], Candidate | None]:
     """Every layout of `world` devices that fits (each with its least recomputation), and the
     one closest to fitting when none does (for the message)."""
     gpus_per_node = gpus_per_node or device.gpus_per_node
     capacity = usable * device.memory
     fits: list[Candidate] = []
     closest: Candidate | None = None
-    cps = [cp for cp in divisors(world) if cp == 1 or (cp <= 64 and seq_len % (2 * cp) == 0)]
+    cps = [cp for cp in divisors(world) if cp == 1 or (allow_cp and cp <= 64 and seq_len % (2 * cp) == 0)]
     for cp in cps:
         for tp in _tp_sizes(cfg, seq_len, cp, min(gpus_per_node, world)):
             if world % (cp * tp):
@@ -107,7 +113,7 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
                 dp = world // (cp * tp * pp)
                 for replicate in divisors(dp):
                     for micro_batch in MICRO_BATCHES:
-                        global_batch = _batch(batch, dp * micro_batch, fixed_batch)
+                        global_batch = _batch(batch, dp, micro_batch, fixed_batch)
                         if global_batch is None:
                             continue
                         steps = global_batch // (dp * micro_batch)
@@ -136,10 +142,11 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
 
 def search(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fixed_batch: bool = False,
            gpus_per_node: int | None = None, efficiency: Efficiency = Efficiency(), dtype: str = "bf16",
-           usable: float = USABLE_MEMORY, top: int = 5) -> list[Candidate]:
+           usable: float = USABLE_MEMORY, top: int = 5, allow_cp: bool = False) -> list[Candidate]:
     """The best `top` layouts, best first (see the module's docstring); PlanError when none fits."""
     fits, closest = candidates(cfg, seq_len, batch, world, device, fixed_batch=fixed_batch,
-                               gpus_per_node=gpus_per_node, efficiency=efficiency, dtype=dtype, usable=usable)
+                               gpus_per_node=gpus_per_node, efficiency=efficiency, dtype=dtype, usable=usable,
+                               allow_cp=allow_cp)
     if not fits:
         if closest is None:
             raise PlanError(f"no layout of {world} devices splits this model and a batch of {batch} sequences of "
@@ -164,7 +171,7 @@ def search(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fi
 def describe(layout: PlanLayout) -> str:
     """'dp 4 (fsdp 4) x tp 2, micro-batch 2, selective recompute' — the sizes above 1."""
     lay = layout
-    if lay.dp_replicate > 1 and lay.dp_shard > 1:
+    if lay.dp_replicate > 1 and lay.dp_shard * lay.cp > 1:  # FSDP shards over dp_shard x cp
         dp = f"dp {lay.dp} (replicate {lay.dp_replicate} x fsdp {lay.dp_shard})"
     elif lay.dp_replicate > 1:
         dp = f"dp {lay.dp} (replicated)"

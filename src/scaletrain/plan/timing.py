@@ -12,11 +12,15 @@ the last pipeline stage) over micro_batch x seq_len / cp tokens, the matmuls spl
   forward pass is a third of it, the backward two thirds. Recomputation adds the forward
   again: all of it for full recomputation, the elementwise part for selective.
 - Tensor parallelism (Megatron-style with sequence parallelism, Korthikanti et al. 2022,
-  section 4.2.2): per block, an all-gather and a reduce-scatter of the micro-batch's
+  section 4.2.2): per block, an all-gather and a reduce-scatter of the micro-batch's bf16
   activations around attention and around the MLP, forward and backward (8 collectives, 12 with
-  full recomputation), and one pair at the output head; none overlapped with compute.
-- Context parallelism: per block, keys and values all-gathered in the forward, their gradients
-  reduce-scattered in the backward (parallel/context.py), not overlapped.
+  recomputation, selective included: it keeps matmul and attention outputs, not what the
+  collectives return), and one pair at the output head; none overlapped with compute.
+- Context parallelism as parallel/context.py does it: per block, keys and values all-gathered
+  in the forward (again when recomputing), their gradients all-reduced in the backward, not
+  overlapped; its attention is a masked SDPA over the gathered keys, timed as computing every
+  score (on GPUs, grouped-query attention with a mask runs PyTorch's math kernel, slower still
+  and holding the score matrix, which neither model counts: the planner does not choose cp).
 - FSDP (ZeRO-3, Rajbhandari et al. 2020) over dp_shard x cp: each block's parameters are
   all-gathered in bf16 for the forward and again for the backward, and gradients
   reduce-scattered in float32, for every micro-batch (under pipelining, once a step: the stages
@@ -29,7 +33,7 @@ the last pipeline stage) over micro_batch x seq_len / cp tokens, the matmuls spl
   2.2), (pp - 1) / v with v stages a rank (interleaved 1F1B and breadth-first looping), a third
   of that for the zero-bubble schedule (Qi et al. 2023, ZB-H1: (p-1)(F+B-W) against 1F1B's
   (p-1)(F+B+W), with F = B = W). Activations between stages cost one send each way per
-  micro-batch, counted as exposed.
+  micro-batch and stage (the float32 residual stream), counted as exposed.
 - The optimizer: fused AdamW reads the parameter, gradient and both moments and writes back
   three of them (float32): 28 bytes per local parameter, plus the gradient-norm pass and the
   zeroing of gradients (4 each), at memory bandwidth.
@@ -111,9 +115,9 @@ class PlanLayout:
     def of(cls, cfg: Any, layout: Any) -> PlanLayout:
         """The layout a RunConfig `cfg` trains with on the resolved mesh sizes `layout`
         (parallel/layout.py's Layout)."""
+        chunk = cfg.train.loss_chunk_tokens if layout.tp == 1 and layout.pp == 1 else 0  # train ignores it there
         return cls(layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp, layout.pp, cfg.train.micro_batch,
-                   cfg.parallel.recompute, cfg.parallel.pp_schedule, cfg.parallel.stages_per_rank,
-                   cfg.train.loss_chunk_tokens)
+                   cfg.parallel.recompute, cfg.parallel.pp_schedule, cfg.parallel.stages_per_rank, chunk)
 
     def memory_layout(self, global_batch: int) -> dict:
         """training_memory's keyword arguments for this layout (all but the recomputation)."""
@@ -190,9 +194,13 @@ def bubble_microbatches(schedule: str, pp: int, stages_per_rank: int) -> float:
 
 
 def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, device: Device,
-              efficiency: Efficiency = Efficiency(), gpus_per_node: int | None = None, dtype: str = "bf16") -> StepTime:
+              efficiency: Efficiency = Efficiency(), gpus_per_node: int | None = None, dtype: str = "bf16",
+              cp_attention: str = "masked") -> StepTime:
     """Predicted seconds of one step training model `cfg` (ModelConfig's fields) on
-    `global_batch` sequences of `seq_len` tokens with `layout` on devices `device`."""
+    `global_batch` sequences of `seq_len` tokens with `layout` on devices `device`.
+    `cp_attention`: under context parallelism, "masked" is parallel/context.py's attention (a
+    masked SDPA over the gathered keys, which computes every score), "causal" a kernel that
+    skips the masked half (as Llama 3's)."""
     gpus_per_node = gpus_per_node or device.gpus_per_node
     lay = layout
     peak = device.peak[dtype] * efficiency.matmul
@@ -209,7 +217,8 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
 
     # -- compute of one micro-batch on one device (the last stage's: it holds the head) ----------
     head_matmul = cfg.vocab * cfg.dim
-    block_flops = (train_flops_per_token(cfg, seq_len, causal=True) - 6 * head_matmul) / cfg.n_layers
+    causal = lay.cp == 1 or cp_attention == "causal"  # the masked kernel computes every score
+    block_flops = (train_flops_per_token(cfg, seq_len, causal=causal) - 6 * head_matmul) / cfg.n_layers
     elementwise = efficiency.elementwise * activation_bytes_per_token(cfg, bf16, "none")  # per token and block
     blocks_matmul = tokens * layers * block_flops / lay.tp / peak
     blocks_elementwise = tokens * layers * elementwise / lay.tp / bandwidth
@@ -220,18 +229,22 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
     backward = 2 * forward + recompute
 
     # -- communication inside the micro-batch ------------------------------------------------------
-    activations = tokens * d * act_bytes  # the (sequence-sharded) residual stream, whole
+    # Recomputation (selective too: it keeps matmul and attention outputs, not collectives'
+    # results) runs each block's forward collectives again.
+    again = lay.recompute != "none"
+    activations = tokens * d * act_bytes  # the norms' outputs, gathered; the projections' outputs, scattered
     tp_bw = group_bandwidth(lay, "tp", device, gpus_per_node, efficiency)
-    tp_collectives = layers * (12 if lay.recompute == "full" else 8) + 2
+    tp_collectives = layers * (12 if again else 8) + 2
     tp_time = tp_collectives * collective("all_gather", activations, lay.tp, tp_bw, efficiency)
-    kv = lay.micro_batch * seq_len * 2 * kv_width / lay.tp * act_bytes  # keys and values of whole sequences
+    # Keys, then values, of whole sequences: all-gathered forward, their gradients all-reduced backward.
+    half_kv = lay.micro_batch * seq_len * kv_width / lay.tp * act_bytes
     cp_bw = group_bandwidth(lay, "cp", device, gpus_per_node, efficiency)
-    cp_collectives = layers * (3 if lay.recompute == "full" else 2)
-    cp_time = cp_collectives * collective("all_gather", kv, lay.cp, cp_bw, efficiency)
+    cp_time = 2 * layers * ((2 if again else 1) * collective("all_gather", half_kv, lay.cp, cp_bw, efficiency)
+                            + collective("all_reduce", half_kv, lay.cp, cp_bw, efficiency))
     sends = 0.0
-    if lay.pp > 1:
+    if lay.pp > 1:  # the float32 residual stream, out and back, at each of the rank's stages
         pp_bw = group_bandwidth(lay, "pp", device, gpus_per_node, efficiency)
-        sends = 2 * (activations / lay.tp / pp_bw + efficiency.latency)
+        sends = 2 * lay.pp_stages_per_rank * (tokens * d * 4 / lay.tp / pp_bw + efficiency.latency)
     microbatch = forward + backward + tp_time + cp_time + sends
 
     # -- data parallelism --------------------------------------------------------------------------
