@@ -247,9 +247,9 @@ def test_plan_refuses_bad_input_in_one_sentence(tmp_path, capsys):
         assert stop.value.code == 2 and argv[0] in capsys.readouterr().err
 
 
-def test_a_planned_config_trains_on_two_processes(stdlib_data, tmp_path):
-    """Plan a tiny model for two 'devices' described in a file, write its config, and train it
-    with the processes it was planned for (gloo on the CPU)."""
+def test_a_planned_config_trains_on_two_processes_and_reports_against_its_plan(stdlib_data, tmp_path, capsys):
+    """Plan a tiny model for two 'devices' described in a file, write its config, train it with
+    the processes it was planned for (gloo on the CPU), and report the run against the plan."""
     hardware = tmp_path / "cpu.json"
     hardware.write_text(json.dumps({"name": "two CPU cores", "peak_tflops": {"bf16": 0.1, "tf32": 0.05, "fp32": 0.05},
                                     "memory_gb": 4, "memory_bandwidth_gbs": 20, "intra_node_gbs": 5,
@@ -257,7 +257,7 @@ def test_a_planned_config_trains_on_two_processes(stdlib_data, tmp_path):
     config = tmp_path / "planned.toml"
     result = run_cli("plan", "--params", "3e5", "--tokens", "2e5", "--seq-len", "64", "--hardware", str(hardware),
                      "--gpus", "2", "--data", str(stdlib_data), "--name", "planned", "--write-config", str(config),
-                     "--global-batch-tokens", "2048", "--json")
+                     "--global-batch-tokens", "2048", "--preset", "epoch", "--json")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["model"]["vocab_size"] == 512 and plan["hardware"]["devices"] == 2
@@ -266,3 +266,16 @@ def test_a_planned_config_trains_on_two_processes(stdlib_data, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "planned" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r.get("kind") == "train"][-1] == 3
+    # The report puts the plan's predictions beside what the run measured.
+    plan_file = tmp_path / "planned.plan.json"
+    assert json.loads(plan_file.read_text())["layout"] == plan["layout"]
+    assert main(["report", str(tmp_path / "planned"), "--plan", str(plan_file)]) == 0
+    text = capsys.readouterr().out
+    assert "planned tokens/s on 2 x two CPU cores" in text and "measured" in text
+    assert "predicted final validation loss" in text  # from the law the plan sized with
+    page = (tmp_path / "planned" / "report.html").read_text()
+    assert "planned tokens/s (2 x two CPU cores, dp 2 (fsdp)" in page
+    other = dict(plan, model={**plan["model"], "n": plan["model"]["n"] + 1})
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert main(["report", str(tmp_path / "planned"), "--plan", str(tmp_path / "other.json")]) == 2
+    assert "the plan is for a model of" in capsys.readouterr().err

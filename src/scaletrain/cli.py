@@ -303,8 +303,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         plan = make_plan(model, tokens, seq_len, hardware, batch_tokens=batch, base=base, sizing=sizing, **common)
     if args.write_config:
+        from pathlib import Path
+
         with open(args.write_config, "w") as f:
             f.write(plan["config"])
+        Path(args.write_config).with_suffix(".plan.json").write_text(json.dumps(plan, indent=1) + "\n")
     if args.json:
         sys.stdout.write(json.dumps(plan, indent=1) + "\n")
         return 0
@@ -751,7 +754,13 @@ def cmd_report(args: argparse.Namespace) -> int:
             law_of(law), bootstrap_laws(law)  # what the report reads of it
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise UserError(f"--law {args.law!r} is not a law.json written by `scaletrain fit` ({e})") from None
-    summary = run_report(args.run_dir, law)
+    plan = None
+    if args.plan:
+        try:
+            plan = json.loads(open(args.plan).read())
+        except (OSError, ValueError) as e:
+            raise UserError(f"--plan {args.plan!r} is not the JSON of `scaletrain plan` ({e})") from None
+    summary = run_report(args.run_dir, law, plan)
     table = Table(title=f"run: {summary['run']}")
     table.add_column("")
     table.add_column("value", justify="right")
@@ -769,6 +778,15 @@ def cmd_report(args: argparse.Namespace) -> int:
                       + (f" [{low:.4f}, {high:.4f}]" if low is not None else ""))
         if "error" in prediction:
             table.add_row("reached against predicted", f"{prediction['error']:+.2%}")
+    if "plan" in summary:
+        against = summary["plan"]
+        for key, label, form in (("tokens_per_s", "tokens/s", ",.0f"), ("mfu", "MFU", ".1%"),
+                                 ("peak_memory_gb", "peak memory (GB)", ".2f")):
+            entry = against[key]
+            if entry["planned"] is not None:
+                table.add_row(f"planned {label} on {against['devices']} x {against['device']}",
+                              format(entry["planned"], form)
+                              + (f" (measured {entry['ratio']:.2f}x)" if entry["ratio"] is not None else ""))
     for kind in ("resume", "rewind", "hang", "diverged"):
         count = sum(e["kind"] == kind for e in summary["events"])
         if count:
@@ -985,6 +1003,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "loss for this model and token count beside the loss reached.")
     p.add_argument("run_dir", help="run directory, e.g. demo/final")
     p.add_argument("--law", default=None, help="a law.json written by `scaletrain fit` (or the demo's sweep)")
+    p.add_argument("--plan", default=None, help="the plan the run was written from (the .plan.json that "
+                                                "`plan --write-config` writes, or `plan --json`'s output)")
     p.set_defaults(func=cmd_report)
 
     p = commands.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory",

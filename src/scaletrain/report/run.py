@@ -1,5 +1,6 @@
 """A run's report: what it reached, how fast, what happened on the way, and — given a scaling law
-— how the loss it reached compares with the law's prediction. `run_report` reads a run
+— how the loss it reached compares with the law's prediction; given the plan the run was
+written from, how its speed and memory compare with the planner's. `run_report` reads a run
 directory (config.toml, metrics.jsonl) and writes loss.png, speed.png and a self-contained
 report.html (the plots inlined) into it; it returns the summary the CLI prints.
 
@@ -26,6 +27,7 @@ import numpy as np  # noqa: E402
 from scaletrain.config import ConfigError, load_config  # noqa: E402
 from scaletrain.model.flops import param_counts  # noqa: E402
 from scaletrain.scaling.fit import bootstrap_laws, interval, law_of  # noqa: E402
+from scaletrain.scaling.laws import ChinchillaLaw  # noqa: E402
 from scaletrain.train.metrics import read_metrics  # noqa: E402
 
 # Events worth a line in the report, with what each record says beyond its step.
@@ -33,9 +35,10 @@ EVENTS = {"start": (), "resume": (), "checkpoint": ("blocking_s",), "rewind": ("
           "hang": ("seconds",), "diverged": ("message",), "end": ("complete", "stopped_by")}
 
 
-def run_report(run_dir: str | Path, law_doc: dict | None = None) -> dict:
-    """Summarise the run in `run_dir` (against `law_doc`, a law.json document, if given), write
-    loss.png, speed.png and report.html there; returns the summary."""
+def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict | None = None) -> dict:
+    """Summarise the run in `run_dir` (against `law_doc`, a law.json document, and `plan_doc`, the
+    plan `scaletrain plan` wrote for it, if given), write loss.png, speed.png and report.html
+    there; returns the summary."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.toml").is_file() or not (run_dir / "metrics.jsonl").is_file():
         raise ConfigError(f"{str(run_dir)!r} is not a run directory that has trained (no config.toml and "
@@ -61,19 +64,51 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None) -> dict:
                    for r in read_metrics(run_dir, superseded=True) if r["kind"] in EVENTS],
     }
     law = prediction = None
-    if law_doc is not None:
-        law, boot = law_of(law_doc), bootstrap_laws(law_doc)
+    if plan_doc is not None:
+        summary["plan"] = against_plan(plan_doc, n, summary)
+    if law_doc is not None or (plan_doc or {}).get("predicted_loss"):
+        if law_doc is not None:
+            law, boot = law_of(law_doc), bootstrap_laws(law_doc)
+        else:  # the law the plan sized with; its interval when the run trains the plan's tokens
+            law, boot = ChinchillaLaw(**plan_doc["sizing"]["law"]), []
         predicted = law.loss(n, planned_tokens)
         prediction = {"loss": predicted, "n": n, "tokens": planned_tokens}
         if boot:
             prediction["interval"] = list(interval([sample.loss(n, planned_tokens) for sample in boot]))
+        elif law_doc is None and plan_doc["tokens"] == planned_tokens and "interval" in plan_doc["predicted_loss"]:
+            prediction["interval"] = plan_doc["predicted_loss"]["interval"]
         if summary["val_loss"] is not None and summary["step"] == cfg.total_steps:
             prediction["error"] = (summary["val_loss"] - predicted) / predicted
         summary["prediction"] = prediction
-    plots = [_loss_plot(run_dir / "loss.png", train, evals, law, prediction), _speed_plot(run_dir / "speed.png", train)]
+    planned_speed = plan_doc["step"]["tokens_per_s"] if plan_doc is not None else None
+    plots = [_loss_plot(run_dir / "loss.png", train, evals, law, prediction),
+             _speed_plot(run_dir / "speed.png", train, planned_speed)]
     (run_dir / "report.html").write_text(_html(cfg, summary, [p for p in plots if p is not None]))
     summary["files"] = [str(p) for p in plots if p is not None] + [str(run_dir / "report.html")]
     return summary
+
+
+def against_plan(plan: dict, n: int, summary: dict) -> dict:
+    """The plan's predictions of speed and memory beside what the run measured (ratios measured
+    over planned); ConfigError when the plan is for another model."""
+    try:
+        planned_n, device = plan["model"]["n"], plan["hardware"]["device"]["name"]
+        step, memory = plan["step"], plan["memory"]
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"the plan lacks {e}; give the JSON `scaletrain plan --json` prints (or the .plan.json "
+                          "that --write-config writes beside the config)") from None
+    if planned_n != n:
+        raise ConfigError(f"the plan is for a model of {planned_n:,} parameters, this run's has {n:,}; give the "
+                          "plan this run's config was written from")
+
+    def pair(planned: float | None, measured: float | None) -> dict:
+        ratio = measured / planned if planned and measured is not None else None
+        return {"planned": planned, "measured": measured, "ratio": ratio}
+
+    return {"device": device, "devices": plan["hardware"]["devices"], "layout": plan["layout"]["text"],
+            "tokens_per_s": pair(step["tokens_per_s"], summary["tokens_per_s"]),
+            "mfu": pair(step["mfu"], summary["mfu"]),
+            "peak_memory_gb": pair(memory["peak"] / 1e9, summary["peak_memory_gb"])}
 
 
 def _median(values) -> float | None:
@@ -105,11 +140,14 @@ def _loss_plot(path: Path, train: list[dict], evals: list[dict], law, prediction
     return _save(fig, path)
 
 
-def _speed_plot(path: Path, train: list[dict]) -> Path | None:
+def _speed_plot(path: Path, train: list[dict], planned: float | None = None) -> Path | None:
     if len(train) < 2:
         return None
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train], color="C0", lw=1)
+    if planned is not None:
+        ax.axhline(planned, ls="--", color="C2", lw=1, label=f"planned {planned:,.0f} tokens/s")
+        ax.legend(fontsize=8, loc="lower right")
     ax.set(xlabel="step", ylabel="tokens/s", title="throughput")
     mfu = [r.get("mfu") for r in train]
     if all(m is not None for m in mfu):
@@ -139,6 +177,14 @@ def _html(cfg, summary: dict, plots: list[Path]) -> str:
             ("MFU (median)", number(summary["mfu"], ".1%")),
             ("data wait, share of a step (median)", number(summary["data_wait_share"], ".2%")),
             ("peak memory (GB)", number(summary["peak_memory_gb"], ".2f"))]
+    plan = summary.get("plan")
+    if plan is not None:
+        for key, label, form in (("tokens_per_s", "tokens/s", ",.0f"), ("mfu", "MFU", ".1%"),
+                                 ("peak_memory_gb", "peak memory (GB)", ".2f")):
+            entry = plan[key]
+            rows.append((f"planned {label} ({plan['devices']} x {plan['device']}, {plan['layout']})",
+                         number(entry["planned"], form)
+                         + (f"; measured {entry['ratio']:.2f}x of it" if entry["ratio"] is not None else "")))
     prediction = summary.get("prediction")
     if prediction is not None:
         low, high = prediction.get("interval", (None, None))
