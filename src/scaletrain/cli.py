@@ -370,14 +370,15 @@ def plan_tables(plan: dict) -> list[Table]:
                      f"{sizing['lifetime_flops_saved']:.3g} FLOPs below the compute-optimal model's "
                      f"({sizing['compute_optimal_n'] / 1e9:.3g}B)")
         elif sizing["kind"] == "data-constrained":
-            text += f" with {sizing['unique_tokens']:.3g} unique tokens ({plan['tokens'] / sizing['unique_tokens']:.1f} epochs)"
+            epochs = plan["tokens"] / sizing["unique_tokens"]
+            text += f" with {sizing['unique_tokens']:.3g} unique tokens ({epochs:.1f} epochs)"
         if sizing.get("hours"):
             text += f": the budget these devices spend in {sizing['hours']:g} hours"
         what.add_row("sizing", text)
     if plan["predicted_loss"]:
         loss = plan["predicted_loss"]
-        what.add_row("predicted loss", f"{loss['value']:.4f}" + (f" [{loss['interval'][0]:.4f}, {loss['interval'][1]:.4f}]"
-                                                                if "interval" in loss else "")
+        low, high = loss.get("interval", (None, None))
+        what.add_row("predicted loss", f"{loss['value']:.4f}" + (f" [{low:.4f}, {high:.4f}]" if low is not None else "")
                      + f"  ({loss['source']})")
     hp = plan["hyperparameters"]
     schedule = {"wsd": "warmup-stable-decay", "cosine": "cosine decay", "constant": "constant"}[hp["schedule"]]
@@ -390,10 +391,9 @@ def plan_tables(plan: dict) -> list[Table]:
     how.add_column()
     how.add_row("layout", plan["layout"]["text"])
     mem = plan["memory"]
-    how.add_row("memory per device", f"{_gb(mem['peak'])} of {_gb(mem['usable'])} usable: parameters "
-                                      f"{_gb(mem['parameters'])}, gradients {_gb(mem['gradients'])}, optimizer "
-                                      f"{_gb(mem['optimizer'])}, weight copies {_gb(mem['weight_copies'])}, activations "
-                                      f"{_gb(mem['activations'])}, loss {_gb(mem['loss'])}")
+    parts = ", ".join(f"{key.replace('_', ' ')} {_gb(mem[key])}" for key in
+                      ("parameters", "gradients", "optimizer", "weight_copies", "activations", "loss"))
+    how.add_row("memory per device", f"{_gb(mem['peak'])} of {_gb(mem['usable'])} usable: {parts}")
     parts = ", ".join(f"{key.replace('_', ' ')} {step[key]:.3g} s" for key in
                       ("compute", "tensor_parallel", "context_parallel", "data_parallel", "pipeline_bubble",
                        "pipeline_sends", "optimizer") if step[key] > 0)
@@ -409,11 +409,13 @@ def plan_tables(plan: dict) -> list[Table]:
     cost.add_row("failures", "none assumed" if run["mtbf_hours"] is None else
                  f"{run['expected_failures']:.2g} expected (job MTBF {_duration(run['mtbf_hours'])}); "
                  f"goodput {run['goodput']:.1%}")
-    cost.add_row("checkpoints", f"every {run['checkpoint_interval_steps']:,} steps ({_duration(run['checkpoint_interval_s'] / 3600)}), "
-                                f"blocking {run['checkpoint_block_s']:.2g} s, writing {run['checkpoint_write_s']:.2g} s")
+    every = _duration(run["checkpoint_interval_s"] / 3600)
+    cost.add_row("checkpoints", f"every {run['checkpoint_interval_steps']:,} steps ({every}), blocking "
+                                f"{run['checkpoint_block_s']:.2g} s, writing {run['checkpoint_write_s']:.2g} s")
     cost.add_row("device-hours", f"{run['device_hours']:,.0f}")
     cost.add_row("energy", f"{run['energy_kwh'] / 1000:,.3g} MWh (board power x PUE {hw['prices']['pue']})")
-    cost.add_row("cost", f"{run['cost']:,.0f} at {hw['prices']['per_device_hour']} a device-hour" if run["cost"] is not None
+    price = hw["prices"]["per_device_hour"]
+    cost.add_row("cost", f"{run['cost']:,.0f} at {price} a device-hour" if run["cost"] is not None
                   else "give --price (per device-hour)")
     if plan["inference"]["tokens"]:
         cost.add_row("lifetime compute", f"{plan['inference']['lifetime_flops']:.3g} FLOPs with "

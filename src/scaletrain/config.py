@@ -64,6 +64,18 @@ class ModelConfig(_Section):
     """Share the input embedding with the output projection."""
     init_std: float = Field(default=0.02, gt=0)
     """Std of the normal initialisation; output projections get init_std / sqrt(2 * n_layers)."""
+    moe_experts: int = Field(default=0, ge=0)
+    """Routed experts of each mixture-of-experts block (0: a dense model): the block's MLP becomes moe_experts SwiGLU experts, each token sent to moe_top_k of them."""
+    moe_top_k: int = Field(default=2, ge=1)
+    """Experts each token is routed to (their outputs weighted by the softmax of the router's top-k logits)."""
+    moe_ffn_dim: int | None = Field(default=None, ge=1)
+    """Hidden width of each expert. Unset: the dense MLP width (ffn_dim)."""
+    moe_shared_experts: int = Field(default=0, ge=0)
+    """Experts every token also goes through (DeepSeekMoE's shared experts), each moe_ffn_dim wide."""
+    moe_dense_layers: int = Field(default=0, ge=0)
+    """The first this many blocks keep a dense MLP (as DeepSeek-V3's first three)."""
+    moe_aux_loss: float = Field(default=0.01, ge=0)
+    """Weight of the load-balancing loss, E x sum_i f_i P_i (Switch Transformer; f_i: share of routed tokens, P_i: mean router probability of expert i), added to the training objective."""
 
     @model_validator(mode="after")
     def _check_shape(self) -> ModelConfig:
@@ -79,7 +91,25 @@ class ModelConfig(_Section):
             raise ValueError(
                 f"head dimension dim / n_heads = {self.dim // self.n_heads} is odd; rotary embeddings need it even"
             )
+        if self.moe_experts:
+            if self.moe_top_k > self.moe_experts:
+                raise ValueError(f"model.moe_top_k = {self.moe_top_k} is more than the model.moe_experts = "
+                                 f"{self.moe_experts} there are; route to at most all of them")
+            if self.moe_dense_layers >= self.n_layers:
+                raise ValueError(f"model.moe_dense_layers = {self.moe_dense_layers} leaves none of the "
+                                 f"{self.n_layers} blocks a mixture of experts; use fewer, or model.moe_experts = 0")
         return self
+
+    @property
+    def moe(self) -> bool:
+        return self.moe_experts > 0
+
+    @property
+    def expert_dim(self) -> int:
+        return self.moe_ffn_dim or self.hidden_dim
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe_experts > 0 and index >= self.moe_dense_layers
 
     @property
     def head_dim(self) -> int:
@@ -293,6 +323,13 @@ class RunConfig(_Section):
                 f"train.micro_batch x data.seq_len = {self.train.micro_batch} x {self.data.seq_len} = {seq_tokens}; "
                 f"use a multiple of {seq_tokens}, e.g. {lower}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_moe(self) -> RunConfig:
+        if self.model.moe and self.parallel.recompute == "auto":
+            raise ValueError("parallel.recompute = 'auto' needs the memory model, which covers dense models only; "
+                             "choose none, selective or full for a mixture of experts")
         return self
 
     @property

@@ -145,6 +145,10 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
     from scaletrain.model.flops import param_counts
 
     model, cfg, step = load_model(run_dir, step=step)
+    if cfg.model.moe:
+        raise ExportError(f"{str(run_dir)!r} is a mixture of experts (model.moe_experts = "
+                          f"{cfg.model.moe_experts}); export "
+                          "writes Llama and Qwen3 dense models only so far")
     tokenizer = load_tokenizer(tokenizer_json)
     eos_id = find_eos(tokenizer)
     eos = tokenizer.id_to_token(eos_id)
@@ -297,6 +301,9 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
     """ConfigError naming every model.* setting that differs from the Hugging Face model's and the
     values to set (max_seq_len may differ: the rotary tables are computed, not loaded)."""
     want = model_settings(hf_dir)
+    if cfg.moe:
+        raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} is a dense model; model.moe_experts = "
+                          f"{cfg.moe_experts} asks for a mixture of experts (set model.moe_experts = 0)")
     have = {"vocab_size": cfg.vocab, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
             "n_kv_heads": cfg.kv_heads, "ffn_dim": cfg.hidden_dim, "norm_eps": cfg.norm_eps,
             "tie_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta, "qk_norm": cfg.qk_norm}

@@ -17,23 +17,26 @@ def param_counts(cfg: Any) -> dict[str, int]:
     Language Models", section 2.1): `embedding` is the token embedding matrix (vocab x dim),
     `non_embedding` is everything else (blocks, final norm and, when untied, the output
     head), `total` is their sum. With tied embeddings the shared matrix is counted once,
-    in `embedding`. Equals `sum(p.numel() for p in Transformer(cfg).parameters())`.
+    in `embedding`. Equals `sum(p.numel() for p in Transformer(cfg).parameters())`. `active`
+    counts what a token passes through: all of a dense model; of a mixture of experts, the
+    router and moe_top_k of the routed experts (plus the shared ones) in each such block.
     """
     embedding = cfg.vocab * cfg.dim
-    per_layer = _block_linear_params(cfg) + 2 * cfg.dim  # + attention_norm, ffn_norm
-    if cfg.qk_norm:
-        per_layer += 2 * cfg.head_dim  # q_norm, k_norm: one weight over head_dim each
-    non_embedding = cfg.n_layers * per_layer + cfg.dim  # + final norm
+    norms = 2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0)  # attention_norm, ffn_norm (+ q_norm, k_norm)
+    non_embedding = _blocks_linear_params(cfg) + cfg.n_layers * norms + cfg.dim  # + final norm
     if not cfg.tie_embeddings:
         non_embedding += cfg.vocab * cfg.dim  # output head
-    return {"total": embedding + non_embedding, "embedding": embedding, "non_embedding": non_embedding}
+    total = embedding + non_embedding
+    # A mixture of experts runs each token through moe_top_k of its routed experts only.
+    active = total - _blocks_linear_params(cfg) + _blocks_linear_params(cfg, active=True)
+    return {"total": total, "embedding": embedding, "non_embedding": non_embedding, "active": active}
 
 
 def matmul_params(cfg: Any) -> int:
-    """Weights that each token multiplies through: every linear layer of the blocks and the
-    output head. The embedding is a lookup and norms are elementwise, so neither counts;
+    """Weights that each token multiplies through: every linear layer of the blocks (of a
+    mixture of experts, the router and the experts the token is routed to) and the output head. The embedding is a lookup and norms are elementwise, so neither counts;
     the output head counts whether or not it is tied to the embedding."""
-    return cfg.n_layers * _block_linear_params(cfg) + cfg.vocab * cfg.dim
+    return _blocks_linear_params(cfg, active=True) + cfg.vocab * cfg.dim
 
 
 def train_flops_per_token(cfg: Any, seq_len: int, causal: bool = False) -> int:
@@ -57,9 +60,24 @@ def forward_flops_per_token(cfg: Any, seq_len: int) -> int:
     return train_flops_per_token(cfg, seq_len) // 3
 
 
-def _block_linear_params(cfg: Any) -> int:
+def moe_layers(cfg: Any) -> int:
+    """Blocks whose MLP is a mixture of experts (0 for a dense model)."""
+    if not getattr(cfg, "moe_experts", 0):
+        return 0
+    return cfg.n_layers - cfg.moe_dense_layers
+
+
+def _blocks_linear_params(cfg: Any, active: bool = False) -> int:
+    """The linear weights of all blocks; with `active`, only those a token multiplies through
+    (of a mixture of experts: the router, moe_top_k routed experts and the shared ones)."""
     # wq, wo: dim x (n_heads * head_dim); wk, wv: dim x (kv_heads * head_dim);
     # SwiGLU w1, w3: dim x hidden, w2: hidden x dim.
     attention = 2 * cfg.dim * cfg.n_heads * cfg.head_dim + 2 * cfg.dim * cfg.kv_heads * cfg.head_dim
-    mlp = 3 * cfg.dim * cfg.hidden_dim
-    return attention + mlp
+    dense = attention + 3 * cfg.dim * cfg.hidden_dim
+    sparse = moe_layers(cfg)
+    if not sparse:
+        return cfg.n_layers * dense
+    routed = cfg.moe_top_k if active else cfg.moe_experts
+    expert = 3 * cfg.dim * (cfg.moe_ffn_dim or cfg.hidden_dim)
+    mixture = attention + cfg.dim * cfg.moe_experts + (routed + cfg.moe_shared_experts) * expert  # + the router
+    return (cfg.n_layers - sparse) * dense + sparse * mixture

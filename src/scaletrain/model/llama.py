@@ -21,6 +21,7 @@ from torch import nn
 
 from scaletrain.config import ModelConfig
 from scaletrain.model.loss import chunked_cross_entropy, compute_dtype, cross_entropy
+from scaletrain.model.moe import MoE
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,15 +139,20 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def _weight(layer: nn.Module | nn.Parameter) -> torch.Tensor:
+    """A linear layer's weight, or the stacked weight of an expert group's projection."""
+    return layer if isinstance(layer, nn.Parameter) else layer.weight
+
+
 class Block(nn.Module):
     """One pre-norm transformer block; the unit that FSDP, recompute and pipelining wrap."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, moe: bool = False):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
+        self.feed_forward = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.hidden_dim)
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0):
         # Norm outputs go to the compute dtype once: left in float32, autocast would cast them
@@ -161,7 +167,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, cfg.is_moe_layer(i)) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
@@ -193,10 +199,14 @@ class Transformer(nn.Module):
         nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
         for block in self.layers.values():
             attention, mlp = block.attention, block.feed_forward
-            for linear in (attention.wq, attention.wk, attention.wv, mlp.w1, mlp.w3):
-                nn.init.normal_(linear.weight, mean=0.0, std=std)
-            for linear in (attention.wo, mlp.w2):
-                nn.init.normal_(linear.weight, mean=0.0, std=residual_std)
+            mlps = [mlp] if isinstance(mlp, FeedForward) else [mlp.experts] + ([mlp.shared] if mlp.shared else [])
+            weights = [attention.wq.weight, attention.wk.weight, attention.wv.weight]
+            if isinstance(mlp, MoE):
+                weights.append(mlp.router.weight)
+            for weight in weights + [w for m in mlps for w in (_weight(m.w1), _weight(m.w3))]:
+                nn.init.normal_(weight, mean=0.0, std=std)
+            for weight in [attention.wo.weight] + [_weight(m.w2) for m in mlps]:
+                nn.init.normal_(weight, mean=0.0, std=residual_std)
             for norm in (block.attention_norm, block.ffn_norm, attention.q_norm, attention.k_norm):
                 if norm is not None:
                     norm.reset_parameters()

@@ -86,6 +86,9 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
                           f"sequences, which do not split into {layout.dp} data-parallel ranks x "
                           f"train.micro_batch = {cfg.train.micro_batch}; use a multiple of "
                           f"{layout.dp * cfg.train.micro_batch * seq_len} tokens")
+    if model.moe and (layout.tp > 1 or layout.cp > 1 or layout.pp > 1):
+        raise ConfigError(f"a mixture-of-experts model (model.moe_experts = {model.moe_experts}) trains with data "
+                          "parallelism (parallel.dp_shard, dp_replicate) only so far; set parallel.tp, cp and pp to 1")
     if layout.cp > 1:
         if seq_len % (2 * layout.cp):
             raise ConfigError(f"data.seq_len = {seq_len} is not divisible by 2 x parallel.cp = {2 * layout.cp}; "

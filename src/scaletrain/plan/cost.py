@@ -12,8 +12,8 @@ the write of the whole checkpoint (each replicated tensor once) to storage, at
 `storage_per_node` bytes/s from each node up to `storage_total` for the filesystem. The
 interval that loses least is Young's (1974, "A first order approximation to the optimum
 checkpoint interval"), τ = sqrt(2 δ M), but never shorter than the write itself (an
-asynchronous save waits for the previous one). Each failure then costs the restart (`restart_s`: rescheduling, loading the
-checkpoint, compiling) and on average half an interval of recomputed steps, so the fraction of
+asynchronous save waits for the previous one). Each failure then costs the restart
+(`restart_s`: rescheduling, loading the checkpoint, compiling) and on average half an interval of recomputed steps, so the fraction of
 wall-clock that trains — the goodput — is 1 - δ/τ - (R + τ/2)/M to first order (Daly 2006,
 "A higher order estimate of the optimum checkpoint interval for restart dumps", whose
 higher-order terms matter only when τ approaches M).
@@ -107,7 +107,8 @@ def run_cost(steps: int, step_s: float, devices: int, nodes: int, state_bytes_pe
     watts = prices.watts if prices.watts is not None else device_watts
     energy = device_hours * watts * prices.pue / 1000
     cost = device_hours * prices.per_device_hour if prices.per_device_hour is not None else None
-    return RunCost(steps=steps, step_s=step_s, train_hours=train_s / 3600, checkpoint_block_s=block, checkpoint_write_s=write,
+    return RunCost(steps=steps, step_s=step_s, train_hours=train_s / 3600, checkpoint_block_s=block,
+                   checkpoint_write_s=write,
                    checkpoint_interval_s=interval, checkpoint_interval_steps=interval_steps,
                    mtbf_hours=mtbf / 3600 if math.isfinite(mtbf) else None,
                    expected_failures=wall_s / mtbf, goodput=fraction, wall_hours=wall_hours,

@@ -119,6 +119,9 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
     parameters sharded over `fsdp` ranks (dp_shard × cp) and split over `tp`, each sequence
     split over `cp`, the blocks over `pp` pipeline ranks. Under pipelining, the estimate of the
     pipeline rank with the larger peak."""
+    if getattr(cfg, "moe_experts", 0):
+        raise ValueError("the memory model covers dense models only, not a mixture of experts "
+                         f"(model.moe_experts = {cfg.moe_experts})")
     common = dict(micro_steps=micro_steps, bf16=bf16, recompute=recompute, fsdp=fsdp, tp=tp, cp=cp,
                   loss_chunk_tokens=loss_chunk_tokens)
     if pp == 1:

@@ -157,6 +157,9 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
     rule's batch for the run's compute is the target each layout rounds to its data-parallel
     ranks. `base` is a config whose other settings the written config keeps."""
     hardware.check()
+    if model.moe:
+        raise PlanError(f"the planner's memory and time models cover dense models only, not a mixture of experts "
+                        f"(model.moe_experts = {model.moe_experts})")
     sizing = sizing or Sizing("given")
     per_token = train_flops_per_token(model, seq_len)
     compute = tokens * per_token

@@ -185,7 +185,8 @@ def bubble_microbatches(schedule: str, pp: int, stages_per_rank: int) -> float:
     if pp == 1:
         return 0.0
     if schedule not in SCHEDULES:
-        raise ValueError(f"no timing model for pipeline schedule {schedule!r}; the planner times {', '.join(SCHEDULES)}")
+        raise ValueError(f"no timing model for pipeline schedule {schedule!r}; the planner times "
+                         f"{', '.join(SCHEDULES)}")
     if schedule in ("gpipe", "1f1b"):
         return pp - 1
     if schedule == "interleaved_zero_bubble":

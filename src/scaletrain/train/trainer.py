@@ -33,6 +33,7 @@ from scaletrain.parallel.context import shard_sequence
 from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.parallel.mesh import collective_timeout, init_distributed, shutdown, world
 from scaletrain.plan.hardware import peak_flops
+from scaletrain.model.moe import aux_loss as moe_aux_loss
 from scaletrain.plan.memory import choose_recompute
 from scaletrain.plan.timing import PlanLayout
 from scaletrain.train import checkpoint
@@ -175,6 +176,7 @@ class Trainer:
         if cfg.train.float8:  # before sharding: FSDP then gathers float8-aware weights
             log.info("train.float8: %d linear layers compute in float8",
                      convert_to_float8(model, self.device, self.layout.tp))
+        self.moe_balance: float | None = None  # the experts' balancing loss at the last look (1: balanced)
         self.parallel = parallelize(model, self.mesh, self.layout, cfg, self.device, param_dtype=param_dtype)
         self.model = self.parallel.module
         if self.layout.tp == 1 and self.layout.pp == 1:
@@ -399,6 +401,7 @@ class Trainer:
             group["lr"] = lr
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
+        aux_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
         batches = []
         for _ in range(self.loader.micro_steps):
@@ -409,7 +412,12 @@ class Trainer:
                 inputs, targets = batches.pop()
                 with self.autocast():  # loss_parallel must cover the backward too
                     loss = self.model(inputs, targets) / self.loader.micro_steps
-                    loss.backward()
+                    objective = loss
+                    if self.cfg.model.moe:  # the experts' balance enters the objective, not the reported loss
+                        balance = moe_aux_loss(self.parallel.module) / self.loader.micro_steps
+                        objective = loss + self.cfg.model.moe_aux_loss * balance
+                        aux_sum += balance.detach()
+                    objective.backward()
                 loss_sum += _local(loss.detach())
         if self.parallel.schedule is not None:  # the pipeline takes this rank's whole share, in micro-batches
             losses = self._pipeline(*map(torch.cat, zip(*batches)))
@@ -435,6 +443,7 @@ class Trainer:
             return None, None, data_wait
         loss_value = self._mean_over_last_stage(loss_sum)
         self._check(loss_value)
+        self.moe_balance = aux_sum.item() if self.cfg.model.moe else None  # this rank's, for the log
         return loss_value, grad_norm.item(), data_wait
 
     def _check(self, loss: float | None) -> None:
@@ -625,7 +634,8 @@ class Trainer:
                         mem_gb=round(peak_memory_gb(self.device), 3),
                         data_wait_ms=round(1000 * window_wait / (window_tokens / cfg.train.global_batch_tokens), 3),
                         tokens_by_source=self.loader.tokens_by_source(),
-                        epochs_by_source={k: round(v, 6) for k, v in self.loader.epochs_by_source().items()})
+                        epochs_by_source={k: round(v, 6) for k, v in self.loader.epochs_by_source().items()},
+                        **({"moe_balance": round(self.moe_balance, 5)} if self.cfg.model.moe else {}))
                     log.info("step %d/%d  loss %.4f  lr %.2e  grad %.3f  %.0f tok/s%s", self.step, self.total_steps,
                              train_loss, self.lr, grad_norm, last_speed,
                              f"  mfu {record['mfu']:.1%}" if record["mfu"] is not None else "")

@@ -1,0 +1,86 @@
+"""A mixture-of-experts MLP: routed SwiGLU experts (Shazeer et al. 2017, "Outrageously Large
+Neural Networks"; top-k routing as in GShard, Lepikhin et al. 2021, and Mixtral, Jiang et al.
+2024), optional shared experts every token goes through (DeepSeekMoE, Dai et al. 2024), and a
+load-balancing loss (Switch Transformer, Fedus et al. 2022, eq. 4).
+
+Each token goes to the moe_top_k experts of highest router logit, their outputs weighted by the
+softmax of those k logits. No token is dropped (no capacity limit): each expert computes on
+exactly the tokens sent to it, one matmul per expert over a batch gathered by expert, so the
+FLOPs are those of model/flops.py's active parameters exactly. The outputs are put back in token
+order by a permutation, not a scatter-add, so the result does not depend on the order of
+floating-point additions (runs resume bit-exactly on GPUs too).
+
+The load-balancing loss of the last forward, E · Σ_i f_i P_i (f_i: the share of the token-expert
+assignments that went to expert i, P_i: the mean router probability of expert i; 1 when
+balanced), is left in `aux_loss` for the trainer to add, weighted by model.moe_aux_loss, to the
+objective — not to the loss it reports, which stays the cross-entropy the scaling laws fit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.config import ModelConfig
+
+
+class Experts(nn.Module):
+    """`count` SwiGLU experts as three stacked weights, (count, hidden, dim) for w1 and w3 and
+    (count, dim, hidden) for w2 — each expert's slice laid out as an nn.Linear's weight."""
+
+    def __init__(self, count: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(count, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(count, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(count, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: (assignments, dim) sorted by expert, counts[e] of them for expert e."""
+        out = []
+        for e, rows in enumerate(x.split(counts)):
+            if rows.shape[0]:
+                w1, w2, w3 = self.w1[e], self.w2[e], self.w3[e]
+                out.append(F.linear(F.silu(F.linear(rows, w1)) * F.linear(rows, w3), w2))
+        return torch.cat(out)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.moe_top_k
+        self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)
+        self.experts = Experts(cfg.moe_experts, cfg.dim, cfg.expert_dim)
+        self.shared = None
+        if cfg.moe_shared_experts:
+            from scaletrain.model.llama import FeedForward
+
+            self.shared = FeedForward(cfg.dim, cfg.moe_shared_experts * cfg.expert_dim)
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        flat = x.reshape(-1, dim)
+        logits = self.router(flat).float()  # (tokens, experts), routing decided in float32
+        experts = self.router.out_features
+        top_logits, chosen = logits.topk(self.top_k, dim=-1)  # (tokens, k)
+        weights = top_logits.softmax(dim=-1)
+        assignments = chosen.flatten()  # token t's j-th expert at t * k + j
+        order = assignments.argsort(stable=True)  # assignments grouped by expert, tokens in order
+        counts = torch.bincount(assignments, minlength=experts)
+        routed = self.experts(flat[order // self.top_k], counts.tolist())
+        unsorted = torch.empty_like(routed)
+        unsorted[order] = routed
+        out = (unsorted.view(-1, self.top_k, dim).float() * weights[..., None]).sum(dim=1).to(flat.dtype)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        share = counts.float() / assignments.numel()
+        self.aux_loss = experts * (share * logits.softmax(dim=-1).mean(dim=0)).sum()
+        return out.view(batch, seq, dim)
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """The sum over `model`'s mixture-of-experts blocks of their last forward's balancing loss;
+    None for a dense model."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None

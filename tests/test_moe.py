@@ -1,0 +1,119 @@
+"""Mixture-of-experts blocks: routing against a token-by-token reference, exact parameter and
+FLOP counts, the balancing loss, training with resume and recomputation, FSDP parity with one
+process, and the layouts and tools that refuse MoE so far."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import run_cli, tiny_config
+from scaletrain.config import ConfigError, ModelConfig, load_config
+from scaletrain.model import flops
+from scaletrain.model.llama import Transformer
+from scaletrain.model.moe import MoE, aux_loss
+from scaletrain.parallel.layout import check_layout, resolve_layout
+from scaletrain.train.metrics import read_metrics
+from scaletrain.train.trainer import train
+
+MOE = dict(vocab_size=256, dim=64, n_layers=3, n_heads=4, max_seq_len=64, moe_experts=4, moe_top_k=2,
+           moe_shared_experts=1, moe_dense_layers=1, moe_ffn_dim=96)
+MOE_OVERRIDES = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_shared_experts=1", "model.moe_ffn_dim=96"]
+
+
+def test_each_token_gets_the_weighted_sum_of_its_top_k_experts_and_the_shared_one():
+    torch.manual_seed(0)
+    cfg = ModelConfig(**MOE)
+    moe = Transformer(cfg).layers["1"].feed_forward
+    assert isinstance(moe, MoE)
+    x = torch.randn(2, 8, 64)
+    out = moe(x)
+    experts = moe.experts
+    for t, token in enumerate(x.reshape(-1, 64)):
+        logits = moe.router(token)
+        top, chosen = logits.topk(2)
+        expected = moe.shared(token)
+        for weight, e in zip(top.softmax(-1), chosen):
+            hidden = F.silu(token @ experts.w1[e].T) * (token @ experts.w3[e].T)
+            expected = expected + weight * (hidden @ experts.w2[e].T)
+        torch.testing.assert_close(out.reshape(-1, 64)[t], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_parameter_and_flop_counts_are_exact():
+    cfg = ModelConfig(**MOE)
+    model = Transformer(cfg)
+    counts = flops.param_counts(cfg)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    routed = model.layers["1"].feed_forward.experts
+    per_expert = sum(p[0].numel() for p in routed.parameters())
+    assert counts["active"] == counts["total"] - flops.moe_layers(cfg) * (4 - 2) * per_expert
+    tokens = torch.randint(0, 256, (2, 32))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(tokens, tokens).backward()
+    assert counter.get_total_flops() == flops.train_flops_per_token(cfg, 32) * 2 * 32
+
+
+def test_balancing_loss_is_one_for_a_uniform_router_and_grows_when_one_expert_takes_all():
+    cfg = ModelConfig(**MOE)
+    moe = Transformer(cfg).layers["1"].feed_forward
+    x = torch.randn(4, 16, 64)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe(x)
+        assert moe.aux_loss.item() == pytest.approx(1.0)
+        moe.router.weight[0] = 10 * x.reshape(-1, 64).mean(0) / x.reshape(-1, 64).mean(0).norm() ** 2
+        moe(x)
+        assert moe.aux_loss.item() > 1.2
+    model = Transformer(cfg)
+    model(torch.randint(0, 256, (2, 16)))
+    aux_loss(model).backward()  # the loss trains the routers
+    assert model.layers["1"].feed_forward.router.weight.grad.abs().sum() > 0
+    assert aux_loss(model).shape == () and aux_loss(Transformer(ModelConfig(vocab_size=256, dim=64, n_layers=1,
+                                                                            n_heads=4, max_seq_len=64))) is None
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_a_moe_model_trains_and_resumes_bit_exactly(stdlib_data, tmp_path, recompute):
+    common = [*MOE_OVERRIDES, "train.steps=6", "eval.interval=3", "checkpoint.interval=3",
+              f"parallel.recompute={recompute}"]
+    train(tiny_config(stdlib_data, tmp_path / "whole", *common))
+    train(tiny_config(stdlib_data, tmp_path / "split", *common), stop_at_step=3)
+    train(tiny_config(stdlib_data, tmp_path / "split", *common))
+    whole, split = (read_metrics(tmp_path / name, "train") for name in ("whole", "split"))
+    assert [r["loss"] for r in split] == [r["loss"] for r in whole]
+    assert whole[-1]["loss"] < whole[0]["loss"]
+    assert all(0.9 < r["moe_balance"] < 4 for r in whole)  # 1 when balanced, 4 (E) when one expert takes all
+
+
+def test_fsdp_trains_a_moe_model_with_the_losses_of_one_process(stdlib_data, tmp_path):
+    common = [f"data.path={stdlib_data}", f"run.dir={tmp_path}", *MOE_OVERRIDES, "train.steps=4",
+              "eval.interval=0", "checkpoint.interval=0"]
+    one = run_cli("train", "configs/tiny.toml", *common, "run.name=one")
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = run_cli("train", "configs/tiny.toml", *common, "run.name=two", "parallel.dp_shard=2", "--nproc", "2",
+                  timeout=240)
+    assert two.returncode == 0, two.stderr[-2000:]
+    single, sharded = ([r["loss"] for r in read_metrics(tmp_path / name, "train")] for name in ("one", "two"))
+    assert sharded == pytest.approx(single, rel=1e-5, abs=1e-5)
+
+
+def test_what_does_not_take_a_moe_model_yet_says_so(stdlib_data, tmp_path):
+    cfg = tiny_config(stdlib_data, tmp_path / "r", *MOE_OVERRIDES, "model.vocab_size=512")
+    with pytest.raises(ConfigError, match="trains with data parallelism"):
+        check_layout(resolve_layout(cfg.parallel.model_copy(update={"tp": 2, "dp_shard": 1}), 2), cfg)
+    with pytest.raises(ConfigError, match="covers dense models only"):
+        tiny_config(stdlib_data, tmp_path / "r", *MOE_OVERRIDES, "parallel.recompute=auto")
+    with pytest.raises(ConfigError, match="moe_top_k = 5 is more than"):
+        load_config(None, ["train.steps=1", "model.moe_experts=4", "model.moe_top_k=5"])
+    result = run_cli("plan", "--params", "1e6", "--tokens", "1e8", "--gpus", "1")  # dense: fine
+    assert result.returncode == 0, result.stderr
+    config = tmp_path / "moe.toml"
+    config.write_text(cfg.to_toml())
+    result = run_cli("plan", str(config), "--gpus", "1")
+    assert result.returncode == 2 and "dense models only" in result.stderr
+    json.dumps(cfg.model.model_dump())
