@@ -1,6 +1,7 @@
 """Mixture-of-experts blocks: routing against a token-by-token reference, exact parameter and
-FLOP counts, the balancing loss, training with resume and recomputation, FSDP parity with one
-process, and the layouts and tools that refuse MoE so far."""
+FLOP counts, the balancing loss, training with resume and recomputation, data- and
+expert-parallel parity with one process (and an expert-parallel checkpoint resumed in one),
+and the layouts and tools that refuse MoE so far."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import run_cli, tiny_config
+from conftest import ROOT, run_cli, tiny_config
 from scaletrain.config import ConfigError, ModelConfig, load_config
 from scaletrain.model import flops
 from scaletrain.model.llama import Transformer
@@ -90,22 +91,53 @@ def test_a_moe_model_trains_and_resumes_bit_exactly(stdlib_data, tmp_path, recom
     assert all(0.9 < r["moe_balance"] < 4 for r in whole)  # 1 when balanced, 4 (E) when one expert takes all
 
 
-def test_fsdp_trains_a_moe_model_with_the_losses_of_one_process(stdlib_data, tmp_path):
-    common = [f"data.path={stdlib_data}", f"run.dir={tmp_path}", *MOE_OVERRIDES, "train.steps=4",
-              "eval.interval=0", "checkpoint.interval=0"]
-    one = run_cli("train", "configs/tiny.toml", *common, "run.name=one")
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = run_cli("train", "configs/tiny.toml", *common, "run.name=two", "parallel.dp_shard=2", "--nproc", "2",
-                  timeout=240)
-    assert two.returncode == 0, two.stderr[-2000:]
-    single, sharded = ([r["loss"] for r in read_metrics(tmp_path / name, "train")] for name in ("one", "two"))
-    assert sharded == pytest.approx(single, rel=1e-5, abs=1e-5)
+LAYOUTS = {  # name: (processes, overrides)
+    "fsdp": (2, ["parallel.dp_shard=2"]),
+    "expert-parallel": (2, ["parallel.dp_shard=2", "parallel.ep=2"]),
+    "expert-parallel-fsdp": (4, ["parallel.dp_shard=4", "parallel.ep=2"]),  # each expert sharded over 2 ranks
+}
+
+
+@pytest.fixture(scope="module")
+def one_process_moe(stdlib_data, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("moe") / "one"
+    train(tiny_config(stdlib_data, run_dir, *MOE_OVERRIDES, "train.micro_batch=2", "train.steps=4",
+                      "eval.interval=0", "checkpoint.interval=2"))
+    return read_metrics(run_dir, "train")
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_data_and_expert_parallel_moe_train_the_losses_and_gradients_of_one_process(stdlib_data, tmp_path,
+                                                                                     one_process_moe, name):
+    """Adam is blind to a gradient's scale, so the gradient norms are compared as well as the losses:
+    an expert gradient averaged over the wrong number of ranks shows there."""
+    processes, layout = LAYOUTS[name]
+    common = [f"data.path={stdlib_data}", f"run.dir={tmp_path}", "run.name=run", *MOE_OVERRIDES,
+              "train.micro_batch=2", "train.steps=4", "eval.interval=0", "checkpoint.interval=2"]
+    stop = ["--stop-at-step", "2"] if name == "expert-parallel" else []
+    result = run_cli("train", "configs/tiny.toml", *common, *layout, *stop, "--nproc", str(processes), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    if stop:  # the expert-parallel checkpoint resumes in one process
+        train(load_config(ROOT / "configs" / "tiny.toml", common))
+    records = read_metrics(tmp_path / "run", "train")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in records] == pytest.approx([r[key] for r in one_process_moe], rel=1e-5, abs=1e-6)
 
 
 def test_what_does_not_take_a_moe_model_yet_says_so(stdlib_data, tmp_path):
     cfg = tiny_config(stdlib_data, tmp_path / "r", *MOE_OVERRIDES, "model.vocab_size=512")
     with pytest.raises(ConfigError, match="trains with data parallelism"):
         check_layout(resolve_layout(cfg.parallel.model_copy(update={"tp": 2, "dp_shard": 1}), 2), cfg)
+    for overrides, message in ((["parallel.dp_shard=4", "parallel.ep=3"], "parallel.ep = 3 does not divide"),
+                               (["parallel.dp_shard=3", "parallel.ep=3"], "moe_experts = 4 is not divisible by")):
+        bad = tiny_config(stdlib_data, tmp_path / "r", *MOE_OVERRIDES, "model.vocab_size=512", *overrides,
+                          "train.micro_batch=1", "train.global_batch_tokens=768")
+        with pytest.raises(ConfigError, match=message):
+            check_layout(resolve_layout(bad.parallel, bad.parallel.dp_shard), bad)
+    dense = tiny_config(stdlib_data, tmp_path / "r", "model.vocab_size=512", "parallel.dp_shard=2", "parallel.ep=2")
+    with pytest.raises(ConfigError, match=r"\(a dense model\); set parallel.ep = 1"):
+        check_layout(resolve_layout(dense.parallel, 2), dense)
     with pytest.raises(ConfigError, match="covers dense models only"):
         tiny_config(stdlib_data, tmp_path / "r", *MOE_OVERRIDES, "parallel.recompute=auto")
     with pytest.raises(ConfigError, match="moe_top_k = 5 is more than"):

@@ -34,15 +34,56 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(count, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(count, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(count, hidden_dim, dim))
+        # Under expert parallelism (parallel/expert.py) the weights are DTensors split by expert
+        # over this group, and tokens travel to their experts' rank and back.
+        self.ep_group = None
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: (assignments, dim) sorted by expert, counts[e] of them for expert e."""
-        out = []
-        for e, rows in enumerate(x.split(counts)):
-            if rows.shape[0]:
-                w1, w2, w3 = self.w1[e], self.w2[e], self.w3[e]
-                out.append(F.linear(F.silu(F.linear(rows, w1)) * F.linear(rows, w3), w2))
-        return torch.cat(out)
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: (assignments, dim) sorted by expert, counts[e] of them for expert e (a tensor of
+        every expert's count, this rank's assignments)."""
+        weights = [w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3)]
+        if self.ep_group is None:
+            return _run(x, counts.tolist(), *weights)
+        return _expert_parallel(x, counts, weights, self.ep_group)
+
+
+def _run(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """Each expert on its rows of x. Experts without rows run too, on none: every weight then
+    has a gradient (zeros), as data parallelism's reductions expect on every rank."""
+    return torch.cat([F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
+                      for e, rows in enumerate(x.split(counts))])
+
+
+def _expert_parallel(x: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor], group) -> torch.Tensor:
+    """Send each assignment to the rank of its expert (rank r holds experts r·E/ep ..), run the
+    local experts on what arrives from every rank, send the results back (all-to-all, GShard's
+    dispatch and combine, Lepikhin et al. 2021); rows return in x's order."""
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    ep, local = dist.get_world_size(group), weights[0].shape[0]
+    # An expert's gradient sums the tokens of all ep ranks (the all-to-all's backward brings them),
+    # and data parallelism averages it over the ranks holding that expert, ep times fewer than
+    # the data-parallel ranks whose mean loss it is the gradient of: scale by 1 / ep. (FSDP's
+    # set_gradient_divide_factor would, but through a reduction gloo does not have.)
+    weights = [_ScaleGradient.apply(w, 1 / ep) for w in weights]
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)  # [source rank, local expert] counts
+    sent_splits = counts.view(ep, local).sum(dim=1).tolist()
+    grid = received.view(ep, local)
+    arrived_splits = grid.sum(dim=1).tolist()
+    arrived = all_to_all_single_autograd(x, arrived_splits, sent_splits, group)  # by source, then expert
+    # Regroup by local expert (then source), run, and put back in arrival order.
+    sizes = grid.flatten().tolist()
+    starts = [0]
+    for size in sizes[:-1]:
+        starts.append(starts[-1] + size)
+    index = torch.cat([torch.arange(starts[s * local + e], starts[s * local + e] + sizes[s * local + e],
+                                    device=x.device) for e in range(local) for s in range(ep)])
+    out = _run(arrived[index], grid.sum(dim=0).tolist(), *weights)
+    back = torch.empty_like(out)
+    back[index] = out
+    return all_to_all_single_autograd(back, sent_splits, arrived_splits, group)
 
 
 class MoE(nn.Module):
@@ -68,7 +109,7 @@ class MoE(nn.Module):
         assignments = chosen.flatten()  # token t's j-th expert at t * k + j
         order = assignments.argsort(stable=True)  # assignments grouped by expert, tokens in order
         counts = torch.bincount(assignments, minlength=experts)
-        routed = self.experts(flat[order // self.top_k], counts.tolist())
+        routed = self.experts(flat[order // self.top_k], counts)
         unsorted = torch.empty_like(routed)
         unsorted[order] = routed
         out = (unsorted.view(-1, self.top_k, dim).float() * weights[..., None]).sum(dim=1).to(flat.dtype)
@@ -77,6 +118,19 @@ class MoE(nn.Module):
         share = counts.float() / assignments.numel()
         self.aux_loss = experts * (share * logits.softmax(dim=-1).mean(dim=0)).sum()
         return out.view(batch, seq, dim)
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """The identity, with the gradient multiplied by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor | None:

@@ -23,6 +23,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # a split of dp_shard: groups of ep neighbouring dp_shard ranks share out the experts
 
     @property
     def dp(self) -> int:
@@ -64,8 +65,8 @@ def resolve_layout(cfg: ParallelConfig, world_size: int) -> Layout:
             raise ConfigError(f"parallel.pp x dp_replicate x cp x tp = {_product_text(sizes)} = {fixed} does not "
                               f"divide the {world_size} processes; with parallel.dp_shard = -1 the other dimensions "
                               "must divide the number of processes")
-        return Layout(cfg.dp_replicate, world_size // fixed, cfg.tp, cfg.pp, cfg.cp)
-    layout = Layout(cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp, cfg.cp)
+        return Layout(cfg.dp_replicate, world_size // fixed, cfg.tp, cfg.pp, cfg.cp, cfg.ep)
+    layout = Layout(cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp, cfg.cp, cfg.ep)
     if layout.world_size != world_size:
         raise ConfigError(f"{names} = {' x '.join(map(str, layout.sizes))} = {layout.world_size}, but {world_size} "
                           "processes were started; their product must equal the number of processes (or set "
@@ -86,6 +87,16 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
                           f"sequences, which do not split into {layout.dp} data-parallel ranks x "
                           f"train.micro_batch = {cfg.train.micro_batch}; use a multiple of "
                           f"{layout.dp * cfg.train.micro_batch * seq_len} tokens")
+    if layout.ep > 1:
+        if not model.moe:
+            raise ConfigError(f"parallel.ep = {layout.ep} splits the experts of a mixture of experts, but "
+                              "model.moe_experts = 0 (a dense model); set parallel.ep = 1")
+        if layout.dp_shard % layout.ep:
+            raise ConfigError(f"parallel.ep = {layout.ep} does not divide the {layout.dp_shard} dp_shard ranks; expert "
+                              "parallelism splits each group of ep of them")
+        if model.moe_experts % layout.ep:
+            raise ConfigError(f"model.moe_experts = {model.moe_experts} is not divisible by parallel.ep = "
+                              f"{layout.ep}; each expert-parallel rank holds the same number of experts")
     if model.moe and (layout.tp > 1 or layout.cp > 1 or layout.pp > 1):
         raise ConfigError(f"a mixture-of-experts model (model.moe_experts = {model.moe_experts}) trains with data "
                           "parallelism (parallel.dp_shard, dp_replicate) only so far; set parallel.tp, cp and pp to 1")

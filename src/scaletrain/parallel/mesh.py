@@ -12,6 +12,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from scaletrain.parallel.layout import DIMS, Layout
 
+# With expert parallelism: dp_shard as efsdp x ep, ep inner (neighbouring ranks: one node). Each
+# expert is then sharded by FSDP over efsdp (the ranks holding the same experts).
+EP_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "cp", "tp")
+
 # A rank that raises mid-collective leaves the others waiting for gloo's timeout (30 minutes
 # by default): fail within minutes instead. With the hang watchdog on (train/resilience.py),
 # collectives wait a minute longer than it, so that a hung rank's watchdog (and those of the
@@ -39,12 +43,18 @@ def init_distributed(device: torch.device, layout: Layout,
         return None
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)
-    mesh = init_device_mesh(device.type, layout.sizes, mesh_dim_names=DIMS)
+    if layout.ep == 1:
+        mesh = init_device_mesh(device.type, layout.sizes, mesh_dim_names=DIMS)
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    else:  # dp_shard split into (efsdp, ep): groups of ep neighbouring ranks share out the experts
+        sizes = (layout.pp, layout.dp_replicate, layout.dp_shard // layout.ep, layout.ep, layout.cp, layout.tp)
+        mesh = init_device_mesh(device.type, sizes, mesh_dim_names=EP_DIMS)
+        mesh["efsdp", "ep"]._flatten("dp_shard")
+        mesh["efsdp", "ep", "cp"]._flatten("dp_shard_cp")
     # FSDP shards over the data-parallel and context-parallel ranks alike: cp ranks hold the same
     # parameters and each contributes the gradient of its part of the sequence. (Slicing
     # ("dp_replicate", "dp_shard_cp") from the root then warns of a future deprecation; torch
     # 2.11-2.13 have no other way to build that 2-D view for HSDP, so the warning is silenced.)
-    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
     return mesh
 

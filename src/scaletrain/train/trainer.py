@@ -488,9 +488,12 @@ class Trainer:
         clipping. Sharded gradients (DTensors) give the global norm of their dimensions; pipeline
         stages add up their squares over the pp ranks."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        by_mesh: dict = {}  # DTensors on different meshes (experts under expert parallelism) apart
+        for p in params:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+        norms = [torch.nn.utils.get_total_norm(grads) for grads in by_mesh.values()]
+        norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+        norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
         if self.layout.pp > 1:
             norm = norm.square()
             dist.all_reduce(norm, group=self.mesh["pp"].get_group())
