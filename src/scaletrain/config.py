@@ -75,7 +75,7 @@ class ModelConfig(_Section):
     moe_dense_layers: int = Field(default=0, ge=0)
     """The first this many blocks keep a dense MLP (as DeepSeek-V3's first three)."""
     moe_aux_loss: float = Field(default=0.01, ge=0)
-    """Weight of the load-balancing loss, E x sum_i f_i P_i (Switch Transformer; f_i: share of routed tokens, P_i: mean router probability of expert i), added to the training objective."""
+    """Weight of the load-balancing loss E x sum_i f_i P_i of each MoE block (Switch Transformer; f_i: share of routed tokens, P_i: mean router probability of expert i; 1 when balanced), whose sum over blocks is added to the training objective; logged per block as moe_balance."""
 
     @model_validator(mode="after")
     def _check_shape(self) -> ModelConfig:
@@ -93,11 +93,20 @@ class ModelConfig(_Section):
             )
         if self.moe_experts:
             if self.moe_top_k > self.moe_experts:
-                raise ValueError(f"model.moe_top_k = {self.moe_top_k} is more than the model.moe_experts = "
-                                 f"{self.moe_experts} there are; route to at most all of them")
+                raise ValueError(f"model.moe_top_k = {self.moe_top_k}"
+                                 + ("" if "moe_top_k" in self.model_fields_set else " (its default)")
+                                 + f" is more than the model.moe_experts = {self.moe_experts} there are; route to "
+                                 "at most all of them")
             if self.moe_dense_layers >= self.n_layers:
                 raise ValueError(f"model.moe_dense_layers = {self.moe_dense_layers} leaves none of the "
                                  f"{self.n_layers} blocks a mixture of experts; use fewer, or model.moe_experts = 0")
+        else:
+            # Set to something other than their defaults (a resolved config writes every field).
+            stray = sorted(name for name, info in type(self).model_fields.items()
+                           if name.startswith("moe_") and name != "moe_experts" and getattr(self, name) != info.default)
+            if stray:
+                raise ValueError(f"{', '.join('model.' + name for name in stray)} set, but model.moe_experts = 0 (a "
+                                 "dense model); set model.moe_experts to make a mixture of experts, or drop them")
         return self
 
     @property
@@ -332,6 +341,9 @@ class RunConfig(_Section):
         if self.model.moe and self.parallel.recompute == "auto":
             raise ValueError("parallel.recompute = 'auto' needs the memory model, which covers dense models only; "
                              "choose none, selective or full for a mixture of experts")
+        if self.model.moe and self.train.compile:
+            raise ValueError("train.compile with a mixture of experts is untested (its routing syncs with the host "
+                             "and breaks the graph); set train.compile = false")
         return self
 
     @property

@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletrain.config import ConfigError, ModelConfig
+from scaletrain.config import ConfigError, ModelConfig, load_config
 from scaletrain.errors import UserError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -133,6 +133,11 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
         raise ExportError(f"{str(out)!r} already exists and is not an empty directory; give a new path "
                           "(an export never overwrites files)")
     tokenizer_json = Path(run_dir) / "tokenizer.json"
+    if (Path(run_dir) / "config.toml").is_file():  # before loading any weights
+        model_cfg = load_config(Path(run_dir) / "config.toml").model
+        if model_cfg.moe:
+            raise ExportError(f"{str(run_dir)!r} is a mixture of experts (model.moe_experts = "
+                              f"{model_cfg.moe_experts}); export writes Llama and Qwen3 dense models only so far")
     if (Path(run_dir) / "config.toml").is_file() and not tokenizer_json.is_file():
         raise ConfigError(f"run directory {str(run_dir)!r} has no tokenizer.json; it is copied there when "
                           "training starts, so this run never trained")
@@ -145,10 +150,6 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
     from scaletrain.model.flops import param_counts
 
     model, cfg, step = load_model(run_dir, step=step)
-    if cfg.model.moe:
-        raise ExportError(f"{str(run_dir)!r} is a mixture of experts (model.moe_experts = "
-                          f"{cfg.model.moe_experts}); export "
-                          "writes Llama and Qwen3 dense models only so far")
     tokenizer = load_tokenizer(tokenizer_json)
     eos_id = find_eos(tokenizer)
     eos = tokenizer.id_to_token(eos_id)

@@ -3,9 +3,10 @@ Neural Networks"; top-k routing as in GShard, Lepikhin et al. 2021, and Mixtral,
 2024), optional shared experts every token goes through (DeepSeekMoE, Dai et al. 2024), and a
 load-balancing loss (Switch Transformer, Fedus et al. 2022, eq. 4).
 
-Each token goes to the moe_top_k experts of highest router logit, their outputs weighted by the
-softmax of those k logits. No token is dropped (no capacity limit): each expert computes on
-exactly the tokens sent to it, one matmul per expert over a batch gathered by expert, so the
+Each token goes to the moe_top_k experts of highest router probability (computed in float32),
+their outputs weighted by those probabilities renormalised over the k (Mixtral), or by the
+probability itself when k = 1 (Switch), so that the router learns from the loss either way.
+No token is dropped (no capacity limit): each expert computes on exactly the tokens sent to it, one matmul per expert over a batch gathered by expert, so the
 FLOPs are those of model/flops.py's active parameters exactly. The outputs are put back in token
 order by a permutation, not a scatter-add, so the result does not depend on the order of
 floating-point additions (runs resume bit-exactly on GPUs too).
@@ -69,18 +70,15 @@ def _expert_parallel(x: torch.Tensor, counts: torch.Tensor, weights: list[torch.
     weights = [_ScaleGradient.apply(w, 1 / ep) for w in weights]
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)  # [source rank, local expert] counts
-    sent_splits = counts.view(ep, local).sum(dim=1).tolist()
-    grid = received.view(ep, local)
-    arrived_splits = grid.sum(dim=1).tolist()
+    sent, came = torch.stack([counts, received]).tolist()  # one host sync for every split
+    sent_splits = [sum(sent[r * local:(r + 1) * local]) for r in range(ep)]
+    arrived_splits = [sum(came[s * local:(s + 1) * local]) for s in range(ep)]
     arrived = all_to_all_single_autograd(x, arrived_splits, sent_splits, group)  # by source, then expert
     # Regroup by local expert (then source), run, and put back in arrival order.
-    sizes = grid.flatten().tolist()
-    starts = [0]
-    for size in sizes[:-1]:
-        starts.append(starts[-1] + size)
-    index = torch.cat([torch.arange(starts[s * local + e], starts[s * local + e] + sizes[s * local + e],
-                                    device=x.device) for e in range(local) for s in range(ep)])
-    out = _run(arrived[index], grid.sum(dim=0).tolist(), *weights)
+    expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(received)
+    index = expert_of_row.argsort(stable=True)
+    per_expert = [sum(came[s * local + e] for s in range(ep)) for e in range(local)]
+    out = _run(arrived[index], per_expert, *weights)
     back = torch.empty_like(out)
     back[index] = out
     return all_to_all_single_autograd(back, sent_splits, arrived_splits, group)
@@ -102,10 +100,14 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
-        logits = self.router(flat).float()  # (tokens, experts), routing decided in float32
+        with torch.autocast(x.device.type, enabled=False):  # routing decided in float32
+            logits = F.linear(flat.float(), self.router.weight.float())  # (tokens, experts)
         experts = self.router.out_features
-        top_logits, chosen = logits.topk(self.top_k, dim=-1)  # (tokens, k)
-        weights = top_logits.softmax(dim=-1)
+        probs = logits.softmax(dim=-1)
+        chosen = logits.topk(self.top_k, dim=-1).indices  # (tokens, k)
+        weights = probs.gather(-1, chosen)  # one expert: its probability, as Switch (so the router
+        if self.top_k > 1:  # learns from the loss); several: renormalised over them, as Mixtral
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         assignments = chosen.flatten()  # token t's j-th expert at t * k + j
         order = assignments.argsort(stable=True)  # assignments grouped by expert, tokens in order
         counts = torch.bincount(assignments, minlength=experts)
@@ -116,7 +118,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(flat)
         share = counts.float() / assignments.numel()
-        self.aux_loss = experts * (share * logits.softmax(dim=-1).mean(dim=0)).sum()
+        self.aux_loss = experts * (share * probs.mean(dim=0)).sum()
         return out.view(batch, seq, dim)
 
 
@@ -134,7 +136,13 @@ class _ScaleGradient(torch.autograd.Function):
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor | None:
-    """The sum over `model`'s mixture-of-experts blocks of their last forward's balancing loss;
-    None for a dense model."""
-    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
-    return torch.stack(losses).sum() if losses else None
+    """The balancing losses of `model`'s mixture-of-experts blocks' last forward, stacked (one per
+    block), and let go (a recomputed forward sets them again, holding its graph until read);
+    None for a dense model. The objective adds their sum (as Switch adds each layer's)."""
+    blocks = [m for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+    if not blocks:
+        return None
+    losses = torch.stack([m.aux_loss for m in blocks])
+    for m in blocks:
+        m.aux_loss = None
+    return losses

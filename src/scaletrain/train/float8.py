@@ -37,7 +37,9 @@ def convert_to_float8(model: nn.Module, device: torch.device, tp: int) -> int:
 
     def wanted(module: nn.Module, name: str) -> bool:
         # float8 matmuls need both dimensions divisible by 16.
-        ok = (isinstance(module, nn.Linear) and name.split(".")[-1] != "output"
+        # Not the output head, nor a mixture of experts' router (routing decided in float32);
+        # routed experts are not nn.Linear and stay in the compute dtype.
+        ok = (isinstance(module, nn.Linear) and name.split(".")[-1] not in ("output", "router")
               and module.in_features % 16 == 0 and module.out_features % 16 == 0)
         if ok:
             converted.append(name)

@@ -176,7 +176,7 @@ class Trainer:
         if cfg.train.float8:  # before sharding: FSDP then gathers float8-aware weights
             log.info("train.float8: %d linear layers compute in float8",
                      convert_to_float8(model, self.device, self.layout.tp))
-        self.moe_balance: float | None = None  # the experts' balancing loss at the last look (1: balanced)
+        self.moe_balance: float | None = None  # balancing loss per MoE block and rank at the last look (1: balanced)
         self.parallel = parallelize(model, self.mesh, self.layout, cfg, self.device, param_dtype=param_dtype)
         self.model = self.parallel.module
         if self.layout.tp == 1 and self.layout.pp == 1:
@@ -414,9 +414,9 @@ class Trainer:
                     loss = self.model(inputs, targets) / self.loader.micro_steps
                     objective = loss
                     if self.cfg.model.moe:  # the experts' balance enters the objective, not the reported loss
-                        balance = moe_aux_loss(self.parallel.module) / self.loader.micro_steps
-                        objective = loss + self.cfg.model.moe_aux_loss * balance
-                        aux_sum += balance.detach()
+                        balance = moe_aux_loss(self.parallel.module) / self.loader.micro_steps  # one per block
+                        objective = loss + self.cfg.model.moe_aux_loss * balance.sum()
+                        aux_sum += balance.detach().mean()
                     objective.backward()
                 loss_sum += _local(loss.detach())
         if self.parallel.schedule is not None:  # the pipeline takes this rank's whole share, in micro-batches
@@ -443,7 +443,7 @@ class Trainer:
             return None, None, data_wait
         loss_value = self._mean_over_last_stage(loss_sum)
         self._check(loss_value)
-        self.moe_balance = aux_sum.item() if self.cfg.model.moe else None  # this rank's, for the log
+        self.moe_balance = self._mean_over_last_stage(aux_sum) if self.cfg.model.moe else None
         return loss_value, grad_norm.item(), data_wait
 
     def _check(self, loss: float | None) -> None:
