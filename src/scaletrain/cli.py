@@ -491,14 +491,22 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 # -- fit ------------------------------------------------------------------------------------
 
 
-def _flops(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 1e21)") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
+def _number(convert, what: str, ok, bound: str):
+    """An argparse type: `convert`, then `ok`, each failure one line saying what would do."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {bound}")
+        return value
+    return parse
+
+
+_flops = _number(float, "a number (e.g. 1e21)", lambda v: v > 0, "positive")
+_count = _number(int, "a whole number", lambda v: v >= 1, "at least 1")
+_amount = _number(float, "a number", lambda v: 0 <= v < float("inf"), "zero or positive")
 
 
 def _chinchilla_preset(name: str):
@@ -512,26 +520,6 @@ def _chinchilla_preset(name: str):
     if not isinstance(law, ChinchillaLaw):
         raise UserError(f"the {name!r} law has no E + A/N^α + B/D^β form to predict with; use hoffmann or epoch")
     return law
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
-
-
-def _amount(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be zero or positive")
-    return value
 
 
 def _interval(entry: dict, digits: int = 4) -> str:
