@@ -76,3 +76,11 @@ def test_plan_backtest_prints_a_prediction_beside_each_published_figure():
     for row in rows:
         published = [k for k in row if k.startswith("published_")]
         assert published and all(row[k.replace("published_", "predicted_")] > 0 for k in published)
+
+
+def test_moe_layer_benchmark_prints_json():
+    result = subprocess.run([sys.executable, "benchmarks/moe_layer.py", "--tokens", "64", "--dim", "32",
+                             "--experts", "4", "--repeats", "1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["moe_ms"] > 0 and report["dense_same_flops_ms"] > 0 and report["overhead"] > 0
