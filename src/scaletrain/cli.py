@@ -253,7 +253,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from scaletrain.plan.planner import Sizing, make_plan, model_for, plan_for_time, size, vocab_of
 
     hardware = _hardware(args)
-    hardware.check()
     modes = [args.config is not None, args.compute is not None, args.hours is not None, args.params is not None]
     if sum(modes) != 1:
         raise UserError("say what to plan: a config FILE (a run as configured), --compute C or --hours H (a budget "
@@ -263,7 +262,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if (args.inference_tokens or args.unique_tokens) and not sized:
         raise UserError("--inference-tokens and --unique-tokens size the model for a budget; add --compute C or "
                         "--hours H")
-    law, boot = (_law_file(args.law) if args.law else (_chinchilla_preset(args.preset or "epoch"), [])) \
+    law, boot = (_law_file(args.law)[1:] if args.law else (_chinchilla_preset(args.preset or "epoch"), [])) \
         if (sized or args.law or args.preset) else (None, [])
     if (args.params is None) != (args.tokens is None) and args.config is None:
         raise UserError("--params and --tokens go together: the model's parameter count and its training tokens")
@@ -323,7 +322,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _law_file(path: str):
+def _law_file(path: str) -> tuple[dict, object, list]:
+    """(the law.json document, its approach-3 law, its bootstrap laws), or a UserError in one line."""
     import json
     from pathlib import Path
 
@@ -334,9 +334,10 @@ def _law_file(path: str):
         raise UserError(f"--law {path!r} does not exist; give a law.json written by `scaletrain fit`")
     try:
         doc = json.loads(file.read_text())
-        return law_of(doc), bootstrap_laws(doc)
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise UserError(f"--law {path!r} is not a law.json of `scaletrain fit` ({type(e).__name__}: {e})") from None
+        return doc, law_of(doc), bootstrap_laws(doc)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--law {path!r} is not a law.json written by `scaletrain fit` ({type(e).__name__}: "
+                        f"{e})") from None
 
 
 def _gb(value: float) -> str:
@@ -733,17 +734,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     import json
 
-    from scaletrain.report.run import run_report
+    from scaletrain.report.run import PLANNED, run_report
 
-    law = None
-    if args.law:
-        from scaletrain.scaling.fit import bootstrap_laws, law_of
-
-        try:
-            law = json.loads(open(args.law).read())
-            law_of(law), bootstrap_laws(law)  # what the report reads of it
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise UserError(f"--law {args.law!r} is not a law.json written by `scaletrain fit` ({e})") from None
+    law = _law_file(args.law)[0] if args.law else None
     plan = None
     if args.plan:
         try:
@@ -770,8 +763,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             table.add_row("reached against predicted", f"{prediction['error']:+.2%}")
     if "plan" in summary:
         against = summary["plan"]
-        for key, label, form in (("tokens_per_s", "tokens/s", ",.0f"), ("mfu", "MFU", ".1%"),
-                                 ("peak_memory_gb", "peak memory (GB)", ".2f")):
+        for key, label, form in PLANNED:
             entry = against[key]
             if entry["planned"] is not None:
                 table.add_row(f"planned {label} on {against['devices']} x {against['device']}",

@@ -88,6 +88,10 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
     return summary
 
 
+# What the plan predicted that the run measures: (key, label, format).
+PLANNED = (("tokens_per_s", "tokens/s", ",.0f"), ("mfu", "MFU", ".1%"), ("peak_memory_gb", "peak memory (GB)", ".2f"))
+
+
 def against_plan(plan: dict, n: int, summary: dict) -> dict:
     """The plan's predictions of speed and memory beside what the run measured (ratios measured
     over planned); ConfigError when the plan is for another model."""
@@ -179,8 +183,7 @@ def _html(cfg, summary: dict, plots: list[Path]) -> str:
             ("peak memory (GB)", number(summary["peak_memory_gb"], ".2f"))]
     plan = summary.get("plan")
     if plan is not None:
-        for key, label, form in (("tokens_per_s", "tokens/s", ",.0f"), ("mfu", "MFU", ".1%"),
-                                 ("peak_memory_gb", "peak memory (GB)", ".2f")):
+        for key, label, form in PLANNED:
             entry = plan[key]
             rows.append((f"planned {label} ({plan['devices']} x {plan['device']}, {plan['layout']})",
                          number(entry["planned"], form)
