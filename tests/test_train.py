@@ -8,6 +8,8 @@ import math
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -472,6 +474,42 @@ def test_a_signal_stops_after_the_next_step_with_a_checkpoint_and_the_run_resume
     assert losses(stopped) == losses(whole) and losses(stopped, "eval") == losses(whole, "eval")
 
 
+WATCHED_SAVE = """
+import sys, threading, time
+from pathlib import Path
+from scaletrain.train import checkpoint
+from scaletrain.train.resilience import Watchdog
+
+root = Path(sys.argv[1])
+(root / "step_0000001").mkdir(parents=True)
+
+def write():  # a save that takes 3 s, three times the hang timeout, and then stops
+    with open(root / "step_0000001" / "__0_0.distcp", "wb") as f:
+        for _ in range(30):
+            f.write(bytes(1000))
+            f.flush()
+            time.sleep(0.1)
+
+start = time.monotonic()
+dog = Watchdog(1.0, on_hang=lambda quiet: print(f"ended after {time.monotonic() - start:.2f} s", flush=True),
+               progress=lambda: checkpoint.bytes_on_disk(root))
+dog.beat()
+threading.Thread(target=write, daemon=True).start()
+time.sleep(60)  # the loop, waiting for the save
+"""
+
+
+def test_the_watchdog_lets_a_long_save_run_while_it_writes_and_ends_a_silent_process_after(tmp_path):
+    """train.hang_timeout_s = 1 and a checkpoint that takes 3 s to write: no hang while its bytes
+    grow; once they stop, the process ends with status 75 a timeout later."""
+    result = subprocess.run([sys.executable, "-c", WATCHED_SAVE, str(tmp_path / "checkpoints")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 75, result.stderr[-3000:]
+    ended = float(result.stdout.split("ended after ")[1].split()[0])
+    assert 3.0 < ended < 6.0, result.stdout
+    assert "a checkpoint is still being written: not a hang" in result.stderr
+
+
 def test_a_divergence_rewinds_to_the_checkpoint_skips_the_batches_since_and_resumes_exactly(
         stdlib_data, tmp_path, monkeypatch):
     """train.rewinds = 1: step 7's gradient is NaN (its update is skipped on the device); the loop
@@ -498,6 +536,25 @@ def test_a_divergence_rewinds_to_the_checkpoint_skips_the_batches_since_and_resu
     got = losses(split)
     assert got.pop(10)  # the stop logs its own step too
     assert got == losses(whole)
+
+    # A crash after the rewind, before the next checkpoint: the run resumes from step 4's
+    # checkpoint past the skipped batches, as the rewound run went on, not into them again.
+    monkeypatch.setattr(Trainer, "_clip_gradients", nan_norm_once_after(6))
+    real_save = Trainer.save
+
+    def crash_at_8(self):
+        if self.step == 8:
+            raise RuntimeError("the node went away")
+        return real_save(self)
+    monkeypatch.setattr(Trainer, "save", crash_at_8)
+    crashed = tmp_path / "crashed"
+    with pytest.raises(RuntimeError, match="the node went away"):
+        train(tiny_config(stdlib_data, crashed, *common))
+    recorded = checkpoint.rewound(crashed / "checkpoints" / "step_0000004")
+    assert (recorded["diverged_at"], recorded["skipped_steps"]) == (7, 4)
+    monkeypatch.setattr(Trainer, "save", real_save)
+    assert train(tiny_config(stdlib_data, crashed, *common)).resumed_from == 4
+    assert losses(crashed) == losses(whole)
 
 
 def test_a_divergence_that_recurs_after_its_rewinds_stops_the_run(stdlib_data, tmp_path):

@@ -2,6 +2,8 @@
 
     checkpoints/step_0000100/   .metadata, *.distcp   written by torch.distributed.checkpoint
     checkpoints/step_0000100/COMMITTED                written last: {step, tokens, files: {name: [bytes, crc32]}}
+    checkpoints/step_0000100/REWOUND                  written after a divergence rewound to it:
+                                                      {loader, diverged_at, skipped_steps}
     checkpoints/latest                                name of the newest complete checkpoint
 
 A checkpoint directory without its COMMITTED marker, or whose files differ in size from
@@ -11,7 +13,9 @@ damaged checkpoint is reported rather than silently loaded. Under torch.distribu
 share the checksumming, at the save and at the load: each reads its share of the files, so the
 job reads the checkpoint once, not once per rank. `latest` is a convenience for
 people and tools; resuming scans the directories, so a crash between the marker and the
-pointer loses nothing.
+pointer loses nothing. `REWOUND` is not part of the checkpoint's files: it records where the
+data stood when training went back to this checkpoint, so that a run resumed from it skips the
+batches that led to the divergence, as the rewound run did (see `record_rewind`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ log = logging.getLogger("scaletrain")
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 MARKER = "COMMITTED"
+REWOUND = "REWOUND"
 PREFIX = "step_"
 
 
@@ -53,7 +58,7 @@ def checkpoint_dir(root: Path, step: int) -> Path:
 
 
 def _sizes(path: Path) -> dict[str, int]:
-    return {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file() and f.name != MARKER}
+    return {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file() and f.name not in (MARKER, REWOUND)}
 
 
 def _crc32(path: Path) -> int:
@@ -218,6 +223,32 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def record_rewind(path: Path, loader: dict, diverged_at: int, skipped_steps: int) -> None:
+    """Record beside checkpoint `path` that training went back to it after diverging at step
+    `diverged_at`, with the data at `loader` (past the batches since the checkpoint). One process
+    writes it, atomically; a later rewind to the same checkpoint replaces it."""
+    if _is_main():
+        _write_atomic(path / REWOUND, json.dumps({"loader": loader, "diverged_at": diverged_at,
+                                                  "skipped_steps": skipped_steps}, indent=1))
+
+
+def rewound(path: Path) -> dict | None:
+    """What `record_rewind` recorded beside `path`, or None."""
+    try:
+        return json.loads((path / REWOUND).read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise CheckpointError(f"{path / REWOUND} is unreadable ({e}); it records the data position a divergence "
+                              "skipped to — delete it to read those batches again") from e
+
+
+def bytes_on_disk(root: Path) -> int:
+    """The bytes of every file in every checkpoint directory under `root`: it changes while a
+    checkpoint is written or pruned (the watchdog's sign that a long save is not a hang)."""
+    return sum(f.stat().st_size for path in all_checkpoints(root) for f in path.iterdir() if f.is_file())
 
 
 def step_of(path: Path) -> int:

@@ -22,7 +22,11 @@ thread that expects a beat (a step, an evaluation or a checkpoint finished) ever
 without one it prints every thread's stack, says so and ends the process with status 75
 (EX_TEMPFAIL: try again). torchrun then stops the other workers and, given `--max-restarts`,
 starts them all again; they resume from the newest checkpoint. It is armed after the first
-step, whose compilation and first collectives may take long.
+step, whose compilation and first collectives may take long. A checkpoint being written is
+not a hang however long it takes, as long as it is still being written: once the loop has been
+silent for half the timeout, the watchdog looks at the bytes under the checkpoint directory at
+each check, and a change counts as a beat (a filesystem that stopped answering changes nothing,
+and a look that does not return within a few seconds counts as no change).
 """
 
 from __future__ import annotations
@@ -110,11 +114,19 @@ class StopSignals:
 class Watchdog:
     """Ends the process with HANG_EXIT_STATUS when, after the first `beat()`, the next does not
     come within `timeout_s` seconds (0: never). `on_hang(seconds)` runs first, e.g. to record the
-    hang; the stacks go to stderr."""
+    hang; the stacks go to stderr. `progress()`, if given, returns a value that changes while
+    work the loop may be waiting for still advances (the bytes of checkpoints being written):
+    after half the timeout without a beat it is looked at on every check, and a change counts
+    as a beat."""
 
-    def __init__(self, timeout_s: float, on_hang: Callable[[float], None] | None = None):
-        self.timeout_s, self.on_hang = timeout_s, on_hang
+    PROBE_S = 5.0  # the longest a look at `progress` may take before it counts as no change
+
+    def __init__(self, timeout_s: float, on_hang: Callable[[float], None] | None = None,
+                 progress: Callable[[], object] | None = None):
+        self.timeout_s, self.on_hang, self.progress = timeout_s, on_hang, progress
         self._last: float | None = None  # disarmed until the first beat
+        self._seen = None  # what progress() returned at the last look, while the loop was silent
+        self._probe: threading.Thread | None = None
         self._done = threading.Event()
         self._thread = None
         if timeout_s > 0:
@@ -123,17 +135,43 @@ class Watchdog:
 
     def beat(self) -> None:
         self._last = time.monotonic()
+        self._seen = None
 
     def close(self) -> None:
         self._done.set()
         if self._thread is not None:
             self._thread.join()
 
+    def _advanced(self) -> bool:
+        """Whether progress() changed since the last look (the first look only takes a value)."""
+        if self.progress is None or (self._probe is not None and self._probe.is_alive()):
+            return False  # nothing to look at, or the last look never returned (a stuck filesystem)
+        looked: list = []
+
+        def look() -> None:
+            try:
+                looked.append(self.progress())
+            except OSError:
+                pass
+        self._probe = threading.Thread(target=look, name="scaletrain-watchdog-probe", daemon=True)
+        self._probe.start()
+        self._probe.join(timeout=self.PROBE_S)
+        if not looked:
+            return False
+        seen, self._seen = self._seen, looked[0]
+        return seen is not None and looked[0] != seen
+
     def _watch(self) -> None:
         while not self._done.wait(min(self.timeout_s / 4, 5.0)):
             if self._last is None:
                 continue
             quiet = time.monotonic() - self._last
+            if quiet < self.timeout_s / 2:
+                continue
+            if self._advanced():
+                log.warning("nothing finished in %.0f s, but a checkpoint is still being written: not a hang", quiet)
+                self._last = time.monotonic()  # not beat(): the next look compares with this one
+                continue
             if quiet < self.timeout_s:
                 continue
             log.error("no step, evaluation or checkpoint finished in %.0f s (train.hang_timeout_s = %g): the "

@@ -324,17 +324,24 @@ class Trainer:
                 raise ConfigError(f"checkpoint.resume = {choice!r} is older than checkpoints already in "
                                   f"{str(self.ckpt_root)!r} ({', '.join(newer)}); resuming would mix two histories — "
                                   "choose a new run.name")
+        skip = checkpoint.rewound(path)
+        if skip is not None:  # a divergence went back to this checkpoint: its batches since stay skipped
+            state["loader"] = json.dumps(skip["loader"])
+            log.info("%s was rewound to after the divergence at step %d: resuming past the %d steps of batches "
+                     "skipped then", path, skip["diverged_at"], skip["skipped_steps"])
         self.load_state(state)
         log.info("resumed from %s at step %d", path, self.step)
         return self.step
 
-    def rewind(self) -> tuple[Path, int] | None:
+    def rewind(self, diverged_at: int) -> tuple[Path, int] | None:
         """After a divergence: back to the newest intact checkpoint's model, optimizer, RNG and
         step, with the data where it got to, so that the batches read since that checkpoint (those
         that led to the divergence) are skipped (Chowdhery et al. 2022, "PaLM", section 5.1, who
-        restarted ~100 steps before a spike and skipped 200-500 batches). Returns the checkpoint
-        and the steps of batches skipped, or None when there is no checkpoint to go back to
-        (nothing changed then). Every rank calls it (they diverge at the same step)."""
+        restarted ~100 steps before a spike and skipped 200-500 batches). The data position is
+        recorded beside the checkpoint, so that a run stopped or crashed before its next
+        checkpoint resumes past those batches too. Returns the checkpoint and the steps of
+        batches skipped, or None when there is no checkpoint to go back to (nothing changed
+        then). Every rank calls it (they diverge at the same step)."""
         self.finish_saving(wait=True)
         if dist.is_initialized():
             dist.barrier()  # rank 0 has committed (and pruned) what it was saving: all ranks list alike
@@ -350,6 +357,7 @@ class Trainer:
         self.first_bad = torch.tensor([-1.0, 0.0, 0.0], device=self.device)
         self.optimizer.zero_grad(set_to_none=True)  # a step that raised before applying left its gradients
         skipped = (position["consumed"] - json.loads(state["loader"])["consumed"]) // self.cfg.seqs_per_step
+        checkpoint.record_rewind(path, position, diverged_at, skipped)
         return path, skipped
 
     def save(self) -> Path:
@@ -583,7 +591,8 @@ class Trainer:
         signals = StopSignals(dist.new_group(backend="gloo") if dist.is_initialized() else None)
         signals.install()
         watchdog = Watchdog(cfg.train.hang_timeout_s, on_hang=lambda quiet: metrics.write(
-            "hang", self.step, self.tokens, seconds=round(quiet, 1)))
+            "hang", self.step, self.tokens, seconds=round(quiet, 1)),
+            progress=lambda: checkpoint.bytes_on_disk(self.ckpt_root))
         finished = False
         try:
             while (self.step < self.total_steps and (stop_at_step is None or self.step < stop_at_step)
@@ -599,13 +608,11 @@ class Trainer:
                     train_loss, grad_norm, wait = self.train_step(look=look)
                 except TrainingDiverged as e:
                     try:
-                        rewound = self.rewind() if rewinds_left else None
+                        rewound = self.rewind(e.step) if rewinds_left else None
                     except checkpoint.CheckpointError as failed:  # no checkpoint could be loaded
                         raise e from failed
                     if rewound is None:
                         raise
-                    # Until the next checkpoint, a stop or crash resumes from this one without the
-                    # skip (its batches are read again); a signal stops the run here.
                     saved, skipped = rewound
                     rewinds_left -= 1
                     metrics.write("rewind", self.step, self.tokens, diverged_at=e.step, checkpoint=str(saved),
