@@ -64,6 +64,46 @@ def test_transformers_loads_the_export_and_computes_the_same_logits_and_text(run
     assert f"{cfg.run.name}" in card and "step 6" in card and "validation loss at step 6" in card
 
 
+MIXTURES = {  # the first block dense, and one expert per token (weighted by its probability)
+    "Qwen3MoeForCausalLM": ["model.qk_norm=true", "model.moe_experts=4", "model.moe_top_k=1", "model.moe_ffn_dim=48",
+                            "model.moe_dense_layers=1"],
+    "MixtralForCausalLM": ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=48"]}
+
+
+@pytest.mark.parametrize("architecture", MIXTURES)
+def test_a_mixture_of_experts_exports_as_qwen3_moe_or_mixtral_with_the_same_logits(stdlib_data, tmp_path,
+                                                                                  architecture):
+    run_dir = tmp_path / "run"
+    train(tiny_config(stdlib_data, run_dir, "train.steps=2", "eval.interval=0", *MIXTURES[architecture]))
+    exported = export_hf(run_dir, tmp_path / "hf")
+    assert exported.architecture == architecture
+    ours, cfg, _ = load_model(run_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(hf).__name__ == architecture
+    assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in ours.parameters())
+    ids = load_tokenizer(run_dir / "tokenizer.json").encode(TEXT, add_special_tokens=False).ids
+    tokens = torch.tensor([ids[:40], ids[-40:]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
+    assert "| experts (each token to)" in (tmp_path / "hf" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["model.moe_shared_experts=1"], "model.moe_shared_experts = 1: neither Qwen3-MoE nor Mixtral has shared experts"),
+    (["model.moe_dense_layers=1"], "Mixtral .a mixture of experts without QK-norm. has no dense blocks"),
+    (["model.moe_top_k=1"], "model.moe_top_k = 1: Mixtral weights a single expert's output by 1"),
+], ids=["shared", "dense-mixtral", "top1-mixtral"])
+def test_a_mixture_no_architecture_computes_is_refused_before_any_weight_is_read(stdlib_data, tmp_path, overrides,
+                                                                                 words):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = tiny_config(stdlib_data, run_dir, "model.moe_experts=4", *overrides)
+    (run_dir / "config.toml").write_text(cfg.to_toml())
+    with pytest.raises(UserError, match=words):
+        export_hf(run_dir, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_a_chosen_step_in_bfloat16_and_in_shards_loads_as_one_model(runs, tmp_path):
     run_dir = runs / "llama"
     (tmp_path / "hf").mkdir()  # an empty directory is a destination too
@@ -149,7 +189,7 @@ def test_a_run_starts_from_an_exported_model_and_trains_on(runs, stdlib_data, tm
     Trainer(new).loader.close()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral"])
 def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, kind):
     from scaletrain.config import ModelConfig
     from scaletrain.hf import load_hf_weights, model_settings
@@ -160,17 +200,27 @@ def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, k
     torch.manual_seed(0)
     if kind == "llama":
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, rope_theta=1e4, tie_word_embeddings=False))
-    else:
+    elif kind == "qwen3":
         hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, head_dim=16, tie_word_embeddings=True))
+    elif kind == "qwen3_moe":  # a dense first block, then 4 experts of width 32, 2 per token
+        hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **shape, head_dim=16, tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0]))
+    else:
+        hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **shape, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2))
     with torch.no_grad():  # norms initialised to ones would hide a mix-up of norm weights
         for name, param in hf.named_parameters():
             if "norm" in name:
                 param.add_(0.2 * torch.randn_like(param))
+            if "gate" in name and "proj" not in name:  # a router initialised to zeros routes by index
+                param.normal_(0, 0.5)
     hf.save_pretrained(tmp_path / "hf", max_shard_size="50KB")  # several shards and an index
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
 
     cfg = ModelConfig(**model_settings(tmp_path / "hf"))
-    assert (cfg.qk_norm, cfg.tie_embeddings) == (kind == "qwen3", kind == "qwen3")
+    assert (cfg.qk_norm, cfg.tie_embeddings) == (kind.startswith("qwen3"), kind.startswith("qwen3"))
+    assert (cfg.moe_experts, cfg.moe_dense_layers) == {"qwen3_moe": (4, 1), "mixtral": (4, 0)}.get(kind, (0, 0))
     ours = Transformer(cfg)
     ours.load_state_dict(load_hf_weights(tmp_path / "hf", cfg))
     tokens = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -203,6 +253,20 @@ def test_a_model_of_another_shape_or_kind_is_refused_with_the_settings_to_use(ru
         model_settings(tmp_path / "hf")
     with pytest.raises(ConfigError, match="has no readable config.json"):
         model_settings(tmp_path)
+    mixture = {"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16,
+               "num_hidden_layers": 3, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "mlp_only_layers": [1], "decoder_sparse_step": 2, "norm_topk_prob": False}
+    (tmp_path / "config.json").write_text(json.dumps(mixture))
+    with pytest.raises(ConfigError, match=r"mlp_only_layers \[1\] .dense blocks must come first.; decoder_sparse_step 2 "
+                                          r".*; norm_topk_prob False with 2 experts per token"):
+        model_settings(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**mixture, "model_type": "mixtral", "num_experts_per_tok": 1}))
+    with pytest.raises(ConfigError, match="one expert per token weighted by 1"):
+        model_settings(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**mixture, "mlp_only_layers": [0], "decoder_sparse_step": 1,
+                                                      "norm_topk_prob": True}))
+    with pytest.raises(ConfigError, match="model.moe_experts is 0, the model's is 4.*model.moe_dense_layers=1"):
+        Trainer(tiny_config(stdlib_data, tmp_path / "run", "train.steps=2", f"checkpoint.init_from={tmp_path}"))
     qwen3 = {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
     (tmp_path / "config.json").write_text(json.dumps(qwen3))  # no head_dim: Qwen3's default 128, not 64 / 4
     with pytest.raises(ConfigError, match="head_dim 128 x 4 heads, not its hidden_size 64"):

@@ -294,7 +294,7 @@ class CheckpointConfig(_Section):
     resume: str = "auto"
     """"auto": resume from the newest complete checkpoint in the run directory if any; "never"; or a checkpoint path."""
     init_from: str | None = None
-    """A Hugging Face model directory (LlamaForCausalLM or Qwen3ForCausalLM, e.g. what `scaletrain export` writes) whose weights start a new run (continued pre-training); model.* must describe its config.json. A run that resumes takes its checkpoint instead."""
+    """A Hugging Face model directory (LlamaForCausalLM, Qwen3ForCausalLM or their mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM, e.g. what `scaletrain export` writes) whose weights start a new run (continued pre-training); model.* must describe its config.json. A run that resumes takes its checkpoint instead."""
 
 
 class EvalConfig(_Section):

@@ -7,13 +7,20 @@ and `AutoTokenizer.from_pretrained(out)` load: `config.json`, the weights as saf
 `README.md` model card. The decoder of `model/llama.py` is Hugging Face's `LlamaForCausalLM`
 (its rotary embeddings already use the "rotate half" pairing, so no weight is permuted); with
 QK-norm it is `Qwen3ForCausalLM`, Llama plus a per-head RMSNorm of queries and keys before the
-rotation, as ours. Nothing is written to `out` until every file is ready: the files go to a
-sibling directory that is renamed to `out` last.
+rotation, as ours. A mixture of experts (model/moe.py) is `Qwen3MoeForCausalLM` with QK-norm
+(dense first blocks as its `mlp_only_layers`; the top-k weights renormalised when k > 1, as
+its `norm_topk_prob`) and `MixtralForCausalLM` without; both route in float32 by a softmax
+over every expert and keep the top k, which is what ours computes. Neither has shared
+experts, Mixtral neither dense blocks nor the router probability as the weight of a single
+expert: those models are refused in one sentence. Expert weights are written one expert at a
+time, as the published checkpoints of both are. Nothing is written to `out` until every file
+is ready: the files go to a sibling directory that is renamed to `out` last.
 
-The other way, `model_settings(hf_dir)` reads a Llama or Qwen3 config.json as model.* settings
-and `load_hf_weights(hf_dir, cfg)` its safetensors as our state dict (`checkpoint.init_from`:
-continued pre-training from a published or exported model), refusing what the decoder of
-`model/llama.py` does not compute (biases, rotary scaling, sliding windows, another activation).
+The other way, `model_settings(hf_dir)` reads a Llama, Qwen3, Qwen3-MoE or Mixtral config.json
+as model.* settings and `load_hf_weights(hf_dir, cfg)` its safetensors as our state dict
+(`checkpoint.init_from`: continued pre-training from a published or exported model), refusing
+what the decoder of `model/llama.py` does not compute (biases, rotary scaling, sliding windows,
+another activation, dense blocks between expert blocks).
 """
 
 from __future__ import annotations
@@ -48,6 +55,10 @@ _BLOCK_NAMES = {
 }
 _TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
+# A mixture-of-experts block's MLP: the module's name, then each stacked expert weight's name
+# per expert (w1: gate, w3: up, w2: down), in Qwen3-MoE and in Mixtral.
+_MOE_NAMES = {"Qwen3MoeForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+              "MixtralForCausalLM": ("block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"})}
 
 
 class ExportError(UserError, ValueError):
@@ -74,19 +85,54 @@ def hf_name(name: str) -> str:
     return f"model.layers.{index}.{_BLOCK_NAMES[rest]}"
 
 
+def hf_names(cfg: ModelConfig, name: str) -> list[str]:
+    """Hugging Face's names of one of our parameters in the model `cfg` describes: one name, or
+    for a block's stacked expert weights one per expert (layers.3.feed_forward.experts.w1 ->
+    model.layers.3.mlp.experts.E.gate_proj.weight for E = 0, 1, ...)."""
+    if name.startswith("layers.") and ".feed_forward." in name and cfg.is_moe_layer(int(name.split(".")[1])):
+        index, rest = name.split(".", 2)[1:]
+        module, experts = _MOE_NAMES[architecture(cfg)]
+        if rest == "feed_forward.router.weight":
+            return [f"model.layers.{index}.{module}.gate.weight"]
+        kind = rest.removeprefix("feed_forward.experts.")
+        if kind not in experts:
+            raise KeyError(f"no Hugging Face name for parameter {name!r}")
+        return [f"model.layers.{index}.{module}.experts.{e}.{experts[kind]}.weight" for e in range(cfg.moe_experts)]
+    return [hf_name(name)]
+
+
 def architecture(cfg: ModelConfig) -> str:
     """The transformers class that computes what our model with this shape computes."""
+    if cfg.moe:
+        return "Qwen3MoeForCausalLM" if cfg.qk_norm else "MixtralForCausalLM"
     return "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
 
 
+def moe_problem(cfg: ModelConfig) -> str | None:
+    """Why no Hugging Face architecture computes the mixture of experts `cfg` describes, or None."""
+    if not cfg.moe:
+        return None
+    if cfg.moe_shared_experts:
+        return (f"model.moe_shared_experts = {cfg.moe_shared_experts}: neither Qwen3-MoE nor Mixtral has shared "
+                "experts")
+    if not cfg.qk_norm and cfg.moe_dense_layers:
+        return (f"model.moe_dense_layers = {cfg.moe_dense_layers}: Mixtral (a mixture of experts without QK-norm) has "
+                "no dense blocks; Qwen3-MoE (model.qk_norm = true) has")
+    if not cfg.qk_norm and cfg.moe_top_k == 1:
+        return ("model.moe_top_k = 1: Mixtral weights a single expert's output by 1, scaletrain by its router "
+                "probability; Qwen3-MoE (model.qk_norm = true) computes it")
+    return None
+
+
 def hf_config(cfg: ModelConfig, dtype: str, eos_id: int) -> dict:
-    """config.json for the model `cfg` describes: LlamaForCausalLM, or Qwen3ForCausalLM with QK-norm.
+    """config.json for the model `cfg` describes: LlamaForCausalLM, or Qwen3ForCausalLM with QK-norm
+    (their mixtures of experts: MixtralForCausalLM, Qwen3MoeForCausalLM).
 
     RoPE's base is written both ways transformers has read it (`rope_theta` before v5,
     `rope_parameters` since), and the dtype under both of its names, for the same reason."""
     config = {
         "architectures": [architecture(cfg)],
-        "model_type": "qwen3" if cfg.qk_norm else "llama",
+        "model_type": "qwen3" if cfg.qk_norm else "llama",  # the mixtures' below
         "vocab_size": cfg.vocab,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.hidden_dim,
@@ -116,6 +162,18 @@ def hf_config(cfg: ModelConfig, dtype: str, eos_id: int) -> dict:
     }
     if cfg.qk_norm:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    if cfg.moe and cfg.qk_norm:
+        # The expert count under both names transformers has read it (num_experts before v5).
+        config.update(model_type="qwen3_moe", num_experts=cfg.moe_experts, num_local_experts=cfg.moe_experts,
+                      num_experts_per_tok=cfg.moe_top_k, moe_intermediate_size=cfg.expert_dim,
+                      norm_topk_prob=cfg.moe_top_k > 1, decoder_sparse_step=1,
+                      mlp_only_layers=list(range(cfg.moe_dense_layers)), router_aux_loss_coef=cfg.moe_aux_loss,
+                      output_router_logits=False)
+    elif cfg.moe:
+        config.update(model_type="mixtral", num_local_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k,
+                      intermediate_size=cfg.expert_dim, router_aux_loss_coef=cfg.moe_aux_loss,
+                      router_jitter_noise=0.0, output_router_logits=False, sliding_window=None)
+        config.pop("mlp_bias")
     return config
 
 
@@ -134,10 +192,10 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
                           "(an export never overwrites files)")
     tokenizer_json = Path(run_dir) / "tokenizer.json"
     if (Path(run_dir) / "config.toml").is_file():  # before loading any weights
-        model_cfg = load_config(Path(run_dir) / "config.toml").model
-        if model_cfg.moe:
-            raise ExportError(f"{str(run_dir)!r} is a mixture of experts (model.moe_experts = "
-                              f"{model_cfg.moe_experts}); export writes Llama and Qwen3 dense models only so far")
+        problem = moe_problem(load_config(Path(run_dir) / "config.toml").model)
+        if problem:
+            raise ExportError(f"{str(run_dir)!r} is a mixture of experts no Hugging Face architecture computes "
+                              f"({problem})")
     if (Path(run_dir) / "config.toml").is_file() and not tokenizer_json.is_file():
         raise ConfigError(f"run directory {str(run_dir)!r} has no tokenizer.json; it is copied there when "
                           "training starts, so this run never trained")
@@ -153,9 +211,13 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
     tokenizer = load_tokenizer(tokenizer_json)
     eos_id = find_eos(tokenizer)
     eos = tokenizer.id_to_token(eos_id)
-    weights = {hf_name(name): tensor.detach().to(getattr(torch, dtype)).contiguous()
-               for name, tensor in model.state_dict().items()
-               if not (cfg.model.tie_embeddings and name == "output.weight")}  # tied: one tensor, in the embedding
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        if cfg.model.tie_embeddings and name == "output.weight":
+            continue  # tied: one tensor, in the embedding
+        names = hf_names(cfg.model, name)
+        for hf, part in zip(names, tensor.unbind(0) if ".experts." in name else [tensor]):  # experts one by one
+            weights[hf] = part.detach().to(getattr(torch, dtype)).contiguous()
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -236,6 +298,9 @@ def _model_card(run_dir: Path, cfg, step: int, params: int, dtype: str) -> str:
         f"| MLP width, vocabulary, context | {m.hidden_dim}, {m.vocab}, {m.max_seq_len} |",
         f"| QK-norm, tied embeddings | {'yes' if m.qk_norm else 'no'}, {'yes' if m.tie_embeddings else 'no'} |",
     ]
+    if m.moe:
+        lines.append(f"| experts (each token to), expert width, dense blocks first | {m.moe_experts} ({m.moe_top_k}), "
+                     f"{m.expert_dim}, {m.moe_dense_layers} |")
     if evals:
         last = evals[-1]
         lines.append(f"| validation loss at step {last['step']:,} ({last['tokens']:,} tokens) | {last['loss']:.4f} |")
@@ -270,8 +335,22 @@ def model_settings(hf_dir: str | Path) -> dict:
     hf = _hf_config(Path(hf_dir))
     kind = hf.get("model_type")
     problems = []
-    if kind not in ("llama", "qwen3"):
-        problems.append(f"model_type {kind!r} (supported: llama, qwen3)")
+    if kind not in ("llama", "qwen3", "qwen3_moe", "mixtral"):
+        problems.append(f"model_type {kind!r} (supported: llama, qwen3, qwen3_moe, mixtral)")
+    experts = hf.get("num_experts", hf.get("num_local_experts", 0)) if kind in ("qwen3_moe", "mixtral") else 0
+    top_k = hf.get("num_experts_per_tok", 2)
+    dense = hf.get("mlp_only_layers") or []
+    if kind == "qwen3_moe":
+        if dense != list(range(len(dense))):
+            problems.append(f"mlp_only_layers {dense} (dense blocks must come first)")
+        if hf.get("decoder_sparse_step", 1) != 1:
+            problems.append(f"decoder_sparse_step {hf['decoder_sparse_step']} (every block after the dense ones "
+                            "is a mixture)")
+        if bool(hf.get("norm_topk_prob", False)) != (top_k > 1):
+            problems.append(f"norm_topk_prob {hf.get('norm_topk_prob', False)} with {top_k} experts per token "
+                            "(scaletrain renormalises the weights of several experts and not of one)")
+    if kind == "mixtral" and top_k == 1:
+        problems.append("one expert per token weighted by 1 (scaletrain weights it by its router probability)")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf['hidden_act']!r} (SwiGLU needs silu)")
     for key in ("attention_bias", "mlp_bias"):
@@ -291,10 +370,16 @@ def model_settings(hf_dir: str | Path) -> dict:
                           f"{hf['num_attention_heads']} heads, not its hidden_size {hf['hidden_size']}; "
                           "scaletrain's heads split the width exactly")
     settings = {ours: hf[theirs] for ours, theirs in _SETTINGS.items() if theirs in hf}
-    settings.setdefault("tie_embeddings", False)  # transformers' default for both architectures
+    settings.setdefault("tie_embeddings", False)  # transformers' default for these architectures
     settings["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     settings["max_seq_len"] = hf.get("max_position_embeddings", 2048)
-    settings["qk_norm"] = kind == "qwen3"
+    settings["qk_norm"] = kind in ("qwen3", "qwen3_moe")
+    if experts:
+        settings.update(moe_experts=experts, moe_top_k=top_k, moe_dense_layers=len(dense))
+        if kind == "qwen3_moe":
+            settings["moe_ffn_dim"] = hf["moe_intermediate_size"]
+        else:  # Mixtral's intermediate_size is its experts' width; it has no dense block
+            settings["moe_ffn_dim"] = settings.pop("ffn_dim")
     return settings
 
 
@@ -302,12 +387,16 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
     """ConfigError naming every model.* setting that differs from the Hugging Face model's and the
     values to set (max_seq_len may differ: the rotary tables are computed, not loaded)."""
     want = model_settings(hf_dir)
-    if cfg.moe:
-        raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} is a dense model; model.moe_experts = "
-                          f"{cfg.moe_experts} asks for a mixture of experts (set model.moe_experts = 0)")
+    want.setdefault("moe_experts", 0)
+    if cfg.moe_shared_experts and want["moe_experts"]:
+        raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} has no shared experts; set "
+                          "model.moe_shared_experts = 0")
     have = {"vocab_size": cfg.vocab, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
             "n_kv_heads": cfg.kv_heads, "ffn_dim": cfg.hidden_dim, "norm_eps": cfg.norm_eps,
-            "tie_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta, "qk_norm": cfg.qk_norm}
+            "tie_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta, "qk_norm": cfg.qk_norm,
+            "moe_experts": cfg.moe_experts}
+    if want["moe_experts"]:
+        have.update(moe_top_k=cfg.moe_top_k, moe_ffn_dim=cfg.expert_dim, moe_dense_layers=cfg.moe_dense_layers)
     wrong = [key for key in have if key in want and have[key] != want[key]]
     if wrong:
         fix = " ".join(f"model.{key}={json.dumps(want[key])}" for key in wrong)
@@ -357,9 +446,10 @@ def load_hf_weights(hf_dir: str | Path, cfg: ModelConfig) -> dict:
     index = hf_dir / "model.safetensors.index.json"
     files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
              else ["model.safetensors"])
-    wanted = {hf_name(name): name for name in _our_names(cfg)
-              if not (cfg.tie_embeddings and name == "output.weight")}  # tied: the embedding's tensor
-    ours = {}
+    keys = {name: hf_names(cfg, name) for name in _our_names(cfg)
+            if not (cfg.tie_embeddings and name == "output.weight")}  # tied: the embedding's tensor
+    wanted = {key: name for name, names in keys.items() for key in names}
+    found = {}
     for file in files:
         if not (hf_dir / file).is_file():
             raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} lacks {file}; give a directory with the "
@@ -367,11 +457,13 @@ def load_hf_weights(hf_dir: str | Path, cfg: ModelConfig) -> dict:
         with safe_open(hf_dir / file, framework="pt") as f:  # one tensor at a time, not whole shards
             for key in f.keys():
                 if key in wanted:
-                    ours[wanted[key]] = f.get_tensor(key).to(torch.float32)
-    missing = [key for key, name in wanted.items() if name not in ours]
+                    found[key] = f.get_tensor(key).to(torch.float32)
+    missing = [key for key in wanted if key not in found]
     if missing:
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} has no tensor {missing[0]}"
                           + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    ours = {name: torch.stack([found[key] for key in names]) if ".experts." in name else found[names[0]]
+            for name, names in keys.items()}  # an expert stack from its experts
     if cfg.tie_embeddings:
         ours["output.weight"] = ours["tok_embeddings.weight"]
     return ours
@@ -380,6 +472,8 @@ def load_hf_weights(hf_dir: str | Path, cfg: ModelConfig) -> dict:
 def _our_names(cfg: ModelConfig) -> list[str]:
     """The names of Transformer(cfg)'s parameters, without building it."""
     optional = ("attention.q_norm.weight", "attention.k_norm.weight")
+    moe = ("feed_forward.router.weight", *(f"feed_forward.experts.{w}" for w in ("w1", "w2", "w3")))
     return ["tok_embeddings.weight", "norm.weight", "output.weight",
-            *(f"layers.{i}.{rest}" for i in range(cfg.n_layers) for rest in _BLOCK_NAMES
-              if cfg.qk_norm or rest not in optional)]
+            *(f"layers.{i}.{rest}" for i in range(cfg.n_layers)
+              for rest in [*_BLOCK_NAMES, *(moe if cfg.is_moe_layer(i) else ())]
+              if (cfg.qk_norm or rest not in optional) and not (cfg.is_moe_layer(i) and rest.startswith("feed_forward.w")))]
