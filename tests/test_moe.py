@@ -149,8 +149,7 @@ def test_what_does_not_take_a_moe_model_yet_says_so(stdlib_data, tmp_path):
     dense = tiny_config(stdlib_data, tmp_path / "r", "model.vocab_size=512", "parallel.dp_shard=2", "parallel.ep=2")
     with pytest.raises(ConfigError, match=r"\(a dense model\); set parallel.ep = 1"):
         check_layout(resolve_layout(dense.parallel, 2), dense)
-    with pytest.raises(ConfigError, match="covers dense models only"):
-        tiny_config(stdlib_data, tmp_path / "r", *MOE_OVERRIDES, "parallel.recompute=auto")
+    assert tiny_config(stdlib_data, tmp_path / "r", *MOE_OVERRIDES, "parallel.recompute=auto").parallel.recompute == "auto"
     with pytest.raises(ConfigError, match="moe_top_k = 5 is more than"):
         load_config(None, ["train.steps=1", "model.moe_experts=4", "model.moe_top_k=5"])
     with pytest.raises(ConfigError, match=r"moe_top_k = 2 \(its default\) is more than"):
@@ -160,10 +159,13 @@ def test_what_does_not_take_a_moe_model_yet_says_so(stdlib_data, tmp_path):
     load_config(None, ["train.steps=1", "model.moe_top_k=2"])  # its default: as a resolved config writes it
     with pytest.raises(ConfigError, match="train.compile with a mixture of experts is untested"):
         load_config(None, ["train.steps=1", "model.moe_experts=4", "train.compile=true"])
-    result = run_cli("plan", "--params", "1e6", "--tokens", "1e8", "--gpus", "1")  # dense: fine
-    assert result.returncode == 0, result.stderr
     config = tmp_path / "moe.toml"
     config.write_text(cfg.to_toml())
-    result = run_cli("plan", str(config), "--gpus", "1")
-    assert result.returncode == 2 and "dense models only" in result.stderr
+    result = run_cli("plan", str(config), "--gpus", "4", "--json", "--write-config", str(tmp_path / "planned.toml"))
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["model"]["moe_experts"] == 4 and plan["model"]["n_active"] < plan["model"]["n"]
+    assert plan["layout"]["layout"]["tp"] == plan["layout"]["layout"]["pp"] == 1  # what a mixture trains with
+    planned = load_config(tmp_path / "planned.toml")
+    assert planned.model.moe_experts == 4 and planned.parallel.ep == plan["layout"]["layout"]["ep"]
     json.dumps(cfg.model.model_dump())

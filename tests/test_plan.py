@@ -97,6 +97,35 @@ def test_every_layout_the_search_returns_is_one_train_accepts_and_fits():
             assert resolve_layout(config.parallel, world).world_size == world
 
 
+MOE = ["model.vocab_size=32768", "model.dim=2048", "model.n_layers=16", "model.n_heads=16", "model.n_kv_heads=4",
+       "model.qk_norm=true", "model.moe_experts=64", "model.moe_top_k=8", "model.moe_ffn_dim=768",
+       "model.max_seq_len=4096", "data.seq_len=4096", "train.steps=10", "train.micro_batch=1",
+       "train.global_batch_tokens=262144"]
+
+
+def test_a_mixture_is_timed_with_its_all_to_alls_and_searched_over_expert_parallelism():
+    base = load_config(None, MOE)
+    cfg, eff = base.model, Efficiency(latency=0.0)
+    whole = step_time(cfg, 4096, 64, PlanLayout(dp_shard=8, micro_batch=1), H100, eff)
+    split = step_time(cfg, 4096, 64, PlanLayout(dp_shard=8, micro_batch=1, ep=8), H100, eff)
+    assert whole.expert_parallel == 0 and split.compute == pytest.approx(whole.compute)
+    # 8 micro-batches x 16 blocks x 4 all-to-alls, 7/8 of each token's 8 routed bf16 copies leaving a rank (NVLink).
+    assert split.expert_parallel == pytest.approx(8 * 16 * 4 * 7 / 8 * 4096 * 8 * 2048 * 2 / (450e9 * 0.82))
+    assert split.data_parallel < whole.data_parallel  # each rank gathers and reduces 1/8 of the experts
+    full = step_time(cfg, 4096, 64, PlanLayout(dp_shard=8, micro_batch=1, ep=8, recompute="full"), H100, eff)
+    assert full.expert_parallel == pytest.approx(6 / 4 * split.expert_parallel)  # the forward's two again
+    fits, _ = candidates(cfg, 4096, 64, 16, H100)
+    assert {c.layout.ep for c in fits} == {1, 2, 4, 8, 16}
+    assert all((c.layout.tp, c.layout.cp, c.layout.pp) == (1, 1, 1) and c.layout.recompute != "selective"
+               for c in fits)
+    for c in fits[::6]:  # each one train accepts
+        plan = {"layout": {"layout": c.layout.to_dict()}, "tokens": 10 * c.global_batch * 4096,
+                "hyperparameters": {"global_batch_tokens": c.global_batch * 4096},
+                "run": {"step_s": 1.0, "checkpoint_write_s": 0.1, "checkpoint_interval_steps": 100}}
+        config = planned_config(plan, Hardware(H100, 16, 8), base=base)
+        assert config.parallel.ep == c.layout.ep
+
+
 def test_the_search_recomputes_only_when_memory_runs_short_and_says_when_nothing_fits():
     roomy = search(ONE_B, 2048, 64, 8, H200)[0]
     tight = search(ONE_B, 2048, 64, 8, device_from_dict({"memory_gb": 12}, H200))[0]

@@ -358,11 +358,20 @@ def plan_tables(plan: dict) -> list[Table]:
     what = Table(title="what to train", show_header=False)
     what.add_column(style="bold")
     what.add_column()
-    what.add_row("model", f"{m['n'] / 1e9:.3g}B parameters ({m['n_non_embedding'] / 1e9:.3g}B non-embedding): width "
-                          f"{m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads ({m['n_kv_heads']} key/value), "
-                          f"MLP {m['ffn_dim']}, vocabulary {m['vocab_size']:,}, sequence {m['seq_len']:,}")
+    if "moe_experts" in m:  # a mixture of experts
+        active = f", {m['n_active'] / 1e9:.3g}B active"
+        mlp = (f"{m['moe_experts']} experts of width {m['moe_ffn_dim']}, {m['moe_top_k']} a token"
+               + (f", {m['moe_shared_experts']} shared" if m["moe_shared_experts"] else "")
+               + (f" (the first {m['moe_dense_layers']} blocks dense, MLP {m['ffn_dim']})" if m["moe_dense_layers"]
+                  else ""))
+    else:
+        active, mlp = "", f"MLP {m['ffn_dim']}"
+    what.add_row("model", f"{m['n'] / 1e9:.3g}B parameters ({m['n_non_embedding'] / 1e9:.3g}B non-embedding{active}): "
+                          f"width {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads ({m['n_kv_heads']} key/value), "
+                          f"{mlp}, vocabulary {m['vocab_size']:,}, sequence {m['seq_len']:,}")
     what.add_row("tokens", f"{plan['tokens']:.4g} ({plan['tokens_per_parameter']:.1f} per parameter)")
-    what.add_row("compute", f"{plan['compute']:.4g} FLOPs (6ND: {plan['compute_6nd']:.4g})")
+    what.add_row("compute", f"{plan['compute']:.4g} FLOPs (6ND: {plan['compute_6nd']:.4g}"
+                            + (", N active" if "moe_experts" in m else "") + ")")
     sizing = plan["sizing"]
     if sizing["kind"] != "given":
         text = f"{sizing['kind']} for {sizing['budget']:.3g} FLOPs"
@@ -396,7 +405,7 @@ def plan_tables(plan: dict) -> list[Table]:
                       ("parameters", "gradients", "optimizer", "weight_copies", "activations", "loss"))
     how.add_row("memory per device", f"{_gb(mem['peak'])} of {_gb(mem['usable'])} usable: {parts}")
     parts = ", ".join(f"{key.replace('_', ' ')} {step[key]:.3g} s" for key in
-                      ("compute", "tensor_parallel", "context_parallel", "data_parallel", "pipeline_bubble",
+                      ("compute", "tensor_parallel", "context_parallel", "expert_parallel", "data_parallel", "pipeline_bubble",
                        "pipeline_sends", "optimizer") if step[key] > 0)
     how.add_row("step", f"{step['total']:.3g} s ({parts})")
     how.add_row("throughput", f"{step['tokens_per_s']:,.0f} tokens/s, MFU {step['mfu']:.1%} "

@@ -338,9 +338,6 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check_moe(self) -> RunConfig:
-        if self.model.moe and self.parallel.recompute == "auto":
-            raise ValueError("parallel.recompute = 'auto' needs the memory model, which covers dense models only; "
-                             "choose none, selective or full for a mixture of experts")
         if self.model.moe and self.train.compile:
             raise ValueError("train.compile with a mixture of experts is untested (its routing syncs with the host "
                              "and breaks the graph); set train.compile = false")

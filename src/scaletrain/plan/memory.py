@@ -29,6 +29,19 @@ recomputation keeps the outputs of matmuls and attention and the block input: 12
 4h in bf16, 20d + 8k + 8F + 4h in float32; full recomputation keeps the block input (4d) and
 rebuilds one block at a time.
 
+A mixture-of-experts block (model/moe.py; E experts of width F_e, k per token, S shared
+experts) saves, in place of the MLP's 8F (bf16) or 16F (float32), per token: the float32
+router input (4d, bf16 only: in float32 it is the norm's output, already counted; and then the
+norm's bf16 output is not saved unless shared experts read it, -2d), the router's
+probabilities (4E), the chosen experts' indices and the two permutations (24k), the chosen
+weights (4k; 8k + 4 when renormalised over k > 1), the k rows gathered for the experts (2kd,
+float32 4kd), each expert's w1, w3, silu(w1) and product over its rows (8kF_e, float32 16kF_e),
+the k float32 expert outputs weighted at the end (4kd) and the shared experts' 8SF_e (16SF_e).
+Every expert runs on every rank, rows or not, so autocast's bf16 copies of all the experts'
+weights are kept (without FSDP); under FSDP a rank gathers its E/ep experts in bf16. Counted
+against autograd by the same tests as the dense block; selective recomputation of a mixture
+is not modelled.
+
 Peak = parameters + optimizer + weight copies + the larger of (activations + loss, plus the
 gradients when micro-batches accumulate into them) and (gradients + one block's activations):
 with gradients set to None after each step, a single micro-batch's backward starts holding
@@ -55,7 +68,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from scaletrain.model.flops import matmul_params, param_counts
+from scaletrain.model.flops import param_counts
 
 
 @dataclass
@@ -72,22 +85,69 @@ class MemoryEstimate:
         return asdict(self)
 
 
+def _moe_layers(cfg: Any) -> int:
+    return cfg.n_layers - cfg.moe_dense_layers if getattr(cfg, "moe_experts", 0) else 0
+
+
 def parameter_tensors(cfg: Any) -> int:
     """Parameter tensors of model/llama.py's Transformer (AdamW keeps a step count for each)."""
     per_layer = 7 + 2 + (2 if cfg.qk_norm else 0)  # wq wk wv wo w1 w2 w3, two norms, q/k norms
-    return cfg.n_layers * per_layer + 1 + 1 + (0 if cfg.tie_embeddings else 1)  # embedding, final norm, head
+    # A mixture's MLP: the router and the three stacked expert weights (+ the shared experts' three).
+    per_moe_layer = per_layer + 1 + (3 if cfg.moe_shared_experts else 0) if _moe_layers(cfg) else 0
+    return ((cfg.n_layers - _moe_layers(cfg)) * per_layer + _moe_layers(cfg) * per_moe_layer
+            + 1 + 1 + (0 if cfg.tie_embeddings else 1))  # embedding, final norm, head
 
 
-def activation_bytes_per_token(cfg: Any, bf16: bool, recompute: str) -> int:
-    """Bytes one block saves per token for its backward pass (see the module's docstring)."""
+def block_bytes_per_token(cfg: Any, bf16: bool, recompute: str, moe: bool = False) -> float:
+    """Bytes one block saves per token for its backward pass (see the module's docstring): a
+    dense block, or with `moe` a mixture-of-experts one."""
     d, k, f, lse = cfg.dim, cfg.kv_heads * cfg.head_dim, cfg.hidden_dim, 4 * cfg.n_heads
     if recompute == "full":
         return 4 * d
     if recompute == "selective":
+        if moe:
+            raise ValueError("the memory model does not cover selective recomputation of a mixture of experts; "
+                             "use parallel.recompute = 'none' or 'full'")
         return (12 * d + 4 * k + 4 * f if bf16 else 20 * d + 8 * k + 8 * f) + lse
     # QK-norm keeps the float32 input and output of q's and k's norms and a scale per head.
     qk = 8 * d + 8 * k + 4 * cfg.n_heads + 4 * cfg.kv_heads if cfg.qk_norm else 0
-    return (26 * d + 4 * k + 8 * f if bf16 else 36 * d + 8 * k + 16 * f) + lse + 8 + qk
+    common = (26 * d + 4 * k if bf16 else 36 * d + 8 * k) + lse + 8 + qk
+    if not moe:
+        return common + (8 if bf16 else 16) * f
+    experts, top_k, width, shared = cfg.moe_experts, cfg.moe_top_k, cfg.expert_dim, cfg.moe_shared_experts
+    routing = 4 * experts + 24 * top_k + (8 * top_k + 4 if top_k > 1 else 4 * top_k)
+    if bf16:
+        mlp = (4 * d - (0 if shared else 2 * d)) + 6 * top_k * d + 8 * (top_k + shared) * width
+    else:
+        mlp = 8 * top_k * d + 16 * (top_k + shared) * width
+    return common + routing + mlp
+
+
+def activation_bytes_per_token(cfg: Any, bf16: bool, recompute: str) -> float:
+    """Bytes a block saves per token for its backward pass, on average over the model's blocks
+    (all alike but in a mixture of experts with dense first blocks)."""
+    sparse = _moe_layers(cfg)
+    dense = block_bytes_per_token(cfg, bf16, recompute) if sparse < cfg.n_layers else 0
+    mixture = block_bytes_per_token(cfg, bf16, recompute, moe=True) if sparse else 0
+    return ((cfg.n_layers - sparse) * dense + sparse * mixture) / cfg.n_layers
+
+
+def _largest_block_bytes_per_token(cfg: Any, bf16: bool) -> float:
+    """What the largest block saves per token without recomputation (the block being rebuilt)."""
+    return block_bytes_per_token(cfg, bf16, "none", moe=bool(_moe_layers(cfg)))
+
+
+def _block_weights(cfg: Any, ep: int = 1) -> float:
+    """The matmul weights of all blocks that autocast or FSDP's gather turns into bf16 copies:
+    every expert (1/ep of them under expert parallelism, each rank gathering its own), not the
+    router (float32)."""
+    attention = 2 * cfg.dim * (cfg.n_heads + cfg.kv_heads) * cfg.head_dim
+    sparse = _moe_layers(cfg)
+    dense = attention + 3 * cfg.dim * cfg.hidden_dim
+    if not sparse:
+        return cfg.n_layers * dense
+    mixture = attention + 3 * cfg.dim * cfg.expert_dim * (cfg.moe_experts / ep + cfg.moe_shared_experts)
+    return (cfg.n_layers - sparse) * dense + sparse * mixture
 
 
 V_SHAPED = ("zbv_zero_bubble", "dualpipev")
@@ -112,18 +172,19 @@ def in_flight_microbatches(pp: int, microbatches: int, schedule: str = "1f1b", s
 def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 1, bf16: bool = True,
                     recompute: str = "none", fsdp: int = 1, tp: int = 1, cp: int = 1, pp: int = 1,
                     pp_schedule: str = "1f1b", pp_stages_per_rank: int = 1,
-                    loss_chunk_tokens: int = 0) -> MemoryEstimate:
+                    loss_chunk_tokens: int = 0, ep: int = 1) -> MemoryEstimate:
     """Predicted bytes per device for training model `cfg` (any object with ModelConfig's
     fields) on micro-batches of `micro_batch` sequences of `seq_len` tokens, gradients
     accumulated over `micro_steps` of them (the micro-batches a pipeline runs per step),
     parameters sharded over `fsdp` ranks (dp_shard × cp) and split over `tp`, each sequence
-    split over `cp`, the blocks over `pp` pipeline ranks. Under pipelining, the estimate of the
-    pipeline rank with the larger peak."""
-    if getattr(cfg, "moe_experts", 0):
-        raise ValueError("the memory model covers dense models only, not a mixture of experts "
-                         f"(model.moe_experts = {cfg.moe_experts})")
+    split over `cp`, the blocks over `pp` pipeline ranks, a mixture's experts over `ep` of the
+    FSDP ranks (sharded over all `fsdp` of them either way). Under pipelining, the estimate of
+    the pipeline rank with the larger peak."""
+    if _moe_layers(cfg) and (tp, cp, pp) != (1, 1, 1):
+        raise ValueError("the memory model covers a mixture of experts under data and expert parallelism only, "
+                         "as training does")
     common = dict(micro_steps=micro_steps, bf16=bf16, recompute=recompute, fsdp=fsdp, tp=tp, cp=cp,
-                  loss_chunk_tokens=loss_chunk_tokens)
+                  loss_chunk_tokens=loss_chunk_tokens, ep=ep)
     if pp == 1:
         return rank_memory(cfg, seq_len, micro_batch, **common)
     in_flight = in_flight_microbatches(pp, micro_steps, pp_schedule, pp_stages_per_rank)
@@ -142,7 +203,7 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
 def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 1, bf16: bool = True,
                 recompute: str = "none", fsdp: int = 1, tp: int = 1, cp: int = 1, loss_chunk_tokens: int = 0,
                 pp: int = 1, in_flight: float = 1, losses: float = 1, embedding: bool = True,
-                head: bool = True) -> MemoryEstimate:
+                head: bool = True, ep: int = 1) -> MemoryEstimate:
     """One rank's bytes (arguments as training_memory's): L/pp blocks, the embedding and the
     output head (with the final norm) where it holds them, the activations of `in_flight`
     micro-batches of its blocks and, with the head, of `losses` micro-batches' loss."""
@@ -158,19 +219,18 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     tensors = parameter_tensors(cfg) - 2 - (0 if cfg.tie_embeddings else 1)  # the blocks' tensors
     tensors = tensors / pp + int(embedding) + int(head) * (1 if cfg.tie_embeddings else 2)  # head: norm (+ matrix)
     optimizer = round(8 * local + 4 * tensors)
-    block_matmul = matmul_params(cfg) - outer  # the blocks' projections; the head is a matmul too
     head_matmul = outer if head else 0
     if not bf16:
         weight_copies = 0
     elif fsdp > 1:  # two blocks gathered in bf16 (all of the rank's when pipelining), the root's embedding and head
         gathered = cfg.n_layers / pp if pp > 1 else 2
-        weight_copies = round(2 * (gathered * block_matmul / cfg.n_layers + outer * matrices) / tp)
+        weight_copies = round(2 * (gathered * _block_weights(cfg, ep) / cfg.n_layers + outer * matrices) / tp)
     else:
-        weight_copies = round(2 * (block_matmul / pp + head_matmul) / tp)
+        weight_copies = round(2 * (_block_weights(cfg) / pp + head_matmul) / tp)
     tokens = micro_batch * seq_len / cp
     per_layer = activation_bytes_per_token(cfg, bf16, recompute) * tokens / tp
     activations = round(in_flight * cfg.n_layers / pp * per_layer)
-    one_block = activation_bytes_per_token(cfg, bf16, "none") * tokens / tp
+    one_block = _largest_block_bytes_per_token(cfg, bf16) * tokens / tp
     if recompute == "full":
         activations += round(one_block)  # the block being rebuilt
     vocab = cfg.vocab / tp
@@ -194,6 +254,8 @@ def choose_recompute(cfg: Any, seq_len: int, micro_batch: int, capacity: float, 
     costs up to a third more compute, so none is preferred whenever it fits); full when
     nothing fits, with its estimate, for the caller to report."""
     for mode in RECOMPUTE_ORDER:
+        if mode == "selective" and _moe_layers(cfg):
+            continue  # not modelled for a mixture
         estimate = training_memory(cfg, seq_len, micro_batch, recompute=mode, **layout)
         if estimate.peak <= capacity:
             return mode, estimate

@@ -157,9 +157,6 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
     rule's batch for the run's compute is the target each layout rounds to its data-parallel
     ranks. `base` is a config whose other settings the written config keeps."""
     hardware.check()
-    if model.moe:
-        raise PlanError(f"the planner's memory and time models cover dense models only, not a mixture of experts "
-                        f"(model.moe_experts = {model.moe_experts})")
     sizing = sizing or Sizing("given")
     per_token = train_flops_per_token(model, seq_len)
     compute = tokens * per_token
@@ -190,11 +187,14 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
         "model": {"dim": model.dim, "n_layers": model.n_layers, "n_heads": model.n_heads, "n_kv_heads": model.kv_heads,
                   "ffn_dim": model.hidden_dim, "vocab_size": model.vocab, "seq_len": seq_len,
                   "tie_embeddings": model.tie_embeddings, "qk_norm": model.qk_norm,
-                  "n": counts["total"], "n_non_embedding": counts["non_embedding"]},
+                  "n": counts["total"], "n_non_embedding": counts["non_embedding"], "n_active": counts["active"],
+                  **({"moe_experts": model.moe_experts, "moe_top_k": model.moe_top_k, "moe_ffn_dim": model.expert_dim,
+                      "moe_shared_experts": model.moe_shared_experts, "moe_dense_layers": model.moe_dense_layers}
+                     if model.moe else {})},
         "tokens": steps * batch_tokens,
         "tokens_per_parameter": steps * batch_tokens / counts["total"],
         "compute": steps * batch_tokens * per_token,
-        "compute_6nd": 6.0 * counts["total"] * steps * batch_tokens,
+        "compute_6nd": 6.0 * counts["active"] * steps * batch_tokens,  # N active: all of a dense model
         "flops_per_token": per_token,
         "sizing": {"kind": sizing.kind, "budget": sizing.compute, "law": sizing.law.to_dict() if sizing.law else None,
                    "inference_tokens": sizing.inference_tokens, "unique_tokens": sizing.unique_tokens,
@@ -290,7 +290,7 @@ def planned_config(plan: dict, hardware: Hardware, base: RunConfig | None = None
                  micro_batch=lay["micro_batch"], loss_chunk_tokens=lay["loss_chunk_tokens"],
                  hang_timeout_s=hang if hang == 0 else max(hang, needed))  # 0: the config turned the watchdog off
     parallel = {"dp_replicate": lay["dp_replicate"], "dp_shard": lay["dp_shard"], "tp": lay["tp"], "cp": lay["cp"],
-                "pp": lay["pp"], "recompute": lay["recompute"]}
+                "pp": lay["pp"], "ep": lay["ep"], "recompute": lay["recompute"]}
     if lay["pp"] > 1:
         parallel.update(pp_schedule=lay["pp_schedule"], pp_stages_per_rank=lay["pp_stages_per_rank"])
     data["parallel"] = {**data.get("parallel", {}), **parallel}

@@ -67,14 +67,28 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def _moe(cfg: Any) -> bool:
+    return bool(getattr(cfg, "moe_experts", 0))
+
+
 def _tp_sizes(cfg: Any, seq_len: int, cp: int, gpus_per_node: int) -> list[int]:
+    if _moe(cfg):  # a mixture trains under data and expert parallelism only
+        return [1]
     sizes = (cfg.n_heads, cfg.kv_heads, cfg.hidden_dim, cfg.vocab, seq_len // cp)
     return [tp for tp in divisors(gpus_per_node) if all(size % tp == 0 for size in sizes)]
 
 
+def _data_parallel(cfg: Any, dp: int) -> list[tuple[int, int]]:
+    """(replicas, ep) choices for `dp` data-parallel ranks: every split into replicas x FSDP
+    shards and, for a mixture, every expert-parallel group of shards that divides its experts."""
+    return [(replicate, ep) for replicate in divisors(dp)
+            for ep in (divisors(dp // replicate) if _moe(cfg) else [1])
+            if not _moe(cfg) or cfg.moe_experts % ep == 0]
+
+
 def _pipelines(cfg: Any, world: int) -> list[tuple[int, str, int]]:
     """(pp, schedule, stages per rank) choices: one stage a rank under 1F1B, two interleaved."""
-    if cfg.tie_embeddings:  # the embedding and the tied head would live on different stages
+    if cfg.tie_embeddings or _moe(cfg):  # the embedding and the tied head would live on different stages
         return [(1, "1f1b", 1)]
     out = [(1, "1f1b", 1)]
     for pp in divisors(world):
@@ -104,14 +118,15 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
     capacity = usable * device.memory
     fits: list[Candidate] = []
     closest: Candidate | None = None
-    cps = [cp for cp in divisors(world) if cp == 1 or (allow_cp and cp <= 64 and seq_len % (2 * cp) == 0)]
+    cps = [cp for cp in divisors(world) if cp == 1 or (allow_cp and not _moe(cfg) and cp <= 64
+                                                          and seq_len % (2 * cp) == 0)]
     for cp in cps:
         for tp in _tp_sizes(cfg, seq_len, cp, min(gpus_per_node, world)):
             if world % (cp * tp):
                 continue
             for pp, schedule, stages in _pipelines(cfg, world // (cp * tp)):
                 dp = world // (cp * tp * pp)
-                for replicate in divisors(dp):
+                for replicate, ep in _data_parallel(cfg, dp):
                     for micro_batch in MICRO_BATCHES:
                         global_batch = _batch(batch, dp, micro_batch, fixed_batch)
                         if global_batch is None:
@@ -122,10 +137,12 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
                         chunks = (0, LOSS_CHUNK) if tp == 1 and pp == 1 and micro_batch * seq_len // cp > LOSS_CHUNK \
                             else (0,)
                         for recompute in RECOMPUTE:
+                            if recompute == "selective" and _moe(cfg):
+                                continue  # not modelled for a mixture
                             layout = memory = None
                             for chunk in chunks:
                                 layout = PlanLayout(replicate, dp // replicate, tp, cp, pp, micro_batch, recompute,
-                                                    schedule, stages, chunk)
+                                                    schedule, stages, chunk, ep)
                                 memory = layout.memory(cfg, seq_len, global_batch, bf16=dtype == "bf16")
                                 if memory.peak <= capacity:
                                     break
@@ -177,7 +194,8 @@ def describe(layout: PlanLayout) -> str:
         dp = f"dp {lay.dp} (replicated)"
     else:
         dp = f"dp {lay.dp} (fsdp)" if lay.dp > 1 else "dp 1"
-    parts = [dp] + [f"{name} {size}" for name, size in (("tp", lay.tp), ("cp", lay.cp), ("pp", lay.pp)) if size > 1]
+    parts = [dp] + [f"{name} {size}" for name, size in (("ep", lay.ep), ("tp", lay.tp), ("cp", lay.cp), ("pp", lay.pp))
+                    if size > 1]
     text = " x ".join(parts)
     if lay.pp > 1:
         text += f" ({lay.pp_schedule}" + (f", {lay.pp_stages_per_rank} stages a rank)" if lay.pp_stages_per_rank > 1

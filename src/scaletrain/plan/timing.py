@@ -34,6 +34,15 @@ the last pipeline stage) over micro_batch x seq_len / cp tokens, the matmuls spl
   of that for the zero-bubble schedule (Qi et al. 2023, ZB-H1: (p-1)(F+B-W) against 1F1B's
   (p-1)(F+B+W), with F = B = W). Activations between stages cost one send each way per
   micro-batch and stage (the float32 residual stream), counted as exposed.
+- Expert parallelism (a mixture of experts, model/moe.py): per mixture block and micro-batch,
+  the k routed copies of each token's bf16 activations go to their experts' ranks and back
+  (GShard's dispatch and combine, Lepikhin et al. 2021), an all-to-all each way in the forward,
+  again in the backward and in a full recomputation, (ep - 1)/ep of them leaving each rank, not
+  overlapped. FSDP gathers and reduces each rank's E/ep experts over the dp_shard/ep ranks
+  holding them and the rest of the block over dp_shard. Expert matmuls are timed at the dense
+  matmuls' efficiency, as grouped-GEMM kernels run them (model/moe.py's loop over experts does
+  not, on small experts); routing, permutations and imbalance between experts are not modelled
+  beyond the bytes the block saves.
 - The optimizer: fused AdamW reads the parameter, gradient and both moments and writes back
   three of them (float32): 28 bytes per local parameter, plus the gradient-norm pass and the
   zeroing of gradients (4 each), at memory bandwidth.
@@ -59,7 +68,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from scaletrain.model.flops import matmul_params, train_flops_per_token
+from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import MemoryEstimate, activation_bytes_per_token, training_memory
 
@@ -98,6 +107,7 @@ class PlanLayout:
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1
     loss_chunk_tokens: int = 0
+    ep: int = 1  # expert parallelism: a mixture's experts split over ep of the dp_shard ranks
 
     @property
     def dp(self) -> int:
@@ -117,13 +127,13 @@ class PlanLayout:
         (parallel/layout.py's Layout)."""
         chunk = cfg.train.loss_chunk_tokens if layout.tp == 1 and layout.pp == 1 else 0  # train ignores it there
         return cls(layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp, layout.pp, cfg.train.micro_batch,
-                   cfg.parallel.recompute, cfg.parallel.pp_schedule, cfg.parallel.stages_per_rank, chunk)
+                   cfg.parallel.recompute, cfg.parallel.pp_schedule, cfg.parallel.stages_per_rank, chunk, layout.ep)
 
     def memory_layout(self, global_batch: int) -> dict:
         """training_memory's keyword arguments for this layout (all but the recomputation)."""
         return dict(micro_steps=self.microbatches(global_batch), fsdp=self.dp_shard * self.cp, tp=self.tp, cp=self.cp,
                     pp=self.pp, pp_schedule=self.pp_schedule, pp_stages_per_rank=self.pp_stages_per_rank,
-                    loss_chunk_tokens=self.loss_chunk_tokens)
+                    loss_chunk_tokens=self.loss_chunk_tokens, ep=self.ep)
 
     def memory(self, cfg: Any, seq_len: int, global_batch: int, bf16: bool = True) -> MemoryEstimate:
         """plan/memory.py's prediction of the bytes per device of this layout."""
@@ -142,6 +152,7 @@ class StepTime:
     recompute: float  # of which recomputation
     tensor_parallel: float  # exposed communication, by kind
     context_parallel: float
+    expert_parallel: float  # the mixture's all-to-alls
     data_parallel: float  # FSDP gathers and reductions, and replicas' all-reduce, beyond what overlaps
     pipeline_bubble: float
     pipeline_sends: float
@@ -170,11 +181,13 @@ def group_bandwidth(layout: PlanLayout, dim: str, device: Device, gpus_per_node:
     """Achieved per-device bandwidth of the groups along mesh dimension `dim` (or "fsdp":
     dp_shard x cp): the node's links when the group's ranks lie within a node, the network
     otherwise."""
+    # ep: neighbouring dp_shard ranks; efsdp: those holding the same experts, ep apart.
     inner = {"tp": 1, "cp": layout.tp, "fsdp": layout.tp, "dp_shard": layout.tp * layout.cp,
+             "ep": layout.tp * layout.cp, "efsdp": layout.tp * layout.cp,
              "dp_replicate": layout.tp * layout.cp * layout.dp_shard,
              "pp": layout.tp * layout.cp * layout.dp}[dim]
     size = {"tp": layout.tp, "cp": layout.cp, "fsdp": layout.dp_shard * layout.cp, "dp_shard": layout.dp_shard,
-            "dp_replicate": layout.dp_replicate, "pp": layout.pp}[dim]
+            "ep": layout.ep, "efsdp": layout.dp_shard, "dp_replicate": layout.dp_replicate, "pp": layout.pp}[dim]
     if inner * size <= gpus_per_node:
         return device.intra_node * efficiency.link
     return device.inter_node * efficiency.network
@@ -246,14 +259,26 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
     if lay.pp > 1:  # the float32 residual stream, out and back, at each of the rank's stages
         pp_bw = group_bandwidth(lay, "pp", device, gpus_per_node, efficiency)
         sends = 2 * lay.pp_stages_per_rank * (tokens * d * 4 / lay.tp / pp_bw + efficiency.latency)
-    microbatch = forward + backward + tp_time + cp_time + sends
+    # Each routed copy of a token's activations to its expert's rank and back, forward and backward.
+    routed = tokens * getattr(cfg, "moe_top_k", 0) * d * act_bytes
+    ep_bw = group_bandwidth(lay, "ep", device, gpus_per_node, efficiency)
+    ep_time = 0.0
+    if lay.ep > 1:
+        all_to_alls = _moe_layers(cfg) / lay.pp * (6 if lay.recompute == "full" else 4)
+        ep_time = all_to_alls * ((lay.ep - 1) / lay.ep * routed / ep_bw + efficiency.latency)
+    microbatch = forward + backward + tp_time + cp_time + ep_time + sends
 
     # -- data parallelism --------------------------------------------------------------------------
     stage_params = _stage_parameters(cfg, lay.pp) / lay.tp  # one tp rank's part of one stage, unsharded
     shard = lay.dp_shard * lay.cp
     fsdp_bw = group_bandwidth(lay, "fsdp", device, gpus_per_node, efficiency)
-    gather = collective("all_gather", stage_params * act_bytes, shard, fsdp_bw, efficiency)
-    reduce = collective("reduce_scatter", stage_params * 4, shard, fsdp_bw, efficiency)
+    experts = _routed_expert_parameters(cfg) / lay.pp  # gathered 1/ep of them over dp_shard / ep ranks
+    efsdp_bw = group_bandwidth(lay, "efsdp", device, gpus_per_node, efficiency)
+    gather = collective("all_gather", (stage_params - experts) * act_bytes, shard, fsdp_bw, efficiency)
+    reduce = collective("reduce_scatter", (stage_params - experts) * 4, shard, fsdp_bw, efficiency)
+    if experts:
+        gather += collective("all_gather", experts / lay.ep * act_bytes, shard // lay.ep, efsdp_bw, efficiency)
+        reduce += collective("reduce_scatter", experts / lay.ep * 4, shard // lay.ep, efsdp_bw, efficiency)
     rep_bw = group_bandwidth(lay, "dp_replicate", device, gpus_per_node, efficiency)
     reduce += collective("all_reduce", stage_params * 4 / shard, lay.dp_replicate, rep_bw, efficiency)
     if lay.pp == 1:  # gathered for each micro-batch's forward and backward, reduced after each
@@ -273,16 +298,26 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
     mfu_causal = step_tokens * train_flops_per_token(cfg, seq_len, causal=True) / (total * device.peak[dtype] * world)
     return StepTime(compute=micro_steps * (forward + backward), recompute=micro_steps * recompute,
                     tensor_parallel=micro_steps * tp_time, context_parallel=micro_steps * cp_time,
+                    expert_parallel=micro_steps * ep_time,
                     data_parallel=data_parallel, pipeline_bubble=bubble, pipeline_sends=micro_steps * sends,
                     optimizer=optimizer, total=total, tokens_per_s=step_tokens / total, mfu=mfu,
                     mfu_causal=mfu_causal)
 
 
+def _moe_layers(cfg: Any) -> int:
+    return cfg.n_layers - cfg.moe_dense_layers if getattr(cfg, "moe_experts", 0) else 0
+
+
+def _routed_expert_parameters(cfg: Any) -> float:
+    """The routed experts' weights, all blocks (0 for a dense model)."""
+    return _moe_layers(cfg) * cfg.moe_experts * 3 * cfg.dim * cfg.expert_dim if _moe_layers(cfg) else 0
+
+
 def _stage_parameters(cfg: Any, pp: int) -> float:
-    """Parameters of the largest pipeline stage: L/pp blocks and, on the last, the output head
-    and final norm (the embedding, on the first, is no larger than the head; counted once
-    when tied and there is one stage)."""
-    blocks = matmul_params(cfg) - cfg.vocab * cfg.dim + cfg.n_layers * 2 * cfg.dim
+    """Parameters of the largest pipeline stage: L/pp blocks (every expert of a mixture) and, on
+    the last, the output head and final norm (the embedding, on the first, is no larger than the
+    head; counted once when tied and there is one stage)."""
+    blocks = param_counts(cfg)["total"] - cfg.vocab * cfg.dim * (1 if cfg.tie_embeddings else 2) - cfg.dim
     outer = cfg.vocab * cfg.dim * (1 if (cfg.tie_embeddings or pp > 1) else 2)
     return blocks / pp + outer + cfg.dim
 
