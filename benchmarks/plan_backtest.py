@@ -10,7 +10,7 @@ Sources:
   sections 3.3.1-3.3.2): 126 layers, width 16,384, FFN 53,248, 128 heads, 8 KV heads,
   vocabulary 128,000; 8 GPUs a node on NVLink, 400 Gb/s per GPU; FSDP over DP; no activation
   recomputation at 8K context. BF16 MFU as published. Their context parallelism's attention
-  skips the masked half of the scores (timed so: cp_attention="causal"). The 131K-context row prints DP = 4 in the
+  skips the masked half of the scores, as parallel/context.py's does. The 131K-context row prints DP = 4 in the
   paper; 8 is the value its GPU and token counts imply.
 - Megatron-LM on A100s (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
   on GPU Clusters Using Megatron-LM", table 1): GPT models, sequence 2,048, vocabulary 51,200,
@@ -42,7 +42,7 @@ def llama3(gpus: int, tp: int, cp: int, pp: int, dp: int, seq: int, batch_per_dp
     layout = PlanLayout(dp_shard=dp, tp=tp, cp=cp, pp=pp, micro_batch=1, pp_schedule="interleaved_1f1b",
                         pp_stages_per_rank=2)
     assert layout.world_size == gpus
-    t = step_time(cfg, seq, dp * batch_per_dp, layout, device("H100 SXM"), cp_attention="causal")
+    t = step_time(cfg, seq, dp * batch_per_dp, layout, device("H100 SXM"))
     return {"run": f"Llama 3 405B, {gpus} H100, TP{tp} CP{cp} PP{pp} DP{dp}, seq {seq}",
             "published_mfu": mfu, "predicted_mfu": round(t.mfu, 4), "predicted_mfu_causal": round(t.mfu_causal, 4),
             "predicted_step_s": round(t.total, 3), "breakdown": _breakdown(t)}

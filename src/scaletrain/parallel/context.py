@@ -6,13 +6,18 @@ Under a causal mask the later positions of a sequence attend to more keys, so cu
 cp consecutive pieces would leave the last rank with most of the work. The sequence is cut into
 2 x cp chunks instead and rank r takes chunks r and 2 cp - 1 - r: every rank holds one early
 and one late chunk and does the same work. Each rank computes queries, keys and values for its
-own tokens (with their true rotary positions), gathers every rank's keys and values (the
-backward pass sums their gradients back), and masks by position. Gradients of the parameters
-are averaged over the cp ranks by FSDP, whose shard group includes them.
+own tokens (with their true rotary positions) and gathers every rank's keys and values, in
+sequence order (the backward pass sums their gradients back). Each of its two query chunks then
+attends to the keys up to its own end only, under a causal mask aligned to the bottom right
+(query i of the chunk sees the keys up to the chunk's start + i): the early chunk reads few
+keys, the late one most, and no rank computes scores the mask would discard beyond the
+diagonal blocks. Gradients of the parameters are averaged over the cp ranks by FSDP, whose
+shard group includes them.
 
-This runs on any device and backend (PyTorch's built-in `context_parallel` has no CPU kernel);
-the mask makes attention use SDPA's masked kernels, so on GPUs it is the portable path, not the
-fastest one.
+This runs on any device and backend (PyTorch's built-in `context_parallel` has no CPU kernel).
+The bottom-right mask is SDPA's CausalBias: on GPUs the flash kernel computes it without
+materialising the mask (grouped-query heads included); elsewhere it is materialised for the
+math kernel.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from scaletrain.model.llama import CoreAttention
 
@@ -39,43 +45,50 @@ def shard_sequence(tensor: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather (batch, heads, seq / cp, head_dim) over the cp group along the sequence; the
-    backward pass sums each rank's gradient of the whole and returns this rank's piece."""
+    """All-gather (batch, heads, seq / cp, head_dim) over the cp group into the whole sequence in
+    position order (rank r holds chunks r and 2 cp - 1 - r); the backward pass sums each rank's
+    gradient of the whole and returns this rank's two chunks."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        cp = dist.get_world_size(group)
+        pieces = [torch.empty_like(x) for _ in range(cp)]
         dist.all_gather(pieces, x.contiguous(), group=group)
-        return torch.cat(pieces, dim=2)
+        halves = [piece.chunk(2, dim=2) for piece in pieces]
+        return torch.cat([halves[j][0] if j < cp else halves[2 * cp - 1 - j][1] for j in range(2 * cp)], dim=2)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
-        return grad.chunk(dist.get_world_size(ctx.group), dim=2)[dist.get_rank(ctx.group)], None
+        cp, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        chunks = grad.chunk(2 * cp, dim=2)
+        return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=2), None
 
 
 class ContextParallelAttention(CoreAttention):
     """Attention of this rank's queries to the keys and values of the whole sequence."""
 
-    def __init__(self, group: dist.ProcessGroup, seq_len: int, device: torch.device):
+    def __init__(self, group: dist.ProcessGroup, seq_len: int):
         super().__init__()
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         self.group = group
-        query_positions = local_positions(seq_len, rank, cp)
-        key_positions = torch.cat([local_positions(seq_len, r, cp) for r in range(cp)])  # all-gather order
-        # (seq / cp, seq): query i sees key j when j's position is not after i's.
-        mask = key_positions[None, :] <= query_positions[:, None]
-        self.register_buffer("mask", mask.to(device), persistent=False)
+        self.chunk = seq_len // (2 * cp)
+        self.chunks = (rank, 2 * cp - 1 - rank)  # which chunks of the sequence this rank's queries are
 
     def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
         if mask is not None or not causal:
             raise NotImplementedError("context parallelism runs training and evaluation only (no KV cache)")
-        k = _GatherSequence.apply(k, self.group)  # (batch, kv_heads, seq, head_dim)
+        k = _GatherSequence.apply(k, self.group)  # (batch, kv_heads, seq, head_dim), in position order
         v = _GatherSequence.apply(v, self.group)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        out = []
+        for index, queries in zip(self.chunks, q.split(self.chunk, dim=2)):
+            end = (index + 1) * self.chunk  # the keys up to this chunk's last position
+            out.append(F.scaled_dot_product_attention(queries, k[:, :, :end], v[:, :, :end],
+                                                      attn_mask=causal_lower_right(self.chunk, end),
+                                                      enable_gqa=q.shape[1] != k.shape[1]))
+        return torch.cat(out, dim=2)
 
 
 def apply_cp(model: nn.Module, group: dist.ProcessGroup, seq_len: int) -> None:
@@ -85,7 +98,7 @@ def apply_cp(model: nn.Module, group: dist.ProcessGroup, seq_len: int) -> None:
     device = model.rope_cos.device
     positions = local_positions(seq_len, dist.get_rank(group), dist.get_world_size(group)).to(device)
     for block in model.layers.values():
-        block.attention.core = ContextParallelAttention(group, seq_len, device)
+        block.attention.core = ContextParallelAttention(group, seq_len)
 
     def add_positions(module, args, kwargs):
         return args, {**kwargs, "positions": positions}

@@ -8,8 +8,9 @@ torchtitan and Megatron-LM keep it), pp under 1F1B or interleaved 1F1B with two 
 shards and replicas, micro-batches of 1 to 64 sequences (powers of two), and for each the
 least recomputation (none, selective, full; then chunking the loss) whose predicted peak fits
 in the usable memory. Not searched: GPipe and the zero-bubble schedules; and context
-parallelism unless asked for (`allow_cp`), since parallel/context.py's masked attention is
-not the flash-class kernel the models assume (plan/timing.py). The fastest by plan/timing.py
+parallelism unless asked for (`allow_cp`): parallel/context.py's attention reaches the flash
+kernel on GPUs through SDPA's bottom-right causal mask, but that path has not been measured
+on a GPU here. The fastest by plan/timing.py
 wins; among layouts within 1% of it, the simplest (fewest kinds of parallelism, smaller tp,
 no recomputation), since the difference is below what the model can tell apart.
 

@@ -18,9 +18,8 @@ the last pipeline stage) over micro_batch x seq_len / cp tokens, the matmuls spl
   collectives return), and one pair at the output head; none overlapped with compute.
 - Context parallelism as parallel/context.py does it: per block, keys and values all-gathered
   in the forward (again when recomputing), their gradients all-reduced in the backward, not
-  overlapped; its attention is a masked SDPA over the gathered keys, timed as computing every
-  score (on GPUs, grouped-query attention with a mask runs PyTorch's math kernel, slower still
-  and holding the score matrix, which neither model counts: the planner does not choose cp).
+  overlapped; each query chunk attends to the keys up to its end under a bottom-right causal
+  mask (flash on GPUs), timed as the causal half of the scores.
 - FSDP (ZeRO-3, Rajbhandari et al. 2020) over dp_shard x cp: each block's parameters are
   all-gathered in bf16 for the forward and again for the backward, and gradients
   reduce-scattered in float32, for every micro-batch (under pipelining, once a step: the stages
@@ -208,13 +207,10 @@ def bubble_microbatches(schedule: str, pp: int, stages_per_rank: int) -> float:
 
 
 def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, device: Device,
-              efficiency: Efficiency = Efficiency(), gpus_per_node: int | None = None, dtype: str = "bf16",
-              cp_attention: str = "masked") -> StepTime:
+              efficiency: Efficiency = Efficiency(), gpus_per_node: int | None = None,
+              dtype: str = "bf16") -> StepTime:
     """Predicted seconds of one step training model `cfg` (ModelConfig's fields) on
-    `global_batch` sequences of `seq_len` tokens with `layout` on devices `device`.
-    `cp_attention`: under context parallelism, "masked" is parallel/context.py's attention (a
-    masked SDPA over the gathered keys, which computes every score), "causal" a kernel that
-    skips the masked half (as Llama 3's)."""
+    `global_batch` sequences of `seq_len` tokens with `layout` on devices `device`."""
     gpus_per_node = gpus_per_node or device.gpus_per_node
     lay = layout
     peak = device.peak[dtype] * efficiency.matmul
@@ -231,8 +227,7 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
 
     # -- compute of one micro-batch on one device (the last stage's: it holds the head) ----------
     head_matmul = cfg.vocab * cfg.dim
-    causal = lay.cp == 1 or cp_attention == "causal"  # the masked kernel computes every score
-    block_flops = (train_flops_per_token(cfg, seq_len, causal=causal) - 6 * head_matmul) / cfg.n_layers
+    block_flops = (train_flops_per_token(cfg, seq_len, causal=True) - 6 * head_matmul) / cfg.n_layers
     elementwise = efficiency.elementwise * activation_bytes_per_token(cfg, bf16, "none")  # per token and block
     blocks_matmul = tokens * layers * block_flops / lay.tp / peak
     blocks_elementwise = tokens * layers * elementwise / lay.tp / bandwidth
