@@ -24,9 +24,10 @@ SHAPES = [dict(dim=128, n_layers=3, n_heads=4, n_kv_heads=2), dict(dim=96, n_lay
           dict(dim=64, n_layers=2, n_heads=4, moe_experts=4, moe_top_k=1, moe_ffn_dim=40, moe_shared_experts=1)]
 
 
-def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool) -> int:
+def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool, positions: torch.Tensor | None = None) -> int:
     """Bytes of the distinct tensors the blocks save for backward, leaving out parameters,
-    buffers and autocast's bf16 copies of the weights (the estimate's weight_copies)."""
+    buffers and autocast's bf16 copies of the weights (the estimate's weight_copies); the
+    tokens at `positions` (all from 0 when None)."""
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     # (and each expert's slice of the stacked expert weights, which autocast copies one by one)
     weight_shapes = {shape for p in model.parameters() for whole in (tuple(p.shape), tuple(p.shape)[-2:])
@@ -40,10 +41,12 @@ def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool) -> int:
         return t
 
     x = model.tok_embeddings(tokens)
+    cos, sin = (model.rope_cos, model.rope_sin) if positions is None else (model.rope_cos[positions],
+                                                                           model.rope_sin[positions])
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for block in model.layers.values():
-            x = block(x, model.rope_cos, model.rope_sin)
+            x = block(x, cos, sin)
     return sum(seen.values())
 
 
@@ -57,6 +60,51 @@ def test_predicted_activation_bytes_are_what_autograd_saves(shape, bf16):
     predicted = activation_bytes_per_token(cfg, bf16, "none") * batch * seq * cfg.n_layers
     assert measured == pytest.approx(predicted, rel=0.01)
     assert training_memory(cfg, seq, batch, bf16=bf16).activations == pytest.approx(measured, rel=0.01)
+
+
+CP_SAVED = """
+import json, sys
+import torch
+import torch.distributed as dist
+from test_memory import saved_bytes
+from scaletrain.config import ModelConfig
+from scaletrain.model.llama import Transformer
+from scaletrain.parallel.context import apply_cp, local_positions
+
+dist.init_process_group("gloo")
+cfg = ModelConfig(vocab_size=512, max_seq_len=128, dim=128, n_layers=2, n_heads=4, n_kv_heads=2)
+model = Transformer(cfg)
+apply_cp(model, dist.group.WORLD, 128)
+tokens = torch.randint(0, 512, (3, 128 // dist.get_world_size()))
+positions = local_positions(128, dist.get_rank(), dist.get_world_size())
+got = {bf16: saved_bytes(model, tokens, bf16, positions) for bf16 in (False, True)}
+if dist.get_rank() == 0:
+    print(json.dumps({"float32": got[False], "bf16": got[True]}))
+dist.destroy_process_group()
+"""
+
+
+def test_context_parallel_ranks_save_the_keys_and_values_of_the_whole_sequence(tmp_path):
+    """2 gloo processes, each with half of 3 sequences of 128 tokens: the bytes autograd saves
+    are the dense block's per local token plus the other rank's keys and values (the CPU's
+    materialised mask adds under 1%)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "cp_saved.py"
+    script.write_text(CP_SAVED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")])}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script)],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    cfg = ModelConfig(vocab_size=512, max_seq_len=128, dim=128, n_layers=2, n_heads=4, n_kv_heads=2)
+    for name, bf16 in (("float32", False), ("bf16", True)):
+        predicted = activation_bytes_per_token(cfg, bf16, "none", cp=2) * 3 * 64 * cfg.n_layers
+        assert measured[name] == pytest.approx(predicted, rel=0.015), name
+        assert predicted > activation_bytes_per_token(cfg, bf16, "none") * 3 * 64 * cfg.n_layers * 1.03
 
 
 def test_recomputation_and_sharding_lower_the_prediction_in_order():

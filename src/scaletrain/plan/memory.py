@@ -22,7 +22,9 @@ attention output and its (batch, seq, dim) copy for wo (2d each) and the attenti
 log-sum-exp (4h); w1, w3, silu(w1) and their product (2F each); two float32 norm scales (8).
 In float32: 36d + 8k + 16F + 4h + 8 (the norms' outputs are then a third float32 copy, not a
 bf16 one). QK-norm adds 8d + 8k + 4h + 4·(kv heads) either way: the float32 input and output
-of q's and k's norms and one scale per head. This is the tally of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+of q's and k's norms and one scale per head. Under context parallelism (cp ranks) attention
+saves the keys and values of the whole sequence it gathered, cp times the local ones: 4k·(cp - 1)
+more per local token (8k·(cp - 1) in float32). This is the tally of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models", section 4.1) redone for this SwiGLU block, whose attention kernel
 keeps no score matrix; tests check it against the bytes autograd actually saves. Selective
 recomputation keeps the outputs of matmuls and attention and the block input: 12d + 4k + 4F +
@@ -98,9 +100,10 @@ def parameter_tensors(cfg: Any) -> int:
             + 1 + 1 + (0 if cfg.tie_embeddings else 1))  # embedding, final norm, head
 
 
-def block_bytes_per_token(cfg: Any, bf16: bool, recompute: str, moe: bool = False) -> float:
+def block_bytes_per_token(cfg: Any, bf16: bool, recompute: str, moe: bool = False, cp: int = 1) -> float:
     """Bytes one block saves per token for its backward pass (see the module's docstring): a
-    dense block, or with `moe` a mixture-of-experts one."""
+    dense block, or with `moe` a mixture-of-experts one; per local token under `cp`-way context
+    parallelism."""
     d, k, f, lse = cfg.dim, cfg.kv_heads * cfg.head_dim, cfg.hidden_dim, 4 * cfg.n_heads
     if recompute == "full":
         return 4 * d
@@ -111,7 +114,8 @@ def block_bytes_per_token(cfg: Any, bf16: bool, recompute: str, moe: bool = Fals
         return (12 * d + 4 * k + 4 * f if bf16 else 20 * d + 8 * k + 8 * f) + lse
     # QK-norm keeps the float32 input and output of q's and k's norms and a scale per head.
     qk = 8 * d + 8 * k + 4 * cfg.n_heads + 4 * cfg.kv_heads if cfg.qk_norm else 0
-    common = (26 * d + 4 * k if bf16 else 36 * d + 8 * k) + lse + 8 + qk
+    gathered = (4 if bf16 else 8) * k * (cp - 1)  # the rest of the sequence's keys and values
+    common = (26 * d + 4 * k if bf16 else 36 * d + 8 * k) + lse + 8 + qk + gathered
     if not moe:
         return common + (8 if bf16 else 16) * f
     experts, top_k, width, shared = cfg.moe_experts, cfg.moe_top_k, cfg.expert_dim, cfg.moe_shared_experts
@@ -123,18 +127,18 @@ def block_bytes_per_token(cfg: Any, bf16: bool, recompute: str, moe: bool = Fals
     return common + routing + mlp
 
 
-def activation_bytes_per_token(cfg: Any, bf16: bool, recompute: str) -> float:
-    """Bytes a block saves per token for its backward pass, on average over the model's blocks
-    (all alike but in a mixture of experts with dense first blocks)."""
+def activation_bytes_per_token(cfg: Any, bf16: bool, recompute: str, cp: int = 1) -> float:
+    """Bytes a block saves per (local) token for its backward pass, on average over the model's
+    blocks (all alike but in a mixture of experts with dense first blocks)."""
     sparse = _moe_layers(cfg)
-    dense = block_bytes_per_token(cfg, bf16, recompute) if sparse < cfg.n_layers else 0
-    mixture = block_bytes_per_token(cfg, bf16, recompute, moe=True) if sparse else 0
+    dense = block_bytes_per_token(cfg, bf16, recompute, cp=cp) if sparse < cfg.n_layers else 0
+    mixture = block_bytes_per_token(cfg, bf16, recompute, moe=True, cp=cp) if sparse else 0
     return ((cfg.n_layers - sparse) * dense + sparse * mixture) / cfg.n_layers
 
 
-def _largest_block_bytes_per_token(cfg: Any, bf16: bool) -> float:
+def _largest_block_bytes_per_token(cfg: Any, bf16: bool, cp: int = 1) -> float:
     """What the largest block saves per token without recomputation (the block being rebuilt)."""
-    return block_bytes_per_token(cfg, bf16, "none", moe=bool(_moe_layers(cfg)))
+    return block_bytes_per_token(cfg, bf16, "none", moe=bool(_moe_layers(cfg)), cp=cp)
 
 
 def _block_weights(cfg: Any, ep: int = 1) -> float:
@@ -228,9 +232,9 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     else:
         weight_copies = round(2 * (_block_weights(cfg) / pp + head_matmul) / tp)
     tokens = micro_batch * seq_len / cp
-    per_layer = activation_bytes_per_token(cfg, bf16, recompute) * tokens / tp
+    per_layer = activation_bytes_per_token(cfg, bf16, recompute, cp) * tokens / tp
     activations = round(in_flight * cfg.n_layers / pp * per_layer)
-    one_block = _largest_block_bytes_per_token(cfg, bf16) * tokens / tp
+    one_block = _largest_block_bytes_per_token(cfg, bf16, cp) * tokens / tp
     if recompute == "full":
         activations += round(one_block)  # the block being rebuilt
     vocab = cfg.vocab / tp
