@@ -1,7 +1,8 @@
 """What routing costs: a mixture-of-experts MLP (model/moe.py) against a dense SwiGLU MLP doing
 the same matmul FLOPs per token, forward and backward, on one device. The reference is
-measured in the same run; the ratio is the overhead of routing, sorting, gathering and the
-per-expert loop (one matmul per expert) at this size. Prints JSON.
+measured in the same run; the ratio is the overhead of routing, sorting, gathering and running
+the experts at this size — as model/moe.py runs them on this device (one grouped GEMM where it
+can), and as one matmul per expert (its fallback), both in the same run. Prints JSON.
 
     python benchmarks/moe_layer.py [--tokens 4096] [--dim 256] [--experts 8] [--top-k 2] [--device cpu]
 """
@@ -21,6 +22,7 @@ import torch  # noqa: E402
 
 from scaletrain.config import ModelConfig  # noqa: E402
 from scaletrain.model.llama import FeedForward  # noqa: E402
+from scaletrain.model import moe as moe_module  # noqa: E402
 from scaletrain.model.moe import MoE  # noqa: E402
 
 
@@ -57,11 +59,19 @@ def main() -> None:
         torch.nn.init.normal_(p, std=0.02)
     dense = FeedForward(args.dim, hidden * args.top_k).to(args.device)
     x = torch.randn(1, args.tokens, args.dim, device=args.device, requires_grad=True)
+    grouped = moe_module._grouped(x, moe.experts.w1, x.dtype)
     moe_s, dense_s = timed(moe, x, args.repeats), timed(dense, x, args.repeats)
+    chosen = moe_module._grouped
+    moe_module._grouped = lambda *args: False  # the per-expert loop, for comparison
+    try:
+        loop_s = timed(moe, x, args.repeats)
+    finally:
+        moe_module._grouped = chosen
     print(json.dumps({"device": args.device, "torch": torch.__version__, "tokens": args.tokens, "dim": args.dim,
-                      "experts": args.experts, "top_k": args.top_k, "expert_hidden": hidden,
-                      "moe_ms": round(1000 * moe_s, 2), "dense_same_flops_ms": round(1000 * dense_s, 2),
-                      "overhead": round(moe_s / dense_s, 3)}))
+                      "experts": args.experts, "top_k": args.top_k, "expert_hidden": hidden, "grouped_gemm": grouped,
+                      "moe_ms": round(1000 * moe_s, 2), "moe_loop_ms": round(1000 * loop_s, 2),
+                      "dense_same_flops_ms": round(1000 * dense_s, 2), "overhead": round(moe_s / dense_s, 3),
+                      "loop_overhead": round(loop_s / dense_s, 3)}))
 
 
 if __name__ == "__main__":

@@ -84,3 +84,4 @@ def test_moe_layer_benchmark_prints_json():
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["moe_ms"] > 0 and report["dense_same_flops_ms"] > 0 and report["overhead"] > 0
+    assert report["grouped_gemm"] is True and report["moe_loop_ms"] > 0  # a CPU runs the grouped GEMM

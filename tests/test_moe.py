@@ -6,12 +6,13 @@ and the layouts and tools that refuse MoE so far."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
 
 from conftest import ROOT, run_cli, tiny_config
 from scaletrain.config import ConfigError, ModelConfig, load_config
@@ -43,6 +44,43 @@ def test_each_token_gets_the_weighted_sum_of_its_top_k_experts_and_the_shared_on
             hidden = F.silu(token @ experts.w1[e].T) * (token @ experts.w3[e].T)
             expected = expected + weight * (hidden @ experts.w2[e].T)
         torch.testing.assert_close(out.reshape(-1, 64)[t], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_the_grouped_gemm_computes_what_one_matmul_per_expert_does(monkeypatch, autocast):
+    """model/moe.py runs the experts as one grouped GEMM on CPUs; the per-expert loop it
+    replaces (kept for other devices) gives the same outputs and gradients, bit for bit, an
+    expert without rows included."""
+    from scaletrain.model import moe
+
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 17, 10])
+    x = torch.randn(int(counts.sum()), 32)
+    weights = [torch.randn(4, 48, 32), torch.randn(4, 32, 48), torch.randn(4, 48, 32)]
+    grad = torch.randn(int(counts.sum()), 32)
+    results = []
+    for grouped in (True, False):
+        monkeypatch.setattr(moe, "_grouped", lambda *args, grouped=grouped: grouped)
+        # The rows arrive in the compute dtype (a block casts its normed input), the weights in float32.
+        inputs = [t.clone().requires_grad_() for t in (x.to(torch.bfloat16) if autocast else x, *weights)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = moe._run(inputs[0], counts, *inputs[1:])
+        out.backward(grad.to(out.dtype))
+        results.append([out, *(t.grad for t in inputs)])
+    for got, expected in zip(*results):
+        assert torch.equal(got, expected)
+    assert results[0][0].dtype == (torch.bfloat16 if autocast else torch.float32)
+    assert torch.count_nonzero(results[0][2][1]) == 0  # expert 1 had no rows: a zero gradient
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
+    """FlopCounterMode has no formula for the grouped GEMM the experts run as (torch 2.13): each
+    row of a meets one expert's matrix, 2 FLOPs per multiply-add, forward and both gradients."""
+    return 2 * math.prod(a_shape) * b_shape[-1]
+
+
+if torch.ops.aten._grouped_mm.default not in flop_registry:
+    register_flop_formula(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
 
 
 def test_parameter_and_flop_counts_are_exact():

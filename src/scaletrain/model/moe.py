@@ -6,8 +6,11 @@ load-balancing loss (Switch Transformer, Fedus et al. 2022, eq. 4).
 Each token goes to the moe_top_k experts of highest router probability (computed in float32),
 their outputs weighted by those probabilities renormalised over the k (Mixtral), or by the
 probability itself when k = 1 (Switch), so that the router learns from the loss either way.
-No token is dropped (no capacity limit): each expert computes on exactly the tokens sent to it, one matmul per expert over a batch gathered by expert, so the
-FLOPs are those of model/flops.py's active parameters exactly. The outputs are put back in token
+No token is dropped (no capacity limit): each expert computes on exactly the tokens sent to it,
+the rows gathered by expert, so the FLOPs are those of model/flops.py's active parameters
+exactly. All experts' matmuls run as one grouped GEMM (`torch._grouped_mm`, the kernel
+torch's MoE training uses) where it is known to work — on CPUs, and in bf16 on Hopper GPUs
+(widths multiples of 8) — and as one matmul per expert elsewhere; both give the same numbers. The outputs are put back in token
 order by a permutation, not a scatter-add, so the result does not depend on the order of
 floating-point additions (runs resume bit-exactly on GPUs too).
 
@@ -44,15 +47,58 @@ class Experts(nn.Module):
         every expert's count, this rank's assignments)."""
         weights = [w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3)]
         if self.ep_group is None:
-            return _run(x, counts.tolist(), *weights)
+            return _run(x, counts, *weights)
         return _expert_parallel(x, counts, weights, self.ep_group)
 
 
-def _run(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
-    """Each expert on its rows of x. Experts without rows run too, on none: every weight then
-    has a gradient (zeros), as data parallelism's reductions expect on every rank."""
+def _run(x: torch.Tensor, counts: list[int] | torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+         w3: torch.Tensor) -> torch.Tensor:
+    """Each expert on its rows of x (counts[e] rows for expert e, in order). Experts without rows
+    run too, on none: every weight then has a gradient (zeros), as data parallelism's
+    reductions expect on every rank."""
+    dtype = _compute_dtype(x)
+    if _grouped(x, w1, dtype):
+        offsets = torch.as_tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        rows, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))  # as autocast would cast them
+
+        def matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return _ContiguousGradient.apply(torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets))
+        return matmul(F.silu(matmul(rows, w1)) * matmul(rows, w3), w2)
+    if isinstance(counts, torch.Tensor):
+        counts = counts.tolist()
     return torch.cat([F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
                       for e, rows in enumerate(x.split(counts))])
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on x run in: autocast's when it is on, else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM runs these experts: on CPUs (float32 and bf16, checked
+    against the per-expert matmuls in tests), and in bf16 on CUDA devices of compute
+    capability 9 (Hopper) with widths it can align."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return dtype in (torch.float32, torch.bfloat16)
+    return (x.device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] == 9
+            and w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0)
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity; the gradient it passes back is made contiguous (the grouped GEMM's backward
+    refuses the expanded gradients that, e.g., a sum's backward produces)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 def _expert_parallel(x: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor], group) -> torch.Tensor:

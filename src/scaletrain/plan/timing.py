@@ -39,9 +39,9 @@ the last pipeline stage) over micro_batch x seq_len / cp tokens, the matmuls spl
   again in the backward and in a full recomputation, (ep - 1)/ep of them leaving each rank, not
   overlapped. FSDP gathers and reduces each rank's E/ep experts over the dp_shard/ep ranks
   holding them and the rest of the block over dp_shard. Expert matmuls are timed at the dense
-  matmuls' efficiency, as grouped-GEMM kernels run them (model/moe.py's loop over experts does
-  not, on small experts); routing, permutations and imbalance between experts are not modelled
-  beyond the bytes the block saves.
+  matmuls' efficiency, as the grouped GEMM model/moe.py uses on Hopper runs them (its per-expert
+  fallback on other GPUs does not, on small experts); routing, permutations and imbalance
+  between experts are not modelled beyond the bytes the block saves.
 - The optimizer: fused AdamW reads the parameter, gradient and both moments and writes back
   three of them (float32): 28 bytes per local parameter, plus the gradient-norm pass and the
   zeroing of gradients (4 each), at memory bandwidth.
