@@ -70,7 +70,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from scaletrain.model.flops import param_counts
+from scaletrain.model.flops import moe_layers, param_counts
 
 
 @dataclass
@@ -87,16 +87,12 @@ class MemoryEstimate:
         return asdict(self)
 
 
-def _moe_layers(cfg: Any) -> int:
-    return cfg.n_layers - cfg.moe_dense_layers if getattr(cfg, "moe_experts", 0) else 0
-
-
 def parameter_tensors(cfg: Any) -> int:
     """Parameter tensors of model/llama.py's Transformer (AdamW keeps a step count for each)."""
     per_layer = 7 + 2 + (2 if cfg.qk_norm else 0)  # wq wk wv wo w1 w2 w3, two norms, q/k norms
     # A mixture's MLP: the router and the three stacked expert weights (+ the shared experts' three).
-    per_moe_layer = per_layer + 1 + (3 if cfg.moe_shared_experts else 0) if _moe_layers(cfg) else 0
-    return ((cfg.n_layers - _moe_layers(cfg)) * per_layer + _moe_layers(cfg) * per_moe_layer
+    per_moe_layer = per_layer + 1 + (3 if cfg.moe_shared_experts else 0) if moe_layers(cfg) else 0
+    return ((cfg.n_layers - moe_layers(cfg)) * per_layer + moe_layers(cfg) * per_moe_layer
             + 1 + 1 + (0 if cfg.tie_embeddings else 1))  # embedding, final norm, head
 
 
@@ -130,7 +126,7 @@ def block_bytes_per_token(cfg: Any, bf16: bool, recompute: str, moe: bool = Fals
 def activation_bytes_per_token(cfg: Any, bf16: bool, recompute: str, cp: int = 1) -> float:
     """Bytes a block saves per (local) token for its backward pass, on average over the model's
     blocks (all alike but in a mixture of experts with dense first blocks)."""
-    sparse = _moe_layers(cfg)
+    sparse = moe_layers(cfg)
     dense = block_bytes_per_token(cfg, bf16, recompute, cp=cp) if sparse < cfg.n_layers else 0
     mixture = block_bytes_per_token(cfg, bf16, recompute, moe=True, cp=cp) if sparse else 0
     return ((cfg.n_layers - sparse) * dense + sparse * mixture) / cfg.n_layers
@@ -138,7 +134,7 @@ def activation_bytes_per_token(cfg: Any, bf16: bool, recompute: str, cp: int = 1
 
 def _largest_block_bytes_per_token(cfg: Any, bf16: bool, cp: int = 1) -> float:
     """What the largest block saves per token without recomputation (the block being rebuilt)."""
-    return block_bytes_per_token(cfg, bf16, "none", moe=bool(_moe_layers(cfg)), cp=cp)
+    return block_bytes_per_token(cfg, bf16, "none", moe=bool(moe_layers(cfg)), cp=cp)
 
 
 def _block_weights(cfg: Any, ep: int = 1) -> float:
@@ -146,7 +142,7 @@ def _block_weights(cfg: Any, ep: int = 1) -> float:
     every expert (1/ep of them under expert parallelism, each rank gathering its own), not the
     router (float32)."""
     attention = 2 * cfg.dim * (cfg.n_heads + cfg.kv_heads) * cfg.head_dim
-    sparse = _moe_layers(cfg)
+    sparse = moe_layers(cfg)
     dense = attention + 3 * cfg.dim * cfg.hidden_dim
     if not sparse:
         return cfg.n_layers * dense
@@ -184,7 +180,7 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
     split over `cp`, the blocks over `pp` pipeline ranks, a mixture's experts over `ep` of the
     FSDP ranks (sharded over all `fsdp` of them either way). Under pipelining, the estimate of
     the pipeline rank with the larger peak."""
-    if _moe_layers(cfg) and (tp, cp, pp) != (1, 1, 1):
+    if moe_layers(cfg) and (tp, cp, pp) != (1, 1, 1):
         raise ValueError("the memory model covers a mixture of experts under data and expert parallelism only, "
                          "as training does")
     common = dict(micro_steps=micro_steps, bf16=bf16, recompute=recompute, fsdp=fsdp, tp=tp, cp=cp,
@@ -258,7 +254,7 @@ def choose_recompute(cfg: Any, seq_len: int, micro_batch: int, capacity: float, 
     costs up to a third more compute, so none is preferred whenever it fits); full when
     nothing fits, with its estimate, for the caller to report."""
     for mode in RECOMPUTE_ORDER:
-        if mode == "selective" and _moe_layers(cfg):
+        if mode == "selective" and moe_layers(cfg):
             continue  # not modelled for a mixture
         estimate = training_memory(cfg, seq_len, micro_batch, recompute=mode, **layout)
         if estimate.peak <= capacity:

@@ -67,7 +67,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from scaletrain.model.flops import param_counts, train_flops_per_token
+from scaletrain.model.flops import moe_layers, param_counts, train_flops_per_token
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import MemoryEstimate, activation_bytes_per_token, training_memory
 
@@ -259,7 +259,7 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
     ep_bw = group_bandwidth(lay, "ep", device, gpus_per_node, efficiency)
     ep_time = 0.0
     if lay.ep > 1:
-        all_to_alls = _moe_layers(cfg) / lay.pp * (6 if lay.recompute == "full" else 4)
+        all_to_alls = moe_layers(cfg) / lay.pp * (6 if lay.recompute == "full" else 4)
         ep_time = all_to_alls * ((lay.ep - 1) / lay.ep * routed / ep_bw + efficiency.latency)
     microbatch = forward + backward + tp_time + cp_time + ep_time + sends
 
@@ -299,13 +299,9 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
                     mfu_causal=mfu_causal)
 
 
-def _moe_layers(cfg: Any) -> int:
-    return cfg.n_layers - cfg.moe_dense_layers if getattr(cfg, "moe_experts", 0) else 0
-
-
 def _routed_expert_parameters(cfg: Any) -> float:
     """The routed experts' weights, all blocks (0 for a dense model)."""
-    return _moe_layers(cfg) * cfg.moe_experts * 3 * cfg.dim * cfg.expert_dim if _moe_layers(cfg) else 0
+    return moe_layers(cfg) * cfg.moe_experts * 3 * cfg.dim * cfg.expert_dim if moe_layers(cfg) else 0
 
 
 def _stage_parameters(cfg: Any, pp: int) -> float:
