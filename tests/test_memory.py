@@ -11,8 +11,8 @@ from conftest import ROOT, tiny_config
 from scaletrain.config import ModelConfig, load_config
 from scaletrain.model.flops import matmul_params
 from scaletrain.model.llama import Transformer
-from scaletrain.plan.memory import (activation_bytes_per_token, choose_recompute, in_flight_microbatches, rank_memory,
-                                    training_memory)
+from scaletrain.plan.memory import (activation_bytes_per_token, block_bytes_per_token, choose_recompute,
+                                    in_flight_microbatches, rank_memory, training_memory)
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
 
@@ -144,6 +144,11 @@ def test_the_planner_chooses_the_least_recomputation_that_fits():
     assert choose_recompute(mixture, 4096, 4, peaks["none"] - 1)[0] == "full"
     with pytest.raises(ValueError, match="does not cover selective recomputation of a mixture of experts"):
         training_memory(mixture, 4096, 4, recompute="selective")
+    # A dense first block wider than the mixture's: the block rebuilt under full recomputation is the larger.
+    wide = cfg.model_copy(update={"moe_experts": 16, "moe_ffn_dim": 512, "moe_dense_layers": 1, "ffn_dim": 16384})
+    rebuilt = training_memory(wide, 4096, 4, recompute="full").activations - 16 * 4 * 2048 * 4096 * 4
+    assert rebuilt == pytest.approx(block_bytes_per_token(wide, True, "none") * 4096 * 4)
+    assert block_bytes_per_token(wide, True, "none") > block_bytes_per_token(wide, True, "none", moe=True)
     # Expert parallelism: each rank gathers 1/ep of the experts, holding the same shard of them.
     sharded, split = (training_memory(mixture, 4096, 4, fsdp=8, ep=ep) for ep in (1, 8))
     assert split.weight_copies < sharded.weight_copies and split.parameters == sharded.parameters

@@ -71,6 +71,9 @@ def test_the_grouped_gemm_computes_what_one_matmul_per_expert_does(monkeypatch, 
         assert torch.equal(got, expected)
     assert results[0][0].dtype == (torch.bfloat16 if autocast else torch.float32)
     assert torch.count_nonzero(results[0][2][1]) == 0  # expert 1 had no rows: a zero gradient
+    nothing = torch.zeros(0, 32, requires_grad=True)  # a rank no row was sent to (expert parallelism)
+    moe._run(nothing, torch.zeros(4, dtype=torch.int64), *weights).sum().backward()
+    assert nothing.grad.shape == (0, 32)
 
 
 def _grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:

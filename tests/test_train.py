@@ -491,7 +491,8 @@ def write():  # a save that takes 3 s, three times the hang timeout, and then st
             time.sleep(0.1)
 
 start = time.monotonic()
-dog = Watchdog(1.0, on_hang=lambda quiet: print(f"ended after {time.monotonic() - start:.2f} s", flush=True),
+dog = Watchdog(1.0, on_hang=lambda quiet: print(f"ended after {time.monotonic() - start:.2f} s, {quiet:.2f} s since "
+                                                "the last beat", flush=True),
                progress=lambda: checkpoint.bytes_on_disk(root))
 dog.beat()
 threading.Thread(target=write, daemon=True).start()
@@ -507,6 +508,7 @@ def test_the_watchdog_lets_a_long_save_run_while_it_writes_and_ends_a_silent_pro
     assert result.returncode == 75, result.stderr[-3000:]
     ended = float(result.stdout.split("ended after ")[1].split()[0])
     assert 3.0 < ended < 6.0, result.stdout
+    assert float(result.stdout.split(", ")[1].split()[0]) > 3.0  # the hang reported from the last beat
     assert "a checkpoint is still being written: not a hang" in result.stderr
 
 

@@ -337,8 +337,11 @@ def model_settings(hf_dir: str | Path) -> dict:
     problems = []
     if kind not in ("llama", "qwen3", "qwen3_moe", "mixtral"):
         problems.append(f"model_type {kind!r} (supported: llama, qwen3, qwen3_moe, mixtral)")
-    experts = hf.get("num_experts", hf.get("num_local_experts", 0)) if kind in ("qwen3_moe", "mixtral") else 0
-    top_k = hf.get("num_experts_per_tok", 2)
+    # Unset keys take the transformers config classes' defaults (Qwen3-MoE: 128 experts, 8 a
+    # token; Mixtral: 8, 2).
+    experts = (hf.get("num_experts", hf.get("num_local_experts", 128 if kind == "qwen3_moe" else 8))
+               if kind in ("qwen3_moe", "mixtral") else 0)
+    top_k = hf.get("num_experts_per_tok", 8 if kind == "qwen3_moe" else 2)
     dense = hf.get("mlp_only_layers") or []
     if kind == "qwen3_moe":
         if dense != list(range(len(dense))):
@@ -377,7 +380,7 @@ def model_settings(hf_dir: str | Path) -> dict:
     if experts:
         settings.update(moe_experts=experts, moe_top_k=top_k, moe_dense_layers=len(dense))
         if kind == "qwen3_moe":
-            settings["moe_ffn_dim"] = hf["moe_intermediate_size"]
+            settings["moe_ffn_dim"] = hf.get("moe_intermediate_size", 768)  # Qwen3MoeConfig's default
         else:  # Mixtral's intermediate_size is its experts' width; it has no dense block
             settings["moe_ffn_dim"] = settings.pop("ffn_dim")
     return settings

@@ -10,7 +10,8 @@ No token is dropped (no capacity limit): each expert computes on exactly the tok
 the rows gathered by expert, so the FLOPs are those of model/flops.py's active parameters
 exactly. All experts' matmuls run as one grouped GEMM (`torch._grouped_mm`, the kernel
 torch's MoE training uses) where it is known to work — on CPUs, and in bf16 on Hopper GPUs
-(widths multiples of 8) — and as one matmul per expert elsewhere; both give the same numbers. The outputs are put back in token
+(widths multiples of 8) — and as one matmul per expert elsewhere (bit-identical on CPUs, where
+both are tested; on GPUs they are different kernels). The outputs are put back in token
 order by a permutation, not a scatter-add, so the result does not depend on the order of
 floating-point additions (runs resume bit-exactly on GPUs too).
 
@@ -80,11 +81,12 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether torch's grouped GEMM runs these experts: on CPUs (float32 and bf16, checked
     against the per-expert matmuls in tests), and in bf16 on CUDA devices of compute
     capability 9 (Hopper) with widths it can align."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
+    if not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:  # no rows: the loop (a grouped backward refuses
+        return False                                            # the empty, expanded gradients they get)
     if x.device.type == "cpu":
         return dtype in (torch.float32, torch.bfloat16)
-    return (x.device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] == 9
+    return (x.device.type == "cuda" and torch.version.hip is None  # ROCm reports capability 9 too (MI200/MI300)
+            and dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] == 9
             and w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0)
 
 

@@ -133,21 +133,23 @@ def activation_bytes_per_token(cfg: Any, bf16: bool, recompute: str, cp: int = 1
 
 
 def _largest_block_bytes_per_token(cfg: Any, bf16: bool, cp: int = 1) -> float:
-    """What the largest block saves per token without recomputation (the block being rebuilt)."""
-    return block_bytes_per_token(cfg, bf16, "none", moe=bool(moe_layers(cfg)), cp=cp)
+    """What the largest block saves per token without recomputation (the block being rebuilt):
+    a mixture's, or a dense first block's when it saves more."""
+    kinds = [moe for moe, count in ((False, cfg.n_layers - moe_layers(cfg)), (True, moe_layers(cfg))) if count]
+    return max(block_bytes_per_token(cfg, bf16, "none", moe=moe, cp=cp) for moe in kinds)
 
 
-def _block_weights(cfg: Any, ep: int = 1) -> float:
-    """The matmul weights of all blocks that autocast or FSDP's gather turns into bf16 copies:
-    every expert (1/ep of them under expert parallelism, each rank gathering its own), not the
-    router (float32)."""
+def _block_weights(cfg: Any, ep: int = 1) -> tuple[float, float]:
+    """The matmul weights that autocast or FSDP's gather turns into bf16 copies, of all blocks
+    and of the largest: every expert (1/ep of them under expert parallelism, each rank
+    gathering its own), not the router (float32)."""
     attention = 2 * cfg.dim * (cfg.n_heads + cfg.kv_heads) * cfg.head_dim
     sparse = moe_layers(cfg)
     dense = attention + 3 * cfg.dim * cfg.hidden_dim
     if not sparse:
-        return cfg.n_layers * dense
+        return cfg.n_layers * dense, dense
     mixture = attention + 3 * cfg.dim * cfg.expert_dim * (cfg.moe_experts / ep + cfg.moe_shared_experts)
-    return (cfg.n_layers - sparse) * dense + sparse * mixture
+    return (cfg.n_layers - sparse) * dense + sparse * mixture, max(mixture, dense if sparse < cfg.n_layers else 0)
 
 
 V_SHAPED = ("zbv_zero_bubble", "dualpipev")
@@ -223,10 +225,11 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     if not bf16:
         weight_copies = 0
     elif fsdp > 1:  # two blocks gathered in bf16 (all of the rank's when pipelining), the root's embedding and head
-        gathered = cfg.n_layers / pp if pp > 1 else 2
-        weight_copies = round(2 * (gathered * _block_weights(cfg, ep) / cfg.n_layers + outer * matrices) / tp)
+        every, largest = _block_weights(cfg, ep)
+        gathered = every / pp if pp > 1 else 2 * largest
+        weight_copies = round(2 * (gathered + outer * matrices) / tp)
     else:
-        weight_copies = round(2 * (_block_weights(cfg) / pp + head_matmul) / tp)
+        weight_copies = round(2 * (_block_weights(cfg)[0] / pp + head_matmul) / tp)
     tokens = micro_batch * seq_len / cp
     per_layer = activation_bytes_per_token(cfg, bf16, recompute, cp) * tokens / tp
     activations = round(in_flight * cfg.n_layers / pp * per_layer)

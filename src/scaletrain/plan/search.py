@@ -54,8 +54,8 @@ class Candidate:
     @property
     def complexity(self) -> tuple:
         lay = self.layout
-        kinds = (lay.tp > 1) + (lay.cp > 1) + (lay.pp > 1) + (lay.dp_replicate > 1 and lay.dp_shard > 1)
-        return (kinds, RECOMPUTE.index(lay.recompute), lay.loss_chunk_tokens > 0, lay.tp, lay.pp, lay.cp,
+        kinds = (lay.tp > 1) + (lay.cp > 1) + (lay.pp > 1) + (lay.ep > 1) + (lay.dp_replicate > 1 and lay.dp_shard > 1)
+        return (kinds, RECOMPUTE.index(lay.recompute), lay.loss_chunk_tokens > 0, lay.tp, lay.pp, lay.cp, lay.ep,
                 lay.pp_stages_per_rank, -lay.micro_batch)
 
     def to_dict(self) -> dict:
@@ -179,7 +179,8 @@ def search(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fi
     rest = sorted((c for c in fits if c.seconds_per_token > 1.01 * best), key=lambda c: c.seconds_per_token)
     ranked, seen = [], set()
     for c in near + rest:  # one entry per mesh shape and schedule: its best micro-batch and recomputation
-        key = (c.layout.dp_replicate, c.layout.dp_shard, c.layout.tp, c.layout.cp, c.layout.pp, c.layout.pp_schedule)
+        key = (c.layout.dp_replicate, c.layout.dp_shard, c.layout.tp, c.layout.cp, c.layout.pp, c.layout.ep,
+               c.layout.pp_schedule)
         if key not in seen:
             seen.add(key)
             ranked.append(c)

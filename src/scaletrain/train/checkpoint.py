@@ -246,9 +246,10 @@ def rewound(path: Path) -> dict | None:
 
 
 def bytes_on_disk(root: Path) -> int:
-    """The bytes of every file in every checkpoint directory under `root`: it changes while a
-    checkpoint is written or pruned (the watchdog's sign that a long save is not a hang)."""
-    return sum(f.stat().st_size for path in all_checkpoints(root) for f in path.iterdir() if f.is_file())
+    """The bytes of the files of the newest checkpoint directory under `root` (0 if none): they
+    grow while it is written (the watchdog's sign that a long save is not a hang)."""
+    return sum(entry.stat().st_size for path in all_checkpoints(root)[:1] for entry in os.scandir(path)
+               if entry.is_file())
 
 
 def step_of(path: Path) -> int:

@@ -24,9 +24,11 @@ without one it prints every thread's stack, says so and ends the process with st
 starts them all again; they resume from the newest checkpoint. It is armed after the first
 step, whose compilation and first collectives may take long. A checkpoint being written is
 not a hang however long it takes, as long as it is still being written: once the loop has been
-silent for half the timeout, the watchdog looks at the bytes under the checkpoint directory at
-each check, and a change counts as a beat (a filesystem that stopped answering changes nothing,
-and a look that does not return within a few seconds counts as no change).
+silent for half the timeout, the watchdog looks at the bytes of the newest checkpoint directory
+(the one being written) every timeout / 8 (at most every minute), and a change counts as a beat
+(a filesystem that stopped answering changes nothing, and a look that does not return within a
+few seconds counts as no change). What it reports is the time since the last step, evaluation
+or checkpoint finished.
 """
 
 from __future__ import annotations
@@ -115,17 +117,20 @@ class Watchdog:
     """Ends the process with HANG_EXIT_STATUS when, after the first `beat()`, the next does not
     come within `timeout_s` seconds (0: never). `on_hang(seconds)` runs first, e.g. to record the
     hang; the stacks go to stderr. `progress()`, if given, returns a value that changes while
-    work the loop may be waiting for still advances (the bytes of checkpoints being written):
-    after half the timeout without a beat it is looked at on every check, and a change counts
-    as a beat."""
+    work the loop may be waiting for still advances (the bytes of a checkpoint being written):
+    after half the timeout without a beat it is looked at every timeout / 8 (at most every
+    minute: on a parallel filesystem every rank's look lists the checkpoint's files), and a
+    change puts the deadline off as a beat does."""
 
     PROBE_S = 5.0  # the longest a look at `progress` may take before it counts as no change
 
     def __init__(self, timeout_s: float, on_hang: Callable[[float], None] | None = None,
                  progress: Callable[[], object] | None = None):
         self.timeout_s, self.on_hang, self.progress = timeout_s, on_hang, progress
-        self._last: float | None = None  # disarmed until the first beat
+        self._last: float | None = None  # the deadline counts from here; disarmed until the first beat
+        self._beat: float | None = None  # the last beat itself (what the messages report)
         self._seen = None  # what progress() returned at the last look, while the loop was silent
+        self._looked = float("-inf")  # when
         self._probe: threading.Thread | None = None
         self._done = threading.Event()
         self._thread = None
@@ -134,7 +139,7 @@ class Watchdog:
             self._thread.start()
 
     def beat(self) -> None:
-        self._last = time.monotonic()
+        self._last = self._beat = time.monotonic()
         self._seen = None
 
     def close(self) -> None:
@@ -153,6 +158,7 @@ class Watchdog:
                 looked.append(self.progress())
             except OSError:
                 pass
+        self._looked = time.monotonic()
         self._probe = threading.Thread(target=look, name="scaletrain-watchdog-probe", daemon=True)
         self._probe.start()
         self._probe.join(timeout=self.PROBE_S)
@@ -165,14 +171,15 @@ class Watchdog:
         while not self._done.wait(min(self.timeout_s / 4, 5.0)):
             if self._last is None:
                 continue
-            quiet = time.monotonic() - self._last
-            if quiet < self.timeout_s / 2:
+            now = time.monotonic()
+            if now - self._last < self.timeout_s / 2:
                 continue
-            if self._advanced():
+            quiet = now - self._beat  # since something last finished
+            if now - self._looked >= min(60.0, self.timeout_s / 8) and self._advanced():
                 log.warning("nothing finished in %.0f s, but a checkpoint is still being written: not a hang", quiet)
                 self._last = time.monotonic()  # not beat(): the next look compares with this one
                 continue
-            if quiet < self.timeout_s:
+            if now - self._last < self.timeout_s:
                 continue
             log.error("no step, evaluation or checkpoint finished in %.0f s (train.hang_timeout_s = %g): the "
                       "stacks of every thread follow; exiting with status %d so that the launcher restarts the "
