@@ -26,6 +26,8 @@ from scaletrain.train.trainer import train
 MOE = dict(vocab_size=256, dim=64, n_layers=3, n_heads=4, max_seq_len=64, moe_experts=4, moe_top_k=2,
            moe_shared_experts=1, moe_dense_layers=1, moe_ffn_dim=96)
 MOE_OVERRIDES = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_shared_experts=1", "model.moe_ffn_dim=96"]
+# Loss-free balancing on top: its biases must be checkpointed and its loads summed over every rank.
+BIASED = [*MOE_OVERRIDES, "model.moe_bias_update=0.02"]
 
 
 def test_each_token_gets_the_weighted_sum_of_its_top_k_experts_and_the_shared_one():
@@ -131,9 +133,45 @@ def test_with_one_expert_a_token_the_router_still_learns_from_the_loss():
     assert model.layers["1"].feed_forward.router.weight.grad.abs().sum() > 0
 
 
+def test_expert_biases_choose_experts_but_do_not_weight_them_and_move_toward_balance():
+    """DeepSeek-V3's loss-free balancing: a bias added to an expert's probability only to choose
+    the top k; after a step, each bias moves by the rate toward the mean load."""
+    from scaletrain.model.moe import MoE, update_expert_bias
+
+    torch.manual_seed(0)
+    moe = MoE(ModelConfig(**{**MOE, "moe_shared_experts": 0, "moe_bias_update": 0.1}))
+    for param in moe.parameters():
+        torch.nn.init.normal_(param, std=0.1)
+    x = torch.randn(1, 16, 64)
+    plain = moe(x)
+    moe.load.zero_()
+    moe.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0]))  # expert 3 is chosen for every token
+    biased = moe(x)
+    assert moe.load.tolist()[3] == 16 and moe.load.sum() == 32  # 16 tokens x top-2, counted while training
+    with torch.no_grad():
+        logits = moe.router(x.reshape(-1, 64))
+        probs = logits.softmax(-1)
+        for t in range(16):
+            first = int(probs[t, :3].argmax())  # the best of the others, and expert 3
+            weights = probs[t, [first, 3]] / probs[t, [first, 3]].sum()  # the probabilities, not the biases
+            hidden = {e: F.silu(x[0, t] @ moe.experts.w1[e].T) * (x[0, t] @ moe.experts.w3[e].T) for e in (first, 3)}
+            expected = sum(w * (hidden[e] @ moe.experts.w2[e].T) for w, e in zip(weights, (first, 3)))
+            torch.testing.assert_close(biased[0, t], expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(plain, biased)
+    moe.eval()
+    moe(x)  # evaluation does not count
+    moe.load.copy_(torch.tensor([10.0, 2.0, 4.0, 0.0]))  # mean 4
+    max_load = update_expert_bias(moe, 0.1)
+    assert moe.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 10.1]) and moe.load.sum() == 0
+    assert max_load.tolist() == [2.5]
+    moe.load.copy_(torch.tensor([10.0, 2.0, 4.0, 0.0]))
+    update_expert_bias(moe, 0.1, skip=torch.tensor(True))  # a step that was not applied
+    assert moe.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 10.1])
+
+
 @pytest.mark.parametrize("recompute", ["full"])  # none: the parallel tests' one-process reference
 def test_a_moe_model_trains_and_resumes_bit_exactly(stdlib_data, tmp_path, recompute):
-    common = [*MOE_OVERRIDES, "train.steps=6", "eval.interval=3", "checkpoint.interval=3",
+    common = [*BIASED, "train.steps=6", "eval.interval=3", "checkpoint.interval=3",
               f"parallel.recompute={recompute}"]
     train(tiny_config(stdlib_data, tmp_path / "whole", *common))
     train(tiny_config(stdlib_data, tmp_path / "split", *common), stop_at_step=3)
@@ -142,6 +180,7 @@ def test_a_moe_model_trains_and_resumes_bit_exactly(stdlib_data, tmp_path, recom
     assert [r["loss"] for r in split] == [r["loss"] for r in whole]
     assert whole[-1]["loss"] < whole[0]["loss"]
     assert all(0.99 < r["moe_balance"] < 1.5 for r in whole)  # per block: 1 when balanced, 4 (E) when one takes all
+    assert all(1 <= r["moe_max_load"] < 4 for r in whole)
 
 
 LAYOUTS = {  # name: (processes, overrides); plain FSDP of a MoE is the non-expert half of the last
@@ -153,7 +192,7 @@ LAYOUTS = {  # name: (processes, overrides); plain FSDP of a MoE is the non-expe
 @pytest.fixture(scope="module")
 def one_process_moe(stdlib_data, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("moe") / "one"
-    train(tiny_config(stdlib_data, run_dir, *MOE_OVERRIDES, "train.micro_batch=2", "train.steps=4",
+    train(tiny_config(stdlib_data, run_dir, *BIASED, "train.micro_batch=2", "train.steps=4",
                       "eval.interval=0", "checkpoint.interval=2"))
     return read_metrics(run_dir, "train")
 
@@ -164,7 +203,7 @@ def test_data_and_expert_parallel_moe_train_the_losses_and_gradients_of_one_proc
     """Adam is blind to a gradient's scale, so the gradient norms are compared as well as the losses:
     an expert gradient averaged over the wrong number of ranks shows there."""
     processes, layout = LAYOUTS[name]
-    common = [f"data.path={stdlib_data}", f"run.dir={tmp_path}", "run.name=run", *MOE_OVERRIDES,
+    common = [f"data.path={stdlib_data}", f"run.dir={tmp_path}", "run.name=run", *BIASED,
               "train.micro_batch=2", "train.steps=4", "eval.interval=0", "checkpoint.interval=2"]
     stop = ["--stop-at-step", "2"] if name.startswith("expert") else []
     result = run_cli("train", "configs/tiny.toml", *common, *layout, *stop, "--nproc", str(processes), timeout=300)
@@ -173,7 +212,7 @@ def test_data_and_expert_parallel_moe_train_the_losses_and_gradients_of_one_proc
         train(load_config(ROOT / "configs" / "tiny.toml", common))
     records = read_metrics(tmp_path / "run", "train")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    for key in ("loss", "grad_norm"):
+    for key in ("loss", "grad_norm", "moe_max_load"):
         assert [r[key] for r in records] == pytest.approx([r[key] for r in one_process_moe], rel=1e-5, abs=1e-6)
 
 

@@ -74,6 +74,8 @@ class ModelConfig(_Section):
     """Experts every token also goes through (DeepSeekMoE's shared experts), each moe_ffn_dim wide."""
     moe_dense_layers: int = Field(default=0, ge=0)
     """The first this many blocks keep a dense MLP (as DeepSeek-V3's first three)."""
+    moe_bias_update: float = Field(default=0.0, ge=0)
+    """Auxiliary-loss-free balancing (DeepSeek-V3): each expert gets a routing bias, added to its router probability when choosing a token's top-k (not to the weight of its output), moved by this much after each step toward balance (up for experts that got fewer than the mean of the global batch's assignments, down for those that got more); 0: off. DeepSeek-V3 used 0.001 on sigmoid scores; softmax probabilities are about 1/moe_experts."""
     moe_aux_loss: float = Field(default=0.01, ge=0)
     """Weight of the load-balancing loss E x sum_i f_i P_i of each MoE block (Switch Transformer; f_i: share of routed tokens, P_i: mean router probability of expert i; 1 when balanced), whose sum over blocks is added to the training objective; logged per block as moe_balance."""
 

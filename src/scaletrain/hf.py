@@ -115,6 +115,9 @@ def moe_problem(cfg: ModelConfig) -> str | None:
     if cfg.moe_shared_experts:
         return (f"model.moe_shared_experts = {cfg.moe_shared_experts}: neither Qwen3-MoE nor Mixtral has shared "
                 "experts")
+    if cfg.moe_bias_update:
+        return (f"model.moe_bias_update = {cfg.moe_bias_update}: the experts' routing biases have no place in "
+                "Qwen3-MoE or Mixtral")
     if not cfg.qk_norm and cfg.moe_dense_layers:
         return (f"model.moe_dense_layers = {cfg.moe_dense_layers}: Mixtral (a mixture of experts without QK-norm) has "
                 "no dense blocks; Qwen3-MoE (model.qk_norm = true) has")
@@ -469,6 +472,9 @@ def load_hf_weights(hf_dir: str | Path, cfg: ModelConfig) -> dict:
             for name, names in keys.items()}  # an expert stack from its experts
     if cfg.tie_embeddings:
         ours["output.weight"] = ours["tok_embeddings.weight"]
+    if cfg.moe_bias_update:  # continued training with balancing biases, from none
+        ours.update({f"layers.{i}.feed_forward.expert_bias": torch.zeros(cfg.moe_experts)
+                     for i in range(cfg.n_layers) if cfg.is_moe_layer(i)})
     return ours
 
 

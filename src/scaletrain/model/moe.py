@@ -15,6 +15,13 @@ both are tested; on GPUs they are different kernels). The outputs are put back i
 order by a permutation, not a scatter-add, so the result does not depend on the order of
 floating-point additions (runs resume bit-exactly on GPUs too).
 
+With model.moe_bias_update = γ > 0, routing is also balanced without a loss (DeepSeek-V3,
+Liu et al. 2024, section 2.1.2): each expert has a bias, added to its probability only to choose
+the top k, and after each optimizer step moved by γ up for each expert that received fewer
+assignments than the mean over the whole global batch (every micro-batch of every rank) and
+down for each that received more (`update_expert_bias`). The bias is a buffer of the model,
+checkpointed with it.
+
 The load-balancing loss of the last forward, E · Σ_i f_i P_i (f_i: the share of the token-expert
 assignments that went to expert i, P_i: the mean router probability of expert i; 1 when
 balanced), is left in `aux_loss` for the trainer to add, weighted by model.moe_aux_loss, to the
@@ -144,6 +151,13 @@ class MoE(nn.Module):
 
             self.shared = FeedForward(cfg.dim, cfg.moe_shared_experts * cfg.expert_dim)
         self.aux_loss: torch.Tensor | None = None
+        if cfg.moe_bias_update:
+            self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts))
+            # Assignments per expert since the last update (training forwards only; a recomputed
+            # forward counts again, which scales every expert's count alike and moves no sign).
+            self.register_buffer("load", torch.zeros(cfg.moe_experts), persistent=False)
+        else:
+            self.expert_bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
@@ -152,13 +166,16 @@ class MoE(nn.Module):
             logits = F.linear(flat.float(), self.router.weight.float())  # (tokens, experts)
         experts = self.router.out_features
         probs = logits.softmax(dim=-1)
-        chosen = logits.topk(self.top_k, dim=-1).indices  # (tokens, k)
+        scores = probs if self.expert_bias is None else probs + self.expert_bias  # the bias only chooses
+        chosen = scores.topk(self.top_k, dim=-1).indices  # (tokens, k)
         weights = probs.gather(-1, chosen)  # one expert: its probability, as Switch (so the router
         if self.top_k > 1:  # learns from the loss); several: renormalised over them, as Mixtral
             weights = weights / weights.sum(dim=-1, keepdim=True)
         assignments = chosen.flatten()  # token t's j-th expert at t * k + j
         order = assignments.argsort(stable=True)  # assignments grouped by expert, tokens in order
         counts = torch.bincount(assignments, minlength=experts)
+        if self.expert_bias is not None and self.training and torch.is_grad_enabled():
+            self.load += counts
         routed = self.experts(flat[order // self.top_k], counts)
         unsorted = torch.empty_like(routed)
         unsorted[order] = routed
@@ -181,6 +198,29 @@ class _ScaleGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad * ctx.factor, None
+
+
+def update_expert_bias(model: nn.Module, rate: float, skip: torch.Tensor | None = None) -> torch.Tensor | None:
+    """After an optimizer step: move each mixture block's expert biases by `rate` toward balance
+    over the step's assignments on every rank (summed by an all-reduce), unless `skip` (a bool
+    tensor: the step was not applied), and start counting again. Returns the largest load of an
+    expert over the mean, per block (on the device); None without biases."""
+    import torch.distributed as dist
+
+    blocks = [m for m in model.modules() if isinstance(m, MoE) and m.expert_bias is not None]
+    if not blocks:
+        return None
+    loads = torch.stack([m.load for m in blocks])  # (blocks, experts)
+    if dist.is_initialized():
+        dist.all_reduce(loads)
+    mean = loads.mean(dim=-1, keepdim=True)
+    move = rate * torch.sign(mean - loads)
+    if skip is not None:
+        move = torch.where(skip, torch.zeros_like(move), move)
+    for block, step in zip(blocks, move):
+        block.expert_bias += step
+        block.load.zero_()
+    return (loads.amax(dim=-1) / mean.squeeze(-1).clamp(min=1)).detach()
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor | None:

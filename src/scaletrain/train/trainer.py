@@ -33,7 +33,7 @@ from scaletrain.parallel.context import shard_sequence
 from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.parallel.mesh import collective_timeout, init_distributed, shutdown, world
 from scaletrain.plan.hardware import peak_flops
-from scaletrain.model.moe import aux_loss as moe_aux_loss
+from scaletrain.model.moe import aux_loss as moe_aux_loss, update_expert_bias
 from scaletrain.plan.memory import choose_recompute
 from scaletrain.plan.timing import PlanLayout
 from scaletrain.train import checkpoint
@@ -177,6 +177,7 @@ class Trainer:
             log.info("train.float8: %d linear layers compute in float8",
                      convert_to_float8(model, self.device, self.layout.tp))
         self.moe_balance: float | None = None  # balancing loss per MoE block and rank at the last look (1: balanced)
+        self.moe_max_load: float | None = None  # with expert biases: the most loaded expert over the mean, worst block
         self.parallel = parallelize(model, self.mesh, self.layout, cfg, self.device, param_dtype=param_dtype)
         self.model = self.parallel.module
         if self.layout.tp == 1 and self.layout.pp == 1:
@@ -441,6 +442,8 @@ class Trainer:
         else:  # no skip on the device: every step is looked at before it applies
             self._check(None)
         self.optimizer.step()
+        max_load = (update_expert_bias(self.parallel.module, self.cfg.model.moe_bias_update, skip=bad)
+                    if self.cfg.model.moe_bias_update else None)
         if self.held_bytes is None:  # after the first update every piece of state exists
             self.held_bytes = held_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
@@ -452,6 +455,7 @@ class Trainer:
         loss_value = self._mean_over_last_stage(loss_sum)
         self._check(loss_value)
         self.moe_balance = self._mean_over_last_stage(aux_sum) if self.cfg.model.moe else None
+        self.moe_max_load = max_load.max().item() if max_load is not None else None
         return loss_value, grad_norm.item(), data_wait
 
     def _check(self, loss: float | None) -> None:
@@ -645,7 +649,8 @@ class Trainer:
                         data_wait_ms=round(1000 * window_wait / (window_tokens / cfg.train.global_batch_tokens), 3),
                         tokens_by_source=self.loader.tokens_by_source(),
                         epochs_by_source={k: round(v, 6) for k, v in self.loader.epochs_by_source().items()},
-                        **({"moe_balance": round(self.moe_balance, 5)} if self.cfg.model.moe else {}))
+                        **({"moe_balance": round(self.moe_balance, 5)} if self.cfg.model.moe else {}),
+                        **({"moe_max_load": round(self.moe_max_load, 4)} if self.moe_max_load is not None else {}))
                     log.info("step %d/%d  loss %.4f  lr %.2e  grad %.3f  %.0f tok/s%s", self.step, self.total_steps,
                              train_loss, self.lr, grad_norm, last_speed,
                              f"  mfu {record['mfu']:.1%}" if record["mfu"] is not None else "")
