@@ -28,7 +28,8 @@ import multiprocessing
 import os
 import pickle
 import shutil
-from concurrent.futures import ProcessPoolExecutor
+import time
+from concurrent.futures import ProcessPoolExecutor, TimeoutError as FuturesTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -550,10 +551,19 @@ class _pool:
         return self._map
 
     def _map(self, fn, tasks):
+        futures = [self.executor.submit(fn, task) for task in tasks]
         try:
-            yield from self.executor.map(fn, tasks)
+            for future in futures:
+                while True:
+                    try:
+                        yield future.result(timeout=1.0)
+                        break
+                    except FuturesTimeout:  # a worker killed while writing its result is never noticed
+                        if any(p.exitcode is not None for p in list(self.executor._processes.values())):
+                            raise BrokenProcessPool("a worker died") from None
         except BrokenProcessPool:
             self.broken = True
+            _release(self.executor)
             raise DataError("a worker process of data prepare died (killed, or out of memory); run the same "
                             "command again to resume from the finished chunks") from None
 
@@ -563,6 +573,25 @@ class _pool:
             # exits while the pool's manager thread is still closing its pipes prints a traceback
             # from concurrent.futures' exit hook (Python 3.11).
             self.executor.shutdown(wait=exc[0] is None or self.broken, cancel_futures=True)
+
+
+def _release(executor: ProcessPoolExecutor) -> None:
+    """After a worker died: end the others, and free the executor's manager thread if it is stuck
+    reading a result the dead worker only half wrote (CPython 3.11 waits for the rest forever,
+    and so would shutdown and the interpreter's exit): zeros complete the message, which then
+    fails to unpickle, and the thread marks the pool broken and ends."""
+    for process in list(executor._processes.values()):
+        if process.exitcode is None:
+            process.kill()
+    thread, fd = executor._executor_manager_thread, executor._result_queue._writer.fileno()
+    os.set_blocking(fd, False)
+    deadline = time.monotonic() + 30
+    while thread is not None and thread.is_alive() and time.monotonic() < deadline:
+        try:
+            os.write(fd, bytes(1 << 16))
+        except (BlockingIOError, OSError):
+            pass
+        thread.join(0.05)
 
 
 class _Rejects:
