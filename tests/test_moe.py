@@ -183,9 +183,9 @@ def test_a_moe_model_trains_and_resumes_bit_exactly(stdlib_data, tmp_path, recom
     assert all(1 <= r["moe_max_load"] < 4 for r in whole)
 
 
-LAYOUTS = {  # name: (processes, overrides); plain FSDP of a MoE is the non-expert half of the last
-    "expert-parallel": (2, ["parallel.dp_shard=2", "parallel.ep=2", "parallel.recompute=full"]),
-    "expert-parallel-fsdp": (4, ["parallel.dp_shard=4", "parallel.ep=2"]),  # each expert sharded over 2 ranks
+LAYOUTS = {  # name: (processes, overrides); plain FSDP of a MoE is the non-expert half of this one, and
+    # ep 2 alone (each expert on one rank) was checked by hand: one 4-process launch keeps the suite short.
+    "expert-parallel-fsdp": (4, ["parallel.dp_shard=4", "parallel.ep=2", "parallel.recompute=full"]),
 }
 
 
