@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scaletrain.errors import UserError
+from scaletrain.model.flops import moe_layers
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import MemoryEstimate
 from scaletrain.plan.timing import Efficiency, PlanLayout, StepTime, step_time
@@ -68,12 +69,8 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _moe(cfg: Any) -> bool:
-    return bool(getattr(cfg, "moe_experts", 0))
-
-
 def _tp_sizes(cfg: Any, seq_len: int, cp: int, gpus_per_node: int) -> list[int]:
-    if _moe(cfg):  # a mixture trains under data and expert parallelism only
+    if moe_layers(cfg):  # a mixture trains under data and expert parallelism only
         return [1]
     sizes = (cfg.n_heads, cfg.kv_heads, cfg.hidden_dim, cfg.vocab, seq_len // cp)
     return [tp for tp in divisors(gpus_per_node) if all(size % tp == 0 for size in sizes)]
@@ -83,13 +80,13 @@ def _data_parallel(cfg: Any, dp: int) -> list[tuple[int, int]]:
     """(replicas, ep) choices for `dp` data-parallel ranks: every split into replicas x FSDP
     shards and, for a mixture, every expert-parallel group of shards that divides its experts."""
     return [(replicate, ep) for replicate in divisors(dp)
-            for ep in (divisors(dp // replicate) if _moe(cfg) else [1])
-            if not _moe(cfg) or cfg.moe_experts % ep == 0]
+            for ep in (divisors(dp // replicate) if moe_layers(cfg) else [1])
+            if not moe_layers(cfg) or cfg.moe_experts % ep == 0]
 
 
 def _pipelines(cfg: Any, world: int) -> list[tuple[int, str, int]]:
     """(pp, schedule, stages per rank) choices: one stage a rank under 1F1B, two interleaved."""
-    if cfg.tie_embeddings or _moe(cfg):  # the embedding and the tied head would live on different stages
+    if cfg.tie_embeddings or moe_layers(cfg):  # the embedding and the tied head would live on different stages
         return [(1, "1f1b", 1)]
     out = [(1, "1f1b", 1)]
     for pp in divisors(world):
@@ -119,7 +116,7 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
     capacity = usable * device.memory
     fits: list[Candidate] = []
     closest: Candidate | None = None
-    cps = [cp for cp in divisors(world) if cp == 1 or (allow_cp and not _moe(cfg) and cp <= 64
+    cps = [cp for cp in divisors(world) if cp == 1 or (allow_cp and not moe_layers(cfg) and cp <= 64
                                                           and seq_len % (2 * cp) == 0)]
     for cp in cps:
         for tp in _tp_sizes(cfg, seq_len, cp, min(gpus_per_node, world)):
@@ -138,7 +135,7 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
                         chunks = (0, LOSS_CHUNK) if tp == 1 and pp == 1 and micro_batch * seq_len // cp > LOSS_CHUNK \
                             else (0,)
                         for recompute in RECOMPUTE:
-                            if recompute == "selective" and _moe(cfg):
+                            if recompute == "selective" and moe_layers(cfg):
                                 continue  # not modelled for a mixture
                             layout = memory = None
                             for chunk in chunks:
