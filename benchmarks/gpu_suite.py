@@ -1,8 +1,8 @@
 """One prepared pass on a GPU machine: scaletrain's training throughput on the configs of issue 6's
 reference table, with real data through the real loader, metrics on and checkpoints (in the
 background) at an interval; then ablations of the means (compiled blocks, chunked loss,
-background checkpoints, CUDA graphs, float8 where torchao and a Hopper-class GPU are present)
-on the ~126M config, and whether stop-and-resume is still exact on CUDA. Prints one table and one JSON object
+background checkpoints, CUDA graphs, float8 where torchao and a Hopper-class GPU are present,
+attention within documents) on the ~126M config, and whether stop-and-resume is still exact on CUDA. Prints one table and one JSON object
 (also written to --out).
 
     PYTHONPATH=src python benchmarks/gpu_suite.py --out results.json [--only configs,ablations,resume]
@@ -191,6 +191,10 @@ def main() -> None:
     runs = work / "runs"
     # A checkpoint two thirds of the way: realistic runs save every ~30 min, this measures one save.
     every = max(1, (2 * args.steps) // 3)
+
+    def keep() -> None:  # what is measured so far, should the device's time run out before the end
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1))
     if "configs" in sections:
         report["configs"] = {}
         for name in args.configs.split(","):
@@ -198,10 +202,12 @@ def main() -> None:
             overrides = [*shape, *BEST, *(TINY if args.tiny else [])]
             row = measure(data, runs, name, overrides, args.steps, args.warmup, every, args.log_every)
             report["configs"][name] = {**row, "settings": BEST, "reference": None if args.tiny else reference}
+            keep()
     if "ablations" in sections:
         shape = CONFIGS["llama-126m"][0]
         variants = {"eager": ["train.compile=false"], "whole-batch loss": ["train.loss_chunk_tokens=0"],
-                    "synchronous checkpoint": ["checkpoint.async_save=false"], "loss read every step": ["log.interval=1"]}
+                    "synchronous checkpoint": ["checkpoint.async_save=false"], "loss read every step": ["log.interval=1"],
+                    "attention within documents": ["model.document_mask=true"]}
         if not args.tiny:  # (tiny runs are not compiled: inductor on a CPU takes minutes)
             variants["CUDA graphs"] = ["train.compile_mode=reduce-overhead"]
         if _float8_available() and not args.tiny:
@@ -213,6 +219,7 @@ def main() -> None:
                 **measure(data, runs, f"ablation-{what.replace(' ', '-')}", overrides, args.steps, args.warmup, every,
                           args.log_every),
                 "settings": [*BEST, *change]}
+            keep()
     if "resume" in sections:
         report["resume"] = resume_exactness(data, runs, ["train.device=cpu"] if args.tiny else [])
     print(table(report))

@@ -24,6 +24,26 @@ def stdlib_data(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def short_documents(stdlib_data, tmp_path_factory) -> Path:
+    """Python source cut at blank lines into short documents (about 130 tokens each, so about half
+    of the 64-token windows hold a document boundary), tokenized with stdlib_data's tokenizer."""
+    import json
+    import sysconfig
+
+    from scaletrain.data import prepare
+
+    root = tmp_path_factory.mktemp("short")
+    texts = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:30]:
+        texts += [part for part in path.read_text(errors="replace").split("\n\n") if len(part.strip()) > 40]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts[:4000]))
+    out = root / "documents"
+    prepare([str(root / "docs.jsonl")], out, vocab_size=512, tokenizer=stdlib_data / "tokenizer.json",
+            val_fraction=0.05, filters="none", workers=1)
+    return out
+
+
 def tiny_config(data_dir: Path, run_dir: Path, *overrides: str):
     """configs/tiny.toml pointed at `data_dir`, its run directory at `run_dir`."""
     return load_config(ROOT / "configs" / "tiny.toml",

@@ -32,6 +32,7 @@ def test_resolved_config_round_trips_through_toml():
     (["train.steps=10", "train.lr=-1"], ["train.lr = -1", "greater than 0"]),
     (["trainsteps10"], ["section.key=value"]),
     (["train.steps=10", "data.mix={a = inf, b = 1}"], ["data.mix weights must be positive finite"]),
+    (["train.steps=10", "model.rope_scaling={factor = 8}"], ["model.rope_scaling", "high_freq_factor, low_freq_factor"]),
 ])
 def test_bad_configs_name_the_key_the_value_and_what_is_valid(overrides, words):
     with pytest.raises(ConfigError) as error:

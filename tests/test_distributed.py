@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -56,13 +57,14 @@ def launch(stdlib_data, run_dir, nproc: int, *overrides: str):
     _run_with_retry(lambda: run_cli(*args, timeout=240), "a launch")
 
 
-def launch_layouts(stdlib_data, root, nproc: int, runs: list[tuple]):
+def launch_layouts(stdlib_data, root, nproc: int, runs: list[tuple], short_documents: Path | None = None):
     """Train each (run name, overrides, stop at step[, file of the run to damage first[, step after
     which a gradient norm reads NaN]]) under root/, one after another, in one torchrun job of nproc
     processes; a run name given twice resumes the first one's checkpoint."""
     spec = [{"config": str(ROOT / "configs" / "tiny.toml"), "stop_at_step": stop,
              "damage": extra[0] if extra else None, "glitch": extra[1] if len(extra) > 1 else None,
-             "overrides": [f"data.path={stdlib_data}", f"run.dir={root}", f"run.name={name}", *STEPS, *overrides]}
+             "overrides": [f"data.path={stdlib_data}", f"run.dir={root}", f"run.name={name}", *STEPS,
+                           *with_data(overrides, short_documents)]}
             for name, overrides, stop, *extra in runs]
     spec_path = root / f"layouts-{nproc}.json"
     spec_path.write_text(json.dumps(spec))
@@ -85,18 +87,26 @@ DEEP = ["model.n_layers=4"]  # enough blocks for 4 pipeline stages
 
 
 @pytest.fixture(scope="module")
-def single_process(stdlib_data, tmp_path_factory):
-    """One process, 4 blocks, 2 micro-batches of 4 per step, with a layout's model.* and eval.*
-    overrides: what that layout must reproduce. Each is trained once."""
+def single_process(stdlib_data, short_documents, tmp_path_factory):
+    """One process, 4 blocks, 2 micro-batches of 4 per step, with a layout's model.*, eval.* and
+    data.* overrides: what that layout must reproduce. Each is trained once."""
     runs = {}
 
     def run(overrides: list[str]):
-        model = tuple(o for o in overrides if o.startswith(("model.", "eval.")))
+        model = tuple(o for o in with_data(overrides, short_documents) if o.startswith(("model.", "eval.", "data.")))
         if model not in runs:
             runs[model] = tmp_path_factory.mktemp("single-deep") / "run"
             train(tiny_config(stdlib_data, runs[model], *STEPS, *DEEP, *model))
         return runs[model]
     return run
+
+
+# Attention within documents, on data of short documents (about half the windows hold a boundary).
+DOCUMENTS = ["model.document_mask=true", "data.path=SHORT_DOCUMENTS"]
+
+
+def with_data(overrides: list[str], short_documents: Path) -> list[str]:
+    return [o.replace("SHORT_DOCUMENTS", str(short_documents)) for o in overrides]
 
 
 @pytest.fixture(scope="module")
@@ -125,19 +135,22 @@ TWO = {
     "fsdp-uneven-eval": ["parallel.dp_shard=2", "eval.tokens=1088"],
     # The output head and loss 100 tokens at a time, on the head FSDP gathers.
     "fsdp-chunked-loss": ["parallel.dp_shard=2", "train.loss_chunk_tokens=100"],
-    "cp": ["parallel.cp=2", *ONE_STAGE],
+    "cp": ["parallel.cp=2", *ONE_STAGE, *DOCUMENTS],
     **{f"pp-{schedule}": [*PP2, f"parallel.pp_schedule={schedule}"]
        for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
                         "zbv_zero_bubble", "dualpipev")},
 }
+# The schedules hand the document ids to every stage, in micro-batches, as keyword arguments.
+for _name in ("pp-1f1b", "pp-interleaved_zero_bubble"):
+    TWO[_name] += DOCUMENTS
 # FSDP gathering bfloat16 parameters (gradients reduced in float32): close to float32, not equal.
 MIXED = {"fsdp-bf16-params": ["parallel.dp_shard=2", "train.dtype=bfloat16"]}
 # FSDP x TP and CP x TP untied: the second halves of RESHARD's runs.
 FOUR = {
     "fsdp-x-tp-tied-qk-norm": ["parallel.dp_shard=2", "parallel.tp=2", *TIED_QK],
     "fsdp-x-pp": ["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2", "parallel.recompute=full"],
-    "tp-x-pp-interleaved": [*PP2, "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b"],
-    "fsdp-x-cp": ["parallel.cp=2", "parallel.dp_shard=2"],
+    "tp-x-pp-interleaved": [*PP2, "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b", *DOCUMENTS],
+    "fsdp-x-cp": ["parallel.cp=2", "parallel.dp_shard=2", *DOCUMENTS],
     "cp-x-pp-zbv": [*PP2, "parallel.cp=2", "parallel.pp_schedule=zbv_zero_bubble"],
     "pp4": ["parallel.pp=4", *ONE_STAGE, "train.micro_batch=1"],
 }
@@ -171,7 +184,7 @@ GLITCH = 2
 
 
 @pytest.fixture(scope="module")
-def layout_runs(stdlib_data, tmp_path_factory):
+def layout_runs(stdlib_data, short_documents, tmp_path_factory):
     """Every grouped layout trained once: name -> run directory (three launches: 2, 4, 8 processes)."""
     root = tmp_path_factory.mktemp("layouts")
     two = [(name, [*DEEP, *overrides], None) for name, overrides in {**TWO, **MIXED}.items()]
@@ -182,11 +195,11 @@ def layout_runs(stdlib_data, tmp_path_factory):
     for name, (overrides, damaged) in DAMAGED.items():
         two += [(name, [*DEEP, *overrides], None), (name, [*DEEP, *overrides], None, damaged)]
     two += [(name, [*DEEP, *overrides], None, None, GLITCH) for name, overrides in REWOUND.items()]
-    launch_layouts(stdlib_data, root, 2, two)
+    launch_layouts(stdlib_data, root, 2, two, short_documents)
     four = [(name, [*DEEP, *overrides], None) for name, overrides in FOUR.items()]
     for name, (before, after) in RESHARD.items():
         four += [(name, [*DEEP, *before], STOP), (name, [*DEEP, *after], None)]
-    launch_layouts(stdlib_data, root, 4, four)
+    launch_layouts(stdlib_data, root, 4, four, short_documents)
     launch_layouts(stdlib_data, root, 8, [(name, [*DEEP, *overrides], None) for name, overrides in EIGHT.items()])
     return {name: root / name
             for name in [*TWO, *MIXED, *FOUR, *EIGHT, *RESHARD, *RESUME, *TO_ONE, *DAMAGED, *REWOUND]}
@@ -195,6 +208,12 @@ def layout_runs(stdlib_data, tmp_path_factory):
 @pytest.mark.parametrize("name", [*TWO, *FOUR, *EIGHT])
 def test_parallel_layouts_train_the_losses_of_one_process(layout_runs, single_process, name):
     assert_parity(layout_runs[name], single_process({**TWO, **FOUR, **EIGHT}[name]))
+
+
+def test_the_document_mask_changes_what_the_layouts_above_train(single_process):
+    """The layouts that attend within documents would pass vacuously if the mask did nothing."""
+    masked, causal = (records(single_process(overrides), "train") for overrides in (DOCUMENTS, DOCUMENTS[1:]))
+    assert all(abs(masked[step] - causal[step]) > 1e-4 for step in causal), (masked, causal)
 
 
 @pytest.mark.parametrize("name", list(RESUME))

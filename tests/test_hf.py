@@ -190,10 +190,10 @@ def test_a_run_starts_from_an_exported_model_and_trains_on(runs, stdlib_data, tm
     Trainer(new).loader.close()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen3", "qwen3_moe", "mixtral"])
 def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, kind):
     from scaletrain.config import ModelConfig
-    from scaletrain.hf import load_hf_weights, model_settings
+    from scaletrain.hf import hf_config, load_hf_weights, model_settings
     from scaletrain.model.llama import Transformer
 
     shape = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
@@ -201,6 +201,10 @@ def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, k
     torch.manual_seed(0)
     if kind == "llama":
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, rope_theta=1e4, tie_word_embeddings=False))
+    elif kind == "llama3_rope":  # Llama 3.1's scaling, its original length short enough to matter at 24 tokens
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, tie_word_embeddings=False, rope_scaling={
+            "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}))
     elif kind == "qwen3":
         hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, head_dim=16, tie_word_embeddings=True))
     elif kind == "qwen3_moe":  # a dense first block, then 4 experts of width 32, 2 per token
@@ -227,6 +231,16 @@ def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, k
     tokens = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf.eval()(tokens).logits, rtol=1e-4, atol=1e-4)
+    if kind == "llama3_rope":
+        assert cfg.rope_scaling == {"factor": 8, "low_freq_factor": 1, "high_freq_factor": 4, "original_max_seq_len": 16}
+        plain = Transformer(cfg.model_copy(update={"rope_scaling": None}))
+        plain.load_state_dict(ours.state_dict())
+        with torch.no_grad():  # the scaling matters at these positions
+            assert (plain(tokens) - ours(tokens)).abs().max() > 1e-3  # (the comparison above is to 1e-4)
+        # and goes back out as transformers reads it
+        config = hf_config(cfg, "float32", 0)
+        assert config["rope_parameters"] == {**hf.config.rope_parameters, "original_max_position_embeddings": 16}
+        assert transformers.LlamaConfig(**config).rope_parameters == hf.config.rope_parameters
 
 
 def test_a_model_of_another_shape_or_kind_is_refused_with_the_settings_to_use(runs, stdlib_data, tmp_path):
@@ -248,9 +262,21 @@ def test_a_model_of_another_shape_or_kind_is_refused_with_the_settings_to_use(ru
         Trainer(tiny_config(stdlib_data, tmp_path / "run", "train.steps=2", f"checkpoint.init_from={tmp_path / 'other'}",
                             "model.rope_theta=500.0", "model.norm_eps=1e-6"))
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0}, attention_bias=True)
+    llama3 = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 32}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "rope_parameters": llama3}))
+    with pytest.raises(ConfigError, match=r"model.rope_scaling is None, the model's is \{'factor': 32.0.*; set "
+                                          r"model.rope_scaling=\{factor = 32.0, low_freq_factor = 1.0, high_freq_factor"
+                                          r" = 4.0, original_max_seq_len = 32.0\}"):
+        Trainer(tiny_config(stdlib_data, tmp_path / "run", "train.steps=2", f"checkpoint.init_from={tmp_path / 'hf'}",
+                            "model.rope_theta=500.0", "model.norm_eps=1e-6"))
+    config.update(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 32.0}, attention_bias=True)
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="does not compute: attention_bias true .*; rotary scaling 'llama3'"):
+    with pytest.raises(ConfigError, match="does not compute: attention_bias true .*; rotary scaling 'yarn'"):
+        model_settings(tmp_path / "hf")
+    config.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0}, attention_bias=False)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="rotary scaling 'llama3' without low_freq_factor, high_freq_factor, orig"):
         model_settings(tmp_path / "hf")
     with pytest.raises(ConfigError, match="has no readable config.json"):
         model_settings(tmp_path)

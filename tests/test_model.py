@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from scaletrain.config import ModelConfig
-from scaletrain.model.llama import Transformer
+from scaletrain.model.llama import Transformer, document_causal_mask, document_ids, repeat_kv_heads
 from scaletrain.model.sample import generate
 
 SHAPES = {
@@ -48,6 +48,38 @@ def test_changing_a_future_token_leaves_earlier_logits_unchanged(shape):
     a, b = model(tokens), model(changed)
     torch.testing.assert_close(a[:, :15], b[:, :15], rtol=0, atol=0)
     assert not torch.allclose(a[:, 15:], b[:, 15:])
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_packed_documents_under_the_document_mask_give_the_logits_of_each_alone(shape):
+    model = build(**shape)
+    eos = 255
+    first, second, third = torch.randint(0, 255, (12,)), torch.randint(0, 255, (30,)), torch.randint(0, 255, (9,))
+    packed = torch.cat([first, torch.tensor([eos]), second, torch.tensor([eos]), third])[None]  # (1, 53)
+    documents = document_ids(packed, eos)
+    assert documents.tolist() == [[0] * 13 + [1] * 31 + [2] * 9]  # each end-of-document token closes its document
+    with torch.no_grad():
+        masked, unmasked = model(packed, documents=documents), model(packed)
+        # Rotary embeddings depend on relative positions only: a document later in the sequence
+        # scores its keys as it would alone from position 0.
+        alone = [model(torch.cat([first, torch.tensor([eos])])[None]), model(second[None]), model(third[None])]
+    torch.testing.assert_close(masked[:, :13], alone[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(masked[:, 13:43], alone[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(masked[:, 44:], alone[2], atol=1e-5, rtol=1e-5)
+    assert (unmasked[:, 13:] - masked[:, 13:]).abs().max() > 1e-2  # without the mask the documents mix
+    torch.testing.assert_close(unmasked[:, :13], masked[:, :13])
+    with pytest.raises(ValueError, match="KV cache takes none"):
+        model(packed, cache=model.new_cache(1), documents=documents)
+
+
+def test_repeated_key_value_heads_attend_as_grouped_query_attention():
+    """What a masked call on CUDA does instead of enable_gqa (which that kernel lacks)."""
+    q, k, v = torch.randn(2, 6, 10, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
+    mask = document_causal_mask(*[torch.tensor([[0] * 4 + [1] * 6, [0] * 10])] * 2)
+    grouped = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    repeated = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv_heads(k, 6), repeat_kv_heads(v, 6),
+                                                                attn_mask=mask)
+    torch.testing.assert_close(repeated, grouped)
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())

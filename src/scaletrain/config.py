@@ -56,12 +56,16 @@ class ModelConfig(_Section):
     """Longest sequence the rotary tables are built for."""
     rope_theta: float = Field(default=10000.0, gt=0)
     """Base of the rotary embedding frequencies."""
+    rope_scaling: dict[str, float] | None = None
+    """Llama 3.1's rotary frequency scaling, e.g. {factor = 8, low_freq_factor = 1, high_freq_factor = 4, original_max_seq_len = 8192}: wavelengths longer than original_max_seq_len / low_freq_factor are stretched by factor, those shorter than original_max_seq_len / high_freq_factor kept, those between interpolated (what Llama 3.1 and 3.2 checkpoints use; unset: plain RoPE)."""
     norm_eps: float = Field(default=1e-5, gt=0)
     """Epsilon of RMSNorm."""
     qk_norm: bool = False
     """RMSNorm on queries and keys per head before attention (stabilises large learning rates)."""
     tie_embeddings: bool = False
     """Share the input embedding with the output projection."""
+    document_mask: bool = False
+    """Attention within documents: a token of a packed training sequence attends only to the tokens of its own document (from the one after the previous end-of-document token on), as Llama 3 was trained (Llama Team 2024, section 3.2), instead of to every earlier token of the sequence. Generation is unchanged (a prompt is one document)."""
     init_std: float = Field(default=0.02, gt=0)
     """Std of the normal initialisation; output projections get init_std / sqrt(2 * n_layers)."""
     moe_experts: int = Field(default=0, ge=0)
@@ -93,6 +97,15 @@ class ModelConfig(_Section):
             raise ValueError(
                 f"head dimension dim / n_heads = {self.dim // self.n_heads} is odd; rotary embeddings need it even"
             )
+        if self.rope_scaling is not None:
+            keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"}
+            if set(self.rope_scaling) != keys or min(self.rope_scaling.values()) <= 0:
+                raise ValueError(f"model.rope_scaling = {self.rope_scaling} must give positive {', '.join(sorted(keys))} "
+                                 "(Llama 3.1's scaling, e.g. {factor = 8, low_freq_factor = 1, high_freq_factor = 4, "
+                                 "original_max_seq_len = 8192}), or be left unset for plain RoPE")
+            if self.rope_scaling["high_freq_factor"] <= self.rope_scaling["low_freq_factor"]:
+                raise ValueError(f"model.rope_scaling: high_freq_factor {self.rope_scaling['high_freq_factor']} must "
+                                 f"exceed low_freq_factor {self.rope_scaling['low_freq_factor']}")
         if self.moe_experts:
             if self.moe_top_k > self.moe_experts:
                 raise ValueError(f"model.moe_top_k = {self.moe_top_k}"

@@ -127,6 +127,18 @@ def moe_problem(cfg: ModelConfig) -> str | None:
     return None
 
 
+def _hf_rope_scaling(cfg: ModelConfig) -> dict:
+    """model.rope_scaling as transformers names it (empty for plain RoPE)."""
+    if cfg.rope_scaling is None:
+        return {}
+    scaling = {_ROPE_SCALING.get(key, key): value for key, value in cfg.rope_scaling.items()}
+    scaling["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    return {"rope_type": "llama3", **scaling}
+
+
+_ROPE_SCALING = {"original_max_seq_len": "original_max_position_embeddings"}  # ours -> transformers'
+
+
 def hf_config(cfg: ModelConfig, dtype: str, eos_id: int) -> dict:
     """config.json for the model `cfg` describes: LlamaForCausalLM, or Qwen3ForCausalLM with QK-norm
     (their mixtures of experts: MixtralForCausalLM, Qwen3MoeForCausalLM).
@@ -147,8 +159,8 @@ def hf_config(cfg: ModelConfig, dtype: str, eos_id: int) -> dict:
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, **_hf_rope_scaling(cfg)},
+        "rope_scaling": _hf_rope_scaling(cfg) or None,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
@@ -363,8 +375,12 @@ def model_settings(hf_dir: str | Path) -> dict:
         if hf.get(key):
             problems.append(f"{key} true (the decoder has no biases)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        problems.append(f"rotary scaling {rope.get('rope_type', rope.get('type'))!r} (only plain RoPE)")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        problems.append(f"rotary scaling {rope_type!r} (plain RoPE and Llama 3.1's only)")
+    scaling_keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    if rope_type == "llama3" and any(key not in rope for key in scaling_keys):
+        problems.append(f"rotary scaling 'llama3' without {', '.join(key for key in scaling_keys if key not in rope)}")
     if hf.get("use_sliding_window"):
         problems.append("sliding-window attention")
     if problems:
@@ -379,6 +395,9 @@ def model_settings(hf_dir: str | Path) -> dict:
     settings.setdefault("tie_embeddings", False)  # transformers' default for these architectures
     settings["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     settings["max_seq_len"] = hf.get("max_position_embeddings", 2048)
+    if rope_type == "llama3":
+        theirs = {value: key for key, value in _ROPE_SCALING.items()}
+        settings["rope_scaling"] = {theirs.get(key, key): float(rope[key]) for key in scaling_keys}
     settings["qk_norm"] = kind in ("qwen3", "qwen3_moe")
     if experts:
         settings.update(moe_experts=experts, moe_top_k=top_k, moe_dense_layers=len(dense))
@@ -394,21 +413,30 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
     values to set (max_seq_len may differ: the rotary tables are computed, not loaded)."""
     want = model_settings(hf_dir)
     want.setdefault("moe_experts", 0)
+    want.setdefault("rope_scaling", None)
     if cfg.moe_shared_experts and want["moe_experts"]:
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} has no shared experts; set "
                           "model.moe_shared_experts = 0")
     have = {"vocab_size": cfg.vocab, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
             "n_kv_heads": cfg.kv_heads, "ffn_dim": cfg.hidden_dim, "norm_eps": cfg.norm_eps,
-            "tie_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta, "qk_norm": cfg.qk_norm,
-            "moe_experts": cfg.moe_experts}
+            "tie_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+            "qk_norm": cfg.qk_norm, "moe_experts": cfg.moe_experts}
     if want["moe_experts"]:
         have.update(moe_top_k=cfg.moe_top_k, moe_ffn_dim=cfg.expert_dim, moe_dense_layers=cfg.moe_dense_layers)
     wrong = [key for key in have if key in want and have[key] != want[key]]
     if wrong:
-        fix = " ".join(f"model.{key}={json.dumps(want[key])}" for key in wrong)
+        fix = " ".join(f"model.{key}={_toml(want[key])}" if want[key] is not None else f"(no model.{key})"
+                       for key in wrong)
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} holds another shape: "
                           + ", ".join(f"model.{key} is {have[key]}, the model's is {want[key]}" for key in wrong)
                           + f"; set {fix}")
+
+
+def _toml(value) -> str:
+    """A value as an override writes it (model.key=VALUE is read as TOML)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key} = {_toml(item)}" for key, item in value.items()) + "}"
+    return json.dumps(value)
 
 
 def check_tokenizer(hf_dir: str | Path, data_tokenizer: str | Path) -> None:

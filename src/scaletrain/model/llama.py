@@ -24,14 +24,43 @@ from scaletrain.model.loss import chunked_cross_entropy, compute_dtype, cross_en
 from scaletrain.model.moe import MoE
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None,
+                scaling: dict[str, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, each (max_seq_len, head_dim // 2), in float32.
 
-    Frequency i is theta^(-2i / head_dim) (RoFormer eq. 15); position p rotates by p x freq."""
+    Frequency i is theta^(-2i / head_dim) (RoFormer eq. 15); position p rotates by p x freq.
+    With Llama 3.1's scaling (model.rope_scaling; Llama Team 2024, "The Llama 3 Herd of
+    Models"), with L = original_max_seq_len: frequencies whose wavelength 2 pi / freq exceeds
+    L / low_freq_factor are divided by `factor`, those under L / high_freq_factor kept, and in
+    between mixed, (1 - s) freq / factor + s freq with s = (L / wavelength - low_freq_factor) /
+    (high_freq_factor - low_freq_factor)."""
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling is not None:
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelengths = 2 * math.pi / freqs
+        smooth = ((scaling["original_max_seq_len"] / wavelengths - low) / (high - low)).clamp(0, 1)
+        freqs = (1 - smooth) * freqs / factor + smooth * freqs
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, freqs)  # (max_seq_len, head_dim // 2)
     return angles.cos(), angles.sin()
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(batch, seq) index of the document each token belongs to within its sequence: packed
+    documents end with eos_id, which belongs to the document it ends; the next token opens
+    another (document_mask = True keeps attention within these)."""
+    ends = (tokens == eos_id).to(torch.int32)
+    return ends.cumsum(dim=1, dtype=torch.int32) - ends
+
+
+def document_causal_mask(query_documents: torch.Tensor, key_documents: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, q, k) True where a query may attend to a key: an earlier or the same position
+    (the causal mask aligned to the bottom right: query i of q sees keys up to k - q + i) within
+    the query's own document. The ids (batch, q) and (batch, k) are document_ids of the queries'
+    and the keys' tokens."""
+    q, k = query_documents.shape[1], key_documents.shape[1]
+    causal = torch.ones(q, k, dtype=torch.bool, device=key_documents.device).tril(diagonal=k - q)
+    return (query_documents[:, None, :, None] == key_documents[:, None, None, :]) & causal
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -79,6 +108,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this layer's KVCache.k[i], .v[i]
         start_pos: int = 0,
+        documents: torch.Tensor | None = None,  # (batch, seq) document_ids: attend within documents only
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads, not n_heads: under tensor parallelism each rank holds a slice of the heads.
@@ -110,20 +140,37 @@ class Attention(nn.Module):
             causal = False
             if seq > 1:
                 mask = torch.ones(seq, end, dtype=torch.bool, device=x.device).tril(diagonal=start_pos)
-        out = self.core(q, k, v, mask, causal)  # (batch, heads, seq, head_dim)
+        if documents is not None and kv is not None:
+            raise ValueError("documents mask the attention of training and evaluation; decoding with a KV cache takes none")
+        out = self.core(q, k, v, mask, causal, documents)  # (batch, heads, seq, head_dim)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(head_dim)) v, no parameters. A module of its own so that parallel/
-    can swap in a version that attends across ranks (context parallelism)."""
+    can swap in a version that attends across ranks (context parallelism).
 
-    def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        # enable_gqa lets each key/value head serve n_heads / kv_heads query heads without
-        # materialising repeated copies. On CUDA only the flash and math kernels take it, so
-        # a masked (cached, multi-token) call runs the math kernel; training runs flash.
+    mask: None or boolean (True: attend); documents: None or the document_ids (batch, seq) of
+    the tokens, which then attend causally within their own document."""
+
+    def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        if documents is not None:
+            mask, causal = document_causal_mask(documents, documents), False
+        if mask is not None and q.device.type == "cuda":
+            # enable_gqa lets each key/value head serve n_heads / kv_heads query heads without
+            # copies, but on CUDA only the flash kernel (which takes no mask) and the math one
+            # (which keeps the whole score matrix) accept it: give a masked call (within
+            # documents, or cached and multi-token) repeated heads and the memory-efficient kernel.
+            k, v = repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               enable_gqa=q.shape[1] != k.shape[1])
+
+
+def repeat_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(batch, kv_heads, seq, head_dim) -> (batch, heads, seq, head_dim): query head h reads key/value
+    head h // (heads / kv_heads), as SDPA's enable_gqa does."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
 class FeedForward(nn.Module):
@@ -154,11 +201,12 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.hidden_dim)
 
-    def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0):
+    def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0,
+                documents: torch.Tensor | None = None):
         # Norm outputs go to the compute dtype once: left in float32, autocast would cast them
         # again for each projection (q, k, v; w1, w3), and backward would keep every copy.
         dtype = compute_dtype(x)
-        x = x + self.attention(self.attention_norm(x).to(dtype), cos, sin, kv, start_pos)
+        x = x + self.attention(self.attention_norm(x).to(dtype), cos, sin, kv, start_pos, documents)
         return x + self.feed_forward(self.ffn_norm(x).to(dtype))
 
 
@@ -213,7 +261,8 @@ class Transformer(nn.Module):
         self.norm.reset_parameters()
         if not self.cfg.tie_embeddings:
             nn.init.normal_(self.output.weight, mean=0.0, std=std)
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device)
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device,
+                               self.cfg.rope_scaling)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
@@ -238,13 +287,16 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         start_pos: int = 0,
         positions: torch.Tensor | None = None,  # (seq,) positions of the tokens, if not start_pos..
+        documents: torch.Tensor | None = None,  # (batch, seq) document_ids of the whole sequences
     ) -> torch.Tensor:
         """Logits (batch, seq, vocab) when targets is None, else the mean cross-entropy loss
         (over targets other than -100, which mark padding).
 
         With a cache, `tokens` sit at positions start_pos.. and attend to everything the
-        cache holds before them; without one, attention is causal within `tokens`. A
-        pipeline stage without the output head returns its hidden states (batch, seq, dim)."""
+        cache holds before them; without one, attention is causal within `tokens`, and with
+        `documents` within each token's document as well (under context parallelism they are the
+        ids of the whole sequences, not of this rank's part). A pipeline stage without the output
+        head returns its hidden states (batch, seq, dim)."""
         seq = tokens.shape[1]
         end = start_pos + seq
         if end > self.cfg.max_seq_len:
@@ -264,7 +316,7 @@ class Transformer(nn.Module):
         for name, block in self.layers.items():
             # Blocks get tensors, not a layer index, so compiled blocks see no per-layer constant.
             layer_kv = None if cache is None else (cache.k[int(name)], cache.v[int(name)])
-            x = block(x, cos, sin, layer_kv, start_pos)
+            x = block(x, cos, sin, layer_kv, start_pos, documents)
         if self.output is None:
             return x
         if targets is not None and self.loss_chunk:

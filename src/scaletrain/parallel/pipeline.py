@@ -79,11 +79,12 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @torch.no_grad()
 def forward_only(parts: list[nn.Module], ids: list[int], num_stages: int, schedule: str, group,
-                 inputs: torch.Tensor | None) -> torch.Tensor | None:
+                 inputs: torch.Tensor | None, documents: torch.Tensor | None = None) -> torch.Tensor | None:
     """Run one batch forward through the pipeline, stage after stage, with no micro-batching:
     what evaluation needs. (The schedules' own `eval` hangs for V-shaped schedules in torch 2.13,
     and it would need eval batches shaped like training ones.) Returns the last stage's output
-    on the rank that runs it, else None. inputs: the batch on the rank that runs stage 0."""
+    on the rank that runs it, else None. inputs: the batch on the rank that runs stage 0;
+    documents: its document ids, on every rank (None: causal attention over whole sequences)."""
     pp = dist.get_world_size(group)
     owner = {stage: rank for rank in range(pp) for stage in stage_ids(schedule, rank, pp, len(ids))}
     me = dist.get_rank(group)
@@ -94,7 +95,7 @@ def forward_only(parts: list[nn.Module], ids: list[int], num_stages: int, schedu
             dist.recv(header, group_src=owner[stage - 1], group=group)
             x = torch.empty(header[1:4].tolist(), dtype=_DTYPES[int(header[0])], device=header.device)
             dist.recv(x, group_src=owner[stage - 1], group=group)
-        x = part(x)
+        x = part(x, documents=documents)
         if stage < num_stages - 1 and owner[stage + 1] != me:
             x = x.contiguous()
             header = torch.tensor([_DTYPES.index(x.dtype), *x.shape, 0], dtype=torch.int64, device=x.device)

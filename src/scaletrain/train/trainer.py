@@ -26,7 +26,7 @@ from scaletrain.data.loader import IGNORE, Prefetcher, TokenLoader, eval_batches
 from scaletrain.data.shards import DataError, read_index
 from scaletrain.hf import init_source, load_hf_weights
 from scaletrain.model.flops import param_counts, train_flops_per_token
-from scaletrain.model.llama import Transformer
+from scaletrain.model.llama import Transformer, document_ids
 from scaletrain.model.loss import cross_entropy
 from scaletrain.parallel.apply import parallelize
 from scaletrain.parallel.context import shard_sequence
@@ -187,6 +187,9 @@ class Trainer:
                                          betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
                                          device=self.device)
         self.loader = self._new_loader()
+        # Attention within documents: the sources share a tokenizer, so one end-of-document token.
+        self.eos_id = (read_index(next(iter(cfg.data.sources.values())))["eos_id"]
+                       if cfg.model.document_mask else None)
         for path in cfg.data.sources.values():
             try:  # fail now, not after the last step, if validation cannot run
                 next(eval_batches(path, cfg.data.seq_len, cfg.eval.tokens, cfg.train.micro_batch))
@@ -418,9 +421,9 @@ class Trainer:
             batches.append(self._batch(*self.loader.next_batch()))
             data_wait += time.perf_counter() - t0
             if self.parallel.schedule is None:  # one micro-batch at a time: forward, backward
-                inputs, targets = batches.pop()
+                inputs, targets, documents = batches.pop()
                 with self.autocast():  # loss_parallel must cover the backward too
-                    loss = self.model(inputs, targets) / self.loader.micro_steps
+                    loss = self.model(inputs, targets, documents=documents) / self.loader.micro_steps
                     objective = loss
                     if self.cfg.model.moe:  # the experts' balance enters the objective, not the reported loss
                         balance = moe_aux_loss(self.parallel.module) / self.loader.micro_steps  # one per block
@@ -429,7 +432,7 @@ class Trainer:
                     objective.backward()
                 loss_sum += _local(loss.detach())
         if self.parallel.schedule is not None:  # the pipeline takes this rank's whole share, in micro-batches
-            losses = self._pipeline(*map(torch.cat, zip(*batches)))
+            losses = self._pipeline(*(None if parts[0] is None else torch.cat(parts) for parts in zip(*batches)))
             if self.parallel.last:
                 loss_sum += torch.stack([_local(loss.detach()) for loss in losses]).mean()
         grad_norm = self._clip_gradients(cfg.clip if cfg.clip > 0 else math.inf)
@@ -473,9 +476,11 @@ class Trainer:
             f"{what} and nothing was saved over the last good checkpoint{self._last_checkpoint_hint()}; lower "
             "train.lr, raise train.warmup_steps or set train.clip", int(step))
 
-    def _batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A batch of whole sequences as this rank feeds it to the model: its part of each
-        sequence under context parallelism, on the device."""
+        sequence under context parallelism, on the device; with the document ids of the whole
+        sequences when attention stays within documents (else None)."""
+        documents = None if self.eos_id is None else document_ids(inputs, self.eos_id).to(self.device)
         if self.layout.cp > 1:
             inputs, targets = (shard_sequence(t, self.cp_rank, self.layout.cp) for t in (inputs, targets))
         if self.device.type == "cuda" and not inputs.is_pinned():
@@ -483,14 +488,17 @@ class Trainer:
             # on (from pageable memory it would wait for the copy to finish). The prefetcher
             # pins whole batches; context-parallel slices of them are copies, pinned here.
             inputs, targets = inputs.pin_memory(), targets.pin_memory()
-        return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+        return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True), documents
 
-    def _pipeline(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    def _pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None) -> list[torch.Tensor]:
         """Train on this rank's share of the batch through the pipeline schedule: inputs enter
-        at the first stage, targets at the last, which returns the loss of each micro-batch."""
+        at the first stage, targets at the last, which returns the loss of each micro-batch;
+        document ids go to every stage (the schedule cuts keyword arguments into micro-batches too)."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.parallel.first else ()
         kwargs = {"target": targets, "losses": losses} if self.parallel.last else {}
+        if documents is not None:
+            kwargs["documents"] = documents
         with self.autocast():
             self.parallel.schedule.step(*args, **kwargs)
         return losses
@@ -537,12 +545,12 @@ class Trainer:
             total, count = 0.0, 0
             for inputs, targets in eval_batches(path, self.cfg.data.seq_len, self.cfg.eval.tokens,
                                                 self.cfg.train.micro_batch, self.dp_rank, self.layout.dp):
-                inputs, targets = self._batch(inputs, targets)
+                inputs, targets, documents = self._batch(inputs, targets)
                 with self.autocast():
                     if self.parallel.forward is None:
-                        loss = self.model(inputs, targets)
+                        loss = self.model(inputs, targets, documents=documents)
                     else:  # pipelined: the last stage has the logits, the others contribute nothing
-                        logits = self.parallel.forward(inputs if self.parallel.first else None)
+                        logits = self.parallel.forward(inputs if self.parallel.first else None, documents)
                         loss = None if logits is None else cross_entropy(logits, targets)
                 n = (targets != IGNORE).sum().item()
                 if loss is not None and n:  # a batch of padding only has a loss of nan
