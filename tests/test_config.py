@@ -16,7 +16,9 @@ def test_overrides_are_parsed_as_toml_values(tmp_path):
 
 
 def test_resolved_config_round_trips_through_toml():
-    cfg = load_config(None, ["train.steps=10", "model.n_kv_heads=2", "train.eps=1e-10"])
+    cfg = load_config(None, ["train.steps=10", "model.n_kv_heads=2", "train.eps=1e-10", "model.document_mask=true",
+                             "log.profile_steps=[2, 3]", "model.rope_scaling={factor = 8, low_freq_factor = 1, "
+                             "high_freq_factor = 4, original_max_seq_len = 8192}"])
     assert validate_config(tomllib.loads(cfg.to_toml())) == cfg
 
 
@@ -33,6 +35,7 @@ def test_resolved_config_round_trips_through_toml():
     (["trainsteps10"], ["section.key=value"]),
     (["train.steps=10", "data.mix={a = inf, b = 1}"], ["data.mix weights must be positive finite"]),
     (["train.steps=10", "model.rope_scaling={factor = 8}"], ["model.rope_scaling", "high_freq_factor, low_freq_factor"]),
+    (["train.steps=10", "log.profile_steps=[5, 3]"], ["log.profile_steps = [5, 3]", "[first, last]", "e.g. [10, 12]"]),
 ])
 def test_bad_configs_name_the_key_the_value_and_what_is_valid(overrides, words):
     with pytest.raises(ConfigError) as error:

@@ -131,10 +131,9 @@ TWO = {
     "fsdp-grad-accumulation-recompute": ["parallel.dp_shard=2", "train.micro_batch=2", "parallel.recompute=selective"],
     "tp": ["parallel.tp=2", *ONE_STAGE],
     # 17 validation windows over 2 ranks: one rank's last eval batch is padding, and FSDP's
-    # all-gathers must still meet.
-    "fsdp-uneven-eval": ["parallel.dp_shard=2", "eval.tokens=1088"],
-    # The output head and loss 100 tokens at a time, on the head FSDP gathers.
-    "fsdp-chunked-loss": ["parallel.dp_shard=2", "train.loss_chunk_tokens=100"],
+    # all-gathers must still meet; the output head and loss run 100 tokens at a time, on the
+    # head FSDP gathers (padding included).
+    "fsdp-uneven-eval-chunked-loss": ["parallel.dp_shard=2", "eval.tokens=1088", "train.loss_chunk_tokens=100"],
     "cp": ["parallel.cp=2", *ONE_STAGE, *DOCUMENTS],
     **{f"pp-{schedule}": [*PP2, f"parallel.pp_schedule={schedule}"]
        for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
@@ -296,7 +295,7 @@ def test_fsdp_with_bfloat16_parameters_trains_close_to_float32(layout_runs, refe
 
 def test_each_rank_reports_the_bytes_it_holds(layout_runs, reference_deep):
     """Sharding over 2 ranks halves what each holds (up to the split of odd-sized tensors)."""
-    sharded = read_metrics(layout_runs["fsdp-chunked-loss"], "memory")[0]["bytes_by_rank"]
+    sharded = read_metrics(layout_runs["fsdp-uneven-eval-chunked-loss"], "memory")[0]["bytes_by_rank"]
     whole = read_metrics(reference_deep, "memory")[0]["bytes_by_rank"][0]
     assert len(sharded) == 2
     for component in ("parameters", "gradients", "optimizer"):
@@ -305,13 +304,14 @@ def test_each_rank_reports_the_bytes_it_holds(layout_runs, reference_deep):
     assert whole["optimizer"] > 2 * whole["parameters"]  # AdamW: two moments per parameter, plus step counts
 
 
-LONG = ["train.steps=60", "checkpoint.interval=1000", "eval.interval=30"]  # long enough to be signalled mid-way
+LONG = ["train.steps=60", "checkpoint.interval=1000", "eval.interval=10"]  # long enough to be signalled mid-way
+LONG_END = 16  # the steps of it compared: the signal lands well before, and the schedule is the 60 steps'
 
 
 @pytest.fixture(scope="module")
 def reference_long(stdlib_data, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("single-long") / "run"
-    train(tiny_config(stdlib_data, run_dir, *STEPS, *LONG))
+    train(tiny_config(stdlib_data, run_dir, *STEPS, *LONG), stop_at_step=LONG_END)
     return run_dir
 
 
@@ -334,11 +334,11 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_the_cli_resumes_with_t
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 143, stdout[-2000:] + stderr[-4000:]
     stop = checkpoint.step_of(checkpoint.complete_checkpoints(run_dir / "checkpoints")[0])
-    assert 3 < stop < 60
+    assert 3 < stop < LONG_END
     assert f"stopped by SIGTERM after step {stop} with a checkpoint" in stdout + stderr
     assert max(records(run_dir, "train")) == stop
     assert read_metrics(run_dir, "end")[-1]["stopped_by"] == "SIGTERM"
-    launch(stdlib_data, run_dir, 2, *LONG, "parallel.dp_shard=2")
+    launch(stdlib_data, run_dir, 2, *LONG, "parallel.dp_shard=2", f"--stop-at-step={LONG_END}")
     assert [r["step"] for r in read_metrics(run_dir, "resume")] == [stop]
     assert_parity(run_dir, reference_long)
 

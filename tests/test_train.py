@@ -58,6 +58,16 @@ def test_resume_is_bit_exact_with_grad_accumulation_and_eval(stdlib_data, tmp_pa
     assert len(losses(whole, "eval")) == 3
 
 
+@pytest.mark.parametrize("setting, package", [("log.tensorboard=true", "tensorboard"),
+                                              ("log.wandb_project=p", "wandb")])
+def test_a_tracker_whose_package_is_missing_is_a_config_error_before_training(stdlib_data, tmp_path, monkeypatch,
+                                                                             setting, package):
+    monkeypatch.setitem(sys.modules, package, None)  # what `import` finds when the package is not installed
+    with pytest.raises(ConfigError, match=rf"needs the {package} package.*pip install 'scaletrain\[{package}\]'"):
+        Trainer(tiny_config(stdlib_data, tmp_path / "run", "train.steps=1", setting))
+    assert not (tmp_path / "run").exists()
+
+
 def test_mfu_divides_the_jobs_flops_by_the_peak_of_all_its_devices(stdlib_data, tmp_path):
     """tokens/s counts the whole job's batch, so its MFU is against every device's peak: a
     4-way data-parallel job at the speed of one device at full peak is at 25%."""
@@ -450,15 +460,20 @@ def _signal_when(run_dir: Path, step: int, signum: int) -> threading.Thread:
     return thread
 
 
-def test_a_signal_stops_after_the_next_step_with_a_checkpoint_and_the_run_resumes_exactly(stdlib_data, tmp_path):
+def test_a_signal_stops_after_the_next_step_with_a_checkpoint_and_the_run_resumes_exactly(stdlib_data, tmp_path,
+                                                                                        monkeypatch):
     """What a scheduler's preemption notice does to one process (SIGUSR1 here; SIGTERM across
     processes in test_distributed): the run ends a step later with a checkpoint of that step,
-    not at the last interval, and running it again gives the losses of a run never stopped."""
+    not at the last interval, and running it again gives the losses of a run never stopped.
+    With TensorBoard, Weights & Biases (offline) and the profiler on: both invocations add to
+    the same TensorBoard scalars and the same W&B run, and steps 2 and 3 are traced."""
     common = ["train.steps=100", "checkpoint.interval=1000", "eval.interval=50"]
     whole = tmp_path / "whole"
     train(tiny_config(stdlib_data, whole, *common))
     stopped = tmp_path / "stopped"
     _signal_when(stopped, 3, signal.SIGUSR1)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    common += ["log.tensorboard=true", "log.wandb_project=scaletrain-tests", "log.profile_steps=[2, 3]"]
     with pytest.raises(StoppedBySignal, match=r"stopped by SIGUSR1 after step \d+ with a checkpoint at .*; run the "
                                               "same command to continue") as info:
         train(tiny_config(stdlib_data, stopped, *common))
@@ -472,6 +487,22 @@ def test_a_signal_stops_after_the_next_step_with_a_checkpoint_and_the_run_resume
     result = train(tiny_config(stdlib_data, stopped, *common))
     assert result.resumed_from == step and result.step == 100
     assert losses(stopped) == losses(whole) and losses(stopped, "eval") == losses(whole, "eval")
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(stopped / "tensorboard"))
+    events.Reload()
+    for kind in ("train", "eval"):
+        logged = {event.step: event.value for event in events.Scalars(f"{kind}/loss")}
+        assert logged == pytest.approx(losses(whole, kind), rel=1e-6)  # float32 in the event files
+    assert {event.step for event in events.Scalars("train/tokens_per_s")} == set(range(1, 101))
+    runs = sorted((stopped / "wandb").glob("offline-run-*"))
+    run_id = (stopped / "wandb_id").read_text().strip()
+    assert len(runs) == 2 and all(run.name.endswith(run_id) for run in runs)  # one W&B run, resumed
+    assert all(b"train/loss" in next(run.glob("*.wandb")).read_bytes() for run in runs)
+    trace = json.loads((stopped / "profile" / "steps_2-3_rank0.json").read_text())
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert {"step 2", "step 3"} <= names and "step 4" not in names and "aten::mm" in names
 
 
 WATCHED_SAVE = """

@@ -322,6 +322,20 @@ class EvalConfig(_Section):
 class LogConfig(_Section):
     interval: int = Field(default=10, ge=1)
     """Write a train record to metrics.jsonl and a console line every this many steps."""
+    tensorboard: bool = False
+    """Also write the numbers of the train, eval and checkpoint records as TensorBoard scalars, into the run directory's tensorboard/ (`tensorboard --logdir RUN_DIR`); needs `pip install 'scaletrain[tensorboard]'`."""
+    wandb_project: str | None = None
+    """Also log them to this Weights & Biases project, as a W&B run named run.name whose id the run directory keeps (wandb_id), so that a resumed run continues it; needs `pip install 'scaletrain[wandb]'` and `wandb login`, or WANDB_MODE=offline."""
+    profile_steps: list[int] | None = None
+    """Trace steps [first, last] with the PyTorch profiler on every rank (CPU operators; on a GPU its kernels too; shapes and memory), into the run directory's profile/steps_FIRST-LAST_rankR.json, a Chrome trace that Perfetto (ui.perfetto.dev) opens. Unset: no tracing."""
+
+    @model_validator(mode="after")
+    def _check_profile(self) -> LogConfig:
+        steps = self.profile_steps
+        if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+            raise ValueError(f"log.profile_steps = {steps} must be [first, last] steps to trace, 1 <= first <= last, "
+                             "e.g. [10, 12]")
+        return self
 
 
 class RunConfig(_Section):
@@ -475,7 +489,7 @@ def _valid_keys(section: Any) -> list[str]:
 
 
 def _toml_key(key: str) -> str:
-    return key if key.replace("_", "").replace("-", "").isalnum() and key.isascii() else _toml_value(key)
+    return key if key.replace("_", "").replace("-", "").isalnum() and key.isascii() else toml_value(key)
 
 
 def dump_toml(data: dict[str, Any]) -> str:
@@ -484,14 +498,17 @@ def dump_toml(data: dict[str, Any]) -> str:
     for section, values in data.items():
         out.append(f"[{section}]")
         for key, value in values.items():
-            out.append(f"{key} = {_toml_value(value)}")
+            out.append(f"{key} = {toml_value(value)}")
         out.append("")
     return "\n".join(out)
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """value as TOML writes it (and a section.key=VALUE override reads it)."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

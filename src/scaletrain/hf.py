@@ -32,7 +32,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletrain.config import ConfigError, ModelConfig, load_config
+from scaletrain.config import ConfigError, ModelConfig, load_config, toml_value
 from scaletrain.errors import UserError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -425,18 +425,11 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
         have.update(moe_top_k=cfg.moe_top_k, moe_ffn_dim=cfg.expert_dim, moe_dense_layers=cfg.moe_dense_layers)
     wrong = [key for key in have if key in want and have[key] != want[key]]
     if wrong:
-        fix = " ".join(f"model.{key}={_toml(want[key])}" if want[key] is not None else f"(no model.{key})"
+        fix = " ".join(f"model.{key}={toml_value(want[key])}" if want[key] is not None else f"(no model.{key})"
                        for key in wrong)
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} holds another shape: "
                           + ", ".join(f"model.{key} is {have[key]}, the model's is {want[key]}" for key in wrong)
                           + f"; set {fix}")
-
-
-def _toml(value) -> str:
-    """A value as an override writes it (model.key=VALUE is read as TOML)."""
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{key} = {_toml(item)}" for key, item in value.items()) + "}"
-    return json.dumps(value)
 
 
 def check_tokenizer(hf_dir: str | Path, data_tokenizer: str | Path) -> None:

@@ -1,23 +1,100 @@
-"""metrics.jsonl: one JSON object per event, appended and flushed as it happens.
+"""metrics.jsonl: one JSON object per event, appended and flushed as it happens; the same
+records' numbers, optionally, as TensorBoard scalars and in a Weights & Biases run; and traces
+of chosen steps from the PyTorch profiler.
 
 Every record has `kind` ("train", "eval", "checkpoint", "resume", "end", ...), `step`,
 `tokens` and `time` (unix seconds). A resumed run appends a "resume" record; records of an
 earlier invocation with a step past the resumed one (work lost with a crash) are superseded,
 and `read_metrics` drops them so the history reads as one run. A "rewind" record (a divergence
-sent the run back to a checkpoint) supersedes the records past its step alike.
+sent the run back to a checkpoint) supersedes the records past its step alike; TensorBoard is
+told to drop them too (purge_step), and Weights & Biases keeps the first value logged at a
+step (a resumed run logs the same losses again, so only timings can differ).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import time
+import uuid
 from pathlib import Path
+
+import torch
+
+from scaletrain.config import ConfigError
+
+# The records whose numbers go to TensorBoard and W&B, as "kind/key" (and "kind/key/name" for a
+# dict of numbers, such as eval's loss_by_source).
+TRACKED = ("train", "eval", "checkpoint")
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A record's numbers by tracker name: {"train/loss": 2.31, "eval/loss_by_source/code": ...}."""
+    if record["kind"] not in TRACKED:
+        return {}
+    out = {}
+    for key, value in record.items():
+        if key in ("kind", "step", "time"):
+            continue
+        for name, number in (value.items() if isinstance(value, dict) else [(None, value)]):
+            if isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number):
+                out["/".join(part for part in (record["kind"], key, name) if part)] = number
+    return out
+
+
+class TensorBoardSink:
+    """Scalars in run_dir/tensorboard (`tensorboard --logdir RUN_DIR`)."""
+
+    def __init__(self, log_dir: Path, resumed_from: int | None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # Resumed: events of an earlier invocation past the checkpoint are superseded.
+        self.writer = SummaryWriter(str(log_dir), purge_step=None if resumed_from is None else resumed_from + 1)
+
+    def record(self, record: dict) -> None:
+        for name, value in scalars(record).items():
+            self.writer.add_scalar(name, value, record["step"], walltime=record["time"])
+        if record["kind"] == "rewind":  # the steps past it are trained again: their new events replace the old
+            self.writer.close()
+            self.writer = type(self.writer)(self.writer.log_dir, purge_step=record["step"] + 1)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """One Weights & Biases run per run directory: its id is kept in run_dir/wandb_id, so every
+    invocation (a resume included) logs to the same run."""
+
+    def __init__(self, run_dir: Path, project: str, name: str, config: dict):
+        import wandb
+
+        id_file = run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        id_file.write_text(run_id + "\n")
+        try:
+            self.run = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(run_dir),
+                                  config=config)
+        except Exception as e:  # not logged in, no network, a project the account cannot write to
+            raise ConfigError(f"log.wandb_project = {project!r}: Weights & Biases did not start ({e}); run "
+                              "`wandb login`, or set WANDB_MODE=offline to log locally and `wandb sync` later") from None
+
+    def record(self, record: dict) -> None:
+        values = scalars(record)
+        if values:
+            self.run.log(values, step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 class MetricsLog:
-    def __init__(self, path: Path, enabled: bool = True):
-        """enabled=False (ranks other than 0) builds records but writes nothing."""
-        self.path, self._file = path, None
+    def __init__(self, path: Path, enabled: bool = True, sinks: list | None = None):
+        """enabled=False (ranks other than 0) builds records but writes nothing. sinks: trackers
+        (TensorBoardSink, WandbSink) that each record is also given to."""
+        self.path, self._file, self.sinks = path, None, sinks or []
         if not enabled:
             return
         if path.is_file() and path.stat().st_size:
@@ -35,11 +112,55 @@ class MetricsLog:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        for sink in self.sinks:
+            sink.record(record)
         return record
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+        for sink in self.sinks:
+            sink.close()
+
+
+class StepProfiler:
+    """The PyTorch profiler over steps [first, last] (log.profile_steps) of this process: CPU
+    operators, and on a GPU its kernels, with shapes and memory, written when the last of them
+    (or the run) ends as a Chrome trace, run_dir/profile/steps_FIRST-LAST_rankR.json, which
+    Perfetto (ui.perfetto.dev) or chrome://tracing opens. Each step is a range named "step N"."""
+
+    def __init__(self, steps: list[int] | None, folder: Path, rank: int, cuda: bool):
+        self.first, self.last = steps if steps else (0, -1)
+        self.folder, self.rank, self.cuda = folder, rank, cuda
+        self.profiler, self.traced = None, []
+        self.path: Path | None = None  # the trace written, once written
+
+    def step(self, step: int):
+        """A context for running step `step` (1-based): traced when in [first, last]."""
+        if not self.first <= step <= self.last:
+            return contextlib.nullcontext()
+        if self.profiler is None:  # the first step traced (a resumed run may start past `first`)
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True)
+            self.profiler.start()
+        self.traced.append(step)
+        return torch.autograd.profiler.record_function(f"step {step}")
+
+    def after(self, step: int, last: bool) -> None:
+        """After step `step`; `last`: the run stops after it."""
+        if self.profiler is not None and (step >= self.last or last):
+            self.close()
+
+    def close(self) -> None:
+        if self.profiler is None:
+            return
+        self.profiler.stop()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.path = self.folder / f"steps_{self.traced[0]}-{self.traced[-1]}_rank{self.rank}.json"
+        self.profiler.export_chrome_trace(str(self.path))
+        self.profiler = None
 
 
 def read_metrics(run_dir: str | Path, kind: str | None = None, superseded: bool = False) -> list[dict]:

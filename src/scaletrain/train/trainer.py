@@ -38,7 +38,7 @@ from scaletrain.plan.memory import choose_recompute
 from scaletrain.plan.timing import PlanLayout
 from scaletrain.train import checkpoint
 from scaletrain.train.float8 import check_float8, convert_to_float8
-from scaletrain.train.metrics import MetricsLog, read_metrics
+from scaletrain.train.metrics import MetricsLog, StepProfiler, TensorBoardSink, WandbSink, read_metrics
 from scaletrain.train.optim import build_optimizer, set_hyperparameters
 from scaletrain.train.resilience import StopSignals, StoppedBySignal, Watchdog
 from scaletrain.train.schedule import lr_at
@@ -98,6 +98,19 @@ def resolve(cfg: RunConfig) -> RunConfig:
     return validate_config(data)
 
 
+def _check_trackers(cfg: RunConfig) -> None:
+    """ConfigError now, not after the first steps, when a tracker's package is missing."""
+    for wanted, package in ((cfg.log.tensorboard, "tensorboard"), (cfg.log.wandb_project, "wandb")):
+        if not wanted:
+            continue
+        try:
+            __import__(package)
+        except ImportError:
+            setting = "log.tensorboard = true" if package == "tensorboard" else "log.wandb_project"
+            raise ConfigError(f"{setting} needs the {package} package, which is not installed; "
+                              f"pip install 'scaletrain[{package}]', or leave {setting.split(' ')[0]} unset") from None
+
+
 def pick_device(choice: str) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device = 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
@@ -140,6 +153,7 @@ def peak_memory_gb(device: torch.device) -> float:
 class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg = resolve(cfg)
+        _check_trackers(cfg)
         self.rank, local_rank, world_size = world()
         self.is_main = self.rank == 0
         # The layout is checked before any process group starts.
@@ -586,7 +600,13 @@ class Trainer:
             if not (self.run_dir / "tokenizer.json").is_file():
                 shutil.copyfile(next(iter(cfg.data.sources.values())) / "tokenizer.json",
                                 self.run_dir / "tokenizer.json")
-        metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main)
+        sinks = []
+        if self.is_main and cfg.log.tensorboard:
+            sinks.append(TensorBoardSink(self.run_dir / "tensorboard", resumed_from))
+        if self.is_main and cfg.log.wandb_project:
+            sinks.append(WandbSink(self.run_dir, cfg.log.wandb_project, cfg.run.name, cfg.model_dump()))
+        metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main, sinks=sinks)
+        profiler = StepProfiler(cfg.log.profile_steps, self.run_dir / "profile", self.rank, self.device.type == "cuda")
         if resumed_from is not None:
             metrics.write("resume", self.step, self.tokens)
         else:
@@ -617,7 +637,8 @@ class Trainer:
                     interval and coming % interval == 0
                     for interval in (cfg.log.interval, cfg.checkpoint.interval, cfg.eval.interval))
                 try:
-                    train_loss, grad_norm, wait = self.train_step(look=look)
+                    with profiler.step(coming):
+                        train_loss, grad_norm, wait = self.train_step(look=look)
                 except TrainingDiverged as e:
                     try:
                         rewound = self.rewind(e.step) if rewinds_left else None
@@ -647,6 +668,7 @@ class Trainer:
                     run_tokens += cfg.train.global_batch_tokens
                     run_time += elapsed
                 last = self.step == self.total_steps or self.step == stop_at_step or stopped_by is not None
+                profiler.after(self.step, last)
                 if self.step % cfg.log.interval == 0 or last:
                     last_speed = window_tokens / window_time
                     record = metrics.write(
@@ -700,6 +722,7 @@ class Trainer:
         finally:
             signals.uninstall(finished)
             watchdog.close()
+            profiler.close()
             metrics.close()
             self.loader.close()
         if stopped_by is not None and self.step < self.total_steps:
