@@ -12,11 +12,14 @@ from conftest import ROOT
 
 def test_cpu_throughput_benchmark_prints_json():
     result = subprocess.run([sys.executable, "benchmarks/cpu_throughput.py", "--config", "configs/tiny.toml",
-                             "--vocab-size", "512", "--steps", "1"], capture_output=True, text=True, cwd=ROOT,
-                            timeout=300)
+                             "--vocab-size", "512", "--steps", "1", "--documents", "16"], capture_output=True,
+                            text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["tokens_per_s"] > 0 and 0 < report["mfu_vs_measured_matmul"]
+    masked = report["document_mask"]
+    assert masked["tokens_per_s"] > 0 and masked["ratio_to_causal"] > 0
+    assert masked["saved_bytes_per_micro_batch"] > masked["causal_saved_bytes"] > 0  # the masks, one per block
     assert report["model_gflops_per_s"] == pytest.approx(report["tokens_per_s"] * report["train_flops_per_token"] / 1e9, rel=1e-2)
 
 

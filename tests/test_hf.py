@@ -93,7 +93,8 @@ def test_a_mixture_of_experts_exports_as_qwen3_moe_or_mixtral_with_the_same_logi
     (["model.moe_dense_layers=1"], "Mixtral .a mixture of experts without QK-norm. has no dense blocks"),
     (["model.moe_top_k=1"], "model.moe_top_k = 1: Mixtral weights a single expert's output by 1"),
     (["model.qk_norm=true", "model.moe_bias_update=0.001"], "routing biases have no place in Qwen3-MoE or Mixtral"),
-], ids=["shared", "dense-mixtral", "top1-mixtral", "biased"])
+    (["model.qk_norm=true", "model.moe_score=sigmoid"], "model.moe_score = 'sigmoid': Qwen3-MoE and Mixtral route by a"),
+], ids=["shared", "dense-mixtral", "top1-mixtral", "biased", "sigmoid"])
 def test_a_mixture_no_architecture_computes_is_refused_before_any_weight_is_read(stdlib_data, tmp_path, overrides,
                                                                                  words):
     run_dir = tmp_path / "run"

@@ -10,7 +10,8 @@ import torch
 from conftest import ROOT, tiny_config
 from scaletrain.config import ModelConfig, load_config
 from scaletrain.model.flops import matmul_params
-from scaletrain.model.llama import Transformer
+from scaletrain.model.llama import Transformer, document_bias, document_ids
+from scaletrain.model.loss import compute_dtype
 from scaletrain.plan.memory import (activation_bytes_per_token, block_bytes_per_token, choose_recompute,
                                     in_flight_microbatches, rank_memory, training_memory)
 from scaletrain.train.metrics import read_metrics
@@ -18,16 +19,18 @@ from scaletrain.train.trainer import train
 
 SHAPES = [dict(dim=128, n_layers=3, n_heads=4, n_kv_heads=2), dict(dim=96, n_layers=2, n_heads=3, ffn_dim=160),
           dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, qk_norm=True),
-          # Mixtures: top-2 (renormalised) after a dense block; top-1 with a shared expert.
+          # Mixtures: top-2 (renormalised) after a dense block; top-1 by sigmoid with a shared expert.
           dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=160, moe_experts=8, moe_top_k=2, moe_ffn_dim=40,
                moe_dense_layers=1),
-          dict(dim=64, n_layers=2, n_heads=4, moe_experts=4, moe_top_k=1, moe_ffn_dim=40, moe_shared_experts=1)]
+          dict(dim=64, n_layers=2, n_heads=4, moe_experts=4, moe_top_k=1, moe_ffn_dim=40, moe_shared_experts=1,
+               moe_score="sigmoid")]
 
 
-def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool, positions: torch.Tensor | None = None) -> int:
+def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> int:
     """Bytes of the distinct tensors the blocks save for backward, leaving out parameters,
     buffers and autocast's bf16 copies of the weights (the estimate's weight_copies); the
-    tokens at `positions` (all from 0 when None)."""
+    tokens at `positions` (all from 0 when None), attending within `documents` if given."""
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     # (and each expert's slice of the stacked expert weights, which autocast copies one by one)
     weight_shapes = {shape for p in model.parameters() for whole in (tuple(p.shape), tuple(p.shape)[-2:])
@@ -45,12 +48,13 @@ def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool, positions:
                                                                            model.rope_sin[positions])
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        bias = None if documents is None else document_bias(documents, compute_dtype(x))
         for block in model.layers.values():
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, bias=bias)
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=["gqa", "mha-ffn", "qk-norm", "moe-top2-dense", "moe-top1-shared"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["gqa", "mha-ffn", "qk-norm", "moe-top2-dense", "moe-top1-shared-sigmoid"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
 def test_predicted_activation_bytes_are_what_autograd_saves(shape, bf16):
     cfg = ModelConfig(vocab_size=512, max_seq_len=64, **shape)
@@ -62,13 +66,27 @@ def test_predicted_activation_bytes_are_what_autograd_saves(shape, bf16):
     assert training_memory(cfg, seq, batch, bf16=bf16).activations == pytest.approx(measured, rel=0.01)
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+def test_attention_within_documents_saves_one_mask_for_all_blocks(bf16):
+    cfg = ModelConfig(vocab_size=512, max_seq_len=64, document_mask=True, **SHAPES[0])
+    model = Transformer(cfg)
+    batch, seq = 3, 64
+    tokens = torch.randint(0, 511, (batch, seq))
+    tokens[:, ::9] = 511  # documents of 8 tokens
+    measured = saved_bytes(model, tokens, bf16, documents=document_ids(tokens, 511))
+    assert training_memory(cfg, seq, batch, bf16=bf16).activations == pytest.approx(measured, rel=0.01)
+    causal = cfg.model_copy(update={"document_mask": False})
+    assert measured - training_memory(causal, seq, batch, bf16=bf16).activations > batch * seq**2  # the mask counts
+
+
 CP_SAVED = """
 import json, sys
 import torch
 import torch.distributed as dist
 from test_memory import saved_bytes
 from scaletrain.config import ModelConfig
-from scaletrain.model.llama import Transformer
+from scaletrain.model.llama import Transformer, document_bias, document_ids
+from scaletrain.model.loss import compute_dtype
 from scaletrain.parallel.context import apply_cp, local_positions
 
 dist.init_process_group("gloo")

@@ -75,7 +75,7 @@ def test_packed_documents_under_the_document_mask_give_the_logits_of_each_alone(
 def test_repeated_key_value_heads_attend_as_grouped_query_attention():
     """What a masked call on CUDA does instead of enable_gqa (which that kernel lacks)."""
     q, k, v = torch.randn(2, 6, 10, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
-    mask = document_causal_mask(*[torch.tensor([[0] * 4 + [1] * 6, [0] * 10])] * 2)
+    mask = document_causal_mask(torch.tensor([[0] * 4 + [1] * 6, [0] * 10]))
     grouped = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     repeated = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv_heads(k, 6), repeat_kv_heads(v, 6),
                                                                 attn_mask=mask)

@@ -30,9 +30,10 @@ MOE_OVERRIDES = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_shared_e
 BIASED = [*MOE_OVERRIDES, "model.moe_bias_update=0.02"]
 
 
-def test_each_token_gets_the_weighted_sum_of_its_top_k_experts_and_the_shared_one():
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_each_token_gets_the_weighted_sum_of_its_top_k_experts_and_the_shared_one(score):
     torch.manual_seed(0)
-    cfg = ModelConfig(**MOE)
+    cfg = ModelConfig(**MOE, moe_score=score)
     moe = Transformer(cfg).layers["1"].feed_forward
     assert isinstance(moe, MoE)
     x = torch.randn(2, 8, 64)
@@ -40,9 +41,11 @@ def test_each_token_gets_the_weighted_sum_of_its_top_k_experts_and_the_shared_on
     experts = moe.experts
     for t, token in enumerate(x.reshape(-1, 64)):
         logits = moe.router(token)
-        top, chosen = logits.topk(2)
+        top, chosen = logits.topk(2)  # both scores rise with the logit: the same experts
+        # Mixtral: a softmax over the chosen logits; DeepSeek-V3: their sigmoids over their sum.
+        weights = top.softmax(-1) if score == "softmax" else top.sigmoid() / top.sigmoid().sum()
         expected = moe.shared(token)
-        for weight, e in zip(top.softmax(-1), chosen):  # Mixtral: softmax over the chosen logits
+        for weight, e in zip(weights, chosen):
             hidden = F.silu(token @ experts.w1[e].T) * (token @ experts.w3[e].T)
             expected = expected + weight * (hidden @ experts.w2[e].T)
         torch.testing.assert_close(out.reshape(-1, 64)[t], expected, rtol=1e-5, atol=1e-5)
@@ -102,8 +105,9 @@ def test_parameter_and_flop_counts_are_exact():
     assert counter.get_total_flops() == flops.train_flops_per_token(cfg, 32) * 2 * 32
 
 
-def test_balancing_loss_is_one_for_a_uniform_router_and_grows_when_one_expert_takes_all():
-    cfg = ModelConfig(**MOE)
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_balancing_loss_is_one_for_a_uniform_router_and_grows_when_one_expert_takes_all(score):
+    cfg = ModelConfig(**MOE, moe_score=score)
     moe = Transformer(cfg).layers["1"].feed_forward
     x = torch.randn(4, 16, 64)
     with torch.no_grad():
@@ -112,7 +116,8 @@ def test_balancing_loss_is_one_for_a_uniform_router_and_grows_when_one_expert_ta
         assert moe.aux_loss.item() == pytest.approx(1.0)
         moe.router.weight[0] = 10 * x.reshape(-1, 64).mean(0) / x.reshape(-1, 64).mean(0).norm() ** 2
         moe(x)
-        assert moe.aux_loss.item() > 1.2
+        # (by sigmoid, the others keep scores of 1/2: the favourite's normalised share is at most 2/5)
+        assert moe.aux_loss.item() > (1.2 if score == "softmax" else 1.05)
     model = Transformer(cfg)
     model(torch.randint(0, 256, (2, 16)))
     losses = aux_loss(model)
@@ -171,8 +176,8 @@ def test_expert_biases_choose_experts_but_do_not_weight_them_and_move_toward_bal
 
 @pytest.mark.parametrize("recompute", ["full"])  # none: the parallel tests' one-process reference
 def test_a_moe_model_trains_and_resumes_bit_exactly(stdlib_data, tmp_path, recompute):
-    common = [*BIASED, "train.steps=6", "eval.interval=3", "checkpoint.interval=3",
-              f"parallel.recompute={recompute}"]
+    common = [*BIASED, "model.moe_score=sigmoid", "train.steps=6", "eval.interval=3", "checkpoint.interval=3",
+              f"parallel.recompute={recompute}"]  # DeepSeek-V3's routing: sigmoid scores, loss-free balancing
     train(tiny_config(stdlib_data, tmp_path / "whole", *common))
     train(tiny_config(stdlib_data, tmp_path / "split", *common), stop_at_step=3)
     train(tiny_config(stdlib_data, tmp_path / "split", *common))

@@ -72,6 +72,8 @@ class ModelConfig(_Section):
     """Routed experts of each mixture-of-experts block (0: a dense model): the block's MLP becomes moe_experts SwiGLU experts, each token sent to moe_top_k of them."""
     moe_top_k: int = Field(default=2, ge=1)
     """Experts each token is routed to (their outputs weighted by the softmax of the router's top-k logits)."""
+    moe_score: Literal["softmax", "sigmoid"] = "softmax"
+    """How the router scores the experts for a token: a softmax over all of them (Switch, Mixtral, Qwen3-MoE) or each expert's own sigmoid (DeepSeek-V3); the top k by score are chosen, weighted by their scores renormalised over the k (by the score itself when k = 1)."""
     moe_ffn_dim: int | None = Field(default=None, ge=1)
     """Hidden width of each expert. Unset: the dense MLP width (ffn_dim)."""
     moe_shared_experts: int = Field(default=0, ge=0)

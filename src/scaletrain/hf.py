@@ -118,6 +118,8 @@ def moe_problem(cfg: ModelConfig) -> str | None:
     if cfg.moe_bias_update:
         return (f"model.moe_bias_update = {cfg.moe_bias_update}: the experts' routing biases have no place in "
                 "Qwen3-MoE or Mixtral")
+    if cfg.moe_score != "softmax":
+        return f"model.moe_score = {cfg.moe_score!r}: Qwen3-MoE and Mixtral route by a softmax"
     if not cfg.qk_norm and cfg.moe_dense_layers:
         return (f"model.moe_dense_layers = {cfg.moe_dense_layers}: Mixtral (a mixture of experts without QK-norm) has "
                 "no dense blocks; Qwen3-MoE (model.qk_norm = true) has")

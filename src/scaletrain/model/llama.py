@@ -53,14 +53,21 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     return ends.cumsum(dim=1, dtype=torch.int32) - ends
 
 
-def document_causal_mask(query_documents: torch.Tensor, key_documents: torch.Tensor) -> torch.Tensor:
-    """(batch, 1, q, k) True where a query may attend to a key: an earlier or the same position
-    (the causal mask aligned to the bottom right: query i of q sees keys up to k - q + i) within
-    the query's own document. The ids (batch, q) and (batch, k) are document_ids of the queries'
-    and the keys' tokens."""
-    q, k = query_documents.shape[1], key_documents.shape[1]
-    causal = torch.ones(q, k, dtype=torch.bool, device=key_documents.device).tril(diagonal=k - q)
-    return (query_documents[:, None, :, None] == key_documents[:, None, None, :]) & causal
+def document_causal_mask(documents: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, seq, seq) True where a token may attend to another: an earlier or the same
+    position of its own document. documents: (batch, seq) document_ids."""
+    seq = documents.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    return (documents[:, None, :, None] == documents[:, None, None, :]) & causal
+
+
+def document_bias(documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(batch, 1, seq, seq) to add to the attention scores of whole sequences with these
+    document_ids: 0 where document_causal_mask allows, -inf elsewhere, in the dtype of the
+    scores (SDPA would turn a boolean mask into such a tensor in each block, and each block
+    would keep its own for the backward pass)."""
+    allowed = document_causal_mask(documents)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -108,7 +115,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this layer's KVCache.k[i], .v[i]
         start_pos: int = 0,
-        documents: torch.Tensor | None = None,  # (batch, seq) document_ids: attend within documents only
+        bias: torch.Tensor | None = None,  # (batch, 1, seq, seq) added to the scores: document_bias
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads, not n_heads: under tensor parallelism each rank holds a slice of the heads.
@@ -140,9 +147,9 @@ class Attention(nn.Module):
             causal = False
             if seq > 1:
                 mask = torch.ones(seq, end, dtype=torch.bool, device=x.device).tril(diagonal=start_pos)
-        if documents is not None and kv is not None:
-            raise ValueError("documents mask the attention of training and evaluation; decoding with a KV cache takes none")
-        out = self.core(q, k, v, mask, causal, documents)  # (batch, heads, seq, head_dim)
+        if bias is not None:  # training or evaluation (Transformer.forward refuses it with a cache)
+            mask, causal = bias, False
+        out = self.core(q, k, v, mask, causal)  # (batch, heads, seq, head_dim)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -150,13 +157,9 @@ class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(head_dim)) v, no parameters. A module of its own so that parallel/
     can swap in a version that attends across ranks (context parallelism).
 
-    mask: None or boolean (True: attend); documents: None or the document_ids (batch, seq) of
-    the tokens, which then attend causally within their own document."""
+    mask: None, boolean (True: attend) or added to the scores (document_bias)."""
 
-    def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        if documents is not None:
-            mask, causal = document_causal_mask(documents, documents), False
+    def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
         if mask is not None and q.device.type == "cuda":
             # enable_gqa lets each key/value head serve n_heads / kv_heads query heads without
             # copies, but on CUDA only the flash kernel (which takes no mask) and the math one
@@ -202,11 +205,11 @@ class Block(nn.Module):
         self.feed_forward = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.hidden_dim)
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0,
-                documents: torch.Tensor | None = None):
+                bias: torch.Tensor | None = None):
         # Norm outputs go to the compute dtype once: left in float32, autocast would cast them
         # again for each projection (q, k, v; w1, w3), and backward would keep every copy.
         dtype = compute_dtype(x)
-        x = x + self.attention(self.attention_norm(x).to(dtype), cos, sin, kv, start_pos, documents)
+        x = x + self.attention(self.attention_norm(x).to(dtype), cos, sin, kv, start_pos, bias)
         return x + self.feed_forward(self.ffn_norm(x).to(dtype))
 
 
@@ -313,10 +316,17 @@ class Transformer(nn.Module):
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)  # (batch, seq, dim)
+        bias = None
+        if documents is not None:
+            if cache is not None:
+                raise ValueError("documents mask the attention of training and evaluation; decoding with a KV cache "
+                                 "takes none")
+            # One for all blocks: a mask built in each would be kept by each for its backward pass.
+            bias = document_bias(documents, compute_dtype(x))
         for name, block in self.layers.items():
             # Blocks get tensors, not a layer index, so compiled blocks see no per-layer constant.
             layer_kv = None if cache is None else (cache.k[int(name)], cache.v[int(name)])
-            x = block(x, cos, sin, layer_kv, start_pos, documents)
+            x = block(x, cos, sin, layer_kv, start_pos, bias)
         if self.output is None:
             return x
         if targets is not None and self.loss_chunk:

@@ -6,6 +6,8 @@ load-balancing loss (Switch Transformer, Fedus et al. 2022, eq. 4).
 Each token goes to the moe_top_k experts of highest router probability (computed in float32),
 their outputs weighted by those probabilities renormalised over the k (Mixtral), or by the
 probability itself when k = 1 (Switch), so that the router learns from the loss either way.
+With model.moe_score = "sigmoid" the probability is each expert's own sigmoid of its logit
+instead of a softmax over all (DeepSeek-V3, Liu et al. 2024, eq. 15), chosen and weighted alike.
 No token is dropped (no capacity limit): each expert computes on exactly the tokens sent to it,
 the rows gathered by expert, so the FLOPs are those of model/flops.py's active parameters
 exactly. All experts' matmuls run as one grouped GEMM (`torch._grouped_mm`, the kernel
@@ -23,8 +25,8 @@ down for each that received more (`update_expert_bias`). The bias is a buffer of
 checkpointed with it.
 
 The load-balancing loss of the last forward, E · Σ_i f_i P_i (f_i: the share of the token-expert
-assignments that went to expert i, P_i: the mean router probability of expert i; 1 when
-balanced), is left in `aux_loss` for the trainer to add, weighted by model.moe_aux_loss, to the
+assignments that went to expert i, P_i: the mean router probability of expert i, sigmoid scores
+first normalised to sum to one per token; 1 when balanced), is left in `aux_loss` for the trainer to add, weighted by model.moe_aux_loss, to the
 objective — not to the loss it reports, which stays the cross-entropy the scaling laws fit.
 """
 
@@ -142,7 +144,7 @@ def _expert_parallel(x: torch.Tensor, counts: torch.Tensor, weights: list[torch.
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.top_k = cfg.moe_top_k
+        self.top_k, self.score = cfg.moe_top_k, cfg.moe_score
         self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)
         self.experts = Experts(cfg.moe_experts, cfg.dim, cfg.expert_dim)
         self.shared = None
@@ -165,7 +167,7 @@ class MoE(nn.Module):
         with torch.autocast(x.device.type, enabled=False):  # routing decided in float32
             logits = F.linear(flat.float(), self.router.weight.float())  # (tokens, experts)
         experts = self.router.out_features
-        probs = logits.softmax(dim=-1)
+        probs = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
         scores = probs if self.expert_bias is None else probs + self.expert_bias  # the bias only chooses
         chosen = scores.topk(self.top_k, dim=-1).indices  # (tokens, k)
         weights = probs.gather(-1, chosen)  # one expert: its probability, as Switch (so the router
@@ -183,7 +185,9 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(flat)
         share = counts.float() / assignments.numel()
-        self.aux_loss = experts * (share * probs.mean(dim=0)).sum()
+        # P_i over probabilities that sum to one per token (sigmoid scores normalised, as DeepSeek-V3's balance loss).
+        shares = probs if self.score == "softmax" else probs / probs.sum(dim=-1, keepdim=True)
+        self.aux_loss = experts * (share * shares.mean(dim=0)).sum()
         return out.view(batch, seq, dim)
 
 

@@ -17,8 +17,9 @@ shard group includes them.
 This runs on any device and backend (PyTorch's built-in `context_parallel` has no CPU kernel).
 The bottom-right mask is SDPA's CausalBias: on GPUs the flash kernel computes it without
 materialising the mask (grouped-query heads included); elsewhere it is materialised for the
-math kernel. Attention within documents (model.document_mask) takes each chunk's mask from the
-document ids of the whole sequences, which every rank has (they come from the tokens).
+math kernel. Attention within documents (model.document_mask) takes each chunk's rows of the
+bias over the whole sequences, which every rank builds from the tokens (the trainer hands each
+rank the document ids of whole sequences).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from scaletrain.model.llama import CoreAttention, document_causal_mask
+from scaletrain.model.llama import CoreAttention
 
 
 def local_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
@@ -78,20 +79,19 @@ class ContextParallelAttention(CoreAttention):
         self.chunk = seq_len // (2 * cp)
         self.chunks = (rank, 2 * cp - 1 - rank)  # which chunks of the sequence this rank's queries are
 
-    def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        """documents: the document_ids (batch, seq) of the whole sequences, not of this rank's part."""
-        if mask is not None or not causal:
+    def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """mask: None (causal), or a document_bias over the whole sequences, not this rank's part."""
+        if not causal and (mask is None or mask.dtype == torch.bool):  # what decoding with a KV cache passes
             raise NotImplementedError("context parallelism runs training and evaluation only (no KV cache)")
         k = _GatherSequence.apply(k, self.group)  # (batch, kv_heads, seq, head_dim), in position order
         v = _GatherSequence.apply(v, self.group)
         out = []
         for index, queries in zip(self.chunks, q.split(self.chunk, dim=2)):
             end = (index + 1) * self.chunk  # the keys up to this chunk's last position
-            if documents is None:
+            if mask is None:
                 chunk_mask = causal_lower_right(self.chunk, end)
-            else:
-                chunk_mask = document_causal_mask(documents[:, end - self.chunk:end], documents[:, :end])
+            else:  # this chunk's rows, up to its end (a view: every block shares the one bias)
+                chunk_mask = mask[:, :, end - self.chunk:end, :end]
             out.append(F.scaled_dot_product_attention(queries, k[:, :, :end], v[:, :, :end], attn_mask=chunk_mask,
                                                       enable_gqa=q.shape[1] != k.shape[1]))
         return torch.cat(out, dim=2)

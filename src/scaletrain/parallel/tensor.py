@@ -35,8 +35,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
-            # (x, cos, sin, kv, start_pos, documents): gather x's sequence for attention; the rest
-            # are not DTensors (document ids are of whole sequences already).
+            # (x, cos, sin, kv, start_pos, bias): gather x's sequence for attention; the rest are
+            # not DTensors (a document bias covers whole sequences already).
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None, None),
                                             desired_input_layouts=(Replicate(), None, None, None, None, None)),
             "attention.wq": ColwiseParallel(),

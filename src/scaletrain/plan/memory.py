@@ -29,13 +29,15 @@ Large Transformer Models", section 4.1) redone for this SwiGLU block, whose atte
 keeps no score matrix; tests check it against the bytes autograd actually saves. Selective
 recomputation keeps the outputs of matmuls and attention and the block input: 12d + 4k + 4F +
 4h in bf16, 20d + 8k + 8F + 4h in float32; full recomputation keeps the block input (4d) and
-rebuilds one block at a time.
+rebuilds one block at a time. Attention within documents (model.document_mask) adds one
+additive mask of the whole sequences per micro-batch, shared by the blocks: T bytes per
+(whole-sequence) token in the compute dtype's size, 2T in bf16, 4T in float32.
 
 A mixture-of-experts block (model/moe.py; E experts of width F_e, k per token, S shared
 experts) saves, in place of the MLP's 8F (bf16) or 16F (float32), per token: the float32
 router input (4d, bf16 only: in float32 it is the norm's output, already counted; and then the
 norm's bf16 output is not saved unless shared experts read it, -2d), the router's
-probabilities (4E), the chosen experts' indices and the two permutations (24k), the chosen
+probabilities (4E; with sigmoid scores also their sum, 4, which the balance loss divides by), the chosen experts' indices and the two permutations (24k), the chosen
 weights (4k; 8k + 4 when renormalised over k > 1), the k rows gathered for the experts (2kd,
 float32 4kd), each expert's w1, w3, silu(w1) and product over its rows (8kF_e, float32 16kF_e),
 the k float32 expert outputs weighted at the end (4kd) and the shared experts' 8SF_e (16SF_e).
@@ -116,6 +118,8 @@ def block_bytes_per_token(cfg: Any, bf16: bool, recompute: str, moe: bool = Fals
         return common + (8 if bf16 else 16) * f
     experts, top_k, width, shared = cfg.moe_experts, cfg.moe_top_k, cfg.expert_dim, cfg.moe_shared_experts
     routing = 4 * experts + 24 * top_k + (8 * top_k + 4 if top_k > 1 else 4 * top_k)
+    if getattr(cfg, "moe_score", "softmax") == "sigmoid":  # the balance loss's per-token sum of the scores
+        routing += 4
     if bf16:
         mlp = (4 * d - (0 if shared else 2 * d)) + 6 * top_k * d + 8 * (top_k + shared) * width
     else:
@@ -233,6 +237,8 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     tokens = micro_batch * seq_len / cp
     per_layer = activation_bytes_per_token(cfg, bf16, recompute, cp) * tokens / tp
     activations = round(in_flight * cfg.n_layers / pp * per_layer)
+    if getattr(cfg, "document_mask", False):  # one (batch, 1, T, T) bias of the whole sequences for all blocks
+        activations += round(in_flight * micro_batch * seq_len**2 * (2 if bf16 else 4))
     one_block = _largest_block_bytes_per_token(cfg, bf16, cp) * tokens / tp
     if recompute == "full":
         activations += round(one_block)  # the block being rebuilt
