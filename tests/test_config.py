@@ -36,6 +36,11 @@ def test_resolved_config_round_trips_through_toml():
     (["train.steps=10", "data.mix={a = inf, b = 1}"], ["data.mix weights must be positive finite"]),
     (["train.steps=10", "model.rope_scaling={factor = 8}"], ["model.rope_scaling", "high_freq_factor, low_freq_factor"]),
     (["train.steps=10", "log.profile_steps=[5, 3]"], ["log.profile_steps = [5, 3]", "[first, last]", "e.g. [10, 12]"]),
+    (["train.steps=10", "model.rope_scaling={factor = nan, low_freq_factor = 1, high_freq_factor = 4, "
+                        "original_max_seq_len = 8192}"], ["model.rope_scaling", "must give positive"]),
+    (["train.steps=10", "model.rope_scaling={factor = 8, low_freq_factor = 1, high_freq_factor = 4, "
+                        "original_max_seq_len = 8192.5}"], ["original_max_seq_len 8192.5", "whole number"]),
+    (["train.steps=10", 'log.wandb_project=""'], ["log.wandb_project", "at least 1 character"]),
 ])
 def test_bad_configs_name_the_key_the_value_and_what_is_valid(overrides, words):
     with pytest.raises(ConfigError) as error:

@@ -305,7 +305,7 @@ def test_each_rank_reports_the_bytes_it_holds(layout_runs, reference_deep):
 
 
 LONG = ["train.steps=60", "checkpoint.interval=1000", "eval.interval=10"]  # long enough to be signalled mid-way
-LONG_END = 16  # the steps of it compared: the signal lands well before, and the schedule is the 60 steps'
+LONG_END = 24  # the steps of it compared: the signal lands well before, and the schedule is the 60 steps'
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,7 @@ def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool, positions:
                                                                            model.rope_sin[positions])
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        bias = None if documents is None else document_bias(documents, compute_dtype(x))
+        bias = None if documents is None else document_bias(documents, compute_dtype(x), positions)
         for block in model.layers.values():
             x = block(x, cos, sin, bias=bias)
     return sum(seen.values())
@@ -85,19 +85,22 @@ import torch
 import torch.distributed as dist
 from test_memory import saved_bytes
 from scaletrain.config import ModelConfig
-from scaletrain.model.llama import Transformer, document_bias, document_ids
-from scaletrain.model.loss import compute_dtype
-from scaletrain.parallel.context import apply_cp, local_positions
+from scaletrain.model.llama import Transformer, document_ids
+from scaletrain.parallel.context import apply_cp, local_positions, shard_sequence
 
 dist.init_process_group("gloo")
 cfg = ModelConfig(vocab_size=512, max_seq_len=128, dim=128, n_layers=2, n_heads=4, n_kv_heads=2)
 model = Transformer(cfg)
 apply_cp(model, dist.group.WORLD, 128)
-tokens = torch.randint(0, 512, (3, 128 // dist.get_world_size()))
+torch.manual_seed(0)  # the same sequences on both ranks
+whole = torch.randint(0, 511, (3, 128))
+whole[:, ::9] = 511  # documents of 8 tokens
+tokens = shard_sequence(whole, dist.get_rank(), dist.get_world_size())
 positions = local_positions(128, dist.get_rank(), dist.get_world_size())
 got = {bf16: saved_bytes(model, tokens, bf16, positions) for bf16 in (False, True)}
+documents = saved_bytes(model, tokens, False, positions, document_ids(whole, 511))
 if dist.get_rank() == 0:
-    print(json.dumps({"float32": got[False], "bf16": got[True]}))
+    print(json.dumps({"float32": got[False], "bf16": got[True], "float32-documents": documents}))
 dist.destroy_process_group()
 """
 
@@ -105,7 +108,7 @@ dist.destroy_process_group()
 def test_context_parallel_ranks_save_the_keys_and_values_of_the_whole_sequence(tmp_path):
     """2 gloo processes, each with half of 3 sequences of 128 tokens: the bytes autograd saves
     are the dense block's per local token plus the other rank's keys and values (the CPU's
-    materialised mask adds under 1%)."""
+    materialised mask adds under 1%); within documents, plus one bias of the rank's queries."""
     import json
     import os
     import subprocess
@@ -130,6 +133,12 @@ def test_context_parallel_ranks_save_the_keys_and_values_of_the_whole_sequence(t
         predicted = activation_bytes_per_token(cfg, bf16, "none", cp=2) * 3 * 64 * cfg.n_layers
         assert measured[name] == pytest.approx(predicted, rel=0.015), name
         assert predicted > activation_bytes_per_token(cfg, bf16, "none") * 3 * 64 * cfg.n_layers * 1.03
+    # Within documents: one bias of this rank's 64 queries over the 128 keys, for both blocks.
+    documents = cfg.model_copy(update={"document_mask": True})
+    assert measured["float32-documents"] == pytest.approx(
+        training_memory(documents, 128, 3, bf16=False, cp=2).activations, rel=0.015)
+    # (less than the bias over the causal run: that one's materialised causal masks are gone)
+    assert measured["float32-documents"] - measured["float32"] > 0.5 * 3 * 64 * 128 * 4
 
 
 def test_recomputation_and_sharding_lower_the_prediction_in_order():

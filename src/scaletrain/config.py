@@ -71,7 +71,7 @@ class ModelConfig(_Section):
     moe_experts: int = Field(default=0, ge=0)
     """Routed experts of each mixture-of-experts block (0: a dense model): the block's MLP becomes moe_experts SwiGLU experts, each token sent to moe_top_k of them."""
     moe_top_k: int = Field(default=2, ge=1)
-    """Experts each token is routed to (their outputs weighted by the softmax of the router's top-k logits)."""
+    """Experts each token is routed to (their outputs weighted by their router scores, renormalised over the k: see moe_score)."""
     moe_score: Literal["softmax", "sigmoid"] = "softmax"
     """How the router scores the experts for a token: a softmax over all of them (Switch, Mixtral, Qwen3-MoE) or each expert's own sigmoid (DeepSeek-V3); the top k by score are chosen, weighted by their scores renormalised over the k (by the score itself when k = 1)."""
     moe_ffn_dim: int | None = Field(default=None, ge=1)
@@ -101,10 +101,13 @@ class ModelConfig(_Section):
             )
         if self.rope_scaling is not None:
             keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"}
-            if set(self.rope_scaling) != keys or min(self.rope_scaling.values()) <= 0:
+            if set(self.rope_scaling) != keys or not all(0 < value < math.inf for value in self.rope_scaling.values()):
                 raise ValueError(f"model.rope_scaling = {self.rope_scaling} must give positive {', '.join(sorted(keys))} "
                                  "(Llama 3.1's scaling, e.g. {factor = 8, low_freq_factor = 1, high_freq_factor = 4, "
                                  "original_max_seq_len = 8192}), or be left unset for plain RoPE")
+            if self.rope_scaling["original_max_seq_len"] != int(self.rope_scaling["original_max_seq_len"]):
+                raise ValueError(f"model.rope_scaling: original_max_seq_len {self.rope_scaling['original_max_seq_len']} "
+                                 "must be a whole number of positions")
             if self.rope_scaling["high_freq_factor"] <= self.rope_scaling["low_freq_factor"]:
                 raise ValueError(f"model.rope_scaling: high_freq_factor {self.rope_scaling['high_freq_factor']} must "
                                  f"exceed low_freq_factor {self.rope_scaling['low_freq_factor']}")
@@ -326,7 +329,7 @@ class LogConfig(_Section):
     """Write a train record to metrics.jsonl and a console line every this many steps."""
     tensorboard: bool = False
     """Also write the numbers of the train, eval and checkpoint records as TensorBoard scalars, into the run directory's tensorboard/ (`tensorboard --logdir RUN_DIR`); needs `pip install 'scaletrain[tensorboard]'`."""
-    wandb_project: str | None = None
+    wandb_project: str | None = Field(default=None, min_length=1)
     """Also log them to this Weights & Biases project, as a W&B run named run.name whose id the run directory keeps (wandb_id), so that a resumed run continues it; needs `pip install 'scaletrain[wandb]'` and `wandb login`, or WANDB_MODE=offline."""
     profile_steps: list[int] | None = None
     """Trace steps [first, last] with the PyTorch profiler on every rank (CPU operators; on a GPU its kernels too; shapes and memory), into the run directory's profile/steps_FIRST-LAST_rankR.json, a Chrome trace that Perfetto (ui.perfetto.dev) opens. Unset: no tracing."""

@@ -427,7 +427,7 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
         have.update(moe_top_k=cfg.moe_top_k, moe_ffn_dim=cfg.expert_dim, moe_dense_layers=cfg.moe_dense_layers)
     wrong = [key for key in have if key in want and have[key] != want[key]]
     if wrong:
-        fix = " ".join(f"model.{key}={toml_value(want[key])}" if want[key] is not None else f"(no model.{key})"
+        fix = " ".join(f"model.{key}={toml_value(want[key])}" if want[key] is not None else f"nothing for model.{key} (remove it)"
                        for key in wrong)
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} holds another shape: "
                           + ", ".join(f"model.{key} is {have[key]}, the model's is {want[key]}" for key in wrong)

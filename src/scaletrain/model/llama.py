@@ -53,20 +53,22 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     return ends.cumsum(dim=1, dtype=torch.int32) - ends
 
 
-def document_causal_mask(documents: torch.Tensor) -> torch.Tensor:
-    """(batch, 1, seq, seq) True where a token may attend to another: an earlier or the same
-    position of its own document. documents: (batch, seq) document_ids."""
+def document_causal_mask(documents: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """(batch, 1, queries, seq) True where a token may attend to another: an earlier or the same
+    position of its own document. documents: (batch, seq) document_ids of whole sequences;
+    rows: the positions of the queries (default all: a square mask)."""
     seq = documents.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
-    return (documents[:, None, :, None] == documents[:, None, None, :]) & causal
+    keys = torch.arange(seq, device=documents.device)
+    rows = keys if rows is None else rows
+    causal = keys[None, :] <= rows[:, None]  # (queries, seq)
+    return (documents[:, None, rows, None] == documents[:, None, None, :]) & causal
 
 
-def document_bias(documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(batch, 1, seq, seq) to add to the attention scores of whole sequences with these
-    document_ids: 0 where document_causal_mask allows, -inf elsewhere, in the dtype of the
-    scores (SDPA would turn a boolean mask into such a tensor in each block, and each block
-    would keep its own for the backward pass)."""
-    allowed = document_causal_mask(documents)
+def document_bias(documents: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """(batch, 1, queries, seq) to add to the attention scores: 0 where document_causal_mask
+    allows, -inf elsewhere, in the dtype of the scores (SDPA would turn a boolean mask into such
+    a tensor in each block, and each block would keep its own for the backward pass)."""
+    allowed = document_causal_mask(documents, rows)
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
@@ -115,7 +117,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this layer's KVCache.k[i], .v[i]
         start_pos: int = 0,
-        bias: torch.Tensor | None = None,  # (batch, 1, seq, seq) added to the scores: document_bias
+        bias: torch.Tensor | None = None,  # (batch, 1, seq, keys) added to the scores: document_bias
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads, not n_heads: under tensor parallelism each rank holds a slice of the heads.
@@ -322,7 +324,8 @@ class Transformer(nn.Module):
                 raise ValueError("documents mask the attention of training and evaluation; decoding with a KV cache "
                                  "takes none")
             # One for all blocks: a mask built in each would be kept by each for its backward pass.
-            bias = document_bias(documents, compute_dtype(x))
+            # Under context parallelism (positions given) only the rows of this rank's queries.
+            bias = document_bias(documents, compute_dtype(x), positions)
         for name, block in self.layers.items():
             # Blocks get tensors, not a layer index, so compiled blocks see no per-layer constant.
             layer_kv = None if cache is None else (cache.k[int(name)], cache.v[int(name)])

@@ -18,8 +18,8 @@ This runs on any device and backend (PyTorch's built-in `context_parallel` has n
 The bottom-right mask is SDPA's CausalBias: on GPUs the flash kernel computes it without
 materialising the mask (grouped-query heads included); elsewhere it is materialised for the
 math kernel. Attention within documents (model.document_mask) takes each chunk's rows of the
-bias over the whole sequences, which every rank builds from the tokens (the trainer hands each
-rank the document ids of whole sequences).
+bias each rank builds for its own queries over the whole sequence's keys (the trainer hands
+every rank the document ids of whole sequences).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from scaletrain.model.llama import CoreAttention
+from scaletrain.model.llama import CoreAttention, repeat_kv_heads
 
 
 def local_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
@@ -80,18 +80,21 @@ class ContextParallelAttention(CoreAttention):
         self.chunks = (rank, 2 * cp - 1 - rank)  # which chunks of the sequence this rank's queries are
 
     def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """mask: None (causal), or a document_bias over the whole sequences, not this rank's part."""
+        """mask: None (causal), or the document_bias of this rank's queries (in the order of
+        local_positions) over the keys of the whole sequences."""
         if not causal and (mask is None or mask.dtype == torch.bool):  # what decoding with a KV cache passes
             raise NotImplementedError("context parallelism runs training and evaluation only (no KV cache)")
         k = _GatherSequence.apply(k, self.group)  # (batch, kv_heads, seq, head_dim), in position order
         v = _GatherSequence.apply(v, self.group)
+        if mask is not None and q.device.type == "cuda":  # as CoreAttention: the memory-efficient kernel, not math
+            k, v = repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1])
         out = []
-        for index, queries in zip(self.chunks, q.split(self.chunk, dim=2)):
+        for local, (index, queries) in enumerate(zip(self.chunks, q.split(self.chunk, dim=2))):
             end = (index + 1) * self.chunk  # the keys up to this chunk's last position
             if mask is None:
                 chunk_mask = causal_lower_right(self.chunk, end)
             else:  # this chunk's rows, up to its end (a view: every block shares the one bias)
-                chunk_mask = mask[:, :, end - self.chunk:end, :end]
+                chunk_mask = mask[:, :, local * self.chunk:(local + 1) * self.chunk, :end]
             out.append(F.scaled_dot_product_attention(queries, k[:, :, :end], v[:, :, :end], attn_mask=chunk_mask,
                                                       enable_gqa=q.shape[1] != k.shape[1]))
         return torch.cat(out, dim=2)

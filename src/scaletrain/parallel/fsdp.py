@@ -23,12 +23,17 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype = to
     each one."""
     dp_mesh = mesh["dp_replicate", "dp_shard_cp"]
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # Blocks take their inputs as the previous block left them: cast at each block, the attention
+    # bias of attention within documents (one tensor for all blocks, in the compute dtype) would
+    # become a copy per block, each kept for the backward pass. The root casts the model's inputs.
+    block_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                        cast_forward_inputs=False)
     for block in model.layers.values():
         experts = getattr(block.feed_forward, "experts", None)
         if experts is not None and experts.ep_group is not None:
             # Split by expert over ep, each rank's experts sharded over the ranks that hold the
             # same ones (model/moe.py scales their gradients by 1 / ep: see _expert_parallel).
-            fully_shard(experts, mesh=mesh["dp_replicate", "efsdp"], mp_policy=policy,
+            fully_shard(experts, mesh=mesh["dp_replicate", "efsdp"], mp_policy=block_policy,
                         reshard_after_forward=reshard_after_forward)
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=dp_mesh, mp_policy=block_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

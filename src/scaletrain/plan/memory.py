@@ -30,8 +30,8 @@ keeps no score matrix; tests check it against the bytes autograd actually saves.
 recomputation keeps the outputs of matmuls and attention and the block input: 12d + 4k + 4F +
 4h in bf16, 20d + 8k + 8F + 4h in float32; full recomputation keeps the block input (4d) and
 rebuilds one block at a time. Attention within documents (model.document_mask) adds one
-additive mask of the whole sequences per micro-batch, shared by the blocks: T bytes per
-(whole-sequence) token in the compute dtype's size, 2T in bf16, 4T in float32.
+additive mask per micro-batch, shared by the blocks, of each local query over the whole
+sequence's keys: T bytes per local token in the compute dtype's size, 2T in bf16, 4T in float32.
 
 A mixture-of-experts block (model/moe.py; E experts of width F_e, k per token, S shared
 experts) saves, in place of the MLP's 8F (bf16) or 16F (float32), per token: the float32
@@ -237,8 +237,8 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     tokens = micro_batch * seq_len / cp
     per_layer = activation_bytes_per_token(cfg, bf16, recompute, cp) * tokens / tp
     activations = round(in_flight * cfg.n_layers / pp * per_layer)
-    if getattr(cfg, "document_mask", False):  # one (batch, 1, T, T) bias of the whole sequences for all blocks
-        activations += round(in_flight * micro_batch * seq_len**2 * (2 if bf16 else 4))
+    if getattr(cfg, "document_mask", False):  # one (batch, 1, T / cp, T) bias for all blocks
+        activations += round(in_flight * tokens * seq_len * (2 if bf16 else 4))
     one_block = _largest_block_bytes_per_token(cfg, bf16, cp) * tokens / tp
     if recompute == "full":
         activations += round(one_block)  # the block being rebuilt

@@ -7,8 +7,9 @@ Every record has `kind` ("train", "eval", "checkpoint", "resume", "end", ...), `
 earlier invocation with a step past the resumed one (work lost with a crash) are superseded,
 and `read_metrics` drops them so the history reads as one run. A "rewind" record (a divergence
 sent the run back to a checkpoint) supersedes the records past its step alike; TensorBoard is
-told to drop them too (purge_step), and Weights & Biases keeps the first value logged at a
-step (a resumed run logs the same losses again, so only timings can differ).
+told to drop them too (purge_step). Weights & Biases keeps the first value logged at a step:
+after a resume it keeps the interrupted invocation's records (the same losses, resume being
+exact; only timings differ), after a rewind the diverged steps' records, not the retrained ones.
 """
 
 from __future__ import annotations

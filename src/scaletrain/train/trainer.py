@@ -88,6 +88,10 @@ def resolve(cfg: RunConfig) -> RunConfig:
     if len(set(tokenizers.values())) > 1:
         raise ConfigError(f"data.mix: the data directories {', '.join(map(str, cfg.data.sources.values()))} have "
                           "different tokenizers; prepare them with one (`data prepare --tokenizer DIR/tokenizer.json`)")
+    if cfg.model.document_mask and len({index["eos_id"] for index in indexes.values()}) > 1:
+        raise ConfigError(f"data.mix: the data directories end documents with different tokens "
+                          f"({ {name: index['eos_id'] for name, index in indexes.items()} }), so model.document_mask "
+                          "cannot tell documents apart in all of them; prepare them with one tokenizer")
     vocab_size = max(index["vocab_size"] for index in indexes.values())
     data = cfg.model_dump()
     if cfg.model.vocab_size is None:
@@ -494,7 +498,11 @@ class Trainer:
         """A batch of whole sequences as this rank feeds it to the model: its part of each
         sequence under context parallelism, on the device; with the document ids of the whole
         sequences when attention stays within documents (else None)."""
-        documents = None if self.eos_id is None else document_ids(inputs, self.eos_id).to(self.device)
+        documents = None
+        if self.eos_id is not None:
+            documents = document_ids(inputs, self.eos_id)
+            documents = (documents.pin_memory() if self.device.type == "cuda" else documents).to(
+                self.device, non_blocking=True)  # (as inputs and targets below)
         if self.layout.cp > 1:
             inputs, targets = (shard_sequence(t, self.cp_rank, self.layout.cp) for t in (inputs, targets))
         if self.device.type == "cuda" and not inputs.is_pinned():
@@ -601,10 +609,10 @@ class Trainer:
                 shutil.copyfile(next(iter(cfg.data.sources.values())) / "tokenizer.json",
                                 self.run_dir / "tokenizer.json")
         sinks = []
+        if self.is_main and cfg.log.wandb_project:  # first: the one that can fail to start
+            sinks.append(WandbSink(self.run_dir, cfg.log.wandb_project, cfg.run.name, cfg.model_dump()))
         if self.is_main and cfg.log.tensorboard:
             sinks.append(TensorBoardSink(self.run_dir / "tensorboard", resumed_from))
-        if self.is_main and cfg.log.wandb_project:
-            sinks.append(WandbSink(self.run_dir, cfg.log.wandb_project, cfg.run.name, cfg.model_dump()))
         metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main, sinks=sinks)
         profiler = StepProfiler(cfg.log.profile_steps, self.run_dir / "profile", self.rank, self.device.type == "cuda")
         if resumed_from is not None:
