@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalBias
 
 from scaletrain.config import ModelConfig
 from scaletrain.model.loss import chunked_cross_entropy, compute_dtype, cross_entropy
@@ -162,14 +163,20 @@ class CoreAttention(nn.Module):
     mask: None, boolean (True: attend) or added to the scores (document_bias)."""
 
     def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        if mask is not None and q.device.type == "cuda":
-            # enable_gqa lets each key/value head serve n_heads / kv_heads query heads without
-            # copies, but on CUDA only the flash kernel (which takes no mask) and the math one
-            # (which keeps the whole score matrix) accept it: give a masked call (within
-            # documents, or cached and multi-token) repeated heads and the memory-efficient kernel.
-            k, v = repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return attend(q, k, v, mask, causal)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal: bool = False) -> torch.Tensor:
+    """SDPA of q (batch, heads, q, head_dim) over k, v (batch, kv_heads, keys, head_dim), grouped
+    query heads included. enable_gqa lets each key/value head serve heads / kv_heads query heads
+    without copies, but on CUDA only the flash kernel (which takes no mask) and the math one (which
+    keeps the whole score matrix) accept it: a masked call (within documents, or cached and
+    multi-token) gets repeated heads there, and the memory-efficient kernel. A CausalBias (context
+    parallelism's bottom-right causal mask) is computed by flash without copies."""
+    if mask is not None and not isinstance(mask, CausalBias) and q.device.type == "cuda":
+        k, v = repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def repeat_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:

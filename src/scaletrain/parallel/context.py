@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from scaletrain.model.llama import CoreAttention, repeat_kv_heads
+from scaletrain.model.llama import CoreAttention, attend
 
 
 def local_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
@@ -86,8 +85,6 @@ class ContextParallelAttention(CoreAttention):
             raise NotImplementedError("context parallelism runs training and evaluation only (no KV cache)")
         k = _GatherSequence.apply(k, self.group)  # (batch, kv_heads, seq, head_dim), in position order
         v = _GatherSequence.apply(v, self.group)
-        if mask is not None and q.device.type == "cuda":  # as CoreAttention: the memory-efficient kernel, not math
-            k, v = repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1])
         out = []
         for local, (index, queries) in enumerate(zip(self.chunks, q.split(self.chunk, dim=2))):
             end = (index + 1) * self.chunk  # the keys up to this chunk's last position
@@ -95,8 +92,7 @@ class ContextParallelAttention(CoreAttention):
                 chunk_mask = causal_lower_right(self.chunk, end)
             else:  # this chunk's rows, up to its end (a view: every block shares the one bias)
                 chunk_mask = mask[:, :, local * self.chunk:(local + 1) * self.chunk, :end]
-            out.append(F.scaled_dot_product_attention(queries, k[:, :, :end], v[:, :, :end], attn_mask=chunk_mask,
-                                                      enable_gqa=q.shape[1] != k.shape[1]))
+            out.append(attend(queries, k[:, :, :end], v[:, :, :end], chunk_mask))
         return torch.cat(out, dim=2)
 
 

@@ -134,7 +134,6 @@ class StepProfiler:
         self.first, self.last = steps if steps else (0, -1)
         self.folder, self.rank, self.cuda = folder, rank, cuda
         self.profiler, self.traced = None, []
-        self.path: Path | None = None  # the trace written, once written
 
     def step(self, step: int):
         """A context for running step `step` (1-based): traced when in [first, last]."""
@@ -159,8 +158,7 @@ class StepProfiler:
             return
         self.profiler.stop()
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.path = self.folder / f"steps_{self.traced[0]}-{self.traced[-1]}_rank{self.rank}.json"
-        self.profiler.export_chrome_trace(str(self.path))
+        self.profiler.export_chrome_trace(str(self.folder / f"steps_{self.traced[0]}-{self.traced[-1]}_rank{self.rank}.json"))
         self.profiler = None
 
 
