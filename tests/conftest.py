@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -57,6 +58,23 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env, cwd=ROOT)
 
 
+def lr_boost_once_at(step: int, factor: float):
+    """A replacement for the trainer's lr_at under which the update after step `step` takes
+    `factor` times its learning rate, once per process: a real loss spike at step `step` + 2
+    (the first loss computed with the boosted update's weights)."""
+    from scaletrain.train.schedule import lr_at
+
+    fired = []
+
+    def boosted(at, *args, **kwargs):
+        lr = lr_at(at, *args, **kwargs)
+        if at == step and not fired:
+            fired.append(True)
+            return lr * factor
+        return lr
+    return boosted
+
+
 def nan_norm_once_after(step: int):
     """A replacement for Trainer._clip_gradients under which the gradient norm of step `step` + 1
     reads NaN, once per process (a numerical accident: a flipped bit, one kernel's overflow);
@@ -73,3 +91,22 @@ def nan_norm_once_after(step: int):
             return norm.new_full(norm.shape, float("nan"))
         return norm
     return glitched
+
+
+@contextlib.contextmanager
+def glitched(kind: str, step: int):
+    """Within it, step `step` + 1 of a run diverges once: its gradient norm reads NaN ("nan"), or
+    its loss spikes after the update of step `step` at 100 times its learning rate ("spike")."""
+    from scaletrain.train import trainer
+
+    if kind == "nan":
+        saved, trainer.Trainer._clip_gradients = trainer.Trainer._clip_gradients, nan_norm_once_after(step)
+    else:
+        saved, trainer.lr_at = trainer.lr_at, lr_boost_once_at(step - 1, 100)
+    try:
+        yield
+    finally:
+        if kind == "nan":
+            trainer.Trainer._clip_gradients = saved
+        else:
+            trainer.lr_at = saved

@@ -1,19 +1,20 @@
 """Run several training layouts one after another in one torchrun launch (starting processes
 costs seconds each on a 2-core machine): `torchrun --nproc-per-node N tests/run_layouts.py SPEC`,
 SPEC a JSON list of {"config": path, "overrides": [...], "stop_at_step": int | null, "damage":
-path | null, "glitch": int | null}. Every layout must use all N processes. "damage" names a file
-of the run directory that every process overwrites in the middle with the same 16 bytes (its size
-unchanged) before that training starts: a checkpoint file corrupted on disk. "glitch": the
-gradient norm of the step after that one reads NaN on every rank (conftest.nan_norm_once_after)."""
+path | null, "glitch": {"step": int, "kind": "nan" | "spike"} | null}. Every layout must use all
+N processes. "damage" names a file of the run directory that every process overwrites in the
+middle with the same 16 bytes (its size unchanged) before that training starts: a checkpoint file
+corrupted on disk. "glitch": the step after that one diverges on every rank (conftest.glitched)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
 
-from conftest import nan_norm_once_after
+from conftest import glitched
 from scaletrain.config import load_config
 from scaletrain.parallel.mesh import shutdown
 from scaletrain.train.trainer import Trainer
@@ -24,16 +25,13 @@ def main(spec_path: str) -> None:
         cfg = load_config(spec["config"], spec["overrides"])
         if spec.get("damage"):
             damage(Path(cfg.run.dir) / cfg.run.name / spec["damage"])
-        clip = Trainer._clip_gradients
-        if spec.get("glitch") is not None:
-            Trainer._clip_gradients = nan_norm_once_after(spec["glitch"])
+        glitch = spec.get("glitch")
         try:
-            Trainer(cfg).fit(stop_at_step=spec.get("stop_at_step"))
+            with glitched(glitch["kind"], glitch["step"]) if glitch else contextlib.nullcontext():
+                Trainer(cfg).fit(stop_at_step=spec.get("stop_at_step"))
         except BaseException as e:
             shutdown(clean=False)
             raise RuntimeError(f"layout {spec['overrides']} failed: {e}") from e
-        finally:
-            Trainer._clip_gradients = clip
     shutdown()
     # Everything is on disk: leave without the interpreter's teardown of torch (~1.5 s of CPU
     # per process, which 8 processes on 2 cores wait for in turn).

@@ -88,3 +88,15 @@ def test_moe_layer_benchmark_prints_json():
     report = json.loads(result.stdout)
     assert report["moe_ms"] > 0 and report["dense_same_flops_ms"] > 0 and report["overhead"] > 0
     assert report["grouped_gemm"] is True and report["moe_loop_ms"] > 0  # a CPU runs the grouped GEMM
+
+
+def test_spike_scores_benchmark_tells_a_real_spike_from_an_ordinary_run(stdlib_data):
+    result = subprocess.run([sys.executable, "benchmarks/spike_scores.py", "configs/tiny.toml",
+                             f"data.path={stdlib_data}", "train.steps=40", "--windows", "10,20", "--boost", "30"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    for window, entry in report["windows"].items():
+        assert entry["judged_steps"] == 40 - int(window)
+        assert entry["boosted_spike_sigmas"] > max(entry["max_sigmas"], 4)

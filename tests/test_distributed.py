@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, nan_norm_once_after, run_cli, tiny_config
+from conftest import ROOT, glitched, run_cli, tiny_config
 from scaletrain.config import ConfigError, ParallelConfig
 from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.plan.memory import rank_memory
@@ -59,7 +59,7 @@ def launch(stdlib_data, run_dir, nproc: int, *overrides: str):
 
 def launch_layouts(stdlib_data, root, nproc: int, runs: list[tuple], short_documents: Path | None = None):
     """Train each (run name, overrides, stop at step[, file of the run to damage first[, step after
-    which a gradient norm reads NaN]]) under root/, one after another, in one torchrun job of nproc
+    which a gradient norm reads NaN or the loss spikes: see run_layouts.py]]) under root/, one after another, in one torchrun job of nproc
     processes; a run name given twice resumes the first one's checkpoint."""
     spec = [{"config": str(ROOT / "configs" / "tiny.toml"), "stop_at_step": stop,
              "damage": extra[0] if extra else None, "glitch": extra[1] if len(extra) > 1 else None,
@@ -176,9 +176,14 @@ TO_ONE = {"fsdp-to-one": ["parallel.dp_shard=2"], "tp-to-one": TWO["tp"]}
 # on disk: the one rank 0 wrote, which rank 1 checksums (the ranks share the files; sorted, they
 # are .metadata, __0_0.distcp, __1_0.distcp).
 DAMAGED = {"fsdp-damaged": (["parallel.dp_shard=2"], f"{LAST}/__0_0.distcp")}
-# Step 3's gradient norm reads NaN on both ranks: the run rewinds to step 2's checkpoint, skips
-# step 3's batches and trains steps 3 and 4 on the next ones.
-REWOUND = {"fsdp-rewound": ["parallel.dp_shard=2", "train.rewinds=1"]}
+# Step 3's gradient norm reads NaN on both ranks ("nan"): the run rewinds to step 2's checkpoint,
+# skips step 3's batches and trains steps 3 and 4 on the next ones. Or step 4's loss spikes after
+# step 3's update at 100 times the learning rate ("spike": found by the loss statistics of both
+# ranks, which only the last pipeline stage computes the loss for): the run rewinds to step 2's
+# checkpoint, skips the batches of steps 3 and 4 and trains them on the next ones.
+SPIKES = ["train.spike_sigmas=4", "train.spike_window=2"]
+REWOUND = {"fsdp-rewound": (["parallel.dp_shard=2", "train.rewinds=1"], "nan"),
+           "pp-spike-rewound": ([*PP2, "train.rewinds=1", *SPIKES], "spike")}
 GLITCH = 2
 
 
@@ -193,7 +198,8 @@ def layout_runs(stdlib_data, short_documents, tmp_path_factory):
     two += [(name, [*DEEP, *overrides], STOP) for name, overrides in TO_ONE.items()]
     for name, (overrides, damaged) in DAMAGED.items():
         two += [(name, [*DEEP, *overrides], None), (name, [*DEEP, *overrides], None, damaged)]
-    two += [(name, [*DEEP, *overrides], None, None, GLITCH) for name, overrides in REWOUND.items()]
+    two += [(name, [*DEEP, *overrides], None, None, {"step": GLITCH + (kind == "spike"), "kind": kind})
+            for name, (overrides, kind) in REWOUND.items()]
     launch_layouts(stdlib_data, root, 2, two, short_documents)
     four = [(name, [*DEEP, *overrides], None) for name, overrides in FOUR.items()]
     for name, (before, after) in RESHARD.items():
@@ -257,17 +263,18 @@ def test_ranks_that_share_the_checksums_agree_on_a_damaged_checkpoint_and_resume
 def test_ranks_that_diverge_together_rewind_together_to_the_losses_of_one_process(
         stdlib_data, layout_runs, tmp_path, name):
     run_dir = layout_runs[name]
+    overrides, kind = REWOUND[name]
     [rewind] = read_metrics(run_dir, "rewind")
-    assert (rewind["step"], rewind["diverged_at"], rewind["skipped_steps"]) == (STOP, GLITCH + 1, 1)
-    from scaletrain.train.trainer import Trainer
-
-    clip, Trainer._clip_gradients = Trainer._clip_gradients, nan_norm_once_after(GLITCH)
-    try:
+    late = kind == "spike"
+    assert (rewind["cause"], rewind["step"], rewind["diverged_at"], rewind["skipped_steps"]) == (
+        "spike" if late else "nonfinite", STOP, GLITCH + 1 + late, 1 + late)
+    with glitched(kind, GLITCH + late):
         one = tmp_path / "one"
-        train(tiny_config(stdlib_data, one, *STEPS, *DEEP, "train.rewinds=1"))
-    finally:
-        Trainer._clip_gradients = clip
-    assert read_metrics(one, "rewind")[0]["skipped_steps"] == 1
+        train(tiny_config(stdlib_data, one, *STEPS, *DEEP, *(SPIKES if kind == "spike" else []), "train.rewinds=1"))
+    if kind == "spike":  # judged on the loss over the global batch, as one process judges it
+        [expected] = read_metrics(one, "rewind")
+        got, want = (float(r["message"].split(": loss ")[1].split()[0]) for r in (rewind, expected))
+        assert rewind["message"].startswith("a loss spike at step 4: ") and abs(got - want) < 1e-3
     assert_parity(run_dir, one)
 
 

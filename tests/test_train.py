@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import nan_norm_once_after, run_cli, tiny_config
+from conftest import lr_boost_once_at, nan_norm_once_after, run_cli, tiny_config
 from scaletrain.config import ConfigError
 from scaletrain.train import checkpoint
 from scaletrain.train.metrics import read_metrics
-from scaletrain.train.resilience import StoppedBySignal
+from scaletrain.train.resilience import StoppedBySignal, loss_spike
 from scaletrain.train.trainer import Trainer, TrainingDiverged, train
 
 
@@ -588,6 +588,69 @@ def test_a_divergence_rewinds_to_the_checkpoint_skips_the_batches_since_and_resu
     monkeypatch.setattr(Trainer, "save", real_save)
     assert train(tiny_config(stdlib_data, crashed, *common)).resumed_from == 4
     assert losses(crashed) == losses(whole)
+
+
+def test_spike_statistics_flag_a_jump_not_noise_or_a_falling_loss():
+    """A loss falling as training does, with noise of 0.02, is never flagged at 7 standard
+    deviations, and the spread is the noise's (successive differences: not the fall's); a jump of
+    0.5 is flagged, only once the window's steps have been seen; a NaN changes nothing."""
+    torch.manual_seed(0)
+    steps = torch.arange(400, dtype=torch.float32)
+    series = 3 + 4 * torch.exp(-steps / 40) + 0.02 * torch.randn(400)
+    stats = torch.zeros(4)
+    for loss in series:
+        stats, spike = loss_spike(stats, loss, sigmas=7, window=100)
+        assert not spike
+    assert stats[0] == 400 and abs(stats[1] - series[-100:].mean()) < 0.02 and 0.015 < stats[2].sqrt() < 0.025
+    kept, spike = loss_spike(stats, torch.tensor(float("nan")), sigmas=7, window=100)
+    assert not spike and torch.equal(kept, stats)
+    assert loss_spike(stats, series[-1] + 0.5, sigmas=7, window=100)[1]
+    assert not loss_spike(stats, series[-1] - 0.5, sigmas=7, window=100)[1]  # a fall is no spike
+    early = torch.zeros(4)
+    for loss in (4.0, 4.02, 3.98):
+        early, _ = loss_spike(early, torch.tensor(loss), sigmas=7, window=8)
+    assert not loss_spike(early, torch.tensor(9.0), sigmas=7, window=8)[1]  # 3 steps seen: too few to judge
+    # Plain averages over the window's first half: the mean, and half the mean square step.
+    assert early[0] == 3 and abs(early[1] - 4.0) < 1e-6 and abs(early[2] - (0.02 ** 2 + 0.04 ** 2) / 4) < 1e-6
+
+
+def test_a_loss_spike_rewinds_to_before_it_and_a_resumed_run_judges_it_alike(stdlib_data, tmp_path, monkeypatch,
+                                                                             caplog):
+    """train.spike_sigmas = 4: the update of step 12 takes 100 times its learning rate, and step
+    13's loss jumps (a real spike, its loss still finite). The look at step 16 finds it; step
+    12's checkpoint holds the update that made it, so the run goes back to step 8's, discards
+    step 12's and skips the batches read since, with no spike in the steps before or after. A
+    run stopped at step 6 and resumed keeps the loss statistics in its checkpoint: it finds the
+    same spike, with the same numbers, and logs the same losses. With no checkpoint to go back to
+    the spike is only logged and the run goes on."""
+    common = ["train.steps=20", "checkpoint.interval=4", "eval.interval=0", "log.interval=4", "train.rewinds=1",
+              "train.spike_sigmas=4", "train.spike_window=6"]
+    monkeypatch.setattr("scaletrain.train.trainer.lr_at", lr_boost_once_at(11, 100))
+    whole = tmp_path / "whole"
+    assert train(tiny_config(stdlib_data, whole, *common)).step == 20
+    [rewind] = read_metrics(whole, "rewind")
+    assert (rewind["cause"], rewind["step"], rewind["diverged_at"], rewind["skipped_steps"]) == ("spike", 8, 13, 8)
+    assert rewind["discarded"] == ["step_0000012"] and rewind["message"].startswith("a loss spike at step 13: loss ")
+    assert not read_metrics(whole, "spike")  # (it would log any later one: no rewind is left)
+    assert checkpoint.rewound(whole / "checkpoints" / "step_0000012") is None  # trained again, not the discarded one
+
+    split = tmp_path / "split"
+    train(tiny_config(stdlib_data, split, *common), stop_at_step=6)
+    monkeypatch.setattr("scaletrain.train.trainer.lr_at", lr_boost_once_at(11, 100))
+    assert train(tiny_config(stdlib_data, split, *common)).resumed_from == 6
+    [again] = read_metrics(split, "rewind")
+    assert again["message"] == rewind["message"] and "standard deviations above" in again["message"]
+    got = losses(split)
+    assert got.pop(6)  # the stop logs its own step too
+    assert got == losses(whole)
+
+    monkeypatch.setattr("scaletrain.train.trainer.lr_at", lr_boost_once_at(11, 100))
+    on = tmp_path / "on"
+    with caplog.at_level(logging.WARNING, logger="scaletrain"):
+        assert train(tiny_config(stdlib_data, on, *common, "checkpoint.interval=0")).step == 20
+    [spike] = read_metrics(on, "spike")
+    assert spike["step"] == 13 and spike["loss"] > spike["mean"] + 4 * spike["std"]
+    assert not read_metrics(on, "rewind") and "no checkpoint from before step 12 to go back to" in caplog.text
 
 
 def test_a_divergence_that_recurs_after_its_rewinds_stops_the_run(stdlib_data, tmp_path):

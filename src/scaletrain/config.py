@@ -236,7 +236,11 @@ class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: auto picks CUDA when available."""
     rewinds: int = Field(default=0, ge=0)
-    """Times (per invocation of train) a NaN or infinite loss or gradient sends the run back to its newest checkpoint, skipping the batches read since (PaLM's remedy for loss spikes), before one stops it; 0: the first stops it."""
+    """Times (per invocation of train) a divergence — a NaN or infinite loss or gradient, or a loss spike (spike_sigmas) — sends the run back to its newest checkpoint, skipping the batches read since (PaLM's remedy for loss spikes), before the next NaN stops it (and spikes are only logged); 0: the first NaN stops it."""
+    spike_sigmas: float = Field(default=0.0, ge=0)
+    """Loss-spike detection: a step whose loss (over the global batch) exceeds the running mean of the earlier steps' losses by more than this many running standard deviations is a divergence, rewound as one while train.rewinds last, logged after (OLMo 2 counted losses beyond 7 as spikes). 0: off."""
+    spike_window: int = Field(default=100, ge=2)
+    """Span in steps of the running mean and variance of the loss that spike_sigmas compares against (plain averages over the first window / 2 steps, exponential ones after); no step is judged before this many have been seen."""
     hang_timeout_s: float = Field(default=900.0, ge=0)
     """After the first step: seconds without a finished step, evaluation or checkpoint after which the process prints every thread's stack and exits with status 75, for the launcher to restart the job from its newest checkpoint (torchrun --max-restarts); 0 disables. Keep it above the slowest checkpoint save and evaluation."""
 

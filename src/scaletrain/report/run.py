@@ -31,8 +31,8 @@ from scaletrain.scaling.laws import ChinchillaLaw  # noqa: E402
 from scaletrain.train.metrics import read_metrics  # noqa: E402
 
 # Events worth a line in the report, with what each record says beyond its step.
-EVENTS = {"start": (), "resume": (), "checkpoint": ("blocking_s",), "rewind": ("diverged_at", "skipped_steps"),
-          "hang": ("seconds",), "diverged": ("message",), "end": ("complete", "stopped_by")}
+EVENTS = {"start": (), "resume": (), "checkpoint": ("blocking_s",), "rewind": ("cause", "diverged_at", "skipped_steps"),
+          "spike": ("loss", "mean", "std"), "hang": ("seconds",), "diverged": ("message",), "end": ("complete", "stopped_by")}
 
 
 def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict | None = None) -> dict:

@@ -234,6 +234,19 @@ def record_rewind(path: Path, loader: dict, diverged_at: int, skipped_steps: int
                                                   "skipped_steps": skipped_steps}, indent=1))
 
 
+def discard_after(root: Path, step: int) -> list[str]:
+    """Remove the checkpoints of steps after `step` (those of a history a rewind abandoned, so
+    that no resume takes them up again); returns their names. One process removes them."""
+    newer = [p for p in all_checkpoints(root) if step_of(p) > step]
+    if _is_main():
+        for path in newer:
+            shutil.rmtree(path, ignore_errors=True)
+        kept = all_checkpoints(root)
+        if kept:
+            _write_atomic(root / "latest", kept[0].name + "\n")
+    return [p.name for p in newer]
+
+
 def rewound(path: Path) -> dict | None:
     """What `record_rewind` recorded beside `path`, or None."""
     try:

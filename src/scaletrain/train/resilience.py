@@ -29,6 +29,14 @@ silent for half the timeout, the watchdog looks at the bytes of the newest check
 (a filesystem that stopped answering changes nothing, and a look that does not return within a
 few seconds counts as no change). What it reports is the time since the last step, evaluation
 or checkpoint finished.
+
+**Loss spikes.** A loss that jumps well above its recent level without becoming NaN is the
+usual first sign of an instability that ruins a large run, and the remedy that saved PaLM's
+runs was to go back to a checkpoint from before it and skip the batches read since (Chowdhery et
+al. 2022, section 5.1). `loss_spike` keeps a running mean and variance of the loss on the device
+and flags a step whose loss exceeds the mean by more than a number of running standard
+deviations (OLMo 2 counted losses beyond 7 as spikes: Team OLMo 2024, "2 OLMo 2 Furious"); the
+trainer then rewinds as for a NaN.
 """
 
 from __future__ import annotations
@@ -51,6 +59,32 @@ log = logging.getLogger("scaletrain")
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 HANG_EXIT_STATUS = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, worth a retry
+
+
+def loss_spike(stats: torch.Tensor, loss: torch.Tensor, sigmas: float, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Judge one step's loss against the steps before it and fold it into their statistics.
+
+    `stats` is (steps seen, running mean, running variance, last loss), as tensors on the device,
+    so that no step waits for the host. The step is a spike when at least `window` steps have
+    been seen and its loss exceeds the running mean by more than `sigmas` standard deviations;
+    only a rise counts (a loss that falls is training). The mean is a plain average over the
+    first window / 2 steps, then an exponential one with a span of `window` steps (weight
+    2 / (window + 1)). The variance is estimated alike from successive differences, half the
+    mean square of loss_t - loss_t-1 (von Neumann et al. 1941): the loss's fall over the window
+    would swell the spread about the mean many times over early in a run (measured:
+    benchmarks/spike_scores.py), but barely changes from one step to the next. A spike is folded
+    in too, so that a run that goes on past one (no rewinds left) judges its next steps against
+    where the loss now is; a loss that is not finite is left out (that is a divergence of its
+    own). Returns (new stats, spike)."""
+    seen, mean, var, last = stats.unbind()
+    finite = torch.isfinite(loss)
+    spike = finite & (seen >= window) & (loss - mean > sigmas * var.clamp_min(0).sqrt())
+    floor = 2 / (window + 1)
+    weight = torch.clamp(1 / (seen + 1), min=floor)
+    step_weight = torch.where(seen >= 1, torch.clamp(1 / seen.clamp_min(1), min=floor), torch.zeros_like(seen))
+    updated = torch.stack([seen + 1, mean + weight * (loss - mean),
+                           (1 - step_weight) * var + step_weight * (loss - last) ** 2 / 2, loss])
+    return torch.where(finite, updated, stats), spike
 
 
 class StoppedBySignal(Stopped):

@@ -40,7 +40,7 @@ from scaletrain.train import checkpoint
 from scaletrain.train.float8 import check_float8, convert_to_float8
 from scaletrain.train.metrics import MetricsLog, StepProfiler, TensorBoardSink, WandbSink, read_metrics
 from scaletrain.train.optim import build_optimizer, set_hyperparameters
-from scaletrain.train.resilience import StopSignals, StoppedBySignal, Watchdog
+from scaletrain.train.resilience import StopSignals, StoppedBySignal, Watchdog, loss_spike
 from scaletrain.train.schedule import lr_at
 
 log = logging.getLogger("scaletrain")
@@ -56,9 +56,18 @@ class TrainingDiverged(RuntimeError):
     """The loss or gradient became NaN or infinite at `step`; nothing was saved over the last
     good checkpoint."""
 
+    cause = "nonfinite"
+
     def __init__(self, message: str, step: int = -1):
         super().__init__(message)
         self.step = step
+
+
+class LossSpike(TrainingDiverged):
+    """The loss at `step` rose train.spike_sigmas running standard deviations above its running
+    mean (raised only while train.rewinds last: then the run goes back to before it)."""
+
+    cause = "spike"
 
 
 @dataclass
@@ -130,7 +139,7 @@ def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
 
 
 # State a checkpoint may lack: the CUDA generator's, when the run was checkpointed on a CPU.
-OPTIONAL = ("rng.cuda",)
+OPTIONAL = ("rng.cuda", "progress.loss_stats")  # (the latter: checkpoints of older versions)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -223,6 +232,14 @@ class Trainer:
         # The first step since the last look whose gradient norm was not finite, with its loss and
         # norm (-1 when none), kept on the device: see train_step.
         self.first_bad = torch.tensor([-1.0, 0.0, 0.0], device=self.device)
+        # Loss-spike detection (train.spike_sigmas): the loss's running statistics (see
+        # resilience.loss_spike) and the first spike since the last look (step, loss, mean,
+        # standard deviation; -1 when none), on the device; spikes found with no rewind left, for
+        # the loop to log.
+        self.loss_stats = torch.zeros(4, device=self.device)
+        self.first_spike = torch.tensor([-1.0, 0.0, 0.0, 0.0], device=self.device)
+        self.spikes: list[dict] = []
+        self.rewinds_left = cfg.train.rewinds
         self.pending: checkpoint.AsyncSave | None = None  # a checkpoint being written in the background
         self.checkpoint_group = None  # the process group of background checkpoint writes
         self.stager = None  # page-locked host buffers that background checkpoints copy into (CUDA)
@@ -306,7 +323,8 @@ class Trainer:
         # mixture with other source names would fail as a "missing key" instead of the loader's own
         # clear message about which data the checkpoint was trained on.
         return {"model": model_state, "optim": optim_state, "loader": json.dumps(self.loader.state_dict()),
-                "rng": rng_state(self.device), "progress": {"step": self.step, "tokens": self.tokens}}
+                "rng": rng_state(self.device),
+                "progress": {"step": self.step, "tokens": self.tokens, "loss_stats": self.loss_stats.cpu()}}
 
     def load_state(self, state: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
@@ -317,6 +335,7 @@ class Trainer:
         self.loader.load_state_dict(json.loads(state["loader"]))
         set_rng_state(state["rng"], self.device)
         self.step, self.tokens = int(state["progress"]["step"]), int(state["progress"]["tokens"])
+        self.loss_stats = state["progress"].get("loss_stats", torch.zeros(4)).to(self.device)
 
     def resume(self) -> int | None:
         choice = self.cfg.checkpoint.resume
@@ -355,20 +374,24 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.step)
         return self.step
 
-    def rewind(self, diverged_at: int) -> tuple[Path, int] | None:
+    def rewind(self, diverged_at: int, spike: bool = False) -> tuple[Path, int, list[str]] | None:
         """After a divergence: back to the newest intact checkpoint's model, optimizer, RNG and
         step, with the data where it got to, so that the batches read since that checkpoint (those
         that led to the divergence) are skipped (Chowdhery et al. 2022, "PaLM", section 5.1, who
         restarted ~100 steps before a spike and skipped 200-500 batches). The data position is
         recorded beside the checkpoint, so that a run stopped or crashed before its next
-        checkpoint resumes past those batches too. Returns the checkpoint and the steps of
-        batches skipped, or None when there is no checkpoint to go back to (nothing changed
-        then). Every rank calls it (they diverge at the same step)."""
-        self.finish_saving(wait=True)
-        if dist.is_initialized():
-            dist.barrier()  # rank 0 has committed (and pruned) what it was saving: all ranks list alike
-        if not checkpoint.complete_checkpoints(self.ckpt_root):
+        checkpoint resumes past those batches too. A NaN gradient's update was never applied, but
+        the update that made a spike's loss was the step before's: for a `spike` the checkpoint
+        must be older than that step, and newer ones, which hold it, are discarded. Returns the
+        checkpoint, the steps of batches skipped and the checkpoints discarded, or None when there
+        is no checkpoint to go back to (nothing changed then). Every rank calls it (they diverge at
+        the same step)."""
+        good = diverged_at - 2 if spike else diverged_at - 1
+        if not self._checkpoint_at_or_before(good):
             return None
+        discarded = checkpoint.discard_after(self.ckpt_root, good)
+        if dist.is_initialized() and discarded:
+            dist.barrier()  # they are gone before any rank lists again
         position = self.loader.state_dict()  # after the last batch handed out, not the read-ahead ones
         self.loader.close()
         self.loader = self._new_loader()
@@ -377,10 +400,19 @@ class Trainer:
         self.load_state(state)
         self.loader.load_state_dict(position)
         self.first_bad = torch.tensor([-1.0, 0.0, 0.0], device=self.device)
+        self.first_spike[0] = -1
         self.optimizer.zero_grad(set_to_none=True)  # a step that raised before applying left its gradients
         skipped = (position["consumed"] - json.loads(state["loader"])["consumed"]) // self.cfg.seqs_per_step
         checkpoint.record_rewind(path, position, diverged_at, skipped)
-        return path, skipped
+        return path, skipped, discarded
+
+    def _checkpoint_at_or_before(self, step: int) -> bool:
+        """Whether an intact checkpoint of `step` or earlier exists, as every rank sees it (each
+        calls this: the one being written is finished first)."""
+        self.finish_saving(wait=True)
+        if dist.is_initialized():
+            dist.barrier()  # rank 0 has committed (and pruned) what it was saving: all ranks list alike
+        return any(checkpoint.step_of(p) <= step for p in checkpoint.complete_checkpoints(self.ckpt_root))
 
     def save(self) -> Path:
         """Checkpoint the current step; returns its path. With checkpoint.async_save the writing
@@ -458,6 +490,8 @@ class Trainer:
         bad = ~torch.isfinite(grad_norm)
         values = torch.stack([torch.full_like(grad_norm, self.step + 1), loss_sum.to(grad_norm.dtype), grad_norm])
         self.first_bad = torch.where(bad & (self.first_bad[0] < 0), values.float(), self.first_bad)
+        if cfg.spike_sigmas:
+            self._judge_loss(self._global_loss(loss_sum))
         if self.optimizer.defaults.get("fused"):
             self.optimizer.found_inf = bad.float()  # the kernel leaves parameters and state as they were
         else:  # no skip on the device: every step is looked at before it applies
@@ -479,20 +513,51 @@ class Trainer:
         self.moe_max_load = max_load.max().item() if max_load is not None else None
         return loss_value, grad_norm.item(), data_wait
 
+    def _judge_loss(self, loss: torch.Tensor) -> None:
+        """Fold the step's global loss into the running statistics of spike detection, and
+        remember it (on the device) if it is the first spike since the last look."""
+        mean, std = self.loss_stats[1], self.loss_stats[2].clamp_min(0).sqrt()
+        self.loss_stats, spike = loss_spike(self.loss_stats, loss, self.cfg.train.spike_sigmas,
+                                            self.cfg.train.spike_window)
+        values = torch.stack([torch.full_like(loss, self.step + 1), loss, mean, std])
+        self.first_spike = torch.where(spike & (self.first_spike[0] < 0), values, self.first_spike)
+
+    def _global_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """This step's loss over the global batch, as a tensor on the device on every rank (as
+        `_mean_over_last_stage` gives it on the host, without waiting for the device)."""
+        if not dist.is_initialized():
+            return loss_sum
+        total = loss_sum.detach().float().clone()
+        dist.all_reduce(total)
+        return total / (dist.get_world_size() // self.layout.pp)
+
     def _check(self, loss: float | None) -> None:
         """Raise TrainingDiverged for the first step since the last look whose gradient norm was
-        not finite (its update was skipped), or for a loss that is not."""
+        not finite (its update was skipped), or for a loss that is not; LossSpike for the first
+        loss spike while rewinds are left (with none left, it is only reported)."""
         step, bad_loss, bad_norm = self.first_bad.tolist()
-        if step < 0 and (loss is None or math.isfinite(loss)):
+        if step >= 0 or (loss is not None and not math.isfinite(loss)):
+            if step >= 0:
+                what = f"step {int(step)}: loss is {bad_loss} and gradient norm {bad_norm}; the update was not applied"
+            else:  # a loss that is not finite with a gradient that is (its update did apply, in memory only)
+                step, what = self.step, f"step {self.step}: loss is {loss} with a finite gradient norm"
+            self.finish_saving(wait=True)  # a save still being written holds a good state: name it
+            raise TrainingDiverged(
+                f"{what} and nothing was saved over the last good checkpoint{self._last_checkpoint_hint()}; lower "
+                "train.lr, raise train.warmup_steps or set train.clip", int(step))
+        step, spiked, mean, std = self.first_spike.tolist()
+        if step < 0:
             return
-        if step >= 0:
-            what = f"step {int(step)}: loss is {bad_loss} and gradient norm {bad_norm}; the update was not applied"
-        else:  # a loss that is not finite with a gradient that is (its update did apply, in memory only)
-            step, what = self.step, f"step {self.step}: loss is {loss} with a finite gradient norm"
-        self.finish_saving(wait=True)  # a save still being written holds a good state: name it
-        raise TrainingDiverged(
-            f"{what} and nothing was saved over the last good checkpoint{self._last_checkpoint_hint()}; lower "
-            "train.lr, raise train.warmup_steps or set train.clip", int(step))
+        self.first_spike[0] = -1
+        sigmas = (spiked - mean) / std if std > 0 else math.inf
+        what = (f"step {int(step)}: loss {spiked:.4f} is {sigmas:.1f} standard deviations above its running mean "
+                f"{mean:.4f} (standard deviation {std:.4f}), beyond train.spike_sigmas = {self.cfg.train.spike_sigmas:g}")
+        # The update that made the loss was step - 1's: a checkpoint from before it is wanted.
+        if self.rewinds_left and self._checkpoint_at_or_before(int(step) - 2):
+            raise LossSpike(f"a loss spike at {what}", int(step))
+        log.warning("a loss spike at %s; logged only (%s)", what, "no train.rewinds left" if not self.rewinds_left
+                    else f"no checkpoint from before step {int(step) - 1} to go back to")
+        self.spikes.append({"step": int(step), "loss": spiked, "mean": mean, "std": std})
 
     def _batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A batch of whole sequences as this rank feeds it to the model: its part of each
@@ -626,7 +691,6 @@ class Trainer:
         run_tokens, run_time = 0, 0.0
         last_speed = None
         stopped_by, saved = None, None  # the signal that ends the run early; the last checkpoint
-        rewinds_left = cfg.train.rewinds
         # A gloo group of its own for the stop vote (resilience.py), as for background saves.
         signals = StopSignals(dist.new_group(backend="gloo") if dist.is_initialized() else None)
         signals.install()
@@ -649,20 +713,25 @@ class Trainer:
                         train_loss, grad_norm, wait = self.train_step(look=look)
                 except TrainingDiverged as e:
                     try:
-                        rewound = self.rewind(e.step) if rewinds_left else None
+                        rewound = self.rewind(e.step, spike=isinstance(e, LossSpike)) if self.rewinds_left else None
                     except checkpoint.CheckpointError as failed:  # no checkpoint could be loaded
                         raise e from failed
                     if rewound is None:
                         raise
-                    saved, skipped = rewound
-                    rewinds_left -= 1
+                    saved, skipped, discarded = rewound
+                    self.rewinds_left -= 1
                     metrics.write("rewind", self.step, self.tokens, diverged_at=e.step, checkpoint=str(saved),
-                                  skipped_steps=skipped, message=str(e))
-                    log.warning("%s; rewound to %s, skipping the %d steps' batches read since (%d rewinds left)",
-                                str(e).split(" and nothing was saved")[0], saved, skipped, rewinds_left)
+                                  skipped_steps=skipped, cause=e.cause, discarded=discarded, message=str(e))
+                    log.warning("%s; rewound to %s, skipping the %d steps' batches read since%s (%d rewinds left)",
+                                str(e).split(" and nothing was saved")[0], saved, skipped,
+                                f" and discarding {', '.join(discarded)}" if discarded else "", self.rewinds_left)
                     watchdog.beat()
                     continue
                 watchdog.beat()  # the first beat arms it
+                for spike in self.spikes:  # (those with no rewind left: the run went on)
+                    metrics.write("spike", spike["step"], spike["step"] * cfg.train.global_batch_tokens,
+                                  **{k: round(v, 6) for k, v in spike.items() if k != "step"})
+                self.spikes.clear()
                 if not accounted:
                     by_rank = _gather_over_ranks(self.held_bytes)
                     metrics.write("memory", self.step, self.tokens, bytes_by_rank=by_rank)
