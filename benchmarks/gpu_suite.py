@@ -2,7 +2,7 @@
 reference table, with real data through the real loader, metrics on and checkpoints (in the
 background) at an interval; then ablations of the means (compiled blocks, chunked loss,
 background checkpoints, CUDA graphs, float8 where torchao and a Hopper-class GPU are present,
-attention within documents) on the ~126M config, and whether stop-and-resume is still exact on CUDA. Prints one table and one JSON object
+attention within documents, Muon) on the ~126M config, and whether stop-and-resume is still exact on CUDA. Prints one table and one JSON object
 (also written to --out).
 
     PYTHONPATH=src python benchmarks/gpu_suite.py --out results.json [--only configs,ablations,resume]
@@ -207,7 +207,7 @@ def main() -> None:
         shape = CONFIGS["llama-126m"][0]
         variants = {"eager": ["train.compile=false"], "whole-batch loss": ["train.loss_chunk_tokens=0"],
                     "synchronous checkpoint": ["checkpoint.async_save=false"], "loss read every step": ["log.interval=1"],
-                    "attention within documents": ["model.document_mask=true"]}
+                    "attention within documents": ["model.document_mask=true"], "Muon": ["train.optimizer=muon"]}
         if not args.tiny:  # (tiny runs are not compiled: inductor on a CPU takes minutes)
             variants["CUDA graphs"] = ["train.compile_mode=reduce-overhead"]
         if _float8_available() and not args.tiny:

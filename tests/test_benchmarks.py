@@ -31,7 +31,7 @@ def test_gpu_suite_runs_its_configs_ablations_and_resume_check_on_tiny_shapes(tm
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = [report["configs"]["llama-126m"], *report["ablations"].values()]
-    assert len(rows) == 6
+    assert len(rows) == 7
     for row in rows:
         assert row["timed_steps"] == 2 and row["tokens_per_s"] > 0 and row["step_ms"] > 0
         assert 0 <= row["data_wait_share"] < 1 and row["cold_start_s"] >= 0
@@ -100,3 +100,16 @@ def test_spike_scores_benchmark_tells_a_real_spike_from_an_ordinary_run(stdlib_d
     for window, entry in report["windows"].items():
         assert entry["judged_steps"] == 40 - int(window)
         assert entry["boosted_spike_sigmas"] > max(entry["max_sigmas"], 4)
+
+
+def test_optimizers_benchmark_trains_both_and_muon_holds_fewer_optimizer_bytes(stdlib_data):
+    result = subprocess.run([sys.executable, "benchmarks/optimizers.py", "configs/tiny.toml",
+                             f"data.path={stdlib_data}", "train.steps=6", "eval.interval=3"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    adamw, muon = report["adamw"], report["muon"]
+    assert set(adamw["val_loss_by_step"]) == set(muon["val_loss_by_step"]) == {"3", "6"}
+    assert adamw["train_loss_last_tenth"] != muon["train_loss_last_tenth"]
+    assert muon["optimizer_bytes"] < 0.75 * adamw["optimizer_bytes"] and report["muon_step_time_ratio"] > 0

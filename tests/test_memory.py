@@ -153,14 +153,15 @@ def test_recomputation_and_sharding_lower_the_prediction_in_order():
 
 
 @pytest.mark.parametrize("overrides", [[], ["model.moe_experts=4", "model.moe_shared_experts=1",
-                                             "model.moe_dense_layers=1"]], ids=["dense", "moe"])
+                                             "model.moe_dense_layers=1", "train.optimizer=muon"]],
+                         ids=["dense", "moe-muon"])
 def test_parameter_gradient_and_optimizer_bytes_equal_a_real_runs(stdlib_data, tmp_path, overrides):
     run_dir = tmp_path / "run"
     cfg = train(tiny_config(stdlib_data, run_dir, "train.steps=1", "eval.interval=0", *overrides)).run_dir
     held = read_metrics(cfg, "memory")[0]["bytes_by_rank"][0]
     resolved = tiny_config(stdlib_data, run_dir, "model.vocab_size=512", *overrides)
     estimate = training_memory(resolved.model, resolved.data.seq_len, resolved.train.micro_batch, micro_steps=2,
-                               bf16=False)
+                               bf16=False, optimizer=resolved.train.optimizer)
     assert (estimate.parameters, estimate.gradients, estimate.optimizer) == (
         held["parameters"], held["gradients"], held["optimizer"])
 
@@ -223,3 +224,16 @@ def test_pipelining_splits_the_parameters_and_keeps_1f1b_activations_where_one_d
         copies = training_memory(cfg, 2048, 1, micro_steps=8, fsdp=4, pp=pp).weight_copies
         head_and_embedding = 2 if pp == 1 else 1  # the busier pipeline rank holds the head alone
         assert copies == round(2 * (blocks * block + head_and_embedding * cfg.vocab * cfg.dim)), pp
+
+
+def test_muon_holds_one_moment_of_the_block_matrices_and_gathers_the_largest_whole_in_its_step():
+    cfg = ModelConfig(vocab_size=32768, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                      max_seq_len=4096)
+    adamw, muon = (training_memory(cfg, 2048, 1, fsdp=8, optimizer=kind) for kind in ("adamw", "muon"))
+    block_matrices = 16 * (2 * 2048 * (2048 + 512) + 3 * 2048 * 8192)
+    assert adamw.optimizer - muon.optimizer == pytest.approx(4 * block_matrices / 8, abs=1)
+    assert (muon.parameters, muon.gradients, muon.activations) == (adamw.parameters, adamw.gradients,
+                                                                   adamw.activations)
+    # The step's whole w1 (12 bytes an entry) on top of the gradients: above a short sequence's activations.
+    short = training_memory(cfg, 128, 1, fsdp=8, optimizer="muon")
+    assert short.peak == short.parameters + short.optimizer + short.weight_copies + short.gradients + 12 * 2048 * 8192

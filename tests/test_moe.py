@@ -190,35 +190,47 @@ def test_a_moe_model_trains_and_resumes_bit_exactly(stdlib_data, tmp_path, recom
 
 LAYOUTS = {  # name: (processes, overrides); plain FSDP of a MoE is the non-expert half of this one, and
     # ep 2 alone (each expert on one rank) was checked by hand: one 4-process launch keeps the suite short.
-    "expert-parallel-fsdp": (4, ["parallel.dp_shard=4", "parallel.ep=2", "parallel.recompute=full"]),
+    # With Muon (AdamW's update is elementwise, Muon's is not): experts split by expert are
+    # orthogonalised where they lie, the attention's FSDP shards gathered whole.
+    "expert-parallel-fsdp-muon": (4, ["parallel.dp_shard=4", "parallel.ep=2", "parallel.recompute=full",
+                                      "train.optimizer=muon"]),
 }
 
 
 @pytest.fixture(scope="module")
 def one_process_moe(stdlib_data, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("moe") / "one"
-    train(tiny_config(stdlib_data, run_dir, *BIASED, "train.micro_batch=2", "train.steps=4",
-                      "eval.interval=0", "checkpoint.interval=2"))
-    return read_metrics(run_dir, "train")
+    """The one-process run of each optimizer's layouts: optimizer -> train records."""
+    runs = {}
+
+    def run(optimizer: str) -> list[dict]:
+        if optimizer not in runs:
+            run_dir = tmp_path_factory.mktemp("moe") / "one"
+            train(tiny_config(stdlib_data, run_dir, *BIASED, "train.micro_batch=2", "train.steps=4",
+                              "eval.interval=0", "checkpoint.interval=2", f"train.optimizer={optimizer}"))
+            runs[optimizer] = read_metrics(run_dir, "train")
+        return runs[optimizer]
+    return run
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_data_and_expert_parallel_moe_train_the_losses_and_gradients_of_one_process(stdlib_data, tmp_path,
                                                                                      one_process_moe, name):
-    """Adam is blind to a gradient's scale, so the gradient norms are compared as well as the losses:
-    an expert gradient averaged over the wrong number of ranks shows there."""
+    """Adam and Muon are blind to a gradient's scale, so the gradient norms are compared as well as
+    the losses: an expert gradient averaged over the wrong number of ranks shows there. The
+    expert-parallel checkpoint (experts split, and sharded too) resumes in one process."""
     processes, layout = LAYOUTS[name]
     common = [f"data.path={stdlib_data}", f"run.dir={tmp_path}", "run.name=run", *BIASED,
-              "train.micro_batch=2", "train.steps=4", "eval.interval=0", "checkpoint.interval=2"]
-    stop = ["--stop-at-step", "2"] if name.startswith("expert") else []
-    result = run_cli("train", "configs/tiny.toml", *common, *layout, *stop, "--nproc", str(processes), timeout=300)
+              "train.micro_batch=2", "train.steps=4", "eval.interval=0", "checkpoint.interval=2",
+              *[o for o in layout if o.startswith("train.optimizer")]]
+    result = run_cli("train", "configs/tiny.toml", *common, *layout, "--stop-at-step", "2", "--nproc", str(processes),
+                     timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    if stop:  # the expert-parallel checkpoint (experts split, and sharded too) resumes in one process
-        train(load_config(ROOT / "configs" / "tiny.toml", common))
+    train(load_config(ROOT / "configs" / "tiny.toml", common))
     records = read_metrics(tmp_path / "run", "train")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
+    reference = one_process_moe("muon" if "train.optimizer=muon" in layout else "adamw")
     for key in ("loss", "grad_norm", "moe_max_load"):
-        assert [r[key] for r in records] == pytest.approx([r[key] for r in one_process_moe], rel=1e-5, abs=1e-6)
+        assert [r[key] for r in records] == pytest.approx([r[key] for r in reference], rel=1e-5, abs=1e-6)
 
 
 def test_what_does_not_take_a_moe_model_yet_says_so(stdlib_data, tmp_path):

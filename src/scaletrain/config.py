@@ -213,8 +213,12 @@ class TrainConfig(_Section):
     """Linear warmup to `lr` over this many steps (the first update at `lr` / warmup_steps)."""
     decay_fraction: float = Field(default=0.2, gt=0, le=1)
     """WSD only: fraction of all steps spent in the final linear decay."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """AdamW; or Muon for the weight matrices inside the blocks (their momentum orthogonalised by Newton-Schulz iterations, Jordan et al. 2024), scaled as Moonlight did so that lr and weight_decay carry over from AdamW, with AdamW for the embedding, output head and vectors. Fixed for a run: its checkpoints hold that optimizer's state."""
+    muon_momentum: float = Field(default=0.95, ge=0, lt=1)
+    """Muon's (Nesterov) momentum."""
     weight_decay: float = Field(default=0.1, ge=0)
-    """AdamW weight decay, applied to matrices only (not norms, not biases)."""
+    """AdamW weight decay, applied to matrices only (not norms, not biases); Muon's too, decoupled alike."""
     beta1: float = Field(default=0.9, ge=0, lt=1)
     """AdamW beta1."""
     beta2: float = Field(default=0.95, ge=0, lt=1)

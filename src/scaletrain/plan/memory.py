@@ -3,7 +3,11 @@
 Components (per device, in bytes):
 - parameters, gradients: float32, N / (FSDP shards × tensor-parallel ranks); norm weights stay
   whole under tensor parallelism;
-- optimizer: AdamW's two float32 moments per parameter and a float32 step count per tensor;
+- optimizer: AdamW's two float32 moments per parameter and a float32 step count per tensor; with
+  train.optimizer = "muon", the blocks' matrices keep one float32 momentum instead, and the
+  optimizer's step gathers the largest of them whole (train/optim.py): 12 bytes per entry (the
+  gathered float32 update, its orthogonalised copy and the iteration's working copy) on top of
+  the gradients, or of the rank's own experts, which need no gather;
 - weight copies: the bf16 copies that autocast (or FSDP's bf16 all-gather) makes of the matmul
   weights and that the backward pass keeps — all of them on one device, two blocks' worth
   under FSDP (one in use, one prefetched), all of the rank's blocks under FSDP with pipelining
@@ -178,7 +182,7 @@ def in_flight_microbatches(pp: int, microbatches: int, schedule: str = "1f1b", s
 def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 1, bf16: bool = True,
                     recompute: str = "none", fsdp: int = 1, tp: int = 1, cp: int = 1, pp: int = 1,
                     pp_schedule: str = "1f1b", pp_stages_per_rank: int = 1,
-                    loss_chunk_tokens: int = 0, ep: int = 1) -> MemoryEstimate:
+                    loss_chunk_tokens: int = 0, ep: int = 1, optimizer: str = "adamw") -> MemoryEstimate:
     """Predicted bytes per device for training model `cfg` (any object with ModelConfig's
     fields) on micro-batches of `micro_batch` sequences of `seq_len` tokens, gradients
     accumulated over `micro_steps` of them (the micro-batches a pipeline runs per step),
@@ -190,7 +194,7 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
         raise ValueError("the memory model covers a mixture of experts under data and expert parallelism only, "
                          "as training does")
     common = dict(micro_steps=micro_steps, bf16=bf16, recompute=recompute, fsdp=fsdp, tp=tp, cp=cp,
-                  loss_chunk_tokens=loss_chunk_tokens, ep=ep)
+                  loss_chunk_tokens=loss_chunk_tokens, ep=ep, optimizer=optimizer)
     if pp == 1:
         return rank_memory(cfg, seq_len, micro_batch, **common)
     in_flight = in_flight_microbatches(pp, micro_steps, pp_schedule, pp_stages_per_rank)
@@ -209,7 +213,7 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
 def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 1, bf16: bool = True,
                 recompute: str = "none", fsdp: int = 1, tp: int = 1, cp: int = 1, loss_chunk_tokens: int = 0,
                 pp: int = 1, in_flight: float = 1, losses: float = 1, embedding: bool = True,
-                head: bool = True, ep: int = 1) -> MemoryEstimate:
+                head: bool = True, ep: int = 1, optimizer: str = "adamw") -> MemoryEstimate:
     """One rank's bytes (arguments as training_memory's): L/pp blocks, the embedding and the
     output head (with the final norm) where it holds them, the activations of `in_flight`
     micro-batches of its blocks and, with the head, of `losses` micro-batches' loss."""
@@ -224,7 +228,9 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     parameters = gradients = round(4 * local)
     tensors = parameter_tensors(cfg) - 2 - (0 if cfg.tie_embeddings else 1)  # the blocks' tensors
     tensors = tensors / pp + int(embedding) + int(head) * (1 if cfg.tie_embeddings else 2)  # head: norm (+ matrix)
-    optimizer = round(8 * local + 4 * tensors)
+    muon = blocks / pp / (fsdp * tp) if optimizer == "muon" else 0  # one moment, not two
+    optimizer_bytes = round(8 * local - 4 * muon + 4 * tensors)
+    stepping = _muon_step_bytes(cfg, fsdp * tp, ep) if optimizer == "muon" else 0
     head_matmul = outer if head else 0
     if not bf16:
         weight_copies = 0
@@ -251,8 +257,22 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
         loss += tokens * cfg.dim * (2 if bf16 else 4) + (6 if bf16 else 4) * vocab * cfg.dim
     loss = round(losses * loss) if head else 0
     accumulating = gradients if micro_steps > 1 else 0
-    peak = parameters + optimizer + weight_copies + max(activations + loss + accumulating, gradients + round(one_block))
-    return MemoryEstimate(parameters, gradients, optimizer, weight_copies, activations, loss, round(peak))
+    peak = parameters + optimizer_bytes + weight_copies + max(activations + loss + accumulating,
+                                                              gradients + max(round(one_block), stepping))
+    return MemoryEstimate(parameters, gradients, optimizer_bytes, weight_copies, activations, loss, round(peak))
+
+
+def _muon_step_bytes(cfg: Any, shards: int, ep: int) -> int:
+    """Muon's working bytes in its step: 12 per entry of the largest matrix it gathers whole
+    (nothing to gather unsharded: then of the update it orthogonalises in place) or of a rank's
+    own stack of experts."""
+    matrices = [cfg.dim * cfg.n_heads * cfg.head_dim]
+    if moe_layers(cfg) < cfg.n_layers:
+        matrices.append(cfg.dim * cfg.hidden_dim)
+    if moe_layers(cfg):
+        matrices += [cfg.dim * cfg.expert_dim * max(cfg.moe_shared_experts, 1),
+                     cfg.dim * cfg.expert_dim * cfg.moe_experts / max(ep, shards)]
+    return round(12 * max(matrices))
 
 
 RECOMPUTE_ORDER = ("none", "selective", "full")

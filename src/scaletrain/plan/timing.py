@@ -107,6 +107,7 @@ class PlanLayout:
     pp_stages_per_rank: int = 1
     loss_chunk_tokens: int = 0
     ep: int = 1  # expert parallelism: a mixture's experts split over ep of the dp_shard ranks
+    optimizer: str = "adamw"  # train.optimizer: Muon keeps one moment of the blocks' matrices, not two
 
     @property
     def dp(self) -> int:
@@ -126,13 +127,14 @@ class PlanLayout:
         (parallel/layout.py's Layout)."""
         chunk = cfg.train.loss_chunk_tokens if layout.tp == 1 and layout.pp == 1 else 0  # train ignores it there
         return cls(layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp, layout.pp, cfg.train.micro_batch,
-                   cfg.parallel.recompute, cfg.parallel.pp_schedule, cfg.parallel.stages_per_rank, chunk, layout.ep)
+                   cfg.parallel.recompute, cfg.parallel.pp_schedule, cfg.parallel.stages_per_rank, chunk, layout.ep,
+                   cfg.train.optimizer)
 
     def memory_layout(self, global_batch: int) -> dict:
         """training_memory's keyword arguments for this layout (all but the recomputation)."""
         return dict(micro_steps=self.microbatches(global_batch), fsdp=self.dp_shard * self.cp, tp=self.tp, cp=self.cp,
                     pp=self.pp, pp_schedule=self.pp_schedule, pp_stages_per_rank=self.pp_stages_per_rank,
-                    loss_chunk_tokens=self.loss_chunk_tokens, ep=self.ep)
+                    loss_chunk_tokens=self.loss_chunk_tokens, ep=self.ep, optimizer=self.optimizer)
 
     def memory(self, cfg: Any, seq_len: int, global_batch: int, bf16: bool = True) -> MemoryEstimate:
         """plan/memory.py's prediction of the bytes per device of this layout."""

@@ -212,7 +212,8 @@ class Trainer:
             self.model.loss_chunk = cfg.train.loss_chunk_tokens
         self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                          betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
-                                         device=self.device)
+                                         device=self.device, kind=cfg.train.optimizer,
+                                         momentum=cfg.train.muon_momentum)
         self.loader = self._new_loader()
         # Attention within documents: the sources share a tokenizer, so one end-of-document token.
         self.eos_id = (read_index(next(iter(cfg.data.sources.values())))["eos_id"]
@@ -304,7 +305,8 @@ class Trainer:
         before, now = _flatten(load_config(saved).model_dump()), _flatten(self.cfg.model_dump())
         changed = {key: (before.get(key), now.get(key)) for key in sorted(set(before) | set(now))
                    if before.get(key) != now.get(key)}
-        fixed = [key for key in changed if key.startswith("model.") or key in ("data.seq_len", "run.seed")]
+        fixed = [key for key in changed
+                 if key.startswith("model.") or key in ("data.seq_len", "run.seed", "train.optimizer")]
         if fixed:
             diffs = ", ".join(f"{key} {changed[key][0]} then, {changed[key][1]} now" for key in fixed)
             raise ConfigError(f"run directory {str(self.run_dir)!r} holds checkpoints of a different run ({diffs}); "
@@ -331,7 +333,7 @@ class Trainer:
                        options=STATE_OPTIONS)
         train = self.cfg.train  # the learning rate is set each step; the rest follows the config here
         set_hyperparameters(self.optimizer, weight_decay=train.weight_decay, betas=(train.beta1, train.beta2),
-                            eps=train.eps)
+                            eps=train.eps, momentum=train.muon_momentum)
         self.loader.load_state_dict(json.loads(state["loader"]))
         set_rng_state(state["rng"], self.device)
         self.step, self.tokens = int(state["progress"]["step"]), int(state["progress"]["tokens"])
