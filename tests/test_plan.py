@@ -153,6 +153,10 @@ def test_batch_stays_near_the_rule_and_a_given_config_keeps_its_settings(tmp_pat
     assert written["train"]["hang_timeout_s"] == 0 and written["checkpoint"]["async_save"] is False
     assert again["hyperparameters"]["lr"] == base.train.lr and again["hyperparameters"]["source"] == "the config"
     assert again["run"]["checkpoint_block_s"] == again["run"]["checkpoint_write_s"]  # blocking saves
+    muon = make_plan(base.model, 10**9, 4096, Hardware(H100, 8, 8, reliability=Reliability(async_save=False)),
+                     batch_tokens=base.train.global_batch_tokens, base=load_config(config, ["train.optimizer=muon"]))
+    assert tomllib.loads(muon["config"])["train"]["optimizer"] == "muon"
+    assert muon["memory"]["optimizer"] < 0.85 * again["memory"]["optimizer"]  # one moment of the block matrices
 
 
 def test_young_interval_and_first_order_goodput():

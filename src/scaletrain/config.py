@@ -240,7 +240,7 @@ class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: auto picks CUDA when available."""
     rewinds: int = Field(default=0, ge=0)
-    """Times (per invocation of train) a divergence — a NaN or infinite loss or gradient, or a loss spike (spike_sigmas) — sends the run back to its newest checkpoint, skipping the batches read since (PaLM's remedy for loss spikes), before the next NaN stops it (and spikes are only logged); 0: the first NaN stops it."""
+    """Times (per invocation of train) a divergence — a NaN or infinite loss or gradient, or a loss spike (spike_sigmas) — sends the run back to its newest checkpoint from before it (for a spike, from before the update that made it; newer ones are discarded), skipping the batches read since (PaLM's remedy for loss spikes), before the next NaN stops it (and spikes are only logged); 0: the first NaN stops it."""
     spike_sigmas: float = Field(default=0.0, ge=0)
     """Loss-spike detection: a step whose loss (over the global batch) exceeds the running mean of the earlier steps' losses by more than this many running standard deviations is a divergence, rewound as one while train.rewinds last, logged after (OLMo 2 counted losses beyond 7 as spikes). 0: off."""
     spike_window: int = Field(default=100, ge=2)

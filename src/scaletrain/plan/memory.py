@@ -5,9 +5,10 @@ Components (per device, in bytes):
   whole under tensor parallelism;
 - optimizer: AdamW's two float32 moments per parameter and a float32 step count per tensor; with
   train.optimizer = "muon", the blocks' matrices keep one float32 momentum instead, and the
-  optimizer's step gathers the largest of them whole (train/optim.py): 12 bytes per entry (the
-  gathered float32 update, its orthogonalised copy and the iteration's working copy) on top of
-  the gradients, or of the rank's own experts, which need no gather;
+  optimizer's step works on one matrix at a time (train/optim.py): for the largest, whole (as it
+  gathers it) or the rank's own stack of experts, 20 bytes per entry on top of the gradients —
+  the new momentum, its Nesterov mix, the iteration's two working copies and the orthogonalised
+  update, 4 bytes each in float32 (counted from the code, not measured);
 - weight copies: the bf16 copies that autocast (or FSDP's bf16 all-gather) makes of the matmul
   weights and that the backward pass keeps — all of them on one device, two blocks' worth
   under FSDP (one in use, one prefetched), all of the rank's blocks under FSDP with pipelining
@@ -263,16 +264,15 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
 
 
 def _muon_step_bytes(cfg: Any, shards: int, ep: int) -> int:
-    """Muon's working bytes in its step: 12 per entry of the largest matrix it gathers whole
-    (nothing to gather unsharded: then of the update it orthogonalises in place) or of a rank's
-    own stack of experts."""
+    """Muon's working bytes in its step: 20 per entry of the largest matrix it orthogonalises
+    (gathered whole when sharded) or of a rank's own stack of experts (see the module's docstring)."""
     matrices = [cfg.dim * cfg.n_heads * cfg.head_dim]
     if moe_layers(cfg) < cfg.n_layers:
         matrices.append(cfg.dim * cfg.hidden_dim)
     if moe_layers(cfg):
         matrices += [cfg.dim * cfg.expert_dim * max(cfg.moe_shared_experts, 1),
                      cfg.dim * cfg.expert_dim * cfg.moe_experts / max(ep, shards)]
-    return round(12 * max(matrices))
+    return round(20 * max(matrices))
 
 
 RECOMPUTE_ORDER = ("none", "selective", "full")

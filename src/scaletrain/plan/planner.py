@@ -170,7 +170,8 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
     if top < 1:
         raise PlanError(f"top = {top}: show at least the one best layout")
     ranked = search(model, seq_len, target, hardware.count, hardware.device, fixed_batch=fixed,
-                    gpus_per_node=hardware.gpus_per_node, efficiency=hardware.efficiency, dtype=dtype, top=top)
+                    gpus_per_node=hardware.gpus_per_node, efficiency=hardware.efficiency, dtype=dtype, top=top,
+                    optimizer=base.train.optimizer if base is not None else "adamw")
     best = ranked[0]
     batch_tokens = best.global_batch * seq_len
     steps = max(1, -(-tokens // batch_tokens))

@@ -109,9 +109,10 @@ def _batch(target: int, dp: int, micro_batch: int, fixed: bool) -> int | None:
 
 def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fixed_batch: bool = False,
                gpus_per_node: int | None = None, efficiency: Efficiency = Efficiency(), dtype: str = "bf16",
-               usable: float = USABLE_MEMORY, allow_cp: bool = False) -> tuple[list[Candidate], Candidate | None]:
+               usable: float = USABLE_MEMORY, allow_cp: bool = False,
+               optimizer: str = "adamw") -> tuple[list[Candidate], Candidate | None]:
     """Every layout of `world` devices that fits (each with its least recomputation), and the
-    one closest to fitting when none does (for the message)."""
+    one closest to fitting when none does (for the message); `optimizer` is train.optimizer."""
     gpus_per_node = gpus_per_node or device.gpus_per_node
     capacity = usable * device.memory
     fits: list[Candidate] = []
@@ -140,7 +141,7 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
                             layout = memory = None
                             for chunk in chunks:
                                 layout = PlanLayout(replicate, dp // replicate, tp, cp, pp, micro_batch, recompute,
-                                                    schedule, stages, chunk, ep)
+                                                    schedule, stages, chunk, ep, optimizer)
                                 memory = layout.memory(cfg, seq_len, global_batch, bf16=dtype == "bf16")
                                 if memory.peak <= capacity:
                                     break
@@ -157,11 +158,12 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
 
 def search(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fixed_batch: bool = False,
            gpus_per_node: int | None = None, efficiency: Efficiency = Efficiency(), dtype: str = "bf16",
-           usable: float = USABLE_MEMORY, top: int = 5, allow_cp: bool = False) -> list[Candidate]:
+           usable: float = USABLE_MEMORY, top: int = 5, allow_cp: bool = False,
+           optimizer: str = "adamw") -> list[Candidate]:
     """The best `top` layouts, best first (see the module's docstring); PlanError when none fits."""
     fits, closest = candidates(cfg, seq_len, batch, world, device, fixed_batch=fixed_batch,
                                gpus_per_node=gpus_per_node, efficiency=efficiency, dtype=dtype, usable=usable,
-                               allow_cp=allow_cp)
+                               allow_cp=allow_cp, optimizer=optimizer)
     if not fits:
         if closest is None:
             raise PlanError(f"no layout of {world} devices splits this model and a batch of {batch} sequences of "

@@ -234,16 +234,21 @@ def record_rewind(path: Path, loader: dict, diverged_at: int, skipped_steps: int
                                                   "skipped_steps": skipped_steps}, indent=1))
 
 
-def discard_after(root: Path, step: int) -> list[str]:
+def discard_after(root: Path, step: int, group=None) -> list[str]:
     """Remove the checkpoints of steps after `step` (those of a history a rewind abandoned, so
-    that no resume takes them up again); returns their names. One process removes them."""
+    that no resume takes them up again); returns their names. Every rank calls it: all list the
+    directory before one removes them, and all return once they are gone."""
     newer = [p for p in all_checkpoints(root) if step_of(p) > step]
+    if dist.is_initialized():
+        dist.barrier(group)
     if _is_main():
         for path in newer:
             shutil.rmtree(path, ignore_errors=True)
-        kept = all_checkpoints(root)
+        kept = complete_checkpoints(root)
         if kept:
             _write_atomic(root / "latest", kept[0].name + "\n")
+    if dist.is_initialized():
+        dist.barrier(group)
     return [p.name for p in newer]
 
 
@@ -345,8 +350,9 @@ def load(path: Path, state: dict, optional: tuple[str, ...] = ()) -> None:
         raise CheckpointError(f"checkpoint {path} could not be read ({type(e).__name__}: {cause})") from e
 
 
-def load_newest(root: Path, state: dict, optional: tuple[str, ...] = ()) -> Path | None:
-    """Load the newest checkpoint under root that is complete and intact; None if root holds none.
+def load_newest(root: Path, state: dict, optional: tuple[str, ...] = (), at_most: int | None = None) -> Path | None:
+    """Load the newest checkpoint under root that is complete and intact (of step `at_most` or
+    earlier, if given); None if root holds none.
 
     Incomplete or damaged newer checkpoints are reported and skipped, so a crash during a save,
     or a damaged file, costs one checkpoint interval and nothing else. An intact checkpoint that
@@ -358,6 +364,8 @@ def load_newest(root: Path, state: dict, optional: tuple[str, ...] = ()) -> Path
     """
     problems = []
     for path in all_checkpoints(root):
+        if at_most is not None and step_of(path) > at_most:
+            continue
         try:
             load(path, state, optional)
             return path

@@ -377,28 +377,27 @@ class Trainer:
         return self.step
 
     def rewind(self, diverged_at: int, spike: bool = False) -> tuple[Path, int, list[str]] | None:
-        """After a divergence: back to the newest intact checkpoint's model, optimizer, RNG and
-        step, with the data where it got to, so that the batches read since that checkpoint (those
+        """After a divergence: back to the model, optimizer, RNG and step of the newest intact
+        checkpoint from before it, with the data where it got to, so that the batches read since that checkpoint (those
         that led to the divergence) are skipped (Chowdhery et al. 2022, "PaLM", section 5.1, who
         restarted ~100 steps before a spike and skipped 200-500 batches). The data position is
         recorded beside the checkpoint, so that a run stopped or crashed before its next
         checkpoint resumes past those batches too. A NaN gradient's update was never applied, but
         the update that made a spike's loss was the step before's: for a `spike` the checkpoint
-        must be older than that step, and newer ones, which hold it, are discarded. Returns the
+        must be older than that step. Newer checkpoints (which hold it) are discarded once the
+        older one has loaded. Returns the
         checkpoint, the steps of batches skipped and the checkpoints discarded, or None when there
         is no checkpoint to go back to (nothing changed then). Every rank calls it (they diverge at
         the same step)."""
         good = diverged_at - 2 if spike else diverged_at - 1
         if not self._checkpoint_at_or_before(good):
             return None
-        discarded = checkpoint.discard_after(self.ckpt_root, good)
-        if dist.is_initialized() and discarded:
-            dist.barrier()  # they are gone before any rank lists again
         position = self.loader.state_dict()  # after the last batch handed out, not the read-ahead ones
         self.loader.close()
         self.loader = self._new_loader()
         state = self.state()
-        path = checkpoint.load_newest(self.ckpt_root, state, OPTIONAL)
+        path = checkpoint.load_newest(self.ckpt_root, state, OPTIONAL, at_most=good)
+        discarded = checkpoint.discard_after(self.ckpt_root, checkpoint.step_of(path))  # once it has loaded
         self.load_state(state)
         self.loader.load_state_dict(position)
         self.first_bad = torch.tensor([-1.0, 0.0, 0.0], device=self.device)
@@ -731,7 +730,8 @@ class Trainer:
                     continue
                 watchdog.beat()  # the first beat arms it
                 for spike in self.spikes:  # (those with no rewind left: the run went on)
-                    metrics.write("spike", spike["step"], spike["step"] * cfg.train.global_batch_tokens,
+                    tokens = self.tokens - (self.step - spike["step"]) * cfg.train.global_batch_tokens
+                    metrics.write("spike", spike["step"], tokens,
                                   **{k: round(v, 6) for k, v in spike.items() if k != "step"})
                 self.spikes.clear()
                 if not accounted:
