@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import lr_boost_once_at, nan_norm_once_after, run_cli, tiny_config
+from conftest import glitched, nan_norm_once_after, run_cli, tiny_config
 from scaletrain.config import ConfigError
 from scaletrain.train import checkpoint
 from scaletrain.train.metrics import read_metrics
@@ -614,8 +614,7 @@ def test_spike_statistics_flag_a_jump_not_noise_or_a_falling_loss():
     assert early[0] == 3 and abs(early[1] - 4.0) < 1e-6 and abs(early[2] - (0.02 ** 2 + 0.04 ** 2) / 4) < 1e-6
 
 
-def test_a_loss_spike_rewinds_to_before_it_and_a_resumed_run_judges_it_alike(stdlib_data, tmp_path, monkeypatch,
-                                                                             caplog):
+def test_a_loss_spike_rewinds_to_before_it_and_a_resumed_run_judges_it_alike(stdlib_data, tmp_path, caplog):
     """train.spike_sigmas = 4: the update of step 12 takes 100 times its learning rate, and step
     13's loss jumps (a real spike, its loss still finite). The look at step 16 finds it; step
     12's checkpoint holds the update that made it, so the run goes back to step 8's, discards
@@ -625,9 +624,9 @@ def test_a_loss_spike_rewinds_to_before_it_and_a_resumed_run_judges_it_alike(std
     the spike is only logged and the run goes on."""
     common = ["train.steps=20", "checkpoint.interval=4", "eval.interval=0", "log.interval=4", "train.rewinds=1",
               "train.spike_sigmas=4", "train.spike_window=6"]
-    monkeypatch.setattr("scaletrain.train.trainer.lr_at", lr_boost_once_at(11, 100))
     whole = tmp_path / "whole"
-    assert train(tiny_config(stdlib_data, whole, *common)).step == 20
+    with glitched("spike", 12):
+        assert train(tiny_config(stdlib_data, whole, *common)).step == 20
     [rewind] = read_metrics(whole, "rewind")
     assert (rewind["cause"], rewind["step"], rewind["diverged_at"], rewind["skipped_steps"]) == ("spike", 8, 13, 8)
     assert rewind["discarded"] == ["step_0000012"] and rewind["message"].startswith("a loss spike at step 13: loss ")
@@ -636,17 +635,16 @@ def test_a_loss_spike_rewinds_to_before_it_and_a_resumed_run_judges_it_alike(std
 
     split = tmp_path / "split"
     train(tiny_config(stdlib_data, split, *common), stop_at_step=6)
-    monkeypatch.setattr("scaletrain.train.trainer.lr_at", lr_boost_once_at(11, 100))
-    assert train(tiny_config(stdlib_data, split, *common)).resumed_from == 6
+    with glitched("spike", 12):
+        assert train(tiny_config(stdlib_data, split, *common)).resumed_from == 6
     [again] = read_metrics(split, "rewind")
     assert again["message"] == rewind["message"] and "standard deviations above" in again["message"]
     got = losses(split)
     assert got.pop(6)  # the stop logs its own step too
     assert got == losses(whole)
 
-    monkeypatch.setattr("scaletrain.train.trainer.lr_at", lr_boost_once_at(11, 100))
     on = tmp_path / "on"
-    with caplog.at_level(logging.WARNING, logger="scaletrain"):
+    with glitched("spike", 12), caplog.at_level(logging.WARNING, logger="scaletrain"):
         assert train(tiny_config(stdlib_data, on, *common, "checkpoint.interval=0")).step == 20
     [spike] = read_metrics(on, "spike")
     assert spike["step"] == 13 and spike["loss"] > spike["mean"] + 4 * spike["std"]

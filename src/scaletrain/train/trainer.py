@@ -491,8 +491,10 @@ class Trainer:
         bad = ~torch.isfinite(grad_norm)
         values = torch.stack([torch.full_like(grad_norm, self.step + 1), loss_sum.to(grad_norm.dtype), grad_norm])
         self.first_bad = torch.where(bad & (self.first_bad[0] < 0), values.float(), self.first_bad)
+        # The loss over the global batch, reduced on the device: every step when spikes are judged.
+        global_loss = self._mean_over_last_stage(loss_sum) if look or cfg.spike_sigmas else None
         if cfg.spike_sigmas:
-            self._judge_loss(self._global_loss(loss_sum))
+            self._judge_loss(global_loss)
         if self.optimizer.defaults.get("fused"):
             self.optimizer.found_inf = bad.float()  # the kernel leaves parameters and state as they were
         else:  # no skip on the device: every step is looked at before it applies
@@ -508,9 +510,9 @@ class Trainer:
         self.lr = lr
         if not look:
             return None, None, data_wait
-        loss_value = self._mean_over_last_stage(loss_sum)
+        loss_value = global_loss.item()
         self._check(loss_value)
-        self.moe_balance = self._mean_over_last_stage(aux_sum) if self.cfg.model.moe else None
+        self.moe_balance = self._mean_over_last_stage(aux_sum).item() if self.cfg.model.moe else None
         self.moe_max_load = max_load.max().item() if max_load is not None else None
         return loss_value, grad_norm.item(), data_wait
 
@@ -522,15 +524,6 @@ class Trainer:
                                             self.cfg.train.spike_window)
         values = torch.stack([torch.full_like(loss, self.step + 1), loss, mean, std])
         self.first_spike = torch.where(spike & (self.first_spike[0] < 0), values, self.first_spike)
-
-    def _global_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """This step's loss over the global batch, as a tensor on the device on every rank (as
-        `_mean_over_last_stage` gives it on the host, without waiting for the device)."""
-        if not dist.is_initialized():
-            return loss_sum
-        total = loss_sum.detach().float().clone()
-        dist.all_reduce(total)
-        return total / (dist.get_world_size() // self.layout.pp)
 
     def _check(self, loss: float | None) -> None:
         """Raise TrainingDiverged for the first step since the last look whose gradient norm was
@@ -613,12 +606,15 @@ class Trainer:
         torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))  # as clip_grads_with_norm_
         return norm
 
-    def _mean_over_last_stage(self, value: torch.Tensor) -> float:
+    def _mean_over_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of a per-rank scalar over the ranks that run the last pipeline stage (all
-        ranks without pipelining): each saw an equal share of the batch or of its sequences."""
+        ranks without pipelining): each saw an equal share of the batch or of its sequences.
+        Reduced on the device, on every rank; nothing waits for it until it is read."""
         if not dist.is_initialized():
-            return value.item()
-        return _sum_over_ranks([value.item()])[0] / (dist.get_world_size() // self.layout.pp)
+            return value
+        total = value.detach().float().clone()
+        dist.all_reduce(total)
+        return total / (dist.get_world_size() // self.layout.pp)
 
     def _last_checkpoint_hint(self) -> str:
         done = checkpoint.complete_checkpoints(self.ckpt_root)
