@@ -89,12 +89,13 @@ DEEP = ["model.n_layers=4"]  # enough blocks for 4 pipeline stages
 @pytest.fixture(scope="module")
 def single_process(stdlib_data, short_documents, tmp_path_factory):
     """One process, 4 blocks, 2 micro-batches of 4 per step, with a layout's model.*, eval.*,
-    data.* and train.optimizer overrides: what that layout must reproduce. Each is trained once."""
+    data.*, train.optimizer and train.z_loss overrides: what that layout must reproduce. Each is
+    trained once."""
     runs = {}
 
     def run(overrides: list[str]):
         model = tuple(o for o in with_data(overrides, short_documents)
-                      if o.startswith(("model.", "eval.", "data.", "train.optimizer")))
+                      if o.startswith(("model.", "eval.", "data.", "train.optimizer", "train.z_loss")))
         if model not in runs:
             runs[model] = tmp_path_factory.mktemp("single-deep") / "run"
             train(tiny_config(stdlib_data, runs[model], *STEPS, *DEEP, *model))
@@ -130,6 +131,8 @@ TP2 = ["parallel.tp=2", "parallel.dp_shard=1"]
 # Muon gathers each sharded matrix's update whole (FSDP's shards, tensor parallelism's, both
 # together), orthogonalises it and keeps the rank's shard: the same update as one process's.
 MUON = ["train.optimizer=muon"]
+# PaLM's z-loss (strong, so that it moves the losses) in the chunked loss and a pipeline's.
+Z_LOSS = ["train.z_loss=0.01"]
 # name -> overrides of 2-process layouts.
 TWO = {
     "replicate": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
@@ -138,8 +141,9 @@ TWO = {
     "tp-muon": [*TP2, *MUON],
     # 17 validation windows over 2 ranks: one rank's last eval batch is padding, and FSDP's
     # all-gathers must still meet; the output head and loss run 100 tokens at a time, on the
-    # head FSDP gathers (padding included).
-    "fsdp-uneven-eval-chunked-loss": ["parallel.dp_shard=2", "eval.tokens=1088", "train.loss_chunk_tokens=100"],
+    # head FSDP gathers (padding included), with the z-loss (against one process's whole-batch one).
+    "fsdp-uneven-eval-chunked-loss": ["parallel.dp_shard=2", "eval.tokens=1088", "train.loss_chunk_tokens=100",
+                                      *Z_LOSS],
     "cp": ["parallel.cp=2", *ONE_STAGE, *DOCUMENTS],
     **{f"pp-{schedule}": [*PP2, f"parallel.pp_schedule={schedule}"]
        for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
@@ -148,6 +152,7 @@ TWO = {
 # The schedules hand the document ids to every stage, in micro-batches, as keyword arguments.
 for _name in ("pp-1f1b", "pp-interleaved_zero_bubble"):
     TWO[_name] += DOCUMENTS
+TWO["pp-gpipe"] += Z_LOSS
 # FSDP gathering bfloat16 parameters (gradients reduced in float32): close to float32, not equal.
 MIXED = {"fsdp-bf16-params": ["parallel.dp_shard=2", "train.dtype=bfloat16"]}
 # FSDP x TP and CP x TP untied: the second halves of RESHARD's runs.
@@ -225,6 +230,14 @@ def test_the_document_mask_changes_what_the_layouts_above_train(single_process):
     """The layouts that attend within documents would pass vacuously if the mask did nothing."""
     masked, causal = (records(single_process(overrides), "train") for overrides in (DOCUMENTS, DOCUMENTS[1:]))
     assert all(abs(masked[step] - causal[step]) > 1e-4 for step in causal), (masked, causal)
+
+
+def test_the_z_loss_changes_what_the_layouts_above_train_but_not_the_loss_they_report(single_process):
+    """The first step's loss is the same to float32 rounding (the z-loss is not in the reported
+    value); the updates, and so the later losses, are not."""
+    penalised, plain = (records(single_process(overrides), "train") for overrides in (Z_LOSS, []))
+    assert abs(penalised[1] - plain[1]) < 1e-6
+    assert all(abs(penalised[step] - plain[step]) > 1e-4 for step in (2, 3, 4)), (penalised, plain)
 
 
 @pytest.mark.parametrize("name", list(RESUME))

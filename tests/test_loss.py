@@ -97,3 +97,38 @@ def test_a_model_with_a_loss_chunk_trains_as_one_without(tie):
     for (name, p), q in zip(plain.named_parameters(), chunked.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-7, msg=name)
     assert chunked(tokens).shape == (3, 16, 256)  # without targets it still gives logits
+
+
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_z_loss_adds_palms_gradient_and_leaves_the_reported_loss_the_cross_entropy(chunk):
+    """The gradient of cross-entropy + z · mean(log²Z) over the tokens that are not padding, whole
+    or in chunks; the value returned is the cross-entropy alone."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 8, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    targets = torch.randint(0, 40, (2, 8))
+    targets[0, 3] = IGNORE
+    flat, valid = (hidden @ weight.T).flatten(0, 1), targets.flatten() != IGNORE
+    plain = torch.nn.functional.cross_entropy(flat, targets.flatten())
+    penalised = plain + 0.01 * (torch.logsumexp(flat, dim=-1).square() * valid).sum() / valid.sum()
+    expected = torch.autograd.grad(penalised, (hidden, weight), retain_graph=True)
+    loss = (chunked_cross_entropy(hidden, weight, targets, chunk, z_loss=0.01) if chunk
+            else cross_entropy(hidden @ weight.T, targets, z_loss=0.01))
+    assert loss.item() == pytest.approx(plain.item(), abs=1e-6)
+    for got, want in zip(torch.autograd.grad(loss, (hidden, weight)), expected):
+        assert torch.allclose(got, want, atol=1e-6)
+    assert not torch.allclose(expected[0], torch.autograd.grad(plain, hidden)[0], atol=1e-4)  # it does add
+
+
+def test_z_loss_keeps_for_the_backward_pass_what_the_cross_entropy_keeps_and_a_number_per_token():
+    logits = torch.randn(4, 64, 512, requires_grad=True)
+    targets = torch.randint(0, 512, (4, 64))
+
+    def saved_bytes(z_loss: float) -> int:
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            cross_entropy(logits, targets, z_loss=z_loss)
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in kept}.values())
+    plain, penalised = saved_bytes(0.0), saved_bytes(1e-4)
+    assert plain >= 4 * 4 * 64 * 512  # the float32 log-softmax
+    assert plain <= penalised <= plain + 4 * 64 * (4 + 8 + 1)  # log Z, the targets, the padding mask

@@ -235,6 +235,7 @@ class Transformer(nn.Module):
         # Tokens per chunk of the output head and loss when forward() is given targets; 0 for the
         # whole batch at once (model/loss.py). Set by the trainer from train.loss_chunk_tokens.
         self.loss_chunk = 0
+        self.z_loss = 0.0  # PaLM's z-loss weight (model/loss.py), set by the trainer from train.z_loss
         # Derived from cfg, so not saved in checkpoints; init_weights() fills them.
         table = (cfg.max_seq_len, cfg.head_dim // 2)
         self.register_buffer("rope_cos", torch.empty(table, dtype=torch.float32), persistent=False)
@@ -340,8 +341,8 @@ class Transformer(nn.Module):
         if self.output is None:
             return x
         if targets is not None and self.loss_chunk:
-            return chunked_cross_entropy(self.norm(x), self.output.weight, targets, self.loss_chunk)
+            return chunked_cross_entropy(self.norm(x), self.output.weight, targets, self.loss_chunk, self.z_loss)
         logits = self.output(self.norm(x))  # (batch, seq, vocab)
         if targets is None:
             return logits
-        return cross_entropy(logits, targets)
+        return cross_entropy(logits, targets, self.z_loss)

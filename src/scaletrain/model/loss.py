@@ -12,6 +12,13 @@ no logits survive a chunk and the backward pass only scales what was stored — 
 Liger Kernel's fused linear cross-entropy (Hsu et al. 2024), here in plain PyTorch.
 The loss is the same to float32 rounding: log-sum-exp and the softmax gradient are computed
 in float32 from logits in the compute dtype, as `cross_entropy` does.
+
+Both take `z_loss`, the weight of PaLM's auxiliary loss z · log²Z per token, Z the softmax's
+normaliser (Chowdhery et al. 2022, section 5: it "encourages the softmax normalizer log(Z) to
+be close to 0", which they found to increase the stability of training). It enters the
+gradient only: the value returned stays the cross-entropy, so that logged losses, evaluations
+and scaling-law fits mean the same with it or without. Its gradient, 2·z·log Z·softmax per
+token, is the softmax's own scaled by 1 + 2·z·log Z in the chunked loss.
 """
 
 from __future__ import annotations
@@ -28,14 +35,42 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
     """Mean next-token loss of logits (batch, seq, vocab) against targets (batch, seq), in
-    float32 (a bf16 log-softmax over a large vocabulary loses precision); -100 marks padding."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    float32 (a bf16 log-softmax over a large vocabulary loses precision); -100 marks padding.
+    With `z_loss`, the gradient of the z-loss too (see the module's docstring)."""
+    flat, targets = logits.float().flatten(0, 1), targets.flatten()
+    if z_loss and torch.is_grad_enabled() and flat.requires_grad:
+        return _ZLossCrossEntropy.apply(flat, targets, z_loss)
+    return F.cross_entropy(flat, targets)
+
+
+class _ZLossCrossEntropy(torch.autograd.Function):
+    """F.cross_entropy's value, and its gradient plus the z-loss's, keeping what it keeps for
+    the backward pass (the log-softmax) and one log Z per row."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, z_loss):
+        log_probs = F.log_softmax(logits, dim=-1)
+        valid = targets != IGNORE
+        safe = torch.where(valid, targets, 0)[:, None]
+        count = valid.sum().clamp(min=1)
+        log_norm = logits[:, 0] - log_probs[:, 0]
+        ctx.save_for_backward(log_probs, safe, valid, log_norm, count)
+        ctx.z_loss = z_loss
+        return -(log_probs.gather(1, safe)[:, 0] * valid).sum() / count
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        log_probs, safe, valid, log_norm, count = ctx.saved_tensors
+        grad = log_probs.exp().mul_((1 + 2 * ctx.z_loss * log_norm)[:, None])
+        grad.scatter_add_(1, safe, -torch.ones_like(safe, dtype=grad.dtype))
+        grad.mul_((valid * (grad_output / count))[:, None])
+        return grad, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          chunk: int) -> torch.Tensor:
+                          chunk: int, z_loss: float = 0.0) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T, targets) for hidden (batch, seq, dim), weight
     (vocab, dim), without holding more than `chunk` tokens' logits at once. Under autocast the
     product is taken in the autocast dtype, as nn.Linear would."""
@@ -46,13 +81,13 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
             total, _, _ = _chunks(flat_hidden.to(dtype), weight.to(dtype), flat_targets, chunk, gradients=False)
         return total / (flat_targets != IGNORE).sum().clamp(min=1)
     with torch.autocast(device, enabled=False):
-        return _ChunkedLoss.apply(flat_hidden, weight, flat_targets, chunk, dtype)
+        return _ChunkedLoss.apply(flat_hidden, weight, flat_targets, chunk, dtype, z_loss)
 
 
 def _chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-            gradients: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Summed loss over the rows and, if asked, the gradients of that sum with respect to hidden
-    (in hidden's dtype) and weight (float32)."""
+            gradients: bool, z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Summed loss over the rows and, if asked, the gradients of that sum (and of z_loss times
+    the rows' summed log²Z) with respect to hidden (in hidden's dtype) and weight (float32)."""
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if gradients else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if gradients else None
@@ -66,6 +101,8 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, c
         if gradients:
             # d(loss)/d(logits) = softmax - one_hot(target), zero on padding.
             grad = logits.sub_(log_norm[:, None]).exp_()
+            if z_loss:
+                grad.mul_((1 + 2 * z_loss * log_norm)[:, None])
             grad.scatter_add_(1, safe, -torch.ones_like(safe, dtype=grad.dtype))
             grad.mul_(valid[:, None])
             grad = grad.to(h.dtype)
@@ -79,9 +116,10 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, c
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, dtype):
+    def forward(ctx, hidden, weight, targets, chunk, dtype, z_loss):
         count = (targets != IGNORE).sum().clamp(min=1)
-        total, grad_hidden, grad_weight = _chunks(hidden.to(dtype), weight.to(dtype), targets, chunk, gradients=True)
+        total, grad_hidden, grad_weight = _chunks(hidden.to(dtype), weight.to(dtype), targets, chunk, gradients=True,
+                                                  z_loss=z_loss)
         ctx.save_for_backward(grad_hidden, grad_weight, count)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return total / count
@@ -92,4 +130,4 @@ class _ChunkedLoss(torch.autograd.Function):
         scale = grad_output / count
         hidden_dtype, weight_dtype = ctx.dtypes
         return (grad_hidden.mul(scale.to(grad_hidden.dtype)).to(hidden_dtype),
-                grad_weight.mul_(scale).to(weight_dtype), None, None, None)
+                grad_weight.mul_(scale).to(weight_dtype), None, None, None, None)

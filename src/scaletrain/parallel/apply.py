@@ -87,7 +87,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout: Layout, cfg: 
         return ParallelModel(module=model, parts=parts)
     microbatches = cfg.seqs_per_step // (layout.dp * cfg.train.micro_batch)
     schedule = build_schedule(parts, ids, num_stages, parallel.pp_schedule, microbatches, mesh["pp"].get_group(),
-                              device)
+                              device, cfg.train.z_loss)
     return ParallelModel(module=_holder(parts), parts=parts, schedule=schedule, first=0 in ids,
                          last=num_stages - 1 in ids,
                          forward=partial(forward_only, parts, ids, num_stages, parallel.pp_schedule,

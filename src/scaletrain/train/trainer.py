@@ -210,6 +210,7 @@ class Trainer:
         if self.layout.tp == 1 and self.layout.pp == 1:
             # (A vocabulary-sharded head takes loss_parallel; a pipeline's loss is the schedule's.)
             self.model.loss_chunk = cfg.train.loss_chunk_tokens
+            self.model.z_loss = cfg.train.z_loss
         self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                          betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
                                          device=self.device, kind=cfg.train.optimizer,
