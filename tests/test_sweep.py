@@ -74,6 +74,25 @@ def test_no_point_shorter_than_min_steps_is_planned(stdlib_data, tmp_path):
         sweep.points_of(1e9, [])
 
 
+def test_a_muon_sweep_trains_every_point_and_its_final_run_with_muon_and_older_sweeps_still_open(stdlib_data,
+                                                                                                  tmp_path):
+    muon = Sweep(tmp_path / "muon", SweepSettings(data=str(stdlib_data), budgets=[1e11, 1e12], seq_len=128,
+                                                  min_steps=250, optimizer="muon"))
+    law = ChinchillaLaw(E=1.88695, A=154.345, B=35716.6, alpha=0.477335, beta=0.807415)
+    _, cfg = muon.best_run(law, 4e12)
+    assert cfg.train.optimizer == "muon"
+    point = muon.points_of(1e12, [])[0]
+    assert "train.optimizer=muon" in muon.run_overrides(point, point.lr, point.batch_seqs, 10)
+    with pytest.raises(ValueError, match="optimizer: muon then, adamw now"):
+        Sweep(tmp_path / "muon", SweepSettings(data=str(stdlib_data), budgets=[1e11, 1e12], seq_len=128, min_steps=250))
+    grid = tmp_path / "older" / "grid.json"  # written before the optimizer was a setting
+    grid.parent.mkdir()
+    saved = json.loads((tmp_path / "muon" / "grid.json").read_text())
+    del saved["settings"]["optimizer"]
+    grid.write_text(json.dumps(saved))
+    assert Sweep.open(grid.parent).settings.optimizer == "adamw"
+
+
 def test_the_final_run_is_the_shape_the_law_predicts_lowest(stdlib_data, tmp_path):
     """Not the shape nearest N_opt: this law (approach 3 on the CPU demo's sweep at seed 4)
     asks for 259k parameters at 4e12 FLOPs; the nearest shape (d96-l2, 320k) is predicted a

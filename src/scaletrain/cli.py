@@ -465,7 +465,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     budgets = sorted(set(args.budgets))
     settings = SweepSettings(data=args.data, budgets=budgets, shapes=args.shapes, seq_len=args.seq_len,
                              prior=args.prior, eval_tokens=args.eval_tokens, min_steps=args.min_steps, seed=args.seed,
-                             device=args.device)
+                             device=args.device, optimizer=args.optimizer)
     out_dir = Path(args.out) if args.out else Path("sweeps") / Path(args.data).name
     try:
         sweep = Sweep(out_dir, settings)
@@ -940,6 +940,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "few updates, not by N and D, and bend the fit")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                   help="train.optimizer of every point (adamw): measure the law of the optimizer you will train with")
     p.add_argument("--concurrency", type=int, default=1,
                    help="points of a budget trained at once, in worker processes (GPUs taken in turn)")
     p.add_argument("--out", default=None, help="sweep directory (default sweeps/DATA_NAME)")

@@ -56,6 +56,7 @@ class SweepSettings:
     min_steps: int = 250
     seed: int = 0
     device: str = "auto"
+    optimizer: str = "adamw"  # train.optimizer of every point (Muon takes AdamW's learning rates: optim.py)
 
 
 
@@ -71,7 +72,8 @@ class Sweep:
         self.out, self.settings, self.hyperparameters = Path(out), settings, hyperparameters
         saved = self.out / "grid.json"
         if saved.is_file():
-            before = json.loads(saved.read_text())["settings"]
+            # (a setting added since the sweep began has its default there)
+            before = asdict(SweepSettings(**json.loads(saved.read_text())["settings"]))
             if before != asdict(settings):
                 changed = {k: (before.get(k), v) for k, v in asdict(settings).items() if before.get(k) != v}
                 raise ConfigError(f"sweep directory {str(self.out)!r} was started with other settings "
@@ -231,7 +233,8 @@ class Sweep:
                 f"model.max_seq_len={s.seq_len}", f"train.global_batch_tokens={batch_seqs * s.seq_len}",
                 f"train.micro_batch={min(s.micro_batch, batch_seqs)}", f"train.lr={lr}",
                 f"train.warmup_steps={warmup}", f"run.seed={s.seed}", f"train.device={s.device}",
-                f"eval.tokens={s.eval_tokens}", "eval.interval=0", "log.interval=50", "checkpoint.keep=2"]
+                f"eval.tokens={s.eval_tokens}", "eval.interval=0", "log.interval=50", "checkpoint.keep=2",
+                f"train.optimizer={s.optimizer}"]
 
     def run(self, progress: Callable[[dict], None] | None = None, concurrency: int = 1) -> list[dict]:
         """Run every point not yet in results.csv; returns all rows. progress gets a dict of
