@@ -92,7 +92,8 @@ def _whole_where_it_lies(p: torch.Tensor) -> bool:
     return not isinstance(p, DTensor) or all(not pl.is_shard() or pl.dim < p.ndim - 2 for pl in p.placements)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a plain tensor is its own)."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -122,18 +123,18 @@ class Muon(torch.optim.AdamW):
             state = self.state[p]
             if "momentum_buffer" not in state:  # (and a count of steps, as AdamW's state has)
                 state["momentum_buffer"] = torch.zeros_like(p)
-                state["step"] = torch.zeros((), device=_local(p).device)
+                state["step"] = torch.zeros((), device=local_shard(p).device)
             buffer = state["momentum_buffer"]
             momentum = buffer * mu + p.grad
             nesterov = p.grad + momentum * mu
             if _whole_where_it_lies(p):
-                update = orthogonalise(_local(nesterov))
+                update = orthogonalise(local_shard(nesterov))
             else:
                 whole = orthogonalise(nesterov.full_tensor())
-                update = _local(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None))
+                update = local_shard(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None))
                 del whole
             del nesterov
-            param, buffer, momentum = _local(p), _local(buffer), _local(momentum)
+            param, buffer, momentum = local_shard(p), local_shard(buffer), local_shard(momentum)
             stepped = param * (1 - lr * decay)
             stepped.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape[-2:])))
             del update

@@ -39,7 +39,7 @@ from scaletrain.plan.timing import PlanLayout
 from scaletrain.train import checkpoint
 from scaletrain.train.float8 import check_float8, convert_to_float8
 from scaletrain.train.metrics import MetricsLog, StepProfiler, TensorBoardSink, WandbSink, read_metrics
-from scaletrain.train.optim import build_optimizer, set_hyperparameters
+from scaletrain.train.optim import build_optimizer, local_shard, set_hyperparameters
 from scaletrain.train.resilience import StopSignals, StoppedBySignal, Watchdog, loss_spike
 from scaletrain.train.schedule import lr_at
 
@@ -603,7 +603,7 @@ class Trainer:
         # Scaling by one number is the same on each shard as on the whole: scaling the local
         # shards skips DTensor's sharding propagation for a list of differently placed tensors,
         # which cost more than the rest of the step on a small tensor-parallel model.
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        grads = [local_shard(p.grad) for p in params]
         torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))  # as clip_grads_with_norm_
         return norm
 
@@ -814,17 +814,20 @@ class Trainer:
 def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes this rank holds in parameters, gradients and optimizer state (its shards only,
     under FSDP): what plan/memory.py's model of per-device memory must predict exactly."""
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
-
     params = list(model.parameters())
     unique = {id(p): p for p in params}.values()  # tied weights count once
     return {
-        "parameters": sum(local(p).numel() * local(p).element_size() for p in unique),
-        "gradients": sum(local(p.grad).numel() * local(p.grad).element_size() for p in unique if p.grad is not None),
-        "optimizer": sum(local(v).numel() * local(v).element_size() for state in optimizer.state.values()
-                         for v in state.values() if isinstance(v, torch.Tensor)),
+        "parameters": sum(_bytes(p) for p in unique),
+        "gradients": sum(_bytes(p.grad) for p in unique if p.grad is not None),
+        "optimizer": sum(_bytes(v) for state in optimizer.state.values() for v in state.values()
+                         if isinstance(v, torch.Tensor)),
     }
+
+
+def _bytes(t: torch.Tensor) -> int:
+    """Bytes of this rank's part of `t`."""
+    shard = local_shard(t)
+    return shard.numel() * shard.element_size()
 
 
 def _gather_over_ranks(value: dict) -> list[dict]:
