@@ -215,6 +215,23 @@ def test_an_interrupted_prepare_resumes_from_its_finished_chunks(tmp_path):
     assert not (out / "work").exists()
 
 
+def test_a_worker_that_dies_between_two_passes_stops_the_prepare_with_the_same_message():
+    """The pool notices a worker killed while idle only at the next pass's first submit: that too
+    is the one-line DataError, not a traceback (seen once in CI on a fast machine)."""
+    from scaletrain.data.curate import FilterConfig
+    from scaletrain.data.shards import DataError
+    prepare_module = sys.modules["scaletrain.data.prepare"]
+    settings = prepare_module._Settings(FilterConfig(), True, False, 1, 1, 5, 0)
+    with prepare_module._pool(2, settings) as run:
+        assert list(run(abs, [-1, -2, -3])) == [1, 2, 3]
+        os.kill(next(iter(run.__self__.executor._processes)), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not run.__self__.executor._broken and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(DataError, match="worker process of data prepare died"):
+            list(run(abs, [-1, -2]))
+
+
 def test_a_jsonl_record_with_a_path_is_curated_as_what_its_path_says(tmp_path):
     code = (STDLIB / "json" / "encoder.py").read_text()
     records = [{"text": code, "path": "pkg/encoder.py"}, {"text": code.replace("JSONEncoder", "Encoder"), "id": 2}]

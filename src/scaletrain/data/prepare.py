@@ -551,8 +551,8 @@ class _pool:
         return self._map
 
     def _map(self, fn, tasks):
-        futures = [self.executor.submit(fn, task) for task in tasks]
-        try:
+        try:  # a worker that died between two maps breaks the pool before the first submit
+            futures = [self.executor.submit(fn, task) for task in tasks]
             for future in futures:
                 while True:
                     try:
