@@ -1,6 +1,6 @@
 """Mixture-of-experts blocks: routing against a token-by-token reference, exact parameter and
-FLOP counts, the balancing loss, training with resume and recomputation, data- and
-expert-parallel parity with one process (and an expert-parallel checkpoint resumed in one),
+FLOP counts, the balancing loss, training with resume and recomputation, parity with one process
+under data, expert, context and pipeline parallelism (each checkpoint resumed in one process),
 and the layouts and tools that refuse MoE so far."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from conftest import ROOT, run_cli, tiny_config
 from scaletrain.config import ConfigError, ModelConfig, load_config
 from scaletrain.model import flops
 from scaletrain.model.llama import Transformer
-from scaletrain.model.moe import MoE, aux_loss
+from scaletrain.model.moe import MoE, balance_tally, set_balance_weight
 from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
@@ -118,14 +118,28 @@ def test_balancing_loss_is_one_for_a_uniform_router_and_grows_when_one_expert_ta
         moe(x)
         # (by sigmoid, the others keep scores of 1/2: the favourite's normalised share is at most 2/5)
         assert moe.aux_loss.item() > (1.2 if score == "softmax" else 1.05)
+    # In training, the block's backward gives the balancing loss the gradient balance_weight, as
+    # if weight x (sum of the blocks' balancing losses) had been added to the loss, and tallies it.
+    tokens = torch.randint(0, 256, (2, 16))
+    torch.manual_seed(0)
     model = Transformer(cfg)
-    model(torch.randint(0, 256, (2, 16)))
-    losses = aux_loss(model)
-    assert losses.shape == (2,)  # one per MoE block
-    losses.sum().backward()  # the loss trains the routers
-    assert model.layers["1"].feed_forward.router.weight.grad.abs().sum() > 0
-    assert aux_loss(model) is None  # read once: let go
-    assert aux_loss(Transformer(ModelConfig(vocab_size=256, dim=64, n_layers=1, n_heads=4, max_seq_len=64))) is None
+    set_balance_weight(model, 0.5)
+    model(tokens, tokens).backward()
+    trained = model.layers["1"].feed_forward.router.weight.grad.clone()
+    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    total, count = balance_tally(model)
+    assert count == 2 and total.item() == pytest.approx(sum(m.aux_loss.item() for m in blocks))
+    assert balance_tally(model)[1] == 0  # read once: counted again from zero
+    model.zero_grad()
+    model.eval()  # outside training the blocks add nothing: add their losses by hand
+    (model(tokens, tokens) + 0.5 * sum(m.aux_loss for m in blocks)).backward()
+    torch.testing.assert_close(model.layers["1"].feed_forward.router.weight.grad, trained)
+    set_balance_weight(model, 0.0)
+    model.zero_grad()
+    model.train()
+    model(tokens, tokens).backward()
+    assert not torch.allclose(model.layers["1"].feed_forward.router.weight.grad, trained)  # the loss trains the routers
+    assert balance_tally(Transformer(ModelConfig(vocab_size=256, dim=64, n_layers=1, n_heads=4, max_seq_len=64))) is None
 
 
 def test_with_one_expert_a_token_the_router_still_learns_from_the_loss():
@@ -144,7 +158,8 @@ def test_expert_biases_choose_experts_but_do_not_weight_them_and_move_toward_bal
     from scaletrain.model.moe import MoE, update_expert_bias
 
     torch.manual_seed(0)
-    moe = MoE(ModelConfig(**{**MOE, "moe_shared_experts": 0, "moe_bias_update": 0.1}))
+    cfg = ModelConfig(**{**MOE, "moe_shared_experts": 0, "moe_bias_update": 0.1})
+    moe = MoE(cfg)
     for param in moe.parameters():
         torch.nn.init.normal_(param, std=0.1)
     x = torch.randn(1, 16, 64)
@@ -166,11 +181,11 @@ def test_expert_biases_choose_experts_but_do_not_weight_them_and_move_toward_bal
     moe.eval()
     moe(x)  # evaluation does not count
     moe.load.copy_(torch.tensor([10.0, 2.0, 4.0, 0.0]))  # mean 4
-    max_load = update_expert_bias(moe, 0.1)
+    max_load = update_expert_bias(moe, cfg)
     assert moe.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 10.1]) and moe.load.sum() == 0
-    assert max_load.tolist() == [2.5]
+    assert max_load.tolist() == [2.5, 0, 0]  # one a layer: this block is layer 0 of the 3
     moe.load.copy_(torch.tensor([10.0, 2.0, 4.0, 0.0]))
-    update_expert_bias(moe, 0.1, skip=torch.tensor(True))  # a step that was not applied
+    update_expert_bias(moe, cfg, skip=torch.tensor(True))  # a step that was not applied
     assert moe.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 10.1])
 
 
@@ -194,6 +209,15 @@ LAYOUTS = {  # name: (processes, overrides); plain FSDP of a MoE is the non-expe
     # orthogonalised where they lie, the attention's FSDP shards gathered whole.
     "expert-parallel-fsdp-muon": (4, ["parallel.dp_shard=4", "parallel.ep=2", "parallel.recompute=full",
                                       "train.optimizer=muon"]),
+    # Each sequence split over 2 cp ranks: the balancing loss counts the whole micro-batch's
+    # assignments, and each expert's FSDP group takes in the cp ranks holding it.
+    "context-and-expert-parallel": (4, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2"]),
+    # One block a stage: each stage's routers learn their balance without the loss (last stage
+    # only), the loads of different blocks meet in one all-reduce. Zero bubble splits each
+    # backward into its input and weight halves; the schedule's first step infers shapes.
+    "pipeline-and-expert-parallel-zero-bubble": (4, ["parallel.dp_shard=2", "parallel.ep=2", "parallel.pp=2",
+                                                     "parallel.pp_schedule=interleaved_zero_bubble",
+                                                     "parallel.pp_stages_per_rank=1"]),
 }
 
 
@@ -213,8 +237,7 @@ def one_process_moe(stdlib_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_data_and_expert_parallel_moe_train_the_losses_and_gradients_of_one_process(stdlib_data, tmp_path,
-                                                                                     one_process_moe, name):
+def test_parallel_moe_trains_the_losses_and_gradients_of_one_process(stdlib_data, tmp_path, one_process_moe, name):
     """Adam and Muon are blind to a gradient's scale, so the gradient norms are compared as well as
     the losses: an expert gradient averaged over the wrong number of ranks shows there. The
     expert-parallel checkpoint (experts split, and sharded too) resumes in one process."""
@@ -229,13 +252,13 @@ def test_data_and_expert_parallel_moe_train_the_losses_and_gradients_of_one_proc
     records = read_metrics(tmp_path / "run", "train")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     reference = one_process_moe("muon" if "train.optimizer=muon" in layout else "adamw")
-    for key in ("loss", "grad_norm", "moe_max_load"):
+    for key in ("loss", "grad_norm", "moe_max_load", "moe_balance"):
         assert [r[key] for r in records] == pytest.approx([r[key] for r in reference], rel=1e-5, abs=1e-6)
 
 
 def test_what_does_not_take_a_moe_model_yet_says_so(stdlib_data, tmp_path):
     cfg = tiny_config(stdlib_data, tmp_path / "r", *MOE_OVERRIDES, "model.vocab_size=512")
-    with pytest.raises(ConfigError, match="trains with data parallelism"):
+    with pytest.raises(ConfigError, match="trains without tensor parallelism so far; set parallel.tp = 1"):
         check_layout(resolve_layout(cfg.parallel.model_copy(update={"tp": 2, "dp_shard": 1}), 2), cfg)
     for overrides, message in ((["parallel.dp_shard=4", "parallel.ep=3"], "parallel.ep = 3 does not divide"),
                                (["parallel.dp_shard=3", "parallel.ep=3"], "moe_experts = 4 is not divisible by")):

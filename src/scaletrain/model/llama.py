@@ -206,12 +206,12 @@ def _weight(layer: nn.Module | nn.Parameter) -> torch.Tensor:
 class Block(nn.Module):
     """One pre-norm transformer block; the unit that FSDP, recompute and pipelining wrap."""
 
-    def __init__(self, cfg: ModelConfig, moe: bool = False):
+    def __init__(self, cfg: ModelConfig, moe: bool = False, layer: int = 0):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.hidden_dim)
+        self.feed_forward = MoE(cfg, layer) if moe else FeedForward(cfg.dim, cfg.hidden_dim)
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0,
                 bias: torch.Tensor | None = None):
@@ -227,7 +227,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, cfg.is_moe_layer(i)) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, cfg.is_moe_layer(i), i) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         if cfg.tie_embeddings:

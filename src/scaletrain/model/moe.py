@@ -24,15 +24,23 @@ assignments than the mean over the whole global batch (every micro-batch of ever
 down for each that received more (`update_expert_bias`). The bias is a buffer of the model,
 checkpointed with it.
 
-The load-balancing loss of the last forward, E · Σ_i f_i P_i (f_i: the share of the token-expert
+The load-balancing loss of each forward, E · Σ_i f_i P_i (f_i: the share of the token-expert
 assignments that went to expert i, P_i: the mean router probability of expert i, sigmoid scores
-first normalised to sum to one per token; 1 when balanced), is left in `aux_loss` for the trainer to add, weighted by model.moe_aux_loss, to the
-objective — not to the loss it reports, which stays the cross-entropy the scaling laws fit.
+first normalised to sum to one per token; 1 when balanced), enters the objective — not the loss
+the trainer reports, which stays the cross-entropy the scaling laws fit — from inside the block:
+a training forward passes its output through an identity whose backward also sends the
+balancing loss the gradient `balance_weight` (set by the trainer: model.moe_aux_loss, over the
+micro-batches of a step unless the pipeline schedule scales gradients itself), and tallies its
+value (`balance_tally`). So a pipeline stage trains its blocks' routers without the loss, which
+only the last stage has (as Megatron-LM's MoE layers do). Under context parallelism (`cp_group`)
+f_i counts the assignments of the whole sequences, gathered over the cp ranks, so that the mean of
+the ranks' losses is the loss of the whole micro-batch.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -116,7 +124,6 @@ def _expert_parallel(x: torch.Tensor, counts: torch.Tensor, weights: list[torch.
     """Send each assignment to the rank of its expert (rank r holds experts r·E/ep ..), run the
     local experts on what arrives from every rank, send the results back (all-to-all, GShard's
     dispatch and combine, Lepikhin et al. 2021); rows return in x's order."""
-    import torch.distributed as dist
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     ep, local = dist.get_world_size(group), weights[0].shape[0]
@@ -142,8 +149,9 @@ def _expert_parallel(x: torch.Tensor, counts: torch.Tensor, weights: list[torch.
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
+        self.layer = layer  # the block's index in the whole model
         self.top_k, self.score = cfg.moe_top_k, cfg.moe_score
         self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)
         self.experts = Experts(cfg.moe_experts, cfg.dim, cfg.expert_dim)
@@ -152,7 +160,10 @@ class MoE(nn.Module):
             from scaletrain.model.llama import FeedForward
 
             self.shared = FeedForward(cfg.dim, cfg.moe_shared_experts * cfg.expert_dim)
-        self.aux_loss: torch.Tensor | None = None
+        self.aux_loss: torch.Tensor | None = None  # the last forward's balancing loss (detached in training)
+        self.balance_weight = 0.0  # its gradient in the objective, per training forward
+        self.balance_sum, self.balance_count = None, 0  # the values backward passes saw since the last tally
+        self.cp_group = None  # context parallelism: the ranks holding the other parts of the sequences
         if cfg.moe_bias_update:
             self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts))
             # Assignments per expert since the last update (training forwards only; a recomputed
@@ -184,11 +195,38 @@ class MoE(nn.Module):
         out = (unsorted.view(-1, self.top_k, dim).float() * weights[..., None]).sum(dim=1).to(flat.dtype)
         if self.shared is not None:
             out = out + self.shared(flat)
-        share = counts.float() / assignments.numel()
+        total = counts.float()
+        if self.cp_group is not None:  # f_i over the whole sequences
+            total = total.clone()
+            dist.all_reduce(total, group=self.cp_group)
+        share = total / total.sum()
         # P_i over probabilities that sum to one per token (sigmoid scores normalised, as DeepSeek-V3's balance loss).
         shares = probs if self.score == "softmax" else probs / probs.sum(dim=-1, keepdim=True)
-        self.aux_loss = experts * (share * shares.mean(dim=0)).sum()
+        balance = experts * (share * shares.mean(dim=0)).sum()
+        if self.training and torch.is_grad_enabled():
+            self.aux_loss = balance.detach()
+            out = _BalanceGradient.apply(out, balance, self)
+        else:  # outside training, with its graph if there is one (to add by hand)
+            self.aux_loss = balance
         return out.view(batch, seq, dim)
+
+
+class _BalanceGradient(torch.autograd.Function):
+    """The identity on a block's output; its backward also gives the block's balancing loss the
+    gradient moe.balance_weight (as if it had been added to the loss) and tallies its value.
+    Each training forward's backward runs once, recomputed blocks' too."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, balance: torch.Tensor, moe: MoE) -> torch.Tensor:
+        ctx.moe, ctx.weight, ctx.value = moe, moe.balance_weight, balance.detach()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        moe = ctx.moe
+        moe.balance_sum = ctx.value if moe.balance_sum is None else moe.balance_sum + ctx.value
+        moe.balance_count += 1
+        return grad, (torch.full_like(ctx.value, ctx.weight) if ctx.weight else None), None
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -204,37 +242,56 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def update_expert_bias(model: nn.Module, rate: float, skip: torch.Tensor | None = None) -> torch.Tensor | None:
-    """After an optimizer step: move each mixture block's expert biases by `rate` toward balance
-    over the step's assignments on every rank (summed by an all-reduce), unless `skip` (a bool
-    tensor: the step was not applied), and start counting again. Returns the largest load of an
-    expert over the mean, per block (on the device); None without biases."""
-    import torch.distributed as dist
-
+def update_expert_bias(model: nn.Module, cfg: ModelConfig, skip: torch.Tensor | None = None) -> torch.Tensor:
+    """After an optimizer step: move each mixture block's expert biases by cfg.moe_bias_update
+    toward balance over the step's assignments on every rank, unless `skip` (a bool tensor: the
+    step was not applied), and start counting again. The loads are summed by one all-reduce of a
+    (layers, experts) table, each rank filling the rows of the blocks it holds: a pipeline stage
+    holds some of them, or none (every rank takes part). Returns, per layer, the largest load
+    of an expert over the mean (0 for layers without biases), on the device."""
     blocks = [m for m in model.modules() if isinstance(m, MoE) and m.expert_bias is not None]
-    if not blocks:
-        return None
-    loads = torch.stack([m.load for m in blocks])  # (blocks, experts)
+    device = blocks[0].load.device if blocks else next(model.parameters()).device
+    loads = torch.zeros(cfg.n_layers, cfg.moe_experts, device=device)
+    for block in blocks:
+        loads[block.layer] = block.load
     if dist.is_initialized():
         dist.all_reduce(loads)
     mean = loads.mean(dim=-1, keepdim=True)
-    move = rate * torch.sign(mean - loads)
+    move = cfg.moe_bias_update * torch.sign(mean - loads)
     if skip is not None:
         move = torch.where(skip, torch.zeros_like(move), move)
-    for block, step in zip(blocks, move):
-        block.expert_bias += step
+    for block in blocks:
+        block.expert_bias += move[block.layer]
         block.load.zero_()
     return (loads.amax(dim=-1) / mean.squeeze(-1).clamp(min=1)).detach()
 
 
-def aux_loss(model: nn.Module) -> torch.Tensor | None:
-    """The balancing losses of `model`'s mixture-of-experts blocks' last forward, stacked (one per
-    block), and let go (a recomputed forward sets them again, holding its graph until read);
-    None for a dense model. The objective adds their sum (as Switch adds each layer's)."""
-    blocks = [m for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+def set_balance_weight(model: nn.Module, weight: float) -> None:
+    """The gradient each training forward of `model`'s mixture blocks gives its balancing loss."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.balance_weight = weight
+
+
+def balance_tally(model: nn.Module) -> tuple[torch.Tensor, int] | None:
+    """(the sum of the balancing losses whose backward ran since the last tally, how many) over
+    `model`'s mixture blocks, and start again; None for a dense model."""
+    blocks = [m for m in model.modules() if isinstance(m, MoE)]
     if not blocks:
         return None
-    losses = torch.stack([m.aux_loss for m in blocks])
+    values = [m.balance_sum for m in blocks if m.balance_sum is not None]
+    total = torch.stack(values).sum() if values else torch.zeros(())
+    count = sum(m.balance_count for m in blocks)
     for m in blocks:
-        m.aux_loss = None
-    return losses
+        m.balance_sum, m.balance_count = None, 0
+    return total, count
+
+
+def forget_counts(model: nn.Module) -> None:
+    """Drop the expert loads and balancing losses `model`'s mixture blocks have counted (of a
+    pass that trained nothing)."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.balance_sum, m.balance_count = None, 0
+            if m.expert_bias is not None:
+                m.load.zero_()

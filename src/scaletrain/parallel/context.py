@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from scaletrain.model.llama import CoreAttention, attend
+from scaletrain.model.moe import MoE
 
 
 def local_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
@@ -104,6 +105,8 @@ def apply_cp(model: nn.Module, group: dist.ProcessGroup, seq_len: int) -> None:
     positions = local_positions(seq_len, dist.get_rank(group), dist.get_world_size(group)).to(device)
     for block in model.layers.values():
         block.attention.core = ContextParallelAttention(group, seq_len)
+        if isinstance(block.feed_forward, MoE):  # its balancing loss counts the whole sequences' assignments
+            block.feed_forward.cp_group = group
 
     def add_positions(module, args, kwargs):
         return args, {**kwargs, "positions": positions}

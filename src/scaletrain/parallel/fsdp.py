@@ -32,8 +32,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype = to
         experts = getattr(block.feed_forward, "experts", None)
         if experts is not None and experts.ep_group is not None:
             # Split by expert over ep, each rank's experts sharded over the ranks that hold the
-            # same ones (model/moe.py scales their gradients by 1 / ep: see _expert_parallel).
-            fully_shard(experts, mesh=mesh["dp_replicate", "efsdp"], mp_policy=block_policy,
+            # same ones, cp ranks included (model/moe.py scales their gradients by 1 / ep: see
+            # _expert_parallel).
+            fully_shard(experts, mesh=mesh["dp_replicate", "efsdp_cp"], mp_policy=block_policy,
                         reshard_after_forward=reshard_after_forward)
         fully_shard(block, mesh=dp_mesh, mp_policy=block_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

@@ -51,6 +51,7 @@ def init_distributed(device: torch.device, layout: Layout,
         mesh = init_device_mesh(device.type, sizes, mesh_dim_names=EP_DIMS)
         mesh["efsdp", "ep"]._flatten("dp_shard")
         mesh["efsdp", "ep", "cp"]._flatten("dp_shard_cp")
+        mesh["efsdp", "cp"]._flatten("efsdp_cp")  # the ranks holding the same experts
     # FSDP shards over the data-parallel and context-parallel ranks alike: cp ranks hold the same
     # parameters and each contributes the gradient of its part of the sequence. (Slicing
     # ("dp_replicate", "dp_shard_cp") from the root then warns of a future deprecation; torch

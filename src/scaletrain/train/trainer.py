@@ -33,7 +33,7 @@ from scaletrain.parallel.context import shard_sequence
 from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.parallel.mesh import collective_timeout, init_distributed, shutdown, world
 from scaletrain.plan.hardware import peak_flops
-from scaletrain.model.moe import aux_loss as moe_aux_loss, update_expert_bias
+from scaletrain.model.moe import balance_tally, forget_counts, set_balance_weight, update_expert_bias
 from scaletrain.plan.memory import choose_recompute
 from scaletrain.plan.timing import PlanLayout
 from scaletrain.train import checkpoint
@@ -50,6 +50,34 @@ log = logging.getLogger("scaletrain")
 # by group: under pipelining each rank's groups hold other parameters, and a checkpoint stores one
 # copy of each key, so grouped entries would be rank 0's on every rank.
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of the whole gradient, of which each rank holds parts. A gradient split
+    (sharded) over some mesh dimensions and whole on the others adds its local squares, summed
+    over the sharded dimensions one at a time; one with partial sums (tensor parallelism's
+    replicated weights) is left to DTensor. (DTensor's own reduction of several dimensions at once
+    goes through a flattened group that torch 2.13 fails to find for the experts' mesh under
+    context parallelism, whose dimensions interleave.)"""
+    by_dims: dict = {}  # (mesh, sharded dimensions) -> local parts; partial DTensors by mesh
+    for grad in grads:
+        if not isinstance(grad, DTensor):
+            by_dims.setdefault((None, ()), []).append(grad)
+        elif any(placement.is_partial() for placement in grad.placements):
+            by_dims.setdefault((grad.device_mesh, "partial"), []).append(grad)
+        else:
+            dims = tuple(d for d, placement in enumerate(grad.placements) if not placement.is_replicate())
+            by_dims.setdefault((grad.device_mesh, dims), []).append(grad.to_local())
+    squares = []
+    for (mesh, dims), parts in by_dims.items():
+        if dims == "partial":
+            squares.append(torch.nn.utils.get_total_norm(parts).full_tensor().float().square())
+            continue
+        square = torch.stack(torch._foreach_norm(parts)).float().square().sum()
+        for dim in dims:
+            dist.all_reduce(square, group=mesh.get_group(dim))
+        squares.append(square)
+    return torch.stack(squares).sum().sqrt()
 
 
 class TrainingDiverged(RuntimeError):
@@ -203,6 +231,7 @@ class Trainer:
         if cfg.train.float8:  # before sharding: FSDP then gathers float8-aware weights
             log.info("train.float8: %d linear layers compute in float8",
                      convert_to_float8(model, self.device, self.layout.tp))
+        self.pipeline_primed = False  # see _prime_pipeline
         self.moe_balance: float | None = None  # balancing loss per MoE block and rank at the last look (1: balanced)
         self.moe_max_load: float | None = None  # with expert biases: the most loaded expert over the mean, worst block
         self.parallel = parallelize(model, self.mesh, self.layout, cfg, self.device, param_dtype=param_dtype)
@@ -216,6 +245,10 @@ class Trainer:
                                          device=self.device, kind=cfg.train.optimizer,
                                          momentum=cfg.train.muon_momentum)
         self.loader = self._new_loader()
+        # The experts' balance enters the objective from inside the blocks (model/moe.py), once a
+        # micro-batch: scaled like the loss, which the trainer divides by the micro-batches and
+        # a pipeline schedule by scaling the gradients instead.
+        set_balance_weight(self.model, cfg.model.moe_aux_loss / (1 if self.layout.pp > 1 else self.loader.micro_steps))
         # Attention within documents: the sources share a tokenizer, so one end-of-document token.
         self.eos_id = (read_index(next(iter(cfg.data.sources.values())))["eos_id"]
                        if cfg.model.document_mask else None)
@@ -464,8 +497,9 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
+        if self.parallel.schedule is not None and self.cfg.model.moe and not self.pipeline_primed:
+            self._prime_pipeline()
         loss_sum = torch.zeros((), device=self.device)
-        aux_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
         batches = []
         for _ in range(self.loader.micro_steps):
@@ -476,12 +510,7 @@ class Trainer:
                 inputs, targets, documents = batches.pop()
                 with self.autocast():  # loss_parallel must cover the backward too
                     loss = self.model(inputs, targets, documents=documents) / self.loader.micro_steps
-                    objective = loss
-                    if self.cfg.model.moe:  # the experts' balance enters the objective, not the reported loss
-                        balance = moe_aux_loss(self.parallel.module) / self.loader.micro_steps  # one per block
-                        objective = loss + self.cfg.model.moe_aux_loss * balance.sum()
-                        aux_sum += balance.detach().mean()
-                    objective.backward()
+                    loss.backward()
                 loss_sum += _local(loss.detach())
         if self.parallel.schedule is not None:  # the pipeline takes this rank's whole share, in micro-batches
             losses = self._pipeline(*(None if parts[0] is None else torch.cat(parts) for parts in zip(*batches)))
@@ -501,8 +530,9 @@ class Trainer:
         else:  # no skip on the device: every step is looked at before it applies
             self._check(None)
         self.optimizer.step()
-        max_load = (update_expert_bias(self.parallel.module, self.cfg.model.moe_bias_update, skip=bad)
+        max_load = (update_expert_bias(self.model, self.cfg.model, skip=bad)
                     if self.cfg.model.moe_bias_update else None)
+        balance = balance_tally(self.model) if self.cfg.model.moe else None
         if self.held_bytes is None:  # after the first update every piece of state exists
             self.held_bytes = held_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
@@ -513,7 +543,7 @@ class Trainer:
             return None, None, data_wait
         loss_value = global_loss.item()
         self._check(loss_value)
-        self.moe_balance = self._mean_over_last_stage(aux_sum).item() if self.cfg.model.moe else None
+        self.moe_balance = self._mean_balance(balance) if balance is not None else None
         self.moe_max_load = max_load.max().item() if max_load is not None else None
         return loss_value, grad_norm.item(), data_wait
 
@@ -572,6 +602,18 @@ class Trainer:
             inputs, targets = inputs.pin_memory(), targets.pin_memory()
         return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True), documents
 
+    def _prime_pipeline(self) -> None:
+        """Run the pipeline schedule once on a batch of zeros and drop what it left. Its first
+        run infers what passes between the stages by a forward and a backward of a micro-batch
+        (torch 2.13), which a mixture's blocks would count as a micro-batch of training: their
+        expert loads (which move the biases) and balancing losses would then depend on where a
+        run started, and a resumed run would differ from one that never stopped."""
+        self.pipeline_primed = True
+        zeros = torch.zeros(self.cfg.seqs_per_step // self.layout.dp, self.cfg.data.seq_len, dtype=torch.int64)
+        self._pipeline(*self._batch(zeros, zeros))
+        self.optimizer.zero_grad(set_to_none=True)
+        forget_counts(self.model)
+
     def _pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None) -> list[torch.Tensor]:
         """Train on this rank's share of the batch through the pipeline schedule: inputs enter
         at the first stage, targets at the last, which returns the loss of each micro-batch;
@@ -590,12 +632,7 @@ class Trainer:
         clipping. Sharded gradients (DTensors) give the global norm of their dimensions; pipeline
         stages add up their squares over the pp ranks."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        by_mesh: dict = {}  # DTensors on different meshes (experts under expert parallelism) apart
-        for p in params:
-            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
-        norms = [torch.nn.utils.get_total_norm(grads) for grads in by_mesh.values()]
-        norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
-        norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
+        norm = _global_norm([p.grad for p in params])
         if self.layout.pp > 1:
             norm = norm.square()
             dist.all_reduce(norm, group=self.mesh["pp"].get_group())
@@ -606,6 +643,16 @@ class Trainer:
         grads = [local_shard(p.grad) for p in params]
         torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))  # as clip_grads_with_norm_
         return norm
+
+    def _mean_balance(self, tally: tuple[torch.Tensor, int]) -> float:
+        """The balancing loss per mixture block and micro-batch over every rank (pipeline stages
+        hold different blocks, or none): one all-reduce of (sum, count)."""
+        total, count = tally
+        both = torch.stack([total.to(self.device, torch.float32), torch.tensor(float(count), device=self.device)])
+        if dist.is_initialized():
+            dist.all_reduce(both)
+        total, count = both.tolist()
+        return total / count
 
     def _mean_over_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of a per-rank scalar over the ranks that run the last pipeline stage (all
