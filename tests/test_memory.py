@@ -187,6 +187,16 @@ def test_the_planner_chooses_the_least_recomputation_that_fits():
     # Expert parallelism: each rank gathers 1/ep of the experts, holding the same shard of them.
     sharded, split = (training_memory(mixture, 4096, 4, fsdp=8, ep=ep) for ep in (1, 8))
     assert split.weight_copies < sharded.weight_copies and split.parameters == sharded.parameters
+    # Pipelined with dense first blocks: every rank is counted as the one holding the most mixtures.
+    dense_first = mixture.model_copy(update={"moe_dense_layers": 8})  # 16 blocks, the last 8 mixtures
+    all_mixtures = training_memory(mixture, 4096, 4, micro_steps=8, pp=2)
+    assert training_memory(dense_first, 4096, 4, micro_steps=8, pp=2).parameters == all_mixtures.parameters
+    # Interleaved, each rank holds 2 dense and 2 mixture stages of 2 blocks: half its blocks mixtures.
+    interleaved = training_memory(dense_first, 4096, 4, micro_steps=8, pp=2, pp_schedule="interleaved_1f1b",
+                                  pp_stages_per_rank=4)
+    assert interleaved.parameters < all_mixtures.parameters
+    average = rank_memory(dense_first, 4096, 4, micro_steps=8, pp=2, embedding=False)  # an even share: too few
+    assert average.parameters < training_memory(dense_first, 4096, 4, micro_steps=8, pp=2).parameters
 
 
 def test_auto_recomputation_on_a_cpu_trains_without_and_says_so_in_the_resolved_config(stdlib_data, tmp_path):

@@ -69,7 +69,8 @@ one micro-batch and its loss under 1F1B, ((v - 1)·pp + 1)/v under interleaving 
 count of warm-up chunks, for the last rank), and every micro-batch with its loss under GPipe
 and breadth-first looping, which keep each loss until its backward. The estimate is that of
 the rank with the larger peak; the counts of the other schedules are taken from their papers,
-not measured here.
+not measured here. A mixture of experts with dense first blocks has stages of unequal weight:
+every rank is counted as holding as many mixture blocks as the rank that holds the most.
 """
 
 from __future__ import annotations
@@ -191,9 +192,10 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
     split over `cp`, the blocks over `pp` pipeline ranks, a mixture's experts over `ep` of the
     FSDP ranks (sharded over all `fsdp` of them either way). Under pipelining, the estimate of
     the pipeline rank with the larger peak."""
-    if moe_layers(cfg) and (tp, cp, pp) != (1, 1, 1):
-        raise ValueError("the memory model covers a mixture of experts under data and expert parallelism only, "
-                         "as training does")
+    if moe_layers(cfg) and tp > 1:
+        raise ValueError("the memory model covers a mixture of experts without tensor parallelism, as training does")
+    if pp > 1 and 0 < moe_layers(cfg) < cfg.n_layers:
+        cfg = _heaviest_pipeline_rank(cfg, pp, pp_schedule, pp_stages_per_rank)
     common = dict(micro_steps=micro_steps, bf16=bf16, recompute=recompute, fsdp=fsdp, tp=tp, cp=cp,
                   loss_chunk_tokens=loss_chunk_tokens, ep=ep, optimizer=optimizer)
     if pp == 1:
@@ -209,6 +211,25 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
     estimates = [rank_memory(cfg, seq_len, micro_batch, **common, pp=pp, in_flight=count, losses=losses,
                              embedding=embedding, head=head) for count, losses, embedding, head in ranks]
     return max(estimates, key=lambda e: e.peak)
+
+
+class _heaviest_pipeline_rank:
+    """A mixture with dense first blocks, pipelined: the model whose every pp-th share of blocks
+    is what the pipeline rank holding the most mixture blocks holds (each rank's estimate counts
+    its L/pp blocks as an even share of the model's), so that no rank is under-estimated."""
+
+    def __init__(self, cfg: Any, pp: int, schedule: str, stages_per_rank: int):
+        from scaletrain.parallel.pipeline import stage_ids
+
+        stages = pp * (2 if schedule in V_SHAPED else stages_per_rank)
+        per_stage = cfg.n_layers // stages
+        most = max(sum(1 for stage in stage_ids(schedule, rank, pp, stages // pp)
+                       for layer in range(stage * per_stage, (stage + 1) * per_stage) if layer >= cfg.moe_dense_layers)
+                   for rank in range(pp))
+        self._cfg, self.moe_dense_layers = cfg, cfg.n_layers - most * pp
+
+    def __getattr__(self, name: str):
+        return getattr(self._cfg, name)
 
 
 def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 1, bf16: bool = True,

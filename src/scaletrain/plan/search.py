@@ -70,7 +70,7 @@ def divisors(n: int) -> list[int]:
 
 
 def _tp_sizes(cfg: Any, seq_len: int, cp: int, gpus_per_node: int) -> list[int]:
-    if moe_layers(cfg):  # a mixture trains under data and expert parallelism only
+    if moe_layers(cfg):  # a mixture trains without tensor parallelism
         return [1]
     sizes = (cfg.n_heads, cfg.kv_heads, cfg.hidden_dim, cfg.vocab, seq_len // cp)
     return [tp for tp in divisors(gpus_per_node) if all(size % tp == 0 for size in sizes)]
@@ -86,7 +86,7 @@ def _data_parallel(cfg: Any, dp: int) -> list[tuple[int, int]]:
 
 def _pipelines(cfg: Any, world: int) -> list[tuple[int, str, int]]:
     """(pp, schedule, stages per rank) choices: one stage a rank under 1F1B, two interleaved."""
-    if cfg.tie_embeddings or moe_layers(cfg):  # the embedding and the tied head would live on different stages
+    if cfg.tie_embeddings:  # the embedding and the tied head would live on different stages
         return [(1, "1f1b", 1)]
     out = [(1, "1f1b", 1)]
     for pp in divisors(world):
@@ -117,8 +117,7 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
     capacity = usable * device.memory
     fits: list[Candidate] = []
     closest: Candidate | None = None
-    cps = [cp for cp in divisors(world) if cp == 1 or (allow_cp and not moe_layers(cfg) and cp <= 64
-                                                          and seq_len % (2 * cp) == 0)]
+    cps = [cp for cp in divisors(world) if cp == 1 or (allow_cp and cp <= 64 and seq_len % (2 * cp) == 0)]
     for cp in cps:
         for tp in _tp_sizes(cfg, seq_len, cp, min(gpus_per_node, world)):
             if world % (cp * tp):
