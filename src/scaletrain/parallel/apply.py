@@ -21,8 +21,8 @@ from scaletrain.config import RunConfig
 from scaletrain.parallel.context import apply_cp
 from scaletrain.parallel.expert import apply_ep
 from scaletrain.parallel.fsdp import apply_fsdp
-from scaletrain.parallel.layout import Layout
-from scaletrain.parallel.pipeline import build_schedule, forward_only, split_stages, stage_ids
+from scaletrain.parallel.layout import Layout, stage_ids
+from scaletrain.parallel.pipeline import build_schedule, forward_only, split_stages
 from scaletrain.parallel.recompute import apply_recompute
 from scaletrain.parallel.tensor import apply_tp
 

@@ -51,6 +51,16 @@ class Layout:
         return coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
 
 
+V_SHAPED = ("zbv_zero_bubble", "dualpipev")  # rank r runs stages r and 2 pp - 1 - r
+
+
+def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The stages rank pp_rank runs: a loop (r, r + pp, ...) or, for V-shaped schedules, (r, 2 pp - 1 - r)."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(stages_per_rank)]
+
+
 def _product_text(sizes: dict[str, int | str]) -> str:
     return " x ".join(f"{size}" for size in sizes.values())
 

@@ -21,21 +21,12 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from scaletrain.model.loss import cross_entropy
+from scaletrain.parallel.layout import stage_ids
 
 # Our names for the schedules -> torch.distributed.pipelining's.
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "looped_bfs": "LoopedBFS",
              "interleaved_zero_bubble": "InterleavedZeroBubble", "zbv_zero_bubble": "ZBVZeroBubble",
              "dualpipev": "DualPipeV"}
-V_SHAPED = ("zbv_zero_bubble", "dualpipev")  # rank r runs stages r and 2 pp - 1 - r
-
-
-def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
-    """The stages rank pp_rank runs: a loop (r, r + pp, ...) or, for V-shaped schedules, (r, 2 pp - 1 - r)."""
-    if schedule in V_SHAPED:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + i * pp for i in range(stages_per_rank)]
-
-
 def split_stages(model: nn.Module, ids: list[int], num_stages: int) -> list[nn.Module]:
     """One module per stage in ids, each holding n_layers / num_stages consecutive blocks."""
     per_stage = len(model.layers) // num_stages

@@ -79,6 +79,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from scaletrain.model.flops import moe_layers, param_counts
+from scaletrain.parallel.layout import V_SHAPED, stage_ids
 
 
 @dataclass
@@ -162,9 +163,6 @@ def _block_weights(cfg: Any, ep: int = 1) -> tuple[float, float]:
     return (cfg.n_layers - sparse) * dense + sparse * mixture, max(mixture, dense if sparse < cfg.n_layers else 0)
 
 
-V_SHAPED = ("zbv_zero_bubble", "dualpipev")
-
-
 def in_flight_microbatches(pp: int, microbatches: int, schedule: str = "1f1b", stages_per_rank: int = 1) -> float:
     """Micro-batches whose activations the first pipeline rank holds at its peak, each of its
     L/pp blocks (see the module's docstring); 1 without pipelining."""
@@ -219,8 +217,6 @@ class _heaviest_pipeline_rank:
     its L/pp blocks as an even share of the model's), so that no rank is under-estimated."""
 
     def __init__(self, cfg: Any, pp: int, schedule: str, stages_per_rank: int):
-        from scaletrain.parallel.pipeline import stage_ids
-
         stages = pp * (2 if schedule in V_SHAPED else stages_per_rank)
         per_stage = cfg.n_layers // stages
         most = max(sum(1 for stage in stage_ids(schedule, rank, pp, stages // pp)

@@ -73,7 +73,7 @@ def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         if dims == "partial":
             squares.append(torch.nn.utils.get_total_norm(parts).full_tensor().float().square())
             continue
-        square = torch.stack(torch._foreach_norm(parts)).float().square().sum()
+        square = torch.stack([n.float() for n in torch._foreach_norm(parts)]).square().sum()
         for dim in dims:
             dist.all_reduce(square, group=mesh.get_group(dim))
         squares.append(square)
