@@ -131,14 +131,15 @@ TP2 = ["parallel.tp=2", "parallel.dp_shard=1"]
 # Muon gathers each sharded matrix's update whole (FSDP's shards, tensor parallelism's, both
 # together), orthogonalises it and keeps the rank's shard: the same update as one process's.
 MUON = ["train.optimizer=muon"]
-# PaLM's z-loss (strong, so that it moves the losses) in the chunked loss and a pipeline's.
+# PaLM's z-loss (strong, so that it moves the losses) in the chunked loss, a pipeline's, and
+# tensor parallelism's (vocabulary split, alone and pipelined).
 Z_LOSS = ["train.z_loss=0.01"]
 # name -> overrides of 2-process layouts.
 TWO = {
     "replicate": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
     "fsdp-grad-accumulation-recompute-muon": ["parallel.dp_shard=2", "train.micro_batch=2",
                                               "parallel.recompute=selective", *MUON],
-    "tp-muon": [*TP2, *MUON],
+    "tp-muon-z-loss": [*TP2, *MUON, *Z_LOSS],  # the z-loss through the vocabulary-split logits
     # 17 validation windows over 2 ranks: one rank's last eval batch is padding, and FSDP's
     # all-gathers must still meet; the output head and loss run 100 tokens at a time, on the
     # head FSDP gathers (padding included), with the z-loss (against one process's whole-batch one).
@@ -159,7 +160,8 @@ MIXED = {"fsdp-bf16-params": ["parallel.dp_shard=2", "train.dtype=bfloat16"]}
 FOUR = {
     "fsdp-x-tp-tied-qk-norm-muon": ["parallel.dp_shard=2", "parallel.tp=2", *TIED_QK, *MUON],
     "fsdp-x-pp": ["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2", "parallel.recompute=full"],
-    "tp-x-pp-interleaved": [*PP2, "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b", *DOCUMENTS],
+    "tp-x-pp-interleaved-z-loss": [*PP2, "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b", *DOCUMENTS,
+                                   *Z_LOSS],
     "fsdp-x-cp": ["parallel.cp=2", "parallel.dp_shard=2", *DOCUMENTS],
     "cp-x-pp-zbv": [*PP2, "parallel.cp=2", "parallel.pp_schedule=zbv_zero_bubble"],
     "pp4": ["parallel.pp=4", *ONE_STAGE, "train.micro_batch=1"],

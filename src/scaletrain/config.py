@@ -236,7 +236,7 @@ class TrainConfig(_Section):
     float8: bool = False
     """Compute the blocks' linear layers in float8 (torchao, dynamic scaling; Hopper-class GPUs; pip install 'scaletrain[float8]'). Weights, optimizer and checkpoints are unchanged."""
     z_loss: float = Field(default=0.0, ge=0)
-    """Weight of PaLM's auxiliary z-loss, z x log^2 Z per token (Z: the output softmax's normaliser), which keeps log Z near 0 and training stabler (PaLM used 1e-4). It enters the gradient, not the reported loss. 0: off. Not under tensor parallelism, whose vocabulary-split loss keeps no normaliser."""
+    """Weight of PaLM's auxiliary z-loss, z x log^2 Z per token (Z: the output softmax's normaliser), which keeps log Z near 0 and training stabler (PaLM used 1e-4). It enters the gradient, not the reported loss. 0: off."""
     loss_chunk_tokens: int = Field(default=0, ge=0)
     """Run the output head and loss this many tokens at a time, never holding a micro-batch's float32 logits (0: all at once). Not under tensor or pipeline parallelism, whose heads are split."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -378,14 +378,6 @@ class RunConfig(_Section):
                 f"train.micro_batch x data.seq_len = {self.train.micro_batch} x {self.data.seq_len} = {seq_tokens}; "
                 f"use a multiple of {seq_tokens}, e.g. {lower}"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _check_z_loss(self) -> RunConfig:
-        if self.train.z_loss and self.parallel.tp > 1:
-            raise ValueError(f"train.z_loss = {self.train.z_loss:g} under parallel.tp = {self.parallel.tp}: the "
-                             "vocabulary-split loss of tensor parallelism keeps no softmax normaliser to penalise; "
-                             "set train.z_loss = 0 or parallel.tp = 1")
         return self
 
     @model_validator(mode="after")

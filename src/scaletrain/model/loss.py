@@ -18,13 +18,16 @@ normaliser (Chowdhery et al. 2022, section 5: it "encourages the softmax normali
 be close to 0", which they found to increase the stability of training). It enters the
 gradient only: the value returned stays the cross-entropy, so that logged losses, evaluations
 and scaling-law fits mean the same with it or without. Its gradient, 2·z·log Z·softmax per
-token, is the softmax's own scaled by 1 + 2·z·log Z in the chunked loss.
+token, is the softmax's own scaled by 1 + 2·z·log Z in the chunked loss. Under tensor
+parallelism (the vocabulary split, logits a DTensor) autograd takes it through DTensor's
+log-sum-exp.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
 
 IGNORE = -100  # targets that mark padding: no loss, no gradient
 
@@ -41,8 +44,26 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0
     With `z_loss`, the gradient of the z-loss too (see the module's docstring)."""
     flat, targets = logits.float().flatten(0, 1), targets.flatten()
     if z_loss and torch.is_grad_enabled() and flat.requires_grad:
+        if isinstance(flat, DTensor):
+            return _with_split_z_loss(F.cross_entropy(flat, targets), flat, targets, z_loss)
         return _ZLossCrossEntropy.apply(flat, targets, z_loss)
     return F.cross_entropy(flat, targets)
+
+
+def _with_split_z_loss(loss: torch.Tensor, logits: DTensor, targets: torch.Tensor, z_loss: float) -> torch.Tensor:
+    """`loss` plus z·(mean log²Z − the same, detached) for logits whose vocabulary is split over
+    tensor-parallel ranks (a DTensor, under loss_parallel): the z-loss's gradient by autograd
+    through DTensor's log-sum-exp (one all-reduce of each row's maximum and of its sum), and
+    nothing added to the value. Its backward keeps the float32 logits, which the loss's peak
+    holds anyway (plan/memory.py)."""
+    log_norm = torch.logsumexp(logits, dim=-1)
+    log_norm = log_norm.to_local() if isinstance(log_norm, DTensor) else log_norm  # replicated: every row
+    valid = targets != IGNORE
+    square = (log_norm.square() * valid).sum() / valid.sum().clamp(min=1)
+    term = z_loss * (square - square.detach())
+    if isinstance(loss, DTensor):
+        term = DTensor.from_local(term, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
+    return loss + term
 
 
 class _ZLossCrossEntropy(torch.autograd.Function):

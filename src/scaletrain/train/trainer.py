@@ -236,10 +236,10 @@ class Trainer:
         self.moe_max_load: float | None = None  # with expert biases: the most loaded expert over the mean, worst block
         self.parallel = parallelize(model, self.mesh, self.layout, cfg, self.device, param_dtype=param_dtype)
         self.model = self.parallel.module
-        if self.layout.tp == 1 and self.layout.pp == 1:
-            # (A vocabulary-sharded head takes loss_parallel; a pipeline's loss is the schedule's.)
-            self.model.loss_chunk = cfg.train.loss_chunk_tokens
+        if self.layout.pp == 1:  # (a pipeline's loss is the schedule's)
             self.model.z_loss = cfg.train.z_loss
+            if self.layout.tp == 1:  # (a vocabulary-sharded head takes loss_parallel)
+                self.model.loss_chunk = cfg.train.loss_chunk_tokens
         self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                          betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
                                          device=self.device, kind=cfg.train.optimizer,
