@@ -113,3 +113,11 @@ def test_optimizers_benchmark_trains_both_and_muon_holds_fewer_optimizer_bytes(s
     assert set(adamw["val_loss_by_step"]) == set(muon["val_loss_by_step"]) == {"3", "6"}
     assert adamw["train_loss_last_tenth"] != muon["train_loss_last_tenth"]
     assert muon["optimizer_bytes"] < 0.75 * adamw["optimizer_bytes"] and report["muon_step_time_ratio"] > 0
+
+
+def test_muon_step_benchmark_prints_json_and_finds_both_ways_equal():
+    result = subprocess.run([sys.executable, "benchmarks/muon_step.py", "--dim", "64", "--layers", "1",
+                             "--repeats", "1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["identical"] and report["matrices"] == 7 and report["gathered_s"] > 0 and report["shared_out_s"] > 0

@@ -236,7 +236,7 @@ def test_pipelining_splits_the_parameters_and_keeps_1f1b_activations_where_one_d
         assert copies == round(2 * (blocks * block + head_and_embedding * cfg.vocab * cfg.dim)), pp
 
 
-def test_muon_holds_one_moment_of_the_block_matrices_and_gathers_the_largest_whole_in_its_step():
+def test_muon_holds_one_moment_of_the_block_matrices_and_the_largest_whole_in_its_step():
     cfg = ModelConfig(vocab_size=32768, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
                       max_seq_len=4096)
     adamw, muon = (training_memory(cfg, 2048, 1, fsdp=8, optimizer=kind) for kind in ("adamw", "muon"))
@@ -244,6 +244,9 @@ def test_muon_holds_one_moment_of_the_block_matrices_and_gathers_the_largest_who
     assert adamw.optimizer - muon.optimizer == pytest.approx(4 * block_matrices / 8, abs=1)
     assert (muon.parameters, muon.gradients, muon.activations) == (adamw.parameters, adamw.gradients,
                                                                    adamw.activations)
-    # The step's whole w1 (20 bytes an entry) on top of the gradients: above a short sequence's activations.
+    # The step's whole w1 on top of the gradients, above a short sequence's activations: 28 bytes an
+    # entry when FSDP's shards are shared out (buffers to and from its owner), 20 gathered under TP.
     short = training_memory(cfg, 128, 1, fsdp=8, optimizer="muon")
-    assert short.peak == short.parameters + short.optimizer + short.weight_copies + short.gradients + 20 * 2048 * 8192
+    assert short.peak == short.parameters + short.optimizer + short.weight_copies + short.gradients + 28 * 2048 * 8192
+    split = training_memory(cfg, 128, 1, fsdp=4, tp=2, optimizer="muon")
+    assert split.peak == split.parameters + split.optimizer + split.weight_copies + split.gradients + 20 * 2048 * 8192

@@ -1,14 +1,17 @@
 """The optimizers: Muon's orthogonalised updates, its split of the parameters with AdamW, a
-skipped step, and exact resumes."""
+skipped step, exact resumes, and matrices split by rows orthogonalised one rank each."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import ROOT, tiny_config
 from scaletrain.config import ConfigError, load_config
 from scaletrain.model.llama import Transformer
 from scaletrain.train.metrics import read_metrics
@@ -73,3 +76,11 @@ def test_a_muon_run_learns_resumes_bit_exactly_and_keeps_its_optimizer(stdlib_da
     assert losses["whole"][8] < losses["whole"][1] - 0.2
     with pytest.raises(ConfigError, match="train.optimizer muon then, adamw now"):
         train(tiny_config(stdlib_data, split, "train.steps=12"))
+
+
+def test_matrices_split_by_rows_are_orthogonalised_by_one_rank_each_to_the_bit():
+    """Three real processes over gloo (tests/muon_shared_out.py asserts on every rank)."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+                             str(ROOT / "tests" / "muon_shared_out.py")], capture_output=True, text=True,
+                            timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -8,7 +8,10 @@ Components (per device, in bytes):
   optimizer's step works on one matrix at a time (train/optim.py): for the largest, whole (as it
   gathers it) or the rank's own stack of experts, 20 bytes per entry on top of the gradients —
   the new momentum, its Nesterov mix, the iteration's two working copies and the orthogonalised
-  update, 4 bytes each in float32 (counted from the code, not measured);
+  update, 4 bytes each in float32; 28 when FSDP alone splits the matrices, whose step sends
+  each rank's rows of a bucket of them (about one matrix's worth) to their owners and takes
+  its rows of the results back: the mix, the buffer sent, the matrix received, two working
+  copies, the result and the rows returned (counted from the code, not measured);
 - weight copies: the bf16 copies that autocast (or FSDP's bf16 all-gather) makes of the matmul
   weights and that the backward pass keeps — all of them on one device, two blocks' worth
   under FSDP (one in use, one prefetched), all of the rank's blocks under FSDP with pipelining
@@ -248,7 +251,7 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     tensors = tensors / pp + int(embedding) + int(head) * (1 if cfg.tie_embeddings else 2)  # head: norm (+ matrix)
     muon = blocks / pp / (fsdp * tp) if optimizer == "muon" else 0  # one moment, not two
     optimizer_bytes = round(8 * local - 4 * muon + 4 * tensors)
-    stepping = _muon_step_bytes(cfg, fsdp * tp, ep) if optimizer == "muon" else 0
+    stepping = _muon_step_bytes(cfg, fsdp, tp, ep) if optimizer == "muon" else 0
     head_matmul = outer if head else 0
     if not bf16:
         weight_copies = 0
@@ -280,16 +283,17 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     return MemoryEstimate(parameters, gradients, optimizer_bytes, weight_copies, activations, loss, round(peak))
 
 
-def _muon_step_bytes(cfg: Any, shards: int, ep: int) -> int:
+def _muon_step_bytes(cfg: Any, fsdp: int, tp: int, ep: int) -> int:
     """Muon's working bytes in its step: 20 per entry of the largest matrix it orthogonalises
-    (gathered whole when sharded) or of a rank's own stack of experts (see the module's docstring)."""
+    (gathered whole when sharded) or of a rank's own stack of experts, 28 when FSDP alone splits
+    the matrices and shares them out (see the module's docstring)."""
     matrices = [cfg.dim * cfg.n_heads * cfg.head_dim]
     if moe_layers(cfg) < cfg.n_layers:
         matrices.append(cfg.dim * cfg.hidden_dim)
     if moe_layers(cfg):
         matrices += [cfg.dim * cfg.expert_dim * max(cfg.moe_shared_experts, 1),
-                     cfg.dim * cfg.expert_dim * cfg.moe_experts / max(ep, shards)]
-    return round(20 * max(matrices))
+                     cfg.dim * cfg.expert_dim * cfg.moe_experts / max(ep, fsdp * tp)]
+    return round((28 if fsdp > 1 and tp == 1 else 20) * max(matrices))
 
 
 RECOMPUTE_ORDER = ("none", "selective", "full")

@@ -12,14 +12,20 @@ rule that gives it AdamW's typical root-mean-square, so train.lr and train.weigh
 what they mean for AdamW (Moonlight reused AdamW's; decay is decoupled, as AdamW's).
 
 Under FSDP or tensor parallelism a rank holds a shard of a matrix, and orthogonalising a shard
-is not orthogonalising the matrix: the update is gathered whole on every rank of the shard group
-(one all-gather of the matrices per step, as large as FSDP's gather of the parameters), made
-orthogonal there and cut back to the rank's shard. Experts sharded by expert (expert
-parallelism, and FSDP's shards of them, both split dimension 0) are whole matrices already and
-are orthogonalised where they lie. Every rank of a group repeats the same iterations: each costs
-4m²n + 2m³ FLOPs for an m × n matrix (m ≤ n), 20m to 30m per entry over five, small beside a
-step's 6 · tokens per parameter at large batches (m = 4096 against a million tokens a step:
-about 2%), and left undivided here.
+is not orthogonalising the matrix. Under FSDP (rows split over the shard group) the matrices are
+shared out among the group's ranks: largest first, each successive bucket of as many matrices
+as ranks gives one to each, every rank sends its rows of each matrix to the matrix's owner and
+the owner returns each rank's rows of the result (two all-to-alls a bucket). Each rank then
+runs the iterations on about 1/n of the matrices, and receives and sends about 2/n of them,
+against every matrix whole on every rank for an all-gather (Moonlight's distributed Muon); the
+result is the same to the bit (the same iterations on the same matrices, sent in the dtype they
+run in). Under tensor parallelism, alone or with FSDP, the update is gathered whole on every rank
+of the mesh, orthogonalised there and cut back to the rank's shard. Experts sharded by expert
+(expert parallelism, and FSDP's shards of them, both split dimension 0) are whole matrices
+already and are orthogonalised where they lie. The iterations cost 4m²n + 2m³ FLOPs each for an
+m × n matrix (m ≤ n), 20m to 30m per entry over five, small beside a step's 6 · tokens per
+parameter at large batches (m = 4096 against a million tokens a step: about 2%, on whichever
+rank runs them).
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 # Jordan et al. 2024: the quintic's coefficients and iteration count.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -88,8 +95,56 @@ def orthogonalise(update: torch.Tensor) -> torch.Tensor:
 
 def _whole_where_it_lies(p: torch.Tensor) -> bool:
     """Whether each rank's part of `p` is made of whole matrices (sharded, if at all, only along
-    the dimensions before the last two: the experts of a stack)."""
-    return not isinstance(p, DTensor) or all(not pl.is_shard() or pl.dim < p.ndim - 2 for pl in p.placements)
+    the dimensions before the last two: the experts of a stack). (Strided shards, FSDP's under
+    tensor parallelism, are not `is_shard()` in torch 2.13: their dimension is read instead.)"""
+    return not isinstance(p, DTensor) or all(pl.is_replicate() or getattr(pl, "dim", p.ndim) < p.ndim - 2
+                                             for pl in p.placements)
+
+
+def _row_shard_dim(p: torch.Tensor) -> int | None:
+    """The mesh dimension over which FSDP splits the rows of the matrix `p`, when that is its only
+    split (replicas aside); None otherwise."""
+    if not isinstance(p, DTensor) or p.ndim != 2:
+        return None
+    split = [d for d, pl in enumerate(p.placements) if not pl.is_replicate()]
+    if len(split) == 1 and type(p.placements[split[0]]) is Shard and p.placements[split[0]].dim == 0:
+        return split[0]
+    return None
+
+
+def _rows(total: int, ranks: int, rank: int) -> tuple[int, int]:
+    """The rows [start, end) of `total` that rank `rank` of `ranks` holds under Shard(0) (torch.chunk's split)."""
+    size = -(-total // ranks)
+    start = min(rank * size, total)
+    return start, min(start + size, total)
+
+
+def _orthogonalise_shared_out(params: list[DTensor], local_update, group):
+    """Yields (j, this rank's rows of the orthogonalised update of matrix j of `params`) for
+    every j, a bucket at a time (params split by rows over `group`; local_update(j): this rank's
+    rows of matrix j's update, made when its bucket comes), the work shared out among the
+    group's ranks (see the module's docstring)."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    dtype = torch.bfloat16 if params[0].device_mesh.device_type == "cuda" else torch.float32  # orthogonalise's
+    order = sorted(range(len(params)), key=lambda j: -params[j].numel())
+    for first in range(0, len(order), n):
+        bucket = order[first:first + n]  # bucket[r] is rank r's to orthogonalise
+        shape = [params[j].shape for j in bucket]
+        mine = [local_update(j).to(dtype).reshape(-1) for j in bucket]
+        sent = [part.numel() for part in mine] + [0] * (n - len(bucket))
+        came = [0] * n
+        if me < len(bucket):
+            rows, cols = shape[me]
+            came = [(_rows(rows, n, r)[1] - _rows(rows, n, r)[0]) * cols for r in range(n)]
+        whole = torch.empty(sum(came), dtype=dtype, device=mine[0].device)
+        dist.all_to_all_single(whole, torch.cat(mine), came, sent, group=group)
+        del mine
+        result = orthogonalise(whole.view(shape[me])).reshape(-1) if me < len(bucket) else whole
+        back = torch.empty(sum(sent), dtype=dtype, device=whole.device)
+        dist.all_to_all_single(back, result, sent, came, group=group)
+        del whole, result
+        for j, part in zip(bucket, back.split(sent[:len(bucket)])):
+            yield j, part.view(local_shard(params[j]).shape).to(params[j].dtype)
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -117,30 +172,52 @@ class Muon(torch.optim.AdamW):
 
     def _muon_step(self, group: dict, skip: torch.Tensor | None) -> None:
         lr, decay, mu = group["lr"], group["weight_decay"], group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        keep = None if skip is None else skip > 0
+        params = [p for p in group["params"] if p.grad is not None]
+        buffers = []
+        for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:  # (and a count of steps, as AdamW's state has)
                 state["momentum_buffer"] = torch.zeros_like(p)
                 state["step"] = torch.zeros((), device=local_shard(p).device)
-            buffer = state["momentum_buffer"]
-            momentum = buffer * mu + p.grad
-            nesterov = p.grad + momentum * mu
-            if _whole_where_it_lies(p):
-                update = orthogonalise(local_shard(nesterov))
-            else:
-                whole = orthogonalise(nesterov.full_tensor())
-                update = local_shard(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None))
-                del whole
-            del nesterov
-            param, buffer, momentum = local_shard(p), local_shard(buffer), local_shard(momentum)
-            stepped = param * (1 - lr * decay)
-            stepped.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape[-2:])))
-            del update
-            if skip is not None:
-                keep = skip > 0
-                stepped, momentum = torch.where(keep, param, stepped), torch.where(keep, buffer, momentum)
-            param.copy_(stepped)
-            buffer.copy_(momentum)
+            buffer, grad = local_shard(state["momentum_buffer"]), local_shard(p.grad)
+            momentum = buffer * mu + grad
+            buffer.copy_(momentum if keep is None else torch.where(keep, buffer, momentum))
+            buffers.append(state["momentum_buffer"])
             state["step"] += 1 if skip is None else (skip <= 0).float()
+            del momentum
+
+        def nesterov(i: int, local: bool = False) -> torch.Tensor:
+            # The gradient plus mu times the new momentum (when the step is skipped the update
+            # this makes is discarded below, whatever it is).
+            grad, buffer = (local_shard(params[i].grad), local_shard(buffers[i])) if local else (params[i].grad,
+                                                                                                 buffers[i])
+            return grad + buffer * mu
+
+        for i, update in _orthogonalised(params, nesterov):
+            param = local_shard(params[i])
+            stepped = param * (1 - lr * decay)
+            stepped.add_(update, alpha=-lr * 0.2 * math.sqrt(max(params[i].shape[-2:])))
+            del update
+            param.copy_(stepped if keep is None else torch.where(keep, param, stepped))
+
+
+def _orthogonalised(params: list[torch.Tensor], nesterov):
+    """Yields (i, parameter i's update nesterov(i) orthogonalised, as this rank's part: a plain
+    tensor shaped like its shard), for every i; nesterov(i, local=True) is this rank's part of
+    it. Each update is made when it is needed and handed on when it is ready, so that few are
+    held at once."""
+    shared: dict = {}  # (mesh, dimension) -> indices of matrices split by rows over it
+    for i, p in enumerate(params):
+        if _whole_where_it_lies(p):
+            yield i, orthogonalise(nesterov(i, local=True))
+        elif (dim := _row_shard_dim(p)) is not None:
+            shared.setdefault((p.device_mesh, dim), []).append(i)
+        else:
+            whole = orthogonalise(nesterov(i).full_tensor())
+            yield i, local_shard(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None))
+            del whole
+    for (mesh, dim), indices in shared.items():
+        for j, part in _orthogonalise_shared_out([params[i] for i in indices],
+                                                 lambda j: nesterov(indices[j], local=True), mesh.get_group(dim)):
+            yield indices[j], part
