@@ -1,7 +1,7 @@
 """Mixture-of-experts blocks: routing against a token-by-token reference, exact parameter and
 FLOP counts, the balancing loss, training with resume and recomputation, parity with one process
-under data, expert, context and pipeline parallelism (each checkpoint resumed in one process),
-and the layouts and tools that refuse MoE so far."""
+under data, expert, tensor, context and pipeline parallelism (each checkpoint resumed in one
+process), and the layouts and tools that refuse MoE so far."""
 
 from __future__ import annotations
 
@@ -209,6 +209,10 @@ LAYOUTS = {  # name: (processes, overrides); plain FSDP of a MoE is the non-expe
     # orthogonalised where they lie, the attention's FSDP shards gathered whole.
     "expert-parallel-fsdp-muon": (4, ["parallel.dp_shard=4", "parallel.ep=2", "parallel.recompute=full",
                                       "train.optimizer=muon"]),
+    # Each rank of a tp pair routes its half of the sequences through whole weights, the pair
+    # summing their gradients; with experts split over ep and FSDP, recomputed, and Muon.
+    "tensor-expert-and-data-parallel-muon": (4, ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2",
+                                                 "parallel.recompute=full", "train.optimizer=muon"]),
     # Each sequence split over 2 cp ranks: the balancing loss counts the whole micro-batch's
     # assignments, and each expert's FSDP group takes in the cp ranks holding it.
     "context-and-expert-parallel": (4, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2"]),
@@ -258,8 +262,6 @@ def test_parallel_moe_trains_the_losses_and_gradients_of_one_process(stdlib_data
 
 def test_what_does_not_take_a_moe_model_yet_says_so(stdlib_data, tmp_path):
     cfg = tiny_config(stdlib_data, tmp_path / "r", *MOE_OVERRIDES, "model.vocab_size=512")
-    with pytest.raises(ConfigError, match="trains without tensor parallelism so far; set parallel.tp = 1"):
-        check_layout(resolve_layout(cfg.parallel.model_copy(update={"tp": 2, "dp_shard": 1}), 2), cfg)
     for overrides, message in ((["parallel.dp_shard=4", "parallel.ep=3"], "parallel.ep = 3 does not divide"),
                                (["parallel.dp_shard=3", "parallel.ep=3"], "moe_experts = 4 is not divisible by")):
         bad = tiny_config(stdlib_data, tmp_path / "r", *MOE_OVERRIDES, "model.vocab_size=512", *overrides,

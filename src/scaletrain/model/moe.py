@@ -35,6 +35,12 @@ value (`balance_tally`). So a pipeline stage trains its blocks' routers without 
 only the last stage has (as Megatron-LM's MoE layers do). Under context parallelism (`cp_group`)
 f_i counts the assignments of the whole sequences, gathered over the cp ranks, so that the mean of
 the ranks' losses is the loss of the whole micro-batch.
+
+Under tensor parallelism (`tp_group`) a block takes the rank's part of the sequences (sequence
+parallelism's split of the residual stream) and routes it with the whole router and experts,
+as data parallelism would: the tp ranks sum the weights' gradients (an all-reduce in the
+backward pass), f_i counts over them too, and the balancing loss's weight is divided by tp
+(each rank's loss is over its part of the tokens, and the parts' gradients are summed).
 """
 
 from __future__ import annotations
@@ -59,11 +65,13 @@ class Experts(nn.Module):
         # Under expert parallelism (parallel/expert.py) the weights are DTensors split by expert
         # over this group, and tokens travel to their experts' rank and back.
         self.ep_group = None
+        self.tp_group = None  # tensor parallelism: see MoE.tp_group
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (assignments, dim) sorted by expert, counts[e] of them for expert e (a tensor of
         every expert's count, this rank's assignments)."""
         weights = [w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3)]
+        weights = summed_over(weights, self.tp_group)
         if self.ep_group is None:
             return _run(x, counts, *weights)
         return _expert_parallel(x, counts, weights, self.ep_group)
@@ -164,6 +172,9 @@ class MoE(nn.Module):
         self.balance_weight = 0.0  # its gradient in the objective, per training forward
         self.balance_sum, self.balance_count = None, 0  # the values backward passes saw since the last tally
         self.cp_group = None  # context parallelism: the ranks holding the other parts of the sequences
+        # Tensor parallelism (parallel/tensor.py): the ranks holding the other parts of the
+        # sequences, each routing its own tokens with the whole weights, whose gradients they sum.
+        self.tp_group = None
         if cfg.moe_bias_update:
             self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts))
             # Assignments per expert since the last update (training forwards only; a recomputed
@@ -176,7 +187,8 @@ class MoE(nn.Module):
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
         with torch.autocast(x.device.type, enabled=False):  # routing decided in float32
-            logits = F.linear(flat.float(), self.router.weight.float())  # (tokens, experts)
+            router, = summed_over([self.router.weight], self.tp_group)
+            logits = F.linear(flat.float(), router.float())  # (tokens, experts)
         experts = self.router.out_features
         probs = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
         scores = probs if self.expert_bias is None else probs + self.expert_bias  # the bias only chooses
@@ -194,11 +206,14 @@ class MoE(nn.Module):
         unsorted[order] = routed
         out = (unsorted.view(-1, self.top_k, dim).float() * weights[..., None]).sum(dim=1).to(flat.dtype)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            w1, w2, w3 = summed_over([self.shared.w1.weight, self.shared.w2.weight, self.shared.w3.weight],
+                                     self.tp_group)  # (the shared FeedForward's forward, on these weights)
+            out = out + F.linear(F.silu(F.linear(flat, w1)) * F.linear(flat, w3), w2)
         total = counts.float()
-        if self.cp_group is not None:  # f_i over the whole sequences
-            total = total.clone()
-            dist.all_reduce(total, group=self.cp_group)
+        for group in (self.cp_group, self.tp_group):  # f_i over the whole sequences
+            if group is not None:
+                total = total.clone()
+                dist.all_reduce(total, group=group)
         share = total / total.sum()
         # P_i over probabilities that sum to one per token (sigmoid scores normalised, as DeepSeek-V3's balance loss).
         shares = probs if self.score == "softmax" else probs / probs.sum(dim=-1, keepdim=True)
@@ -227,6 +242,27 @@ class _BalanceGradient(torch.autograd.Function):
         moe.balance_sum = ctx.value if moe.balance_sum is None else moe.balance_sum + ctx.value
         moe.balance_count += 1
         return grad, (torch.full_like(ctx.value, ctx.weight) if ctx.weight else None), None
+
+
+def summed_over(weights: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """The weights, their gradients summed over `group` (None: as they are): the ranks of a
+    tensor-parallel group each train them on their own part of the sequences."""
+    return weights if group is None else [_SumGradient.apply(w, group) for w in weights]
+
+
+class _SumGradient(torch.autograd.Function):
+    """The identity, with the gradient all-reduced (summed) over a process group."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class _ScaleGradient(torch.autograd.Function):

@@ -107,10 +107,6 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
         if model.moe_experts % layout.ep:
             raise ConfigError(f"model.moe_experts = {model.moe_experts} is not divisible by parallel.ep = "
                               f"{layout.ep}; each expert-parallel rank holds the same number of experts")
-    if model.moe and layout.tp > 1:
-        raise ConfigError(f"a mixture-of-experts model (model.moe_experts = {model.moe_experts}) trains without "
-                          "tensor parallelism so far; set parallel.tp = 1 (data, expert, context and pipeline "
-                          "parallelism take it)")
     if layout.cp > 1:
         if seq_len % (2 * layout.cp):
             raise ConfigError(f"data.seq_len = {seq_len} is not divisible by 2 x parallel.cp = {2 * layout.cp}; "

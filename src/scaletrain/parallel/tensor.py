@@ -6,6 +6,8 @@ wq/wk/wv/w1/w3, row-parallel wo/w2); between blocks the residual stream is split
 sequence (norms run on a sequence shard), so activations are never replicated. The output head
 stays split over the vocabulary and the loss is computed on those shards (`loss_parallel`);
 a tied embedding is split the same way (by vocabulary rows), so one sharded matrix serves both.
+A mixture-of-experts block is not split: each rank routes its part of the sequence through the
+whole router and experts, the ranks summing their gradients (model/moe.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
+
+from scaletrain.model.moe import MoE
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -48,8 +52,20 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             **({"attention.q_norm": head_norm, "attention.k_norm": head_norm}
                if block.attention.q_norm is not None else {}),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            **(_mixture_plan() if isinstance(block.feed_forward, MoE) else {
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            }),
         })
+        if isinstance(block.feed_forward, MoE):
+            block.feed_forward.tp_group = block.feed_forward.experts.tp_group = tp_mesh.get_group()
+
+
+def _mixture_plan() -> dict:
+    """A mixture of experts routes the rank's part of the sequence with whole weights (see
+    model/moe.py): it takes the norm's output as the plain tensor of that part, and gives back
+    the residual stream's plain part of the sequence, as the row-parallel w2 does."""
+    return {"feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                               use_local_output=True)}

@@ -194,7 +194,8 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
     FSDP ranks (sharded over all `fsdp` of them either way). Under pipelining, the estimate of
     the pipeline rank with the larger peak."""
     if moe_layers(cfg) and tp > 1:
-        raise ValueError("the memory model covers a mixture of experts without tensor parallelism, as training does")
+        raise ValueError("the memory model does not cover a mixture of experts under tensor parallelism (its router "
+                         "and experts stay whole on every tp rank); estimate it with tp = 1")
     if pp > 1 and 0 < moe_layers(cfg) < cfg.n_layers:
         cfg = _heaviest_pipeline_rank(cfg, pp, pp_schedule, pp_stages_per_rank)
     common = dict(micro_steps=micro_steps, bf16=bf16, recompute=recompute, fsdp=fsdp, tp=tp, cp=cp,

@@ -70,7 +70,7 @@ def divisors(n: int) -> list[int]:
 
 
 def _tp_sizes(cfg: Any, seq_len: int, cp: int, gpus_per_node: int) -> list[int]:
-    if moe_layers(cfg):  # a mixture trains without tensor parallelism
+    if moe_layers(cfg):  # a mixture under tensor parallelism (whole experts on every tp rank) is not modelled
         return [1]
     sizes = (cfg.n_heads, cfg.kv_heads, cfg.hidden_dim, cfg.vocab, seq_len // cp)
     return [tp for tp in divisors(gpus_per_node) if all(size % tp == 0 for size in sizes)]

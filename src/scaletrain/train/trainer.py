@@ -247,8 +247,10 @@ class Trainer:
         self.loader = self._new_loader()
         # The experts' balance enters the objective from inside the blocks (model/moe.py), once a
         # micro-batch: scaled like the loss, which the trainer divides by the micro-batches and
-        # a pipeline schedule by scaling the gradients instead.
-        set_balance_weight(self.model, cfg.model.moe_aux_loss / (1 if self.layout.pp > 1 else self.loader.micro_steps))
+        # a pipeline schedule by scaling the gradients instead; and over tp, whose ranks sum
+        # the gradients of their parts of the sequences.
+        micro_steps = 1 if self.layout.pp > 1 else self.loader.micro_steps
+        set_balance_weight(self.model, cfg.model.moe_aux_loss / (micro_steps * self.layout.tp))
         # Attention within documents: the sources share a tokenizer, so one end-of-document token.
         self.eos_id = (read_index(next(iter(cfg.data.sources.values())))["eos_id"]
                        if cfg.model.document_mask else None)
