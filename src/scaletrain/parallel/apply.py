@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from scaletrain.config import RunConfig
+from scaletrain.model.moe import MoE
 from scaletrain.parallel.context import apply_cp
 from scaletrain.parallel.expert import apply_ep
 from scaletrain.parallel.fsdp import apply_fsdp
@@ -80,7 +81,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout: Layout, cfg: 
         if cfg.train.compile:
             mode = None if cfg.train.compile_mode == "default" else cfg.train.compile_mode
             for block in part.layers.values():
-                block.compile(mode=mode)
+                # A mixture's routing waits on the host, and torch's grouped GEMM traces in bf16
+                # only: a mixture block compiles its attention, the rest runs eagerly.
+                (block.attention if isinstance(block.feed_forward, MoE) else block).compile(mode=mode)
         if mesh is not None:
             apply_fsdp(part, mesh, param_dtype=param_dtype, reshard_after_forward=layout.pp == 1)
     if layout.pp == 1:
