@@ -521,10 +521,11 @@ class Trainer:
         grad_norm = self._clip_gradients(cfg.clip if cfg.clip > 0 else math.inf)
         # The norm is global (every rank holds the same), so every rank skips the same steps.
         bad = ~torch.isfinite(grad_norm)
-        values = torch.stack([torch.full_like(grad_norm, self.step + 1), loss_sum.to(grad_norm.dtype), grad_norm])
+        # The loss over the global batch, reduced on the device every step (one scalar): what a
+        # divergence or a spike is reported with, and what is logged.
+        global_loss = self._mean_over_last_stage(loss_sum)
+        values = torch.stack([torch.full_like(grad_norm, self.step + 1), global_loss.to(grad_norm.dtype), grad_norm])
         self.first_bad = torch.where(bad & (self.first_bad[0] < 0), values.float(), self.first_bad)
-        # The loss over the global batch, reduced on the device: every step when spikes are judged.
-        global_loss = self._mean_over_last_stage(loss_sum) if look or cfg.spike_sigmas else None
         if cfg.spike_sigmas:
             self._judge_loss(global_loss)
         if self.optimizer.defaults.get("fused"):
