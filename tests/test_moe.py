@@ -142,6 +142,13 @@ def test_balancing_loss_is_one_for_a_uniform_router_and_grows_when_one_expert_ta
     assert balance_tally(Transformer(ModelConfig(vocab_size=256, dim=64, n_layers=1, n_heads=4, max_seq_len=64))) is None
 
 
+def test_on_the_meta_device_a_mixture_gives_its_output_shape_without_routing():
+    """What older torch's pipeline stages infer shapes with (routing is data-dependent)."""
+    moe = Transformer(ModelConfig(**MOE)).layers["1"].feed_forward
+    out = moe(torch.empty(2, 16, 64, device="meta"))
+    assert out.shape == (2, 16, 64) and out.is_meta
+
+
 def test_with_one_expert_a_token_the_router_still_learns_from_the_loss():
     """Switch's routing: the output weighted by the chosen expert's probability (a softmax over
     one logit would be 1 and pass the router no gradient)."""

@@ -184,6 +184,8 @@ class MoE(nn.Module):
             self.expert_bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_meta:  # a pipeline stage's shape inference (torch before 2.13: on the meta device,
+            return torch.empty_like(x)  # where routing, data-dependent, cannot run): the output is shaped as x
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
         with torch.autocast(x.device.type, enabled=False):  # routing decided in float32
