@@ -625,8 +625,15 @@ def test_a_loss_spike_rewinds_to_before_it_and_a_resumed_run_judges_it_alike(std
     common = ["train.steps=20", "checkpoint.interval=4", "eval.interval=0", "log.interval=4", "train.rewinds=1",
               "train.spike_sigmas=4", "train.spike_window=6"]
     whole = tmp_path / "whole"
-    with glitched("spike", 12):
-        assert train(tiny_config(stdlib_data, whole, *common)).step == 20
+    with glitched("spike", 12):  # (with TensorBoard: its scalars past the rewind are dropped, then retrained)
+        assert train(tiny_config(stdlib_data, whole, *common, "log.tensorboard=true")).step == 20
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(whole / "tensorboard"))
+    events.Reload()
+    logged = events.Scalars("train/loss")  # each step once: the diverged steps' events purged
+    assert [e.step for e in logged] == sorted(losses(whole))
+    assert [e.value for e in logged] == pytest.approx([losses(whole)[e.step] for e in logged], rel=1e-6)
     [rewind] = read_metrics(whole, "rewind")
     assert (rewind["cause"], rewind["step"], rewind["diverged_at"], rewind["skipped_steps"]) == ("spike", 8, 13, 8)
     assert rewind["discarded"] == ["step_0000012"] and rewind["message"].startswith("a loss spike at step 13: loss ")
