@@ -68,6 +68,19 @@ def test_a_tracker_whose_package_is_missing_is_a_config_error_before_training(st
     assert not (tmp_path / "run").exists()
 
 
+def test_weights_and_biases_failing_to_start_is_a_config_error_that_says_what_to_do(stdlib_data, tmp_path,
+                                                                                     monkeypatch):
+    import wandb
+
+    def refuse(**kwargs):
+        raise RuntimeError("api key not configured (no-tty)")
+    monkeypatch.setattr(wandb, "init", refuse)
+    with pytest.raises(ConfigError, match=r"log.wandb_project = 'p': Weights & Biases did not start \(api key not "
+                                          r"configured \(no-tty\)\); run `wandb login`, or set WANDB_MODE=offline"):
+        train(tiny_config(stdlib_data, tmp_path / "run", "train.steps=1", "log.wandb_project=p"))
+    assert not list((tmp_path / "run").glob("checkpoints/step_*"))  # nothing trained
+
+
 def test_mfu_divides_the_jobs_flops_by_the_peak_of_all_its_devices(stdlib_data, tmp_path):
     """tokens/s counts the whole job's batch, so its MFU is against every device's peak: a
     4-way data-parallel job at the speed of one device at full peak is at 25%."""
