@@ -211,10 +211,9 @@ class MoE(nn.Module):
             w1, w2, w3 = summed_over([self.shared.w1.weight, self.shared.w2.weight, self.shared.w3.weight],
                                      self.tp_group)  # (the shared FeedForward's forward, on these weights)
             out = out + F.linear(F.silu(F.linear(flat, w1)) * F.linear(flat, w3), w2)
-        total = counts.float()
+        total = counts.float()  # (a copy: the routing keeps its own counts)
         for group in (self.cp_group, self.tp_group):  # f_i over the whole sequences
             if group is not None:
-                total = total.clone()
                 dist.all_reduce(total, group=group)
         share = total / total.sum()
         # P_i over probabilities that sum to one per token (sigmoid scores normalised, as DeepSeek-V3's balance loss).
