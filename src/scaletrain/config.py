@@ -82,6 +82,10 @@ class ModelConfig(_Section):
     """The first this many blocks keep a dense MLP (as DeepSeek-V3's first three)."""
     moe_bias_update: float = Field(default=0.0, ge=0)
     """Auxiliary-loss-free balancing (DeepSeek-V3): each expert gets a routing bias, added to its router probability when choosing a token's top-k (not to the weight of its output), moved by this much after each step toward balance (up for experts that got fewer than the mean of the global batch's assignments, down for those that got more); 0: off. DeepSeek-V3 used 0.001 on sigmoid scores; softmax probabilities are about 1/moe_experts."""
+    moe_groups: int = Field(default=1, ge=1)
+    """Expert groups for group-limited routing (DeepSeek-V3's node-limited routing): the routed experts split into this many equal groups of consecutive experts; under parallel.ep, consecutive ranks hold consecutive experts, so a group per node keeps each token's all-to-all within moe_group_limit nodes. 1: no groups."""
+    moe_group_limit: int | None = Field(default=None, ge=1)
+    """Groups each token may take its experts from: the moe_group_limit groups whose best ceil(moe_top_k / moe_group_limit) experts score highest in sum (DeepSeek-V3 sent each token to at most 4 of its 8 nodes' groups). Unset: every group (no limit)."""
     moe_aux_loss: float = Field(default=0.01, ge=0)
     """Weight of the load-balancing loss E x sum_i f_i P_i of each MoE block (Switch Transformer; f_i: share of routed tokens, P_i: mean router probability of expert i; 1 when balanced), whose sum over blocks is added to the training objective; logged per block as moe_balance."""
 
@@ -117,6 +121,17 @@ class ModelConfig(_Section):
                                  + ("" if "moe_top_k" in self.model_fields_set else " (its default)")
                                  + f" is more than the model.moe_experts = {self.moe_experts} there are; route to "
                                  "at most all of them")
+            if self.moe_experts % self.moe_groups:
+                raise ValueError(f"model.moe_groups = {self.moe_groups} does not divide the model.moe_experts = "
+                                 f"{self.moe_experts}; groups are equal: use a divisor of {self.moe_experts}")
+            limit = self.moe_group_limit or self.moe_groups
+            if limit > self.moe_groups:
+                raise ValueError(f"model.moe_group_limit = {limit} is more than the model.moe_groups = "
+                                 f"{self.moe_groups} there are; use at most {self.moe_groups}")
+            if self.moe_top_k > limit * (self.moe_experts // self.moe_groups):
+                raise ValueError(f"model.moe_top_k = {self.moe_top_k} experts cannot be chosen from "
+                                 f"model.moe_group_limit = {limit} groups of {self.moe_experts // self.moe_groups}; "
+                                 "allow more groups or choose fewer experts")
             if self.moe_dense_layers >= self.n_layers:
                 raise ValueError(f"model.moe_dense_layers = {self.moe_dense_layers} leaves none of the "
                                  f"{self.n_layers} blocks a mixture of experts; use fewer, or model.moe_experts = 0")

@@ -17,6 +17,10 @@ both are tested; on GPUs they are different kernels). The outputs are put back i
 order by a permutation, not a scatter-add, so the result does not depend on the order of
 floating-point additions (runs resume bit-exactly on GPUs too).
 
+With model.moe_groups = G and model.moe_group_limit = M < G, each token chooses its experts
+from its M best groups of consecutive experts only (DeepSeek-V3's node-limited routing: with a
+group per node, a token's all-to-all reaches at most M nodes); the weights are unchanged.
+
 With model.moe_bias_update = γ > 0, routing is also balanced without a loss (DeepSeek-V3,
 Liu et al. 2024, section 2.1.2): each expert has a bias, added to its probability only to choose
 the top k, and after each optimizer step moved by γ up for each expert that received fewer
@@ -44,6 +48,8 @@ backward pass), f_i counts over them too, and the balancing loss's weight is div
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -161,6 +167,7 @@ class MoE(nn.Module):
         super().__init__()
         self.layer = layer  # the block's index in the whole model
         self.top_k, self.score = cfg.moe_top_k, cfg.moe_score
+        self.groups, self.group_limit = cfg.moe_groups, cfg.moe_group_limit or cfg.moe_groups
         self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)
         self.experts = Experts(cfg.moe_experts, cfg.dim, cfg.expert_dim)
         self.shared = None
@@ -194,6 +201,8 @@ class MoE(nn.Module):
         experts = self.router.out_features
         probs = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
         scores = probs if self.expert_bias is None else probs + self.expert_bias  # the bias only chooses
+        if self.group_limit < self.groups:
+            scores = group_limited(scores.detach(), self.groups, self.group_limit, self.top_k)
         chosen = scores.topk(self.top_k, dim=-1).indices  # (tokens, k)
         weights = probs.gather(-1, chosen)  # one expert: its probability, as Switch (so the router
         if self.top_k > 1:  # learns from the loss); several: renormalised over them, as Mixtral
@@ -225,6 +234,19 @@ class MoE(nn.Module):
         else:  # outside training, with its graph if there is one (to add by hand)
             self.aux_loss = balance
         return out.view(batch, seq, dim)
+
+
+def group_limited(scores: torch.Tensor, groups: int, limit: int, top_k: int) -> torch.Tensor:
+    """The routing scores (tokens, experts) with every expert outside each token's `limit` best
+    groups (of `groups` equal groups of consecutive experts) set to -inf: the best groups by the
+    sum of their ceil(top_k / limit) highest scores (DeepSeek-V3's node-limited routing, Liu et
+    al. 2024, section 2.1.2; DeepSeek-V2 ranked groups by their single best)."""
+    tokens, experts = scores.shape
+    grouped = scores.view(tokens, groups, experts // groups)
+    strength = grouped.topk(-(-top_k // limit), dim=-1).values.sum(dim=-1)  # (tokens, groups)
+    allowed = torch.zeros(tokens, groups, dtype=torch.bool, device=scores.device)
+    allowed.scatter_(1, strength.topk(limit, dim=-1).indices, True)
+    return grouped.masked_fill(~allowed[..., None], -math.inf).view(tokens, experts)
 
 
 class _BalanceGradient(torch.autograd.Function):
