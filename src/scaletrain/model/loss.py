@@ -19,13 +19,14 @@ be close to 0", which they found to increase the stability of training). It ente
 gradient only: the value returned stays the cross-entropy, so that logged losses, evaluations
 and scaling-law fits mean the same with it or without. Its gradient, 2·z·log Z·softmax per
 token, is the softmax's own scaled by 1 + 2·z·log Z in the chunked loss. Under tensor
-parallelism (the vocabulary split, logits a DTensor) autograd takes it through DTensor's
-log-sum-exp.
+parallelism (the vocabulary split, logits a DTensor) log Z comes from each rank's columns and
+two all-reduces of a number per row, and autograd takes the gradient.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -52,18 +53,39 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0
 
 def _with_split_z_loss(loss: torch.Tensor, logits: DTensor, targets: torch.Tensor, z_loss: float) -> torch.Tensor:
     """`loss` plus z·(mean log²Z − the same, detached) for logits whose vocabulary is split over
-    tensor-parallel ranks (a DTensor, under loss_parallel): the z-loss's gradient by autograd
-    through DTensor's log-sum-exp (one all-reduce of each row's maximum and of its sum), and
-    nothing added to the value. Its backward keeps the float32 logits, which the loss's peak
-    holds anyway (plan/memory.py)."""
-    log_norm = torch.logsumexp(logits, dim=-1)
-    log_norm = log_norm.to_local() if isinstance(log_norm, DTensor) else log_norm  # replicated: every row
+    tensor-parallel ranks (a DTensor, under loss_parallel): the z-loss's gradient, and nothing
+    added to the value. log Z is taken from each rank's own columns — the rows' maximum and sum
+    of exponentials all-reduced over the ranks — not by DTensor's log-sum-exp, which gathers the
+    whole vocabulary's float32 logits onto every rank. Its backward keeps the exponentials of the
+    rank's columns, a float32 copy of its logits, as the loss's peak holds anyway
+    (plan/memory.py)."""
+    local, group = logits.to_local(), logits.device_mesh.get_group()
+    with torch.no_grad():
+        top = local.amax(dim=-1)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    total = _SummedOnEveryRank.apply(torch.exp(local - top[:, None]).sum(dim=-1), group)
+    log_norm = top + total.log()  # the same on every rank
     valid = targets != IGNORE
     square = (log_norm.square() * valid).sum() / valid.sum().clamp(min=1)
     term = z_loss * (square - square.detach())
     if isinstance(loss, DTensor):
         term = DTensor.from_local(term, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
     return loss + term
+
+
+class _SummedOnEveryRank(torch.autograd.Function):
+    """All-reduce (sum) forward; the gradient passes as it is: every rank computes the same
+    function of the sum, so each already holds the whole gradient with respect to its own part."""
+
+    @staticmethod
+    def forward(ctx, part: torch.Tensor, group) -> torch.Tensor:
+        total = part.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 class _ZLossCrossEntropy(torch.autograd.Function):

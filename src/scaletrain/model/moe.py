@@ -216,9 +216,11 @@ class MoE(nn.Module):
         unsorted = torch.empty_like(routed)
         unsorted[order] = routed
         out = (unsorted.view(-1, self.top_k, dim).float() * weights[..., None]).sum(dim=1).to(flat.dtype)
-        if self.shared is not None:
+        if self.shared is not None and self.tp_group is None:
+            out = out + self.shared(flat)  # (a module call: float8 training converts its linears)
+        elif self.shared is not None:  # its forward, on weights whose gradients sum over tp (in bf16 under float8)
             w1, w2, w3 = summed_over([self.shared.w1.weight, self.shared.w2.weight, self.shared.w3.weight],
-                                     self.tp_group)  # (the shared FeedForward's forward, on these weights)
+                                     self.tp_group)
             out = out + F.linear(F.silu(F.linear(flat, w1)) * F.linear(flat, w3), w2)
         total = counts.float()  # (a copy: the routing keeps its own counts)
         for group in (self.cp_group, self.tp_group):  # f_i over the whole sequences
@@ -283,9 +285,9 @@ class _SumGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        total = grad.to(torch.float32, copy=True)  # summed in float32, rounded once
+        dist.all_reduce(total, group=ctx.group)
+        return total.to(grad.dtype), None
 
 
 class _ScaleGradient(torch.autograd.Function):

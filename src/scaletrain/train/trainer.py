@@ -606,14 +606,18 @@ class Trainer:
         return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True), documents
 
     def _prime_pipeline(self) -> None:
-        """Run the pipeline schedule once on a batch of zeros and drop what it left. Its first
+        """Run the pipeline schedule once on a made-up batch and drop what it left. Its first
         run infers what passes between the stages by a forward and a backward of a micro-batch
         (torch 2.13), which a mixture's blocks would count as a micro-batch of training: their
         expert loads (which move the biases) and balancing losses would then depend on where a
         run started, and a resumed run would differ from one that never stopped."""
         self.pipeline_primed = True
-        zeros = torch.zeros(self.cfg.seqs_per_step // self.layout.dp, self.cfg.data.seq_len, dtype=torch.int64)
-        self._pipeline(*self._batch(zeros, zeros))
+        # Varied tokens (a batch of one token would route every token to the same experts, and
+        # under expert parallelism pile them on one rank), from a generator of its own: the
+        # global random state stays as a run that never stopped has it.
+        tokens = torch.randint(self.cfg.model.vocab, (self.cfg.seqs_per_step // self.layout.dp, self.cfg.data.seq_len),
+                               generator=torch.Generator().manual_seed(0))
+        self._pipeline(*self._batch(tokens, tokens))
         self.optimizer.zero_grad(set_to_none=True)
         forget_counts(self.model)
 
