@@ -124,7 +124,7 @@ class ModelConfig(_Section):
             if self.moe_experts % self.moe_groups:
                 raise ValueError(f"model.moe_groups = {self.moe_groups} does not divide the model.moe_experts = "
                                  f"{self.moe_experts}; groups are equal: use a divisor of {self.moe_experts}")
-            limit = self.moe_group_limit or self.moe_groups
+            limit = self.group_limit
             if limit > self.moe_groups:
                 raise ValueError(f"model.moe_group_limit = {limit} is more than the model.moe_groups = "
                                  f"{self.moe_groups} there are; use at most {self.moe_groups}")
@@ -147,6 +147,11 @@ class ModelConfig(_Section):
     @property
     def moe(self) -> bool:
         return self.moe_experts > 0
+
+    @property
+    def group_limit(self) -> int:
+        """The groups a token may take its experts from (moe_group_limit, or all of them)."""
+        return self.moe_group_limit or self.moe_groups
 
     @property
     def expert_dim(self) -> int:

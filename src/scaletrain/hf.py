@@ -120,7 +120,7 @@ def moe_problem(cfg: ModelConfig) -> str | None:
                 "Qwen3-MoE or Mixtral")
     if cfg.moe_score != "softmax":
         return f"model.moe_score = {cfg.moe_score!r}: Qwen3-MoE and Mixtral route by a softmax"
-    if (cfg.moe_group_limit or cfg.moe_groups) < cfg.moe_groups:
+    if cfg.group_limit < cfg.moe_groups:
         return (f"model.moe_group_limit = {cfg.moe_group_limit} of model.moe_groups = {cfg.moe_groups}: Qwen3-MoE "
                 "and Mixtral route among all experts")
     if not cfg.qk_norm and cfg.moe_dense_layers:

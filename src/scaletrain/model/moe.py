@@ -167,7 +167,7 @@ class MoE(nn.Module):
         super().__init__()
         self.layer = layer  # the block's index in the whole model
         self.top_k, self.score = cfg.moe_top_k, cfg.moe_score
-        self.groups, self.group_limit = cfg.moe_groups, cfg.moe_group_limit or cfg.moe_groups
+        self.groups, self.group_limit = cfg.moe_groups, cfg.group_limit
         self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)
         self.experts = Experts(cfg.moe_experts, cfg.dim, cfg.expert_dim)
         self.shared = None
