@@ -198,13 +198,20 @@ SPIKES = ["train.spike_sigmas=4", "train.spike_window=2"]
 REWOUND = {"fsdp-rewound": (["parallel.dp_shard=2", "train.rewinds=1"], "nan"),
            "pp-spike-rewound": ([*PP2, "train.rewinds=1", *SPIKES], "spike")}
 GLITCH = 2
+# The next stage of reference_deep's run (checkpoint.init_from: its weights and optimizer state,
+# saved by one process) on other documents, trained under tensor parallelism: the losses of the
+# same stage in one process.
+STAGE_TWO = ["data.path=SHORT_DOCUMENTS", "train.warmup_steps=0", "model.rope_theta=50000.0"]
+STAGED = {"tp-stage-two": TP2}
 
 
 @pytest.fixture(scope="module")
-def layout_runs(stdlib_data, short_documents, tmp_path_factory):
+def layout_runs(stdlib_data, short_documents, reference_deep, tmp_path_factory):
     """Every grouped layout trained once: name -> run directory (three launches: 2, 4, 8 processes)."""
     root = tmp_path_factory.mktemp("layouts")
     two = [(name, [*DEEP, *overrides], None) for name, overrides in {**TWO, **MIXED}.items()]
+    two += [(name, [*DEEP, *overrides, *STAGE_TWO, f"checkpoint.init_from={reference_deep}"], None)
+            for name, overrides in STAGED.items()]
     for name, (uninterrupted, extra) in RESUME.items():
         two += [(name, [*DEEP, *TWO[uninterrupted], *extra], STOP),
                 (name, [*DEEP, *TWO[uninterrupted], *extra], None)]
@@ -220,7 +227,7 @@ def layout_runs(stdlib_data, short_documents, tmp_path_factory):
     launch_layouts(stdlib_data, root, 4, four, short_documents)
     launch_layouts(stdlib_data, root, 8, [(name, [*DEEP, *overrides], None) for name, overrides in EIGHT.items()])
     return {name: root / name
-            for name in [*TWO, *MIXED, *FOUR, *EIGHT, *RESHARD, *RESUME, *TO_ONE, *DAMAGED, *REWOUND]}
+            for name in [*TWO, *MIXED, *FOUR, *EIGHT, *RESHARD, *RESUME, *TO_ONE, *DAMAGED, *REWOUND, *STAGED]}
 
 
 @pytest.mark.parametrize("name", [*TWO, *FOUR, *EIGHT])
@@ -258,6 +265,16 @@ def test_a_checkpoint_resumes_in_another_layout_with_the_losses_of_one_that_neve
     run_dir = layout_runs[name]
     assert [r["step"] for r in read_metrics(run_dir, "resume")] == [STOP]
     assert_parity(run_dir, reference_deep)
+
+
+@pytest.mark.parametrize("name", list(STAGED))
+def test_the_next_stage_of_a_run_trains_in_another_layout_the_losses_of_one_process(
+        stdlib_data, short_documents, layout_runs, reference_deep, tmp_path, name):
+    one = tmp_path / "one"
+    train(tiny_config(stdlib_data, one, *STEPS, *DEEP, *with_data(STAGE_TWO, short_documents),
+                      f"checkpoint.init_from={reference_deep}"))
+    assert read_metrics(layout_runs[name], "start")[0]["init_step"] == 4
+    assert_parity(layout_runs[name], one)
 
 
 @pytest.mark.parametrize("name", list(TO_ONE))

@@ -375,6 +375,126 @@ def test_resume_from_an_explicit_checkpoint_path(stdlib_data, tmp_path):
         Trainer(cfg).resume()
 
 
+@pytest.fixture(scope="module")
+def first_stage(stdlib_data, tmp_path_factory) -> Path:
+    """A run of 4 steps with checkpoints at steps 2 and 4: the stage the tests below continue."""
+    run_dir = tmp_path_factory.mktemp("stages") / "first"
+    train(tiny_config(stdlib_data, run_dir, "train.steps=4", "checkpoint.interval=2", "eval.interval=0"))
+    return run_dir
+
+
+def _states_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for name, tensor in a.state_dict().items():
+        assert torch.equal(tensor, b.state_dict()[name]), name
+
+
+def test_a_run_starts_its_next_stage_from_another_runs_checkpoint_and_resumes_exactly(
+        stdlib_data, short_documents, first_stage, tmp_path):
+    """checkpoint.init_from = a run directory: its newest checkpoint's weights and optimizer state,
+    as resuming it would load them; then this run's own steps, schedule and data (other documents,
+    sequences twice as long, another rope base). Stopped part-way, the stage resumes from its own
+    checkpoint with the losses of one that never stopped."""
+    def stage(run_dir: Path, *overrides: str):
+        return tiny_config(short_documents, run_dir, "train.steps=3", "train.warmup_steps=0", "eval.interval=0",
+                           "checkpoint.interval=1", "data.seq_len=128", "model.max_seq_len=128",
+                           "model.rope_theta=50000.0", f"checkpoint.init_from={first_stage}", *overrides)
+
+    second = Trainer(stage(tmp_path / "second"))
+    info = second.init_from_checkpoint()
+    assert (info["init_from"], info["init_step"]) == (str(first_stage / "checkpoints" / "step_0000004"), 4)
+    resumed = Trainer(tiny_config(stdlib_data, tmp_path / "resumed", "train.steps=8", "eval.interval=0",
+                                  f"checkpoint.resume={first_stage / 'checkpoints' / 'step_0000004'}"))
+    resumed.resume()
+    _states_equal(second.model, resumed.model)
+    theirs, ours = resumed.optimizer.state_dict()["state"], second.optimizer.state_dict()["state"]
+    assert theirs and sorted(theirs) == sorted(ours)
+    for index in theirs:
+        for key, value in theirs[index].items():
+            assert torch.equal(value, ours[index][key]), (index, key)
+    assert second.step == 0 and second.loader.state_dict()["consumed"] == 0
+    for trainer in (second, resumed):
+        trainer.loader.close()
+
+    train(stage(tmp_path / "second"), stop_at_step=2)
+    assert train(stage(tmp_path / "second")).resumed_from == 2
+    train(stage(tmp_path / "whole"))
+    assert losses(tmp_path / "second") == losses(tmp_path / "whole")
+    start = read_metrics(tmp_path / "whole", "start")[0]
+    assert (start["init_step"], start["init_tokens"], start["init_optimizer"]) == (4, 4 * 512, True)
+    # The optimizer's moments matter: afresh, the first loss (the same weights on the same batch)
+    # is the same and the next ones are not.
+    train(stage(tmp_path / "afresh", "checkpoint.init_optimizer=false"))
+    afresh, whole = losses(tmp_path / "afresh"), losses(tmp_path / "whole")
+    assert afresh[1] == whole[1]
+    assert abs(afresh[2] - whole[2]) > 1e-4
+    assert whole[1] < losses(first_stage)[1] - 0.1  # it starts from the trained model
+
+
+def test_a_checkpoint_that_does_not_fit_the_next_stage_is_refused_in_one_sentence(
+        stdlib_data, first_stage, tmp_path):
+    from tokenizers import Tokenizer
+
+    def refused(match: str, init_from: Path, *overrides: str):
+        with pytest.raises(ConfigError, match=match):
+            Trainer(tiny_config(stdlib_data, tmp_path / "next", "train.steps=2", f"checkpoint.init_from={init_from}",
+                                *overrides))
+
+    refused(r"holds another model: it has no layers.2.attention_norm.weight \(and \d+ more\); its run had "
+            r"model.n_layers = 2; model.\* must describe", first_stage, "model.n_layers=3")
+    refused(r"its tok_embeddings.weight is 512x64, this model's 512x128 .*model.dim = 64", first_stage,
+            "model.dim=128")
+    refused(r"was trained with train.optimizer = 'adamw'.*set train.optimizer = 'adamw', or "
+            r"checkpoint.init_optimizer = false", first_stage, "train.optimizer=muon")
+    refused("neither a Hugging Face model directory .* nor a scaletrain run directory or checkpoint", tmp_path)
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    refused("is a run directory without a complete checkpoint", tmp_path / "empty")
+    shutil.copytree(first_stage, tmp_path / "retokenized")
+    other = Tokenizer.from_file(str(tmp_path / "retokenized" / "tokenizer.json"))
+    other.add_tokens(["<|another|>"])
+    other.save(str(tmp_path / "retokenized" / "tokenizer.json"))
+    refused("its tokenizer is not the one the data was prepared with", tmp_path / "retokenized")
+    (tmp_path / "retokenized" / "checkpoints" / "step_0000002" / "__0_0.distcp").write_bytes(b"cut")
+    refused("checkpoint .*step_0000002 is not usable: file __0_0.distcp is 3 bytes",
+            tmp_path / "retokenized" / "checkpoints" / "step_0000002")
+    # A checkpoint copied away from its run's config.toml: the optimizer's state itself is missed.
+    shutil.copytree(first_stage / "checkpoints" / "step_0000004", tmp_path / "copied")
+    muon = Trainer(tiny_config(stdlib_data, tmp_path / "muon", "train.steps=2",
+                               f"checkpoint.init_from={tmp_path / 'copied'}", "train.optimizer=muon"))
+    with pytest.raises(ConfigError, match="holds no optimizer state .*checkpoint.init_optimizer = false"):
+        muon.init_from_checkpoint()
+    muon.loader.close()
+    fresh = Trainer(tiny_config(stdlib_data, tmp_path / "muon", "train.steps=2", "checkpoint.init_optimizer=false",
+                                f"checkpoint.init_from={tmp_path / 'copied'}", "train.optimizer=muon"))
+    fresh.init_from_checkpoint()  # its weights alone fit
+    fresh.loader.close()
+
+
+def test_a_next_stage_may_switch_the_experts_routing_biases_on_or_off(stdlib_data, tmp_path):
+    """The routing biases of auxiliary-loss-free balancing are the one kind of weight a stage may
+    add (they start at zero) or drop; everything else comes from the checkpoint."""
+    moe = ["model.moe_experts=4", "model.moe_score=sigmoid", "train.steps=3", "eval.interval=0"]
+    train(tiny_config(stdlib_data, tmp_path / "plain", *moe))
+    train(tiny_config(stdlib_data, tmp_path / "biased", *moe, "model.moe_bias_update=0.01"))
+    for source, bias_update in (("plain", "0.01"), ("biased", "0.0")):
+        stage = Trainer(tiny_config(stdlib_data, tmp_path / f"from-{source}", *moe, f"model.moe_bias_update={bias_update}",
+                                    f"checkpoint.init_from={tmp_path / source}"))
+        stage.init_from_checkpoint()
+        reference = Trainer(tiny_config(stdlib_data, tmp_path / f"resumed-{source}", *moe, "train.steps=5",
+                                        f"model.moe_bias_update={0.01 if source == 'biased' else 0.0}",
+                                        f"checkpoint.resume={tmp_path / source / 'checkpoints' / 'step_0000003'}"))
+        reference.resume()
+        ours, theirs = stage.model.state_dict(), reference.model.state_dict()
+        for name, tensor in ours.items():
+            if name.endswith("expert_bias"):
+                assert not tensor.any(), name  # switched on: from zero
+            else:
+                assert torch.equal(tensor, theirs[name]), name
+        if source == "biased":
+            assert any(t.any() for name, t in theirs.items() if name.endswith("expert_bias"))  # (dropped: not zero)
+        for trainer in (stage, reference):
+            trainer.loader.close()
+
+
 def test_compiled_blocks_train_the_same_losses(stdlib_data, tmp_path):
     """train.compile = true compiles each block with inductor; losses match eager to float32 rounding."""
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"

@@ -126,9 +126,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         resolved = resolve(cfg)  # a layout that cannot work is one line here, not N tracebacks there
         check_layout(resolve_layout(resolved.parallel, args.nproc), resolved)
-        from scaletrain.hf import init_source
+        from scaletrain.train.init_from import init_source
 
-        init_source(resolved)  # a model directory that does not fit the run, likewise
+        init_source(resolved)  # a model or checkpoint that does not fit the run, likewise
         return _torchrun(args)
     try:
         result = train(cfg, stop_at_step=args.stop_at_step)

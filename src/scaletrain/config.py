@@ -344,7 +344,9 @@ class CheckpointConfig(_Section):
     resume: str = "auto"
     """"auto": resume from the newest complete checkpoint in the run directory if any; "never"; or a checkpoint path."""
     init_from: str | None = None
-    """A Hugging Face model directory (LlamaForCausalLM, Qwen3ForCausalLM or their mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM, e.g. what `scaletrain export` writes) whose weights start a new run (continued pre-training); model.* must describe its config.json. A run that resumes takes its checkpoint instead."""
+    """What a new run's weights start from: a Hugging Face model directory (LlamaForCausalLM, Qwen3ForCausalLM or their mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM, e.g. what `scaletrain export` writes: continued pre-training), whose config.json model.* must describe; or another scaletrain run's checkpoint (…/checkpoints/step_NNNNNNN, or a run directory for its newest): the next stage of its training, on other data, at another sequence length, layout or schedule, from step 0 of this run's own schedule and data order, with its weights of the same shapes (model.* may differ in what holds no weight: rope settings, max_seq_len, document_mask, routing). A run that resumes takes its own checkpoint instead."""
+    init_optimizer: bool = True
+    """With init_from naming a scaletrain checkpoint: also take its optimizer state (AdamW's moments, Muon's momentum; the same train.optimizer), so that the next stage continues without the jolt of fresh moments; false: start the optimizer afresh (then warm the learning rate up again)."""
 
 
 class EvalConfig(_Section):

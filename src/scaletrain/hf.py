@@ -437,34 +437,19 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
                           + f"; set {fix}")
 
 
-def check_tokenizer(hf_dir: str | Path, data_tokenizer: str | Path) -> None:
-    """ConfigError when the model directory's tokenizer.json (if it has one) maps tokens to other ids
-    than the tokenizer the data was prepared with: the model would read the data as other words."""
+def check_tokenizer(model_dir: str | Path, data_tokenizer: str | Path, given: str | None = None) -> None:
+    """ConfigError when the model directory's tokenizer.json (if it has one; a run directory keeps
+    its data's) maps tokens to other ids than the tokenizer the data was prepared with: the model
+    would read the data as other words. `given`: checkpoint.init_from as written, for the message."""
     from scaletrain.data.tokenizer import load_tokenizer
 
-    model_tokenizer = Path(hf_dir) / "tokenizer.json"
+    model_tokenizer = Path(model_dir) / "tokenizer.json"
     if not model_tokenizer.is_file():
         return
     if load_tokenizer(model_tokenizer).get_vocab() != load_tokenizer(data_tokenizer).get_vocab():
-        raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r}: its tokenizer is not the one the data was "
+        raise ConfigError(f"checkpoint.init_from = {given or str(model_dir)!r}: its tokenizer is not the one the data was "
                           f"prepared with ({data_tokenizer}); prepare the data with `scaletrain data prepare "
                           f"--tokenizer {model_tokenizer}`")
-
-
-def init_source(cfg) -> Path | None:
-    """The Hugging Face model directory a run `cfg` (a resolved RunConfig) starts from, checked
-    against its model and data (ConfigError if they do not fit); None when the run takes no
-    weights from one: no checkpoint.init_from, or a run that resumes from a checkpoint (its own,
-    or the one checkpoint.resume names) and needs the directory no more."""
-    from scaletrain.train.checkpoint import committed_checkpoints
-
-    hf_dir = cfg.checkpoint.init_from
-    if (not hf_dir or cfg.checkpoint.resume not in ("auto", "never")
-            or committed_checkpoints(cfg.run_dir / "checkpoints")):
-        return None
-    check_matches(cfg.model, hf_dir)
-    check_tokenizer(hf_dir, next(iter(cfg.data.sources.values())) / "tokenizer.json")
-    return Path(hf_dir)
 
 
 def load_hf_weights(hf_dir: str | Path, cfg: ModelConfig) -> dict:

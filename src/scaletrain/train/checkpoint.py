@@ -270,6 +270,11 @@ def bytes_on_disk(root: Path) -> int:
                if entry.is_file())
 
 
+def marker(path: Path) -> dict:
+    """What the COMMITTED marker of a complete checkpoint records: step, tokens, files."""
+    return json.loads((path / MARKER).read_bytes())
+
+
 def step_of(path: Path) -> int:
     return int(path.name[len(PREFIX):])
 
@@ -326,6 +331,19 @@ def complete_checkpoints(root: Path) -> list[Path]:
 def committed_checkpoints(root: Path) -> list[Path]:
     """Checkpoints whose save finished (they have a marker), whether or not damaged since."""
     return [p for p in all_checkpoints(root) if (p / MARKER).is_file()]
+
+
+def saved_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
+    """Every entry of checkpoint `path` as DCP names it ("model.layers.0.attention.wq.weight",
+    "optim.state.….exp_avg"), with its (global) shape; None for what is not a tensor."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:  # unpickling a damaged .metadata raises anything
+        raise CheckpointError(f"checkpoint {path} could not be read ({type(e).__name__}: {e})") from e
+    return {name: tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
+            for name, entry in saved.items()}
 
 
 def load(path: Path, state: dict, optional: tuple[str, ...] = ()) -> None:

@@ -17,14 +17,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletrain.config import ConfigError, RunConfig, load_config, validate_config
 from scaletrain.data.loader import IGNORE, Prefetcher, TokenLoader, eval_batches
 from scaletrain.data.shards import DataError, read_index
-from scaletrain.hf import init_source, load_hf_weights
+from scaletrain.hf import load_hf_weights
 from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.model.llama import Transformer, document_ids
 from scaletrain.model.loss import cross_entropy
@@ -38,6 +39,7 @@ from scaletrain.plan.memory import choose_recompute
 from scaletrain.plan.timing import PlanLayout
 from scaletrain.train import checkpoint
 from scaletrain.train.float8 import check_float8, convert_to_float8
+from scaletrain.train.init_from import FRESH, init_source
 from scaletrain.train.metrics import MetricsLog, StepProfiler, TensorBoardSink, WandbSink, read_metrics
 from scaletrain.train.optim import build_optimizer, local_shard, set_hyperparameters
 from scaletrain.train.resilience import StopSignals, StoppedBySignal, Watchdog, loss_spike
@@ -225,8 +227,8 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)  # every rank builds the same full model, then keeps its shard
         param_dtype = self.dtype if cfg.parallel.fsdp_param_dtype == "auto" else getattr(torch, cfg.parallel.fsdp_param_dtype)
         model = Transformer(cfg.model).to(self.device)
-        if self.init_from:
-            model.load_state_dict(load_hf_weights(self.init_from, cfg.model))
+        if self.init_from and self.init_from.kind == "hf":  # (another run's checkpoint loads once sharded: fit)
+            model.load_state_dict(load_hf_weights(self.init_from.path, cfg.model))
             log.info("weights from %s (checkpoint.init_from)", cfg.checkpoint.init_from)
         if cfg.train.float8:  # before sharding: FSDP then gathers float8-aware weights
             log.info("train.float8: %d linear layers compute in float8",
@@ -367,13 +369,54 @@ class Trainer:
     def load_state(self, state: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=STATE_OPTIONS)
-        train = self.cfg.train  # the learning rate is set each step; the rest follows the config here
-        set_hyperparameters(self.optimizer, weight_decay=train.weight_decay, betas=(train.beta1, train.beta2),
-                            eps=train.eps, momentum=train.muon_momentum)
+        self._set_hyperparameters()
         self.loader.load_state_dict(json.loads(state["loader"]))
         set_rng_state(state["rng"], self.device)
         self.step, self.tokens = int(state["progress"]["step"]), int(state["progress"]["tokens"])
         self.loss_stats = state["progress"].get("loss_stats", torch.zeros(4)).to(self.device)
+
+    def _set_hyperparameters(self) -> None:
+        """A loaded optimizer state brings the hyperparameters it was saved with: the config's
+        instead (the learning rate is set each step)."""
+        train = self.cfg.train
+        set_hyperparameters(self.optimizer, weight_decay=train.weight_decay, betas=(train.beta1, train.beta2),
+                            eps=train.eps, momentum=train.muon_momentum)
+
+    def init_from_checkpoint(self) -> dict:
+        """checkpoint.init_from names another run's checkpoint: its weights (and, with
+        checkpoint.init_optimizer, its optimizer state) into this run's model, in this run's
+        layout; this run's step, data order and random state stay at their start. Returns what
+        the start record keeps of it."""
+        path = self.init_from.path
+        take_optimizer = self.cfg.checkpoint.init_optimizer
+        if take_optimizer:  # (building the optimizer's state initialises its moments: only then)
+            model_state, optim_state = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
+            state = {"model": model_state, "optim": optim_state}
+        else:
+            state = {"model": get_model_state_dict(self.model, options=STATE_OPTIONS)}
+        saved = checkpoint.saved_shapes(path)
+        fresh = [name for name in state["model"] if f"model.{name}" not in saved and name.endswith(FRESH)]
+        for name in fresh:  # checked by init_source: only weights that start afresh may be missing
+            del state["model"][name]
+        if take_optimizer:
+            lacking = [name for name in state["optim"] if f"optim.{name}" not in saved]  # (FRESH: buffers, no state)
+            if lacking:
+                raise ConfigError(f"checkpoint.init_from = {self.cfg.checkpoint.init_from!r} holds no optimizer state "
+                                  f"{lacking[0]} (it was written by another optimizer or version); set "
+                                  "checkpoint.init_optimizer = false to start the optimizer afresh")
+        checkpoint.load(path, state)
+        options = StateDictOptions(flatten_optimizer_state_dict=True, strict=not fresh)
+        if take_optimizer:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"], options=options)
+            self._set_hyperparameters()
+        else:
+            set_model_state_dict(self.model, state["model"], options=options)
+        marker = checkpoint.marker(path)
+        log.info("weights%s from %s (step %d of its run; checkpoint.init_from)",
+                 " and optimizer state" if take_optimizer else "", path, marker["step"])
+        return {"init_from": str(path), "init_step": marker["step"], "init_tokens": marker["tokens"],
+                "init_optimizer": take_optimizer}
 
     def resume(self) -> int | None:
         choice = self.cfg.checkpoint.resume
@@ -735,8 +778,13 @@ class Trainer:
         if resumed_from is not None:
             metrics.write("resume", self.step, self.tokens)
         else:
+            source = {}
+            if self.init_from and self.init_from.kind == "checkpoint":
+                source = self.init_from_checkpoint()
+            elif self.init_from:
+                source = {"init_from": str(self.init_from.path)}
             metrics.write("start", 0, 0, total_steps=self.total_steps, flops_per_token=self.flops_per_token,
-                          device=str(self.device), dtype=str(self.dtype).removeprefix("torch."))
+                          device=str(self.device), dtype=str(self.dtype).removeprefix("torch."), **source)
         train_loss = val_loss = None
         accounted = False
         window_tokens, window_time, window_wait = 0, 0.0, 0.0
