@@ -4,6 +4,7 @@ Hugging Face models (checkpoint.init_from), compared with transformers' own forw
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 
@@ -191,7 +192,7 @@ def test_a_run_starts_from_an_exported_model_and_trains_on(runs, stdlib_data, tm
     Trainer(new).loader.close()
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "yarn_rope", "linear_rope", "qwen3", "qwen3_moe", "mixtral"])
 def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, kind):
     from scaletrain.config import ModelConfig
     from scaletrain.hf import hf_config, load_hf_weights, model_settings
@@ -206,6 +207,13 @@ def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, k
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, tie_word_embeddings=False, rope_scaling={
             "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 16}))
+    elif kind == "yarn_rope":  # DeepSeek's mscale pair sets the attention factor (1.0 when equal: not these)
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, tie_word_embeddings=False, rope_scaling={
+            "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 16.0, "mscale": 1.0, "mscale_all_dim": 0.5}))
+    elif kind == "linear_rope":
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, tie_word_embeddings=False, rope_scaling={
+            "rope_type": "linear", "rope_theta": 1e4, "factor": 3.0}))
     elif kind == "qwen3":
         hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, head_dim=16, tie_word_embeddings=True))
     elif kind == "qwen3_moe":  # a dense first block, then 4 experts of width 32, 2 per token
@@ -232,16 +240,25 @@ def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, k
     tokens = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf.eval()(tokens).logits, rtol=1e-4, atol=1e-4)
-    if kind == "llama3_rope":
-        assert cfg.rope_scaling == {"factor": 8, "low_freq_factor": 1, "high_freq_factor": 4, "original_max_seq_len": 16}
+    scaled = {"llama3_rope": {"factor": 8, "low_freq_factor": 1, "high_freq_factor": 4, "original_max_seq_len": 16},
+              "yarn_rope": {"type": "yarn", "factor": 4, "original_max_seq_len": 16, "beta_fast": 16,
+                            "attention_factor": (0.1 * math.log(4) + 1) / (0.05 * math.log(4) + 1)},
+              "linear_rope": {"type": "linear", "factor": 3}}
+    if kind in scaled:
+        assert cfg.rope_scaling == pytest.approx(scaled[kind])
         plain = Transformer(cfg.model_copy(update={"rope_scaling": None}))
         plain.load_state_dict(ours.state_dict())
         with torch.no_grad():  # the scaling matters at these positions
             assert (plain(tokens) - ours(tokens)).abs().max() > 1e-3  # (the comparison above is to 1e-4)
-        # and goes back out as transformers reads it
+        # and goes back out as transformers reads it: the same logits from what export writes
         config = hf_config(cfg, "float32", 0)
-        assert config["rope_parameters"] == {**hf.config.rope_parameters, "original_max_position_embeddings": 16}
-        assert transformers.LlamaConfig(**config).rope_parameters == hf.config.rope_parameters
+        again = type(hf)(type(hf.config)(**config)).eval()
+        again.load_state_dict(hf.state_dict())
+        with torch.no_grad():
+            torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, rtol=1e-5, atol=1e-5)
+        (tmp_path / "again").mkdir()
+        (tmp_path / "again" / "config.json").write_text(json.dumps(config))
+        assert model_settings(tmp_path / "again")["rope_scaling"] == cfg.rope_scaling
 
 
 def test_a_model_of_another_shape_or_kind_is_refused_with_the_settings_to_use(runs, stdlib_data, tmp_path):
@@ -271,9 +288,16 @@ def test_a_model_of_another_shape_or_kind_is_refused_with_the_settings_to_use(ru
                                           r" = 4.0, original_max_seq_len = 32.0\}"):
         Trainer(tiny_config(stdlib_data, tmp_path / "run", "train.steps=2", f"checkpoint.init_from={tmp_path / 'hf'}",
                             "model.rope_theta=500.0", "model.norm_eps=1e-6"))
-    config.update(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 32.0}, attention_bias=True)
+    config.update(rope_parameters={"rope_type": "dynamic", "rope_theta": 5e5, "factor": 32.0}, attention_bias=True)
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="does not compute: attention_bias true .*; rotary scaling 'yarn'"):
+    with pytest.raises(ConfigError, match="does not compute: attention_bias true .*; rotary scaling 'dynamic' .*"
+                                          "changes with each input's length"):
+        model_settings(tmp_path / "hf")
+    config.update(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "truncate": False},
+                  attention_bias=False)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="rotary scaling 'yarn' without original_max_position_embeddings; YaRN's "
+                                          "ramp without truncation"):
         model_settings(tmp_path / "hf")
     config.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0}, attention_bias=False)
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))

@@ -392,12 +392,13 @@ def test_a_run_starts_its_next_stage_from_another_runs_checkpoint_and_resumes_ex
         stdlib_data, short_documents, first_stage, tmp_path):
     """checkpoint.init_from = a run directory: its newest checkpoint's weights and optimizer state,
     as resuming it would load them; then this run's own steps, schedule and data (other documents,
-    sequences twice as long, another rope base). Stopped part-way, the stage resumes from its own
+    sequences twice as long under YaRN's rotary scaling: a context extension). Stopped part-way, the stage resumes from its own
     checkpoint with the losses of one that never stopped."""
     def stage(run_dir: Path, *overrides: str):
         return tiny_config(short_documents, run_dir, "train.steps=3", "train.warmup_steps=0", "eval.interval=0",
                            "checkpoint.interval=1", "data.seq_len=128", "model.max_seq_len=128",
-                           "model.rope_theta=50000.0", f"checkpoint.init_from={first_stage}", *overrides)
+                           'model.rope_scaling={type = "yarn", factor = 2, original_max_seq_len = 64}',
+                           f"checkpoint.init_from={first_stage}", *overrides)
 
     second = Trainer(stage(tmp_path / "second"))
     info = second.init_from_checkpoint()

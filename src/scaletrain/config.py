@@ -37,6 +37,41 @@ class RunSection(_Section):
     """Seeds the model initialisation and the data order."""
 
 
+# model.rope_scaling's kinds: {type: (keys it must give, keys it may give)}; no type is Llama 3.1's.
+ROPE_SCALING = {"llama3": ({"factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"}, set()),
+                "yarn": ({"factor", "original_max_seq_len"}, {"beta_fast", "beta_slow", "attention_factor"}),
+                "linear": ({"factor"}, set())}
+ROPE_EXAMPLES = {"llama3": "{factor = 8, low_freq_factor = 1, high_freq_factor = 4, original_max_seq_len = 8192}",
+                 "yarn": '{type = "yarn", factor = 4, original_max_seq_len = 4096}',
+                 "linear": '{type = "linear", factor = 4}'}
+ROPE_NAMES = {"llama3": "Llama 3.1's", "yarn": "YaRN", "linear": "linear"}
+
+
+def check_rope_scaling(scaling: dict) -> None:
+    """ValueError, naming what would be valid, for a model.rope_scaling that is not one of ROPE_SCALING's."""
+    kind = scaling.get("type", "llama3")
+    if kind not in ROPE_SCALING:
+        raise ValueError(f"model.rope_scaling: type {kind!r} is not one of {', '.join(map(repr, ROPE_SCALING))} "
+                         f"(e.g. {ROPE_EXAMPLES['yarn']})")
+    required, optional = ROPE_SCALING[kind]
+    numbers = {key: value for key, value in scaling.items() if key != "type"}
+    if (not required <= set(numbers) <= required | optional
+            or not all(isinstance(v, float) and 0 < v < math.inf for v in numbers.values())):
+        allowed = f" (and may give {', '.join(sorted(optional))})" if optional else ""
+        raise ValueError(f"model.rope_scaling = {scaling} must give positive {', '.join(sorted(required))}{allowed} "
+                         f"for {ROPE_NAMES[kind]} scaling, e.g. {ROPE_EXAMPLES[kind]}, "
+                         "or be left unset for plain RoPE")
+    if "original_max_seq_len" in numbers and numbers["original_max_seq_len"] != int(numbers["original_max_seq_len"]):
+        raise ValueError(f"model.rope_scaling: original_max_seq_len {numbers['original_max_seq_len']} "
+                         "must be a whole number of positions")
+    if kind == "llama3" and numbers["high_freq_factor"] <= numbers["low_freq_factor"]:
+        raise ValueError(f"model.rope_scaling: high_freq_factor {numbers['high_freq_factor']} must "
+                         f"exceed low_freq_factor {numbers['low_freq_factor']}")
+    if kind == "yarn" and numbers.get("beta_fast", 32.0) <= numbers.get("beta_slow", 1.0):
+        raise ValueError(f"model.rope_scaling: beta_fast {numbers.get('beta_fast', 32.0)} must exceed beta_slow "
+                         f"{numbers.get('beta_slow', 1.0)}")
+
+
 class ModelConfig(_Section):
     """Shape of a Llama-style decoder. `model/flops.py` counts parameters and FLOPs from it."""
 
@@ -56,8 +91,8 @@ class ModelConfig(_Section):
     """Longest sequence the rotary tables are built for."""
     rope_theta: float = Field(default=10000.0, gt=0)
     """Base of the rotary embedding frequencies."""
-    rope_scaling: dict[str, float] | None = None
-    """Llama 3.1's rotary frequency scaling, e.g. {factor = 8, low_freq_factor = 1, high_freq_factor = 4, original_max_seq_len = 8192}: wavelengths longer than original_max_seq_len / low_freq_factor are stretched by factor, those shorter than original_max_seq_len / high_freq_factor kept, those between interpolated (what Llama 3.1 and 3.2 checkpoints use; unset: plain RoPE)."""
+    rope_scaling: dict[str, float | str] | None = None
+    """Rotary frequency scaling, for a context longer than the model was trained on (unset: plain RoPE). Llama 3.1's, e.g. {factor = 8, low_freq_factor = 1, high_freq_factor = 4, original_max_seq_len = 8192}: wavelengths longer than original_max_seq_len / low_freq_factor are stretched by factor, those shorter than original_max_seq_len / high_freq_factor kept, those between interpolated (Llama 3.1 and 3.2). {type = "yarn", factor = 4, original_max_seq_len = 4096}: YaRN (Peng et al. 2023; DeepSeek-V3, Qwen): frequencies turning fewer than beta_slow (default 1) times over original_max_seq_len divided by factor, more than beta_fast (32) times kept, a linear ramp over the dimensions between, and the attention logits scaled by attention_factor^2 (default (0.1 ln factor + 1)^2). {type = "linear", factor = 4}: position interpolation (Chen et al. 2023), every frequency divided by factor."""
     norm_eps: float = Field(default=1e-5, gt=0)
     """Epsilon of RMSNorm."""
     qk_norm: bool = False
@@ -104,17 +139,9 @@ class ModelConfig(_Section):
                 f"head dimension dim / n_heads = {self.dim // self.n_heads} is odd; rotary embeddings need it even"
             )
         if self.rope_scaling is not None:
-            keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"}
-            if set(self.rope_scaling) != keys or not all(0 < value < math.inf for value in self.rope_scaling.values()):
-                raise ValueError(f"model.rope_scaling = {self.rope_scaling} must give positive {', '.join(sorted(keys))} "
-                                 "(Llama 3.1's scaling, e.g. {factor = 8, low_freq_factor = 1, high_freq_factor = 4, "
-                                 "original_max_seq_len = 8192}), or be left unset for plain RoPE")
-            if self.rope_scaling["original_max_seq_len"] != int(self.rope_scaling["original_max_seq_len"]):
-                raise ValueError(f"model.rope_scaling: original_max_seq_len {self.rope_scaling['original_max_seq_len']} "
-                                 "must be a whole number of positions")
-            if self.rope_scaling["high_freq_factor"] <= self.rope_scaling["low_freq_factor"]:
-                raise ValueError(f"model.rope_scaling: high_freq_factor {self.rope_scaling['high_freq_factor']} must "
-                                 f"exceed low_freq_factor {self.rope_scaling['low_freq_factor']}")
+            check_rope_scaling(self.rope_scaling)
+            if self.rope_scaling.get("type") == "llama3":  # one way to write each: no type is Llama 3.1's
+                self.rope_scaling = {key: value for key, value in self.rope_scaling.items() if key != "type"}
         if self.moe_experts:
             if self.moe_top_k > self.moe_experts:
                 raise ValueError(f"model.moe_top_k = {self.moe_top_k}"

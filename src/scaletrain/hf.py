@@ -19,13 +19,14 @@ is ready: the files go to a sibling directory that is renamed to `out` last.
 The other way, `model_settings(hf_dir)` reads a Llama, Qwen3, Qwen3-MoE or Mixtral config.json
 as model.* settings and `load_hf_weights(hf_dir, cfg)` its safetensors as our state dict
 (`checkpoint.init_from`: continued pre-training from a published or exported model), refusing
-what the decoder of `model/llama.py` does not compute (biases, rotary scaling, sliding windows,
+what the decoder of `model/llama.py` does not compute (biases, dynamic rotary scaling, sliding windows,
 another activation, dense blocks between expert blocks).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -133,15 +134,36 @@ def moe_problem(cfg: ModelConfig) -> str | None:
 
 
 def _hf_rope_scaling(cfg: ModelConfig) -> dict:
-    """model.rope_scaling as transformers names it (empty for plain RoPE)."""
+    """model.rope_scaling as transformers names it (empty for plain RoPE). Only the keys given:
+    transformers' defaults for YaRN's are ours."""
     if cfg.rope_scaling is None:
         return {}
-    scaling = {_ROPE_SCALING.get(key, key): value for key, value in cfg.rope_scaling.items()}
-    scaling["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
-    return {"rope_type": "llama3", **scaling}
+    scaling = {_ROPE_SCALING.get(key, key): value for key, value in cfg.rope_scaling.items() if key != "type"}
+    if "original_max_position_embeddings" in scaling:
+        scaling["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    return {"rope_type": cfg.rope_scaling.get("type", "llama3"), **scaling}
 
 
 _ROPE_SCALING = {"original_max_seq_len": "original_max_position_embeddings"}  # ours -> transformers'
+# The keys transformers' rotary scalings must give, by rope_type; YaRN may also give beta_fast,
+# beta_slow and attention_factor (or DeepSeek's mscale and mscale_all_dim, which set the last).
+_ROPE_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "yarn": ("factor", "original_max_position_embeddings"), "linear": ("factor",)}
+
+
+def _our_rope_scaling(rope_type: str, rope: dict, max_positions: int) -> dict:
+    """transformers' rope_parameters of a scaled kind (checked complete) as model.rope_scaling."""
+    theirs = {value: key for key, value in _ROPE_SCALING.items()}
+    ours = {} if rope_type == "llama3" else {"type": rope_type}
+    ours.update({theirs.get(key, key): float(rope[key]) for key in _ROPE_KEYS[rope_type] if rope.get(key) is not None})
+    if rope_type == "yarn":
+        ours.setdefault("factor", max_positions / ours["original_max_seq_len"])
+        ours.update({key: float(rope[key]) for key in ("beta_fast", "beta_slow", "attention_factor") if rope.get(key)})
+        if "attention_factor" not in ours and rope.get("mscale") and rope.get("mscale_all_dim"):
+            def magnitude(scale):  # transformers' (and DeepSeek's) get_mscale
+                return 0.1 * scale * math.log(ours["factor"]) + 1.0 if ours["factor"] > 1 else 1.0
+            ours["attention_factor"] = magnitude(rope["mscale"]) / magnitude(rope["mscale_all_dim"])
+    return ours
 
 
 def hf_config(cfg: ModelConfig, dtype: str, eos_id: int) -> dict:
@@ -381,11 +403,19 @@ def model_settings(hf_dir: str | Path) -> dict:
             problems.append(f"{key} true (the decoder has no biases)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        problems.append(f"rotary scaling {rope_type!r} (plain RoPE and Llama 3.1's only)")
-    scaling_keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    if rope_type == "llama3" and any(key not in rope for key in scaling_keys):
-        problems.append(f"rotary scaling 'llama3' without {', '.join(key for key in scaling_keys if key not in rope)}")
+    if rope_type not in ("default", *_ROPE_KEYS):
+        problems.append(f"rotary scaling {rope_type!r} (plain RoPE, Llama 3.1's, YaRN and linear only"
+                        + ("; dynamic scaling changes with each input's length, which training does not)"
+                           if rope_type == "dynamic" else ")"))
+    needed = [key for key in _ROPE_KEYS.get(rope_type, ()) if rope.get(key) is None]
+    if rope_type == "yarn" and rope.get("factor") is None and "original_max_position_embeddings" in rope:
+        needed.remove("factor")  # (transformers then takes max_position_embeddings / original)
+    if needed:
+        problems.append(f"rotary scaling {rope_type!r} without {', '.join(needed)}")
+    if rope_type == "yarn" and rope.get("truncate") is False:
+        problems.append("YaRN's ramp without truncation (truncate false)")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        problems.append(f"partial_rotary_factor {rope['partial_rotary_factor']} (every dimension rotates)")
     if hf.get("use_sliding_window"):
         problems.append("sliding-window attention")
     if problems:
@@ -400,9 +430,8 @@ def model_settings(hf_dir: str | Path) -> dict:
     settings.setdefault("tie_embeddings", False)  # transformers' default for these architectures
     settings["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     settings["max_seq_len"] = hf.get("max_position_embeddings", 2048)
-    if rope_type == "llama3":
-        theirs = {value: key for key, value in _ROPE_SCALING.items()}
-        settings["rope_scaling"] = {theirs.get(key, key): float(rope[key]) for key in scaling_keys}
+    if rope_type != "default":
+        settings["rope_scaling"] = _our_rope_scaling(rope_type, rope, settings["max_seq_len"])
     settings["qk_norm"] = kind in ("qwen3", "qwen3_moe")
     if experts:
         settings.update(moe_experts=experts, moe_top_k=top_k, moe_dense_layers=len(dense))

@@ -26,24 +26,49 @@ from scaletrain.model.moe import MoE
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None,
-                scaling: dict[str, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                scaling: dict[str, float | str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, each (max_seq_len, head_dim // 2), in float32.
 
     Frequency i is theta^(-2i / head_dim) (RoFormer eq. 15); position p rotates by p x freq.
-    With Llama 3.1's scaling (model.rope_scaling; Llama Team 2024, "The Llama 3 Herd of
-    Models"), with L = original_max_seq_len: frequencies whose wavelength 2 pi / freq exceeds
-    L / low_freq_factor are divided by `factor`, those under L / high_freq_factor kept, and in
-    between mixed, (1 - s) freq / factor + s freq with s = (L / wavelength - low_freq_factor) /
-    (high_freq_factor - low_freq_factor)."""
+    model.rope_scaling changes the frequencies, for a context longer than the model was trained
+    on (L = original_max_seq_len, s = factor):
+    - Llama 3.1's (Llama Team 2024, "The Llama 3 Herd of Models"): frequencies whose wavelength
+      2 pi / freq exceeds L / low_freq_factor are divided by s, those under L / high_freq_factor
+      kept, and in between mixed, (1 - a) freq / s + a freq with a = (L / wavelength -
+      low_freq_factor) / (high_freq_factor - low_freq_factor).
+    - "linear", position interpolation (Chen et al. 2023): every frequency divided by s.
+    - "yarn" (Peng et al. 2023, "YaRN", section 3.2 "NTK-by-parts" and 3.4): a frequency that
+      turns r = L / wavelength times over L is divided by s when r < beta_slow and kept when
+      r > beta_fast; between, the share divided by s ramps linearly over the dimension index,
+      from the (floor of the) dimension where r = beta_fast to the (ceiling of the) one where r =
+      beta_slow, as the paper's reference code and Hugging Face compute it. cos and sin are
+      multiplied by attention_factor (default 0.1 ln s + 1, the paper's sqrt(1/t)), so the
+      attention logits, a product of two rotated vectors, by its square."""
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    if scaling is not None:
+    kind = (scaling or {}).get("type", "llama3")
+    magnitude = 1.0
+    if scaling is not None and kind == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         wavelengths = 2 * math.pi / freqs
         smooth = ((scaling["original_max_seq_len"] / wavelengths - low) / (high - low)).clamp(0, 1)
         freqs = (1 - smooth) * freqs / factor + smooth * freqs
+    elif kind == "linear":
+        freqs = freqs / scaling["factor"]
+    elif kind == "yarn":
+        factor, original = scaling["factor"], scaling["original_max_seq_len"]
+
+        def dimension(turns: float) -> float:  # the dimension index d whose frequency turns `turns` times over L
+            return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+        first = max(math.floor(dimension(scaling.get("beta_fast", 32.0))), 0)
+        last = min(math.ceil(dimension(scaling.get("beta_slow", 1.0))), head_dim - 1)
+        index = torch.arange(head_dim // 2, device=device, dtype=torch.float32)
+        interpolated = ((index - first) / (last - first or 1e-3)).clamp(0, 1)  # 0: kept, 1: divided by s
+        freqs = interpolated * freqs / factor + (1 - interpolated) * freqs
+        magnitude = scaling.get("attention_factor", 0.1 * math.log(factor) + 1 if factor > 1 else 1.0)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, freqs)  # (max_seq_len, head_dim // 2)
-    return angles.cos(), angles.sin()
+    return angles.cos() * magnitude, angles.sin() * magnitude
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
