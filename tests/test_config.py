@@ -50,6 +50,10 @@ def test_resolved_config_round_trips_through_toml():
     (["train.steps=10", "model.rope_scaling={factor = 8, low_freq_factor = 1, high_freq_factor = 4, "
                         "original_max_seq_len = 8192.5}"], ["original_max_seq_len 8192.5", "whole number"]),
     (["train.steps=10", 'log.wandb_project=""'], ["log.wandb_project", "at least 1 character"]),
+    (["train.steps=10", "train.batch_ramp=[[4096, 100], [8192, 50]]"],
+     ["train.batch_ramp = [[4096, 100], [8192, 50]]", "until_tokens increasing"]),
+    (["train.steps=10", "train.batch_ramp=[[1000, 100000]]"],
+     ["train.batch_ramp's batch_tokens = 1000 is not divisible by train.micro_batch x data.seq_len", "e.g. 2048"]),
 ])
 def test_bad_configs_name_the_key_the_value_and_what_is_valid(overrides, words):
     with pytest.raises(ConfigError) as error:
@@ -70,6 +74,23 @@ def test_missing_and_malformed_files_are_reported(tmp_path):
 def test_steps_follow_from_a_token_budget():
     cfg = load_config(None, ["train.tokens=100000", "train.global_batch_tokens=16384"])
     assert cfg.total_steps == 7
+
+
+def test_a_batch_ramp_sets_each_steps_batch_and_the_steps_a_token_budget_takes():
+    """[[128, 1000], [256, 2000]] then 512 (seq_len 64, micro_batch 2): 8 steps of 128 reach
+    1024 >= 1000 tokens, 4 of 256 reach 2048 >= 2000, then 6 of 512 the 5000 asked for (5120);
+    a pair whose until_tokens is already passed is never trained."""
+    ramp = ["train.micro_batch=2", "train.global_batch_tokens=512", "data.seq_len=64", "model.max_seq_len=64"]
+    cfg = load_config(None, [*ramp, "train.tokens=5000", "train.batch_ramp=[[128, 1000], [256, 2000]]"])
+    assert [cfg.step_batch_tokens(step) for step in range(18)] == [128] * 8 + [256] * 4 + [512] * 6
+    assert [cfg.tokens_before(step) for step in (0, 8, 9, 12, 13, 18)] == [0, 1024, 1280, 2048, 2560, 5120]
+    assert (cfg.total_steps, cfg.total_tokens) == (18, 5120)
+    assert load_config(None, [*ramp, "train.tokens=1000", "train.batch_ramp=[[128, 1000], [256, 2000]]"]).total_steps == 8
+    passed = load_config(None, [*ramp, "train.steps=4", "train.batch_ramp=[[384, 600], [256, 700]]"])
+    assert [passed.step_batch_tokens(step) for step in range(4)] == [384, 384, 512, 512]  # 768 >= 700 already
+    assert passed.total_tokens == 1792
+    plain = load_config(None, [*ramp, "train.tokens=5000"])
+    assert (plain.total_steps, plain.total_tokens, plain.step_batch_tokens(3)) == (10, 5120, 512)
 
 
 def test_readme_config_reference_is_the_fields_docstrings():

@@ -89,13 +89,13 @@ DEEP = ["model.n_layers=4"]  # enough blocks for 4 pipeline stages
 @pytest.fixture(scope="module")
 def single_process(stdlib_data, short_documents, tmp_path_factory):
     """One process, 4 blocks, 2 micro-batches of 4 per step, with a layout's model.*, eval.*,
-    data.*, train.optimizer and train.z_loss overrides: what that layout must reproduce. Each is
-    trained once."""
+    data.*, train.optimizer, train.z_loss and train.batch_ramp overrides: what that layout must
+    reproduce. Each is trained once."""
     runs = {}
 
     def run(overrides: list[str]):
         model = tuple(o for o in with_data(overrides, short_documents)
-                      if o.startswith(("model.", "eval.", "data.", "train.optimizer", "train.z_loss")))
+                      if o.startswith(("model.", "eval.", "data.", "train.optimizer", "train.z_loss", "train.batch_ramp")))
         if model not in runs:
             runs[model] = tmp_path_factory.mktemp("single-deep") / "run"
             train(tiny_config(stdlib_data, runs[model], *STEPS, *DEEP, *model))
@@ -134,6 +134,7 @@ MUON = ["train.optimizer=muon"]
 # PaLM's z-loss (strong, so that it moves the losses) in the chunked loss, a pipeline's, and
 # tensor parallelism's (vocabulary split, alone and pipelined).
 Z_LOSS = ["train.z_loss=0.01"]
+RAMP = ["train.batch_ramp=[[256, 512]]"]
 # name -> overrides of 2-process layouts.
 TWO = {
     "replicate": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
@@ -145,6 +146,14 @@ TWO = {
     # head FSDP gathers (padding included), with the z-loss (against one process's whole-batch one).
     "fsdp-uneven-eval-chunked-loss": ["parallel.dp_shard=2", "eval.tokens=1088", "train.loss_chunk_tokens=100",
                                       *Z_LOSS],
+    # The batch grows after 512 tokens (train.batch_ramp): 4 sequences a step, then 8, split
+    # over FSDP's ranks, or through a pipeline, whose schedule for 4 micro-batches is another
+    # than for 8: with a mixture of experts, each schedule's first step infers shapes on a
+    # made-up batch that the routing biases must not count. (Without the balancing loss, which
+    # is computed per micro-batch, and the pipeline's micro-batches are of 1, not 4.)
+    "fsdp-batch-ramp": ["parallel.dp_shard=2", "train.micro_batch=2", *RAMP],
+    "pp-batch-ramp-moe": [*PP2, *RAMP, "model.moe_experts=4", "model.moe_score=sigmoid",
+                          "model.moe_bias_update=0.05", "model.moe_aux_loss=0"],
     "cp": ["parallel.cp=2", *ONE_STAGE, *DOCUMENTS],
     **{f"pp-{schedule}": [*PP2, f"parallel.pp_schedule={schedule}"]
        for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",

@@ -496,6 +496,45 @@ def test_a_next_stage_may_switch_the_experts_routing_biases_on_or_off(stdlib_dat
             trainer.loader.close()
 
 
+def test_a_batch_ramp_trains_its_small_batches_first_and_resumes_and_rewinds_exactly(stdlib_data, tmp_path,
+                                                                                     monkeypatch):
+    """train.batch_ramp = [[256, 768]]: steps of 256 tokens (one micro-batch of 4) until 768
+    tokens are trained, then of 512 (two). The first steps are those of a run whose batch is 256
+    throughout, to the bit; the records count each step's tokens, the data its sequences; stopped
+    inside the ramp and after it, the run resumes exactly; a NaN inside the ramp rewinds to the
+    checkpoint before it and skips the 256-token batch read since."""
+    common = ["train.steps=5", "eval.interval=0", "checkpoint.interval=1", "train.batch_ramp=[[256, 768]]"]
+    ramp = tmp_path / "ramp"
+    train(tiny_config(stdlib_data, ramp, *common))
+    small = tmp_path / "small"
+    train(tiny_config(stdlib_data, small, "train.steps=5", "eval.interval=0", "train.global_batch_tokens=256"))
+    got, reference = losses(ramp), losses(small)
+    assert [got[step] for step in (1, 2, 3)] == [reference[step] for step in (1, 2, 3)]
+    assert abs(got[4] - reference[4]) > 1e-4  # twice the batch from step 4
+    records = read_metrics(ramp, "train")
+    assert [r["tokens"] for r in records] == [256, 512, 768, 1280, 1792]
+    assert [r["tokens_by_source"]["stdlib"] for r in records] == [256, 512, 768, 1280, 1792]
+
+    for stop in (2, 4):
+        stopped = tmp_path / f"stopped-{stop}"
+        train(tiny_config(stdlib_data, stopped, *common), stop_at_step=stop)
+        assert train(tiny_config(stdlib_data, stopped, *common)).resumed_from == stop
+        assert losses(stopped) == got
+
+    monkeypatch.setattr(Trainer, "_clip_gradients", nan_norm_once_after(1))  # step 2's norm reads NaN
+    rewound = tmp_path / "rewound"
+    train(tiny_config(stdlib_data, rewound, *common, "train.rewinds=1", "log.interval=2"))
+    [rewind] = read_metrics(rewound, "rewind")
+    assert (rewind["step"], rewind["diverged_at"], rewind["skipped_steps"]) == (1, 2, 1)
+    end = read_metrics(rewound, "end")[-1]
+    assert end["tokens"] == 1792 and end["tokens_by_source"] == {"stdlib": 1792 + 256}  # step 2 again of 256
+    final = Trainer(tiny_config(stdlib_data, rewound, *common, "train.rewinds=1"))
+    final.resume()
+    state = final.loader.state_dict()  # the batch sizes follow training's steps, the draws the data's
+    final.loader.close()
+    assert (state["step"], state["draws"], state["micro"], state["consumed"]) == (5, 6, 0, (1792 + 256) // 64)
+
+
 def test_compiled_blocks_train_the_same_losses(stdlib_data, tmp_path):
     """train.compile = true compiles each block with inductor; losses match eager to float32 rounding."""
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"

@@ -279,7 +279,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             model = base.model
         if not base.checkpoint.async_save:  # the config saves blocking: plan its checkpoints so
             hardware.reliability = dataclasses.replace(hardware.reliability, async_save=False)
-        tokens = base.total_steps * base.train.global_batch_tokens
+        tokens = base.total_tokens  # (a batch ramp plans as the global batch: the planner times that one)
         batch = base.train.global_batch_tokens
     else:
         seq_len, data_path = args.seq_len, args.data or "data/corpus"

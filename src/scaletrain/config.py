@@ -250,6 +250,8 @@ class TrainConfig(_Section):
     """Tokens per optimizer step across all processes; a multiple of micro_batch x seq_len."""
     micro_batch: int = Field(default=8, ge=1)
     """Sequences per forward/backward pass; gradients accumulate up to the global batch."""
+    batch_ramp: list[tuple[int, int]] = []
+    """Smaller global batches first, as [[batch_tokens, until_tokens], ...]: steps of batch_tokens until until_tokens have been trained, then the next pair's, then global_batch_tokens (a batch-size warmup: early in training the loss falls as fast with small batches, which give more steps for the tokens; DeepSeek-V3 grew its batch from 3,072 to 15,360 sequences over its first 469B tokens, Llama 3 405B doubled its batch twice). Each batch a multiple of micro_batch x seq_len; until_tokens increasing. The learning-rate schedule counts steps; train.tokens counts every step's tokens. Empty: global_batch_tokens throughout."""
     lr: float = Field(default=3e-3, gt=0)
     """Peak learning rate."""
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
@@ -310,6 +312,15 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"give exactly one of train.steps and train.tokens (got steps = {self.steps}, tokens = {self.tokens})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_ramp(self) -> TrainConfig:
+        untils = [until for _, until in self.batch_ramp]
+        if any(batch < 1 for batch, _ in self.batch_ramp) or untils != sorted(set(untils)) or min(untils, default=1) < 1:
+            raise ValueError(f"train.batch_ramp = {[list(pair) for pair in self.batch_ramp]} must list [batch_tokens, "
+                             "until_tokens] pairs of positive numbers with until_tokens increasing, e.g. [[4096, "
+                             "1000000], [8192, 3000000]]")
         return self
 
 
@@ -420,14 +431,45 @@ class RunConfig(_Section):
                 f"lower data.seq_len or raise model.max_seq_len"
             )
         seq_tokens = self.train.micro_batch * self.data.seq_len
-        if self.train.global_batch_tokens % seq_tokens:
-            lower = max(seq_tokens, self.train.global_batch_tokens // seq_tokens * seq_tokens)
-            raise ValueError(
-                f"train.global_batch_tokens = {self.train.global_batch_tokens} is not divisible by "
-                f"train.micro_batch x data.seq_len = {self.train.micro_batch} x {self.data.seq_len} = {seq_tokens}; "
-                f"use a multiple of {seq_tokens}, e.g. {lower}"
-            )
+        for name, batch in self.batch_names():
+            if batch % seq_tokens:
+                lower = max(seq_tokens, batch // seq_tokens * seq_tokens)
+                raise ValueError(
+                    f"{name} = {batch} is not divisible by train.micro_batch x data.seq_len = "
+                    f"{self.train.micro_batch} x {self.data.seq_len} = {seq_tokens}; use a multiple of {seq_tokens}, "
+                    f"e.g. {lower}"
+                )
         return self
+
+    def batch_names(self) -> list[tuple[str, int]]:
+        """(how the config names it, tokens) of every global batch size the run trains with."""
+        return [*(("train.batch_ramp's batch_tokens", batch) for batch, _ in self.train.batch_ramp),
+                ("train.global_batch_tokens", self.train.global_batch_tokens)]
+
+    def _batch_phases(self):
+        """(first step, steps or None for the last, batch tokens, tokens trained before) of each
+        stretch of constant batch: train.batch_ramp's pairs that are trained, then the global batch."""
+        step, done = 0, 0
+        for batch, until in self.train.batch_ramp:
+            if done < until:
+                steps = -(-(until - done) // batch)
+                yield step, steps, batch, done
+                step, done = step + steps, done + steps * batch
+        yield step, None, self.train.global_batch_tokens, done
+
+    def step_batch_tokens(self, step: int) -> int:
+        """Global batch tokens of the step that follows `step` completed ones."""
+        for first, steps, batch, _ in self._batch_phases():
+            if steps is None or step < first + steps:
+                return batch
+        raise AssertionError("the last phase has no end")
+
+    def tokens_before(self, step: int) -> int:
+        """Tokens trained by the first `step` steps."""
+        for first, steps, batch, done in self._batch_phases():
+            if steps is None or step < first + steps:
+                return done + (step - first) * batch
+        raise AssertionError("the last phase has no end")
 
     @property
     def run_dir(self) -> Path:
@@ -441,7 +483,15 @@ class RunConfig(_Section):
     def total_steps(self) -> int:
         if self.train.steps is not None:
             return self.train.steps
-        return -(-self.train.tokens // self.train.global_batch_tokens)  # type: ignore[operator]
+        tokens: int = self.train.tokens  # type: ignore[assignment]
+        for first, steps, batch, done in self._batch_phases():  # the step whose end reaches train.tokens
+            if steps is None or tokens <= done + steps * batch:
+                return first + max(0, -(-(tokens - done) // batch))
+        raise AssertionError("the last phase has no end")
+
+    @property
+    def total_tokens(self) -> int:
+        return self.tokens_before(self.total_steps)
 
     def to_toml(self) -> str:
         return dump_toml(self.model_dump(exclude_none=True))

@@ -7,10 +7,12 @@ tokens; window w starts at token w * seq_len). Each epoch of a source visits all
 once, in an order drawn from (seed, source, epoch); the i-th sample taken from a source is
 window perm[epoch][i % n] with epoch = i // n.
 
-Global step s takes B = seqs_per_step samples. With several sources, which source each of
-the B samples comes from is drawn by weight from (seed, s), so the mixture holds in
-expectation within every batch and exactly in the long run; the loader's whole state is how
-many samples were consumed and how many were taken from each source. Rank r of W takes the
+Global step s takes B = seqs_per_step samples (or batch_seqs(s), for a batch that grows over
+training). With several sources, which source each of the B samples comes from is drawn by
+weight from (seed, d), d counting the steps drawn so far (d = s, except after batches were
+skipped), so the mixture holds in expectation within every batch and exactly in the long run;
+the loader's whole state is how many samples were consumed and how many were taken from each
+source, and the steps trained and drawn. Rank r of W takes the
 contiguous block [r * B / W, (r + 1) * B / W) of each step's samples, in micro-batches, so the
 union over ranks of one step is the same B sequences for every W, and a resumed run (even on
 a different number of ranks) continues exactly where it stopped.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -55,11 +58,13 @@ class _Source:
 class TokenLoader:
     def __init__(self, sources: str | Path | dict[str, str | Path], seq_len: int, seqs_per_step: int,
                  micro_batch: int, rank: int = 0, world_size: int = 1, seed: int = 0, split: str = "train",
-                 weights: dict[str, float] | None = None):
-        """sources: one data directory, or {name: data directory}; weights: {name: weight} (default equal)."""
-        if seqs_per_step % (world_size * micro_batch):
-            raise ValueError(f"{seqs_per_step} sequences per step do not split into {world_size} ranks x "
-                             f"micro-batches of {micro_batch}")
+                 weights: dict[str, float] | None = None, batch_seqs: Callable[[int], int] | None = None):
+        """sources: one data directory, or {name: data directory}; weights: {name: weight} (default
+        equal); batch_seqs: the global batch in sequences of the step after s completed ones
+        (default: seqs_per_step throughout)."""
+        self.batch_seqs = batch_seqs or (lambda step: seqs_per_step)
+        self.world_size, self.micro_batch = world_size, micro_batch
+        self._check_split(seqs_per_step)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         if not isinstance(sources, dict):
@@ -72,24 +77,40 @@ class TokenLoader:
                         for i, name in enumerate(sorted(sources))]
         total = sum(weights.values())
         self.probabilities = np.array([weights[s.name] / total for s in self.sources])
-        self.seq_len, self.seqs_per_step, self.micro_batch = seq_len, seqs_per_step, micro_batch
-        self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.seqs_per_rank = seqs_per_step // world_size
-        self.micro_steps = self.seqs_per_rank // micro_batch  # gradient-accumulation steps per optimizer step
+        self.seq_len, self.seqs_per_step = seq_len, seqs_per_step
+        self.rank, self.seed = rank, seed
         self.consumed = 0  # global samples of completed steps
+        self.step = 0  # steps completed: the next one's batch is batch_seqs(step)
+        self.draws = 0  # steps drawn from the data: the mixture's draws (past skipped batches too)
         self.micro = 0  # micro-batches this rank took of the current step
         self.taken = [0] * len(self.sources)  # samples taken from each source by completed steps
         self._plan: list[tuple[int, int]] = []  # (source, window) of each of this step's global samples
         self.last_windows: list[tuple[str, int]] = []  # (source name, window) of each row of the last batch
 
+    def _check_split(self, seqs: int) -> None:
+        if seqs % (self.world_size * self.micro_batch):
+            raise ValueError(f"{seqs} sequences per step do not split into {self.world_size} ranks x "
+                             f"micro-batches of {self.micro_batch}")
+
+    @property
+    def seqs_per_rank(self) -> int:
+        """This rank's sequences of the step being read."""
+        return self.batch_seqs(self.step) // self.world_size
+
+    @property
+    def micro_steps(self) -> int:
+        """Gradient-accumulation steps of the optimizer step being read."""
+        return self.seqs_per_rank // self.micro_batch
+
     def _plan_step(self) -> list[tuple[int, int]]:
         """Source and window of every sample of the current global step, identical on every rank."""
+        seqs = self.batch_seqs(self.step)
+        self._check_split(seqs)
         if len(self.sources) == 1:
-            labels = np.zeros(self.seqs_per_step, dtype=np.int64)
+            labels = np.zeros(seqs, dtype=np.int64)
         else:
-            step = self.consumed // self.seqs_per_step
-            rng = np.random.default_rng([self.seed, step, len(self.sources)])
-            labels = rng.choice(len(self.sources), size=self.seqs_per_step, p=self.probabilities)
+            rng = np.random.default_rng([self.seed, self.draws, len(self.sources)])
+            labels = rng.choice(len(self.sources), size=seqs, p=self.probabilities)
         counts = list(self.taken)
         plan = []
         for label in labels.tolist():
@@ -111,8 +132,10 @@ class TokenLoader:
         if self.micro == self.micro_steps:
             for source, _ in self._plan:
                 self.taken[source] += 1
+            self.consumed += len(self._plan)
             self.micro, self._plan = 0, []
-            self.consumed += self.seqs_per_step
+            self.step += 1
+            self.draws += 1
         batch = torch.from_numpy(rows)  # (micro_batch, seq_len + 1) int64
         return batch[:, :-1], batch[:, 1:]
 
@@ -126,6 +149,7 @@ class TokenLoader:
 
     def state_dict(self) -> dict:
         return {"consumed": self.consumed, "micro": self.micro, "seed": self.seed, "seq_len": self.seq_len,
+                "step": self.step, "draws": self.draws,
                 "taken": {s.name: n for s, n in zip(self.sources, self.taken)},
                 "split_tokens": {s.name: s.split.tokens for s in self.sources}}
 
@@ -139,6 +163,9 @@ class TokenLoader:
             raise DataError(f"the checkpoint was trained on sources of {state['split_tokens']} tokens, these are "
                             f"{mine}; resume on the run's original data.path and data.mix")
         self.consumed, self.micro = int(state["consumed"]), int(state["micro"])
+        # (States written before batches could grow: every step took seqs_per_step.)
+        self.step = int(state.get("step", self.consumed // self.seqs_per_step))
+        self.draws = int(state.get("draws", self.consumed // self.seqs_per_step))
         self.taken = [int(state["taken"][s.name]) for s in self.sources]
         self._plan = self._plan_step() if self.micro else []
 
@@ -153,7 +180,7 @@ class Prefetcher:
 
     def __init__(self, loader: TokenLoader, depth: int = 2, pin: bool = False):
         self.loader, self.depth, self.pin = loader, depth, pin
-        self.micro_steps, self.sources = loader.micro_steps, loader.sources
+        self.sources = loader.sources
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()

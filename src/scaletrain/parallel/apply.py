@@ -9,7 +9,7 @@ context-parallel ranks (which shards what the blocks have become).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
@@ -46,6 +46,16 @@ class ParallelModel:
     forward: Callable[[torch.Tensor | None], torch.Tensor | None] | None = None
     """Under pipelining, a forward pass of a whole batch through every stage (for evaluation):
     takes the inputs where `first`, returns the logits where `last`."""
+    make_schedule: Callable[[int], Any] | None = None
+    """Under pipelining, a schedule of the same stages for another number of micro-batches."""
+    schedules: dict[int, Any] = field(default_factory=dict)
+
+    def schedule_for(self, microbatches: int):
+        """The schedule that runs `microbatches` micro-batches a step (a batch that grows over
+        training, train.batch_ramp, takes several): built once each."""
+        if microbatches not in self.schedules:
+            self.schedules[microbatches] = self.make_schedule(microbatches)
+        return self.schedules[microbatches]
 
 
 def _holder(parts: list[nn.Module]) -> nn.Module:
@@ -89,9 +99,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout: Layout, cfg: 
     if layout.pp == 1:
         return ParallelModel(module=model, parts=parts)
     microbatches = cfg.seqs_per_step // (layout.dp * cfg.train.micro_batch)
-    schedule = build_schedule(parts, ids, num_stages, parallel.pp_schedule, microbatches, mesh["pp"].get_group(),
-                              device, cfg.train.z_loss)
+    make_schedule = partial(build_schedule, parts, ids, num_stages, parallel.pp_schedule, group=mesh["pp"].get_group(),
+                            device=device, z_loss=cfg.train.z_loss)
+    schedule = make_schedule(microbatches)
     return ParallelModel(module=_holder(parts), parts=parts, schedule=schedule, first=0 in ids,
                          last=num_stages - 1 in ids,
                          forward=partial(forward_only, parts, ids, num_stages, parallel.pp_schedule,
-                                         mesh["pp"].get_group()))
+                                         mesh["pp"].get_group()),
+                         make_schedule=make_schedule, schedules={microbatches: schedule})

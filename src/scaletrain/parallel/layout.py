@@ -92,11 +92,11 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
         raise ConfigError(f"train.compile_mode = {cfg.train.compile_mode!r} replays CUDA graphs, which one process "
                           f"can do but {layout.world_size} sharing parameters and collectives cannot; use 'default' or "
                           "'max-autotune-no-cudagraphs'")
-    if cfg.seqs_per_step % (layout.dp * cfg.train.micro_batch):
-        raise ConfigError(f"train.global_batch_tokens = {cfg.train.global_batch_tokens} holds {cfg.seqs_per_step} "
-                          f"sequences, which do not split into {layout.dp} data-parallel ranks x "
-                          f"train.micro_batch = {cfg.train.micro_batch}; use a multiple of "
-                          f"{layout.dp * cfg.train.micro_batch * seq_len} tokens")
+    for name, batch in cfg.batch_names():
+        if batch // seq_len % (layout.dp * cfg.train.micro_batch):
+            raise ConfigError(f"{name} = {batch} holds {batch // seq_len} sequences, which do not split into "
+                              f"{layout.dp} data-parallel ranks x train.micro_batch = {cfg.train.micro_batch}; use a "
+                              f"multiple of {layout.dp * cfg.train.micro_batch * seq_len} tokens")
     if layout.ep > 1:
         if not model.moe:
             raise ConfigError(f"parallel.ep = {layout.ep} splits the experts of a mixture of experts, but "
@@ -129,14 +129,15 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
         if model.tie_embeddings:
             raise ConfigError("model.tie_embeddings = true is not supported with parallel.pp > 1 (the embedding "
                               "and the output head live on different stages); set it to false")
-        microbatches = cfg.seqs_per_step // (layout.dp * cfg.train.micro_batch)
-        need = None
-        if parallel.pp_schedule in ("1f1b", "zbv_zero_bubble", "dualpipev") and microbatches < stages:
-            need = f"at least the {stages} pipeline stages"
-        elif parallel.pp_schedule not in ("gpipe", "1f1b") and microbatches % layout.pp:
-            need = f"a multiple of parallel.pp = {layout.pp}"
-        if need:
-            raise ConfigError(f"parallel.pp_schedule = {parallel.pp_schedule!r} needs the micro-batches per step on "
-                              f"each pipeline ({cfg.seqs_per_step} sequences / {layout.dp} data-parallel ranks / "
-                              f"train.micro_batch = {cfg.train.micro_batch} = {microbatches}) to be {need}; lower "
-                              "train.micro_batch or raise train.global_batch_tokens")
+        for name, batch in cfg.batch_names():
+            microbatches = batch // seq_len // (layout.dp * cfg.train.micro_batch)
+            need = None
+            if parallel.pp_schedule in ("1f1b", "zbv_zero_bubble", "dualpipev") and microbatches < stages:
+                need = f"at least the {stages} pipeline stages"
+            elif parallel.pp_schedule not in ("gpipe", "1f1b") and microbatches % layout.pp:
+                need = f"a multiple of parallel.pp = {layout.pp}"
+            if need:
+                raise ConfigError(f"parallel.pp_schedule = {parallel.pp_schedule!r} needs the micro-batches per step "
+                                  f"on each pipeline ({name} = {batch}: {batch // seq_len} sequences / {layout.dp} "
+                                  f"data-parallel ranks / train.micro_batch = {cfg.train.micro_batch} = "
+                                  f"{microbatches}) to be {need}; lower train.micro_batch or raise {name}")

@@ -48,7 +48,7 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     n = param_counts(cfg.model)["total"]
-    planned_tokens = cfg.total_steps * cfg.train.global_batch_tokens
+    planned_tokens = cfg.total_tokens
     summary = {
         "run": str(run_dir), "parameters": n, "step": max((r["step"] for r in records), default=0),
         "total_steps": cfg.total_steps, "tokens": max((r["tokens"] for r in records), default=0),
@@ -56,7 +56,7 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
         "train_loss": train[-1]["loss"] if train else None, "val_loss": evals[-1]["loss"] if evals else None,
         "tokens_per_s": _median(r["tokens_per_s"] for r in train[1:] or train),  # the first includes start-up
         "mfu": _median(r.get("mfu") for r in train[1:] or train),
-        "data_wait_share": _median(r["data_wait_ms"] * r["tokens_per_s"] / cfg.train.global_batch_tokens / 1000
+        "data_wait_share": _median(r["data_wait_ms"] * r["tokens_per_s"] / cfg.step_batch_tokens(r["step"] - 1) / 1000
                                    for r in train[1:] or train if r.get("data_wait_ms") is not None),
         "peak_memory_gb": max((r.get("mem_gb") or 0 for r in train), default=None),
         # Every event that happened, also those of steps a resume or rewind went back over.

@@ -233,7 +233,7 @@ class Trainer:
         if cfg.train.float8:  # before sharding: FSDP then gathers float8-aware weights
             log.info("train.float8: %d linear layers compute in float8",
                      convert_to_float8(model, self.device, self.layout.tp))
-        self.pipeline_primed = False  # see _prime_pipeline
+        self.pipeline_primed: set[int] = set()  # the micro-batches per step of the schedules primed: see _prime_pipeline
         self.moe_balance: float | None = None  # balancing loss per MoE block and rank at the last look (1: balanced)
         self.moe_max_load: float | None = None  # with expert biases: the most loaded expert over the mean, worst block
         self.parallel = parallelize(model, self.mesh, self.layout, cfg, self.device, param_dtype=param_dtype)
@@ -251,8 +251,8 @@ class Trainer:
         # micro-batch: scaled like the loss, which the trainer divides by the micro-batches and
         # a pipeline schedule by scaling the gradients instead; and over tp, whose ranks sum
         # the gradients of their parts of the sequences.
-        micro_steps = 1 if self.layout.pp > 1 else self.loader.micro_steps
-        set_balance_weight(self.model, cfg.model.moe_aux_loss / (micro_steps * self.layout.tp))
+        # (Set for each step's micro-batches, which train.batch_ramp may change: see train_step.)
+        self.balance_micro_steps: int | None = None
         # Attention within documents: the sources share a tokenizer, so one end-of-document token.
         self.eos_id = (read_index(next(iter(cfg.data.sources.values())))["eos_id"]
                        if cfg.model.document_mask else None)
@@ -292,10 +292,16 @@ class Trainer:
         that a step never waits for its batch (and, on a GPU, batches arrive page-locked for an
         asynchronous copy)."""
         cfg = self.cfg
+        batch_seqs = (lambda step: cfg.step_batch_tokens(step) // cfg.data.seq_len) if cfg.train.batch_ramp else None
         return Prefetcher(TokenLoader(cfg.data.sources, cfg.data.seq_len, cfg.seqs_per_step, cfg.train.micro_batch,
                                       rank=self.dp_rank, world_size=self.layout.dp, seed=cfg.run.seed,
-                                      weights=cfg.data.weights),
+                                      weights=cfg.data.weights, batch_seqs=batch_seqs),
                           pin=self.device.type == "cuda")
+
+    def micro_steps(self, step: int) -> int:
+        """This rank's micro-batches in the step after `step` completed ones."""
+        cfg = self.cfg
+        return cfg.step_batch_tokens(step) // cfg.data.seq_len // (self.layout.dp * cfg.train.micro_batch)
 
     def _choose_recompute(self, cfg: RunConfig) -> RunConfig:
         """parallel.recompute = auto: the planner's choice for this device's memory."""
@@ -314,7 +320,7 @@ class Trainer:
     def _warn_repeated_data(self) -> None:
         """Repeating data beyond ~4 epochs is worth much less than fresh data (Muennighoff et al.
         2023, "Scaling Data-Constrained Language Models", section 5): say so before training."""
-        samples = self.total_steps * self.cfg.seqs_per_step
+        samples = self.cfg.total_tokens // self.cfg.data.seq_len
         for source in self.loader.sources:
             weight = self.cfg.data.weights[source.name]
             epochs = samples * weight / source.windows
@@ -478,11 +484,15 @@ class Trainer:
         path = checkpoint.load_newest(self.ckpt_root, state, OPTIONAL, at_most=good)
         discarded = checkpoint.discard_after(self.ckpt_root, checkpoint.step_of(path))  # once it has loaded
         self.load_state(state)
+        # The data goes on from where it got to; the batch size (train.batch_ramp) from the
+        # checkpoint's step, which training goes on from.
+        position = {**position, "step": self.step}
         self.loader.load_state_dict(position)
         self.first_bad = torch.tensor([-1.0, 0.0, 0.0], device=self.device)
         self.first_spike[0] = -1
         self.optimizer.zero_grad(set_to_none=True)  # a step that raised before applying left its gradients
-        skipped = (position["consumed"] - json.loads(state["loader"])["consumed"]) // self.cfg.seqs_per_step
+        before = json.loads(state["loader"])
+        skipped = position["draws"] - before.get("draws", before["consumed"] // self.cfg.seqs_per_step)
         checkpoint.record_rewind(path, position, diverged_at, skipped)
         return path, skipped, discarded
 
@@ -542,23 +552,33 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        if self.parallel.schedule is not None and self.cfg.model.moe and not self.pipeline_primed:
-            self._prime_pipeline()
+        micro_steps = self.micro_steps(self.step)
+        if self.cfg.model.moe and micro_steps != self.balance_micro_steps:
+            # The experts' balance enters the objective from inside the blocks (model/moe.py),
+            # once a micro-batch: scaled like the loss, which the trainer divides by the
+            # micro-batches and a pipeline schedule by scaling the gradients instead; and over
+            # tp, whose ranks sum the gradients of their parts of the sequences.
+            per_step = 1 if self.layout.pp > 1 else micro_steps
+            set_balance_weight(self.model, self.cfg.model.moe_aux_loss / (per_step * self.layout.tp))
+            self.balance_micro_steps = micro_steps
+        if self.parallel.schedule is not None and self.cfg.model.moe and micro_steps not in self.pipeline_primed:
+            self._prime_pipeline(micro_steps)
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
         batches = []
-        for _ in range(self.loader.micro_steps):
+        for _ in range(micro_steps):
             t0 = time.perf_counter()
             batches.append(self._batch(*self.loader.next_batch()))
             data_wait += time.perf_counter() - t0
             if self.parallel.schedule is None:  # one micro-batch at a time: forward, backward
                 inputs, targets, documents = batches.pop()
                 with self.autocast():  # loss_parallel must cover the backward too
-                    loss = self.model(inputs, targets, documents=documents) / self.loader.micro_steps
+                    loss = self.model(inputs, targets, documents=documents) / micro_steps
                     loss.backward()
                 loss_sum += _local(loss.detach())
         if self.parallel.schedule is not None:  # the pipeline takes this rank's whole share, in micro-batches
-            losses = self._pipeline(*(None if parts[0] is None else torch.cat(parts) for parts in zip(*batches)))
+            losses = self._pipeline(*(None if parts[0] is None else torch.cat(parts) for parts in zip(*batches)),
+                                    microbatches=micro_steps)
             if self.parallel.last:
                 loss_sum += torch.stack([_local(loss.detach()) for loss in losses]).mean()
         grad_norm = self._clip_gradients(cfg.clip if cfg.clip > 0 else math.inf)
@@ -582,8 +602,8 @@ class Trainer:
         if self.held_bytes is None:  # after the first update every piece of state exists
             self.held_bytes = held_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+        self.tokens += self.cfg.step_batch_tokens(self.step)
         self.step += 1
-        self.tokens += self.cfg.train.global_batch_tokens
         self.lr = lr
         if not look:
             return None, None, data_wait
@@ -648,23 +668,24 @@ class Trainer:
             inputs, targets = inputs.pin_memory(), targets.pin_memory()
         return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True), documents
 
-    def _prime_pipeline(self) -> None:
+    def _prime_pipeline(self, microbatches: int) -> None:
         """Run the pipeline schedule once on a made-up batch and drop what it left. Its first
         run infers what passes between the stages by a forward and a backward of a micro-batch
         (torch 2.13), which a mixture's blocks would count as a micro-batch of training: their
         expert loads (which move the biases) and balancing losses would then depend on where a
         run started, and a resumed run would differ from one that never stopped."""
-        self.pipeline_primed = True
+        self.pipeline_primed.add(microbatches)
         # Varied tokens (a batch of one token would route every token to the same experts, and
         # under expert parallelism pile them on one rank), from a generator of its own: the
         # global random state stays as a run that never stopped has it.
-        tokens = torch.randint(self.cfg.model.vocab, (self.cfg.seqs_per_step // self.layout.dp, self.cfg.data.seq_len),
+        tokens = torch.randint(self.cfg.model.vocab, (microbatches * self.cfg.train.micro_batch, self.cfg.data.seq_len),
                                generator=torch.Generator().manual_seed(0))
-        self._pipeline(*self._batch(tokens, tokens))
+        self._pipeline(*self._batch(tokens, tokens), microbatches=microbatches)
         self.optimizer.zero_grad(set_to_none=True)
         forget_counts(self.model)
 
-    def _pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None) -> list[torch.Tensor]:
+    def _pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None,
+                  microbatches: int) -> list[torch.Tensor]:
         """Train on this rank's share of the batch through the pipeline schedule: inputs enter
         at the first stage, targets at the last, which returns the loss of each micro-batch;
         document ids go to every stage (the schedule cuts keyword arguments into micro-batches too)."""
@@ -674,7 +695,7 @@ class Trainer:
         if documents is not None:
             kwargs["documents"] = documents
         with self.autocast():
-            self.parallel.schedule.step(*args, **kwargs)
+            self.parallel.schedule_for(microbatches).step(*args, **kwargs)
         return losses
 
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
@@ -759,9 +780,10 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resumed_from = self.resume()
         params = param_counts(cfg.model)
-        log.info("%s: %s parameters (%s non-embedding), %.3g FLOPs per token; %d steps of %s tokens on %s (%s)",
+        ramp = "".join(f"{batch:,} tokens until {until:,}, then " for batch, until in cfg.train.batch_ramp)
+        log.info("%s: %s parameters (%s non-embedding), %.3g FLOPs per token; %d steps of %s%s tokens on %s (%s)",
                  self.run_dir, f"{params['total']:,}", f"{params['non_embedding']:,}", self.flops_per_token,
-                 self.total_steps, f"{cfg.train.global_batch_tokens:,}", self.device,
+                 self.total_steps, ramp, f"{cfg.train.global_batch_tokens:,}", self.device,
                  str(self.dtype).removeprefix("torch."))
         if self.is_main:  # one writer of the run directory's files
             (self.run_dir / "config.toml").write_text(cfg.to_toml())
@@ -787,7 +809,7 @@ class Trainer:
                           device=str(self.device), dtype=str(self.dtype).removeprefix("torch."), **source)
         train_loss = val_loss = None
         accounted = False
-        window_tokens, window_time, window_wait = 0, 0.0, 0.0
+        window_tokens, window_steps, window_time, window_wait = 0, 0, 0.0, 0.0
         run_tokens, run_time = 0, 0.0
         last_speed = None
         stopped_by, saved = None, None  # the signal that ends the run early; the last checkpoint
@@ -829,8 +851,7 @@ class Trainer:
                     continue
                 watchdog.beat()  # the first beat arms it
                 for spike in self.spikes:  # (those with no rewind left: the run went on)
-                    tokens = self.tokens - (self.step - spike["step"]) * cfg.train.global_batch_tokens
-                    metrics.write("spike", spike["step"], tokens,
+                    metrics.write("spike", spike["step"], self.cfg.tokens_before(spike["step"]),
                                   **{k: round(v, 6) for k, v in spike.items() if k != "step"})
                 self.spikes.clear()
                 if not accounted:
@@ -839,11 +860,13 @@ class Trainer:
                     log.info("bytes held by rank 0: %s", ", ".join(f"{k} {v:,}" for k, v in by_rank[0].items()))
                     accounted = True
                 elapsed = time.perf_counter() - t0
-                window_tokens += cfg.train.global_batch_tokens
+                step_tokens = self.cfg.step_batch_tokens(self.step - 1)
+                window_tokens += step_tokens
+                window_steps += 1
                 window_time += elapsed
                 window_wait += wait
                 if self.step > (resumed_from or 0) + 1:  # this process's first step pays one-off costs
-                    run_tokens += cfg.train.global_batch_tokens
+                    run_tokens += step_tokens
                     run_time += elapsed
                 last = self.step == self.total_steps or self.step == stop_at_step or stopped_by is not None
                 profiler.after(self.step, last)
@@ -854,7 +877,7 @@ class Trainer:
                         tokens_per_s=round(last_speed, 1), mfu=self.mfu(last_speed),
                         mfu_causal=self.mfu(last_speed, causal=True),
                         mem_gb=round(peak_memory_gb(self.device), 3),
-                        data_wait_ms=round(1000 * window_wait / (window_tokens / cfg.train.global_batch_tokens), 3),
+                        data_wait_ms=round(1000 * window_wait / window_steps, 3),
                         tokens_by_source=self.loader.tokens_by_source(),
                         epochs_by_source={k: round(v, 6) for k, v in self.loader.epochs_by_source().items()},
                         **({"moe_balance": round(self.moe_balance, 5)} if self.cfg.model.moe else {}),
@@ -862,7 +885,7 @@ class Trainer:
                     log.info("step %d/%d  loss %.4f  lr %.2e  grad %.3f  %.0f tok/s%s", self.step, self.total_steps,
                              train_loss, self.lr, grad_norm, last_speed,
                              f"  mfu {record['mfu']:.1%}" if record["mfu"] is not None else "")
-                    window_tokens, window_time, window_wait = 0, 0.0, 0.0
+                    window_tokens, window_steps, window_time, window_wait = 0, 0, 0.0, 0.0
                 self.finish_saving(wait=False)
                 if (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0) or last:
                     t_save = time.perf_counter()
