@@ -129,6 +129,12 @@ def test_checkpoints_are_committed_pointed_to_and_pruned(stdlib_data, tmp_path):
     assert (root / "latest").read_text().strip() == "step_0000008"
     marker = json.loads((root / "step_0000008" / checkpoint.MARKER).read_text())
     assert marker["step"] == 8 and ".metadata" in marker["files"]
+    # checkpoint.keep_every: the multiples of 4 stay beside the 2 newest, saved in the background too
+    kept = tmp_path / "kept"
+    train(tiny_config(stdlib_data, kept, "train.steps=10", "checkpoint.interval=2", "checkpoint.keep=2",
+                      "checkpoint.keep_every=4", "checkpoint.async_save=true", "eval.interval=0"))
+    assert [p.name for p in checkpoint.all_checkpoints(kept / "checkpoints")] == ["step_0000010", "step_0000008",
+                                                                                 "step_0000004"]
 
 
 def test_background_checkpoints_hold_the_state_of_their_step_and_resume_exactly(stdlib_data, tmp_path):

@@ -377,6 +377,8 @@ class CheckpointConfig(_Section):
     """Save every this many steps (and always at the end); 0 saves only at the end."""
     keep: int = Field(default=3, ge=1)
     """How many of the newest complete checkpoints to keep."""
+    keep_every: int = Field(default=0, ge=0)
+    """Also keep for good every checkpoint whose step is a multiple of this (a multiple of interval): what later stages, branches and analyses start from (see init_from); 0: none."""
     async_save: bool = False
     """Write checkpoints in the background: training waits only while the state is copied to host memory (and for the previous checkpoint, if still writing). The last one is always waited for."""
     resume: str = "auto"
@@ -385,6 +387,13 @@ class CheckpointConfig(_Section):
     """What a new run's weights start from: a Hugging Face model directory (LlamaForCausalLM, Qwen3ForCausalLM or their mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM, e.g. what `scaletrain export` writes: continued pre-training), whose config.json model.* must describe; or another scaletrain run's checkpoint (…/checkpoints/step_NNNNNNN, or a run directory for its newest): the next stage of its training, on other data, at another sequence length, layout or schedule, from step 0 of this run's own schedule and data order, with its weights of the same shapes (model.* may differ in what holds no weight: rope settings, max_seq_len, document_mask, routing). A run that resumes takes its own checkpoint instead."""
     init_optimizer: bool = True
     """With init_from naming a scaletrain checkpoint: also take its optimizer state (AdamW's moments, Muon's momentum; the same train.optimizer), so that the next stage continues without the jolt of fresh moments; false: start the optimizer afresh (then warm the learning rate up again)."""
+
+    @model_validator(mode="after")
+    def _check_keep_every(self) -> CheckpointConfig:
+        if self.keep_every and (not self.interval or self.keep_every % self.interval):
+            raise ValueError(f"checkpoint.keep_every = {self.keep_every} is not a multiple of checkpoint.interval = "
+                             f"{self.interval}, so some of the steps it keeps are never saved; use a multiple of it")
+        return self
 
 
 class EvalConfig(_Section):

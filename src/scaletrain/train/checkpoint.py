@@ -89,12 +89,13 @@ def _gather(value, group=None) -> list:
     return values
 
 
-def save(root: Path, step: int, tokens: int, state: dict, keep: int) -> Path:
+def save(root: Path, step: int, tokens: int, state: dict, keep: int, keep_every: int = 0) -> Path:
     """Write `state` as checkpoint `step`, mark it complete, point `latest` at it, and keep the
-    `keep` newest complete checkpoints up to this step (older ones are deleted)."""
+    `keep` newest complete checkpoints up to this step and those of steps that are multiples of
+    `keep_every` (when not 0); older ones are deleted."""
     path = _prepare(root, step)
     dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
-    _commit(root, path, step, tokens, keep)
+    _commit(root, path, step, tokens, (keep, keep_every))
     return path
 
 
@@ -106,7 +107,8 @@ class AsyncSave:
     thread too (zlib releases the GIL): over a large model's state they take seconds, which the
     training thread would otherwise spend at the commit."""
 
-    def __init__(self, root: Path, path: Path, step: int, tokens: int, keep: int, future, group=None) -> None:
+    def __init__(self, root: Path, path: Path, step: int, tokens: int, keep: tuple[int, int], future,
+                 group=None) -> None:
         self.root, self.path, self.step, self.tokens, self.keep = root, path, step, tokens, keep
         self._future, self._committed = _background().submit(self._written, future, group), False
 
@@ -139,7 +141,8 @@ def _background():
     return _BACKGROUND
 
 
-def save_async(root: Path, step: int, tokens: int, state: dict, keep: int, group=None, stager=None) -> AsyncSave:
+def save_async(root: Path, step: int, tokens: int, state: dict, keep: int, group=None, stager=None,
+               keep_every: int = 0) -> AsyncSave:
     """Start writing `state` as checkpoint `step` and return once it has been copied to host
     memory, so that training can go on changing the live tensors. Under torch.distributed,
     `group` must be a process group of its own (gloo): DCP's background collectives on the
@@ -151,7 +154,7 @@ def save_async(root: Path, step: int, tokens: int, state: dict, keep: int, group
     if hasattr(future, "staging_completion"):  # an asynchronous stager: the copy must end before training goes on
         future.staging_completion.result()
         future = future.upload_completion
-    return AsyncSave(root, path, step, tokens, keep, future, group)
+    return AsyncSave(root, path, step, tokens, (keep, keep_every), future, group)
 
 
 def pinned_stager():
@@ -203,16 +206,18 @@ def _file_table(path: Path, group=None) -> dict[str, list[int]]:
     return dict(sorted(item for part in parts for item in part.items()))
 
 
-def _commit(root: Path, path: Path, step: int, tokens: int, keep: int, files: dict | None = None) -> None:
-    """Mark `path` complete (one process writes) and prune older checkpoints. Every rank calls
-    it (the checksums are shared) unless `files`, its _file_table, was already taken."""
+def _commit(root: Path, path: Path, step: int, tokens: int, keep: tuple[int, int], files: dict | None = None) -> None:
+    """Mark `path` complete (one process writes) and prune older checkpoints but the newest and
+    those kept for good, `keep` = (how many newest, multiple of the steps kept; 0: none). Every rank
+    calls it (the checksums are shared) unless `files`, its _file_table, was already taken."""
     files = files if files is not None else _file_table(path)
     if not _is_main():
         return
     _write_atomic(path / MARKER, json.dumps({"step": step, "tokens": tokens, "files": files}, indent=1))
     _write_atomic(root / "latest", path.name + "\n")
+    newest, every = keep
     older = [p for p in complete_checkpoints(root) if step_of(p) < step]
-    for old in older[keep - 1:]:
+    for old in [p for p in older[newest - 1:] if not (every and step_of(p) % every == 0)]:
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -508,14 +508,16 @@ class Trainer:
         """Checkpoint the current step; returns its path. With checkpoint.async_save the writing
         goes on in the background (see finish_saving); the previous one is finished first."""
         if not self.cfg.checkpoint.async_save:
-            return checkpoint.save(self.ckpt_root, self.step, self.tokens, self.state(), self.cfg.checkpoint.keep)
+            return checkpoint.save(self.ckpt_root, self.step, self.tokens, self.state(), self.cfg.checkpoint.keep,
+                                   self.cfg.checkpoint.keep_every)
         self.finish_saving(wait=True)
         if dist.is_initialized() and self.checkpoint_group is None:
             self.checkpoint_group = dist.new_group(backend="gloo")  # see checkpoint.save_async
         if self.device.type == "cuda" and self.stager is None:
             self.stager = checkpoint.pinned_stager()
         self.pending = checkpoint.save_async(self.ckpt_root, self.step, self.tokens, self.state(),
-                                             self.cfg.checkpoint.keep, self.checkpoint_group, self.stager)
+                                             self.cfg.checkpoint.keep, self.checkpoint_group, self.stager,
+                                             self.cfg.checkpoint.keep_every)
         return self.pending.path
 
     def finish_saving(self, wait: bool) -> None:
