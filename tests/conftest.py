@@ -45,6 +45,29 @@ def short_documents(stdlib_data, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def next_line_task(tmp_path_factory) -> Path:
+    """A multiple-choice task of real text (eval.tasks): four lines of the standard library's
+    Python, and which of four lines comes next — the right one or three lines from elsewhere."""
+    import json
+    import random
+    import sysconfig
+
+    rng = random.Random(0)
+    lines = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[30:45]:
+        lines += [line for line in path.read_text(errors="replace").splitlines() if len(line.strip()) > 20]
+    examples = []
+    for start in rng.sample(range(len(lines) - 5), 24):
+        choices = [lines[start + 4], *rng.sample(lines, 3)]
+        rng.shuffle(choices)
+        examples.append({"context": "\n".join(lines[start:start + 4]) + "\n", "choices": choices,
+                         "label": choices.index(lines[start + 4])})
+    out = tmp_path_factory.mktemp("tasks") / "next_line.jsonl"
+    out.write_text("".join(json.dumps(example) + "\n" for example in examples))
+    return out
+
+
 def tiny_config(data_dir: Path, run_dir: Path, *overrides: str):
     """configs/tiny.toml pointed at `data_dir`, its run directory at `run_dir`."""
     return load_config(ROOT / "configs" / "tiny.toml",

@@ -57,14 +57,14 @@ def launch(stdlib_data, run_dir, nproc: int, *overrides: str):
     _run_with_retry(lambda: run_cli(*args, timeout=240), "a launch")
 
 
-def launch_layouts(stdlib_data, root, nproc: int, runs: list[tuple], short_documents: Path | None = None):
+def launch_layouts(stdlib_data, root, nproc: int, runs: list[tuple], placeholders: dict | None = None):
     """Train each (run name, overrides, stop at step[, file of the run to damage first[, the
     divergence to cause: see run_layouts.py]]) under root/, one after another, in one torchrun
     job of nproc processes; a run name given twice resumes the first one's checkpoint."""
     spec = [{"config": str(ROOT / "configs" / "tiny.toml"), "stop_at_step": stop,
              "damage": extra[0] if extra else None, "glitch": extra[1] if len(extra) > 1 else None,
              "overrides": [f"data.path={stdlib_data}", f"run.dir={root}", f"run.name={name}", *STEPS,
-                           *with_data(overrides, short_documents)]}
+                           *with_data(overrides, placeholders)]}
             for name, overrides, stop, *extra in runs]
     spec_path = root / f"layouts-{nproc}.json"
     spec_path.write_text(json.dumps(spec))
@@ -87,14 +87,19 @@ DEEP = ["model.n_layers=4"]  # enough blocks for 4 pipeline stages
 
 
 @pytest.fixture(scope="module")
-def single_process(stdlib_data, short_documents, tmp_path_factory):
+def placeholders(short_documents, next_line_task) -> dict[str, Path]:
+    return {"SHORT_DOCUMENTS": short_documents, "NEXT_LINE_TASK": next_line_task}
+
+
+@pytest.fixture(scope="module")
+def single_process(stdlib_data, placeholders, tmp_path_factory):
     """One process, 4 blocks, 2 micro-batches of 4 per step, with a layout's model.*, eval.*,
     data.*, train.optimizer, train.z_loss and train.batch_ramp overrides: what that layout must
     reproduce. Each is trained once."""
     runs = {}
 
     def run(overrides: list[str]):
-        model = tuple(o for o in with_data(overrides, short_documents)
+        model = tuple(o for o in with_data(overrides, placeholders)
                       if o.startswith(("model.", "eval.", "data.", "train.optimizer", "train.z_loss", "train.batch_ramp")))
         if model not in runs:
             runs[model] = tmp_path_factory.mktemp("single-deep") / "run"
@@ -107,8 +112,11 @@ def single_process(stdlib_data, short_documents, tmp_path_factory):
 DOCUMENTS = ["model.document_mask=true", "data.path=SHORT_DOCUMENTS"]
 
 
-def with_data(overrides: list[str], short_documents: Path) -> list[str]:
-    return [o.replace("SHORT_DOCUMENTS", str(short_documents)) for o in overrides]
+def with_data(overrides: list[str], placeholders: dict[str, Path] | None) -> list[str]:
+    """overrides with the paths of the data and tasks the tests make in place of their names."""
+    for name, path in (placeholders or {}).items():
+        overrides = [o.replace(name, str(path)) for o in overrides]
+    return overrides
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +130,10 @@ def assert_parity(run_dir, reference, tolerance=1e-5):
         assert sorted(got) == sorted(expected), kind
         for step in expected:
             assert abs(got[step] - expected[step]) <= tolerance, (kind, step, got[step], expected[step])
+    for got, expected in zip(read_metrics(run_dir, "eval"), read_metrics(reference, "eval"), strict=True):
+        assert got.get("task_accuracy") == expected.get("task_accuracy")
+        for name, nll in expected.get("task_nll", {}).items():
+            assert abs(got["task_nll"][name] - nll) <= tolerance, (name, got["task_nll"][name], nll)
 
 
 ONE_STAGE = ["parallel.dp_shard=1"]
@@ -163,6 +175,12 @@ TWO = {
 for _name in ("pp-1f1b", "pp-interleaved_zero_bubble"):
     TWO[_name] += DOCUMENTS
 TWO["pp-gpipe"] += Z_LOSS
+# Multiple-choice tasks scored in every kind of split: rows over FSDP ranks (padded), logits
+# split by vocabulary (tensor parallelism), rows split by position (context parallelism), the
+# last pipeline stage's logits.
+TASKS = ["eval.tasks=['NEXT_LINE_TASK']", "eval.task_examples=10"]
+for _name in ("fsdp-uneven-eval-chunked-loss", "tp-muon-z-loss", "cp", "pp-1f1b"):
+    TWO[_name] += TASKS
 # FSDP gathering bfloat16 parameters (gradients reduced in float32): close to float32, not equal.
 MIXED = {"fsdp-bf16-params": ["parallel.dp_shard=2", "train.dtype=bfloat16"]}
 # FSDP x TP and CP x TP untied: the second halves of RESHARD's runs.
@@ -215,7 +233,7 @@ STAGED = {"tp-stage-two": TP2}
 
 
 @pytest.fixture(scope="module")
-def layout_runs(stdlib_data, short_documents, reference_deep, tmp_path_factory):
+def layout_runs(stdlib_data, placeholders, reference_deep, tmp_path_factory):
     """Every grouped layout trained once: name -> run directory (three launches: 2, 4, 8 processes)."""
     root = tmp_path_factory.mktemp("layouts")
     two = [(name, [*DEEP, *overrides], None) for name, overrides in {**TWO, **MIXED}.items()]
@@ -229,11 +247,11 @@ def layout_runs(stdlib_data, short_documents, reference_deep, tmp_path_factory):
         two += [(name, [*DEEP, *overrides], None), (name, [*DEEP, *overrides], None, damaged)]
     two += [(name, [*DEEP, *overrides], None, None, {"step": GLITCH + (kind == "spike"), "kind": kind})
             for name, (overrides, kind) in REWOUND.items()]
-    launch_layouts(stdlib_data, root, 2, two, short_documents)
+    launch_layouts(stdlib_data, root, 2, two, placeholders)
     four = [(name, [*DEEP, *overrides], None) for name, overrides in FOUR.items()]
     for name, (before, after) in RESHARD.items():
         four += [(name, [*DEEP, *before], STOP), (name, [*DEEP, *after], None)]
-    launch_layouts(stdlib_data, root, 4, four, short_documents)
+    launch_layouts(stdlib_data, root, 4, four, placeholders)
     launch_layouts(stdlib_data, root, 8, [(name, [*DEEP, *overrides], None) for name, overrides in EIGHT.items()])
     return {name: root / name
             for name in [*TWO, *MIXED, *FOUR, *EIGHT, *RESHARD, *RESUME, *TO_ONE, *DAMAGED, *REWOUND, *STAGED]}
@@ -278,9 +296,9 @@ def test_a_checkpoint_resumes_in_another_layout_with_the_losses_of_one_that_neve
 
 @pytest.mark.parametrize("name", list(STAGED))
 def test_the_next_stage_of_a_run_trains_in_another_layout_the_losses_of_one_process(
-        stdlib_data, short_documents, layout_runs, reference_deep, tmp_path, name):
+        stdlib_data, placeholders, layout_runs, reference_deep, tmp_path, name):
     one = tmp_path / "one"
-    train(tiny_config(stdlib_data, one, *STEPS, *DEEP, *with_data(STAGE_TWO, short_documents),
+    train(tiny_config(stdlib_data, one, *STEPS, *DEEP, *with_data(STAGE_TWO, placeholders),
                       f"checkpoint.init_from={reference_deep}"))
     assert read_metrics(layout_runs[name], "start")[0]["init_step"] == 4
     assert_parity(layout_runs[name], one)

@@ -541,6 +541,53 @@ def test_a_batch_ramp_trains_its_small_batches_first_and_resumes_and_rewinds_exa
     assert (state["step"], state["draws"], state["micro"], state["consumed"]) == (5, 6, 0, (1792 + 256) // 64)
 
 
+def test_multiple_choice_tasks_score_each_choice_by_its_log_probability_after_the_context(
+        stdlib_data, next_line_task, tmp_path):
+    """eval.tasks: each evaluation logs a task's accuracy, length-normalised accuracy and the right
+    choice's loss per token; the scores are the choice's log-probability after the context, as a
+    plain forward of the model over each unpadded (and, when too long, left-cut) text gives it."""
+    from scaletrain.data.tokenizer import load_tokenizer
+
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(stdlib_data, run_dir, "train.steps=6", "eval.interval=3", f"eval.tasks=['{next_line_task}']",
+                      "eval.task_examples=20")
+    train(cfg)
+    evals = read_metrics(run_dir, "eval")
+    assert [sorted(r["task_accuracy"]) for r in evals] == [["next_line"], ["next_line"]]
+    assert evals[1]["task_nll"]["next_line"] < evals[0]["task_nll"]["next_line"]  # it learns
+
+    trainer = Trainer(cfg)
+    trainer.resume()
+    [task] = trainer.tasks
+    assert task.examples == 20 and len(task.inputs) == 80
+    scores = trainer.task_scores(task)
+    tokenizer, model = load_tokenizer(stdlib_data), trainer.model.eval()
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    expected = []
+    for line in next_line_task.read_text().splitlines()[:20]:
+        example = json.loads(line)
+        context = tokenizer.encode(example["context"]).ids
+        for choice in example["choices"]:
+            whole = tokenizer.encode(example["context"] + choice).ids
+            shared = next((i for i, (a, b) in enumerate(zip(context, whole)) if a != b), min(len(context), len(whole)))
+            scored = len(whole) - min(shared, len(whole) - 1)
+            full = torch.tensor([eos, *whole][-65:])
+            with torch.no_grad():
+                logprobs = torch.log_softmax(model(full[None, :-1]), dim=-1)[0]
+            targets = full[1:]
+            expected.append(logprobs[torch.arange(len(targets)), targets][-scored:].sum().item())
+    assert scores == pytest.approx(expected, abs=1e-4)
+    right = [json.loads(line)["label"] for line in next_line_task.read_text().splitlines()[:20]]
+    accuracy = sum(max(range(4), key=lambda c: expected[4 * i + c]) == label for i, label in enumerate(right)) / 20
+    assert evals[1]["task_accuracy"]["next_line"] == pytest.approx(accuracy)
+    trainer.loader.close()
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"context": "a", "choices": ["b", "c"], "label": 1}\n{"context": "a", "choices": ["b"], "label": 0}\n')
+    with pytest.raises(ConfigError, match=r"line 2 of .*bad.jsonl' is not an example; each line must be "):
+        Trainer(tiny_config(stdlib_data, tmp_path / "other", "train.steps=2", f"eval.tasks=['{bad}']"))
+
+
 def test_compiled_blocks_train_the_same_losses(stdlib_data, tmp_path):
     """train.compile = true compiles each block with inductor; losses match eager to float32 rounding."""
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"

@@ -401,6 +401,10 @@ class EvalConfig(_Section):
     """Validation loss every this many steps (and at the end); 0: only at the end."""
     tokens: int = Field(default=65536, ge=1)
     """Validation tokens per evaluation: the same fixed windows of the validation split each time."""
+    tasks: list[str] = []
+    """Multiple-choice tasks scored at each evaluation, as lm-evaluation-harness scores them: JSON Lines files of {"context": ..., "choices": [...], "label": index}, each choice ranked by the log-probability of its tokens after the context; logged per task (its file's name) as task_accuracy, task_accuracy_norm (per character of the choice) and task_nll (the right choice's loss per token, smooth where accuracy is still at chance)."""
+    task_examples: int = Field(default=500, ge=1)
+    """The first this many examples of each task are scored."""
 
 
 class LogConfig(_Section):

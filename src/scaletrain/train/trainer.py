@@ -44,6 +44,7 @@ from scaletrain.train.metrics import MetricsLog, StepProfiler, TensorBoardSink, 
 from scaletrain.train.optim import build_optimizer, local_shard, set_hyperparameters
 from scaletrain.train.resilience import StopSignals, StoppedBySignal, Watchdog, loss_spike
 from scaletrain.train.schedule import lr_at
+from scaletrain.train.tasks import Task, load_task, task_metrics
 
 log = logging.getLogger("scaletrain")
 
@@ -218,6 +219,7 @@ class Trainer:
             self.cfg = cfg = self._choose_recompute(cfg)
         self.total_steps = cfg.total_steps
         self._check_run_dir()
+        self.tasks = self._load_tasks()  # a task file that cannot be read is refused before anything starts
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # mem_gb is this run's peak, not the process's
         if not self.is_main:
@@ -302,6 +304,17 @@ class Trainer:
         """This rank's micro-batches in the step after `step` completed ones."""
         cfg = self.cfg
         return cfg.step_batch_tokens(step) // cfg.data.seq_len // (self.layout.dp * cfg.train.micro_batch)
+
+    def _load_tasks(self) -> list[Task]:
+        """eval.tasks, tokenized as the data was."""
+        if not self.cfg.eval.tasks:
+            return []
+        from scaletrain.data.tokenizer import load_tokenizer
+
+        data = next(iter(self.cfg.data.sources.values()))
+        tokenizer, eos = load_tokenizer(data), read_index(data)["eos_id"]
+        return [load_task(path, tokenizer, eos, self.cfg.data.seq_len, self.cfg.eval.task_examples)
+                for path in self.cfg.eval.tasks]
 
     def _choose_recompute(self, cfg: RunConfig) -> RunConfig:
         """parallel.recompute = auto: the planner's choice for this device's memory."""
@@ -766,6 +779,53 @@ class Trainer:
         self.model.train()
         return by_source
 
+    @torch.no_grad()
+    def task_scores(self, task: Task) -> np.ndarray:
+        """Each row's summed log-probability of its choice (see train/tasks.py), on every rank.
+        Rows are spread over the data-parallel ranks, micro-batches of them, as many on each;
+        the log-probabilities come from the whole vocabulary (tensor parallelism's split logits
+        are gathered), the ranks holding a part of a row (context parallelism) add theirs, and
+        one all-reduce gives every rank all of them (the tensor-parallel and earlier pipeline
+        ranks, which hold no other part, add nothing)."""
+        rows, seq_len = self.cfg.train.micro_batch, self.cfg.data.seq_len
+        count = len(task.inputs)
+        mine = np.arange(self.dp_rank, count, self.layout.dp)
+        scores = torch.zeros(count, dtype=torch.float64)
+        adds = self.parallel.last and self.layout.coordinates(self.rank)["tp"] == 0
+        precision = (torch.autocast(self.device.type, dtype=self.dtype) if self.dtype != torch.float32
+                     else contextlib.nullcontext())
+        for start in range(0, -(-count // self.layout.dp), rows):
+            chosen = mine[start:start + rows]
+            x = np.zeros((rows, seq_len), dtype=np.int64)
+            y = np.full((rows, seq_len), IGNORE, dtype=np.int64)
+            x[:len(chosen)], y[:len(chosen)] = task.inputs[chosen], task.targets[chosen]
+            inputs, targets, documents = self._batch(torch.from_numpy(x), torch.from_numpy(y))
+            with precision:
+                if self.parallel.forward is None:
+                    logits = self.model(inputs, documents=documents)
+                else:
+                    logits = self.parallel.forward(inputs if self.parallel.first else None, documents)
+            if logits is None:
+                continue
+            if isinstance(logits, DTensor):
+                logits = logits.full_tensor()  # (a collective of the tensor-parallel ranks: all of them)
+            if not adds:
+                continue
+            picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+            sums = torch.where(targets == IGNORE, 0.0, picked).sum(dim=-1)
+            scores[torch.from_numpy(chosen)] += sums[:len(chosen)].double().cpu()
+        if dist.is_initialized():
+            scores = scores.to(self.device)
+            dist.all_reduce(scores)
+        return scores.cpu().numpy()
+
+    def evaluate_tasks(self) -> dict[str, dict[str, float]]:
+        """eval.tasks' metrics: task name -> accuracy, accuracy_norm, nll."""
+        self.model.eval()
+        results = {task.name: task_metrics(task, self.task_scores(task)) for task in self.tasks}
+        self.model.train()
+        return results
+
     def mfu(self, tokens_per_s: float, causal: bool = False) -> float | None:
         """Model FLOPs utilisation of the job's tokens/s against the peak of all its devices:
         attention counted over the whole score matrix (PaLM's and nanoGPT's convention), or
@@ -901,8 +961,12 @@ class Trainer:
                     by_source = self.evaluate()
                     # The mixture's loss: each source's loss at its training weight.
                     val_loss = sum(cfg.data.weights[name] * loss for name, loss in by_source.items())
-                    metrics.write("eval", self.step, self.tokens, loss=val_loss, loss_by_source=by_source)
-                    log.info("step %d/%d  validation loss %.4f", self.step, self.total_steps, val_loss)
+                    tasks = self.evaluate_tasks()
+                    metrics.write("eval", self.step, self.tokens, loss=val_loss, loss_by_source=by_source,
+                                  **{f"task_{key}": {name: round(result[key], 6) for name, result in tasks.items()}
+                                     for key in ("accuracy", "accuracy_norm", "nll") if tasks})
+                    log.info("step %d/%d  validation loss %.4f%s", self.step, self.total_steps, val_loss,
+                             "".join(f"  {name} {result['accuracy']:.1%}" for name, result in tasks.items()))
                     watchdog.beat()
             self.finish_saving(wait=True)  # the run's last checkpoint is complete before it returns
             if self.stager is not None:
