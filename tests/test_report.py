@@ -17,9 +17,10 @@ LAW = ChinchillaLaw(E=2.0, A=60.0, B=400.0, alpha=0.3, beta=0.3)
 BOOTSTRAP = [[2.0, 60.0, 400.0, 0.3, 0.3], [1.9, 60.0, 400.0, 0.3, 0.3], [2.1, 60.0, 400.0, 0.3, 0.3]]
 
 
-def test_report_writes_plots_and_html_and_compares_the_final_loss_with_the_law(stdlib_data, tmp_path):
+def test_report_writes_plots_and_html_and_compares_the_final_loss_with_the_law(stdlib_data, next_line_task, tmp_path):
     run_dir = tmp_path / "run"
-    cfg = tiny_config(stdlib_data, run_dir, "train.steps=6", "eval.interval=3", "checkpoint.interval=3")
+    cfg = tiny_config(stdlib_data, run_dir, "train.steps=6", "eval.interval=3", "checkpoint.interval=3",
+                      f"eval.tasks=['{next_line_task}']", "eval.task_examples=8")
     train(cfg, stop_at_step=3)
     with open(run_dir / "metrics.jsonl", "a") as f:  # an attempt that got to step 5 and hung there
         f.write(json.dumps({"kind": "hang", "step": 5, "tokens": 2560, "time": 0.0, "seconds": 900.0}) + "\n")
@@ -39,10 +40,14 @@ def test_report_writes_plots_and_html_and_compares_the_final_loss_with_the_law(s
     assert f"{predicted:.4f} [{low:.4f}, {high:.4f}]" in result.stdout
     assert f"{(val_loss - predicted) / predicted:+.2%}" in result.stdout
     assert "resume events" in result.stdout and "hang events" in result.stdout
-    for name in ("loss.png", "speed.png"):
+    last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if '"kind": "eval"' in line][-1]
+    assert f"{last['task_accuracy']['next_line']:.1%} ({last['task_accuracy_norm']['next_line']:.1%}; " \
+           f"{last['task_nll']['next_line']:.4f})" in result.stdout
+    for name in ("loss.png", "speed.png", "tasks.png"):
         assert (run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (run_dir / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 2  # self-contained
+    assert page.count("data:image/png;base64,") == 3  # self-contained
     assert "<td>resume</td>" in page and "<td>hang</td>" in page and "<td>end</td>" in page and "[model]" in page
 
 

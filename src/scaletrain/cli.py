@@ -763,6 +763,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     table.add_row("tokens/s (median)", f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "-")
     if summary["mfu"] is not None:
         table.add_row("MFU (median)", f"{summary['mfu']:.1%}")
+    for name, task in summary["tasks"].items():
+        table.add_row(f"{name} accuracy (per character; right choice's loss)",
+                      f"{task['accuracy']:.1%} ({task['accuracy_norm']:.1%}; {task['nll']:.4f})")
     prediction = summary.get("prediction")
     if prediction is not None:
         low, high = prediction.get("interval", (None, None))

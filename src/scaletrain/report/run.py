@@ -59,6 +59,9 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
         "data_wait_share": _median(r["data_wait_ms"] * r["tokens_per_s"] / cfg.step_batch_tokens(r["step"] - 1) / 1000
                                    for r in train[1:] or train if r.get("data_wait_ms") is not None),
         "peak_memory_gb": max((r.get("mem_gb") or 0 for r in train), default=None),
+        # eval.tasks at the last evaluation: task -> accuracy, accuracy_norm, nll.
+        "tasks": {name: {key: evals[-1][f"task_{key}"][name] for key in ("accuracy", "accuracy_norm", "nll")}
+                  for name in (evals[-1].get("task_accuracy") or {})} if evals else {},
         # Every event that happened, also those of steps a resume or rewind went back over.
         "events": [{"kind": r["kind"], "step": r["step"], **{k: r.get(k) for k in EVENTS[r["kind"]]}}
                    for r in read_metrics(run_dir, superseded=True) if r["kind"] in EVENTS],
@@ -82,7 +85,8 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
         summary["prediction"] = prediction
     planned_speed = plan_doc["step"]["tokens_per_s"] if plan_doc is not None else None
     plots = [_loss_plot(run_dir / "loss.png", train, evals, law, prediction),
-             _speed_plot(run_dir / "speed.png", train, planned_speed)]
+             _speed_plot(run_dir / "speed.png", train, planned_speed),
+             _tasks_plot(run_dir / "tasks.png", evals)]
     (run_dir / "report.html").write_text(_html(cfg, summary, [p for p in plots if p is not None]))
     summary["files"] = [str(p) for p in plots if p is not None] + [str(run_dir / "report.html")]
     return summary
@@ -161,6 +165,23 @@ def _speed_plot(path: Path, train: list[dict], planned: float | None = None) -> 
     return _save(fig, path)
 
 
+def _tasks_plot(path: Path, evals: list[dict]) -> Path | None:
+    """Each task's accuracy and its right choice's loss per token against tokens (eval.tasks)."""
+    names = sorted(evals[-1].get("task_accuracy") or {}) if evals else []
+    if not names:
+        return None
+    scored = [r for r in evals if r.get("task_accuracy")]
+    tokens = [r["tokens"] for r in scored]
+    fig, (accuracy, nll) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for i, name in enumerate(names):
+        accuracy.plot(tokens, [r["task_accuracy"].get(name) for r in scored], "o-", ms=3, color=f"C{i}", label=name)
+        nll.plot(tokens, [r["task_nll"].get(name) for r in scored], "o-", ms=3, color=f"C{i}", label=name)
+    accuracy.set(xscale="log", xlabel="tokens", ylabel="accuracy", title="multiple-choice accuracy")
+    nll.set(xscale="log", xlabel="tokens", ylabel="loss per token", title="loss of the right choice")
+    accuracy.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -180,7 +201,10 @@ def _html(cfg, summary: dict, plots: list[Path]) -> str:
             ("tokens/s (median)", number(summary["tokens_per_s"], ",.0f")),
             ("MFU (median)", number(summary["mfu"], ".1%")),
             ("data wait, share of a step (median)", number(summary["data_wait_share"], ".2%")),
-            ("peak memory (GB)", number(summary["peak_memory_gb"], ".2f"))]
+            ("peak memory (GB)", number(summary["peak_memory_gb"], ".2f")),
+            *((f"{name}: accuracy, per character, right choice's loss per token",
+               f"{task['accuracy']:.1%}, {task['accuracy_norm']:.1%}, {task['nll']:.4f}")
+              for name, task in summary["tasks"].items())]
     plan = summary.get("plan")
     if plan is not None:
         for key, label, form in PLANNED:
