@@ -50,6 +50,11 @@ def test_resolved_config_round_trips_through_toml():
     (["train.steps=10", "model.rope_scaling={factor = 8, low_freq_factor = 1, high_freq_factor = 4, "
                         "original_max_seq_len = 8192.5}"], ["original_max_seq_len 8192.5", "whole number"]),
     (["train.steps=10", 'log.wandb_project=""'], ["log.wandb_project", "at least 1 character"]),
+    (["train.steps=10", "checkpoint.interval=0", "checkpoint.keep_every=1000"],
+     ["checkpoint.keep_every = 1000 keeps nothing with checkpoint.interval = 0"]),
+    (["train.steps=10", "train.batch_ramp=[[16384, 100000]]"],
+     ["train.batch_ramp's batch_tokens = 16384 is not below train.global_batch_tokens = 16384"]),
+    (["train.steps=10", "eval.tasks=['a/test.jsonl', 'b/test.jsonl']"], ["more than one task 'test'"]),
     (["train.steps=10", "checkpoint.interval=300", "checkpoint.keep_every=1000"],
      ["checkpoint.keep_every = 1000 is not a multiple of checkpoint.interval = 300"]),
     (["train.steps=10", "train.batch_ramp=[[4096, 100], [8192, 50]]"],

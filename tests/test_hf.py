@@ -296,9 +296,14 @@ def test_a_model_of_another_shape_or_kind_is_refused_with_the_settings_to_use(ru
     config.update(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "truncate": False},
                   attention_bias=False)
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="rotary scaling 'yarn' without original_max_position_embeddings; YaRN's "
-                                          "ramp without truncation"):
+    with pytest.raises(ConfigError, match="does not compute: YaRN's ramp without truncation"):
         model_settings(tmp_path / "hf")
+    # transformers' defaults: the original length is the model's; a default beta is not restated
+    config.update(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "beta_fast": 32},
+                  max_position_embeddings=256)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert model_settings(tmp_path / "hf")["rope_scaling"] == {"type": "yarn", "factor": 4.0,
+                                                              "original_max_seq_len": 256.0}
     config.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0}, attention_bias=False)
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="rotary scaling 'llama3' without low_freq_factor, high_freq_factor, orig"):

@@ -453,6 +453,8 @@ def test_a_checkpoint_that_does_not_fit_the_next_stage_is_refused_in_one_sentenc
     refused(r"was trained with train.optimizer = 'adamw'.*set train.optimizer = 'adamw', or "
             r"checkpoint.init_optimizer = false", first_stage, "train.optimizer=muon")
     refused("neither a Hugging Face model directory .* nor a scaletrain run directory or checkpoint", tmp_path)
+    with pytest.raises(ConfigError, match="is this run's own directory: a next stage is a run of its own"):
+        Trainer(tiny_config(stdlib_data, first_stage, "train.steps=6", f"checkpoint.init_from={first_stage}"))
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     refused("is a run directory without a complete checkpoint", tmp_path / "empty")
     shutil.copytree(first_stage, tmp_path / "retokenized")
@@ -566,9 +568,9 @@ def test_multiple_choice_tasks_score_each_choice_by_its_log_probability_after_th
     expected = []
     for line in next_line_task.read_text().splitlines()[:20]:
         example = json.loads(line)
-        context = tokenizer.encode(example["context"]).ids
+        context = tokenizer.encode(example["context"], add_special_tokens=False).ids
         for choice in example["choices"]:
-            whole = tokenizer.encode(example["context"] + choice).ids
+            whole = tokenizer.encode(example["context"] + choice, add_special_tokens=False).ids
             shared = next((i for i, (a, b) in enumerate(zip(context, whole)) if a != b), min(len(context), len(whole)))
             scored = len(whole) - min(shared, len(whole) - 1)
             full = torch.tensor([eos, *whole][-65:])
@@ -581,6 +583,16 @@ def test_multiple_choice_tasks_score_each_choice_by_its_log_probability_after_th
     accuracy = sum(max(range(4), key=lambda c: expected[4 * i + c]) == label for i, label in enumerate(right)) / 20
     assert evals[1]["task_accuracy"]["next_line"] == pytest.approx(accuracy)
     trainer.loader.close()
+
+    # Tokenized as the data was: a tokenizer's post-processor adds no token to the rows.
+    from tokenizers.processors import TemplateProcessing
+
+    from scaletrain.train.tasks import load_task
+    with_bos = load_tokenizer(stdlib_data)
+    with_bos.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", eos)])
+    assert with_bos.encode("x = 1").ids[0] == eos
+    plain, bos = (load_task(next_line_task, t, eos, 64, 5) for t in (tokenizer, with_bos))
+    assert (plain.inputs == bos.inputs).all() and (plain.targets == bos.targets).all()
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"context": "a", "choices": ["b", "c"], "label": 1}\n{"context": "a", "choices": ["b"], "label": 0}\n')

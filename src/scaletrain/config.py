@@ -38,13 +38,20 @@ class RunSection(_Section):
 
 
 # model.rope_scaling's kinds: {type: (keys it must give, keys it may give)}; no type is Llama 3.1's.
-ROPE_SCALING = {"llama3": ({"factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"}, set()),
-                "yarn": ({"factor", "original_max_seq_len"}, {"beta_fast", "beta_slow", "attention_factor"}),
-                "linear": ({"factor"}, set())}
+ROPE_SCALING = {"llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"), ()),
+                "yarn": (("factor", "original_max_seq_len"), ("beta_fast", "beta_slow", "attention_factor")),
+                "linear": (("factor",), ())}
 ROPE_EXAMPLES = {"llama3": "{factor = 8, low_freq_factor = 1, high_freq_factor = 4, original_max_seq_len = 8192}",
                  "yarn": '{type = "yarn", factor = 4, original_max_seq_len = 4096}',
                  "linear": '{type = "linear", factor = 4}'}
 ROPE_NAMES = {"llama3": "Llama 3.1's", "yarn": "YaRN", "linear": "linear"}
+# YaRN's defaults (Peng et al. 2023, and transformers'): the ramp between the dimensions turning
+# 32 and 1 times over the original context, and the attention factor 0.1 ln s + 1.
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
+
+
+def yarn_attention_factor(factor: float) -> float:
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def check_rope_scaling(scaling: dict) -> None:
@@ -53,7 +60,7 @@ def check_rope_scaling(scaling: dict) -> None:
     if kind not in ROPE_SCALING:
         raise ValueError(f"model.rope_scaling: type {kind!r} is not one of {', '.join(map(repr, ROPE_SCALING))} "
                          f"(e.g. {ROPE_EXAMPLES['yarn']})")
-    required, optional = ROPE_SCALING[kind]
+    required, optional = (set(keys) for keys in ROPE_SCALING[kind])
     numbers = {key: value for key, value in scaling.items() if key != "type"}
     if (not required <= set(numbers) <= required | optional
             or not all(isinstance(v, float) and 0 < v < math.inf for v in numbers.values())):
@@ -67,9 +74,9 @@ def check_rope_scaling(scaling: dict) -> None:
     if kind == "llama3" and numbers["high_freq_factor"] <= numbers["low_freq_factor"]:
         raise ValueError(f"model.rope_scaling: high_freq_factor {numbers['high_freq_factor']} must "
                          f"exceed low_freq_factor {numbers['low_freq_factor']}")
-    if kind == "yarn" and numbers.get("beta_fast", 32.0) <= numbers.get("beta_slow", 1.0):
-        raise ValueError(f"model.rope_scaling: beta_fast {numbers.get('beta_fast', 32.0)} must exceed beta_slow "
-                         f"{numbers.get('beta_slow', 1.0)}")
+    fast, slow = numbers.get("beta_fast", YARN_BETA_FAST), numbers.get("beta_slow", YARN_BETA_SLOW)
+    if kind == "yarn" and fast <= slow:
+        raise ValueError(f"model.rope_scaling: beta_fast {fast} must exceed beta_slow {slow}")
 
 
 class ModelConfig(_Section):
@@ -378,7 +385,7 @@ class CheckpointConfig(_Section):
     keep: int = Field(default=3, ge=1)
     """How many of the newest complete checkpoints to keep."""
     keep_every: int = Field(default=0, ge=0)
-    """Also keep for good every checkpoint whose step is a multiple of this (a multiple of interval): what later stages, branches and analyses start from (see init_from); 0: none."""
+    """Also keep every checkpoint whose step is a multiple of this (a multiple of interval) when newer ones prune it: what later stages, branches and analyses start from (see init_from); a rewind still discards those newer than the checkpoint it goes back to. 0: none."""
     async_save: bool = False
     """Write checkpoints in the background: training waits only while the state is copied to host memory (and for the previous checkpoint, if still writing). The last one is always waited for."""
     resume: str = "auto"
@@ -390,7 +397,10 @@ class CheckpointConfig(_Section):
 
     @model_validator(mode="after")
     def _check_keep_every(self) -> CheckpointConfig:
-        if self.keep_every and (not self.interval or self.keep_every % self.interval):
+        if self.keep_every and not self.interval:
+            raise ValueError(f"checkpoint.keep_every = {self.keep_every} keeps nothing with checkpoint.interval = 0, "
+                             "which saves only at the end; set an interval that divides it")
+        if self.keep_every % max(self.interval, 1):
             raise ValueError(f"checkpoint.keep_every = {self.keep_every} is not a multiple of checkpoint.interval = "
                              f"{self.interval}, so some of the steps it keeps are never saved; use a multiple of it")
         return self
@@ -405,6 +415,15 @@ class EvalConfig(_Section):
     """Multiple-choice tasks scored at each evaluation, as lm-evaluation-harness scores them: JSON Lines files of {"context": ..., "choices": [...], "label": index}, each choice ranked by the log-probability of its tokens after the context; logged per task (its file's name) as task_accuracy, task_accuracy_norm (per character of the choice) and task_nll (the right choice's loss per token, smooth where accuracy is still at chance)."""
     task_examples: int = Field(default=500, ge=1)
     """The first this many examples of each task are scored."""
+
+    @model_validator(mode="after")
+    def _check_task_names(self) -> EvalConfig:
+        names = [Path(task).stem for task in self.tasks]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"eval.tasks = {self.tasks} names more than one task {repeated[0]!r} (a task is named "
+                             "by its file's name, without the folder); rename the files apart")
+        return self
 
 
 class LogConfig(_Section):
@@ -444,6 +463,11 @@ class RunConfig(_Section):
                 f"lower data.seq_len or raise model.max_seq_len"
             )
         seq_tokens = self.train.micro_batch * self.data.seq_len
+        for batch, _ in self.train.batch_ramp:
+            if batch >= self.train.global_batch_tokens:
+                raise ValueError(f"train.batch_ramp's batch_tokens = {batch} is not below train.global_batch_tokens = "
+                                 f"{self.train.global_batch_tokens}: the ramp's batches come before the global one "
+                                 "and are smaller (memory is planned for the global batch)")
         for name, batch in self.batch_names():
             if batch % seq_tokens:
                 lower = max(seq_tokens, batch // seq_tokens * seq_tokens)
@@ -470,19 +494,18 @@ class RunConfig(_Section):
                 step, done = step + steps, done + steps * batch
         yield step, None, self.train.global_batch_tokens, done
 
+    def _phase_of(self, step: int) -> tuple[int, int | None, int, int]:
+        """The stretch of constant batch that step `step` + 1 belongs to."""
+        return next(phase for phase in self._batch_phases() if phase[1] is None or step < phase[0] + phase[1])
+
     def step_batch_tokens(self, step: int) -> int:
         """Global batch tokens of the step that follows `step` completed ones."""
-        for first, steps, batch, _ in self._batch_phases():
-            if steps is None or step < first + steps:
-                return batch
-        raise AssertionError("the last phase has no end")
+        return self._phase_of(step)[2]
 
     def tokens_before(self, step: int) -> int:
         """Tokens trained by the first `step` steps."""
-        for first, steps, batch, done in self._batch_phases():
-            if steps is None or step < first + steps:
-                return done + (step - first) * batch
-        raise AssertionError("the last phase has no end")
+        first, _, batch, done = self._phase_of(step)
+        return done + (step - first) * batch
 
     @property
     def run_dir(self) -> Path:
@@ -497,10 +520,9 @@ class RunConfig(_Section):
         if self.train.steps is not None:
             return self.train.steps
         tokens: int = self.train.tokens  # type: ignore[assignment]
-        for first, steps, batch, done in self._batch_phases():  # the step whose end reaches train.tokens
-            if steps is None or tokens <= done + steps * batch:
-                return first + max(0, -(-(tokens - done) // batch))
-        raise AssertionError("the last phase has no end")
+        first, _, batch, done = next(phase for phase in self._batch_phases()  # where train.tokens is reached
+                                     if phase[1] is None or tokens <= phase[3] + phase[1] * phase[2])
+        return first + max(0, -(-(tokens - done) // batch))
 
     @property
     def total_tokens(self) -> int:

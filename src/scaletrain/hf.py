@@ -33,7 +33,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletrain.config import ConfigError, ModelConfig, load_config, toml_value
+from scaletrain.config import (ROPE_SCALING, YARN_BETA_FAST, YARN_BETA_SLOW, ConfigError, ModelConfig, load_config,
+                               toml_value, yarn_attention_factor)
 from scaletrain.errors import UserError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -145,10 +146,11 @@ def _hf_rope_scaling(cfg: ModelConfig) -> dict:
 
 
 _ROPE_SCALING = {"original_max_seq_len": "original_max_position_embeddings"}  # ours -> transformers'
-# The keys transformers' rotary scalings must give, by rope_type; YaRN may also give beta_fast,
-# beta_slow and attention_factor (or DeepSeek's mscale and mscale_all_dim, which set the last).
-_ROPE_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-              "yarn": ("factor", "original_max_position_embeddings"), "linear": ("factor",)}
+# The keys transformers' rotary scalings must give, by rope_type (model.rope_scaling's, renamed);
+# YaRN may also give beta_fast, beta_slow and attention_factor (or DeepSeek's mscale and
+# mscale_all_dim, which set the last).
+_ROPE_KEYS = {kind: tuple(_ROPE_SCALING.get(key, key) for key in required)
+              for kind, (required, _) in ROPE_SCALING.items()}
 
 
 def _our_rope_scaling(rope_type: str, rope: dict, max_positions: int) -> dict:
@@ -157,8 +159,11 @@ def _our_rope_scaling(rope_type: str, rope: dict, max_positions: int) -> dict:
     ours = {} if rope_type == "llama3" else {"type": rope_type}
     ours.update({theirs.get(key, key): float(rope[key]) for key in _ROPE_KEYS[rope_type] if rope.get(key) is not None})
     if rope_type == "yarn":
+        ours.setdefault("original_max_seq_len", float(max_positions))
         ours.setdefault("factor", max_positions / ours["original_max_seq_len"])
-        ours.update({key: float(rope[key]) for key in ("beta_fast", "beta_slow", "attention_factor") if rope.get(key)})
+        defaults = {"beta_fast": YARN_BETA_FAST, "beta_slow": YARN_BETA_SLOW,
+                    "attention_factor": yarn_attention_factor(ours["factor"])}
+        ours.update({key: float(rope[key]) for key in defaults if rope.get(key) and rope[key] != defaults[key]})
         if "attention_factor" not in ours and rope.get("mscale") and rope.get("mscale_all_dim"):
             def magnitude(scale):  # transformers' (and DeepSeek's) get_mscale
                 return 0.1 * scale * math.log(ours["factor"]) + 1.0 if ours["factor"] > 1 else 1.0
@@ -408,8 +413,8 @@ def model_settings(hf_dir: str | Path) -> dict:
                         + ("; dynamic scaling changes with each input's length, which training does not)"
                            if rope_type == "dynamic" else ")"))
     needed = [key for key in _ROPE_KEYS.get(rope_type, ()) if rope.get(key) is None]
-    if rope_type == "yarn" and rope.get("factor") is None and "original_max_position_embeddings" in rope:
-        needed.remove("factor")  # (transformers then takes max_position_embeddings / original)
+    if rope_type == "yarn":  # transformers' defaults: the original length is the model's, the factor their ratio
+        needed = [key for key in needed if key not in ("factor", "original_max_position_embeddings")]
     if needed:
         problems.append(f"rotary scaling {rope_type!r} without {', '.join(needed)}")
     if rope_type == "yarn" and rope.get("truncate") is False:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import CausalBias
 
-from scaletrain.config import ModelConfig
+from scaletrain.config import YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig, yarn_attention_factor
 from scaletrain.model.loss import chunked_cross_entropy, compute_dtype, cross_entropy
 from scaletrain.model.moe import MoE
 
@@ -60,12 +60,12 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None,
         def dimension(turns: float) -> float:  # the dimension index d whose frequency turns `turns` times over L
             return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
 
-        first = max(math.floor(dimension(scaling.get("beta_fast", 32.0))), 0)
-        last = min(math.ceil(dimension(scaling.get("beta_slow", 1.0))), head_dim - 1)
+        first = max(math.floor(dimension(scaling.get("beta_fast", YARN_BETA_FAST))), 0)
+        last = min(math.ceil(dimension(scaling.get("beta_slow", YARN_BETA_SLOW))), head_dim - 1)
         index = torch.arange(head_dim // 2, device=device, dtype=torch.float32)
         interpolated = ((index - first) / (last - first or 1e-3)).clamp(0, 1)  # 0: kept, 1: divided by s
         freqs = interpolated * freqs / factor + (1 - interpolated) * freqs
-        magnitude = scaling.get("attention_factor", 0.1 * math.log(factor) + 1 if factor > 1 else 1.0)
+        magnitude = scaling.get("attention_factor", yarn_attention_factor(factor))
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, freqs)  # (max_seq_len, head_dim // 2)
     return angles.cos() * magnitude, angles.sin() * magnitude

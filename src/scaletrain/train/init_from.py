@@ -10,11 +10,12 @@ its own count of steps and tokens, its own learning-rate schedule and its own da
 the beginning. (To continue one run on the same data, `checkpoint.resume` takes a checkpoint
 with its data position, step and random state instead.)
 
-Everything is checked before a process group starts: a run directory must hold a complete
-checkpoint (its newest is taken), the checkpoint must hold every weight of `model.*` in the
-same shape (a mismatch names the tensor and, when the source run's config.toml is beside it,
-the model.* settings that differ), its tokenizer must be the data's, and its optimizer the
-run's when its state is taken.
+Checked before a process group starts: a run directory must hold a complete checkpoint (its
+newest is taken) and not be this run's own, the checkpoint must hold every weight of `model.*`
+in the same shape (a mismatch names the tensor and, when the source run's config.toml is
+beside it, the shape settings that differ), its tokenizer must be the data's, and its optimizer
+the run's when its state is taken (when the source's config.toml is not beside it, a missing
+optimizer state is found as the state loads).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from pathlib import Path
 
 from scaletrain.config import ConfigError, RunConfig, load_config, toml_value
 
+# The model.* settings that give weights their shapes (the rest, rope, sequence length, masks
+# and routing, hold none): those a mismatch names.
+SHAPES = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "qk_norm", "tie_embeddings",
+          "moe_experts", "moe_ffn_dim", "moe_shared_experts", "moe_dense_layers")
 # Weights that a checkpoint may lack and that then keep their initial value: the experts' routing
 # biases start at zero, so a model that switches auxiliary-loss-free balancing on for its next
 # stage starts them there.
@@ -45,10 +50,15 @@ def init_source(cfg: RunConfig) -> InitSource | None:
     from scaletrain.train import checkpoint
 
     given = cfg.checkpoint.init_from
-    if (not given or cfg.checkpoint.resume not in ("auto", "never")
-            or checkpoint.committed_checkpoints(cfg.run_dir / "checkpoints")):
+    if not given:
         return None
     path = Path(given)
+    source_run = path if (path / "checkpoints").is_dir() else path.parent.parent  # (RUN/checkpoints/step_N)
+    if not (path / "config.json").is_file() and source_run.resolve() == cfg.run_dir.resolve():
+        raise ConfigError(f"checkpoint.init_from = {given!r} is this run's own directory: a next stage is a run of "
+                          "its own; choose a new run.name for it")
+    if cfg.checkpoint.resume not in ("auto", "never") or checkpoint.committed_checkpoints(cfg.run_dir / "checkpoints"):
+        return None
     data_tokenizer = next(iter(cfg.data.sources.values())) / "tokenizer.json"
     if (path / "config.json").is_file():
         check_matches(cfg.model, path)
@@ -118,7 +128,8 @@ def _check_weights(path: Path, cfg: RunConfig, source_cfg: RunConfig | None, giv
     hint = ""
     if source_cfg is not None:
         before, now = source_cfg.model.model_dump(), cfg.model.model_dump()
-        differ = [f"model.{key} = {'unset' if before[key] is None else toml_value(before[key])}" for key in before if before[key] != now.get(key)]
+        differ = [f"model.{key} = {'unset' if before[key] is None else toml_value(before[key])}"
+                  for key in SHAPES if before[key] != now[key]]
         if differ:
             hint = f"; its run had {', '.join(differ)}"
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

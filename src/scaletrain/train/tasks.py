@@ -4,11 +4,14 @@ the right continuation grows, beside its validation loss.
 A task is a JSON Lines file, one example a line: {"context": "...", "choices": ["...", ...],
 "label": index of the right choice} (HellaSwag, ARC, PIQA, SciQ and most other multiple-choice
 benchmarks convert to it in a few lines). Each (example, choice) is scored by the log-probability
-the model gives the choice's tokens after the context — the way `lm-evaluation-harness` scores
-such tasks: the context and the context + choice are tokenized as one text, the choice's tokens
-being what follows the context's (an end-of-document token first, so that the context starts a
-document as training documents do); a row longer than the sequence loses the start of its
-context. From those scores, per task:
+the model gives the choice's tokens after the context, in the manner of lm-evaluation-harness's
+multiple-choice tasks: the context and the context + choice are tokenized as the data was (no
+special tokens), the choice's tokens being those after the longest common prefix of the two;
+an end-of-document token goes first, so that the context starts a document as training
+documents do, and a row longer than the sequence loses the start of its context. (The harness
+splits at the length of the context's tokens instead, moves the context's trailing spaces into
+the choice and adds no end-of-document token: its numbers and these differ a little.)
+From those scores, per task:
 
 - accuracy: the right choice has the highest log-probability;
 - accuracy_norm: ... the highest log-probability per character of the choice (lm-evaluation-
@@ -36,8 +39,9 @@ IGNORE = -100  # (as the loader's: a target the loss skips)
 @dataclass
 class Task:
     name: str
-    inputs: np.ndarray  # (rows, seq_len) int64: one row per (example, choice)
-    targets: np.ndarray  # (rows, seq_len) int64: the choice's tokens, IGNORE elsewhere
+    inputs: np.ndarray  # (rows, longest) int32: one row per (example, choice), padded with 0
+    targets: np.ndarray  # (rows, longest) int32: the choice's tokens, IGNORE elsewhere
+    lengths: np.ndarray  # (rows,) tokens of each row before its padding
     example: np.ndarray  # (rows,) the example of each row
     chars: np.ndarray  # (rows,) characters of each row's choice
     tokens: np.ndarray  # (rows,) tokens of each row's choice (those scored)
@@ -57,7 +61,7 @@ def load_task(path: str | Path, tokenizer, eos_id: int, seq_len: int, limit: int
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"eval.tasks: {str(path)!r} cannot be read ({e}); give JSON Lines files of "
                           '{"context": ..., "choices": [...], "label": index}') from None
-    inputs, targets, example, chars, tokens, labels = [], [], [], [], [], []
+    rows, example, chars, tokens, labels = [], [], [], [], []
     for number, line in enumerate(lines, 1):
         if len(labels) == limit:
             break
@@ -74,26 +78,31 @@ def load_task(path: str | Path, tokenizer, eos_id: int, seq_len: int, limit: int
             raise ConfigError(f"eval.tasks: line {number} of {str(path)!r} is not an example; each line must be "
                               '{"context": "...", "choices": ["...", "..."], "label": index of the right '
                               "choice} (two or more non-empty choices)") from None
-        prefix = tokenizer.encode(context).ids
-        labels.append(len(inputs) + label)
+        # As the data was prepared: no special tokens a tokenizer's post-processor would add.
+        prefix = tokenizer.encode(context, add_special_tokens=False).ids
+        labels.append(len(rows) + label)
         for choice in choices:
-            whole = tokenizer.encode(context + choice).ids
+            whole = tokenizer.encode(context + choice, add_special_tokens=False).ids
+            if len(whole) <= len(prefix) and whole == prefix[:len(whole)]:
+                raise ConfigError(f"eval.tasks: line {number} of {str(path)!r}: the choice {choice!r} adds no token "
+                                  "to the context; give choices that are text")
             shared = min(_common_prefix(prefix, whole), len(whole) - 1)  # at least one token of the choice
             full = [eos_id, *whole][-(seq_len + 1):]  # too long: the context's start goes
             scored = min(len(whole) - shared, seq_len)
-            n = len(full) - 1
-            x, y = np.zeros(seq_len, dtype=np.int64), np.full(seq_len, IGNORE, dtype=np.int64)
-            x[:n] = full[:-1]
-            y[n - scored:n] = full[-scored:]
-            inputs.append(x)
-            targets.append(y)
+            rows.append(full)
             example.append(len(labels) - 1)
             chars.append(len(choice))
             tokens.append(scored)
     if not labels:
         raise ConfigError(f"eval.tasks: {str(path)!r} holds no example")
-    return Task(path.stem, np.stack(inputs), np.stack(targets), np.array(example), np.array(chars),
-                np.array(tokens), np.array(labels))
+    lengths = np.array([len(full) - 1 for full in rows])
+    inputs = np.zeros((len(rows), lengths.max()), dtype=np.int32)  # (as long as the longest row, not seq_len)
+    targets = np.full((len(rows), lengths.max()), IGNORE, dtype=np.int32)
+    for i, (full, n, scored) in enumerate(zip(rows, lengths, tokens)):
+        inputs[i, :n] = full[:-1]
+        targets[i, n - scored:n] = full[-scored:]
+    return Task(path.stem, inputs, targets, lengths, np.array(example), np.array(chars), np.array(tokens),
+                np.array(labels))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

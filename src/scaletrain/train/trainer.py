@@ -11,6 +11,7 @@ import resource
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor.parallel import loss_parallel as vocabulary_split_loss
 
 from scaletrain.config import ConfigError, RunConfig, load_config, validate_config
 from scaletrain.data.loader import IGNORE, Prefetcher, TokenLoader, eval_batches
@@ -249,11 +250,7 @@ class Trainer:
                                          device=self.device, kind=cfg.train.optimizer,
                                          momentum=cfg.train.muon_momentum)
         self.loader = self._new_loader()
-        # The experts' balance enters the objective from inside the blocks (model/moe.py), once a
-        # micro-batch: scaled like the loss, which the trainer divides by the micro-batches and
-        # a pipeline schedule by scaling the gradients instead; and over tp, whose ranks sum
-        # the gradients of their parts of the sequences.
-        # (Set for each step's micro-batches, which train.batch_ramp may change: see train_step.)
+        # The micro-batches the experts' balancing weight was last set for (see train_step).
         self.balance_micro_steps: int | None = None
         # Attention within documents: the sources share a tokenizer, so one end-of-document token.
         self.eos_id = (read_index(next(iter(cfg.data.sources.values())))["eos_id"]
@@ -389,7 +386,9 @@ class Trainer:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=STATE_OPTIONS)
         self._set_hyperparameters()
-        self.loader.load_state_dict(json.loads(state["loader"]))
+        # The batch sizes (train.batch_ramp) follow training's step, which a state written before
+        # the loader counted steps (or a rewound data position) does not give it.
+        self.loader.load_state_dict({**json.loads(state["loader"]), "step": int(state["progress"]["step"])})
         set_rng_state(state["rng"], self.device)
         self.step, self.tokens = int(state["progress"]["step"]), int(state["progress"]["tokens"])
         self.loss_stats = state["progress"].get("loss_stats", torch.zeros(4)).to(self.device)
@@ -541,14 +540,14 @@ class Trainer:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def autocast(self):
+    def autocast(self, loss_parallel: bool = True):
         """The context of every forward (and, for the loss, backward): mixed precision where it
-        applies, and the vocabulary-sharded loss under tensor parallelism."""
+        applies, and (unless told otherwise) the vocabulary-sharded loss under tensor parallelism."""
         stack = contextlib.ExitStack()
         if self.dtype != torch.float32:
             stack.enter_context(torch.autocast(self.device.type, dtype=self.dtype))
-        if self.layout.tp > 1:
-            stack.enter_context(loss_parallel())
+        if loss_parallel and self.layout.tp > 1:
+            stack.enter_context(vocabulary_split_loss())
         return stack
 
     def train_step(self, look: bool = True) -> tuple[float | None, float | None, float]:
@@ -591,6 +590,10 @@ class Trainer:
                     loss = self.model(inputs, targets, documents=documents) / micro_steps
                     loss.backward()
                 loss_sum += _local(loss.detach())
+        after = self.loader.state_dict()  # the loader sized the step as training did (train.batch_ramp)
+        if after["micro"] or after["step"] != self.step + 1:
+            raise RuntimeError(f"the data loader's step {after['step']} (micro-batch {after['micro']}) is not "
+                               f"training's step {self.step + 1} after its {micro_steps} micro-batches")
         if self.parallel.schedule is not None:  # the pipeline takes this rank's whole share, in micro-batches
             losses = self._pipeline(*(None if parts[0] is None else torch.cat(parts) for parts in zip(*batches)),
                                     microbatches=micro_steps)
@@ -782,9 +785,11 @@ class Trainer:
     @torch.no_grad()
     def task_scores(self, task: Task) -> np.ndarray:
         """Each row's summed log-probability of its choice (see train/tasks.py), on every rank.
-        Rows are spread over the data-parallel ranks, micro-batches of them, as many on each;
-        the log-probabilities come from the whole vocabulary (tensor parallelism's split logits
-        are gathered), the ranks holding a part of a row (context parallelism) add theirs, and
+        Rows are spread over the data-parallel ranks, micro-batches of them, as many on each, each
+        micro-batch as long as its longest row (rounded up to a multiple of 64 and of what tensor
+        and context parallelism split, at most data.seq_len); the log-probabilities come from the
+        whole vocabulary (tensor parallelism's split logits are gathered) at the choices'
+        positions only, the ranks holding a part of a row (context parallelism) add theirs, and
         one all-reduce gives every rank all of them (the tensor-parallel and earlier pipeline
         ranks, which hold no other part, add nothing)."""
         rows, seq_len = self.cfg.train.micro_batch, self.cfg.data.seq_len
@@ -792,15 +797,17 @@ class Trainer:
         mine = np.arange(self.dp_rank, count, self.layout.dp)
         scores = torch.zeros(count, dtype=torch.float64)
         adds = self.parallel.last and self.layout.coordinates(self.rank)["tp"] == 0
-        precision = (torch.autocast(self.device.type, dtype=self.dtype) if self.dtype != torch.float32
-                     else contextlib.nullcontext())
+        unit = math.lcm(64, self.layout.tp, 2 * self.layout.cp)
         for start in range(0, -(-count // self.layout.dp), rows):
             chosen = mine[start:start + rows]
-            x = np.zeros((rows, seq_len), dtype=np.int64)
-            y = np.full((rows, seq_len), IGNORE, dtype=np.int64)
-            x[:len(chosen)], y[:len(chosen)] = task.inputs[chosen], task.targets[chosen]
+            longest = int(task.lengths[chosen].max()) if len(chosen) else 1
+            length = min(-(-longest // unit) * unit, seq_len)
+            x = np.zeros((rows, length), dtype=np.int64)
+            y = np.full((rows, length), IGNORE, dtype=np.int64)
+            x[:len(chosen)] = task.inputs[chosen, :length]
+            y[:len(chosen)] = task.targets[chosen, :length]
             inputs, targets, documents = self._batch(torch.from_numpy(x), torch.from_numpy(y))
-            with precision:
+            with self.autocast(loss_parallel=False):
                 if self.parallel.forward is None:
                     logits = self.model(inputs, documents=documents)
                 else:
@@ -811,18 +818,24 @@ class Trainer:
                 logits = logits.full_tensor()  # (a collective of the tensor-parallel ranks: all of them)
             if not adds:
                 continue
-            picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-            sums = torch.where(targets == IGNORE, 0.0, picked).sum(dim=-1)
-            scores[torch.from_numpy(chosen)] += sums[:len(chosen)].double().cpu()
+            scored = targets != IGNORE
+            picked = torch.log_softmax(logits[scored].float(), dim=-1).gather(-1, targets[scored][:, None])[:, 0]
+            sums = torch.zeros(rows, dtype=torch.float64, device=picked.device)
+            sums.index_add_(0, scored.nonzero()[:, 0], picked.double())
+            scores[torch.from_numpy(chosen)] += sums[:len(chosen)].cpu()
         if dist.is_initialized():
             scores = scores.to(self.device)
             dist.all_reduce(scores)
         return scores.cpu().numpy()
 
-    def evaluate_tasks(self) -> dict[str, dict[str, float]]:
-        """eval.tasks' metrics: task name -> accuracy, accuracy_norm, nll."""
+    def evaluate_tasks(self, beat: Callable[[], None] = lambda: None) -> dict[str, dict[str, float]]:
+        """eval.tasks' metrics: task name -> accuracy, accuracy_norm, nll; `beat` after each task
+        (the watchdog's: a long evaluation is not a hang)."""
         self.model.eval()
-        results = {task.name: task_metrics(task, self.task_scores(task)) for task in self.tasks}
+        results = {}
+        for task in self.tasks:
+            results[task.name] = task_metrics(task, self.task_scores(task))
+            beat()
         self.model.train()
         return results
 
@@ -961,7 +974,8 @@ class Trainer:
                     by_source = self.evaluate()
                     # The mixture's loss: each source's loss at its training weight.
                     val_loss = sum(cfg.data.weights[name] * loss for name, loss in by_source.items())
-                    tasks = self.evaluate_tasks()
+                    watchdog.beat()
+                    tasks = self.evaluate_tasks(beat=watchdog.beat)
                     metrics.write("eval", self.step, self.tokens, loss=val_loss, loss_by_source=by_source,
                                   **{f"task_{key}": {name: round(result[key], 6) for name, result in tasks.items()}
                                      for key in ("accuracy", "accuracy_norm", "nll") if tasks})
