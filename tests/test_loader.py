@@ -212,6 +212,36 @@ def test_a_mixture_resumes_exactly_and_splits_across_ranks(two_sources):
         assert torch.equal(torch.cat(parts), reference)
 
 
+def test_a_growing_batch_of_a_mixture_splits_across_ranks_and_resumes_mid_step(two_sources):
+    """batch_seqs: 4 sequences for the first 3 steps, then 8. Each step's rows are drawn from
+    the mixture (the draws count steps), split over 2 ranks as one process takes them, and a
+    state taken mid-step (in the larger batches) continues exactly."""
+    weights = {"low": 1.0, "high": 1.0}
+
+    def ramp(step: int) -> int:
+        return 4 if step < 3 else 8
+
+    def loader(**kw) -> TokenLoader:
+        return TokenLoader(two_sources, 16, 8, 2, seed=5, weights=weights, batch_seqs=ramp, **kw)
+
+    single, ranks = loader(), [loader(rank=r, world_size=2) for r in range(2)]
+    sizes = []
+    for _ in range(6):
+        reference = torch.cat([single.next_batch()[0] for _ in range(single.micro_steps)])
+        parts = [torch.cat([lo.next_batch()[0] for _ in range(lo.micro_steps)]) for lo in ranks]
+        assert torch.equal(torch.cat(parts), reference)
+        sizes.append(len(reference))
+    assert sizes == [4, 4, 4, 8, 8, 8]
+    assert (single.state_dict()["step"], single.state_dict()["draws"], single.consumed) == (6, 6, 36)
+    assert {source_of(row) for row in reference} == {"low", "high"}  # (a mixture indeed)
+    single.next_batch()  # mid-step
+    state = single.state_dict()
+    expected = torch.cat([single.next_batch()[0] for _ in range(7)])
+    fresh = loader()
+    fresh.load_state_dict(state)
+    assert torch.equal(torch.cat([fresh.next_batch()[0] for _ in range(7)]), expected)
+
+
 def test_a_mixture_state_for_other_sources_is_refused(two_sources, data_dir):
     state = TokenLoader(two_sources, 16, 8, 2).state_dict()
     with pytest.raises(DataError, match="original data.path"):
