@@ -94,6 +94,21 @@ def test_greedy_text_is_the_same_with_and_without_the_kv_cache(trained_run):
     assert cached == uncached and len(cached) > len("import os\n")
 
 
+def test_the_example_stage_config_continues_tiny_at_twice_the_context(stdlib_data, trained_run, tmp_path):
+    """configs/tiny-stage.toml as a user runs it after configs/tiny.toml: the first stage's newest
+    checkpoint, sequences of 128 under YaRN, the learning rate decaying from the peak to zero."""
+    from scaletrain.train.metrics import read_metrics
+
+    result = run_cli("train", "configs/tiny-stage.toml", f"data.path={stdlib_data}", f"run.dir={tmp_path}",
+                     f"checkpoint.init_from={trained_run}")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    [start] = read_metrics(tmp_path / "tiny-stage", "start")
+    assert (start["init_step"], start["init_optimizer"]) == (6, True)
+    steps = read_metrics(tmp_path / "tiny-stage", "train")
+    assert [r["tokens"] for r in steps][-1] == 10 * 1024
+    assert steps[0]["lr"] == pytest.approx(2.7e-3) and steps[-1]["lr"] == 0.0
+
+
 def test_data_stats_prints_the_summary_and_writes_a_histogram(stdlib_data, tmp_path):
     plot = tmp_path / "lengths.png"
     result = run_cli("data", "stats", str(stdlib_data), "--top", "5", "--plot", str(plot))
