@@ -258,7 +258,7 @@ class TrainConfig(_Section):
     micro_batch: int = Field(default=8, ge=1)
     """Sequences per forward/backward pass; gradients accumulate up to the global batch."""
     batch_ramp: list[tuple[int, int]] = []
-    """Smaller global batches first, as [[batch_tokens, until_tokens], ...]: steps of batch_tokens until until_tokens have been trained, then the next pair's, then global_batch_tokens (a batch-size warmup: early in training the loss falls as fast with small batches, which give more steps for the tokens; DeepSeek-V3 grew its batch from 3,072 to 15,360 sequences over its first 469B tokens, Llama 3 405B doubled its batch twice). Each batch a multiple of micro_batch x seq_len; until_tokens increasing. The learning-rate schedule counts steps; train.tokens counts every step's tokens. Empty: global_batch_tokens throughout."""
+    """Smaller global batches first, as [[batch_tokens, until_tokens], ...]: steps of batch_tokens until until_tokens have been trained, then the next pair's, then global_batch_tokens (a batch-size warmup: early in training the loss falls as fast with small batches, which give more steps for the tokens; DeepSeek-V3 grew its batch from 3,072 to 15,360 sequences over its first 469B tokens, Llama 3 405B doubled its batch twice). Each batch below global_batch_tokens and a multiple of micro_batch x seq_len; until_tokens increasing. The learning-rate schedule counts steps; train.tokens counts every step's tokens. Empty: global_batch_tokens throughout."""
     lr: float = Field(default=3e-3, gt=0)
     """Peak learning rate."""
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
@@ -412,7 +412,7 @@ class EvalConfig(_Section):
     tokens: int = Field(default=65536, ge=1)
     """Validation tokens per evaluation: the same fixed windows of the validation split each time."""
     tasks: list[str] = []
-    """Multiple-choice tasks scored at each evaluation, as lm-evaluation-harness scores them: JSON Lines files of {"context": ..., "choices": [...], "label": index}, each choice ranked by the log-probability of its tokens after the context; logged per task (its file's name) as task_accuracy, task_accuracy_norm (per character of the choice) and task_nll (the right choice's loss per token, smooth where accuracy is still at chance)."""
+    """Multiple-choice tasks scored at each evaluation, in the manner of lm-evaluation-harness (train/tasks.py says where they differ): JSON Lines files of {"context": ..., "choices": [...], "label": index}, each choice ranked by the log-probability of its tokens after the context; logged per task (its file's name) as task_accuracy, task_accuracy_norm (per character of the choice) and task_nll (the right choice's loss per token, smooth where accuracy is still at chance)."""
     task_examples: int = Field(default=500, ge=1)
     """The first this many examples of each task are scored."""
 

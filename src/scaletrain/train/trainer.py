@@ -386,12 +386,16 @@ class Trainer:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=STATE_OPTIONS)
         self._set_hyperparameters()
-        # The batch sizes (train.batch_ramp) follow training's step, which a state written before
-        # the loader counted steps (or a rewound data position) does not give it.
-        self.loader.load_state_dict({**json.loads(state["loader"]), "step": int(state["progress"]["step"])})
         set_rng_state(state["rng"], self.device)
         self.step, self.tokens = int(state["progress"]["step"]), int(state["progress"]["tokens"])
+        self._load_loader(json.loads(state["loader"]))
         self.loss_stats = state["progress"].get("loss_stats", torch.zeros(4)).to(self.device)
+
+    def _load_loader(self, position: dict) -> None:
+        """The loader at `position` in the data, the batch sizes (train.batch_ramp) following
+        training's step: a rewound position (the data goes on past the skipped batches) or a state
+        written before the loader counted steps holds another."""
+        self.loader.load_state_dict({**position, "step": self.step})
 
     def _set_hyperparameters(self) -> None:
         """A loaded optimizer state brings the hyperparameters it was saved with: the config's
@@ -496,10 +500,7 @@ class Trainer:
         path = checkpoint.load_newest(self.ckpt_root, state, OPTIONAL, at_most=good)
         discarded = checkpoint.discard_after(self.ckpt_root, checkpoint.step_of(path))  # once it has loaded
         self.load_state(state)
-        # The data goes on from where it got to; the batch size (train.batch_ramp) from the
-        # checkpoint's step, which training goes on from.
-        position = {**position, "step": self.step}
-        self.loader.load_state_dict(position)
+        self._load_loader(position)
         self.first_bad = torch.tensor([-1.0, 0.0, 0.0], device=self.device)
         self.first_spike[0] = -1
         self.optimizer.zero_grad(set_to_none=True)  # a step that raised before applying left its gradients
