@@ -53,14 +53,15 @@ def init_source(cfg: RunConfig) -> InitSource | None:
     if not given:
         return None
     path = Path(given)
+    hugging_face = (path / "config.json").is_file()
     source_run = path if (path / "checkpoints").is_dir() else path.parent.parent  # (RUN/checkpoints/step_N)
-    if not (path / "config.json").is_file() and source_run.resolve() == cfg.run_dir.resolve():
+    if not hugging_face and source_run.resolve() == cfg.run_dir.resolve():
         raise ConfigError(f"checkpoint.init_from = {given!r} is this run's own directory: a next stage is a run of "
                           "its own; choose a new run.name for it")
     if cfg.checkpoint.resume not in ("auto", "never") or checkpoint.committed_checkpoints(cfg.run_dir / "checkpoints"):
         return None
     data_tokenizer = next(iter(cfg.data.sources.values())) / "tokenizer.json"
-    if (path / "config.json").is_file():
+    if hugging_face:
         check_matches(cfg.model, path)
         check_tokenizer(path, data_tokenizer, given)
         return InitSource("hf", path)
@@ -78,7 +79,6 @@ def init_source(cfg: RunConfig) -> InitSource | None:
     if problem:
         raise ConfigError(f"checkpoint.init_from = {given!r}: checkpoint {path} is not usable: {problem}; give "
                           "another of that run's checkpoints")
-    source_run = path.parent.parent  # RUN/checkpoints/step_NNNNNNN
     source_cfg = _source_config(source_run)
     check_tokenizer(source_run, data_tokenizer, given)
     if cfg.checkpoint.init_optimizer and source_cfg is not None and source_cfg.train.optimizer != cfg.train.optimizer:
