@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -129,7 +130,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         from scaletrain.train.init_from import init_source
 
         init_source(resolved)  # a model or checkpoint that does not fit the run, likewise
-        return _torchrun(args)
+        return _torchrun(args, ["train", args.config, *args.overrides,
+                                *([f"--stop-at-step={args.stop_at_step}"] if args.stop_at_step is not None else [])])
     try:
         result = train(cfg, stop_at_step=args.stop_at_step)
     except TrainingDiverged as e:
@@ -154,14 +156,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _torchrun(args: argparse.Namespace) -> int:
-    """Start `args.nproc` processes of this same command on this node through torchrun."""
+def _torchrun(args: argparse.Namespace, command_args: list[str]) -> int:
+    """Start `args.nproc` processes of `scaletrain COMMAND_ARGS` on this node through torchrun."""
     import subprocess
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               f"--max-restarts={args.max_restarts}", "-m", "scaletrain.cli", *(["--verbose"] if args.verbose else []), "train", args.config, *args.overrides]
-    if args.stop_at_step is not None:
-        command.append(f"--stop-at-step={args.stop_at_step}")
+               f"--max-restarts={getattr(args, 'max_restarts', 0)}", "-m", "scaletrain.cli",
+               *(["--verbose"] if args.verbose else []), *command_args]
     # Restarted workers must not read stale addresses from the store torchrun shares across
     # attempts (pytorch issues #135712, #167288).
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -737,6 +738,63 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- eval -----------------------------------------------------------------------------------
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from scaletrain.evaluate import chosen_checkpoints, evaluate_run, run_config_data
+
+    if args.every and args.step:
+        raise UserError("give --step K (one or more) or --all, not both")
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        run_config_data(Path(args.run_dir))  # what is wrong with the request is one line here, not N there
+        chosen_checkpoints(Path(args.run_dir), args.step, args.every)
+        return _torchrun(args, ["eval", args.run_dir, *args.overrides, *(f"--step={step}" for step in args.step or []),
+                                *(["--all"] if args.every else []), *(["--data", args.data] if args.data else []),
+                                *(["--tasks", *args.tasks] if args.tasks is not None else []),
+                                *(["--out", args.out] if args.out else [])])
+    main_rank = int(os.environ.get("RANK", 0)) == 0
+    if args.out and main_rank:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("")
+    records = []
+    for record in evaluate_run(args.run_dir, steps=args.step, every=args.every, data=args.data, tasks=args.tasks,
+                               overrides=args.overrides):
+        records.append(record)
+        if args.out and main_rank:  # as each is measured: a long sweep over checkpoints keeps what it did
+            with open(args.out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+    if not main_rank:
+        return 0
+    out.print(eval_table(args.run_dir, records))
+    if args.out:
+        out.print(f"wrote {args.out}", highlight=False)
+    return 0
+
+
+def eval_table(run_dir: str, records: list[dict]) -> Table:
+    """A row per checkpoint: its step and tokens, the validation loss (and each source's, of a
+    mixture), each task's accuracy (per character) and the right choice's loss."""
+    table = Table(title=f"evaluation: {run_dir}")
+    for name in ("step", "tokens", "validation loss"):
+        table.add_column(name, justify="right")
+    sources = list(records[0]["loss_by_source"]) if len(records[0]["loss_by_source"]) > 1 else []
+    tasks = list(records[0].get("task_accuracy", {}))
+    for name in sources:
+        table.add_column(f"{name} loss", justify="right")
+    for name in tasks:
+        table.add_column(f"{name} accuracy (per char; loss)", justify="right")
+    for r in records:
+        table.add_row(f"{r['step']:,}", f"{r['tokens']:,}", f"{r['loss']:.4f}",
+                      *(f"{r['loss_by_source'][name]:.4f}" for name in sources),
+                      *(f"{r['task_accuracy'][name]:.1%} ({r['task_accuracy_norm'][name]:.1%}; "
+                        f"{r['task_nll'][name]:.4f})" for name in tasks))
+    return table
+
+
 # -- report ---------------------------------------------------------------------------------
 
 
@@ -993,6 +1051,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
 
+    p = commands.add_parser("eval", help="validation loss and tasks of a run's checkpoints, on its data or other",
+                            description="Measure what training's evaluations measure (validation loss, each "
+                                        "source's in a mixture, eval.tasks) for a run's newest checkpoint, the "
+                                        "checkpoints of --step, or every kept one (--all): on the run's data or "
+                                        "other data prepared with its tokenizer, with other tasks or at another "
+                                        "sequence length. Nothing in the run directory changes.")
+    p.add_argument("run_dir", help="run directory, e.g. runs/demo")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="change the run's settings for the evaluation, e.g. eval.tokens=1000000 data.seq_len=1024 "
+                        "train.device=cpu parallel.tp=2 (the layout: all FSDP unless given)")
+    p.add_argument("--step", type=int, action="append", default=None,
+                   help="the checkpoint of this step (repeat for more; default: the newest)")
+    p.add_argument("--all", dest="every", action="store_true", help="every complete checkpoint, oldest first")
+    p.add_argument("--data", default=None, help="a data directory prepared with the run's tokenizer, instead of "
+                                                "the run's data (its validation split)")
+    p.add_argument("--tasks", nargs="*", default=None, metavar="TASK.jsonl",
+                   help="multiple-choice tasks instead of the run's eval.tasks (none: no tasks)")
+    p.add_argument("--out", default=None, help="also write a JSON line per checkpoint to this file")
+    p.add_argument("--nproc", type=int, default=1, help="processes to start on this node (through torchrun)")
+    p.set_defaults(func=cmd_eval)
+
     p = commands.add_parser("report", help="summarise a run (losses, speed, events; against a law's prediction)",
                             description="Write loss.png, speed.png and a self-contained report.html into the run "
                                         "directory and print its summary; with --law, the law's predicted final "
@@ -1018,8 +1097,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's arguments; `section.key=value` overrides may also follow its options."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if hasattr(args, "overrides") and all(re.fullmatch(r"[A-Za-z_]\w*(\.\w+)+=.*", text, re.S) for text in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     _setup_logging(args.verbose)
     try:
         return args.func(args)

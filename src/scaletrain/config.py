@@ -8,6 +8,7 @@ the value and what would be valid.
 
 from __future__ import annotations
 
+import copy
 import math
 import tomllib
 from pathlib import Path
@@ -582,6 +583,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    return config_from(data, overrides, source=str(path) if path else "config")
+
+
+def config_from(data: dict[str, Any], overrides: list[str] = (), source: str = "config") -> RunConfig:
+    """A config's TOML data with dotted overrides applied, validated."""
+    data = copy.deepcopy(data)
     parsed = [parse_override(text) for text in overrides]
     given = {tuple(keys) for keys, _ in parsed}
     for text, (keys, value) in zip(overrides, parsed):
@@ -595,7 +602,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
             if not isinstance(node, dict):
                 raise ConfigError(f"override {text!r}: {k!r} is not a section")
         node[keys[-1]] = value
-    return validate_config(data, source=str(path) if path else "config")
+    return validate_config(data, source=source)
 
 
 def validate_config(data: dict[str, Any], source: str = "config") -> RunConfig:

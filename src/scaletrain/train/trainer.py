@@ -409,8 +409,12 @@ class Trainer:
         checkpoint.init_optimizer, its optimizer state) into this run's model, in this run's
         layout; this run's step, data order and random state stay at their start. Returns what
         the start record keeps of it."""
-        path = self.init_from.path
-        take_optimizer = self.cfg.checkpoint.init_optimizer
+        return self.load_weights(self.init_from.path, self.cfg.checkpoint.init_optimizer)
+
+    def load_weights(self, path: Path, take_optimizer: bool = False) -> dict:
+        """The weights (and with `take_optimizer` the optimizer state) of the checkpoint `path`,
+        checked by init_source to fit, into this model in this layout; nothing else of the run
+        changes. Returns the checkpoint, its step and tokens."""
         if take_optimizer:  # (building the optimizer's state initialises its moments: only then)
             model_state, optim_state = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
             state = {"model": model_state, "optim": optim_state}
@@ -435,8 +439,8 @@ class Trainer:
         else:
             set_model_state_dict(self.model, state["model"], options=options)
         marker = checkpoint.marker(path)
-        log.info("weights%s from %s (step %d of its run; checkpoint.init_from)",
-                 " and optimizer state" if take_optimizer else "", path, marker["step"])
+        log.info("weights%s from %s (step %d of its run)", " and optimizer state" if take_optimizer else "", path,
+                 marker["step"])
         return {"init_from": str(path), "init_step": marker["step"], "init_tokens": marker["tokens"],
                 "init_optimizer": take_optimizer}
 
@@ -840,6 +844,18 @@ class Trainer:
         self.model.train()
         return results
 
+    def evaluation(self, beat: Callable[[], None] = lambda: None) -> dict:
+        """What an eval record holds: the validation loss (of a mixture, each source's at its
+        training weight) and each source's, and with eval.tasks each task's metrics by kind
+        (task_accuracy, task_accuracy_norm, task_nll: task name -> value); `beat` after each part."""
+        by_source = self.evaluate()
+        beat()
+        tasks = self.evaluate_tasks(beat=beat)
+        return {"loss": sum(self.cfg.data.weights[name] * loss for name, loss in by_source.items()),
+                "loss_by_source": by_source,
+                **{f"task_{key}": {name: round(result[key], 6) for name, result in tasks.items()}
+                   for key in ("accuracy", "accuracy_norm", "nll") if tasks}}
+
     def mfu(self, tokens_per_s: float, causal: bool = False) -> float | None:
         """Model FLOPs utilisation of the job's tokens/s against the peak of all its devices:
         attention counted over the whole score matrix (PaLM's and nanoGPT's convention), or
@@ -972,17 +988,12 @@ class Trainer:
                                   background=cfg.checkpoint.async_save)
                     watchdog.beat()
                 if (cfg.eval.interval and self.step % cfg.eval.interval == 0) or self.step == self.total_steps:
-                    by_source = self.evaluate()
-                    # The mixture's loss: each source's loss at its training weight.
-                    val_loss = sum(cfg.data.weights[name] * loss for name, loss in by_source.items())
-                    watchdog.beat()
-                    tasks = self.evaluate_tasks(beat=watchdog.beat)
-                    metrics.write("eval", self.step, self.tokens, loss=val_loss, loss_by_source=by_source,
-                                  **{f"task_{key}": {name: round(result[key], 6) for name, result in tasks.items()}
-                                     for key in ("accuracy", "accuracy_norm", "nll") if tasks})
+                    record = self.evaluation(beat=watchdog.beat)
+                    val_loss = record["loss"]
+                    metrics.write("eval", self.step, self.tokens, **record)
                     log.info("step %d/%d  validation loss %.4f%s", self.step, self.total_steps, val_loss,
-                             "".join(f"  {name} {result['accuracy']:.1%}" for name, result in tasks.items()))
-                    watchdog.beat()
+                             "".join(f"  {name} {accuracy:.1%}"
+                                     for name, accuracy in record.get("task_accuracy", {}).items()))
             self.finish_saving(wait=True)  # the run's last checkpoint is complete before it returns
             if self.stager is not None:
                 self.stager.close()

@@ -1,0 +1,90 @@
+"""`scaletrain eval`: a run's checkpoints measured after training, as training measured them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import run_cli, tiny_config
+from scaletrain.config import ConfigError
+from scaletrain.evaluate import evaluate_run
+from scaletrain.train.checkpoint import CheckpointError
+from scaletrain.train.metrics import read_metrics
+from scaletrain.train.trainer import train
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(stdlib_data, next_line_task, tmp_path_factory):
+    """4 steps with a checkpoint and an evaluation (validation loss and a task) every 2."""
+    run_dir = tmp_path_factory.mktemp("eval") / "run"
+    train(tiny_config(stdlib_data, run_dir, "train.steps=4", "checkpoint.interval=2", "eval.interval=2",
+                      f"eval.tasks=['{next_line_task}']", "eval.task_examples=12"))
+    return run_dir
+
+
+def _listing(run_dir):
+    return sorted((str(p.relative_to(run_dir)), p.stat().st_size) for p in run_dir.rglob("*"))
+
+
+def test_every_checkpoint_measures_what_training_measured_and_the_run_is_left_as_it_was(evaluated_run):
+    before = _listing(evaluated_run)
+    records = list(evaluate_run(evaluated_run, every=True))
+    assert [(r["step"], r["tokens"]) for r in records] == [(2, 1024), (4, 2048)]
+    for record, logged in zip(records, read_metrics(evaluated_run, "eval"), strict=True):
+        for key in ("loss", "loss_by_source", "task_accuracy", "task_accuracy_norm", "task_nll"):
+            assert record[key] == logged[key], key  # the same numbers, to the bit
+    assert _listing(evaluated_run) == before
+    # The newest by default; chosen steps in the order given.
+    assert [r["step"] for r in evaluate_run(evaluated_run, tasks=[])] == [4]
+    assert [r["step"] for r in evaluate_run(evaluated_run, steps=[4, 2], tasks=[])] == [4, 2]
+
+
+def test_other_data_another_context_length_and_other_tasks(evaluated_run, short_documents, next_line_task):
+    [own] = evaluate_run(evaluated_run, tasks=[])
+    assert "task_accuracy" not in own
+    [other] = evaluate_run(evaluated_run, data=str(short_documents), tasks=[])
+    assert list(other["loss_by_source"]) == ["documents"] and other["loss"] != own["loss"]
+    # Sequences twice as long as trained (what a context-extension stage would be measured at).
+    [longer] = evaluate_run(evaluated_run, tasks=[str(next_line_task)],
+                            overrides=["data.seq_len=128", "model.max_seq_len=128", "eval.task_examples=4"])
+    assert longer["loss"] == pytest.approx(own["loss"], rel=0.2) and longer["loss"] != own["loss"]
+    assert 0 <= longer["task_accuracy"]["next_line"] <= 1
+
+
+def test_requests_that_cannot_be_served_are_refused_in_one_sentence(evaluated_run, stdlib_data, tmp_path):
+    with pytest.raises(ConfigError, match="not a run directory"):
+        next(evaluate_run(tmp_path))
+    with pytest.raises(CheckpointError, match="no complete checkpoint of step 3; .* steps: 2, 4"):
+        next(evaluate_run(evaluated_run, steps=[2, 3]))
+    retokenized = tmp_path / "retokenized"
+    shutil.copytree(stdlib_data, retokenized)
+    tokenizer = json.loads((retokenized / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"]["zzzz"] = len(tokenizer["model"]["vocab"])
+    (retokenized / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ConfigError, match="another tokenizer than the run .*--tokenizer"):
+        next(evaluate_run(evaluated_run, data=str(retokenized)))
+    with pytest.raises(ConfigError, match="holds another model: .*model.dim"):
+        next(evaluate_run(evaluated_run, overrides=["model.dim=32"]))
+    with pytest.raises(ConfigError, match="eval.tokenz"):
+        next(evaluate_run(evaluated_run, overrides=["eval.tokenz=5"]))
+
+
+def test_the_command_across_two_tensor_parallel_processes_measures_what_one_does(evaluated_run, next_line_task,
+                                                                                   tmp_path):
+    """`--nproc 2` with a layout given after the options (overrides may follow them)."""
+    one = list(evaluate_run(evaluated_run, steps=[2, 4], tasks=[str(next_line_task)]))
+    out = tmp_path / "evals.jsonl"
+    result = run_cli("eval", str(evaluated_run), "--step", "2", "--step", "4", "--tasks", str(next_line_task),
+                     "--out", str(out), "--nproc", "2", "parallel.tp=2", "eval.task_examples=12")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "next_line accuracy" in result.stdout
+    two = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["step"] for r in two] == [2, 4]
+    for a, b in zip(one, two, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+        assert b["task_accuracy"] == a["task_accuracy"]
+        assert b["task_nll"]["next_line"] == pytest.approx(a["task_nll"]["next_line"], abs=1e-5)
+    result = run_cli("eval", str(evaluated_run), "--all", "--step", "2")
+    assert result.returncode == 2 and "not both" in result.stderr
