@@ -162,6 +162,44 @@ def test_batch_stays_near_the_rule_and_a_given_config_keeps_its_settings(tmp_pat
     assert muon["memory"]["optimizer"] < 0.85 * again["memory"]["optimizer"]  # one moment of the block matrices
 
 
+def test_a_batch_ramp_is_timed_stretch_by_stretch_and_its_batches_split_over_the_layout(tmp_path, capsys):
+    """train.batch_ramp's steps are timed at their own batch: the same compute a step, fewer
+    micro-batches to spread the step's fixed costs (the gradients' reduction, the optimizer)
+    over, so more seconds a token; the run's tokens and steps are the config's."""
+    config = tmp_path / "ramp.toml"
+    config.write_text(make_plan(ONE_B, int(2e10), 4096, Hardware(H100, 64, 8), batch_tokens=2**22)["config"])
+    flat = load_config(config)
+    ramp = load_config(config, ["train.batch_ramp=[[524288, 2000000000], [2097152, 5000000000]]"])
+    hardware = Hardware(H100, 64, 8)
+    plans = {name: make_plan(cfg.model, cfg.total_tokens, 4096, hardware, batch_tokens=cfg.train.global_batch_tokens,
+                             base=cfg) for name, cfg in (("flat", flat), ("ramp", ramp))}
+    first, second = plans["ramp"]["batch_ramp"]
+    assert [(p["steps"], p["batch_tokens"]) for p in (first, second)] == ramp.batch_schedule()[:2] \
+        == [(3815, 524288), (1431, 2097152)]
+    assert plans["ramp"]["tokens"] == ramp.total_tokens and plans["ramp"]["run"]["steps"] == ramp.total_steps
+    assert plans["flat"]["batch_ramp"] == [] and plans["flat"]["tokens"] == flat.total_tokens
+    step = plans["ramp"]["step"]
+    assert step["tokens_per_s"] > second["tokens_per_s"] > first["tokens_per_s"]
+    assert first["step_s"] < second["step_s"] < step["total"]
+    expected = sum(p["steps"] * p["step_s"] for p in (first, second)) \
+        + (ramp.total_steps - first["steps"] - second["steps"]) * step["total"]
+    assert plans["ramp"]["run"]["train_hours"] * 3600 == pytest.approx(expected)
+    assert plans["ramp"]["run"]["train_hours"] * 3600 > ramp.total_tokens / step["tokens_per_s"]  # all at full batch
+    (tmp_path / "written.toml").write_text(plans["ramp"]["config"])
+    written = load_config(tmp_path / "written.toml")
+    assert written.train.batch_ramp == ramp.train.batch_ramp and written.total_tokens == ramp.total_tokens
+    # Every layout it offers splits the ramp's batches too (train would refuse one that does not).
+    for entry in [plans["ramp"]["layout"], *plans["ramp"]["alternatives"]]:
+        lay = entry["layout"]
+        dp = lay["dp_replicate"] * lay["dp_shard"]
+        assert all(batch // 4096 % (dp * lay["micro_batch"]) == 0 for batch, _ in ramp.train.batch_ramp)
+    assert main(["plan", str(config), "train.batch_ramp=[[524288, 2000000000]]", "--gpus", "64"]) == 0
+    assert "batch ramp" in capsys.readouterr().out
+    with pytest.raises(PlanError, match="batches of 4, 1024 sequences .*train.batch_ramp"):
+        make_plan(ONE_B, int(2e10), 4096, Hardware(H100, 64, 8), batch_tokens=2**22,
+                  base=load_config(config, ["train.batch_ramp=[[16384, 2000000000]]"]))
+
+
 def test_young_interval_and_first_order_goodput():
     assert checkpoint_interval(2.0, 3600.0) == pytest.approx(math.sqrt(2 * 2 * 3600))
     assert goodput(2.0, 120.0, 3600.0, 600.0) == pytest.approx(1 - 2 / 120 - (600 + 60) / 3600)

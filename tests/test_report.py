@@ -60,3 +60,24 @@ def test_report_refuses_what_is_not_a_run_or_a_law_in_one_line(stdlib_data, tmp_
     result = run_cli("report", str(run_dir), "--law", str(tmp_path / "law.json"))
     assert result.returncode == 2 and "is not a law.json written by `scaletrain fit`" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_speed_set_against_the_plan_is_that_of_the_global_batch_past_the_ramp(tmp_path):
+    """A plan's step is the global batch's: a run with train.batch_ramp is measured on the steps
+    past it (the ramp's smaller steps run slower per token and would pull the median down)."""
+    from scaletrain.report.run import run_report
+
+    run_dir = tmp_path / "ramped"
+    run_dir.mkdir()
+    cfg = load_config(None, ["model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_heads=4",
+                             "model.max_seq_len=64", "data.seq_len=64", "train.micro_batch=4", "train.steps=8",
+                             "train.global_batch_tokens=1024", "train.batch_ramp=[[256, 1536]]"])
+    (run_dir / "config.toml").write_text(cfg.to_toml())
+    records = [{"kind": "start", "step": 0, "tokens": 0, "time": 0.0}]
+    for step in range(1, 9):  # 6 steps of 256 tokens at 1,000 tokens/s, then 2 of 1,024 at 4,000
+        ramp = step <= 6
+        records.append({"kind": "train", "step": step, "tokens": cfg.tokens_before(step), "time": float(step),
+                        "loss": 5.0, "tokens_per_s": 1000.0 if ramp else 4000.0, "mfu": 0.1 if ramp else 0.4})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = run_report(run_dir)
+    assert (summary["tokens_per_s"], summary["mfu"]) == (4000.0, 0.4)

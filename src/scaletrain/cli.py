@@ -280,7 +280,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             model = base.model
         if not base.checkpoint.async_save:  # the config saves blocking: plan its checkpoints so
             hardware.reliability = dataclasses.replace(hardware.reliability, async_save=False)
-        tokens = base.total_tokens  # (a batch ramp plans as the global batch: the planner times that one)
+        tokens = base.total_tokens  # (train.batch_ramp's included: the planner times its steps apart)
         batch = base.train.global_batch_tokens
     else:
         seq_len, data_path = args.seq_len, args.data or "data/corpus"
@@ -411,6 +411,10 @@ def plan_tables(plan: dict) -> list[Table]:
     how.add_row("step", f"{step['total']:.3g} s ({parts})")
     how.add_row("throughput", f"{step['tokens_per_s']:,.0f} tokens/s, MFU {step['mfu']:.1%} "
                               f"({step['mfu_causal']:.1%} counting causal attention)")
+    if plan["batch_ramp"]:
+        how.add_row("batch ramp", "; ".join(f"{p['steps']:,} steps of {p['batch_tokens']:,} tokens first: "
+                                            f"{p['step_s']:.3g} s, {p['tokens_per_s']:,.0f} tokens/s, MFU {p['mfu']:.1%}"
+                                            for p in plan["batch_ramp"]))
 
     cost = Table(title="what it will take", show_header=False)
     cost.add_column(style="bold")

@@ -495,6 +495,12 @@ class RunConfig(_Section):
                 step, done = step + steps, done + steps * batch
         yield step, None, self.train.global_batch_tokens, done
 
+    def batch_schedule(self) -> list[tuple[int, int]]:
+        """(steps, batch tokens) of each stretch of constant batch the whole run trains, in order."""
+        total = self.total_steps
+        return [(min(total, first + steps) - first if steps is not None else total - first, batch)
+                for first, steps, batch, _ in self._batch_phases() if first < total]
+
     def _phase_of(self, step: int) -> tuple[int, int | None, int, int]:
         """The stretch of constant batch that step `step` + 1 belongs to."""
         return next(phase for phase in self._batch_phases() if phase[1] is None or step < phase[0] + phase[1])

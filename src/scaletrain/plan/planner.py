@@ -29,7 +29,7 @@ from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.plan.cost import Prices, Reliability, run_cost
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.search import PlanError, describe, search
-from scaletrain.plan.timing import Efficiency
+from scaletrain.plan.timing import Efficiency, step_time
 from scaletrain.scaling.grid import deepseek_hyperparameters, warmup_steps
 from scaletrain.scaling.laws import ChinchillaLaw
 
@@ -169,14 +169,29 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
     target = batch_tokens // seq_len if fixed else max(1, round(rule_batch / seq_len))
     if top < 1:
         raise PlanError(f"top = {top}: show at least the one best layout")
+    # train.batch_ramp's steps of smaller batches (the layout must split them too), then the global batch.
+    ramp = [(count, batch) for count, batch in base.batch_schedule() if batch != base.train.global_batch_tokens] \
+        if base is not None else []
     ranked = search(model, seq_len, target, hardware.count, hardware.device, fixed_batch=fixed,
                     gpus_per_node=hardware.gpus_per_node, efficiency=hardware.efficiency, dtype=dtype, top=top,
-                    optimizer=base.train.optimizer if base is not None else "adamw")
+                    optimizer=base.train.optimizer if base is not None else "adamw",
+                    ramp=tuple(batch // seq_len for _, batch in ramp))
     best = ranked[0]
     batch_tokens = best.global_batch * seq_len
-    steps = max(1, -(-tokens // batch_tokens))
+    ramp_tokens = sum(steps * batch for steps, batch in ramp)
+    steps = max(0 if ramp else 1, -(-(tokens - ramp_tokens) // batch_tokens))
+    phases = []
+    for count, batch in ramp:  # fewer micro-batches a step: the step's fixed costs weigh more
+        time = step_time(model, seq_len, batch // seq_len, best.layout, hardware.device, hardware.efficiency,
+                         hardware.gpus_per_node, dtype)
+        phases.append({"batch_tokens": batch, "steps": count, "step_s": time.total,
+                       "tokens_per_s": time.tokens_per_s, "mfu": time.mfu})
+    train_s = steps * best.time.total + sum(phase["steps"] * phase["step_s"] for phase in phases)
+    tokens = ramp_tokens + steps * batch_tokens
+    steps += sum(phase["steps"] for phase in phases)
     state = best.memory.parameters + best.memory.optimizer  # what a checkpoint saves of each device
-    cost = run_cost(steps, best.time.total, hardware.count, hardware.nodes, state,
+    # (With a ramp, its steps' mean time: the run's seconds are what the checkpoint and failure arithmetic needs.)
+    cost = run_cost(steps, train_s / steps, hardware.count, hardware.nodes, state,
                     state * hardware.count / best.layout.dp_replicate, hardware.device.watts, hardware.reliability,
                     hardware.prices)
     if cost.goodput <= 0:
@@ -192,15 +207,15 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
                   **({"moe_experts": model.moe_experts, "moe_top_k": model.moe_top_k, "moe_ffn_dim": model.expert_dim,
                       "moe_shared_experts": model.moe_shared_experts, "moe_dense_layers": model.moe_dense_layers}
                      if model.moe else {})},
-        "tokens": steps * batch_tokens,
-        "tokens_per_parameter": steps * batch_tokens / counts["total"],
-        "compute": steps * batch_tokens * per_token,
-        "compute_6nd": 6.0 * counts["active"] * steps * batch_tokens,  # N active: all of a dense model
+        "tokens": tokens,
+        "tokens_per_parameter": tokens / counts["total"],
+        "compute": tokens * per_token,
+        "compute_6nd": 6.0 * counts["active"] * tokens,  # N active: all of a dense model
         "flops_per_token": per_token,
         "sizing": {"kind": sizing.kind, "budget": sizing.compute, "law": sizing.law.to_dict() if sizing.law else None,
                    "inference_tokens": sizing.inference_tokens, "unique_tokens": sizing.unique_tokens,
                    **sizing.notes},
-        "predicted_loss": predicted_loss(sizing, counts["total"], steps * batch_tokens),
+        "predicted_loss": predicted_loss(sizing, counts["total"], tokens),
         "hardware": {"device": hardware.device.to_dict(), "devices": hardware.count,
                      "nodes": hardware.nodes, "gpus_per_node": hardware.gpus_per_node,
                      "efficiency": vars(hardware.efficiency), "reliability": vars(hardware.reliability),
@@ -208,7 +223,8 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
         "layout": {**best.to_dict(), "text": describe(best.layout)},
         "memory": {**best.memory.as_dict(), "usable": 0.9 * hardware.device.memory,
                    "capacity": hardware.device.memory},
-        "step": best.time.to_dict(),
+        "step": best.time.to_dict(),  # of the global batch
+        "batch_ramp": phases,  # train.batch_ramp's stretches: batch_tokens, steps, step_s, tokens_per_s, mfu
         "run": cost.to_dict(),
         "hyperparameters": {"lr": lr, "rule_batch_tokens": rule_batch, "global_batch_tokens": batch_tokens,
                             "warmup_steps": warmup_steps(counts["total"], batch_tokens, max(1, steps // 10)),
@@ -218,7 +234,7 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
                               "source": "the config"},
         "dtype": dtype,
         "inference": {"tokens": sizing.inference_tokens, "flops": 2.0 * counts["total"] * sizing.inference_tokens,
-                      "lifetime_flops": steps * batch_tokens * per_token
+                      "lifetime_flops": tokens * per_token
                       + 2.0 * counts["total"] * sizing.inference_tokens},
         "alternatives": [{**c.to_dict(), "text": describe(c.layout)} for c in ranked[1:]],
     }

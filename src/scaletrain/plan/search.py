@@ -107,12 +107,22 @@ def _batch(target: int, dp: int, micro_batch: int, fixed: bool) -> int | None:
     return max(unit, round(target / unit) * unit)
 
 
+def _splits(batch: int, dp: int, micro_batch: int, pp: int, stages: int) -> bool:
+    """Whether `batch` sequences split into whole micro-batches on every data-parallel rank, as
+    many as the pipeline schedule needs."""
+    if batch % (dp * micro_batch):
+        return False
+    steps = batch // (dp * micro_batch)
+    return pp == 1 or (steps >= pp * stages and (stages == 1 or steps % pp == 0))
+
+
 def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fixed_batch: bool = False,
                gpus_per_node: int | None = None, efficiency: Efficiency = Efficiency(), dtype: str = "bf16",
-               usable: float = USABLE_MEMORY, allow_cp: bool = False,
-               optimizer: str = "adamw") -> tuple[list[Candidate], Candidate | None]:
+               usable: float = USABLE_MEMORY, allow_cp: bool = False, optimizer: str = "adamw",
+               ramp: tuple[int, ...] = ()) -> tuple[list[Candidate], Candidate | None]:
     """Every layout of `world` devices that fits (each with its least recomputation), and the
-    one closest to fitting when none does (for the message); `optimizer` is train.optimizer."""
+    one closest to fitting when none does (for the message); `optimizer` is train.optimizer.
+    The layouts must also split each of `ramp`'s batches (sequences: train.batch_ramp's)."""
     gpus_per_node = gpus_per_node or device.gpus_per_node
     capacity = usable * device.memory
     fits: list[Candidate] = []
@@ -129,8 +139,7 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
                         global_batch = _batch(batch, dp, micro_batch, fixed_batch)
                         if global_batch is None:
                             continue
-                        steps = global_batch // (dp * micro_batch)
-                        if pp > 1 and (steps < pp * stages or (stages > 1 and steps % pp)):
+                        if not all(_splits(b, dp, micro_batch, pp, stages) for b in (global_batch, *ramp)):
                             continue
                         chunks = (0, LOSS_CHUNK) if tp == 1 and pp == 1 and micro_batch * seq_len // cp > LOSS_CHUNK \
                             else (0,)
@@ -158,16 +167,17 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
 def search(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fixed_batch: bool = False,
            gpus_per_node: int | None = None, efficiency: Efficiency = Efficiency(), dtype: str = "bf16",
            usable: float = USABLE_MEMORY, top: int = 5, allow_cp: bool = False,
-           optimizer: str = "adamw") -> list[Candidate]:
+           optimizer: str = "adamw", ramp: tuple[int, ...] = ()) -> list[Candidate]:
     """The best `top` layouts, best first (see the module's docstring); PlanError when none fits."""
     fits, closest = candidates(cfg, seq_len, batch, world, device, fixed_batch=fixed_batch,
                                gpus_per_node=gpus_per_node, efficiency=efficiency, dtype=dtype, usable=usable,
-                               allow_cp=allow_cp, optimizer=optimizer)
+                               allow_cp=allow_cp, optimizer=optimizer, ramp=ramp)
     if not fits:
         if closest is None:
-            raise PlanError(f"no layout of {world} devices splits this model and a batch of {batch} sequences of "
-                            f"{seq_len} tokens evenly; use a number of devices that divides the batch (or let the "
-                            "planner choose the batch)")
+            batches = f"a batch of {batch}" if not ramp else f"batches of {', '.join(map(str, (*ramp, batch)))}"
+            raise PlanError(f"no layout of {world} devices splits this model and {batches} sequences of "
+                            f"{seq_len} tokens evenly; use a number of devices that divides the batch"
+                            + ("es (train.batch_ramp's too)" if ramp else " (or let the planner choose the batch)"))
         raise PlanError(f"no layout fits on {world} x {device.name}: the least memory any needs is "
                         f"{closest.memory.peak / 1e9:.1f} GB per device ({describe(closest.layout)}), against "
                         f"{usable * device.memory / 1e9:.1f} GB usable; use more devices, devices with more memory, a "

@@ -49,15 +49,18 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
     evals = [r for r in records if r["kind"] == "eval"]
     n = param_counts(cfg.model)["total"]
     planned_tokens = cfg.total_tokens
+    later = train[1:] or train  # the first step includes start-up
+    # The speed of the steps of the global batch (past train.batch_ramp's), which the plan's step predicts.
+    steady = [r for r in later if cfg.step_batch_tokens(r["step"] - 1) == cfg.train.global_batch_tokens] or later
     summary = {
         "run": str(run_dir), "parameters": n, "step": max((r["step"] for r in records), default=0),
         "total_steps": cfg.total_steps, "tokens": max((r["tokens"] for r in records), default=0),
         "planned_tokens": planned_tokens,
         "train_loss": train[-1]["loss"] if train else None, "val_loss": evals[-1]["loss"] if evals else None,
-        "tokens_per_s": _median(r["tokens_per_s"] for r in train[1:] or train),  # the first includes start-up
-        "mfu": _median(r.get("mfu") for r in train[1:] or train),
+        "tokens_per_s": _median(r["tokens_per_s"] for r in steady),
+        "mfu": _median(r.get("mfu") for r in steady),
         "data_wait_share": _median(r["data_wait_ms"] * r["tokens_per_s"] / cfg.step_batch_tokens(r["step"] - 1) / 1000
-                                   for r in train[1:] or train if r.get("data_wait_ms") is not None),
+                                   for r in later if r.get("data_wait_ms") is not None),
         "peak_memory_gb": max((r.get("mem_gb") or 0 for r in train), default=None),
         # eval.tasks at the last evaluation: task -> accuracy, accuracy_norm, nll.
         "tasks": {name: {key: evals[-1][f"task_{key}"][name] for key in ("accuracy", "accuracy_norm", "nll")}
