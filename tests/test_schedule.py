@@ -47,3 +47,15 @@ def test_constant_stays_at_the_peak():
 
 def test_no_warmup_starts_at_the_peak():
     assert lrs("cosine", warmup=0)[0] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("shape", ["linear", "1-sqrt", "cosine"])
+def test_a_wsd_decay_of_each_shape_falls_from_the_peak_to_the_floor_by_its_formula(shape):
+    values = lrs("wsd", decay_fraction=0.2, decay_shape=shape)
+    assert values[10:80] == pytest.approx([1.0] * 70) and values[-1] == pytest.approx(0.1)
+    assert all(a > b for a, b in zip(values[79:], values[80:]))
+    progress = (90 - 80 + 1) / 20  # the update at step 90 of the 20-update decay from step 80
+    fallen = {"linear": progress, "1-sqrt": math.sqrt(progress), "cosine": (1 - math.cos(math.pi * progress)) / 2}
+    assert values[90] == pytest.approx(1.0 - 0.9 * fallen[shape])
+    # 1-sqrt falls fastest at first (Hägele et al. 2024), cosine slowest.
+    assert lrs("wsd", decay_shape="1-sqrt")[85] < lrs("wsd")[85] < lrs("wsd", decay_shape="cosine")[85]

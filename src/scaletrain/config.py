@@ -269,7 +269,9 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(default=100, ge=0)
     """Linear warmup to `lr` over this many steps (the first update at `lr` / warmup_steps)."""
     decay_fraction: float = Field(default=0.2, gt=0, le=1)
-    """WSD only: fraction of all steps spent in the final linear decay."""
+    """WSD only: fraction of all steps spent in the final decay."""
+    decay_shape: Literal["linear", "1-sqrt", "cosine"] = "linear"
+    """WSD only: the decay's shape from lr to min_lr: linear; 1-sqrt, lr x (1 - sqrt(progress)) (Hägele et al. 2024 found it matches or beats cosine at a 20% decay, where linear falls short); or half a cosine."""
     optimizer: Literal["adamw", "muon"] = "adamw"
     """AdamW; or Muon for the weight matrices inside the blocks (their momentum orthogonalised by Newton-Schulz iterations, Jordan et al. 2024), scaled as Moonlight did so that lr and weight_decay carry over from AdamW, with AdamW for the embedding, output head and vectors. Fixed for a run: its checkpoints hold that optimizer's state."""
     muon_momentum: float = Field(default=0.95, ge=0, lt=1)

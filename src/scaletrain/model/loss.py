@@ -73,6 +73,34 @@ def _with_split_z_loss(loss: torch.Tensor, logits: DTensor, targets: torch.Tenso
     return loss + term
 
 
+@torch.no_grad()
+def target_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) in float32 at every position of `targets` (batch, seq) that is not IGNORE,
+    in order, from logits (batch, seq, vocab). Logits whose vocabulary is split over
+    tensor-parallel ranks (a DTensor sharded on it) are not gathered: from each rank's columns,
+    the rows' maximum, sum of exponentials and the target's logit (where the rank holds it) are
+    all-reduced, three numbers a row, where the whole vocabulary's logits would be a micro-batch
+    times the vocabulary on every rank."""
+    scored = targets != IGNORE
+    wanted = targets[scored]
+    if not isinstance(logits, DTensor):
+        return torch.log_softmax(logits[scored].float(), dim=-1).gather(-1, wanted[:, None])[:, 0]
+    mesh = logits.device_mesh
+    if mesh.ndim != 1 or not logits.placements[0].is_shard(logits.ndim - 1):
+        return target_log_probs(logits.full_tensor(), targets)
+    local, group = logits.to_local()[scored].float(), mesh.get_group()
+    width = local.shape[-1]  # (the vocabulary splits evenly: parallel/layout.py checks it)
+    first = mesh.get_local_rank() * width
+    top = local.amax(dim=-1)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    total = torch.exp(local - top[:, None]).sum(dim=-1)
+    dist.all_reduce(total, group=group)
+    here = (wanted >= first) & (wanted < first + width)
+    picked = local.gather(-1, (wanted - first).clamp(0, width - 1)[:, None])[:, 0] * here
+    dist.all_reduce(picked, group=group)
+    return picked - top - total.log()
+
+
 class _SummedOnEveryRank(torch.autograd.Function):
     """All-reduce (sum) forward; the gradient passes as it is: every rank computes the same
     function of the sum, so each already holds the whole gradient with respect to its own part."""

@@ -11,14 +11,23 @@ def wsd_decay_start(total_steps: int, warmup_steps: int, decay_fraction: float) 
     return max(total_steps - max(round(decay_fraction * total_steps), 1), warmup_steps)
 
 
+# How far the learning rate has fallen (0 to 1) at a fraction `progress` of a WSD decay.
+DECAY_SHAPES = {
+    "linear": lambda progress: progress,
+    "1-sqrt": math.sqrt,  # Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations"
+    "cosine": lambda progress: 0.5 * (1.0 - math.cos(math.pi * progress)),
+}
+
+
 def lr_at(step: int, total_steps: int, *, lr: float, warmup_steps: int, schedule: str,
-          min_lr_ratio: float = 0.1, decay_fraction: float = 0.2) -> float:
+          min_lr_ratio: float = 0.1, decay_fraction: float = 0.2, decay_shape: str = "linear") -> float:
     """Learning rate of the update made at `step` (0-based) of a run of `total_steps` updates.
 
     - warmup: linear from lr / warmup_steps to lr over the first warmup_steps updates;
     - "cosine": half a cosine from lr down to min_lr_ratio * lr at the last update;
     - "wsd": warmup-stable-decay (Hu et al. 2024, MiniCPM): lr until the last
-      decay_fraction of updates, then linear down to min_lr_ratio * lr;
+      decay_fraction of updates, then down to min_lr_ratio * lr at the last, along
+      decay_shape (DECAY_SHAPES: linear, 1-sqrt or cosine);
     - "constant": lr after warmup.
     """
     if step < warmup_steps:
@@ -38,5 +47,5 @@ def lr_at(step: int, total_steps: int, *, lr: float, warmup_steps: int, schedule
         if step < decay_start:
             return lr
         progress = min((step - decay_start + 1) / max(total_steps - decay_start, 1), 1.0)
-        return lr - (lr - min_lr) * progress
+        return lr - (lr - min_lr) * DECAY_SHAPES[decay_shape](progress)
     raise ValueError(f"unknown schedule {schedule!r}; valid: cosine, wsd, constant")

@@ -29,7 +29,7 @@ from scaletrain.data.shards import DataError, read_index
 from scaletrain.hf import load_hf_weights
 from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.model.llama import Transformer, document_ids
-from scaletrain.model.loss import cross_entropy
+from scaletrain.model.loss import cross_entropy, target_log_probs
 from scaletrain.parallel.apply import parallelize
 from scaletrain.parallel.context import shard_sequence
 from scaletrain.parallel.layout import check_layout, resolve_layout
@@ -567,7 +567,7 @@ class Trainer:
         raised as TrainingDiverged at the next look, before anything is saved."""
         cfg = self.cfg.train
         lr = lr_at(self.step, self.total_steps, lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule,
-                   min_lr_ratio=cfg.min_lr_ratio, decay_fraction=cfg.decay_fraction)
+                   min_lr_ratio=cfg.min_lr_ratio, decay_fraction=cfg.decay_fraction, decay_shape=cfg.decay_shape)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
@@ -793,8 +793,9 @@ class Trainer:
         Rows are spread over the data-parallel ranks, micro-batches of them, as many on each, each
         micro-batch as long as its longest row (rounded up to a multiple of 64 and of what tensor
         and context parallelism split, at most data.seq_len); the log-probabilities come from the
-        whole vocabulary (tensor parallelism's split logits are gathered) at the choices'
-        positions only, the ranks holding a part of a row (context parallelism) add theirs, and
+        whole vocabulary at the choices' positions only (from tensor parallelism's split logits
+        without gathering them: loss.target_log_probs), the ranks holding a part of a row
+        (context parallelism) add theirs, and
         one all-reduce gives every rank all of them (the tensor-parallel and earlier pipeline
         ranks, which hold no other part, add nothing)."""
         rows, seq_len = self.cfg.train.micro_batch, self.cfg.data.seq_len
@@ -819,14 +820,11 @@ class Trainer:
                     logits = self.parallel.forward(inputs if self.parallel.first else None, documents)
             if logits is None:
                 continue
-            if isinstance(logits, DTensor):
-                logits = logits.full_tensor()  # (a collective of the tensor-parallel ranks: all of them)
+            picked = target_log_probs(logits, targets)  # (split logits: collectives of all the tensor-parallel ranks)
             if not adds:
                 continue
-            scored = targets != IGNORE
-            picked = torch.log_softmax(logits[scored].float(), dim=-1).gather(-1, targets[scored][:, None])[:, 0]
             sums = torch.zeros(rows, dtype=torch.float64, device=picked.device)
-            sums.index_add_(0, scored.nonzero()[:, 0], picked.double())
+            sums.index_add_(0, (targets != IGNORE).nonzero()[:, 0], picked.double())
             scores[torch.from_numpy(chosen)] += sums[:len(chosen)].cpu()
         if dist.is_initialized():
             scores = scores.to(self.device)
