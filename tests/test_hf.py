@@ -328,3 +328,59 @@ def test_a_model_of_another_shape_or_kind_is_refused_with_the_settings_to_use(ru
     (tmp_path / "config.json").write_text(json.dumps(qwen3))  # no head_dim: Qwen3's default 128, not 64 / 4
     with pytest.raises(ConfigError, match="head_dim 128 x 4 heads, not its hidden_size 64"):
         model_settings(tmp_path)
+
+
+LM_EVAL = """
+import json, sys
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+
+model, tasks = sys.argv[1:]
+result = simple_evaluate(model="hf", model_args=f"pretrained={model},dtype=float32", tasks=["interop"],
+                         task_manager=TaskManager(include_path=tasks), log_samples=True, batch_size=8, device="cpu")
+print(json.dumps({"results": result["results"]["interop"],
+                  "scores": {s["doc_id"]: [r[0][0] for r in s["resps"]] for s in result["samples"]["interop"]}}))
+"""
+
+
+def test_lm_evaluation_harness_scores_the_export_as_training_scores_its_tasks(runs, next_line_task, tmp_path):
+    """eval.tasks against lm-evaluation-harness itself, on the exported model: the same
+    log-likelihood of every choice, so the same accuracies. The task is next_line with each
+    context's last newline moved into its choices and the end-of-text token written before the
+    context, which is where our scoring and the harness's differ by design (train/tasks.py);
+    the rows longer than the 64-token context lose their start alike."""
+    pytest.importorskip("lm_eval", reason="the harness test needs lm-eval (pip install -e '.[test]')")
+    from scaletrain.evaluate import chosen_checkpoints, evaluation_config
+    from scaletrain.train.trainer import Trainer
+
+    task = tmp_path / "interop.jsonl"
+    examples = [json.loads(line) for line in next_line_task.read_text().splitlines()]
+    task.write_text("".join(json.dumps({"context": e["context"].removesuffix("\n"),
+                                        "choices": ["\n" + choice for choice in e["choices"]],
+                                        "label": e["label"]}) + "\n" for e in examples))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "interop.yaml").write_text(
+        "task: interop\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {task}\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "<|endoftext|>{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: label\n'
+        'target_delimiter: ""\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n')
+    export_hf(runs / "llama", tmp_path / "hf")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LM_EVAL, str(tmp_path / "hf"), str(tmp_path / "tasks")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    harness = json.loads(done.stdout.strip().splitlines()[-1])
+
+    [newest] = chosen_checkpoints(runs / "llama")
+    trainer = Trainer(evaluation_config(runs / "llama", newest, None, [str(task)], ["eval.task_examples=100"], 1,
+                                        tmp_path / "scratch"))
+    trainer.load_weights(newest)
+    ours = trainer.task_scores(trainer.tasks[0])
+    theirs = [score for doc in range(len(examples)) for score in harness["scores"][str(doc)]]
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-3)
+    metrics = trainer.evaluation()
+    assert metrics["task_accuracy"]["interop"] == pytest.approx(harness["results"]["acc,none"], abs=1e-6)
+    assert metrics["task_accuracy_norm"]["interop"] == pytest.approx(harness["results"]["acc_norm,none"], abs=1e-6)
