@@ -69,6 +69,12 @@ def test_requests_that_cannot_be_served_are_refused_in_one_sentence(evaluated_ru
         next(evaluate_run(evaluated_run, overrides=["model.dim=32"]))
     with pytest.raises(ConfigError, match="eval.tokenz"):
         next(evaluate_run(evaluated_run, overrides=["eval.tokenz=5"]))
+    moved = tmp_path / "moved"  # a run whose data is not where its config says (another machine, another folder)
+    shutil.copytree(evaluated_run, moved)
+    (moved / "config.toml").write_text((moved / "config.toml").read_text().replace(str(stdlib_data),
+                                                                                      str(tmp_path / "elsewhere")))
+    with pytest.raises(ConfigError, match="elsewhere.*give it with --data DIR"):
+        next(evaluate_run(moved))
 
 
 def test_the_command_across_two_tensor_parallel_processes_measures_what_one_does(evaluated_run, next_line_task,

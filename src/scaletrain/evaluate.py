@@ -23,10 +23,11 @@ from scaletrain.config import ConfigError, config_from
 log = logging.getLogger(__name__)
 
 # What an evaluation starts from instead of the run's settings: these sections are the
-# training's (its layout, trackers and checkpoints), and compiling or float8 pays only over many
-# steps. `parallel.*`, `train.compile` and `train.float8` may be given again.
+# training's (its layout, trackers and checkpoints); it runs on whatever device is here (a run
+# trained on GPUs may be evaluated on a CPU), and compiling or float8 pays only over many steps.
+# `parallel.*` and these `train.*` may be given again.
 DROPPED = ("parallel", "log", "checkpoint")
-EAGER = {"compile": False, "float8": False}
+TRAIN = {"device": "auto", "compile": False, "float8": False}
 
 
 def run_config_data(run_dir: Path) -> dict:
@@ -67,7 +68,7 @@ def evaluation_config(run_dir: Path, first: Path, data: str | None, tasks: list[
     from scaletrain.train.trainer import resolve
 
     saved = {section: values for section, values in run_config_data(run_dir).items() if section not in DROPPED}
-    saved["train"] = {**saved.get("train", {}), **EAGER}
+    saved["train"] = {**saved.get("train", {}), **TRAIN}
     if data is not None:
         saved["data"] = {key: value for key, value in saved.get("data", {}).items() if key != "mix"} | {"path": data}
     if tasks is not None:
@@ -80,7 +81,12 @@ def evaluation_config(run_dir: Path, first: Path, data: str | None, tasks: list[
     fixed["train"].update(steps=1, tokens=None, warmup_steps=0, batch_ramp=[],
                           global_batch_tokens=cfg.train.micro_batch * cfg.data.seq_len * world_size)
     cfg = config_from(fixed, source=f"{run_dir}/config.toml with the overrides")
-    resolved = resolve(cfg)
+    try:
+        resolved = resolve(cfg)
+    except ConfigError as e:
+        if data is not None:
+            raise
+        raise ConfigError(f"{e} (the run's data, as its config.toml names it; give it with --data DIR)") from None
     _check_tokenizer(run_dir, resolved, data)
     return resolved
 
