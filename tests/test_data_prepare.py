@@ -247,3 +247,22 @@ def test_max_bytes_keeps_whole_documents_in_order_up_to_the_limit(tmp_path):
     result = prepare([str(tmp_path / "*.txt")], tmp_path / "data", VOCAB, max_bytes=450, val_fraction=0)
     assert result.stats["bytes"]["kept"] == 400
     assert [d[:10] for d in decoded_documents(tmp_path / "data", "train")] == [f"document {i}" for i in range(4)]
+
+
+def test_token_bytes_are_the_utf8_bytes_each_token_stands_for(stdlib_data):
+    """Bits per byte (train/trainer.py's evaluate) divides by these: the bytes of any text's
+    tokens add up to its UTF-8 length, the end of a document holds none, and a tokenizer that is
+    not byte-level gets none."""
+    from tokenizers import models, pre_tokenizers
+
+    from scaletrain.data.tokenizer import load_tokenizer, token_bytes
+
+    tokenizer = load_tokenizer(stdlib_data)
+    counts = token_bytes(tokenizer, 576)  # (the model's vocabulary, rounded up past the tokenizer's)
+    text = "def naïve(x):\n    return '日本語 — café' * x  # ünïcode\n"
+    assert counts[tokenizer.encode(text, add_special_tokens=False).ids].sum() == len(text.encode())
+    assert counts[tokenizer.token_to_id("<|endoftext|>")] == 0 and counts[512:].sum() == 0
+    assert counts[:512].min() == 0 and (counts[:512] > 0).sum() == 511
+    pieces = Tokenizer(models.WordLevel({"▁the": 0, "▁cat": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    pieces.pre_tokenizer = pre_tokenizers.Metaspace()
+    assert token_bytes(pieces, 3) is None

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
+from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import run_cli, tiny_config
-from scaletrain.config import ConfigError
+from scaletrain.config import ConfigError, load_config
+from scaletrain.data.loader import eval_batches
+from scaletrain.data.shards import read_index
+from scaletrain.data.tokenizer import load_tokenizer
 from scaletrain.evaluate import evaluate_run
 from scaletrain.train.checkpoint import CheckpointError
 from scaletrain.train.metrics import read_metrics
@@ -33,9 +39,19 @@ def test_every_checkpoint_measures_what_training_measured_and_the_run_is_left_as
     records = list(evaluate_run(evaluated_run, every=True))
     assert [(r["step"], r["tokens"]) for r in records] == [(2, 1024), (4, 2048)]
     for record, logged in zip(records, read_metrics(evaluated_run, "eval"), strict=True):
-        for key in ("loss", "loss_by_source", "task_accuracy", "task_accuracy_norm", "task_nll"):
+        for key in ("loss", "loss_by_source", "bits_per_byte", "bits_per_byte_by_source", "task_accuracy",
+                    "task_accuracy_norm", "task_nll"):
             assert record[key] == logged[key], key  # the same numbers, to the bit
     assert _listing(evaluated_run) == before
+    # Bits per byte: the loss in bits over the bytes the validation windows' target tokens decode
+    # to (the stdlib's text decodes whole: no window cuts a character in two here).
+    data = Path(load_config(evaluated_run / "config.toml").data.path)
+    tokenizer, eos = load_tokenizer(data), read_index(data)["eos_id"]
+    targets = torch.cat([t[t != -100] for _, t in eval_batches(data, 64, 1024, 4)])
+    text = tokenizer.decode([i for i in targets.tolist() if i != eos])
+    assert "\ufffd" not in text
+    assert records[-1]["bits_per_byte"] == pytest.approx(records[-1]["loss"] / math.log(2) * len(targets)
+                                                         / len(text.encode()), rel=1e-9)
     # The newest by default; chosen steps in the order given.
     assert [r["step"] for r in evaluate_run(evaluated_run, tasks=[])] == [4]
     assert [r["step"] for r in evaluate_run(evaluated_run, steps=[4, 2], tasks=[])] == [4, 2]

@@ -780,10 +780,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def eval_table(run_dir: str, records: list[dict]) -> Table:
-    """A row per checkpoint: its step and tokens, the validation loss (and each source's, of a
-    mixture), each task's accuracy (per character) and the right choice's loss."""
+    """A row per checkpoint: its step and tokens, the validation loss (in bits per byte too, where
+    the tokenizer is byte-level; each source's, of a mixture), each task's accuracy (per character)
+    and the right choice's loss."""
     table = Table(title=f"evaluation: {run_dir}")
-    for name in ("step", "tokens", "validation loss"):
+    bits = "bits_per_byte" in records[0]
+    for name in ("step", "tokens", "validation loss", *(["bits/byte"] if bits else [])):
         table.add_column(name, justify="right")
     sources = list(records[0]["loss_by_source"]) if len(records[0]["loss_by_source"]) > 1 else []
     tasks = list(records[0].get("task_accuracy", {}))
@@ -793,6 +795,7 @@ def eval_table(run_dir: str, records: list[dict]) -> Table:
         table.add_column(f"{name} accuracy (per char; loss)", justify="right")
     for r in records:
         table.add_row(f"{r['step']:,}", f"{r['tokens']:,}", f"{r['loss']:.4f}",
+                      *([f"{r['bits_per_byte']:.4f}"] if bits else []),
                       *(f"{r['loss_by_source'][name]:.4f}" for name in sources),
                       *(f"{r['task_accuracy'][name]:.1%} ({r['task_accuracy_norm'][name]:.1%}; "
                         f"{r['task_nll'][name]:.4f})" for name in tasks))
@@ -822,6 +825,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     table.add_row("steps", f"{summary['step']:,} / {summary['total_steps']:,}")
     table.add_row("final train loss", _num(summary["train_loss"]))
     table.add_row("final validation loss", _num(summary["val_loss"]))
+    if summary["val_bits_per_byte"] is not None:
+        table.add_row("final validation bits per byte", _num(summary["val_bits_per_byte"]))
     table.add_row("tokens/s (median)", f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "-")
     if summary["mfu"] is not None:
         table.add_row("MFU (median)", f"{summary['mfu']:.1%}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from .shards import DataError
@@ -73,3 +74,21 @@ def eos_id(tokenizer: Tokenizer, path: str | Path = "the tokenizer") -> int:
 def vocab_size(tokenizer: Tokenizer) -> int:
     """One more than the largest id, so that every id the tokenizer produces is below it."""
     return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+
+
+def token_bytes(tokenizer: Tokenizer, size: int) -> np.ndarray | None:
+    """The bytes of text each of `size` ids stands for — 0 for special tokens (the end of a
+    document is no text) and for ids past the tokenizer's — when the tokenizer is byte-level
+    (each character of a token is one byte: the tokenizers `data prepare` trains, GPT-2's, Llama
+    3's, Qwen's); None for others (SentencePiece's pieces do not say their bytes)."""
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    counts = np.zeros(size, dtype=np.int64)
+    for token, token_id in tokenizer.get_vocab(with_added_tokens=False).items():
+        if not alphabet.issuperset(token):
+            return None
+        if token_id < size:
+            counts[token_id] = len(token)
+    for token_id in tokenizer.get_added_tokens_decoder():
+        if token_id < size:
+            counts[token_id] = 0
+    return counts

@@ -57,6 +57,7 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
         "total_steps": cfg.total_steps, "tokens": max((r["tokens"] for r in records), default=0),
         "planned_tokens": planned_tokens,
         "train_loss": train[-1]["loss"] if train else None, "val_loss": evals[-1]["loss"] if evals else None,
+        "val_bits_per_byte": evals[-1].get("bits_per_byte") if evals else None,
         "tokens_per_s": _median(r["tokens_per_s"] for r in steady),
         "mfu": _median(r.get("mfu") for r in steady),
         "data_wait_share": _median(r["data_wait_ms"] * r["tokens_per_s"] / cfg.step_batch_tokens(r["step"] - 1) / 1000
@@ -201,6 +202,7 @@ def _html(cfg, summary: dict, plots: list[Path]) -> str:
             ("tokens", f"{summary['tokens']:,} of {summary['planned_tokens']:,}"),
             ("final train loss", number(summary["train_loss"], ".4f")),
             ("final validation loss", number(summary["val_loss"], ".4f")),
+            ("final validation bits per byte", number(summary["val_bits_per_byte"], ".4f")),
             ("tokens/s (median)", number(summary["tokens_per_s"], ",.0f")),
             ("MFU (median)", number(summary["mfu"], ".1%")),
             ("data wait, share of a step (median)", number(summary["data_wait_share"], ".2%")),

@@ -255,6 +255,7 @@ class Trainer:
         # Attention within documents: the sources share a tokenizer, so one end-of-document token.
         self.eos_id = (read_index(next(iter(cfg.data.sources.values())))["eos_id"]
                        if cfg.model.document_mask else None)
+        self.token_bytes = self._token_bytes()  # (for bits per byte: see evaluate)
         for path in cfg.data.sources.values():
             try:  # fail now, not after the last step, if validation cannot run
                 next(eval_batches(path, cfg.data.seq_len, cfg.eval.tokens, cfg.train.micro_batch))
@@ -296,6 +297,15 @@ class Trainer:
                                       rank=self.dp_rank, world_size=self.layout.dp, seed=cfg.run.seed,
                                       weights=cfg.data.weights, batch_seqs=batch_seqs),
                           pin=self.device.type == "cuda")
+
+    def _token_bytes(self) -> torch.Tensor | None:
+        """The bytes of text of each token id, on the device (data/tokenizer.token_bytes); None
+        when the tokenizer is not byte-level."""
+        from scaletrain.data.tokenizer import load_tokenizer, token_bytes
+
+        path = next(iter(self.cfg.data.sources.values())) / "tokenizer.json"
+        counts = token_bytes(load_tokenizer(path), self.cfg.model.vocab) if path.is_file() else None
+        return None if counts is None else torch.from_numpy(counts).to(self.device)
 
     def micro_steps(self, step: int) -> int:
         """This rank's micro-batches in the step after `step` completed ones."""
@@ -763,12 +773,15 @@ class Trainer:
         return f" ({done[0]})" if done else " (there is none yet)"
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Mean loss per token over each source's fixed validation windows."""
+    def evaluate(self) -> tuple[dict[str, float], dict[str, float] | None]:
+        """Mean loss per token over each source's fixed validation windows, and — where the
+        tokenizer is byte-level — bits per byte: the same windows' loss in bits over the bytes of
+        text their tokens stand for (the ends of documents are predicted, and count, but hold no
+        byte), which compares across tokenizers."""
         self.model.eval()
-        by_source = {}
+        by_source, bits = {}, {}
         for name, path in self.cfg.data.sources.items():
-            total, count = 0.0, 0
+            total, count, text_bytes = 0.0, 0, 0
             for inputs, targets in eval_batches(path, self.cfg.data.seq_len, self.cfg.eval.tokens,
                                                 self.cfg.train.micro_batch, self.dp_rank, self.layout.dp):
                 inputs, targets, documents = self._batch(inputs, targets)
@@ -782,10 +795,13 @@ class Trainer:
                 if loss is not None and n:  # a batch of padding only has a loss of nan
                     total += _local(loss).item() * n
                     count += n
-            total, count = _sum_over_ranks([total, count])
+                    if self.token_bytes is not None:
+                        text_bytes += self.token_bytes[targets[targets != IGNORE]].sum().item()
+            total, count, text_bytes = _sum_over_ranks([total, count, text_bytes])
             by_source[name] = total / count
+            bits[name] = total / math.log(2) / text_bytes if text_bytes else None
         self.model.train()
-        return by_source
+        return by_source, (bits if self.token_bytes is not None else None)
 
     @torch.no_grad()
     def task_scores(self, task: Task) -> np.ndarray:
@@ -844,13 +860,18 @@ class Trainer:
 
     def evaluation(self, beat: Callable[[], None] = lambda: None) -> dict:
         """What an eval record holds: the validation loss (of a mixture, each source's at its
-        training weight) and each source's, and with eval.tasks each task's metrics by kind
-        (task_accuracy, task_accuracy_norm, task_nll: task name -> value); `beat` after each part."""
-        by_source = self.evaluate()
+        training weight) and each source's; the same in bits per byte (bits_per_byte,
+        bits_per_byte_by_source) where the tokenizer is byte-level; with eval.tasks, each task's
+        metrics by kind (task_accuracy, task_accuracy_norm, task_nll: task name -> value). `beat`
+        after each part."""
+        by_source, bits = self.evaluate()
         beat()
         tasks = self.evaluate_tasks(beat=beat)
-        return {"loss": sum(self.cfg.data.weights[name] * loss for name, loss in by_source.items()),
+        weights = self.cfg.data.weights
+        return {"loss": sum(weights[name] * loss for name, loss in by_source.items()),
                 "loss_by_source": by_source,
+                **({"bits_per_byte": sum(weights[name] * value for name, value in bits.items()),
+                    "bits_per_byte_by_source": bits} if bits and None not in bits.values() else {}),
                 **{f"task_{key}": {name: round(result[key], 6) for name, result in tasks.items()}
                    for key in ("accuracy", "accuracy_norm", "nll") if tasks}}
 
@@ -989,7 +1010,8 @@ class Trainer:
                     record = self.evaluation(beat=watchdog.beat)
                     val_loss = record["loss"]
                     metrics.write("eval", self.step, self.tokens, **record)
-                    log.info("step %d/%d  validation loss %.4f%s", self.step, self.total_steps, val_loss,
+                    log.info("step %d/%d  validation loss %.4f%s%s", self.step, self.total_steps, val_loss,
+                             f" ({record['bits_per_byte']:.4f} bits/byte)" if "bits_per_byte" in record else "",
                              "".join(f"  {name} {accuracy:.1%}"
                                      for name, accuracy in record.get("task_accuracy", {}).items()))
             self.finish_saving(wait=True)  # the run's last checkpoint is complete before it returns
