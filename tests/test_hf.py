@@ -397,3 +397,25 @@ def test_lm_evaluation_harness_scores_the_export_as_training_scores_its_tasks(ru
     metrics = trainer.evaluation()
     assert metrics["task_accuracy"]["interop"] == pytest.approx(harness["results"]["acc,none"], abs=1e-6)
     assert metrics["task_accuracy_norm"]["interop"] == pytest.approx(harness["results"]["acc_norm,none"], abs=1e-6)
+
+
+def test_eval_measures_a_hugging_face_model_as_the_run_it_was_exported_from(runs, stdlib_data, tmp_path):
+    """`scaletrain eval HF_DIR --data DIR`: a published model as a baseline on your data; here
+    the export of a run, which must measure what the run's own checkpoint measures."""
+    from scaletrain.config import ConfigError
+    from scaletrain.evaluate import evaluate_run
+
+    export_hf(runs / "llama", tmp_path / "hf")
+    [run] = evaluate_run(runs / "llama")
+    [model] = evaluate_run(tmp_path / "hf", data=str(stdlib_data),
+                           overrides=["eval.tokens=1024", "train.micro_batch=4"])  # (the run's: tiny.toml's)
+    assert (model["step"], model["checkpoint"]) == (None, str(tmp_path / "hf"))
+    for key in ("loss", "bits_per_byte"):
+        assert model[key] == pytest.approx(run[key], rel=1e-6), key
+    with pytest.raises(ConfigError, match="has no data of its own; give --data"):
+        next(evaluate_run(tmp_path / "hf"))
+    with pytest.raises(ConfigError, match="no checkpoints to choose"):
+        next(evaluate_run(tmp_path / "hf", data=str(stdlib_data), every=True))
+    result = run_cli("eval", str(tmp_path / "hf"), "--data", str(stdlib_data), "eval.tokens=1024")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "bits/byte" in result.stdout and "│    - │" in result.stdout

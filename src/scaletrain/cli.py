@@ -749,13 +749,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from scaletrain.evaluate import chosen_checkpoints, evaluate_run, run_config_data
+    from scaletrain.evaluate import evaluate_run, weights_to_evaluate
 
     if args.every and args.step:
         raise UserError("give --step K (one or more) or --all, not both")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        run_config_data(Path(args.run_dir))  # what is wrong with the request is one line here, not N there
-        chosen_checkpoints(Path(args.run_dir), args.step, args.every)
+        weights_to_evaluate(Path(args.run_dir), args.step, args.every)  # a bad request: one line here, not N there
         return _torchrun(args, ["eval", args.run_dir, *args.overrides, *(f"--step={step}" for step in args.step or []),
                                 *(["--all"] if args.every else []), *(["--data", args.data] if args.data else []),
                                 *(["--tasks", *args.tasks] if args.tasks is not None else []),
@@ -794,7 +793,7 @@ def eval_table(run_dir: str, records: list[dict]) -> Table:
     for name in tasks:
         table.add_column(f"{name} accuracy (per char; loss)", justify="right")
     for r in records:
-        table.add_row(f"{r['step']:,}", f"{r['tokens']:,}", f"{r['loss']:.4f}",
+        table.add_row(*(f"{r[key]:,}" if r[key] is not None else "-" for key in ("step", "tokens")), f"{r['loss']:.4f}",
                       *([f"{r['bits_per_byte']:.4f}"] if bits else []),
                       *(f"{r['loss_by_source'][name]:.4f}" for name in sources),
                       *(f"{r['task_accuracy'][name]:.1%} ({r['task_accuracy_norm'][name]:.1%}; "
@@ -1061,12 +1060,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = commands.add_parser("eval", help="validation loss and tasks of a run's checkpoints, on its data or other",
-                            description="Measure what training's evaluations measure (validation loss, each "
-                                        "source's in a mixture, eval.tasks) for a run's newest checkpoint, the "
-                                        "checkpoints of --step, or every kept one (--all): on the run's data or "
-                                        "other data prepared with its tokenizer, with other tasks or at another "
-                                        "sequence length. Nothing in the run directory changes.")
-    p.add_argument("run_dir", help="run directory, e.g. runs/demo")
+                            description="Measure what training's evaluations measure (validation loss and bits "
+                                        "per byte, each source's in a mixture, eval.tasks) for a run's newest "
+                                        "checkpoint, the checkpoints of --step, or every kept one (--all): on the "
+                                        "run's data or other data prepared with its tokenizer, with other tasks or "
+                                        "at another sequence length. Or for a Hugging Face model (Llama, Qwen3 and "
+                                        "their mixtures of experts) on --data prepared with its tokenizer: a "
+                                        "baseline. Nothing in the run directory changes.")
+    p.add_argument("run_dir", metavar="RUN_OR_MODEL_DIR",
+                   help="run directory, e.g. runs/demo; or a Hugging Face model directory (with --data)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="change the run's settings for the evaluation, e.g. eval.tokens=1000000 data.seq_len=1024 "
                         "train.device=cpu parallel.tp=2 (the layout: all FSDP unless given)")

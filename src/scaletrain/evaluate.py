@@ -39,6 +39,19 @@ def run_config_data(run_dir: Path) -> dict:
     return tomllib.loads(path.read_text())
 
 
+def weights_to_evaluate(source: Path, steps: list[int] | None = None, every: bool = False) -> list[Path]:
+    """The checkpoints of the run in `source` to evaluate (see chosen_checkpoints), or the
+    Hugging Face model directory `source` itself; ConfigError or CheckpointError, in a sentence,
+    for a request that cannot be served."""
+    if is_hf_model(source):
+        if steps or every:
+            raise ConfigError(f"{str(source)!r} is a Hugging Face model, one set of weights: it has no checkpoints "
+                              "to choose with --step or --all")
+        return [source]
+    run_config_data(source)  # (a clear message before the checkpoints are looked for)
+    return chosen_checkpoints(source, steps, every)
+
+
 def chosen_checkpoints(run_dir: Path, steps: list[int] | None = None, every: bool = False) -> list[Path]:
     """The complete checkpoints of `steps` (in that order), or every complete one (oldest
     first), or the newest complete one."""
@@ -59,70 +72,96 @@ def chosen_checkpoints(run_dir: Path, steps: list[int] | None = None, every: boo
     return [have[step] for step in steps]
 
 
-def evaluation_config(run_dir: Path, first: Path, data: str | None, tasks: list[str] | None,
+def is_hf_model(path: Path) -> bool:
+    """A Hugging Face model directory (config.json and weights), not a run directory."""
+    return (path / "config.json").is_file() and not (path / "config.toml").is_file()
+
+
+def evaluation_config(source: Path, first: Path, data: str | None, tasks: list[str] | None,
                       overrides: list[str], world_size: int, scratch: Path):
-    """The config that evaluates the run in `run_dir` from its checkpoint `first`: the run's
-    model and data settings (data.path replaced by `data`, eval.tasks by `tasks`, then the
-    overrides), the layout of `world_size` processes, and a run of one step in `scratch` that
-    takes its weights from the checkpoint (it writes nothing)."""
+    """The config that evaluates `source` — a run directory, from its checkpoint `first`, or a
+    Hugging Face model directory (then `first` is it too) — on its own data or `data`: the
+    run's model and data settings (a Hugging Face model's from its config.json, at sequences of
+    its context up to 2,048 tokens), data.path replaced by `data`, eval.tasks by `tasks`, then
+    the overrides; the layout of `world_size` processes; a run of one step in `scratch` that
+    takes its weights from `first` (it writes nothing)."""
     from scaletrain.train.trainer import resolve
 
-    saved = {section: values for section, values in run_config_data(run_dir).items() if section not in DROPPED}
+    if is_hf_model(source):
+        from scaletrain.hf import model_settings
+
+        if data is None:
+            raise ConfigError(f"{str(source)!r} is a Hugging Face model, which has no data of its own; give --data "
+                              "DIR, prepared with its tokenizer (`scaletrain data prepare ... --tokenizer "
+                              f"{source / 'tokenizer.json'}`)")
+        model = model_settings(source)
+        saved = {"model": model, "data": {"path": data, "seq_len": min(model["max_seq_len"], 2048)},
+                 "train": {"steps": 1}}
+        where = f"the model in {source} with the overrides"
+    else:
+        saved = {section: values for section, values in run_config_data(source).items() if section not in DROPPED}
+        where = f"{source}/config.toml with the overrides"
     saved["train"] = {**saved.get("train", {}), **TRAIN}
     if data is not None:
         saved["data"] = {key: value for key, value in saved.get("data", {}).items() if key != "mix"} | {"path": data}
     if tasks is not None:
         saved.setdefault("eval", {})["tasks"] = tasks
-    cfg = config_from(saved, overrides, source=f"{run_dir}/config.toml with the overrides")
+    cfg = config_from(saved, overrides, source=where)
     fixed = cfg.model_dump()
     fixed["run"].update(dir=str(scratch), name="eval")
     fixed["checkpoint"].update(init_from=str(first), init_optimizer=False, resume="auto")
     # One step of whole micro-batches on every data-parallel rank: no layout refuses it.
     fixed["train"].update(steps=1, tokens=None, warmup_steps=0, batch_ramp=[],
                           global_batch_tokens=cfg.train.micro_batch * cfg.data.seq_len * world_size)
-    cfg = config_from(fixed, source=f"{run_dir}/config.toml with the overrides")
+    cfg = config_from(fixed, source=where)
     try:
         resolved = resolve(cfg)
     except ConfigError as e:
         if data is not None:
             raise
         raise ConfigError(f"{e} (the run's data, as its config.toml names it; give it with --data DIR)") from None
-    _check_tokenizer(run_dir, resolved, data)
+    _check_tokenizer(source, resolved, data)
     return resolved
 
 
-def _check_tokenizer(run_dir: Path, cfg, data: str | None) -> None:
-    """The data must be tokenized as the run's was (the checkpoint's token ids mean its tokens)."""
-    trained = run_dir / "tokenizer.json"
+def _check_tokenizer(source: Path, cfg, data: str | None) -> None:
+    """The data must be tokenized as the model's was (its token ids mean those tokens)."""
+    from scaletrain.data.tokenizer import load_tokenizer
+
+    trained = source / "tokenizer.json"
     given = next(iter(cfg.data.sources.values())) / "tokenizer.json"
-    if trained.is_file() and given.is_file() and trained.read_bytes() != given.read_bytes():
+    if (trained.is_file() and given.is_file()
+            and load_tokenizer(trained).get_vocab() != load_tokenizer(given).get_vocab()):
         where = f"--data {data!r}" if data is not None else f"data.path = {cfg.data.path!r}"
-        raise ConfigError(f"{where} was prepared with another tokenizer than the run in {str(run_dir)!r} was trained "
-                          f"with; prepare it with the run's (`scaletrain data prepare ... --tokenizer "
+        whose = "the model" if is_hf_model(source) else "the run"
+        raise ConfigError(f"{where} was prepared with another tokenizer than {whose} in {str(source)!r} was trained "
+                          f"with; prepare it with {whose}'s (`scaletrain data prepare ... --tokenizer "
                           f"{trained}`)")
 
 
-def evaluate_run(run_dir: str | Path, steps: list[int] | None = None, every: bool = False, data: str | None = None,
+def evaluate_run(source: str | Path, steps: list[int] | None = None, every: bool = False, data: str | None = None,
                  tasks: list[str] | None = None, overrides: list[str] = ()) -> Iterator[dict]:
-    """For each chosen checkpoint of the run in `run_dir` (see chosen_checkpoints), what training's
-    eval record would hold (trainer.Trainer.evaluation) with its step, tokens and path. Under
-    torchrun every process calls this and gets the same records."""
+    """For each chosen checkpoint of the run in `source` (see chosen_checkpoints), or for the
+    Hugging Face model in `source` (step and tokens None), what training's eval record would
+    hold (trainer.Trainer.evaluation) with its step, tokens and path. Under torchrun every
+    process calls this and gets the same records."""
     from scaletrain.parallel.mesh import shutdown, world
     from scaletrain.train import checkpoint
     from scaletrain.train.trainer import Trainer
 
-    run_dir = Path(run_dir)
-    run_config_data(run_dir)  # (a clear message before the checkpoints are looked for)
-    paths = chosen_checkpoints(run_dir, steps, every)
+    source = Path(source)
+    paths = weights_to_evaluate(source, steps, every)
+    hugging_face = is_hf_model(source)
     with tempfile.TemporaryDirectory(prefix="scaletrain-eval-") as scratch:
-        cfg = evaluation_config(run_dir, paths[0], data, tasks, list(overrides), world()[2], Path(scratch))
+        cfg = evaluation_config(source, paths[0], data, tasks, list(overrides), world()[2], Path(scratch))
         try:
-            trainer = Trainer(cfg)
+            trainer = Trainer(cfg)  # (a Hugging Face model's weights load here)
             for path in paths:
-                trainer.load_weights(path)
-                marker = checkpoint.marker(path)
-                yield {"step": marker["step"], "tokens": marker["tokens"], "checkpoint": str(path),
-                       **trainer.evaluation()}
+                step = tokens = None
+                if not hugging_face:
+                    trainer.load_weights(path)
+                    step, tokens = checkpoint.marker(path)["step"], checkpoint.marker(path)["tokens"]
+                yield {"step": step, "tokens": tokens, "checkpoint": str(path), **trainer.evaluation()}
         except BaseException:
             shutdown(clean=False)
             raise
