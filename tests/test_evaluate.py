@@ -69,6 +69,33 @@ def test_other_data_another_context_length_and_other_tasks(evaluated_run, short_
     assert 0 <= longer["task_accuracy"]["next_line"] <= 1
 
 
+def test_checkpoints_averaged_in_the_trainers_layout_and_in_the_export_are_the_same_model(evaluated_run, stdlib_data,
+                                                                                         tmp_path):
+    """--average K: the mean of a checkpoint's weights and the K - 1 before it (LAWA), summed
+    shard by shard in the trainer for eval, whole in one process for export: the same weights."""
+    from scaletrain.generate import load_model
+    from scaletrain.hf import export_hf
+
+    [averaged] = evaluate_run(evaluated_run, average=2, tasks=[])
+    assert (averaged["step"], averaged["averaged_steps"]) == (4, [2, 4])
+    assert [r["step"] for r in evaluate_run(evaluated_run, every=True, average=2, tasks=[])] == [4]
+    [alone] = evaluate_run(evaluated_run, tasks=[])
+    assert averaged["loss"] != alone["loss"]
+    mean, _, _ = load_model(evaluated_run, average=2)
+    two, four = (load_model(evaluated_run, step=step)[0].state_dict() for step in (2, 4))
+    for name, value in mean.state_dict().items():
+        assert torch.equal(value, (two[name] + four[name]) / 2), name
+    export_hf(evaluated_run, tmp_path / "hf", average=2)
+    assert "the mean of that checkpoint's and the 1 before it" in (tmp_path / "hf" / "README.md").read_text()
+    [exported] = evaluate_run(tmp_path / "hf", data=str(stdlib_data), overrides=["eval.tokens=1024",
+                                                                                  "train.micro_batch=4"])
+    assert exported["loss"] == pytest.approx(averaged["loss"], rel=1e-6)
+    with pytest.raises(CheckpointError, match="an average of 3 checkpoints ending at step 4 needs 2 .* keeps 1"):
+        next(evaluate_run(evaluated_run, average=3))
+    with pytest.raises(ConfigError, match="keeps 2 complete checkpoints, fewer than an average of 3"):
+        next(evaluate_run(evaluated_run, every=True, average=3))
+
+
 def test_requests_that_cannot_be_served_are_refused_in_one_sentence(evaluated_run, stdlib_data, tmp_path):
     with pytest.raises(ConfigError, match="not a run directory"):
         next(evaluate_run(tmp_path))
@@ -110,3 +137,9 @@ def test_the_command_across_two_tensor_parallel_processes_measures_what_one_does
         assert b["task_nll"]["next_line"] == pytest.approx(a["task_nll"]["next_line"], abs=1e-5)
     result = run_cli("eval", str(evaluated_run), "--all", "--step", "2")
     assert result.returncode == 2 and "not both" in result.stderr
+    # Averaged checkpoints across two FSDP shards (each rank adds up its own rows).
+    [averaged] = evaluate_run(evaluated_run, average=2, tasks=[])
+    result = run_cli("eval", str(evaluated_run), "--average", "2", "--tasks", "--out", str(out), "--nproc", "2")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    [sharded] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sharded["averaged_steps"] == [2, 4] and sharded["loss"] == pytest.approx(averaged["loss"], abs=1e-5)

@@ -754,9 +754,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.every and args.step:
         raise UserError("give --step K (one or more) or --all, not both")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        weights_to_evaluate(Path(args.run_dir), args.step, args.every)  # a bad request: one line here, not N there
+        weights_to_evaluate(Path(args.run_dir), args.step, args.every, args.average)  # one line here, not N there
         return _torchrun(args, ["eval", args.run_dir, *args.overrides, *(f"--step={step}" for step in args.step or []),
                                 *(["--all"] if args.every else []), *(["--data", args.data] if args.data else []),
+                                f"--average={args.average}",
                                 *(["--tasks", *args.tasks] if args.tasks is not None else []),
                                 *(["--out", args.out] if args.out else [])])
     main_rank = int(os.environ.get("RANK", 0)) == 0
@@ -765,7 +766,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         Path(args.out).write_text("")
     records = []
     for record in evaluate_run(args.run_dir, steps=args.step, every=args.every, data=args.data, tasks=args.tasks,
-                               overrides=args.overrides):
+                               overrides=args.overrides, average=args.average):
         records.append(record)
         if args.out and main_rank:  # as each is measured: a long sweep over checkpoints keeps what it did
             with open(args.out, "a") as f:
@@ -782,7 +783,10 @@ def eval_table(run_dir: str, records: list[dict]) -> Table:
     """A row per checkpoint: its step and tokens, the validation loss (in bits per byte too, where
     the tokenizer is byte-level; each source's, of a mixture), each task's accuracy (per character)
     and the right choice's loss."""
-    table = Table(title=f"evaluation: {run_dir}")
+    averaged = len(records[0].get("averaged_steps", [])) - 1
+    table = Table(title=f"evaluation: {run_dir}"
+                  + (f" (each the mean of {averaged + 1} checkpoints' weights, ending at its step)"
+                     if averaged > 0 else ""))
     bits = "bits_per_byte" in records[0]
     for name in ("step", "tokens", "validation loss", *(["bits/byte"] if bits else [])):
         table.add_column(name, justify="right")
@@ -863,8 +867,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from scaletrain.hf import export_hf
 
     result = export_hf(args.run_dir, args.out, dtype=args.dtype, step=args.step,
-                       max_shard_bytes=args.max_shard_size)
-    out.print(f"wrote {result.out}: {result.architecture} from step {result.step:,}, "
+                       max_shard_bytes=args.max_shard_size, average=args.average)
+    averaged = f" (the mean of {args.average} checkpoints' weights, ending there)" if args.average > 1 else ""
+    out.print(f"wrote {result.out}: {result.architecture} from step {result.step:,}{averaged}, "
               f"{result.bytes / 2**20:,.1f} MiB of weights in {args.dtype} ({', '.join(result.files)})")
     return 0
 
@@ -1079,6 +1084,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "the run's data (its validation split)")
     p.add_argument("--tasks", nargs="*", default=None, metavar="TASK.jsonl",
                    help="multiple-choice tasks instead of the run's eval.tasks (none: no tasks)")
+    p.add_argument("--average", type=int, default=1, metavar="K",
+                   help="evaluate each chosen checkpoint as the mean of its weights and the K-1 complete "
+                        "checkpoints' before it (with --all: each that has K-1 before it) (1)")
     p.add_argument("--out", default=None, help="also write a JSON line per checkpoint to this file")
     p.add_argument("--nproc", type=int, default=1, help="processes to start on this node (through torchrun)")
     p.set_defaults(func=cmd_eval)
@@ -1102,6 +1110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights' dtype (float32: exactly as trained)")
     p.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
+    p.add_argument("--average", type=int, default=1, metavar="K",
+                   help="the mean of the weights of that checkpoint and the K-1 complete ones before it (1)")
     p.add_argument("--max-shard-size", type=_bytes, default="5G",
                    help="split the weights into files of at most this size (5G, Hugging Face's default)")
     p.set_defaults(func=cmd_export)

@@ -39,17 +39,30 @@ def run_config_data(run_dir: Path) -> dict:
     return tomllib.loads(path.read_text())
 
 
-def weights_to_evaluate(source: Path, steps: list[int] | None = None, every: bool = False) -> list[Path]:
-    """The checkpoints of the run in `source` to evaluate (see chosen_checkpoints), or the
-    Hugging Face model directory `source` itself; ConfigError or CheckpointError, in a sentence,
-    for a request that cannot be served."""
+def weights_to_evaluate(source: Path, steps: list[int] | None = None, every: bool = False,
+                        average: int = 1) -> list[list[Path]]:
+    """What to evaluate, a list of checkpoints to average each: the checkpoints of the run in
+    `source` chosen as chosen_checkpoints chooses them, each with the average - 1 complete ones
+    before it (with `every`, those that have so many before them), or the Hugging Face model
+    directory `source` itself; ConfigError or CheckpointError, in a sentence, for a request that
+    cannot be served."""
+    from scaletrain.train.checkpoint import with_earlier
+
+    if average < 1:
+        raise ConfigError(f"--average {average}: average at least 1 checkpoint (1: each on its own)")
     if is_hf_model(source):
-        if steps or every:
+        if steps or every or average > 1:
             raise ConfigError(f"{str(source)!r} is a Hugging Face model, one set of weights: it has no checkpoints "
-                              "to choose with --step or --all")
-        return [source]
+                              "to choose with --step or --all, or to --average")
+        return [[source]]
     run_config_data(source)  # (a clear message before the checkpoints are looked for)
-    return chosen_checkpoints(source, steps, every)
+    chosen = chosen_checkpoints(source, steps, every)
+    if every and average > 1:
+        if len(chosen) < average:
+            raise ConfigError(f"--all --average {average}: {str(source)!r} keeps {len(chosen)} complete checkpoints, "
+                              f"fewer than an average of {average} needs")
+        chosen = chosen[average - 1:]
+    return [with_earlier(path, average) for path in chosen]
 
 
 def chosen_checkpoints(run_dir: Path, steps: list[int] | None = None, every: bool = False) -> list[Path]:
@@ -140,28 +153,31 @@ def _check_tokenizer(source: Path, cfg, data: str | None) -> None:
 
 
 def evaluate_run(source: str | Path, steps: list[int] | None = None, every: bool = False, data: str | None = None,
-                 tasks: list[str] | None = None, overrides: list[str] = ()) -> Iterator[dict]:
-    """For each chosen checkpoint of the run in `source` (see chosen_checkpoints), or for the
-    Hugging Face model in `source` (step and tokens None), what training's eval record would
-    hold (trainer.Trainer.evaluation) with its step, tokens and path. Under torchrun every
-    process calls this and gets the same records."""
+                 tasks: list[str] | None = None, overrides: list[str] = (), average: int = 1) -> Iterator[dict]:
+    """For each chosen checkpoint of the run in `source` (see weights_to_evaluate; with
+    `average`, the mean of its weights and those of the average - 1 checkpoints before it), or
+    for the Hugging Face model in `source` (step and tokens None), what training's eval record
+    would hold (trainer.Trainer.evaluation) with its step, tokens and path (and with `average`,
+    the steps averaged). Under torchrun every process calls this and gets the same records."""
     from scaletrain.parallel.mesh import shutdown, world
     from scaletrain.train import checkpoint
     from scaletrain.train.trainer import Trainer
 
     source = Path(source)
-    paths = weights_to_evaluate(source, steps, every)
+    groups = weights_to_evaluate(source, steps, every, average)
     hugging_face = is_hf_model(source)
     with tempfile.TemporaryDirectory(prefix="scaletrain-eval-") as scratch:
-        cfg = evaluation_config(source, paths[0], data, tasks, list(overrides), world()[2], Path(scratch))
+        cfg = evaluation_config(source, groups[0][-1], data, tasks, list(overrides), world()[2], Path(scratch))
         try:
             trainer = Trainer(cfg)  # (a Hugging Face model's weights load here)
-            for path in paths:
-                step = tokens = None
+            for paths in groups:
+                path, step, tokens, averaged = paths[-1], None, None, {}
                 if not hugging_face:
-                    trainer.load_weights(path)
+                    trainer.load_average(paths)
                     step, tokens = checkpoint.marker(path)["step"], checkpoint.marker(path)["tokens"]
-                yield {"step": step, "tokens": tokens, "checkpoint": str(path), **trainer.evaluation()}
+                    if average > 1:
+                        averaged = {"averaged_steps": [checkpoint.step_of(p) for p in paths]}
+                yield {"step": step, "tokens": tokens, "checkpoint": str(path), **averaged, **trainer.evaluation()}
         except BaseException:
             shutdown(clean=False)
             raise

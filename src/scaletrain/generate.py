@@ -14,9 +14,10 @@ class GenerateError(UserError, ValueError):
     """A sampling request that cannot be served (prompt too long, bad sampling settings)."""
 
 
-def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None):
+def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None, average: int = 1):
     """The model of a run directory with the weights of its newest intact checkpoint (or of
-    the checkpoint of `step`), and that checkpoint's step."""
+    the checkpoint of `step`; with `average`, the mean of those weights and of the average - 1
+    complete checkpoints' before it: see Trainer.load_average), and that checkpoint's step."""
     from scaletrain.model.llama import Transformer
     from scaletrain.train import checkpoint
 
@@ -39,6 +40,13 @@ def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None
             raise checkpoint.CheckpointError(f"run directory {str(run_dir)!r} has no checkpoint of step {step}; "
                                              f"it has steps: {have}")
         checkpoint.load(path, state)
+    if average > 1:
+        total = {name: value.clone() for name, value in state["model"].items()}
+        for earlier in checkpoint.with_earlier(path, average)[:-1]:
+            checkpoint.load(earlier, state)
+            for name, value in state["model"].items():
+                total[name] += value
+        state["model"] = {name: value / average for name, value in total.items()}
     model.load_state_dict(state["model"])
     return model.to(device).eval(), cfg, checkpoint.step_of(path)
 

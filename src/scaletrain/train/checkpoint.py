@@ -333,6 +333,18 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for p in all_checkpoints(root) if check_complete(p) is None]
 
 
+def with_earlier(path: Path, count: int) -> list[Path]:
+    """The complete checkpoint `path` and the count - 1 complete ones of its run just before it,
+    oldest first (what an average of `count` checkpoints ending at `path` takes); CheckpointError
+    when fewer are kept."""
+    earlier = [p for p in complete_checkpoints(path.parent) if step_of(p) < step_of(path)][:count - 1]
+    if len(earlier) < count - 1:
+        raise CheckpointError(f"an average of {count} checkpoints ending at step {step_of(path)} needs {count - 1} "
+                              f"complete checkpoints before it in {path.parent}, which keeps {len(earlier)}; average "
+                              "fewer, choose a later step, or keep more (checkpoint.keep, checkpoint.keep_every)")
+    return [*reversed(earlier), path]
+
+
 def committed_checkpoints(root: Path) -> list[Path]:
     """Checkpoints whose save finished (they have a marker), whether or not damaged since."""
     return [p for p in all_checkpoints(root) if (p / MARKER).is_file()]
