@@ -1,26 +1,24 @@
-"""Evaluate a run's checkpoints after (or while) it trains: `scaletrain eval`.
+"""Evaluate a run's checkpoints after (or while) it trains, or a Hugging Face model: `scaletrain eval`.
 
-The validation loss and multiple-choice tasks that training measures at each evaluation, of any
-checkpoint the run kept, on the run's own data or other data prepared with its tokenizer, and
-on tasks chosen afterwards: a task added later gets its curve over the kept checkpoints, a
-stage's checkpoints are measured on the first stage's data, a long-context stage at its new
-length. The model is built and loaded as training builds it (trainer.Trainer), in the layout of
-the processes this runs in (all FSDP unless `parallel.*` is given), so a model too large for one
-device is evaluated across many, and the numbers are those an eval record of training would
-hold.
+The validation loss (and bits per byte) and multiple-choice tasks that training measures at each
+evaluation, of any checkpoint the run kept — or of the mean of several (latest weight
+averaging) — on the run's own data or other data prepared with its tokenizer, and on tasks
+chosen afterwards: a task added later gets its curve over the kept checkpoints, a stage's
+checkpoints are measured on the first stage's data, a long-context stage at its new length, a
+published model on your text as a baseline. The model is built and loaded as training builds it
+(trainer.Trainer), in the layout of the processes this runs in (all FSDP unless `parallel.*` is
+given), so a model too large for one device is evaluated across many, and the numbers are those
+an eval record of training would hold.
 """
 
 from __future__ import annotations
 
-import logging
 import tempfile
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 from scaletrain.config import ConfigError, config_from
-
-log = logging.getLogger(__name__)
 
 # What an evaluation starts from instead of the run's settings: these sections are the
 # training's (its layout, trackers and checkpoints); it runs on whatever device is here (a run
@@ -174,7 +172,8 @@ def evaluate_run(source: str | Path, steps: list[int] | None = None, every: bool
                 path, step, tokens, averaged = paths[-1], None, None, {}
                 if not hugging_face:
                     trainer.load_average(paths)
-                    step, tokens = checkpoint.marker(path)["step"], checkpoint.marker(path)["tokens"]
+                    marker = checkpoint.marker(path)
+                    step, tokens = marker["step"], marker["tokens"]
                     if average > 1:
                         averaged = {"averaged_steps": [checkpoint.step_of(p) for p in paths]}
                 yield {"step": step, "tokens": tokens, "checkpoint": str(path), **averaged, **trainer.evaluation()}

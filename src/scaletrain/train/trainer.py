@@ -424,7 +424,7 @@ class Trainer:
     def load_weights(self, path: Path, take_optimizer: bool = False) -> dict:
         """The weights (and with `take_optimizer` the optimizer state) of the checkpoint `path`,
         checked by init_source to fit, into this model in this layout; nothing else of the run
-        changes. Returns the checkpoint, its step and tokens."""
+        changes. Returns what a start record keeps of it (the checkpoint, its step and tokens)."""
         if take_optimizer:  # (building the optimizer's state initialises its moments: only then)
             model_state, optim_state = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
             state = {"model": model_state, "optim": optim_state}
@@ -834,9 +834,8 @@ class Trainer:
         and context parallelism split, at most data.seq_len); the log-probabilities come from the
         whole vocabulary at the choices' positions only (from tensor parallelism's split logits
         without gathering them: loss.target_log_probs), the ranks holding a part of a row
-        (context parallelism) add theirs, and
-        one all-reduce gives every rank all of them (the tensor-parallel and earlier pipeline
-        ranks, which hold no other part, add nothing)."""
+        (context parallelism) add theirs, and one all-reduce gives every rank all of them (the
+        tensor-parallel and earlier pipeline ranks, which hold no other part, add nothing)."""
         rows, seq_len = self.cfg.train.micro_batch, self.cfg.data.seq_len
         count = len(task.inputs)
         mine = np.arange(self.dp_rank, count, self.layout.dp)
