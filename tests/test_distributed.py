@@ -130,6 +130,10 @@ def assert_parity(run_dir, reference, tolerance=1e-5):
         assert sorted(got) == sorted(expected), kind
         for step in expected:
             assert abs(got[step] - expected[step]) <= tolerance, (kind, step, got[step], expected[step])
+    for got, expected in zip(read_metrics(run_dir, "train"), read_metrics(reference, "train"), strict=True):
+        assert ("z_loss" in got) == ("z_loss" in expected)  # (train.z_loss: its value, which the loss leaves out)
+        if "z_loss" in expected:
+            assert abs(got["z_loss"] - expected["z_loss"]) <= tolerance * max(1.0, expected["z_loss"]), got["step"]
     for got, expected in zip(read_metrics(run_dir, "eval"), read_metrics(reference, "eval"), strict=True):
         assert got.get("task_accuracy") == expected.get("task_accuracy")
         for name, nll in expected.get("task_nll", {}).items():

@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from scaletrain.config import ModelConfig
 from scaletrain.model.llama import Transformer
-from scaletrain.model.loss import IGNORE, chunked_cross_entropy, cross_entropy
+from scaletrain.model.loss import IGNORE, LogNormTally, chunked_cross_entropy, cross_entropy
 
 
 def _inputs(seed=0, batch=3, seq=20, dim=32, vocab=512, padded=5):
@@ -112,9 +112,13 @@ def test_z_loss_adds_palms_gradient_and_leaves_the_reported_loss_the_cross_entro
     plain = torch.nn.functional.cross_entropy(flat, targets.flatten())
     penalised = plain + 0.01 * (torch.logsumexp(flat, dim=-1).square() * valid).sum() / valid.sum()
     expected = torch.autograd.grad(penalised, (hidden, weight), retain_graph=True)
-    loss = (chunked_cross_entropy(hidden, weight, targets, chunk, z_loss=0.01) if chunk
-            else cross_entropy(hidden @ weight.T, targets, z_loss=0.01))
+    tally = LogNormTally()
+    loss = (chunked_cross_entropy(hidden, weight, targets, chunk, z_loss=0.01, tally=tally) if chunk
+            else cross_entropy(hidden @ weight.T, targets, z_loss=0.01, tally=tally))
     assert loss.item() == pytest.approx(plain.item(), abs=1e-6)
+    # The z-loss's own value, which the loss leaves out, is tallied for the train records.
+    assert (tally.count.item(), (tally.total / tally.count).item()) == (
+        15, pytest.approx(((torch.logsumexp(flat, dim=-1).square() * valid).sum() / 15).item(), rel=1e-6))
     for got, want in zip(torch.autograd.grad(loss, (hidden, weight)), expected):
         assert torch.allclose(got, want, atol=1e-6)
     assert not torch.allclose(expected[0], torch.autograd.grad(plain, hidden)[0], atol=1e-4)  # it does add

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.attention.bias import CausalBias
 
 from scaletrain.config import YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig, yarn_attention_factor
-from scaletrain.model.loss import chunked_cross_entropy, compute_dtype, cross_entropy
+from scaletrain.model.loss import LogNormTally, chunked_cross_entropy, compute_dtype, cross_entropy
 from scaletrain.model.moe import MoE
 
 
@@ -261,6 +261,7 @@ class Transformer(nn.Module):
         # whole batch at once (model/loss.py). Set by the trainer from train.loss_chunk_tokens.
         self.loss_chunk = 0
         self.z_loss = 0.0  # PaLM's z-loss weight (model/loss.py), set by the trainer from train.z_loss
+        self.z_tally: LogNormTally | None = None  # where the trainer reads the z-loss's value (model/loss.py)
         # Derived from cfg, so not saved in checkpoints; init_weights() fills them.
         table = (cfg.max_seq_len, cfg.head_dim // 2)
         self.register_buffer("rope_cos", torch.empty(table, dtype=torch.float32), persistent=False)
@@ -366,8 +367,9 @@ class Transformer(nn.Module):
         if self.output is None:
             return x
         if targets is not None and self.loss_chunk:
-            return chunked_cross_entropy(self.norm(x), self.output.weight, targets, self.loss_chunk, self.z_loss)
+            return chunked_cross_entropy(self.norm(x), self.output.weight, targets, self.loss_chunk, self.z_loss,
+                                         self.z_tally)
         logits = self.output(self.norm(x))  # (batch, seq, vocab)
         if targets is None:
             return logits
-        return cross_entropy(logits, targets, self.z_loss)
+        return cross_entropy(logits, targets, self.z_loss, self.z_tally)

@@ -39,19 +39,40 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
+class LogNormTally:
+    """log²Z summed over the real tokens of the losses that took the z-loss's gradient since the
+    last reset, and their count, kept on the device (nothing waits for them until read): the
+    z-loss's own value, which the loss returned leaves out, for the train records."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.total: torch.Tensor | None = None
+        self.count: torch.Tensor | None = None
+
+    def add(self, log_norm: torch.Tensor, valid: torch.Tensor) -> None:
+        total, count = (log_norm.detach().float().square() * valid).sum(), valid.sum()
+        self.total = total if self.total is None else self.total + total
+        self.count = count if self.count is None else self.count + count
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0,
+                  tally: LogNormTally | None = None) -> torch.Tensor:
     """Mean next-token loss of logits (batch, seq, vocab) against targets (batch, seq), in
     float32 (a bf16 log-softmax over a large vocabulary loses precision); -100 marks padding.
-    With `z_loss`, the gradient of the z-loss too (see the module's docstring)."""
+    With `z_loss`, the gradient of the z-loss too (see the module's docstring), its log²Z added
+    to `tally`."""
     flat, targets = logits.float().flatten(0, 1), targets.flatten()
     if z_loss and torch.is_grad_enabled() and flat.requires_grad:
         if isinstance(flat, DTensor):
-            return _with_split_z_loss(F.cross_entropy(flat, targets), flat, targets, z_loss)
-        return _ZLossCrossEntropy.apply(flat, targets, z_loss)
+            return _with_split_z_loss(F.cross_entropy(flat, targets), flat, targets, z_loss, tally)
+        return _ZLossCrossEntropy.apply(flat, targets, z_loss, tally)
     return F.cross_entropy(flat, targets)
 
 
-def _with_split_z_loss(loss: torch.Tensor, logits: DTensor, targets: torch.Tensor, z_loss: float) -> torch.Tensor:
+def _with_split_z_loss(loss: torch.Tensor, logits: DTensor, targets: torch.Tensor, z_loss: float,
+                       tally: LogNormTally | None = None) -> torch.Tensor:
     """`loss` plus z·(mean log²Z − the same, detached) for logits whose vocabulary is split over
     tensor-parallel ranks (a DTensor, under loss_parallel): the z-loss's gradient, and nothing
     added to the value. log Z is taken from each rank's own columns — the rows' maximum and sum
@@ -66,6 +87,8 @@ def _with_split_z_loss(loss: torch.Tensor, logits: DTensor, targets: torch.Tenso
     total = _SummedOnEveryRank.apply(torch.exp(local - top[:, None]).sum(dim=-1), group)
     log_norm = top + total.log()  # the same on every rank
     valid = targets != IGNORE
+    if tally is not None:
+        tally.add(log_norm, valid)
     square = (log_norm.square() * valid).sum() / valid.sum().clamp(min=1)
     term = z_loss * (square - square.detach())
     if isinstance(loss, DTensor):
@@ -121,12 +144,14 @@ class _ZLossCrossEntropy(torch.autograd.Function):
     the backward pass (the log-softmax) and one log Z per row."""
 
     @staticmethod
-    def forward(ctx, logits, targets, z_loss):
+    def forward(ctx, logits, targets, z_loss, tally):
         log_probs = F.log_softmax(logits, dim=-1)
         valid = targets != IGNORE
         safe = torch.where(valid, targets, 0)[:, None]
         count = valid.sum().clamp(min=1)
         log_norm = logits[:, 0] - log_probs[:, 0]
+        if tally is not None:
+            tally.add(log_norm, valid)
         ctx.save_for_backward(log_probs, safe, valid, log_norm, count)
         ctx.z_loss = z_loss
         return -(log_probs.gather(1, safe)[:, 0] * valid).sum() / count
@@ -137,11 +162,11 @@ class _ZLossCrossEntropy(torch.autograd.Function):
         grad = log_probs.exp().mul_((1 + 2 * ctx.z_loss * log_norm)[:, None])
         grad.scatter_add_(1, safe, -torch.ones_like(safe, dtype=grad.dtype))
         grad.mul_((valid * (grad_output / count))[:, None])
-        return grad, None, None
+        return grad, None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          chunk: int, z_loss: float = 0.0) -> torch.Tensor:
+                          chunk: int, z_loss: float = 0.0, tally: LogNormTally | None = None) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T, targets) for hidden (batch, seq, dim), weight
     (vocab, dim), without holding more than `chunk` tokens' logits at once. Under autocast the
     product is taken in the autocast dtype, as nn.Linear would."""
@@ -152,13 +177,15 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
             total, _, _ = _chunks(flat_hidden.to(dtype), weight.to(dtype), flat_targets, chunk, gradients=False)
         return total / (flat_targets != IGNORE).sum().clamp(min=1)
     with torch.autocast(device, enabled=False):
-        return _ChunkedLoss.apply(flat_hidden, weight, flat_targets, chunk, dtype, z_loss)
+        return _ChunkedLoss.apply(flat_hidden, weight, flat_targets, chunk, dtype, z_loss, tally)
 
 
 def _chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-            gradients: bool, z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+            gradients: bool, z_loss: float = 0.0,
+            tally: LogNormTally | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Summed loss over the rows and, if asked, the gradients of that sum (and of z_loss times
-    the rows' summed log²Z) with respect to hidden (in hidden's dtype) and weight (float32)."""
+    the rows' summed log²Z, which go to `tally`) with respect to hidden (in hidden's dtype) and
+    weight (float32)."""
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if gradients else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if gradients else None
@@ -174,6 +201,8 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, c
             grad = logits.sub_(log_norm[:, None]).exp_()
             if z_loss:
                 grad.mul_((1 + 2 * z_loss * log_norm)[:, None])
+                if tally is not None:
+                    tally.add(log_norm, valid)
             grad.scatter_add_(1, safe, -torch.ones_like(safe, dtype=grad.dtype))
             grad.mul_(valid[:, None])
             grad = grad.to(h.dtype)
@@ -187,10 +216,10 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, c
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, dtype, z_loss):
+    def forward(ctx, hidden, weight, targets, chunk, dtype, z_loss, tally):
         count = (targets != IGNORE).sum().clamp(min=1)
         total, grad_hidden, grad_weight = _chunks(hidden.to(dtype), weight.to(dtype), targets, chunk, gradients=True,
-                                                  z_loss=z_loss)
+                                                  z_loss=z_loss, tally=tally)
         ctx.save_for_backward(grad_hidden, grad_weight, count)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return total / count
@@ -201,4 +230,4 @@ class _ChunkedLoss(torch.autograd.Function):
         scale = grad_output / count
         hidden_dtype, weight_dtype = ctx.dtypes
         return (grad_hidden.mul(scale.to(grad_hidden.dtype)).to(hidden_dtype),
-                grad_weight.mul_(scale).to(weight_dtype), None, None, None, None)
+                grad_weight.mul_(scale).to(weight_dtype), None, None, None, None, None)

@@ -100,7 +100,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout: Layout, cfg: 
         return ParallelModel(module=model, parts=parts)
     microbatches = cfg.seqs_per_step // (layout.dp * cfg.train.micro_batch)
     make_schedule = partial(build_schedule, parts, ids, num_stages, parallel.pp_schedule, group=mesh["pp"].get_group(),
-                            device=device, z_loss=cfg.train.z_loss)
+                            device=device, z_loss=cfg.train.z_loss, z_tally=model.z_tally)
     schedule = make_schedule(microbatches)
     return ParallelModel(module=_holder(parts), parts=parts, schedule=schedule, first=0 in ids,
                          last=num_stages - 1 in ids,

@@ -45,14 +45,15 @@ def split_stages(model: nn.Module, ids: list[int], num_stages: int) -> list[nn.M
 
 
 def build_schedule(parts: list[nn.Module], ids: list[int], num_stages: int, schedule: str, microbatches: int,
-                   group, device: torch.device, z_loss: float = 0.0):
+                   group, device: torch.device, z_loss: float = 0.0, z_tally=None):
     """The schedule that runs this rank's stages: `.step(inputs, target=..., losses=[...])`
-    trains on a batch (gradients averaged over its micro-batches)."""
+    trains on a batch (gradients averaged over its micro-batches); the z-loss's log²Z goes to
+    `z_tally` (model/loss.py's LogNormTally)."""
     stages = [PipelineStage(part, stage, num_stages, device, group=group) for part, stage in zip(parts, ids)]
     for stage in stages:
         _no_p2p_to_self(stage, dist.get_rank(group))
     cls = get_schedule_class(SCHEDULES[schedule])
-    loss_fn = partial(cross_entropy, z_loss=z_loss)
+    loss_fn = partial(cross_entropy, z_loss=z_loss, tally=z_tally)
     if schedule in ("gpipe", "1f1b"):
         return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)

@@ -29,7 +29,7 @@ from scaletrain.data.shards import DataError, read_index
 from scaletrain.hf import load_hf_weights
 from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.model.llama import Transformer, document_ids
-from scaletrain.model.loss import cross_entropy, target_log_probs
+from scaletrain.model.loss import LogNormTally, cross_entropy, target_log_probs
 from scaletrain.parallel.apply import parallelize
 from scaletrain.parallel.context import shard_sequence
 from scaletrain.parallel.layout import check_layout, resolve_layout
@@ -239,6 +239,9 @@ class Trainer:
         self.pipeline_primed: set[int] = set()  # the micro-batches per step of the schedules primed: see _prime_pipeline
         self.moe_balance: float | None = None  # balancing loss per MoE block and rank at the last look (1: balanced)
         self.moe_max_load: float | None = None  # with expert biases: the most loaded expert over the mean, worst block
+        # The z-loss's value, which the loss leaves out: see train_step.
+        self.z_tally = model.z_tally = LogNormTally() if cfg.train.z_loss else None
+        self.z_loss_value: float | None = None
         self.parallel = parallelize(model, self.mesh, self.layout, cfg, self.device, param_dtype=param_dtype)
         self.model = self.parallel.module
         if self.layout.pp == 1:  # (a pipeline's loss is the schedule's)
@@ -613,8 +616,11 @@ class Trainer:
             per_step = 1 if self.layout.pp > 1 else micro_steps
             set_balance_weight(self.model, self.cfg.model.moe_aux_loss / (per_step * self.layout.tp))
             self.balance_micro_steps = micro_steps
-        if self.parallel.schedule is not None and self.cfg.model.moe and micro_steps not in self.pipeline_primed:
+        if (self.parallel.schedule is not None and (self.cfg.model.moe or self.z_tally is not None)
+                and micro_steps not in self.pipeline_primed):
             self._prime_pipeline(micro_steps)
+        if self.z_tally is not None:
+            self.z_tally.reset()  # (after any priming of the pipeline: this step's micro-batches only)
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
         batches = []
@@ -667,6 +673,7 @@ class Trainer:
         self._check(loss_value)
         self.moe_balance = self._mean_balance(balance) if balance is not None else None
         self.moe_max_load = max_load.max().item() if max_load is not None else None
+        self.z_loss_value = self._z_loss_value()
         return loss_value, grad_norm.item(), data_wait
 
     def _judge_loss(self, loss: torch.Tensor) -> None:
@@ -729,7 +736,8 @@ class Trainer:
         run infers what passes between the stages by a forward and a backward of a micro-batch
         (torch 2.13), which a mixture's blocks would count as a micro-batch of training: their
         expert loads (which move the biases) and balancing losses would then depend on where a
-        run started, and a resumed run would differ from one that never stopped."""
+        run started, and a resumed run would differ from one that never stopped. The z-loss's
+        tally would likewise count that micro-batch (tensors the inference makes up)."""
         self.pipeline_primed.add(microbatches)
         # Varied tokens (a batch of one token would route every token to the same experts, and
         # under expert parallelism pile them on one rank), from a generator of its own: the
@@ -780,6 +788,21 @@ class Trainer:
             dist.all_reduce(both)
         total, count = both.tolist()
         return total / count
+
+    def _z_loss_value(self) -> float | None:
+        """The z-loss of the step just taken: train.z_loss times the mean log²Z over the global
+        batch's tokens (one all-reduce of a sum and a count: tensor-parallel ranks count each
+        token alike, earlier pipeline stages count none). None without train.z_loss."""
+        tally = self.z_tally
+        if tally is None:
+            return None
+        zero = torch.zeros((), device=self.device)
+        both = torch.stack([zero if tally.total is None else tally.total.float(),
+                            zero if tally.count is None else tally.count.float()])
+        if dist.is_initialized():
+            dist.all_reduce(both)
+        total, count = both.tolist()
+        return self.cfg.train.z_loss * total / count if count else None
 
     def _mean_over_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of a per-rank scalar over the ranks that run the last pipeline stage (all
@@ -1013,6 +1036,7 @@ class Trainer:
                         data_wait_ms=round(1000 * window_wait / window_steps, 3),
                         tokens_by_source=self.loader.tokens_by_source(),
                         epochs_by_source={k: round(v, 6) for k, v in self.loader.epochs_by_source().items()},
+                        **({"z_loss": self.z_loss_value} if self.z_tally is not None else {}),
                         **({"moe_balance": round(self.moe_balance, 5)} if self.cfg.model.moe else {}),
                         **({"moe_max_load": round(self.moe_max_load, 4)} if self.moe_max_load is not None else {}))
                     log.info("step %d/%d  loss %.4f  lr %.2e  grad %.3f  %.0f tok/s%s", self.step, self.total_steps,
