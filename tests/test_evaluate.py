@@ -57,6 +57,32 @@ def test_every_checkpoint_measures_what_training_measured_and_the_run_is_left_as
     assert [r["step"] for r in evaluate_run(evaluated_run, steps=[4, 2], tasks=[])] == [4, 2]
 
 
+def test_a_checkpoint_the_run_prunes_while_it_is_read_is_skipped(evaluated_run, tmp_path, monkeypatch, caplog):
+    """A run evaluated while it trains prunes its older checkpoints as it goes: one that is gone
+    by the time it is read is passed over with a warning, not the end of the evaluation."""
+    from scaletrain.train import checkpoint
+
+    live = tmp_path / "live"
+    shutil.copytree(evaluated_run, live)
+    load = checkpoint.load
+
+    def pruned_first(path, state, optional=()):
+        if checkpoint.step_of(path) == 2:
+            shutil.rmtree(path)  # the training run's pruning, between the listing and the read
+        return load(path, state, optional)
+
+    monkeypatch.setattr(checkpoint, "load", pruned_first)
+    assert [r["step"] for r in evaluate_run(live, every=True, tasks=[])] == [4]
+    assert "step_0000002 is gone (the run pruned it while it was read): skipped" in caplog.text
+
+    def damaged(path, state, optional=()):
+        raise checkpoint.CheckpointDamaged(f"checkpoint {path} is not usable: a file changed")
+
+    monkeypatch.setattr(checkpoint, "load", damaged)  # damaged, not gone: the evaluation stops, saying so
+    with pytest.raises(CheckpointError, match="a file changed"):
+        next(evaluate_run(live, steps=[4], tasks=[]))
+
+
 def test_other_data_another_context_length_and_other_tasks(evaluated_run, short_documents, next_line_task):
     [own] = evaluate_run(evaluated_run, tasks=[])
     assert "task_accuracy" not in own

@@ -13,12 +13,15 @@ an eval record of training would hold.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 from scaletrain.config import ConfigError, config_from
+
+log = logging.getLogger(__name__)
 
 # What an evaluation starts from instead of the run's settings: these sections are the
 # training's (its layout, trackers and checkpoints); it runs on whatever device is here (a run
@@ -150,6 +153,18 @@ def _check_tokenizer(source: Path, cfg, data: str | None) -> None:
                           f"{trained}`)")
 
 
+def _vanished(paths: list[Path]) -> bool:
+    """Whether any of the checkpoints is gone from the disk — on any rank, so that all agree."""
+    import torch
+    import torch.distributed as dist
+
+    gone = torch.tensor(float(any(not path.is_dir() for path in paths)))
+    if dist.is_initialized():
+        gone = gone.to("cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(gone, op=dist.ReduceOp.MAX)
+    return bool(gone.item())
+
+
 def evaluate_run(source: str | Path, steps: list[int] | None = None, every: bool = False, data: str | None = None,
                  tasks: list[str] | None = None, overrides: list[str] = (), average: int = 1) -> Iterator[dict]:
     """For each chosen checkpoint of the run in `source` (see weights_to_evaluate; with
@@ -171,7 +186,13 @@ def evaluate_run(source: str | Path, steps: list[int] | None = None, every: bool
             for paths in groups:
                 path, step, tokens, averaged = paths[-1], None, None, {}
                 if not hugging_face:
-                    trainer.load_average(paths)
+                    try:
+                        trainer.load_average(paths)
+                    except checkpoint.CheckpointError:
+                        if not _vanished(paths):
+                            raise
+                        log.warning("checkpoint %s is gone (the run pruned it while it was read): skipped", path)
+                        continue
                     marker = checkpoint.marker(path)
                     step, tokens = marker["step"], marker["tokens"]
                     if average > 1:
