@@ -83,6 +83,21 @@ def test_a_checkpoint_the_run_prunes_while_it_is_read_is_skipped(evaluated_run, 
         next(evaluate_run(live, steps=[4], tasks=[]))
 
 
+def test_the_evaluations_one_step_splits_over_any_layout(evaluated_run, tmp_path):
+    """The evaluation's made-up step must pass train's layout checks whatever the layout: an
+    zero-bubble V schedule needs pp x 2 micro-batches on each pipeline (checked here on the
+    config alone: model.n_layers=4 gives it the stages, not weights to load)."""
+    from scaletrain.evaluate import evaluation_config
+    from scaletrain.parallel.layout import check_layout, resolve_layout
+
+    [newest] = evaluated_run.joinpath("checkpoints").glob("step_0000004")
+    for overrides in (["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_schedule=zbv_zero_bubble"],
+                      ["parallel.tp=2", "parallel.dp_shard=2"], ["parallel.dp_shard=4"]):
+        cfg = evaluation_config(evaluated_run, newest, None, [], ["model.n_layers=4", *overrides], 4,
+                                tmp_path / "scratch")
+        check_layout(resolve_layout(cfg.parallel, 4), cfg)
+
+
 def test_other_data_another_context_length_and_other_tasks(evaluated_run, short_documents, next_line_task):
     [own] = evaluate_run(evaluated_run, tasks=[])
     assert "task_accuracy" not in own

@@ -124,9 +124,11 @@ def evaluation_config(source: Path, first: Path, data: str | None, tasks: list[s
     fixed = cfg.model_dump()
     fixed["run"].update(dir=str(scratch), name="eval")
     fixed["checkpoint"].update(init_from=str(first), init_optimizer=False, resume="auto")
-    # One step of whole micro-batches on every data-parallel rank: no layout refuses it.
+    # One step of whole micro-batches on every data-parallel rank, as many on each as a pipeline
+    # of any schedule needs (pp x stages per rank, a multiple of pp): no layout refuses it.
     fixed["train"].update(steps=1, tokens=None, warmup_steps=0, batch_ramp=[],
-                          global_batch_tokens=cfg.train.micro_batch * cfg.data.seq_len * world_size)
+                          global_batch_tokens=cfg.train.micro_batch * cfg.data.seq_len * world_size
+                          * cfg.parallel.stages_per_rank)
     cfg = config_from(fixed, source=where)
     try:
         resolved = resolve(cfg)
