@@ -84,7 +84,7 @@ def test_a_checkpoint_the_run_prunes_while_it_is_read_is_skipped(evaluated_run, 
 
 
 def test_the_evaluations_one_step_splits_over_any_layout(evaluated_run, tmp_path):
-    """The evaluation's made-up step must pass train's layout checks whatever the layout: an
+    """The evaluation's made-up step must pass train's layout checks whatever the layout: a
     zero-bubble V schedule needs pp x 2 micro-batches on each pipeline (checked here on the
     config alone: model.n_layers=4 gives it the stages, not weights to load)."""
     from scaletrain.evaluate import evaluation_config
