@@ -121,3 +121,12 @@ def test_muon_step_benchmark_prints_json_and_finds_both_ways_equal():
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["identical"] and report["matrices"] == 7 and report["gathered_s"] > 0 and report["shared_out_s"] > 0
+
+
+def test_task_scoring_benchmark_compares_gathered_and_split_logits_over_two_processes():
+    result = subprocess.run([sys.executable, "benchmarks/task_scoring.py", "--rows", "2", "--seq-len", "64",
+                             "--vocab", "512", "--repeats", "1"], capture_output=True, text=True, cwd=ROOT,
+                            timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["difference"] < 1e-6 and report["gathered"]["median_s"] > 0 and report["split"]["median_s"] > 0
