@@ -413,8 +413,8 @@ def plan_tables(plan: dict) -> list[Table]:
                               f"({step['mfu_causal']:.1%} counting causal attention)")
     if plan["batch_ramp"]:
         how.add_row("batch ramp", "; ".join(f"{p['steps']:,} steps of {p['batch_tokens']:,} tokens first: "
-                                            f"{p['step_s']:.3g} s, {p['tokens_per_s']:,.0f} tokens/s, MFU {p['mfu']:.1%}"
-                                            for p in plan["batch_ramp"]))
+                                            f"{p['step_s']:.3g} s, {p['tokens_per_s']:,.0f} tokens/s, "
+                                            f"MFU {p['mfu']:.1%}" for p in plan["batch_ramp"]))
 
     cost = Table(title="what it will take", show_header=False)
     cost.add_column(style="bold")
@@ -773,6 +773,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 f.write(json.dumps(record) + "\n")
     if not main_rank:
         return 0
+    if not records:  # (every checkpoint chosen was pruned while it was read)
+        out.print("no checkpoint was evaluated")
+        return 1
     out.print(eval_table(args.run_dir, records))
     if args.out:
         out.print(f"wrote {args.out}", highlight=False)
@@ -797,7 +800,8 @@ def eval_table(run_dir: str, records: list[dict]) -> Table:
     for name in tasks:
         table.add_column(f"{name} accuracy (per char; loss)", justify="right")
     for r in records:
-        table.add_row(*(f"{r[key]:,}" if r[key] is not None else "-" for key in ("step", "tokens")), f"{r['loss']:.4f}",
+        table.add_row(*(f"{r[key]:,}" if r[key] is not None else "-" for key in ("step", "tokens")),
+                      f"{r['loss']:.4f}",
                       *([f"{r['bits_per_byte']:.4f}"] if bits else []),
                       *(f"{r['loss_by_source'][name]:.4f}" for name in sources),
                       *(f"{r['task_accuracy'][name]:.1%} ({r['task_accuracy_norm'][name]:.1%}; "

@@ -80,12 +80,7 @@ def _with_split_z_loss(loss: torch.Tensor, logits: DTensor, targets: torch.Tenso
     whole vocabulary's float32 logits onto every rank. Its backward keeps the exponentials of the
     rank's columns, a float32 copy of its logits, as the loss's peak holds anyway
     (plan/memory.py)."""
-    local, group = logits.to_local(), logits.device_mesh.get_group()
-    with torch.no_grad():
-        top = local.amax(dim=-1)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    total = _SummedOnEveryRank.apply(torch.exp(local - top[:, None]).sum(dim=-1), group)
-    log_norm = top + total.log()  # the same on every rank
+    log_norm = _split_log_norm(logits.to_local(), logits.device_mesh.get_group())
     valid = targets != IGNORE
     if tally is not None:
         tally.add(log_norm, valid)
@@ -94,6 +89,16 @@ def _with_split_z_loss(loss: torch.Tensor, logits: DTensor, targets: torch.Tenso
     if isinstance(loss, DTensor):
         term = DTensor.from_local(term, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
     return loss + term
+
+
+def _split_log_norm(local: torch.Tensor, group) -> torch.Tensor:
+    """log Z of each row of logits whose vocabulary is split over the ranks of `group`, from this
+    rank's columns `local`: the rows' maximum and sum of exponentials all-reduced (the same on
+    every rank; differentiable with respect to `local`)."""
+    with torch.no_grad():
+        top = local.amax(dim=-1)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    return top + _SummedOnEveryRank.apply(torch.exp(local - top[:, None]).sum(dim=-1), group).log()
 
 
 @torch.no_grad()
@@ -114,14 +119,10 @@ def target_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     local, group = logits.to_local()[scored].float(), mesh.get_group()
     width = local.shape[-1]  # (the vocabulary splits evenly: parallel/layout.py checks it)
     first = mesh.get_local_rank() * width
-    top = local.amax(dim=-1)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    total = torch.exp(local - top[:, None]).sum(dim=-1)
-    dist.all_reduce(total, group=group)
     here = (wanted >= first) & (wanted < first + width)
     picked = local.gather(-1, (wanted - first).clamp(0, width - 1)[:, None])[:, 0] * here
     dist.all_reduce(picked, group=group)
-    return picked - top - total.log()
+    return picked - _split_log_norm(local, group)
 
 
 class _SummedOnEveryRank(torch.autograd.Function):
