@@ -11,7 +11,7 @@ import tomllib
 import pytest
 
 from scaletrain.cli import main
-from scaletrain.config import ModelConfig, load_config
+from scaletrain.config import ConfigError, ModelConfig, load_config
 from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.plan.cost import Reliability, checkpoint_interval, goodput, run_cost
@@ -335,10 +335,19 @@ def test_a_planned_config_trains_and_reports_against_its_plan(stdlib_data, tmp_p
                  "--global-batch-tokens", "2048", "--preset", "epoch", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["model"]["vocab_size"] == 512 and plan["hardware"]["devices"] == 1
-    train(load_config(config, [f"run.dir={tmp_path}", "train.steps=3", "train.compile=false", "train.device=cpu",
+    assert load_config(config).log.plan == str(tmp_path / "planned.plan.json")  # the config names its plan
+    capsys.readouterr()
+    train(load_config(config, [f"run.dir={tmp_path}", "train.steps=11", "train.compile=false", "train.device=cpu",
                                "eval.interval=0", "eval.tokens=1024"]))
     records = [json.loads(line) for line in (tmp_path / "planned" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r.get("kind") == "train"][-1] == 3
+    assert [r["step"] for r in records if r.get("kind") == "train"][-1] == 11
+    # From step 10 the run sets itself against its plan, once, and says what falls short.
+    [check] = [r for r in records if r["kind"] == "plan_check"]
+    assert check["step"] == 10 and check["tokens_per_s"]["planned"] == plan["step"]["tokens_per_s"]
+    assert check["tokens_per_s"]["measured"] > 0 and check["peak_memory_gb"]["measured"] > 0
+    assert check["problems"][0] == "the plan is for 1 x a CPU, this runs on 1 x cpu"
+    warned = " ".join(capsys.readouterr().err.split())  # (the console's handler, which main set up, wraps lines)
+    assert "against its plan" in warned and "this runs on 1 x cpu" in warned
     # The report puts the plan's predictions beside what the run measured.
     plan_file = tmp_path / "planned.plan.json"
     assert json.loads(plan_file.read_text())["layout"] == plan["layout"]
@@ -352,3 +361,7 @@ def test_a_planned_config_trains_and_reports_against_its_plan(stdlib_data, tmp_p
     (tmp_path / "other.json").write_text(json.dumps(other))
     assert main(["report", str(tmp_path / "planned"), "--plan", str(tmp_path / "other.json")]) == 2
     assert "the plan is for a model of" in capsys.readouterr().err
+    for given, words in ((tmp_path / "other.json", "the plan is for a model of"), (tmp_path / "none.json", "readable")):
+        with pytest.raises(ConfigError, match=f"log.plan = .*{words}"):
+            train(load_config(config, [f"run.dir={tmp_path}", "run.name=other", "train.steps=2", f"log.plan={given}",
+                                       "train.device=cpu"]))

@@ -303,11 +303,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         plan = make_plan(model, tokens, seq_len, hardware, batch_tokens=batch, base=base, sizing=sizing, **common)
     if args.write_config:
+        import tomllib
         from pathlib import Path
 
+        from scaletrain.config import validate_config
+
+        # The config names its plan (log.plan): the run checks its speed and memory against it early.
+        plan_path = Path(args.write_config).with_suffix(".plan.json")
+        config = tomllib.loads(plan["config"])
+        config.setdefault("log", {})["plan"] = str(plan_path)
+        plan["config"] = validate_config(config, source="the planned config").to_toml()
         with open(args.write_config, "w") as f:
             f.write(plan["config"])
-        Path(args.write_config).with_suffix(".plan.json").write_text(json.dumps(plan, indent=1) + "\n")
+        plan_path.write_text(json.dumps(plan, indent=1) + "\n")
     if args.json:
         sys.stdout.write(json.dumps(plan, indent=1) + "\n")
         return 0
@@ -815,7 +823,8 @@ def eval_table(run_dir: str, records: list[dict]) -> Table:
 def cmd_report(args: argparse.Namespace) -> int:
     import json
 
-    from scaletrain.report.run import PLANNED, run_report
+    from scaletrain.plan.planner import PLANNED
+    from scaletrain.report.run import run_report
 
     law = _law_file(args.law)[0] if args.law else None
     plan = None

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import ModelConfig, RunConfig, validate_config
+from scaletrain.config import ConfigError, ModelConfig, RunConfig, validate_config
 from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.plan.cost import Prices, Reliability, run_cost
@@ -332,3 +332,29 @@ def vocab_of(data_path: str | Path) -> int | None:
         return None
     return -(-index["vocab_size"] // 64) * 64
 
+
+# What the plan predicted that the run measures: (key, label, format).
+PLANNED = (("tokens_per_s", "tokens/s", ",.0f"), ("mfu", "MFU", ".1%"), ("peak_memory_gb", "peak memory (GB)", ".2f"))
+
+
+def against_plan(plan: dict, n: int, summary: dict) -> dict:
+    """The plan's predictions of speed and memory beside what the run measured (ratios measured
+    over planned); ConfigError when the plan is for another model."""
+    try:
+        planned_n, device = plan["model"]["n"], plan["hardware"]["device"]["name"]
+        step, memory = plan["step"], plan["memory"]
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"the plan lacks {e}; give the JSON `scaletrain plan --json` prints (or the .plan.json "
+                          "that --write-config writes beside the config)") from None
+    if planned_n != n:
+        raise ConfigError(f"the plan is for a model of {planned_n:,} parameters, this run's has {n:,}; give the "
+                          "plan this run's config was written from")
+
+    def pair(planned: float | None, measured: float | None) -> dict:
+        ratio = measured / planned if planned and measured is not None else None
+        return {"planned": planned, "measured": measured, "ratio": ratio}
+
+    return {"device": device, "devices": plan["hardware"]["devices"], "layout": plan["layout"]["text"],
+            "tokens_per_s": pair(step["tokens_per_s"], summary["tokens_per_s"]),
+            "mfu": pair(step["mfu"], summary["mfu"]),
+            "peak_memory_gb": pair(memory["peak"] / 1e9, summary["peak_memory_gb"])}

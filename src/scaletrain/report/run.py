@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 
 from scaletrain.config import ConfigError, load_config  # noqa: E402
 from scaletrain.model.flops import param_counts  # noqa: E402
+from scaletrain.plan.planner import PLANNED, against_plan  # noqa: E402
 from scaletrain.scaling.fit import bootstrap_laws, interval, law_of  # noqa: E402
 from scaletrain.scaling.laws import ChinchillaLaw  # noqa: E402
 from scaletrain.train.metrics import read_metrics  # noqa: E402
@@ -94,33 +95,6 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
     (run_dir / "report.html").write_text(_html(cfg, summary, [p for p in plots if p is not None]))
     summary["files"] = [str(p) for p in plots if p is not None] + [str(run_dir / "report.html")]
     return summary
-
-
-# What the plan predicted that the run measures: (key, label, format).
-PLANNED = (("tokens_per_s", "tokens/s", ",.0f"), ("mfu", "MFU", ".1%"), ("peak_memory_gb", "peak memory (GB)", ".2f"))
-
-
-def against_plan(plan: dict, n: int, summary: dict) -> dict:
-    """The plan's predictions of speed and memory beside what the run measured (ratios measured
-    over planned); ConfigError when the plan is for another model."""
-    try:
-        planned_n, device = plan["model"]["n"], plan["hardware"]["device"]["name"]
-        step, memory = plan["step"], plan["memory"]
-    except (KeyError, TypeError) as e:
-        raise ConfigError(f"the plan lacks {e}; give the JSON `scaletrain plan --json` prints (or the .plan.json "
-                          "that --write-config writes beside the config)") from None
-    if planned_n != n:
-        raise ConfigError(f"the plan is for a model of {planned_n:,} parameters, this run's has {n:,}; give the "
-                          "plan this run's config was written from")
-
-    def pair(planned: float | None, measured: float | None) -> dict:
-        ratio = measured / planned if planned and measured is not None else None
-        return {"planned": planned, "measured": measured, "ratio": ratio}
-
-    return {"device": device, "devices": plan["hardware"]["devices"], "layout": plan["layout"]["text"],
-            "tokens_per_s": pair(step["tokens_per_s"], summary["tokens_per_s"]),
-            "mfu": pair(step["mfu"], summary["mfu"]),
-            "peak_memory_gb": pair(memory["peak"] / 1e9, summary["peak_memory_gb"])}
 
 
 def _median(values) -> float | None:

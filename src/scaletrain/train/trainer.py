@@ -54,6 +54,8 @@ log = logging.getLogger("scaletrain")
 # by group: under pipelining each rank's groups hold other parameters, and a checkpoint stores one
 # copy of each key, so grouped entries would be rank 0's on every rank.
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# The first step whose speed is set against log.plan's: the first steps compile and warm up.
+PLAN_CHECK_STEP = 10
 
 
 def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -285,6 +287,7 @@ class Trainer:
         self.pending: checkpoint.AsyncSave | None = None  # a checkpoint being written in the background
         self.checkpoint_group = None  # the process group of background checkpoint writes
         self.stager = None  # page-locked host buffers that background checkpoints copy into (CUDA)
+        self.plan = self._load_plan()  # (log.plan: what the run checks itself against, early)
         self.flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
         self.causal_flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len, causal=True)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -309,6 +312,51 @@ class Trainer:
         path = next(iter(self.cfg.data.sources.values())) / "tokenizer.json"
         counts = token_bytes(load_tokenizer(path), self.cfg.model.vocab) if path.is_file() else None
         return None if counts is None else torch.from_numpy(counts).to(self.device)
+
+    def _load_plan(self) -> dict | None:
+        """log.plan's JSON, checked to be a plan of this model (ConfigError otherwise)."""
+        from scaletrain.plan.planner import against_plan
+
+        if not self.cfg.log.plan:
+            return None
+        try:
+            plan = json.loads(Path(self.cfg.log.plan).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"log.plan = {self.cfg.log.plan!r} is not readable JSON ({e}); give the .plan.json that "
+                              "`scaletrain plan --write-config` wrote beside the config, or leave it unset") from None
+        try:
+            against_plan(plan, param_counts(self.cfg.model)["total"], dict.fromkeys(("tokens_per_s", "mfu",
+                                                                                     "peak_memory_gb")))
+        except ConfigError as e:
+            raise ConfigError(f"log.plan = {self.cfg.log.plan!r}: {e}") from None
+        return plan
+
+    def check_against_plan(self, tokens_per_s: float, mfu: float | None, memory_gb: float) -> dict:
+        """This run's speed and memory beside the plan's (planner.against_plan), and a warning
+        for what falls short of it: below 80% of the planned tokens/s, above the planned peak
+        memory by more than 10%, other devices than planned."""
+        from scaletrain.plan.hardware import identify
+        from scaletrain.plan.planner import against_plan
+
+        against = against_plan(self.plan, param_counts(self.cfg.model)["total"],
+                               {"tokens_per_s": tokens_per_s, "mfu": mfu, "peak_memory_gb": memory_gb})
+        here = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        planned = identify(against["device"])  # (a catalog device; a described one goes by its name)
+        same = identify(here) == planned if planned else here.lower() == against["device"].lower()
+        problems = []
+        if not same or against["devices"] != self.layout.world_size:
+            problems.append(f"the plan is for {against['devices']} x {against['device']}, this runs on "
+                            f"{self.layout.world_size} x {here}")
+        speed, memory = against["tokens_per_s"], against["peak_memory_gb"]
+        if speed["ratio"] is not None and speed["ratio"] < 0.8:
+            problems.append(f"{tokens_per_s:,.0f} tokens/s is {speed['ratio']:.2f}x the planned "
+                            f"{speed['planned']:,.0f}")
+        if memory["ratio"] is not None and memory["ratio"] > 1.1:
+            problems.append(f"peak memory {memory_gb:.2f} GB is {memory['ratio']:.2f}x the planned "
+                            f"{memory['planned']:.2f} GB")
+        if problems:
+            log.warning("against its plan (log.plan = %s): %s", self.cfg.log.plan, "; ".join(problems))
+        return {**against, "problems": problems}
 
     def micro_steps(self, step: int) -> int:
         """This rank's micro-batches in the step after `step` completed ones."""
@@ -968,6 +1016,7 @@ class Trainer:
         window_tokens, window_steps, window_time, window_wait = 0, 0, 0.0, 0.0
         run_tokens, run_time = 0, 0.0
         last_speed = None
+        plan_checked = False  # (log.plan: once an invocation, from PLAN_CHECK_STEP on)
         stopped_by, saved = None, None  # the signal that ends the run early; the last checkpoint
         # A gloo group of its own for the stop vote (resilience.py), as for background saves.
         signals = StopSignals(dist.new_group(backend="gloo") if dist.is_initialized() else None)
@@ -1043,6 +1092,11 @@ class Trainer:
                              train_loss, self.lr, grad_norm, last_speed,
                              f"  mfu {record['mfu']:.1%}" if record["mfu"] is not None else "")
                     window_tokens, window_steps, window_time, window_wait = 0, 0, 0.0, 0.0
+                    if (self.plan is not None and not plan_checked and self.step >= PLAN_CHECK_STEP
+                            and cfg.step_batch_tokens(self.step - 1) == cfg.train.global_batch_tokens):
+                        plan_checked = True
+                        metrics.write("plan_check", self.step, self.tokens,
+                                      **self.check_against_plan(last_speed, record["mfu"], record["mem_gb"]))
                 self.finish_saving(wait=False)
                 if (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0) or last:
                     t_save = time.perf_counter()
