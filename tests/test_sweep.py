@@ -16,7 +16,7 @@ import tomllib
 import pytest
 
 from conftest import ROOT, run_cli
-from scaletrain.config import load_config
+from scaletrain.config import ConfigError, load_config
 from scaletrain.data.shards import read_index
 from scaletrain.model.flops import param_counts
 from scaletrain.scaling.fit import law_of
@@ -168,6 +168,34 @@ def test_fit_names_the_shape_to_train_and_writes_its_config(uninterrupted, tmp_p
     assert cfg.train.global_batch_tokens == point.batch_seqs * 64 and cfg.data.path == sweep.settings.data
     with pytest.raises(ValueError, match="is not a sweep directory"):
         Sweep.open(tmp_path)
+
+
+def test_a_sweeps_points_are_evaluated_again_on_other_data_for_a_law_of_it(uninterrupted, short_documents,
+                                                                              next_line_task, tmp_path):
+    """`eval SWEEP --out POINTS.csv`: each point's final checkpoint measured again — on its own
+    data the sweep's loss exactly; on other data, or a task's loss, the points of another law
+    (`fit --points`), without training again."""
+    from scaletrain.evaluate import evaluate_sweep
+    from scaletrain.scaling.fit import read_points
+
+    sweep, rows = uninterrupted
+    again = evaluate_sweep(sweep.out, tmp_path / "own.csv")
+    assert [float(r["val_loss"]) for r in again] == [r["loss"] for r in rows]  # to the bit
+    other = evaluate_sweep(sweep.out, tmp_path / "other.csv", data=str(short_documents), tasks=[str(next_line_task)],
+                           metric="task_nll:next_line", overrides=["eval.task_examples=8"])
+    assert all(r["loss"] == r["task_nll:next_line"] and r["val_loss"] != float(r["sweep_loss"]) for r in other)
+    points = read_points(tmp_path / "other.csv")
+    assert list(points.loss) == pytest.approx([r["task_nll:next_line"] for r in other])
+    assert list(points.n) == [r["n"] for r in rows]
+    result = run_cli("eval", str(sweep.out), "--metric", "bits_per_byte", "eval.tokens=256", "--out",
+                     str(tmp_path / "bits.csv"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fit --points" in result.stdout and len(read_points(tmp_path / "bits.csv").loss) == len(rows)
+    result = run_cli("eval", str(sweep.out))
+    assert result.returncode == 2 and "give --out FILE.csv" in result.stderr
+    with pytest.raises(ConfigError, match="--metric 'task_nll:nothing' is not measured here; choose one of loss, "
+                                          "bits_per_byte"):
+        evaluate_sweep(sweep.out, tmp_path / "x.csv", metric="task_nll:nothing")
 
 
 def test_a_sweep_killed_mid_way_resumes_concurrently_to_the_results_of_one_that_was_not(stdlib_data, uninterrupted,

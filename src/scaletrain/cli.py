@@ -757,10 +757,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from scaletrain.evaluate import evaluate_run, weights_to_evaluate
+    from scaletrain.evaluate import evaluate_run, evaluate_sweep, is_sweep, weights_to_evaluate
 
     if args.every and args.step:
         raise UserError("give --step K (one or more) or --all, not both")
+    if is_sweep(Path(args.run_dir)):
+        return _eval_sweep(args, evaluate_sweep)
+    if args.metric != "loss":
+        raise UserError("--metric chooses what a sweep's points are fitted to; give a sweep directory, or drop it")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         weights_to_evaluate(Path(args.run_dir), args.step, args.every, args.average)  # one line here, not N there
         return _torchrun(args, ["eval", args.run_dir, *args.overrides, *(f"--step={step}" for step in args.step or []),
@@ -787,6 +791,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out.print(eval_table(args.run_dir, records))
     if args.out:
         out.print(f"wrote {args.out}", highlight=False)
+    return 0
+
+
+def _eval_sweep(args: argparse.Namespace, evaluate_sweep) -> int:
+    """eval of a sweep directory: each point's final checkpoint, written for `fit --points`."""
+    if args.step or args.every or args.average > 1 or args.nproc > 1:
+        raise UserError(f"{args.run_dir!r} is a sweep: each point's final checkpoint is evaluated, in one process; "
+                        "drop --step, --all, --average and --nproc")
+    if not args.out:
+        raise UserError(f"{args.run_dir!r} is a sweep: give --out FILE.csv for its points, to fit with `scaletrain "
+                        "fit --points FILE.csv`")
+    rows = evaluate_sweep(args.run_dir, args.out, data=args.data, tasks=args.tasks, overrides=args.overrides,
+                          metric=args.metric)
+    table = Table(title=f"sweep {args.run_dir} on {args.data or 'its own data'}: {args.metric}")
+    for name in ("point", "N", "C", "sweep's loss", args.metric):
+        table.add_column(name, justify="left" if name == "point" else "right")
+    for row in rows:
+        table.add_row(row["name"], f"{float(row['n']):,.0f}", f"{float(row['c']):.3g}",
+                      f"{float(row['sweep_loss']):.4f}", f"{float(row['loss']):.4f}")
+    out.print(table)
+    out.print(f"wrote {args.out}: fit a law to it with `scaletrain fit --points {args.out}`", highlight=False)
     return 0
 
 
@@ -1086,7 +1111,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "their mixtures of experts) on --data prepared with its tokenizer: a "
                                         "baseline. Nothing in the run directory changes.")
     p.add_argument("run_dir", metavar="RUN_OR_MODEL_DIR",
-                   help="run directory, e.g. runs/demo; or a Hugging Face model directory (with --data)")
+                   help="run directory, e.g. runs/demo; a Hugging Face model directory (with --data); or a sweep "
+                        "directory (with --out FILE.csv)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="change the run's settings for the evaluation, e.g. eval.tokens=1000000 data.seq_len=1024 "
                         "train.device=cpu parallel.tp=2 (the layout: all FSDP unless given)")
@@ -1100,7 +1126,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--average", type=int, default=1, metavar="K",
                    help="evaluate each chosen checkpoint as the mean of its weights and the K-1 complete "
                         "checkpoints' before it (with --all: each that has K-1 before it) (1)")
-    p.add_argument("--out", default=None, help="also write a JSON line per checkpoint to this file")
+    p.add_argument("--out", default=None, help="also write a JSON line per checkpoint to this file (of a sweep: "
+                                               "the CSV of its points, for `fit --points`)")
+    p.add_argument("--metric", default="loss", metavar="loss|bits_per_byte|task_nll:TASK",
+                   help="of a sweep: the number its points' loss column holds, what `fit` fits (loss)")
     p.add_argument("--nproc", type=int, default=1, help="processes to start on this node (through torchrun)")
     p.set_defaults(func=cmd_eval)
 

@@ -204,3 +204,58 @@ def evaluate_run(source: str | Path, steps: list[int] | None = None, every: bool
             shutdown(clean=False)
             raise
         shutdown()
+
+
+def is_sweep(path: Path) -> bool:
+    """A sweep directory (`scaletrain sweep`): results.csv and the points' run directories."""
+    return (path / "results.csv").is_file() and (path / "points").is_dir()
+
+
+def metric_of(record: dict, metric: str) -> float:
+    """A record's number that `metric` names: loss, bits_per_byte or task_nll:TASK (the right
+    choice's loss per token: smooth in scale where accuracy is not)."""
+    if metric in ("loss", "bits_per_byte") and metric in record:
+        return record[metric]
+    kind, _, task = metric.partition(":")
+    if kind == "task_nll" and task in record.get("task_nll", {}):
+        return record["task_nll"][task]
+    have = ["loss", *(["bits_per_byte"] if "bits_per_byte" in record else []),
+            *(f"task_nll:{name}" for name in record.get("task_nll", {}))]
+    raise ConfigError(f"--metric {metric!r} is not measured here; choose one of {', '.join(have)}")
+
+
+def evaluate_sweep(sweep_dir: str | Path, out: str | Path, data: str | None = None, tasks: list[str] | None = None,
+                   overrides: list[str] = (), metric: str = "loss") -> list[dict]:
+    """Each point of a sweep (its final checkpoint) evaluated on `data` (and `tasks`), written to
+    `out` as the sweep's results.csv is, but with `metric` in its loss column — the points that
+    `scaletrain fit --points OUT` fits a scaling law of another validation set, or of a task's
+    loss, to, without training again — and every number measured in columns of its own. A point
+    the sweep recorded as diverged stays so. One process."""
+    import csv
+    import math
+
+    sweep_dir = Path(sweep_dir)
+    with (sweep_dir / "results.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise ConfigError(f"sweep {str(sweep_dir)!r} has no finished point yet (results.csv is empty)")
+    measured = []
+    for row in rows:
+        if not math.isfinite(float(row["loss"])):
+            measured.append({**row, "sweep_loss": row["loss"]})
+            continue
+        [record] = evaluate_run(sweep_dir / "points" / row["name"], data=data, tasks=tasks, overrides=overrides)
+        numbers = {"val_loss": record["loss"], **({"bits_per_byte": record["bits_per_byte"]}
+                                                  if "bits_per_byte" in record else {}),
+                   **{f"task_{key}:{name}": value for key in ("accuracy", "accuracy_norm", "nll")
+                      for name, value in record.get(f"task_{key}", {}).items()}}
+        measured.append({**row, "sweep_loss": row["loss"], "loss": metric_of(record, metric), **numbers})
+        log.info("%s: %s %.4f", row["name"], metric, measured[-1]["loss"])
+    columns = list(dict.fromkeys(key for row in measured for key in row))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(measured)
+    return measured
