@@ -757,12 +757,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from scaletrain.evaluate import evaluate_run, evaluate_sweep, is_sweep, weights_to_evaluate
+    from scaletrain.evaluate import evaluate_run, is_sweep, weights_to_evaluate
 
     if args.every and args.step:
         raise UserError("give --step K (one or more) or --all, not both")
     if is_sweep(Path(args.run_dir)):
-        return _eval_sweep(args, evaluate_sweep)
+        return _eval_sweep(args)
     if args.metric != "loss":
         raise UserError("--metric chooses what a sweep's points are fitted to; give a sweep directory, or drop it")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
@@ -794,8 +794,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval_sweep(args: argparse.Namespace, evaluate_sweep) -> int:
+def _eval_sweep(args: argparse.Namespace) -> int:
     """eval of a sweep directory: each point's final checkpoint, written for `fit --points`."""
+    from scaletrain.evaluate import evaluate_sweep
+
     if args.step or args.every or args.average > 1 or args.nproc > 1:
         raise UserError(f"{args.run_dir!r} is a sweep: each point's final checkpoint is evaluated, in one process; "
                         "drop --step, --all, --average and --nproc")
