@@ -130,3 +130,18 @@ def test_task_scoring_benchmark_compares_gathered_and_split_logits_over_two_proc
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["difference"] < 1e-6 and report["gathered"]["median_s"] > 0 and report["split"]["median_s"] > 0
+
+
+def test_mup_transfer_benchmark_trains_every_width_and_rate_both_ways(stdlib_data):
+    result = subprocess.run([sys.executable, "benchmarks/mup_transfer.py", "configs/tiny.toml",
+                             f"data.path={stdlib_data}", "train.steps=3", "--widths", "32,64", "--lrs", "0.001,0.01"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    standard, mup = report["standard"], report["mup"]
+    assert report["mup_base_dim"] == 32
+    assert standard["val_loss"]["32"] == mup["val_loss"]["32"]  # the same model at the base width
+    assert standard["val_loss"]["64"] != mup["val_loss"]["64"]
+    for entry in (standard, mup):
+        assert set(entry["val_loss"]["64"]) == {"0.001", "0.01"} and entry["best_lr"]["64"] in (0.001, 0.01)

@@ -151,9 +151,11 @@ MUON = ["train.optimizer=muon"]
 # tensor parallelism's (vocabulary split, alone and pipelined).
 Z_LOSS = ["train.z_loss=0.01"]
 RAMP = ["train.batch_ramp=[[256, 512]]"]
+# muP: each group of parameters at its own share of the learning rate, wherever it lies.
+MUP = ["model.mup_base_dim=32"]
 # name -> overrides of 2-process layouts.
 TWO = {
-    "replicate": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
+    "replicate-mup": ["parallel.dp_replicate=2", "parallel.dp_shard=1", *MUP],
     "fsdp-grad-accumulation-recompute-muon": ["parallel.dp_shard=2", "train.micro_batch=2",
                                               "parallel.recompute=selective", *MUON],
     "tp-muon-z-loss": [*TP2, *MUON, *Z_LOSS],  # the z-loss through the vocabulary-split logits
@@ -179,6 +181,7 @@ TWO = {
 for _name in ("pp-1f1b", "pp-interleaved_zero_bubble"):
     TWO[_name] += DOCUMENTS
 TWO["pp-gpipe"] += Z_LOSS
+TWO["pp-looped_bfs"] += MUP
 # Multiple-choice tasks scored in every kind of split: rows over FSDP ranks (padded), logits
 # split by vocabulary (tensor parallelism), rows split by position (context parallelism), the
 # last pipeline stage's logits.

@@ -28,12 +28,12 @@ TEXT = 'import os\n\ndef main(argv):\n    return "<|endoftext|>" if argv else os
 
 @pytest.fixture(scope="module")
 def runs(stdlib_data, tmp_path_factory):
-    """Two trained runs: Llama (GQA, untied) and Qwen3 (QK-norm, tied embeddings), each with
+    """Two trained runs: Llama (GQA, untied, muP) and Qwen3 (QK-norm, tied embeddings), each with
     checkpoints at steps 3 and 6."""
     root = tmp_path_factory.mktemp("runs")
     common = ["train.steps=6", "checkpoint.interval=3", "eval.interval=3", "model.rope_theta=500.0",
               "model.norm_eps=1e-6"]
-    train(tiny_config(stdlib_data, root / "llama", *common))
+    train(tiny_config(stdlib_data, root / "llama", *common, "model.mup_base_dim=32"))  # (plain weights after all)
     train(tiny_config(stdlib_data, root / "qwen3", *common, "model.qk_norm=true", "model.tie_embeddings=true",
                       "model.n_kv_heads=4"))
     return root
@@ -63,6 +63,7 @@ def test_transformers_loads_the_export_and_computes_the_same_logits_and_text(run
 
     card = (tmp_path / "hf" / "README.md").read_text()
     assert f"{cfg.run.name}" in card and "step 6" in card and "validation loss at step 6" in card
+    assert ("trained under muP, base width | 32" in card) == (name == "llama")
 
 
 MIXTURES = {  # the first block dense, and one expert per token (weighted by its probability)

@@ -111,6 +111,8 @@ class ModelConfig(_Section):
     """Attention within documents: a token of a packed training sequence attends only to the tokens of its own document (from the one after the previous end-of-document token on), as Llama 3 was trained (Llama Team 2024, section 3.2), instead of to every earlier token of the sequence. Generation is unchanged (a prompt is one document)."""
     init_std: float = Field(default=0.02, gt=0)
     """Std of the normal initialisation; output projections get init_std / sqrt(2 * n_layers)."""
+    mup_base_dim: int | None = Field(default=None, ge=1)
+    """Maximal update parametrization (muP; Yang et al. 2022, Tensor Programs V), so that the learning rate and init_std found best at width mup_base_dim stay best at width dim: with m = dim / mup_base_dim, the blocks' matrices start at init_std / sqrt(m) and learn at lr / m, the output head (and a mixture's routers) start at init_std / m and learn at lr / m, the embedding and the norms as at the base width (the logit multiplier 1 / m of Yang et al. and MiniCPM folded into the head's weight: the same training under Adam, a plain Llama to export). Widths grow together (ffn_dim and the heads in proportion to dim, heads of a fixed width, as the sweep's shapes and Llama's sizes do); not with tied embeddings, whose two uses muP starts and steps differently. Unset: the standard parametrization."""
     moe_experts: int = Field(default=0, ge=0)
     """Routed experts of each mixture-of-experts block (0: a dense model): the block's MLP becomes moe_experts SwiGLU experts, each token sent to moe_top_k of them."""
     moe_top_k: int = Field(default=2, ge=1)
@@ -146,6 +148,10 @@ class ModelConfig(_Section):
             raise ValueError(
                 f"head dimension dim / n_heads = {self.dim // self.n_heads} is odd; rotary embeddings need it even"
             )
+        if self.mup_base_dim is not None and self.tie_embeddings:
+            raise ValueError("model.mup_base_dim is set with model.tie_embeddings = true; muP initialises and "
+                             "steps the embedding and the output head differently, so untie them "
+                             "(model.tie_embeddings = false) or unset model.mup_base_dim")
         if self.rope_scaling is not None:
             check_rope_scaling(self.rope_scaling)
             if self.rope_scaling.get("type") == "llama3":  # one way to write each: no type is Llama 3.1's
@@ -194,6 +200,11 @@ class ModelConfig(_Section):
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe_experts > 0 and index >= self.moe_dense_layers
+
+    @property
+    def width_mult(self) -> float:
+        """muP's width multiplier dim / mup_base_dim (1 in the standard parametrization)."""
+        return self.dim / self.mup_base_dim if self.mup_base_dim else 1.0
 
     @property
     def head_dim(self) -> int:

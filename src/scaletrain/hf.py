@@ -352,6 +352,9 @@ def _model_card(run_dir: Path, cfg, step: int, params: int, dtype: str, average:
     if m.moe:
         lines.append(f"| experts (each token to), expert width, dense blocks first | {m.moe_experts} ({m.moe_top_k}), "
                      f"{m.expert_dim}, {m.moe_dense_layers} |")
+    if m.mup_base_dim:
+        lines.append(f"| trained under muP, base width | {m.mup_base_dim} (the output multiplier is in the head's "
+                     "weights: a plain model) |")
     if evals:
         last = evals[-1]
         lines.append(f"| validation loss at step {last['step']:,} ({last['tokens']:,} tokens) | {last['loss']:.4f} |")

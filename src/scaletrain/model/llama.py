@@ -276,22 +276,26 @@ class Transformer(nn.Module):
         and non-persistent buffers hold garbage. Linear weights and the embedding are
         N(0, init_std); the projections that write into the residual stream (wo, w2) get
         init_std / sqrt(2 n_layers), since each block adds two of them (GPT-2, Radford et al.
-        2019, section 2.3; Megatron-LM, Shoeybi et al. 2019). Norm weights are ones."""
+        2019, section 2.3; Megatron-LM, Shoeybi et al. 2019). Norm weights are ones. Under muP
+        (model.mup_base_dim), with m the width multiplier, the blocks' matrices start 1 / sqrt(m)
+        as large (their fan-in grew m times), the output head and routers 1 / m as large (muP's
+        output multiplier folded into them), the embedding as at the base width."""
         if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             # to_empty() from the meta device gives each module its own new Parameter,
             # untying them; tie again (a no-op where tying survived, e.g. under FSDP2).
             self.output.weight = self.tok_embeddings.weight
-        std = self.cfg.init_std
-        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        std, mult = self.cfg.init_std, self.cfg.width_mult
+        hidden_std = std / math.sqrt(mult)
+        residual_std = hidden_std / math.sqrt(2 * self.cfg.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
         for block in self.layers.values():
             attention, mlp = block.attention, block.feed_forward
             mlps = [mlp] if isinstance(mlp, FeedForward) else [mlp.experts] + ([mlp.shared] if mlp.shared else [])
             weights = [attention.wq.weight, attention.wk.weight, attention.wv.weight]
             if isinstance(mlp, MoE):
-                weights.append(mlp.router.weight)
+                nn.init.normal_(mlp.router.weight, mean=0.0, std=std / mult)
             for weight in weights + [w for m in mlps for w in (_weight(m.w1), _weight(m.w3))]:
-                nn.init.normal_(weight, mean=0.0, std=std)
+                nn.init.normal_(weight, mean=0.0, std=hidden_std)
             for weight in [attention.wo.weight] + [_weight(m.w2) for m in mlps]:
                 nn.init.normal_(weight, mean=0.0, std=residual_std)
             for norm in (block.attention_norm, block.ffn_norm, attention.q_norm, attention.k_norm):
@@ -299,7 +303,7 @@ class Transformer(nn.Module):
                     norm.reset_parameters()
         self.norm.reset_parameters()
         if not self.cfg.tie_embeddings:
-            nn.init.normal_(self.output.weight, mean=0.0, std=std)
+            nn.init.normal_(self.output.weight, mean=0.0, std=std / mult)
         cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device,
                                self.cfg.rope_scaling)
         self.rope_cos.copy_(cos)

@@ -45,25 +45,41 @@ ADAMW_ONLY = ("tok_embeddings", "output")
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
-                    eps: float, device: torch.device, kind: str = "adamw",
-                    momentum: float = 0.95) -> torch.optim.AdamW:
+                    eps: float, device: torch.device, kind: str = "adamw", momentum: float = 0.95,
+                    width_mult: float = 1.0) -> torch.optim.AdamW:
     """Decay applies to weight matrices (embeddings and linears), not to norm gains or other vectors:
     shrinking a norm's gain towards zero has no regularising meaning (as in GPT-3 and Llama).
-    kind "muon": the blocks' matrices go to Muon (see the module's docstring)."""
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    muon = [p for name, p in named if kind == "muon" and p.ndim >= 2
-            and name.replace("_orig_mod.", "").split(".")[0] not in ADAMW_ONLY]
+    kind "muon": the blocks' matrices go to Muon (see the module's docstring). width_mult: muP's
+    (model.mup_base_dim), by which every matrix but the embedding learns more slowly; each
+    group's share of the learning rate is the optimizer's `lr_scales` (see set_lr)."""
+    named = [(name.replace("_orig_mod.", ""), p) for name, p in model.named_parameters() if p.requires_grad]
+    muon = [p for name, p in named if kind == "muon" and p.ndim >= 2 and name.split(".")[0] not in ADAMW_ONLY]
     chosen = {id(p) for p in muon}
-    params = [p for _, p in named if id(p) not in chosen]
-    groups = [{"params": [p for p in params if p.ndim >= 2]}, {"params": [p for p in params if p.ndim < 2]}]
+    params = [(name, p) for name, p in named if id(p) not in chosen]
+    # (Yang et al. 2022, table 3: under Adam a matrix whose fan-in grows m times steps 1 / m as
+    # far; the embedding's fan-in, the vocabulary, does not grow.)
+    matrices = [(name.split(".")[0] == "tok_embeddings" or width_mult == 1, p) for name, p in params if p.ndim >= 2]
+    groups = [({"params": [p for unscaled, p in matrices if not unscaled]}, 1 / width_mult),
+              ({"params": [p for unscaled, p in matrices if unscaled]}, 1.0),
+              ({"params": [p for _, p in params if p.ndim < 2]}, 1.0)]
+    if kind == "muon":
+        groups.append(({"params": muon, "muon": True}, 1 / width_mult))
+    groups = [(group, scale) for group, scale in groups if group["params"]]
     # The fused kernel is one launch per step instead of one per tensor group.
     fused = device.type in ("cuda", "cpu")
-    if kind == "muon":
-        optimizer = Muon([*groups, {"params": muon, "muon": True}], lr=lr, fused=fused)
-    else:
-        optimizer = torch.optim.AdamW(groups, lr=lr, fused=fused)
+    optimizer = (Muon if kind == "muon" else torch.optim.AdamW)([group for group, _ in groups], lr=lr, fused=fused)
+    # Not a key of the groups, which checkpoints save and loading expects: the config's to give.
+    optimizer.lr_scales = [scale for _, scale in groups]
     set_hyperparameters(optimizer, weight_decay=weight_decay, betas=betas, eps=eps, momentum=momentum)
+    set_lr(optimizer, lr)
     return optimizer
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The learning rate of this step, times each group's share of it (muP's, or 1)."""
+    for group, scale in zip(optimizer.param_groups, getattr(optimizer, "lr_scales", None)
+                            or [1.0] * len(optimizer.param_groups), strict=True):
+        group["lr"] = lr * scale
 
 
 def set_hyperparameters(optimizer: torch.optim.Optimizer, *, weight_decay: float, betas: tuple[float, float],

@@ -42,7 +42,7 @@ from scaletrain.train import checkpoint
 from scaletrain.train.float8 import check_float8, convert_to_float8
 from scaletrain.train.init_from import FRESH, init_source
 from scaletrain.train.metrics import MetricsLog, StepProfiler, TensorBoardSink, WandbSink, read_metrics
-from scaletrain.train.optim import build_optimizer, local_shard, set_hyperparameters
+from scaletrain.train.optim import build_optimizer, local_shard, set_hyperparameters, set_lr
 from scaletrain.train.resilience import StopSignals, StoppedBySignal, Watchdog, loss_spike
 from scaletrain.train.schedule import lr_at
 from scaletrain.train.tasks import Task, load_task, task_metrics
@@ -253,7 +253,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                          betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
                                          device=self.device, kind=cfg.train.optimizer,
-                                         momentum=cfg.train.muon_momentum)
+                                         momentum=cfg.train.muon_momentum, width_mult=cfg.model.width_mult)
         self.loader = self._new_loader()
         # The micro-batches the experts' balancing weight was last set for (see train_step).
         self.balance_micro_steps: int | None = None
@@ -652,8 +652,7 @@ class Trainer:
         cfg = self.cfg.train
         lr = lr_at(self.step, self.total_steps, lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule,
                    min_lr_ratio=cfg.min_lr_ratio, decay_fraction=cfg.decay_fraction, decay_shape=cfg.decay_shape)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         self.model.train()
         micro_steps = self.micro_steps(self.step)
         if self.cfg.model.moe and micro_steps != self.balance_micro_steps:
