@@ -269,6 +269,24 @@ def test_parallel_layouts_train_the_losses_of_one_process(layout_runs, single_pr
     assert_parity(layout_runs[name], single_process({**TWO, **FOUR, **EIGHT}[name]))
 
 
+@pytest.mark.parametrize("name", ["tp-muon-z-loss", "cp"])
+def test_layouts_that_split_no_batch_measure_the_gradient_noise_scale_of_one_process(layout_runs, single_process,
+                                                                                    name):
+    """Tensor and context parallelism split no batch: their first micro-batch is one process's (4
+    of the step's 8 sequences), whose gradient norm the noise scale sets against the step's, the
+    norms reduced over the ranks' shards of the gradient. (FSDP's first micro-batch takes the
+    first sequences of each rank's share: other sequences than one process's first.)"""
+    got, expected = read_metrics(layout_runs[name], "train"), read_metrics(single_process(TWO[name]), "train")
+    for a, b in zip(got, expected, strict=True):
+        for key in ("noise_grad_sq", "noise_trace"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
+
+
+def test_pipelines_and_steps_of_one_micro_batch_measure_no_noise_scale(layout_runs):
+    for name in ("pp-1f1b", "replicate-mup"):
+        assert not any("noise_scale" in r for r in read_metrics(layout_runs[name], "train")), name
+
+
 def test_the_document_mask_changes_what_the_layouts_above_train(single_process):
     """The layouts that attend within documents would pass vacuously if the mask did nothing."""
     masked, causal = (records(single_process(overrides), "train") for overrides in (DOCUMENTS, DOCUMENTS[1:]))

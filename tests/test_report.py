@@ -44,10 +44,15 @@ def test_report_writes_plots_and_html_and_compares_the_final_loss_with_the_law(s
             if '"kind": "eval"' in line][-1]
     assert f"{last['task_accuracy']['next_line']:.1%} ({last['task_accuracy_norm']['next_line']:.1%}; " \
            f"{last['task_nll']['next_line']:.4f})" in result.stdout
-    for name in ("loss.png", "speed.png", "tasks.png"):
+    # The gradient noise scale of the last step against its batch (tiny.toml accumulates 2 micro-batches).
+    scale = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if '"kind": "train"' in line][-1]["noise_scale"]
+    assert f"{scale:,.0f} at step 6, batch 512: {1 + scale / 512:.2f}x the fewest steps, " \
+           f"{1 + 512 / scale:.2f}x the fewest tokens" in result.stdout
+    for name in ("loss.png", "speed.png", "tasks.png", "batch.png"):
         assert (run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (run_dir / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 3  # self-contained
+    assert page.count("data:image/png;base64,") == 4  # self-contained
     assert "<td>resume</td>" in page and "<td>hang</td>" in page and "<td>end</td>" in page and "[model]" in page
 
 

@@ -55,6 +55,9 @@ def test_resume_is_bit_exact_with_grad_accumulation_and_eval(stdlib_data, tmp_pa
     for step in range(k + 1, 13):
         assert got[step] == expected[step], f"step {step}: {got[step]!r} != {expected[step]!r}"
     assert losses(split, "eval") == losses(whole, "eval")  # steps 4, 8, 12
+    # The gradient noise scale's moving averages are checkpointed with the rest.
+    noise = [{r["step"]: r["noise_scale"] for r in read_metrics(run, "train")} for run in (whole, split)]
+    assert all(noise[1][step] == noise[0][step] for step in range(k + 1, 13))
     assert len(losses(whole, "eval")) == 3
 
 

@@ -851,7 +851,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     import json
 
     from scaletrain.plan.planner import PLANNED
-    from scaletrain.report.run import run_report
+    from scaletrain.report.run import noise_line, run_report
 
     law = _law_file(args.law)[0] if args.law else None
     plan = None
@@ -873,6 +873,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     table.add_row("tokens/s (median)", f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "-")
     if summary["mfu"] is not None:
         table.add_row("MFU (median)", f"{summary['mfu']:.1%}")
+    if summary["noise"] is not None:
+        table.add_row("gradient noise scale (tokens)", noise_line(summary["noise"]))
     for name, task in summary["tasks"].items():
         table.add_row(f"{name} accuracy (per character; right choice's loss)",
                       f"{task['accuracy']:.1%} ({task['accuracy_norm']:.1%}; {task['nll']:.4f})")

@@ -64,6 +64,7 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
         "data_wait_share": _median(r["data_wait_ms"] * r["tokens_per_s"] / cfg.step_batch_tokens(r["step"] - 1) / 1000
                                    for r in later if r.get("data_wait_ms") is not None),
         "peak_memory_gb": max((r.get("mem_gb") or 0 for r in train), default=None),
+        "noise": _noise(cfg, train),
         # eval.tasks at the last evaluation: task -> accuracy, accuracy_norm, nll.
         "tasks": {name: {key: evals[-1][f"task_{key}"][name] for key in ("accuracy", "accuracy_norm", "nll")}
                   for name in (evals[-1].get("task_accuracy") or {})} if evals else {},
@@ -91,7 +92,8 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
     planned_speed = plan_doc["step"]["tokens_per_s"] if plan_doc is not None else None
     plots = [_loss_plot(run_dir / "loss.png", train, evals, law, prediction),
              _speed_plot(run_dir / "speed.png", train, planned_speed),
-             _tasks_plot(run_dir / "tasks.png", evals)]
+             _tasks_plot(run_dir / "tasks.png", evals),
+             _noise_plot(run_dir / "batch.png", cfg, train)]
     (run_dir / "report.html").write_text(_html(cfg, summary, [p for p in plots if p is not None]))
     summary["files"] = [str(p) for p in plots if p is not None] + [str(run_dir / "report.html")]
     return summary
@@ -100,6 +102,33 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
 def _median(values) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
+
+
+def _noise(cfg, train: list[dict]) -> dict | None:
+    """The gradient noise scale of the last record that has one (train/noise.py), against the
+    batch of its step: how many times the fewest steps and the fewest tokens that batch costs
+    if the noise scale is the critical batch (McCandlish et al. 2018, eq. 2.11)."""
+    measured = [r for r in train if r.get("noise_scale") is not None]
+    if not measured:
+        return None
+    last = measured[-1]
+    scale, batch = last["noise_scale"], cfg.step_batch_tokens(last["step"] - 1)
+    return {"noise_scale": scale, "step": last["step"], "batch_tokens": batch,
+            "steps_factor": 1 + scale / batch, "tokens_factor": 1 + batch / scale}
+
+
+def _noise_plot(path: Path, cfg, train: list[dict]) -> Path | None:
+    measured = [r for r in train if r.get("noise_scale") is not None]
+    if len(measured) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    tokens = [r["tokens"] for r in measured]
+    ax.plot(tokens, [r["noise_scale"] for r in measured], color="C0", lw=1, label="gradient noise scale B_simple")
+    ax.step(tokens, [cfg.step_batch_tokens(r["step"] - 1) for r in measured], where="post", color="C2", lw=1,
+            ls="--", label="batch")
+    ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="tokens", title="batch against the noise scale")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
 
 
 def _loss_plot(path: Path, train: list[dict], evals: list[dict], law, prediction: dict | None) -> Path | None:
@@ -167,6 +196,12 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def noise_line(noise: dict) -> str:
+    """The report's line on the noise scale (its summary's "noise")."""
+    return (f"{noise['noise_scale']:,.0f} at step {noise['step']:,}, batch {noise['batch_tokens']:,}: "
+            f"{noise['steps_factor']:.2f}x the fewest steps, {noise['tokens_factor']:.2f}x the fewest tokens")
+
+
 def _html(cfg, summary: dict, plots: list[Path]) -> str:
     def number(value, form: str) -> str:
         return "-" if value is None else format(value, form)
@@ -181,6 +216,8 @@ def _html(cfg, summary: dict, plots: list[Path]) -> str:
             ("MFU (median)", number(summary["mfu"], ".1%")),
             ("data wait, share of a step (median)", number(summary["data_wait_share"], ".2%")),
             ("peak memory (GB)", number(summary["peak_memory_gb"], ".2f")),
+            *([("gradient noise scale (tokens), and the batch's cost in steps and tokens over the fewest",
+                noise_line(summary["noise"]))] if summary["noise"] else []),
             *((f"{name}: accuracy, per character, right choice's loss per token",
                f"{task['accuracy']:.1%}, {task['accuracy_norm']:.1%}, {task['nll']:.4f}")
               for name, task in summary["tasks"].items())]

@@ -38,7 +38,7 @@ from scaletrain.plan.hardware import peak_flops
 from scaletrain.model.moe import balance_tally, forget_counts, set_balance_weight, update_expert_bias
 from scaletrain.plan.memory import choose_recompute
 from scaletrain.plan.timing import PlanLayout
-from scaletrain.train import checkpoint
+from scaletrain.train import checkpoint, noise
 from scaletrain.train.float8 import check_float8, convert_to_float8
 from scaletrain.train.init_from import FRESH, init_source
 from scaletrain.train.metrics import MetricsLog, StepProfiler, TensorBoardSink, WandbSink, read_metrics
@@ -173,7 +173,7 @@ def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
 
 
 # State a checkpoint may lack: the CUDA generator's, when the run was checkpointed on a CPU.
-OPTIONAL = ("rng.cuda", "progress.loss_stats")  # (the latter: checkpoints of older versions)
+OPTIONAL = ("rng.cuda", "progress.loss_stats", "progress.noise_stats")  # (the last two: of older versions)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -283,6 +283,10 @@ class Trainer:
         self.loss_stats = torch.zeros(4, device=self.device)
         self.first_spike = torch.tensor([-1.0, 0.0, 0.0, 0.0], device=self.device)
         self.spikes: list[dict] = []
+        # The gradient noise scale (train/noise.py): its moving averages (checkpointed) and the
+        # last looked-at step's estimates, where the step had a first micro-batch to measure.
+        self.noise_stats = noise.new_stats()
+        self.noise: dict | None = None
         self.rewinds_left = cfg.train.rewinds
         self.pending: checkpoint.AsyncSave | None = None  # a checkpoint being written in the background
         self.checkpoint_group = None  # the process group of background checkpoint writes
@@ -441,7 +445,8 @@ class Trainer:
         # clear message about which data the checkpoint was trained on.
         return {"model": model_state, "optim": optim_state, "loader": json.dumps(self.loader.state_dict()),
                 "rng": rng_state(self.device),
-                "progress": {"step": self.step, "tokens": self.tokens, "loss_stats": self.loss_stats.cpu()}}
+                "progress": {"step": self.step, "tokens": self.tokens, "loss_stats": self.loss_stats.cpu(),
+                             "noise_stats": self.noise_stats.clone()}}
 
     def load_state(self, state: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
@@ -451,6 +456,7 @@ class Trainer:
         self.step, self.tokens = int(state["progress"]["step"]), int(state["progress"]["tokens"])
         self._load_loader(json.loads(state["loader"]))
         self.loss_stats = state["progress"].get("loss_stats", torch.zeros(4)).to(self.device)
+        self.noise_stats = state["progress"].get("noise_stats", noise.new_stats()).to(torch.float64)
 
     def _load_loader(self, position: dict) -> None:
         """The loader at `position` in the data, the batch sizes (train.batch_ramp) following
@@ -671,7 +677,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
         batches = []
-        for _ in range(micro_steps):
+        first_sq = None  # the first micro-batch's squared gradient norm, for the noise scale
+        for micro in range(micro_steps):
             t0 = time.perf_counter()
             batches.append(self._batch(*self.loader.next_batch()))
             data_wait += time.perf_counter() - t0
@@ -681,6 +688,9 @@ class Trainer:
                     loss = self.model(inputs, targets, documents=documents) / micro_steps
                     loss.backward()
                 loss_sum += _local(loss.detach())
+                if look and micro == 0 and micro_steps > 1:  # (reduced over the data-parallel ranks already)
+                    first_sq = _global_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+                    first_sq = (first_sq * micro_steps).square()  # the loss was divided by micro_steps
         after = self.loader.state_dict()  # the loader sized the step as training did (train.batch_ramp)
         if after["micro"] or after["step"] != self.step + 1:
             raise RuntimeError(f"the data loader's step {after['step']} (micro-batch {after['micro']}) is not "
@@ -711,11 +721,20 @@ class Trainer:
         if self.held_bytes is None:  # after the first update every piece of state exists
             self.held_bytes = held_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        self.tokens += self.cfg.step_batch_tokens(self.step)
+        step_tokens = self.cfg.step_batch_tokens(self.step)
+        self.tokens += step_tokens
         self.step += 1
         self.lr = lr
         if not look:
             return None, None, data_wait
+        self.noise = None
+        if first_sq is not None:
+            grad_sq, trace = noise.estimates(first_sq.item(), grad_norm.item() ** 2, step_tokens // micro_steps,
+                                             step_tokens)
+            self.noise_stats = noise.update(self.noise_stats, grad_sq, trace)
+            scale = noise.noise_scale(self.noise_stats)
+            self.noise = {"noise_grad_sq": grad_sq, "noise_trace": trace,
+                          **({"noise_scale": round(scale, 1)} if scale is not None else {})}
         loss_value = global_loss.item()
         self._check(loss_value)
         self.moe_balance = self._mean_balance(balance) if balance is not None else None
@@ -1085,6 +1104,7 @@ class Trainer:
                         tokens_by_source=self.loader.tokens_by_source(),
                         epochs_by_source={k: round(v, 6) for k, v in self.loader.epochs_by_source().items()},
                         **({"z_loss": self.z_loss_value} if self.z_tally is not None else {}),
+                        **(self.noise or {}),
                         **({"moe_balance": round(self.moe_balance, 5)} if self.cfg.model.moe else {}),
                         **({"moe_max_load": round(self.moe_max_load, 4)} if self.moe_max_load is not None else {}))
                     log.info("step %d/%d  loss %.4f  lr %.2e  grad %.3f  %.0f tok/s%s", self.step, self.total_steps,
