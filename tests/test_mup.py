@@ -105,3 +105,18 @@ def test_the_coordinate_check_muP_keeps_the_logits_update_as_the_width_grows_and
     # logits as the fan-in of the head).
     assert 0.5 < mup[1] / mup[0] < 2, mup
     assert standard[1] / standard[0] > 4, standard
+
+
+def test_a_mup_run_resumes_with_the_losses_of_one_that_never_stopped(stdlib_data, tmp_path):
+    from conftest import tiny_config
+    from scaletrain.train.metrics import read_metrics
+    from scaletrain.train.trainer import train
+
+    common = ["model.dim=128", "model.n_heads=8", "model.n_kv_heads=4", "model.mup_base_dim=32", "train.steps=6",
+              "checkpoint.interval=3", "eval.interval=3"]
+    train(tiny_config(stdlib_data, tmp_path / "whole", *common))
+    train(tiny_config(stdlib_data, tmp_path / "split", *common), stop_at_step=3)
+    train(tiny_config(stdlib_data, tmp_path / "split", *common))
+    for kind in ("train", "eval"):
+        whole, split = ({r["step"]: r["loss"] for r in read_metrics(tmp_path / run, kind)} for run in ("whole", "split"))
+        assert split == whole, kind  # (the loaded optimizer keeps each group's share of the rate)

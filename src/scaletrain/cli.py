@@ -511,6 +511,47 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- tune -----------------------------------------------------------------------------------
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from scaletrain.config import load_config
+    from scaletrain.tune import DEFAULT_LRS, proxy_data, tune
+
+    cfg = load_config(args.config, args.overrides)
+    proxy_data(cfg)  # a config muP cannot narrow is refused before anything trains
+    lrs = args.lrs or list(DEFAULT_LRS)
+    out_dir = Path(args.out) if args.out else Path("runs") / f"{cfg.run.name}-tune"
+    logging.getLogger("scaletrain").setLevel(logging.WARNING)  # a line per rate speaks for the runs
+    base = cfg.model.mup_base_dim
+    console.print(f"tuning the learning rate of {cfg.run.name} (width {cfg.model.dim}) on its proxy of width {base}, "
+                  f"{len(set(lrs))} rates, in {out_dir}", highlight=False)
+    doc = tune(cfg, out_dir, lrs, progress=lambda i, lr: console.print(f"  training lr {lr:.4g}", highlight=False))
+    table = Table(title=f"proxy of width {base}: validation loss by learning rate")
+    table.add_column("lr", justify="right")
+    table.add_column("val loss", justify="right")
+    for row in doc["results"]:
+        mark = "  ← best" if row["lr"] == doc["best_lr"] else ""
+        table.add_row(f"{row['lr']:.4g}", "diverged" if row["diverged"] else f"{row['val_loss']:.4f}{mark}")
+    out.print(table)
+    if doc["best_lr"] is None:
+        raise UserError("every learning rate diverged; give smaller ones with --lrs")
+    if doc["edge"]:
+        out.print(f"the best rate is the grid's {doc['edge']}: the best may lie beyond it; extend --lrs "
+                  + ("below" if doc["edge"] == "smallest" else "above"), highlight=False)
+    if doc["fitted_lr"] is not None:
+        out.print(f"a parabola in log(lr) through the best and its neighbours is lowest at {doc['fitted_lr']:.4g}",
+                  highlight=False)
+    if args.write_config:
+        tuned = cfg.model_copy(update={"train": cfg.train.model_copy(update={"lr": doc["best_lr"]})})
+        Path(args.write_config).write_text(tuned.to_toml())
+        out.print(f"wrote {args.write_config} (train.lr = {doc['best_lr']:.4g}); train it with: scaletrain train "
+                  f"{args.write_config}", highlight=False)
+    return 0
+
+
 # -- fit ------------------------------------------------------------------------------------
 
 
@@ -530,6 +571,7 @@ def _number(convert, what: str, ok, bound: str):
 _flops = _number(float, "a number (e.g. 1e21)", lambda v: v > 0, "positive")
 _count = _number(int, "a whole number", lambda v: v >= 1, "at least 1")
 _amount = _number(float, "a number", lambda v: 0 <= v < float("inf"), "zero or positive")
+_lr = _number(float, "a learning rate (e.g. 3e-3)", lambda v: 0 < v < float("inf"), "positive")
 
 
 def _chinchilla_preset(name: str):
@@ -1062,6 +1104,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="points of a budget trained at once, in worker processes (GPUs taken in turn)")
     p.add_argument("--out", default=None, help="sweep directory (default sweeps/DATA_NAME)")
     p.set_defaults(func=cmd_sweep)
+
+    p = commands.add_parser("tune", help="find the learning rate of a muP config on its narrow proxy",
+                            description="Train the config's model narrowed to model.mup_base_dim once per learning "
+                                        "rate, and keep the rate of the lowest validation loss: under muP the best "
+                                        "rate of the narrow model is the wide one's.")
+    p.add_argument("config", help="TOML config with model.mup_base_dim set")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="override config values (e.g. train.steps=500 for shorter proxies)")
+    p.add_argument("--lrs", type=lambda text: [_lr(part) for part in text.split(",")], default=None,
+                   help="learning rates to try, comma-separated (default: 2^-11 to 2^-5, a factor of 2 apart)")
+    p.add_argument("--out", default=None, help="directory of the proxy runs and tune.json (runs/NAME-tune)")
+    p.add_argument("--write-config", default=None, metavar="FILE",
+                   help="write the config with train.lr set to the best rate")
+    p.set_defaults(func=cmd_tune)
 
     p = commands.add_parser("fit", help="fit scaling laws to a sweep's results and predict from them",
                             description="Fit L(N, D) = E + A/N^α + B/D^β (approach 3) and N_opt, D_opt ∝ C^a, C^b "

@@ -1,0 +1,76 @@
+"""`scaletrain tune`: the proxy narrowed to model.mup_base_dim, the choice of rate, and the command
+end to end (a diverged rate, resuming, refusing another config, the config it writes)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conftest import ROOT, run_cli
+from scaletrain.config import ConfigError, load_config
+from scaletrain.tune import best_rate, proxy_data
+
+TINY = ROOT / "configs" / "tiny.toml"
+
+
+def test_the_proxy_is_the_model_narrowed_to_the_base_width_with_heads_as_wide():
+    cfg = load_config(TINY, ["model.dim=256", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_dim=704",
+                             "model.mup_base_dim=64", "parallel.tp=2", "log.plan=x.plan.json"])
+    proxy = proxy_data(cfg)
+    assert {k: proxy["model"][k] for k in ("dim", "n_heads", "n_kv_heads", "ffn_dim", "mup_base_dim", "n_layers")} \
+        == {"dim": 64, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 176, "mup_base_dim": 64, "n_layers": 2}
+    assert proxy["parallel"] == {} and "plan" not in proxy["log"]  # one process, not the wide run's plan
+    assert proxy["train"] == cfg.train.model_dump(exclude_none=True)  # batch, steps, schedule: the run's
+    for overrides, words in [
+            (["model.dim=128"], "set model.mup_base_dim"),
+            (["model.dim=128", "model.mup_base_dim=24"], "not a multiple of the head width dim / n_heads = 32"),
+            (["model.dim=256", "model.n_heads=8", "model.n_kv_heads=2", "model.mup_base_dim=64"],
+             "2 heads, which do not share key/value heads 4 to one")]:
+        with pytest.raises(ConfigError, match=words):
+            proxy_data(load_config(TINY, overrides))
+
+
+def test_the_best_rate_its_parabola_and_the_grids_edges():
+    def rows(losses):
+        return [{"lr": 2.0 ** -k, "val_loss": loss, "diverged": loss is None} for k, loss in zip(range(10, 5, -1), losses)]
+
+    # A parabola in log2(lr) with its vertex at 2^-7.6: 2^-8 is the best of the grid.
+    quadratic = [4 + 0.1 * (x + 7.6) ** 2 for x in range(-10, -5)]
+    chosen = best_rate(rows(quadratic))
+    assert chosen["best_lr"] == 2.0 ** -8 and chosen["edge"] is None
+    assert math.log2(chosen["fitted_lr"]) == pytest.approx(-7.6)
+    assert best_rate(rows([5.0, 4.9, 4.8, 4.7, None])) == {"best_lr": 2.0 ** -7, "fitted_lr": None, "edge": None}
+    assert best_rate(rows([4.0, 4.1, 4.2, 4.3, 4.4]))["edge"] == "smallest"
+    assert best_rate(rows([None] * 5))["best_lr"] is None
+
+
+def test_tune_trains_each_rate_once_resumes_and_writes_the_tuned_config(stdlib_data, tmp_path):
+    out, written = tmp_path / "tune", tmp_path / "tuned.toml"
+    args = ["tune", str(TINY), f"data.path={stdlib_data}", "model.dim=128", "model.n_heads=8", "model.n_kv_heads=4",
+            "model.mup_base_dim=64", "train.steps=3", "train.warmup_steps=1", "--lrs", "0.003,0.03,1e38",
+            "--out", str(out), "--write-config", str(written)]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    doc = json.loads((out / "tune.json").read_text())
+    by_lr = {row["lr"]: row for row in doc["results"]}
+    assert by_lr[1e38]["diverged"] and by_lr[1e38]["val_loss"] is None  # its weights overflowed
+    assert doc["best_lr"] == min((0.003, 0.03), key=lambda lr: by_lr[lr]["val_loss"])
+    for lr in (0.003, 0.03):  # each proxy a run of width 64 at its rate, whose last evaluation is the loss
+        proxy = load_config(out / f"lr_{lr:g}" / "config.toml")
+        assert (proxy.model.dim, proxy.model.n_heads, proxy.train.lr) == (64, 4, lr)
+        evals = [json.loads(line) for line in (out / f"lr_{lr:g}" / "metrics.jsonl").read_text().splitlines()
+                 if '"kind": "eval"' in line]
+        assert by_lr[lr]["val_loss"] == evals[-1]["loss"]
+    tuned = load_config(written)
+    assert (tuned.model.dim, tuned.model.mup_base_dim, tuned.train.lr) == (128, 64, doc["best_lr"])
+    assert "diverged" in first.stdout and "← best" in first.stdout
+
+    again = run_cli(*args)  # nothing left to train
+    assert again.returncode == 0, again.stderr
+    assert "training lr" not in again.stderr and json.loads((out / "tune.json").read_text()) == doc
+    other = run_cli(*[a.replace("train.steps=3", "train.steps=4") for a in args])
+    assert other.returncode != 0 and "holds a tuning of another config" in other.stderr
+    refused = run_cli("tune", str(TINY), f"data.path={stdlib_data}", "--out", str(tmp_path / "x"))
+    assert refused.returncode != 0 and "set model.mup_base_dim" in refused.stderr
