@@ -94,13 +94,14 @@ def placeholders(short_documents, next_line_task) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def single_process(stdlib_data, placeholders, tmp_path_factory):
     """One process, 4 blocks, 2 micro-batches of 4 per step, with a layout's model.*, eval.*,
-    data.*, train.optimizer, train.z_loss and train.batch_ramp overrides: what that layout must
+    data.*, train.optimizer, train.z_loss, train.batch_ramp and train.ema_decay overrides: what that layout must
     reproduce. Each is trained once."""
     runs = {}
 
     def run(overrides: list[str]):
         model = tuple(o for o in with_data(overrides, placeholders)
-                      if o.startswith(("model.", "eval.", "data.", "train.optimizer", "train.z_loss", "train.batch_ramp")))
+                      if o.startswith(("model.", "eval.", "data.", "train.optimizer", "train.z_loss", "train.batch_ramp",
+                                       "train.ema_decay")))
         if model not in runs:
             runs[model] = tmp_path_factory.mktemp("single-deep") / "run"
             train(tiny_config(stdlib_data, runs[model], *STEPS, *DEEP, *model))
@@ -135,6 +136,9 @@ def assert_parity(run_dir, reference, tolerance=1e-5):
         if "z_loss" in expected:
             assert abs(got["z_loss"] - expected["z_loss"]) <= tolerance * max(1.0, expected["z_loss"]), got["step"]
     for got, expected in zip(read_metrics(run_dir, "eval"), read_metrics(reference, "eval"), strict=True):
+        assert ("ema_loss" in got) == ("ema_loss" in expected)  # (train.ema_decay: the moving average's loss)
+        if "ema_loss" in expected:
+            assert abs(got["ema_loss"] - expected["ema_loss"]) <= tolerance, got["step"]
         assert got.get("task_accuracy") == expected.get("task_accuracy")
         for name, nll in expected.get("task_nll", {}).items():
             assert abs(got["task_nll"][name] - nll) <= tolerance, (name, got["task_nll"][name], nll)
@@ -153,11 +157,13 @@ Z_LOSS = ["train.z_loss=0.01"]
 RAMP = ["train.batch_ramp=[[256, 512]]"]
 # muP: each group of parameters at its own share of the learning rate, wherever it lies.
 MUP = ["model.mup_base_dim=32"]
+# The moving average of the weights, kept on each rank's shards (and stages), evaluated in place.
+EMA = ["train.ema_decay=0.5"]
 # name -> overrides of 2-process layouts.
 TWO = {
     "replicate-mup": ["parallel.dp_replicate=2", "parallel.dp_shard=1", *MUP],
     "fsdp-grad-accumulation-recompute-muon": ["parallel.dp_shard=2", "train.micro_batch=2",
-                                              "parallel.recompute=selective", *MUON],
+                                              "parallel.recompute=selective", *MUON, *EMA],
     "tp-muon-z-loss": [*TP2, *MUON, *Z_LOSS],  # the z-loss through the vocabulary-split logits
     # 17 validation windows over 2 ranks: one rank's last eval batch is padding, and FSDP's
     # all-gathers must still meet; the output head and loss run 100 tokens at a time, on the
@@ -182,6 +188,7 @@ for _name in ("pp-1f1b", "pp-interleaved_zero_bubble"):
     TWO[_name] += DOCUMENTS
 TWO["pp-gpipe"] += Z_LOSS
 TWO["pp-looped_bfs"] += MUP
+TWO["pp-1f1b"] += EMA
 # Multiple-choice tasks scored in every kind of split: rows over FSDP ranks (padded), logits
 # split by vocabulary (tensor parallelism), rows split by position (context parallelism), the
 # last pipeline stage's logits.

@@ -808,10 +808,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.metric != "loss":
         raise UserError("--metric chooses what a sweep's points are fitted to; give a sweep directory, or drop it")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        if args.ema and args.average > 1:
+            raise UserError(f"--ema with --average {args.average}: evaluate the moving average or a mean of "
+                            "checkpoints, not both")
         weights_to_evaluate(Path(args.run_dir), args.step, args.every, args.average)  # one line here, not N there
         return _torchrun(args, ["eval", args.run_dir, *args.overrides, *(f"--step={step}" for step in args.step or []),
                                 *(["--all"] if args.every else []), *(["--data", args.data] if args.data else []),
-                                f"--average={args.average}",
+                                f"--average={args.average}", *(["--ema"] if args.ema else []),
                                 *(["--tasks", *args.tasks] if args.tasks is not None else []),
                                 *(["--out", args.out] if args.out else [])])
     main_rank = int(os.environ.get("RANK", 0)) == 0
@@ -820,7 +823,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         Path(args.out).write_text("")
     records = []
     for record in evaluate_run(args.run_dir, steps=args.step, every=args.every, data=args.data, tasks=args.tasks,
-                               overrides=args.overrides, average=args.average):
+                               overrides=args.overrides, average=args.average, ema=args.ema):
         records.append(record)
         if args.out and main_rank:  # as each is measured: a long sweep over checkpoints keeps what it did
             with open(args.out, "a") as f:
@@ -840,9 +843,9 @@ def _eval_sweep(args: argparse.Namespace) -> int:
     """eval of a sweep directory: each point's final checkpoint, written for `fit --points`."""
     from scaletrain.evaluate import evaluate_sweep
 
-    if args.step or args.every or args.average > 1 or args.nproc > 1:
+    if args.step or args.every or args.average > 1 or args.nproc > 1 or args.ema:
         raise UserError(f"{args.run_dir!r} is a sweep: each point's final checkpoint is evaluated, in one process; "
-                        "drop --step, --all, --average and --nproc")
+                        "drop --step, --all, --average, --ema and --nproc")
     if not args.out:
         raise UserError(f"{args.run_dir!r} is a sweep: give --out FILE.csv for its points, to fit with `scaletrain "
                         "fit --points FILE.csv`")
@@ -866,7 +869,8 @@ def eval_table(run_dir: str, records: list[dict]) -> Table:
     averaged = len(records[0].get("averaged_steps", [])) - 1
     table = Table(title=f"evaluation: {run_dir}"
                   + (f" (each the mean of {averaged + 1} checkpoints' weights, ending at its step)"
-                     if averaged > 0 else ""))
+                     if averaged > 0 else "")
+                  + (" (each checkpoint's moving average of the weights)" if records[0].get("ema") else ""))
     bits = "bits_per_byte" in records[0]
     for name in ("step", "tokens", "validation loss", *(["bits/byte"] if bits else [])):
         table.add_column(name, justify="right")
@@ -951,8 +955,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from scaletrain.hf import export_hf
 
     result = export_hf(args.run_dir, args.out, dtype=args.dtype, step=args.step,
-                       max_shard_bytes=args.max_shard_size, average=args.average)
+                       max_shard_bytes=args.max_shard_size, average=args.average, ema=args.ema)
     averaged = f" (the mean of {args.average} checkpoints' weights, ending there)" if args.average > 1 else ""
+    averaged += " (its moving average of the weights)" if args.ema else ""
     out.print(f"wrote {result.out}: {result.architecture} from step {result.step:,}{averaged}, "
               f"{result.bytes / 2**20:,.1f} MiB of weights in {args.dtype} ({', '.join(result.files)})")
     return 0
@@ -1186,6 +1191,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--average", type=int, default=1, metavar="K",
                    help="evaluate each chosen checkpoint as the mean of its weights and the K-1 complete "
                         "checkpoints' before it (with --all: each that has K-1 before it) (1)")
+    p.add_argument("--ema", action="store_true",
+                   help="evaluate each chosen checkpoint's moving average of the weights (train.ema_decay)")
     p.add_argument("--out", default=None, help="also write a JSON line per checkpoint to this file (of a sweep: "
                                                "the CSV of its points, for `fit --points`)")
     p.add_argument("--metric", default="loss", metavar="loss|bits_per_byte|task_nll:TASK",
@@ -1214,6 +1221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
     p.add_argument("--average", type=int, default=1, metavar="K",
                    help="the mean of the weights of that checkpoint and the K-1 complete ones before it (1)")
+    p.add_argument("--ema", action="store_true",
+                   help="the checkpoint's moving average of the weights (train.ema_decay) instead of its weights")
     p.add_argument("--max-shard-size", type=_bytes, default="5G",
                    help="split the weights into files of at most this size (5G, Hugging Face's default)")
     p.set_defaults(func=cmd_export)

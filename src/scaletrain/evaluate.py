@@ -168,17 +168,22 @@ def _vanished(paths: list[Path]) -> bool:
 
 
 def evaluate_run(source: str | Path, steps: list[int] | None = None, every: bool = False, data: str | None = None,
-                 tasks: list[str] | None = None, overrides: list[str] = (), average: int = 1) -> Iterator[dict]:
+                 tasks: list[str] | None = None, overrides: list[str] = (), average: int = 1,
+                 ema: bool = False) -> Iterator[dict]:
     """For each chosen checkpoint of the run in `source` (see weights_to_evaluate; with
     `average`, the mean of its weights and those of the average - 1 checkpoints before it), or
     for the Hugging Face model in `source` (step and tokens None), what training's eval record
     would hold (trainer.Trainer.evaluation) with its step, tokens and path (and with `average`,
-    the steps averaged). Under torchrun every process calls this and gets the same records."""
+    the steps averaged; with `ema`, each checkpoint's moving average of the weights instead of
+    its weights, "ema" true). Under torchrun every process calls this and gets the same records."""
     from scaletrain.parallel.mesh import shutdown, world
     from scaletrain.train import checkpoint
     from scaletrain.train.trainer import Trainer
 
     source = Path(source)
+    if ema and average > 1:
+        raise ConfigError(f"--ema with --average {average}: evaluate the moving average or a mean of checkpoints, "
+                          "not both")
     groups = weights_to_evaluate(source, steps, every, average)
     hugging_face = is_hf_model(source)
     with tempfile.TemporaryDirectory(prefix="scaletrain-eval-") as scratch:
@@ -189,7 +194,7 @@ def evaluate_run(source: str | Path, steps: list[int] | None = None, every: bool
                 path, step, tokens, averaged = paths[-1], None, None, {}
                 if not hugging_face:
                     try:
-                        trainer.load_average(paths)
+                        trainer.load_average(paths, ema=ema)
                     except checkpoint.CheckpointError:
                         if not _vanished(paths):
                             raise
@@ -199,7 +204,8 @@ def evaluate_run(source: str | Path, steps: list[int] | None = None, every: bool
                     step, tokens = marker["step"], marker["tokens"]
                     if average > 1:
                         averaged = {"averaged_steps": [checkpoint.step_of(p) for p in paths]}
-                yield {"step": step, "tokens": tokens, "checkpoint": str(path), **averaged, **trainer.evaluation()}
+                yield {"step": step, "tokens": tokens, "checkpoint": str(path), **averaged,
+                       **({"ema": True} if ema else {}), **trainer.evaluation()}
         except BaseException:
             shutdown(clean=False)
             raise

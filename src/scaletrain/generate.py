@@ -14,10 +14,12 @@ class GenerateError(UserError, ValueError):
     """A sampling request that cannot be served (prompt too long, bad sampling settings)."""
 
 
-def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None, average: int = 1):
+def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None, average: int = 1,
+               ema: bool = False):
     """The model of a run directory with the weights of its newest intact checkpoint (or of
     the checkpoint of `step`; with `average`, the mean of those weights and of the average - 1
-    complete checkpoints' before it: see Trainer.load_average), and that checkpoint's step."""
+    complete checkpoints' before it: see Trainer.load_average; with `ema`, the moving average of
+    the weights the checkpoint holds, train.ema_decay's), and that checkpoint's step."""
     from scaletrain.model.llama import Transformer
     from scaletrain.train import checkpoint
 
@@ -25,10 +27,13 @@ def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None
     if not (run_dir / "config.toml").is_file():
         raise ConfigError(f"{str(run_dir)!r} is not a run directory (no config.toml); give the directory "
                           "`scaletrain train` wrote, e.g. runs/demo")
+    if ema and average > 1:
+        raise ConfigError(f"average {average} with the moving average of the weights: choose one")
     cfg = load_config(run_dir / "config.toml")
     root = run_dir / "checkpoints"
     model = Transformer(cfg.model)
-    state = {"model": model.state_dict()}  # reads only the model's entries of the checkpoint
+    section = "ema" if ema else "model"
+    state = {section: model.state_dict()}  # reads only the model's entries of the checkpoint (or their average's)
     if step is None:
         if not checkpoint.complete_checkpoints(root):
             raise checkpoint.CheckpointError(f"run directory {str(run_dir)!r} has no complete checkpoint yet")
@@ -40,14 +45,14 @@ def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None
             raise checkpoint.CheckpointError(f"run directory {str(run_dir)!r} has no checkpoint of step {step}; "
                                              f"it has steps: {have}")
         checkpoint.load(path, state)
-    if average > 1:
+    if average > 1:  # (not with ema: the section is "model")
         total = {name: value.clone() for name, value in state["model"].items()}
         for earlier in checkpoint.with_earlier(path, average)[:-1]:
             checkpoint.load(earlier, state)
             for name, value in state["model"].items():
                 total[name] += value
         state["model"] = {name: value / average for name, value in total.items()}
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state[section])
     return model.to(device).eval(), cfg, checkpoint.step_of(path)
 
 

@@ -225,9 +225,10 @@ def hf_config(cfg: ModelConfig, dtype: str, eos_id: int) -> dict:
 
 
 def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step: int | None = None,
-              max_shard_bytes: int = MAX_SHARD_BYTES, average: int = 1) -> Exported:
+              max_shard_bytes: int = MAX_SHARD_BYTES, average: int = 1, ema: bool = False) -> Exported:
     """Write the run's newest complete checkpoint (or the one of `step`; with `average`, the mean
-    of its weights and those of the average - 1 complete checkpoints before it) to `out` as a
+    of its weights and those of the average - 1 complete checkpoints before it; with `ema`, the
+    moving average of the weights it holds, train.ema_decay's) to `out` as a
     Hugging Face model directory; `out` must not exist or be empty. float32 keeps the trained
     weights exactly; bfloat16 or float16 halve the files."""
     out = Path(out)
@@ -257,7 +258,7 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
     from scaletrain.generate import load_model
     from scaletrain.model.flops import param_counts
 
-    model, cfg, step = load_model(run_dir, step=step, average=average)
+    model, cfg, step = load_model(run_dir, step=step, average=average, ema=ema)
     tokenizer = load_tokenizer(tokenizer_json)
     eos_id = find_eos(tokenizer)
     eos = tokenizer.id_to_token(eos_id)
@@ -292,7 +293,7 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
                      "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
                      "split_special_tokens": True, "model_max_length": cfg.model.max_seq_len})
         (staging / "README.md").write_text(_model_card(Path(run_dir), cfg, step, param_counts(cfg.model)["total"],
-                                                       dtype, average))
+                                                       dtype, average, ema))
         os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the export from everyone else
         os.replace(staging, out)  # rename(2) replaces an empty directory
     except BaseException:
@@ -331,7 +332,7 @@ def _shards(weights: dict, max_shard_bytes: int) -> dict[str, list[str]]:
     return {f"model-{i:05d}-of-{len(groups):05d}.safetensors": names for i, names in enumerate(groups, 1)}
 
 
-def _model_card(run_dir: Path, cfg, step: int, params: int, dtype: str, average: int = 1) -> str:
+def _model_card(run_dir: Path, cfg, step: int, params: int, dtype: str, average: int = 1, ema: bool = False) -> str:
     from scaletrain.train.metrics import read_metrics
 
     evals = [r for r in read_metrics(run_dir, "eval") if r["step"] <= step] if (run_dir / "metrics.jsonl").is_file() else []
@@ -341,6 +342,7 @@ def _model_card(run_dir: Path, cfg, step: int, params: int, dtype: str, average:
         "",
         f"A {params:,}-parameter decoder pre-trained with scaletrain (run `{cfg.run.name}`, step {step:,}"
         + (f", its weights the mean of that checkpoint's and the {average - 1} before it" if average > 1 else "")
+        + (f", its weights the moving average of the run's (decay {cfg.train.ema_decay:g} a step)" if ema else "")
         + f"), exported in {dtype}.",
         "",
         "| | |",

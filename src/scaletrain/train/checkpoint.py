@@ -363,6 +363,11 @@ def saved_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
             for name, entry in saved.items()}
 
 
+# What a section of a checkpoint's state holds, for saying that one lacks it.
+SECTIONS = {"ema": "moving average of the weights (its run trained with train.ema_decay = 0)",
+            "optim": "optimizer state"}
+
+
 def load(path: Path, state: dict, optional: tuple[str, ...] = ()) -> None:
     """Load checkpoint `path` into `state` in place (tensors are filled, other values replaced).
     Entries of `state` named in `optional` ("section.key") that the checkpoint lacks are
@@ -372,12 +377,15 @@ def load(path: Path, state: dict, optional: tuple[str, ...] = ()) -> None:
     problem = check_complete(path, verify=True)
     if problem:
         raise CheckpointDamaged(f"checkpoint {path} is not usable: {problem}")
-    if optional:
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        for name in optional:
-            section, key = name.split(".", 1)
-            if name not in saved and isinstance(state.get(section), dict):
-                state[section].pop(key, None)
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name in optional:
+        section, key = name.split(".", 1)
+        if name not in saved and isinstance(state.get(section), dict):
+            state[section].pop(key, None)
+    sections = {name.split(".", 1)[0] for name in saved}
+    for section, value in state.items():
+        if isinstance(value, dict) and value and section not in sections:
+            raise CheckpointError(f"checkpoint {path} holds no {SECTIONS.get(section, repr(section) + ' entries')}")
     try:
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as vocabulary_split_loss
 
@@ -287,6 +288,10 @@ class Trainer:
         # last looked-at step's estimates, where the step had a first micro-batch to measure.
         self.noise_stats = noise.new_stats()
         self.noise: dict | None = None
+        # train.ema_decay: the moving average of the weights, by state-dict name, sharded as they
+        # are (made from the weights when first wanted), and the local tensors each step lerps.
+        self.ema: dict[str, torch.Tensor] | None = None
+        self.ema_pairs: tuple[list, list] | None = None
         self.rewinds_left = cfg.train.rewinds
         self.pending: checkpoint.AsyncSave | None = None  # a checkpoint being written in the background
         self.checkpoint_group = None  # the process group of background checkpoint writes
@@ -446,7 +451,8 @@ class Trainer:
         return {"model": model_state, "optim": optim_state, "loader": json.dumps(self.loader.state_dict()),
                 "rng": rng_state(self.device),
                 "progress": {"step": self.step, "tokens": self.tokens, "loss_stats": self.loss_stats.cpu(),
-                             "noise_stats": self.noise_stats.clone()}}
+                             "noise_stats": self.noise_stats.clone()},
+                **({"ema": self.ema_state()} if self.cfg.train.ema_decay else {})}
 
     def load_state(self, state: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
@@ -457,6 +463,67 @@ class Trainer:
         self._load_loader(json.loads(state["loader"]))
         self.loss_stats = state["progress"].get("loss_stats", torch.zeros(4)).to(self.device)
         self.noise_stats = state["progress"].get("noise_stats", noise.new_stats()).to(torch.float64)
+        if self.cfg.train.ema_decay:
+            self._ema_from(state.get("ema", {}), loading=True)
+
+    def optional(self) -> tuple[str, ...]:
+        """What a checkpoint may lack (OPTIONAL), and the moving average of the weights: a run
+        that turns train.ema_decay on resumes from checkpoints without one."""
+        return OPTIONAL + tuple(f"ema.{name}" for name in (self.ema or {}))
+
+    def ema_state(self) -> dict[str, torch.Tensor]:
+        """The moving average of the weights (train.ema_decay), begun from the weights if it has
+        not been yet."""
+        if self.ema is None:
+            self._ema_from({})
+        return self.ema
+
+    def _ema_from(self, loaded: dict[str, torch.Tensor], loading: bool = False) -> None:
+        """The moving average as loaded (`loaded`, with what a checkpoint lacked left out), the
+        rest begun from the weights."""
+        self._reshard()  # (FSDP's state dict holds the sharded parameters, the optimizer's)
+        weights = {name: value for name, value in get_model_state_dict(self.model, options=STATE_OPTIONS).items()
+                   if value.is_floating_point()}
+        missing = [name for name in weights if name not in loaded]
+        if loading and missing:
+            log.warning("the checkpoint holds no moving average of %d of the weights (train.ema_decay was 0 when "
+                        "it was saved): it begins from them now", len(missing))
+        self.ema = {**loaded, **{name: weights[name].detach().clone() for name in missing}}
+        with torch.no_grad():  # (a DTensor's local part taken with autograd on is a view it guards)
+            self.ema_pairs = ([local_shard(self.ema[name]) for name in weights],
+                              [local_shard(weights[name]) for name in weights])
+
+    @contextlib.contextmanager
+    def ema_weights(self):
+        """The moving average of the weights in their place while inside (the weights kept aside)."""
+        averages, weights = self.ema_pairs
+        self._reshard()  # (an FSDP module still gathered would compute with what it gathered before)
+        with torch.no_grad():
+            kept = [weight.clone() for weight in weights]
+            torch._foreach_copy_(weights, averages)
+        try:
+            yield
+        finally:
+            self._reshard()
+            with torch.no_grad():
+                torch._foreach_copy_(weights, kept)
+
+    def _reshard(self) -> None:
+        """Free FSDP's gathered parameters (pipeline stages keep them between forwards), so that
+        the next forward gathers the shards as they are now."""
+        for part in self.parallel.parts:  # (a pipeline's parts: the roots its holder, self.model, leaves out)
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    def _update_ema(self, skipped: torch.Tensor) -> None:
+        """ema <- d ema + (1 - d) weights after the step, on each rank's shards; a skipped step
+        (`skipped`, on the device) changes nothing."""
+        self.ema_state()
+        averages, weights = self.ema_pairs
+        rate = (1 - self.cfg.train.ema_decay) * (~skipped).float()
+        with torch.no_grad():
+            torch._foreach_lerp_(averages, weights, [rate] * len(averages))
 
     def _load_loader(self, position: dict) -> None:
         """The loader at `position` in the data, the batch sizes (train.batch_ramp) following
@@ -478,19 +545,21 @@ class Trainer:
         the start record keeps of it."""
         return self.load_weights(self.init_from.path, self.cfg.checkpoint.init_optimizer)
 
-    def load_weights(self, path: Path, take_optimizer: bool = False) -> dict:
-        """The weights (and with `take_optimizer` the optimizer state) of the checkpoint `path`,
-        checked by init_source to fit, into this model in this layout; nothing else of the run
-        changes. Returns what a start record keeps of it (the checkpoint, its step and tokens)."""
+    def load_weights(self, path: Path, take_optimizer: bool = False, ema: bool = False) -> dict:
+        """The weights (and with `take_optimizer` the optimizer state; with `ema` the moving
+        average of the weights instead, train.ema_decay's) of the checkpoint `path`, checked by
+        init_source to fit, into this model in this layout; nothing else of the run changes.
+        Returns what a start record keeps of it (the checkpoint, its step and tokens)."""
+        section = "ema" if ema else "model"
         if take_optimizer:  # (building the optimizer's state initialises its moments: only then)
             model_state, optim_state = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
             state = {"model": model_state, "optim": optim_state}
         else:
-            state = {"model": get_model_state_dict(self.model, options=STATE_OPTIONS)}
+            state = {section: get_model_state_dict(self.model, options=STATE_OPTIONS)}
         saved = checkpoint.saved_shapes(path)
-        fresh = [name for name in state["model"] if f"model.{name}" not in saved and name.endswith(FRESH)]
+        fresh = [name for name in state[section] if f"{section}.{name}" not in saved and name.endswith(FRESH)]
         for name in fresh:  # checked by init_source: only weights that start afresh may be missing
-            del state["model"][name]
+            del state[section][name]
         if take_optimizer:
             lacking = [name for name in state["optim"] if f"optim.{name}" not in saved]  # (FRESH: buffers, no state)
             if lacking:
@@ -504,14 +573,14 @@ class Trainer:
                            optim_state_dict=state["optim"], options=options)
             self._set_hyperparameters()
         else:
-            set_model_state_dict(self.model, state["model"], options=options)
+            set_model_state_dict(self.model, state[section], options=options)
         marker = checkpoint.marker(path)
-        log.info("weights%s from %s (step %d of its run)", " and optimizer state" if take_optimizer else "", path,
-                 marker["step"])
+        log.info("%s%s from %s (step %d of its run)", "the moving average of the weights" if ema else "weights",
+                 " and optimizer state" if take_optimizer else "", path, marker["step"])
         return {"init_from": str(path), "init_step": marker["step"], "init_tokens": marker["tokens"],
                 "init_optimizer": take_optimizer}
 
-    def load_average(self, paths: list[Path]) -> None:
+    def load_average(self, paths: list[Path], ema: bool = False) -> None:
         """The mean of the weights of the checkpoints `paths` (each loaded as load_weights loads
         it), in this layout: the sharded tensors add up where they lie. Averaging the checkpoints of
         a run's latest stretch often gives a better model than its last (latest weight averaging:
@@ -519,7 +588,7 @@ class Trainer:
         much of the annealed model (Li et al. 2025)."""
         total = None
         for path in paths:
-            self.load_weights(path)
+            self.load_weights(path, ema=ema)
             state = get_model_state_dict(self.model, options=STATE_OPTIONS)
             if total is None:
                 total = {name: value.detach().clone() for name, value in state.items()}
@@ -548,13 +617,13 @@ class Trainer:
             return None
         state = self.state()
         if choice == "auto":
-            path = checkpoint.load_newest(self.ckpt_root, state, OPTIONAL)
+            path = checkpoint.load_newest(self.ckpt_root, state, self.optional())
         else:
             path = Path(choice)
             if not path.is_dir():
                 raise ConfigError(f"checkpoint.resume = {choice!r} is not a directory; give a checkpoint directory "
                                   "(…/checkpoints/step_NNNNNNN), 'auto' or 'never'")
-            checkpoint.load(path, state, OPTIONAL)
+            checkpoint.load(path, state, self.optional())
             # A leftover of an interrupted save is no history (the next save of its step replaces it).
             newer = [p.name for p in checkpoint.complete_checkpoints(self.ckpt_root)
                      if checkpoint.step_of(p) > int(state["progress"]["step"])]
@@ -591,7 +660,7 @@ class Trainer:
         self.loader.close()
         self.loader = self._new_loader()
         state = self.state()
-        path = checkpoint.load_newest(self.ckpt_root, state, OPTIONAL, at_most=good)
+        path = checkpoint.load_newest(self.ckpt_root, state, self.optional(), at_most=good)
         discarded = checkpoint.discard_after(self.ckpt_root, checkpoint.step_of(path))  # once it has loaded
         self.load_state(state)
         self._load_loader(position)
@@ -715,11 +784,13 @@ class Trainer:
         else:  # no skip on the device: every step is looked at before it applies
             self._check(None)
         self.optimizer.step()
+        if cfg.ema_decay:
+            self._update_ema(bad)
         max_load = (update_expert_bias(self.model, self.cfg.model, skip=bad)
                     if self.cfg.model.moe_bias_update else None)
         balance = balance_tally(self.model) if self.cfg.model.moe else None
         if self.held_bytes is None:  # after the first update every piece of state exists
-            self.held_bytes = held_bytes(self.model, self.optimizer)
+            self.held_bytes = held_bytes(self.model, self.optimizer, self.ema)
         self.optimizer.zero_grad(set_to_none=True)
         step_tokens = self.cfg.step_batch_tokens(self.step)
         self.tokens += step_tokens
@@ -979,8 +1050,14 @@ class Trainer:
         beat()
         tasks = self.evaluate_tasks(beat=beat)
         weights = self.cfg.data.weights
+        averaged = {}
+        if self.ema is not None:  # train.ema_decay: the moving average's loss too
+            with self.ema_weights():
+                averaged, _ = self.evaluate()
+            beat()
         return {"loss": sum(weights[name] * loss for name, loss in by_source.items()),
                 "loss_by_source": by_source,
+                **({"ema_loss": sum(weights[name] * loss for name, loss in averaged.items())} if averaged else {}),
                 **({"bits_per_byte": sum(weights[name] * value for name, value in bits.items()),
                     "bits_per_byte_by_source": bits} if bits and None not in bits.values() else {}),
                 **{f"task_{key}": {name: round(result[key], 6) for name, result in tasks.items()}
@@ -1029,6 +1106,8 @@ class Trainer:
                 source = {"init_from": str(self.init_from.path)}
             metrics.write("start", 0, 0, total_steps=self.total_steps, flops_per_token=self.flops_per_token,
                           device=str(self.device), dtype=str(self.dtype).removeprefix("torch."), **source)
+            if cfg.train.ema_decay:
+                self._ema_from({})  # from the run's first weights (init_from's, if it has them)
         train_loss = val_loss = None
         accounted = False
         window_tokens, window_steps, window_time, window_wait = 0, 0, 0.0, 0.0
@@ -1129,8 +1208,9 @@ class Trainer:
                     record = self.evaluation(beat=watchdog.beat)
                     val_loss = record["loss"]
                     metrics.write("eval", self.step, self.tokens, **record)
-                    log.info("step %d/%d  validation loss %.4f%s%s", self.step, self.total_steps, val_loss,
+                    log.info("step %d/%d  validation loss %.4f%s%s%s", self.step, self.total_steps, val_loss,
                              f" ({record['bits_per_byte']:.4f} bits/byte)" if "bits_per_byte" in record else "",
+                             f"  moving average {record['ema_loss']:.4f}" if "ema_loss" in record else "",
                              "".join(f"  {name} {accuracy:.1%}"
                                      for name, accuracy in record.get("task_accuracy", {}).items()))
             self.finish_saving(wait=True)  # the run's last checkpoint is complete before it returns
@@ -1167,12 +1247,15 @@ class Trainer:
                            resumed_from)
 
 
-def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               ema: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
     """Bytes this rank holds in parameters, gradients and optimizer state (its shards only,
-    under FSDP): what plan/memory.py's model of per-device memory must predict exactly."""
+    under FSDP): what plan/memory.py's model of per-device memory must predict exactly; and in
+    the moving average of the weights (train.ema_decay), which it does not model."""
     params = list(model.parameters())
     unique = {id(p): p for p in params}.values()  # tied weights count once
     return {
+        **({"ema": sum(_bytes(value) for value in ema.values())} if ema is not None else {}),
         "parameters": sum(_bytes(p) for p in unique),
         "gradients": sum(_bytes(p.grad) for p in unique if p.grad is not None),
         "optimizer": sum(_bytes(v) for state in optimizer.state.values() for v in state.values()
