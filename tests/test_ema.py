@@ -56,6 +56,10 @@ def test_evaluations_measure_the_average_as_eval_and_export_take_it(stdlib_data,
     assert "moving average of the run's (decay 0.5 a step)" in (tmp_path / "hf" / "README.md").read_text()
     memory = read_metrics(ema_run, "memory")[0]["bytes_by_rank"][0]
     assert memory["ema"] == memory["parameters"]  # float32, as the weights
+    report = run_cli("report", str(ema_run))
+    assert report.returncode == 0, report.stderr
+    [line] = [line for line in report.stdout.splitlines() if "final validation loss, moving average" in line]
+    assert f"{records[4]['ema_loss']:.4f}" in line
 
 
 def test_a_run_with_an_average_resumes_exactly_and_one_without_is_refused_it(stdlib_data, ema_run, tmp_path):

@@ -916,6 +916,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     table.add_row("final validation loss", _num(summary["val_loss"]))
     if summary["val_bits_per_byte"] is not None:
         table.add_row("final validation bits per byte", _num(summary["val_bits_per_byte"]))
+    if summary["val_ema_loss"] is not None:
+        table.add_row("final validation loss, moving average", _num(summary["val_ema_loss"]))
     table.add_row("tokens/s (median)", f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "-")
     if summary["mfu"] is not None:
         table.add_row("MFU (median)", f"{summary['mfu']:.1%}")

@@ -59,6 +59,7 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
         "planned_tokens": planned_tokens,
         "train_loss": train[-1]["loss"] if train else None, "val_loss": evals[-1]["loss"] if evals else None,
         "val_bits_per_byte": evals[-1].get("bits_per_byte") if evals else None,
+        "val_ema_loss": evals[-1].get("ema_loss") if evals else None,  # (train.ema_decay's average)
         "tokens_per_s": _median(r["tokens_per_s"] for r in steady),
         "mfu": _median(r.get("mfu") for r in steady),
         "data_wait_share": _median(r["data_wait_ms"] * r["tokens_per_s"] / cfg.step_batch_tokens(r["step"] - 1) / 1000
@@ -140,6 +141,10 @@ def _loss_plot(path: Path, train: list[dict], evals: list[dict], law, prediction
     if evals:
         ax.plot([r["tokens"] for r in evals], [r["loss"] for r in evals], "o-", ms=4, color="C1",
                 label="validation loss")
+        averaged = [r for r in evals if "ema_loss" in r]
+        if averaged:
+            ax.plot([r["tokens"] for r in averaged], [r["ema_loss"] for r in averaged], "s--", ms=3, color="C4",
+                    label="validation loss of the moving average")
     if prediction is not None:
         first = min((r["tokens"] for r in train + evals), default=prediction["tokens"] / 100)
         d = np.geomspace(max(first, prediction["tokens"] / 100, 1), prediction["tokens"], 60)
@@ -212,6 +217,8 @@ def _html(cfg, summary: dict, plots: list[Path]) -> str:
             ("final train loss", number(summary["train_loss"], ".4f")),
             ("final validation loss", number(summary["val_loss"], ".4f")),
             ("final validation bits per byte", number(summary["val_bits_per_byte"], ".4f")),
+            *([("final validation loss of the moving average of the weights",
+                number(summary["val_ema_loss"], ".4f"))] if summary["val_ema_loss"] is not None else []),
             ("tokens/s (median)", number(summary["tokens_per_s"], ",.0f")),
             ("MFU (median)", number(summary["mfu"], ".1%")),
             ("data wait, share of a step (median)", number(summary["data_wait_share"], ".2%")),
