@@ -388,9 +388,10 @@ def test_each_pipeline_rank_holds_the_bytes_the_memory_model_gives_it(stdlib_dat
     cfg = tiny_config(stdlib_data, tmp_path / "run", *DEEP, *TWO[name], "model.vocab_size=512")
     for rank, (embedding, head) in zip(held, holds, strict=True):
         estimate = rank_memory(cfg.model, cfg.data.seq_len, cfg.train.micro_batch, bf16=False, pp=2,
-                               embedding=embedding, head=head)
-        assert (estimate.parameters, estimate.gradients, estimate.optimizer) == (
-            rank["parameters"], rank["gradients"], rank["optimizer"]), (embedding, head)
+                               embedding=embedding, head=head, ema=cfg.train.ema_decay > 0)
+        assert (estimate.parameters, estimate.gradients, estimate.optimizer, estimate.ema) == (
+            rank["parameters"], rank["gradients"], rank["optimizer"], rank.get("ema", 0)), (embedding, head)
+    assert ("ema" in held[0]) == ("train.ema_decay=0.5" in TWO[name])  # (1F1B's run keeps the moving average)
 
 
 def test_fsdp_with_bfloat16_parameters_trains_close_to_float32(layout_runs, reference_deep):

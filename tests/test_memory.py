@@ -153,17 +153,21 @@ def test_recomputation_and_sharding_lower_the_prediction_in_order():
 
 
 @pytest.mark.parametrize("overrides", [[], ["model.moe_experts=4", "model.moe_shared_experts=1",
-                                             "model.moe_dense_layers=1", "train.optimizer=muon"]],
-                         ids=["dense", "moe-muon"])
+                                             "model.moe_dense_layers=1", "train.optimizer=muon", "train.ema_decay=0.9"]],
+                         ids=["dense", "moe-muon-ema"])
 def test_parameter_gradient_and_optimizer_bytes_equal_a_real_runs(stdlib_data, tmp_path, overrides):
     run_dir = tmp_path / "run"
     cfg = train(tiny_config(stdlib_data, run_dir, "train.steps=1", "eval.interval=0", *overrides)).run_dir
     held = read_metrics(cfg, "memory")[0]["bytes_by_rank"][0]
     resolved = tiny_config(stdlib_data, run_dir, "model.vocab_size=512", *overrides)
     estimate = training_memory(resolved.model, resolved.data.seq_len, resolved.train.micro_batch, micro_steps=2,
-                               bf16=False, optimizer=resolved.train.optimizer)
-    assert (estimate.parameters, estimate.gradients, estimate.optimizer) == (
-        held["parameters"], held["gradients"], held["optimizer"])
+                               bf16=False, optimizer=resolved.train.optimizer, ema=resolved.train.ema_decay > 0)
+    assert (estimate.parameters, estimate.gradients, estimate.optimizer, estimate.ema) == (
+        held["parameters"], held["gradients"], held["optimizer"], held.get("ema", 0))
+    if estimate.ema:  # the moving average of the weights raises the peak by its bytes
+        without = training_memory(resolved.model, resolved.data.seq_len, resolved.train.micro_batch, micro_steps=2,
+                                  bf16=False, optimizer=resolved.train.optimizer)
+        assert estimate.peak - without.peak == estimate.ema == estimate.parameters
 
 
 def test_the_planner_chooses_the_least_recomputation_that_fits():

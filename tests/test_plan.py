@@ -160,6 +160,10 @@ def test_batch_stays_near_the_rule_and_a_given_config_keeps_its_settings(tmp_pat
                      batch_tokens=base.train.global_batch_tokens, base=load_config(config, ["train.optimizer=muon"]))
     assert tomllib.loads(muon["config"])["train"]["optimizer"] == "muon"
     assert muon["memory"]["optimizer"] < 0.85 * again["memory"]["optimizer"]  # one moment of the block matrices
+    averaged = make_plan(base.model, 10**9, 4096, Hardware(H100, 8, 8, reliability=Reliability(async_save=False)),
+                         batch_tokens=base.train.global_batch_tokens, base=load_config(config, ["train.ema_decay=0.999"]))
+    assert tomllib.loads(averaged["config"])["train"]["ema_decay"] == 0.999
+    assert averaged["memory"]["ema"] == averaged["memory"]["parameters"] and again["memory"]["ema"] == 0
 
 
 def test_a_batch_ramp_is_timed_stretch_by_stretch_and_its_batches_split_over_the_layout(tmp_path, capsys):

@@ -411,7 +411,8 @@ def plan_tables(plan: dict) -> list[Table]:
     how.add_row("layout", plan["layout"]["text"])
     mem = plan["memory"]
     parts = ", ".join(f"{key.replace('_', ' ')} {_gb(mem[key])}" for key in
-                      ("parameters", "gradients", "optimizer", "weight_copies", "activations", "loss"))
+                      ("parameters", "gradients", "optimizer", "ema", "weight_copies", "activations", "loss")
+                      if key != "ema" or mem.get(key))
     how.add_row("memory per device", f"{_gb(mem['peak'])} of {_gb(mem['usable'])} usable: {parts}")
     parts = ", ".join(f"{key.replace('_', ' ')} {step[key]:.3g} s" for key in
                       ("compute", "tensor_parallel", "context_parallel", "expert_parallel", "data_parallel", "pipeline_bubble",

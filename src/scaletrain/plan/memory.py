@@ -12,6 +12,9 @@ Components (per device, in bytes):
   each rank's rows of a bucket of them (about one matrix's worth) to their owners and takes
   its rows of the results back: the mix, the buffer sent, the matrix received, two working
   copies, the result and the rows returned (counted from the code, not measured);
+- ema: with train.ema_decay, the moving average of the weights, float32 as the parameters and
+  sharded alike (an evaluation swapping it in holds one more copy of the rank's weights, but
+  no activations for a backward pass: not the peak);
 - weight copies: the bf16 copies that autocast (or FSDP's bf16 all-gather) makes of the matmul
   weights and that the backward pass keeps — all of them on one device, two blocks' worth
   under FSDP (one in use, one prefetched), all of the rank's blocks under FSDP with pipelining
@@ -94,6 +97,7 @@ class MemoryEstimate:
     activations: int
     loss: int
     peak: int
+    ema: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -185,13 +189,15 @@ def in_flight_microbatches(pp: int, microbatches: int, schedule: str = "1f1b", s
 def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 1, bf16: bool = True,
                     recompute: str = "none", fsdp: int = 1, tp: int = 1, cp: int = 1, pp: int = 1,
                     pp_schedule: str = "1f1b", pp_stages_per_rank: int = 1,
-                    loss_chunk_tokens: int = 0, ep: int = 1, optimizer: str = "adamw") -> MemoryEstimate:
+                    loss_chunk_tokens: int = 0, ep: int = 1, optimizer: str = "adamw",
+                    ema: bool = False) -> MemoryEstimate:
     """Predicted bytes per device for training model `cfg` (any object with ModelConfig's
     fields) on micro-batches of `micro_batch` sequences of `seq_len` tokens, gradients
     accumulated over `micro_steps` of them (the micro-batches a pipeline runs per step),
     parameters sharded over `fsdp` ranks (dp_shard × cp) and split over `tp`, each sequence
     split over `cp`, the blocks over `pp` pipeline ranks, a mixture's experts over `ep` of the
-    FSDP ranks (sharded over all `fsdp` of them either way). Under pipelining, the estimate of
+    FSDP ranks (sharded over all `fsdp` of them either way); `ema`: train.ema_decay's moving
+    average of the weights is kept. Under pipelining, the estimate of
     the pipeline rank with the larger peak."""
     if moe_layers(cfg) and tp > 1:
         raise ValueError("the memory model does not cover a mixture of experts under tensor parallelism (its router "
@@ -199,7 +205,7 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
     if pp > 1 and 0 < moe_layers(cfg) < cfg.n_layers:
         cfg = _heaviest_pipeline_rank(cfg, pp, pp_schedule, pp_stages_per_rank)
     common = dict(micro_steps=micro_steps, bf16=bf16, recompute=recompute, fsdp=fsdp, tp=tp, cp=cp,
-                  loss_chunk_tokens=loss_chunk_tokens, ep=ep, optimizer=optimizer)
+                  loss_chunk_tokens=loss_chunk_tokens, ep=ep, optimizer=optimizer, ema=ema)
     if pp == 1:
         return rank_memory(cfg, seq_len, micro_batch, **common)
     in_flight = in_flight_microbatches(pp, micro_steps, pp_schedule, pp_stages_per_rank)
@@ -235,7 +241,7 @@ class _heaviest_pipeline_rank:
 def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 1, bf16: bool = True,
                 recompute: str = "none", fsdp: int = 1, tp: int = 1, cp: int = 1, loss_chunk_tokens: int = 0,
                 pp: int = 1, in_flight: float = 1, losses: float = 1, embedding: bool = True,
-                head: bool = True, ep: int = 1, optimizer: str = "adamw") -> MemoryEstimate:
+                head: bool = True, ep: int = 1, optimizer: str = "adamw", ema: bool = False) -> MemoryEstimate:
     """One rank's bytes (arguments as training_memory's): L/pp blocks, the embedding and the
     output head (with the final norm) where it holds them, the activations of `in_flight`
     micro-batches of its blocks and, with the head, of `losses` micro-batches' loss."""
@@ -279,9 +285,11 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
         loss += tokens * cfg.dim * (2 if bf16 else 4) + (6 if bf16 else 4) * vocab * cfg.dim
     loss = round(losses * loss) if head else 0
     accumulating = gradients if micro_steps > 1 else 0
-    peak = parameters + optimizer_bytes + weight_copies + max(activations + loss + accumulating,
-                                                              gradients + max(round(one_block), stepping))
-    return MemoryEstimate(parameters, gradients, optimizer_bytes, weight_copies, activations, loss, round(peak))
+    averaged = parameters if ema else 0
+    peak = parameters + averaged + optimizer_bytes + weight_copies + max(activations + loss + accumulating,
+                                                                         gradients + max(round(one_block), stepping))
+    return MemoryEstimate(parameters, gradients, optimizer_bytes, weight_copies, activations, loss, round(peak),
+                          averaged)
 
 
 def _muon_step_bytes(cfg: Any, fsdp: int, tp: int, ep: int) -> int:

@@ -175,6 +175,7 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
     ranked = search(model, seq_len, target, hardware.count, hardware.device, fixed_batch=fixed,
                     gpus_per_node=hardware.gpus_per_node, efficiency=hardware.efficiency, dtype=dtype, top=top,
                     optimizer=base.train.optimizer if base is not None else "adamw",
+                    ema=base is not None and base.train.ema_decay > 0,
                     ramp=tuple(batch // seq_len for _, batch in ramp))
     best = ranked[0]
     batch_tokens = best.global_batch * seq_len
@@ -189,7 +190,7 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
     train_s = steps * best.time.total + sum(phase["steps"] * phase["step_s"] for phase in phases)
     tokens = ramp_tokens + steps * batch_tokens
     steps += sum(phase["steps"] for phase in phases)
-    state = best.memory.parameters + best.memory.optimizer  # what a checkpoint saves of each device
+    state = best.memory.parameters + best.memory.optimizer + best.memory.ema  # what a checkpoint saves of each device
     # (With a ramp, its steps' mean time: the run's seconds are what the checkpoint and failure arithmetic needs.)
     cost = run_cost(steps, train_s / steps, hardware.count, hardware.nodes, state,
                     state * hardware.count / best.layout.dp_replicate, hardware.device.watts, hardware.reliability,

@@ -119,9 +119,10 @@ def _splits(batch: int, dp: int, micro_batch: int, pp: int, stages: int) -> bool
 def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fixed_batch: bool = False,
                gpus_per_node: int | None = None, efficiency: Efficiency = Efficiency(), dtype: str = "bf16",
                usable: float = USABLE_MEMORY, allow_cp: bool = False, optimizer: str = "adamw",
-               ramp: tuple[int, ...] = ()) -> tuple[list[Candidate], Candidate | None]:
+               ramp: tuple[int, ...] = (), ema: bool = False) -> tuple[list[Candidate], Candidate | None]:
     """Every layout of `world` devices that fits (each with its least recomputation), and the
-    one closest to fitting when none does (for the message); `optimizer` is train.optimizer.
+    one closest to fitting when none does (for the message); `optimizer` is train.optimizer, `ema`
+    whether train.ema_decay keeps a moving average of the weights.
     The layouts must also split each of `ramp`'s batches (sequences: train.batch_ramp's)."""
     gpus_per_node = gpus_per_node or device.gpus_per_node
     capacity = usable * device.memory
@@ -149,7 +150,7 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
                             layout = memory = None
                             for chunk in chunks:
                                 layout = PlanLayout(replicate, dp // replicate, tp, cp, pp, micro_batch, recompute,
-                                                    schedule, stages, chunk, ep, optimizer)
+                                                    schedule, stages, chunk, ep, optimizer, ema)
                                 memory = layout.memory(cfg, seq_len, global_batch, bf16=dtype == "bf16")
                                 if memory.peak <= capacity:
                                     break
@@ -167,11 +168,11 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
 def search(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fixed_batch: bool = False,
            gpus_per_node: int | None = None, efficiency: Efficiency = Efficiency(), dtype: str = "bf16",
            usable: float = USABLE_MEMORY, top: int = 5, allow_cp: bool = False,
-           optimizer: str = "adamw", ramp: tuple[int, ...] = ()) -> list[Candidate]:
+           optimizer: str = "adamw", ramp: tuple[int, ...] = (), ema: bool = False) -> list[Candidate]:
     """The best `top` layouts, best first (see the module's docstring); PlanError when none fits."""
     fits, closest = candidates(cfg, seq_len, batch, world, device, fixed_batch=fixed_batch,
                                gpus_per_node=gpus_per_node, efficiency=efficiency, dtype=dtype, usable=usable,
-                               allow_cp=allow_cp, optimizer=optimizer, ramp=ramp)
+                               allow_cp=allow_cp, optimizer=optimizer, ramp=ramp, ema=ema)
     if not fits:
         if closest is None:
             batches = f"a batch of {batch}" if not ramp else f"batches of {', '.join(map(str, (*ramp, batch)))}"

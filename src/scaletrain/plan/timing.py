@@ -108,6 +108,7 @@ class PlanLayout:
     loss_chunk_tokens: int = 0
     ep: int = 1  # expert parallelism: a mixture's experts split over ep of the dp_shard ranks
     optimizer: str = "adamw"  # train.optimizer: Muon keeps one moment of the blocks' matrices, not two
+    ema: bool = False  # train.ema_decay: a moving average of the weights is kept
 
     @property
     def dp(self) -> int:
@@ -128,13 +129,13 @@ class PlanLayout:
         chunk = cfg.train.loss_chunk_tokens if layout.tp == 1 and layout.pp == 1 else 0  # train ignores it there
         return cls(layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp, layout.pp, cfg.train.micro_batch,
                    cfg.parallel.recompute, cfg.parallel.pp_schedule, cfg.parallel.stages_per_rank, chunk, layout.ep,
-                   cfg.train.optimizer)
+                   cfg.train.optimizer, cfg.train.ema_decay > 0)
 
     def memory_layout(self, global_batch: int) -> dict:
         """training_memory's keyword arguments for this layout (all but the recomputation)."""
         return dict(micro_steps=self.microbatches(global_batch), fsdp=self.dp_shard * self.cp, tp=self.tp, cp=self.cp,
                     pp=self.pp, pp_schedule=self.pp_schedule, pp_stages_per_rank=self.pp_stages_per_rank,
-                    loss_chunk_tokens=self.loss_chunk_tokens, ep=self.ep, optimizer=self.optimizer)
+                    loss_chunk_tokens=self.loss_chunk_tokens, ep=self.ep, optimizer=self.optimizer, ema=self.ema)
 
     def memory(self, cfg: Any, seq_len: int, global_batch: int, bf16: bool = True) -> MemoryEstimate:
         """plan/memory.py's prediction of the bytes per device of this layout."""
