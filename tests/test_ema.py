@@ -77,6 +77,14 @@ def test_a_run_with_an_average_resumes_exactly_and_one_without_is_refused_it(std
     refused = run_cli("export", str(plain), "--ema", "--out", str(tmp_path / "out"))
     assert refused.returncode != 0 and "holds no moving average" in refused.stderr
     assert not (tmp_path / "out").exists()
+    # Tied embeddings: one average of the one matrix.
+    tied = tmp_path / "tied"
+    train(tiny_config(stdlib_data, tied, "train.steps=2", "eval.interval=2", "train.ema_decay=0.5",
+                      "model.tie_embeddings=true"))
+    memory = read_metrics(tied, "memory")[0]["bytes_by_rank"][0]
+    assert memory["ema"] == memory["parameters"]
+    averaged = load_model(tied, ema=True)[0]
+    assert averaged.output.weight is averaged.tok_embeddings.weight
     # Turned on when the run resumes: the average begins from the weights it resumes with.
     train(tiny_config(stdlib_data, plain, "train.steps=3", "eval.interval=0", "train.ema_decay=0.9"))
     assert "ema_loss" in read_metrics(plain, "eval")[-1]

@@ -1,7 +1,7 @@
 """muP (model.mup_base_dim): its initialisation and learning rates, the same model as the standard
 parametrization at the base width, and the coordinate check of Yang et al. 2022 — after a few
 Adam steps at one learning rate, the logits move by as much at 8x the width under muP, and by
-about 8x as much without it."""
+about 8x as much without it (and Muon's hidden updates keep their spectral norm)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,9 @@ def test_mup_starts_and_steps_each_kind_of_weight_as_its_fan_in_asks():
         assert len(lrs) == len(weights)
         for name, lr in lrs.items():
             slow = weights[name].ndim >= 2 and not name.startswith("tok_embeddings")
-            assert lr == pytest.approx(5e-4 if slow else 2e-3), (kind, name)
+            # Muon's hidden matrices: lr / sqrt(m) (its update's spectral norm grows as sqrt(width))
+            hidden = kind == "muon" and name.startswith("layers.") and slow and not name.endswith("router.weight")
+            assert lr == pytest.approx(1e-3 if hidden else 5e-4 if slow else 2e-3), (kind, name)
         assert {g["weight_decay"] for g in optimizer.param_groups if g["params"][0].ndim >= 2} == {0.1}
 
 
@@ -76,13 +78,16 @@ def test_mup_refuses_tied_embeddings():
         config(128, "model.mup_base_dim=64", "model.tie_embeddings=true")
 
 
-def logit_shift(dim: int, data, *overrides: str, lr: float = 3e-3, steps: int = 5) -> float:
-    """Root mean square of how far `steps` Adam steps at `lr` moved the logits of a batch of
-    real text, for the model at width `dim`."""
+def update_size(dim: int, data, *overrides: str, lr: float = 3e-3, steps: int = 5, kind: str = "adamw") -> float:
+    """Root mean square of how far `steps` steps at `lr` moved the logits of a batch of real
+    text, for the model at width `dim` (kind "muon": the spectral norm of how far they moved
+    the second block's MLP output matrix, a hidden matrix Muon steps)."""
     cfg = config(dim, *overrides)
     torch.manual_seed(0)
     model = Transformer(cfg.model)
-    optimizer = optimizer_for(model, cfg, lr=lr)
+    optimizer = optimizer_for(model, cfg, lr=lr, kind=kind)
+    hidden = model.layers["1"].feed_forward.w2.weight
+    start = hidden.detach().clone()
     inputs, targets = data[:, :-1], data[:, 1:]
     with torch.no_grad():
         before = model(inputs)
@@ -92,19 +97,27 @@ def logit_shift(dim: int, data, *overrides: str, lr: float = 3e-3, steps: int = 
         loss.backward()
         optimizer.step()
     with torch.no_grad():
+        if kind == "muon":
+            return torch.linalg.matrix_norm(hidden - start, ord=2).item()
         return (model(inputs) - before).pow(2).mean().sqrt().item()
 
 
 def test_the_coordinate_check_muP_keeps_the_logits_update_as_the_width_grows_and_standard_does_not(stdlib_data):
     split = open_split(stdlib_data, "train")
     data = torch.from_numpy(np.stack([split.read(i * 65, 65) for i in range(16)]))
-    standard = [logit_shift(dim, data) for dim in (64, 512)]
-    mup = [logit_shift(dim, data, "model.mup_base_dim=64") for dim in (64, 512)]
+    standard = [update_size(dim, data) for dim in (64, 512)]
+    mup = [update_size(dim, data, "model.mup_base_dim=64") for dim in (64, 512)]
     assert standard[0] == pytest.approx(mup[0], rel=1e-6)  # the same model at the base width
     # Measured: 0.41 at both widths under muP; 0.41 -> 3.4 without it (Adam's steps grow the
     # logits as the fan-in of the head).
     assert 0.5 < mup[1] / mup[0] < 2, mup
     assert standard[1] / standard[0] > 4, standard
+    # Muon's hidden updates: measured 0.044 at both widths under muP; 0.044 -> 0.115 without
+    # (and 0.016 at 512 had they been slowed by 1 / m, as Adam's are).
+    standard = [update_size(dim, data, kind="muon") for dim in (64, 512)]
+    mup = [update_size(dim, data, "model.mup_base_dim=64", kind="muon") for dim in (64, 512)]
+    assert 0.7 < mup[1] / mup[0] < 1.4, mup
+    assert standard[1] / standard[0] > 2, standard
 
 
 def test_a_mup_run_resumes_with_the_losses_of_one_that_never_stopped(stdlib_data, tmp_path):

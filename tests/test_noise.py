@@ -36,6 +36,8 @@ def test_the_estimators_recover_the_true_gradient_and_the_trace_of_its_noise():
     # The moving averages' ratio: noisier (the last ~20 estimates), right in size.
     assert noise.noise_scale(stats) == pytest.approx(sigma.square().sum().item() / true.square().sum().item(), rel=0.5)
     assert noise.noise_scale(noise.new_stats()) is None
+    for negative in ([1.0, -1.0, 1.0], [-1.0, 1.0, 1.0]):  # early estimates below zero: no scale yet
+        assert noise.noise_scale(torch.tensor(negative, dtype=torch.float64)) is None
     assert torch.equal(noise.update(stats, math.nan, 1.0), stats)
     with pytest.raises(ValueError, match="must be smaller"):
         noise.estimates(1.0, 1.0, 256, 256)

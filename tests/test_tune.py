@@ -49,8 +49,8 @@ def test_the_best_rate_its_parabola_and_the_grids_edges():
 def test_tune_trains_each_rate_once_resumes_and_writes_the_tuned_config(stdlib_data, tmp_path):
     out, written = tmp_path / "tune", tmp_path / "tuned.toml"
     args = ["tune", str(TINY), f"data.path={stdlib_data}", "model.dim=128", "model.n_heads=8", "model.n_kv_heads=4",
-            "model.mup_base_dim=64", "train.steps=3", "train.warmup_steps=1", "--lrs", "0.003,0.03,1e38",
-            "--out", str(out), "--write-config", str(written)]
+            "model.mup_base_dim=64", "train.warmup_steps=1", "train.batch_ramp=[[256, 512]]", "--steps", "3",
+            "--lrs", "0.003,0.03,1e38", "--out", str(out), "--write-config", str(written)]
     first = run_cli(*args)
     assert first.returncode == 0, first.stderr
     doc = json.loads((out / "tune.json").read_text())
@@ -59,18 +59,20 @@ def test_tune_trains_each_rate_once_resumes_and_writes_the_tuned_config(stdlib_d
     assert doc["best_lr"] == min((0.003, 0.03), key=lambda lr: by_lr[lr]["val_loss"])
     for lr in (0.003, 0.03):  # each proxy a run of width 64 at its rate, whose last evaluation is the loss
         proxy = load_config(out / f"lr_{lr:g}" / "config.toml")
-        assert (proxy.model.dim, proxy.model.n_heads, proxy.train.lr) == (64, 4, lr)
+        assert (proxy.model.dim, proxy.model.n_heads, proxy.train.lr, proxy.train.steps) == (64, 4, lr, 3)
         evals = [json.loads(line) for line in (out / f"lr_{lr:g}" / "metrics.jsonl").read_text().splitlines()
                  if '"kind": "eval"' in line]
         assert by_lr[lr]["val_loss"] == evals[-1]["loss"]
     tuned = load_config(written)
     assert (tuned.model.dim, tuned.model.mup_base_dim, tuned.train.lr) == (128, 64, doc["best_lr"])
+    assert tuned.train.steps == load_config(TINY).train.steps  # the run's length, not the proxies'
+    assert tuned.train.batch_ramp == [(256, 512)]
     assert "diverged" in first.stdout and "← best" in first.stdout
 
     again = run_cli(*args)  # nothing left to train
     assert again.returncode == 0, again.stderr
     assert "training lr" not in again.stderr and json.loads((out / "tune.json").read_text()) == doc
-    other = run_cli(*[a.replace("train.steps=3", "train.steps=4") for a in args])
+    other = run_cli(*[a.replace("train.warmup_steps=1", "train.warmup_steps=2") for a in args])
     assert other.returncode != 0 and "holds a tuning of another config" in other.stderr
     refused = run_cli("tune", str(TINY), f"data.path={stdlib_data}", "--out", str(tmp_path / "x"))
     assert refused.returncode != 0 and "set model.mup_base_dim" in refused.stderr

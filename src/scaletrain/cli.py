@@ -529,7 +529,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     base = cfg.model.mup_base_dim
     console.print(f"tuning the learning rate of {cfg.run.name} (width {cfg.model.dim}) on its proxy of width {base}, "
                   f"{len(set(lrs))} rates, in {out_dir}", highlight=False)
-    doc = tune(cfg, out_dir, lrs, progress=lambda i, lr: console.print(f"  training lr {lr:.4g}", highlight=False))
+    doc = tune(cfg, out_dir, lrs, progress=lambda i, lr: console.print(f"  training lr {lr:.4g}", highlight=False),
+               steps=args.steps)
     table = Table(title=f"proxy of width {base}: validation loss by learning rate")
     table.add_column("lr", justify="right")
     table.add_column("val loss", justify="right")
@@ -1119,7 +1120,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "rate of the narrow model is the wide one's.")
     p.add_argument("config", help="TOML config with model.mup_base_dim set")
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="override config values (e.g. train.steps=500 for shorter proxies)")
+                   help="override config values (of the proxies and of the config --write-config writes)")
+    p.add_argument("--steps", type=_count, default=None,
+                   help="train each proxy this many steps (default: the run's length); the written config keeps its own")
     p.add_argument("--lrs", type=lambda text: [_lr(part) for part in text.split(",")], default=None,
                    help="learning rates to try, comma-separated (default: 2^-11 to 2^-5, a factor of 2 apart)")
     p.add_argument("--out", default=None, help="directory of the proxy runs and tune.json (runs/NAME-tune)")

@@ -8,7 +8,7 @@ The proxy is the config's run with the width (and the MLP's, and the number of h
 head as wide) scaled to mup_base_dim and everything else — depth, vocabulary, data, batch,
 steps, schedule, seed — the same: muP transfers across width, not depth or training length, so
 a proxy trained shorter than the run finds the best rate of a shorter run (shorten it anyway
-when the run is long: the best rate moves slowly with length). Each proxy is a run of its own
+when the run is long, with `steps`: the best rate moves slowly with length). Each proxy is a run of its own
 in the tuning directory: an interrupted tuning resumes (finished rates kept, the one in
 progress from its checkpoint), and a diverged one counts as the worst.
 """
@@ -57,9 +57,9 @@ def proxy_data(cfg: RunConfig) -> dict:
     return data
 
 
-def tune(cfg: RunConfig, out: str | Path, lrs=DEFAULT_LRS, progress=None) -> dict:
+def tune(cfg: RunConfig, out: str | Path, lrs=DEFAULT_LRS, progress=None, steps: int | None = None) -> dict:
     """Train the proxy of `cfg` at each learning rate of `lrs` in directory `out` (resuming what
-    is there); returns {"proxy": ..., "results": [{"lr", "val_loss" or None, "diverged"}...],
+    is there), each for `steps` optimizer steps if given (else the run's length); returns {"proxy": ..., "results": [{"lr", "val_loss" or None, "diverged"}...],
     "best_lr", "fitted_lr", "edge"}, also written to out/tune.json. progress(i, lr) is called
     before each rate is trained."""
     from scaletrain.train.metrics import read_metrics
@@ -68,8 +68,11 @@ def tune(cfg: RunConfig, out: str | Path, lrs=DEFAULT_LRS, progress=None) -> dic
     out = Path(out)
     proxy = proxy_data(cfg)
     proxy.setdefault("run", {}).update(dir=str(out), name="proxy")
+    if steps is not None:  # the proxies' length, not the run's
+        proxy["train"].pop("tokens", None)
+        proxy["train"]["steps"] = steps
     # What makes two tunings the same: the proxy's every setting but the rate.
-    identity = validate_config(proxy, source="the proxy").model_dump(exclude_none=True)
+    identity = validate_config(proxy, source="the proxy").model_dump(mode="json", exclude_none=True)  # (as JSON reads back)
     identity["train"].pop("lr")
     record = out / "tune.json"
     results: dict[float, dict] = {}

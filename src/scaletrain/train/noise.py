@@ -62,8 +62,8 @@ def update(stats: torch.Tensor, grad_sq: float, trace: float) -> torch.Tensor:
 
 def noise_scale(stats: torch.Tensor) -> float | None:
     """B_simple in tokens from the moving averages (their shared start-up bias cancels), or None
-    while |G|²'s is not positive."""
+    while either is not positive (early on, noise can drive either estimate below zero)."""
     grad_sq, trace, weight = stats.tolist()
-    if weight == 0 or grad_sq <= 0:
+    if weight == 0 or grad_sq <= 0 or trace <= 0:
         return None
     return trace / grad_sq

@@ -50,11 +50,12 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     """Decay applies to weight matrices (embeddings and linears), not to norm gains or other vectors:
     shrinking a norm's gain towards zero has no regularising meaning (as in GPT-3 and Llama).
     kind "muon": the blocks' matrices go to Muon (see the module's docstring). width_mult: muP's
-    (model.mup_base_dim), by which every matrix but the embedding learns more slowly; each
-    group's share of the learning rate is the optimizer's `lr_scales` (see set_lr)."""
+    (model.mup_base_dim), by which every matrix but the embedding learns more slowly (AdamW's by
+    1 / m, Muon's hidden matrices by 1 / sqrt(m)); each group's share of the learning rate is the
+    optimizer's `lr_scales` (see set_lr)."""
     named = [(name.replace("_orig_mod.", ""), p) for name, p in model.named_parameters() if p.requires_grad]
-    muon = [p for name, p in named if kind == "muon" and p.ndim >= 2 and name.split(".")[0] not in ADAMW_ONLY]
-    chosen = {id(p) for p in muon}
+    muon = [(name, p) for name, p in named if kind == "muon" and p.ndim >= 2 and name.split(".")[0] not in ADAMW_ONLY]
+    chosen = {id(p) for _, p in muon}
     params = [(name, p) for name, p in named if id(p) not in chosen]
     # (Yang et al. 2022, table 3: under Adam a matrix whose fan-in grows m times steps 1 / m as
     # far; the embedding's fan-in, the vocabulary, does not grow.)
@@ -63,7 +64,13 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
               ({"params": [p for unscaled, p in matrices if unscaled]}, 1.0),
               ({"params": [p for _, p in params if p.ndim < 2]}, 1.0)]
     if kind == "muon":
-        groups.append(({"params": muon, "muon": True}, 1 / width_mult))
+        # Muon's update is orthogonal, its spectral norm 0.2 lr sqrt(max(rows, columns)): muP's
+        # spectral condition (Yang, Simon and Bernstein 2023: sqrt(fan-out / fan-in)) asks
+        # lr / sqrt(m) of the hidden matrices and lr / m of the routers, whose fan-out stays.
+        def router(name: str) -> bool:
+            return width_mult != 1 and name.endswith("router.weight")
+        groups += [({"params": [p for name, p in muon if not router(name)], "muon": True}, 1 / math.sqrt(width_mult)),
+                   ({"params": [p for name, p in muon if router(name)], "muon": True}, 1 / width_mult)]
     groups = [(group, scale) for group, scale in groups if group["params"]]
     # The fused kernel is one launch per step instead of one per tensor group.
     fused = device.type in ("cuda", "cpu")

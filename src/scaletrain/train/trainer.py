@@ -490,8 +490,17 @@ class Trainer:
                         "it was saved): it begins from them now", len(missing))
         self.ema = {**loaded, **{name: weights[name].detach().clone() for name in missing}}
         with torch.no_grad():  # (a DTensor's local part taken with autograd on is a view it guards)
-            self.ema_pairs = ([local_shard(self.ema[name]) for name in weights],
-                              [local_shard(weights[name]) for name in weights])
+            def storage(name: str):  # (an empty shard is no one's storage)
+                local = local_shard(weights[name])
+                return (local.data_ptr(), local.shape) if local.numel() else name
+            first: dict = {}  # storage -> the first name of it: a tied weight has one average
+            for name in weights:
+                first.setdefault(storage(name), name)
+            unique = list(first.values())
+            for name in weights:
+                self.ema[name] = self.ema[first[storage(name)]]
+            self.ema_pairs = ([local_shard(self.ema[name]) for name in unique],
+                              [local_shard(weights[name]) for name in unique])
 
     @contextlib.contextmanager
     def ema_weights(self):
@@ -1250,12 +1259,12 @@ class Trainer:
 def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                ema: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
     """Bytes this rank holds in parameters, gradients and optimizer state (its shards only,
-    under FSDP): what plan/memory.py's model of per-device memory must predict exactly; and in
-    the moving average of the weights (train.ema_decay), which it does not model."""
+    under FSDP), and in the moving average of the weights (train.ema_decay): what
+    plan/memory.py's model of per-device memory must predict exactly."""
     params = list(model.parameters())
     unique = {id(p): p for p in params}.values()  # tied weights count once
     return {
-        **({"ema": sum(_bytes(value) for value in ema.values())} if ema is not None else {}),
+        **({"ema": sum(_bytes(value) for value in {id(v): v for v in ema.values()}.values())} if ema is not None else {}),
         "parameters": sum(_bytes(p) for p in unique),
         "gradients": sum(_bytes(p.grad) for p in unique if p.grad is not None),
         "optimizer": sum(_bytes(v) for state in optimizer.state.values() for v in state.values()
