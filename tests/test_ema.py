@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import run_cli, tiny_config
 from scaletrain.config import ConfigError
-from scaletrain.evaluate import evaluate_run
+from scaletrain.evaluate import evaluate_run, weights_to_evaluate
 from scaletrain.generate import load_model
 from scaletrain.hf import export_hf
 from scaletrain.train.checkpoint import CheckpointError
@@ -54,6 +54,8 @@ def test_evaluations_measure_the_average_as_eval_and_export_take_it(stdlib_data,
     average = load_model(ema_run, ema=True)[0]
     assert torch.equal(exported["model.embed_tokens.weight"], average.tok_embeddings.weight.detach())
     assert "moving average of the run's (decay 0.5 a step)" in (tmp_path / "hf" / "README.md").read_text()
+    with pytest.raises(ConfigError, match=r"Hugging Face model, one set of weights.*moving average \(--ema\)"):
+        weights_to_evaluate(tmp_path / "hf", ema=True)  # (an export keeps no average of its own)
     memory = read_metrics(ema_run, "memory")[0]["bytes_by_rank"][0]
     assert memory["ema"] == memory["parameters"]  # float32, as the weights
     report = run_cli("report", str(ema_run))

@@ -529,7 +529,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     base = cfg.model.mup_base_dim
     console.print(f"tuning the learning rate of {cfg.run.name} (width {cfg.model.dim}) on its proxy of width {base}, "
                   f"{len(set(lrs))} rates, in {out_dir}", highlight=False)
-    doc = tune(cfg, out_dir, lrs, progress=lambda i, lr: console.print(f"  training lr {lr:.4g}", highlight=False),
+    doc = tune(cfg, out_dir, lrs, progress=lambda lr: console.print(f"  training lr {lr:.4g}", highlight=False),
                steps=args.steps)
     table = Table(title=f"proxy of width {base}: validation loss by learning rate")
     table.add_column("lr", justify="right")
@@ -810,10 +810,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.metric != "loss":
         raise UserError("--metric chooses what a sweep's points are fitted to; give a sweep directory, or drop it")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        if args.ema and args.average > 1:
-            raise UserError(f"--ema with --average {args.average}: evaluate the moving average or a mean of "
-                            "checkpoints, not both")
-        weights_to_evaluate(Path(args.run_dir), args.step, args.every, args.average)  # one line here, not N there
+        weights_to_evaluate(Path(args.run_dir), args.step, args.every, args.average, args.ema)  # one line, not N
         return _torchrun(args, ["eval", args.run_dir, *args.overrides, *(f"--step={step}" for step in args.step or []),
                                 *(["--all"] if args.every else []), *(["--data", args.data] if args.data else []),
                                 f"--average={args.average}", *(["--ema"] if args.ema else []),

@@ -41,7 +41,7 @@ def run_config_data(run_dir: Path) -> dict:
 
 
 def weights_to_evaluate(source: Path, steps: list[int] | None = None, every: bool = False,
-                        average: int = 1) -> list[list[Path]]:
+                        average: int = 1, ema: bool = False) -> list[list[Path]]:
     """What to evaluate, a list of checkpoints to average each: the checkpoints of the run in
     `source` chosen as chosen_checkpoints chooses them, each with the average - 1 complete ones
     before it (with `every`, those that have so many before them), or the Hugging Face model
@@ -51,10 +51,13 @@ def weights_to_evaluate(source: Path, steps: list[int] | None = None, every: boo
 
     if average < 1:
         raise ConfigError(f"--average {average}: average at least 1 checkpoint (1: each on its own)")
+    if ema and average > 1:
+        raise ConfigError(f"--ema with --average {average}: evaluate the moving average or a mean of checkpoints, "
+                          "not both")
     if is_hf_model(source):
-        if steps or every or average > 1:
+        if steps or every or average > 1 or ema:
             raise ConfigError(f"{str(source)!r} is a Hugging Face model, one set of weights: it has no checkpoints "
-                              "to choose with --step or --all, or to --average")
+                              "to choose with --step or --all, to --average, or moving average (--ema)")
         return [[source]]
     run_config_data(source)  # (a clear message before the checkpoints are looked for)
     chosen = chosen_checkpoints(source, steps, every)
@@ -181,10 +184,7 @@ def evaluate_run(source: str | Path, steps: list[int] | None = None, every: bool
     from scaletrain.train.trainer import Trainer
 
     source = Path(source)
-    if ema and average > 1:
-        raise ConfigError(f"--ema with --average {average}: evaluate the moving average or a mean of checkpoints, "
-                          "not both")
-    groups = weights_to_evaluate(source, steps, every, average)
+    groups = weights_to_evaluate(source, steps, every, average, ema)
     hugging_face = is_hf_model(source)
     with tempfile.TemporaryDirectory(prefix="scaletrain-eval-") as scratch:
         cfg = evaluation_config(source, groups[0][-1], data, tasks, list(overrides), world()[2], Path(scratch))

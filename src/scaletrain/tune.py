@@ -60,7 +60,7 @@ def proxy_data(cfg: RunConfig) -> dict:
 def tune(cfg: RunConfig, out: str | Path, lrs=DEFAULT_LRS, progress=None, steps: int | None = None) -> dict:
     """Train the proxy of `cfg` at each learning rate of `lrs` in directory `out` (resuming what
     is there), each for `steps` optimizer steps if given (else the run's length); returns {"proxy": ..., "results": [{"lr", "val_loss" or None, "diverged"}...],
-    "best_lr", "fitted_lr", "edge"}, also written to out/tune.json. progress(i, lr) is called
+    "best_lr", "fitted_lr", "edge"}, also written to out/tune.json. progress(lr) is called
     before each rate is trained."""
     from scaletrain.train.metrics import read_metrics
     from scaletrain.train.trainer import TrainingDiverged, train
@@ -83,11 +83,11 @@ def tune(cfg: RunConfig, out: str | Path, lrs=DEFAULT_LRS, progress=None, steps:
                               "the config and overrides it was tuned with")
         results = {entry["lr"]: entry for entry in previous["results"]}
     out.mkdir(parents=True, exist_ok=True)
-    for i, lr in enumerate(sorted(set(lrs))):
+    for lr in sorted(set(lrs)):
         if lr in results:
             continue
         if progress is not None:
-            progress(i, lr)
+            progress(lr)
         run_cfg = validate_config({**proxy, "run": {**proxy["run"], "name": f"lr_{lr:.6g}"},
                                    "train": {**proxy["train"], "lr": lr}}, source="the proxy")
         try:

@@ -105,11 +105,16 @@ def _median(values) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _measured_noise(train: list[dict]) -> list[dict]:
+    """The train records that carry a gradient noise scale (train/noise.py)."""
+    return [r for r in train if (r.get("noise_scale") or 0) > 0]
+
+
 def _noise(cfg, train: list[dict]) -> dict | None:
-    """The gradient noise scale of the last record that has one (train/noise.py), against the
-    batch of its step: how many times the fewest steps and the fewest tokens that batch costs
-    if the noise scale is the critical batch (McCandlish et al. 2018, eq. 2.11)."""
-    measured = [r for r in train if (r.get("noise_scale") or 0) > 0]
+    """The gradient noise scale of the last record that has one, against the batch of its step:
+    how many times the fewest steps and the fewest tokens that batch costs if the noise scale is
+    the critical batch (McCandlish et al. 2018, eq. 2.11)."""
+    measured = _measured_noise(train)
     if not measured:
         return None
     last = measured[-1]
@@ -119,7 +124,7 @@ def _noise(cfg, train: list[dict]) -> dict | None:
 
 
 def _noise_plot(path: Path, cfg, train: list[dict]) -> Path | None:
-    measured = [r for r in train if (r.get("noise_scale") or 0) > 0]
+    measured = _measured_noise(train)
     if len(measured) < 2:
         return None
     fig, ax = plt.subplots(figsize=(7, 3.5))
