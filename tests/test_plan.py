@@ -358,6 +358,10 @@ def test_a_planned_config_trains_and_reports_against_its_plan(stdlib_data, tmp_p
     assert main(["report", str(tmp_path / "planned"), "--plan", str(plan_file)]) == 0
     text = capsys.readouterr().out
     assert "planned tokens/s on 1 x a CPU" in text and "measured" in text
+    # ... and the goodput and checkpoint blocking the plan's run model predicted (plan/cost.py).
+    cells = " ".join(text.split())
+    assert f"planned goodput on 1 x a CPU │ {plan['run']['goodput']:.1%} (measured " in cells
+    assert f"planned checkpoint blocking (s) on 1 x a CPU │ {plan['run']['checkpoint_block_s']:.3g} (measured " in cells
     assert "predicted final validation loss" in text  # from the law the plan sized with
     page = (tmp_path / "planned" / "report.html").read_text()
     assert "planned tokens/s (1 x a CPU, dp 1" in page

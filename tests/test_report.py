@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from conftest import run_cli, tiny_config
 from scaletrain.config import load_config
 from scaletrain.model.flops import param_counts
+from scaletrain.report.goodput import account, wall_line
+from scaletrain.report.run import run_report
 from scaletrain.scaling.fit import interval
 from scaletrain.scaling.laws import ChinchillaLaw
+from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
 
 LAW = ChinchillaLaw(E=2.0, A=60.0, B=400.0, alpha=0.3, beta=0.3)
@@ -23,7 +27,7 @@ def test_report_writes_plots_and_html_and_compares_the_final_loss_with_the_law(s
                       f"eval.tasks=['{next_line_task}']", "eval.task_examples=8")
     train(cfg, stop_at_step=3)
     with open(run_dir / "metrics.jsonl", "a") as f:  # an attempt that got to step 5 and hung there
-        f.write(json.dumps({"kind": "hang", "step": 5, "tokens": 2560, "time": 0.0, "seconds": 900.0}) + "\n")
+        f.write(json.dumps({"kind": "hang", "step": 5, "tokens": 2560, "time": time.time(), "seconds": 900.0}) + "\n")
     train(cfg)  # resumes from step 3: the hang's step is gone over again, the hang stays an event
     law = tmp_path / "law.json"
     law.write_text(json.dumps({"approach3": {k: {"value": v} for k, v in LAW.to_dict().items() if k != "source"},
@@ -49,10 +53,15 @@ def test_report_writes_plots_and_html_and_compares_the_final_loss_with_the_law(s
              if '"kind": "train"' in line][-1]["noise_scale"]
     assert f"{scale:,.0f} at step 6, batch 512: {1 + scale / 512:.2f}x the fewest steps, " \
            f"{1 + 512 / scale:.2f}x the fewest tokens" in result.stdout
-    for name in ("loss.png", "speed.png", "tasks.png", "batch.png"):
+    # Where the wall-clock of the two invocations went (report/goodput.py; the arithmetic is tested below).
+    summary = run_report(run_dir)
+    assert summary["time"]["invocations"] == 2 and wall_line(summary["time"]) in result.stdout
+    assert "goodput over 2 invocation(s)" in result.stdout
+    for name in ("loss.png", "speed.png", "tasks.png", "batch.png", "progress.png"):
         assert (run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (run_dir / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 4  # self-contained
+    assert page.count("data:image/png;base64,") == 5  # self-contained
+    assert "goodput: the share of the wall-clock that trained kept steps (2 invocations, 0 rewinds)" in page
     assert "<td>resume</td>" in page and "<td>hang</td>" in page and "<td>end</td>" in page and "[model]" in page
 
 
@@ -67,11 +76,38 @@ def test_report_refuses_what_is_not_a_run_or_a_law_in_one_line(stdlib_data, tmp_
     assert "Traceback" not in result.stderr
 
 
+def test_the_wall_clock_splits_into_kept_steps_redone_steps_setup_checkpoints_evaluation_and_restarts(tmp_path):
+    """A run started (4 s of setup), rewound once (the record of its step 4 superseded, 1 s of
+    unlogged steps lost, 0.5 s to go back), crashed after step 6 and was resumed from step 4's
+    checkpoint 5 s later (3 s of setup): each second of the 27 falls in one part, and the
+    goodput is the 6 s of steps the run kept."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    records = [("start", 0, 10, {"setup_s": 4.0}), ("train", 2, 12, {"step_s": 2.0}),
+               ("checkpoint", 2, 13, {"blocking_s": 1.0}), ("train", 4, 15, {"step_s": 2.0}),
+               ("rewind", 2, 16.5, {"lost_s": 1.0, "seconds": 0.5}), ("train", 4, 18.5, {"step_s": 2.0}),
+               ("eval", 4, 19, {"seconds": 0.5}), ("checkpoint", 4, 20, {"blocking_s": 1.0}),
+               ("train", 6, 22, {"step_s": 2.0}),  # then the crash
+               ("resume", 4, 30, {"setup_s": 3.0}), ("train", 6, 32, {"step_s": 2.0}), ("end", 6, 33, {})]
+    (run_dir / "metrics.jsonl").write_text("".join(
+        json.dumps({"kind": kind, "step": step, "tokens": 512 * step, "time": t, **extra}) + "\n"
+        for kind, step, t, extra in records))
+    time_ = account(read_metrics(run_dir, superseded=True), read_metrics(run_dir))
+    assert time_["parts"] == {"steps": 6.0, "steps_redone": 5.0, "setup": 7.5, "checkpoints": 2.0, "evaluation": 0.5,
+                              "between": 5.0, "other": 1.0}
+    assert (time_["wall_s"], time_["goodput"], time_["invocations"], time_["rewinds"]) == (27.0, 6 / 27, 2, 1)
+    assert time_["timeline"] == [[(0, 0), (4, 0), (6, 2), (9, 4), (10.5, 2), (12.5, 4), (16, 6)],
+                                 [(21, 4), (24, 4), (26, 6)]]
+    assert wall_line(time_) == ("22.2% of 27.0 s (redone 18.5%, setup 27.8%, checkpoints 7.4%, eval 1.9%, "
+                                "restarts 18.5%, other 3.7%)")
+    # A run whose train records do not time their steps (written before they did) has no account.
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "tokens": 512, "time": 1.0}) + "\n")
+    assert account(read_metrics(run_dir, superseded=True), read_metrics(run_dir)) is None
+
+
 def test_the_speed_set_against_the_plan_is_that_of_the_global_batch_past_the_ramp(tmp_path):
     """A plan's step is the global batch's: a run with train.batch_ramp is measured on the steps
     past it (the ramp's smaller steps run slower per token and would pull the median down)."""
-    from scaletrain.report.run import run_report
-
     run_dir = tmp_path / "ramped"
     run_dir.mkdir()
     cfg = load_config(None, ["model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_heads=4",

@@ -19,6 +19,7 @@ import torch
 
 from conftest import glitched, nan_norm_once_after, run_cli, tiny_config
 from scaletrain.config import ConfigError
+from scaletrain.report.goodput import account
 from scaletrain.train import checkpoint
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.resilience import StoppedBySignal, loss_spike
@@ -829,6 +830,18 @@ def test_a_divergence_rewinds_to_the_checkpoint_skips_the_batches_since_and_resu
     monkeypatch.setattr(Trainer, "save", real_save)
     assert train(tiny_config(stdlib_data, crashed, *common)).resumed_from == 4
     assert losses(crashed) == losses(whole)
+    # Its wall-clock (report/goodput.py): the rewind's unlogged steps (5 to the diverged 8) and the
+    # crashed attempt's logged step 8 were trained again; every part is measured.
+    [rewind] = read_metrics(crashed, "rewind")
+    every, kept = read_metrics(crashed, superseded=True), read_metrics(crashed)
+    [lost] = [r for r in every if r["kind"] == "train" and r not in kept]
+    assert lost["step"] == 8 and lost["time"] > rewind["time"]
+    time_ = account(every, kept)
+    assert (time_["invocations"], time_["rewinds"]) == (2, 1) and rewind["lost_s"] > 0 and rewind["seconds"] > 0
+    assert time_["parts"]["steps_redone"] == pytest.approx(rewind["lost_s"] + lost["step_s"])
+    assert time_["parts"]["steps"] == pytest.approx(sum(r["step_s"] for r in read_metrics(crashed, "train")))
+    assert all(r["setup_s"] > 0 for r in every if r["kind"] in ("start", "resume"))
+    assert sum(time_["parts"].values()) == pytest.approx(time_["wall_s"]) and 0 < time_["goodput"] < 1
 
 
 def test_spike_statistics_flag_a_jump_not_noise_or_a_falling_loss():

@@ -119,6 +119,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UserError(f"--stop-at-step {args.stop_at_step} must be a step number ≥ 1")
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts {args.max_restarts} must be ≥ 0")
+    from scaletrain.train.metrics import process_started
     from scaletrain.train.trainer import TrainingDiverged, train
 
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
@@ -133,7 +134,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _torchrun(args, ["train", args.config, *args.overrides,
                                 *([f"--stop-at-step={args.stop_at_step}"] if args.stop_at_step is not None else [])])
     try:
-        result = train(cfg, stop_at_step=args.stop_at_step)
+        result = train(cfg, stop_at_step=args.stop_at_step, launched=process_started())
     except TrainingDiverged as e:
         console.print(f"[red]training diverged:[/] {e}", highlight=False, soft_wrap=True)
         return 1
@@ -354,11 +355,9 @@ def _gb(value: float) -> str:
 
 
 def _duration(hours: float) -> str:
-    if hours < 1:
-        return f"{hours * 60:.1f} min"
-    if hours < 48:
-        return f"{hours:.1f} h"
-    return f"{hours / 24:.1f} days"
+    from scaletrain.report.goodput import duration
+
+    return duration(hours * 3600)
 
 
 def plan_tables(plan: dict) -> list[Table]:
@@ -896,6 +895,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     import json
 
     from scaletrain.plan.planner import PLANNED
+    from scaletrain.report.goodput import wall_line
     from scaletrain.report.run import noise_line, run_report
 
     law = _law_file(args.law)[0] if args.law else None
@@ -922,6 +922,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         table.add_row("MFU (median)", f"{summary['mfu']:.1%}")
     if summary["noise"] is not None:
         table.add_row("gradient noise scale (tokens)", noise_line(summary["noise"]))
+    if summary["time"] is not None:
+        table.add_row(f"goodput over {summary['time']['invocations']} invocation(s)", wall_line(summary["time"]))
     for name, task in summary["tasks"].items():
         table.add_row(f"{name} accuracy (per character; right choice's loss)",
                       f"{task['accuracy']:.1%} ({task['accuracy_norm']:.1%}; {task['nll']:.4f})")

@@ -335,12 +335,13 @@ def vocab_of(data_path: str | Path) -> int | None:
 
 
 # What the plan predicted that the run measures: (key, label, format).
-PLANNED = (("tokens_per_s", "tokens/s", ",.0f"), ("mfu", "MFU", ".1%"), ("peak_memory_gb", "peak memory (GB)", ".2f"))
+PLANNED = (("tokens_per_s", "tokens/s", ",.0f"), ("mfu", "MFU", ".1%"), ("peak_memory_gb", "peak memory (GB)", ".2f"),
+           ("checkpoint_blocking_s", "checkpoint blocking (s)", ".3g"), ("goodput", "goodput", ".1%"))
 
 
 def against_plan(plan: dict, n: int, summary: dict) -> dict:
-    """The plan's predictions of speed and memory beside what the run measured (ratios measured
-    over planned); ConfigError when the plan is for another model."""
+    """The plan's predictions of speed, memory, checkpoint blocking and goodput beside what the
+    run measured (ratios measured over planned); ConfigError when the plan is for another model."""
     try:
         planned_n, device = plan["model"]["n"], plan["hardware"]["device"]["name"]
         step, memory = plan["step"], plan["memory"]
@@ -355,7 +356,11 @@ def against_plan(plan: dict, n: int, summary: dict) -> dict:
         ratio = measured / planned if planned and measured is not None else None
         return {"planned": planned, "measured": measured, "ratio": ratio}
 
+    run = plan.get("run") or {}
     return {"device": device, "devices": plan["hardware"]["devices"], "layout": plan["layout"]["text"],
             "tokens_per_s": pair(step["tokens_per_s"], summary["tokens_per_s"]),
             "mfu": pair(step["mfu"], summary["mfu"]),
-            "peak_memory_gb": pair(memory["peak"] / 1e9, summary["peak_memory_gb"])}
+            "peak_memory_gb": pair(memory["peak"] / 1e9, summary["peak_memory_gb"]),
+            # (What the report measures over the whole run; the check during training has not.)
+            "checkpoint_blocking_s": pair(run.get("checkpoint_block_s"), summary.get("checkpoint_blocking_s")),
+            "goodput": pair(run.get("goodput"), (summary.get("time") or {}).get("goodput"))}

@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 from scaletrain.config import ConfigError, load_config  # noqa: E402
 from scaletrain.model.flops import param_counts  # noqa: E402
 from scaletrain.plan.planner import PLANNED, against_plan  # noqa: E402
+from scaletrain.report.goodput import PARTS, account, wall_line  # noqa: E402
 from scaletrain.scaling.fit import bootstrap_laws, interval, law_of  # noqa: E402
 from scaletrain.scaling.laws import ChinchillaLaw  # noqa: E402
 from scaletrain.train.metrics import read_metrics  # noqa: E402
@@ -46,6 +47,7 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
                           "metrics.jsonl); give the directory `scaletrain train` wrote, e.g. runs/demo")
     cfg = load_config(run_dir / "config.toml")
     records = read_metrics(run_dir)
+    every = read_metrics(run_dir, superseded=True)  # also what a resume or rewind went back over
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     n = param_counts(cfg.model)["total"]
@@ -69,9 +71,12 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
         # eval.tasks at the last evaluation: task -> accuracy, accuracy_norm, nll.
         "tasks": {name: {key: evals[-1][f"task_{key}"][name] for key in ("accuracy", "accuracy_norm", "nll")}
                   for name in (evals[-1].get("task_accuracy") or {})} if evals else {},
+        "checkpoint_blocking_s": _median(r.get("blocking_s") for r in every if r["kind"] == "checkpoint"),
+        # Where the wall-clock went, over every invocation (report/goodput.py).
+        "time": account(every, records),
         # Every event that happened, also those of steps a resume or rewind went back over.
         "events": [{"kind": r["kind"], "step": r["step"], **{k: r.get(k) for k in EVENTS[r["kind"]]}}
-                   for r in read_metrics(run_dir, superseded=True) if r["kind"] in EVENTS],
+                   for r in every if r["kind"] in EVENTS],
     }
     law = prediction = None
     if plan_doc is not None:
@@ -94,7 +99,8 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
     plots = [_loss_plot(run_dir / "loss.png", train, evals, law, prediction),
              _speed_plot(run_dir / "speed.png", train, planned_speed),
              _tasks_plot(run_dir / "tasks.png", evals),
-             _noise_plot(run_dir / "batch.png", cfg, train)]
+             _noise_plot(run_dir / "batch.png", cfg, train),
+             _progress_plot(run_dir / "progress.png", summary["time"], cfg.total_steps, plan_doc)]
     (run_dir / "report.html").write_text(_html(cfg, summary, [p for p in plots if p is not None]))
     summary["files"] = [str(p) for p in plots if p is not None] + [str(run_dir / "report.html")]
     return summary
@@ -182,6 +188,30 @@ def _speed_plot(path: Path, train: list[dict], planned: float | None = None) -> 
     return _save(fig, path)
 
 
+def _progress_plot(path: Path, time: dict | None, total_steps: int, plan: dict | None) -> Path | None:
+    """Step against wall-clock, each invocation a line of its own (a rewind drops back), the time
+    between invocations shaded; with a plan, the planned pace from the first launch."""
+    if time is None:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    planned = (plan or {}).get("run", {}).get("wall_hours")
+    longest = max(time["wall_s"], 3600 * (planned or 0))
+    unit, scale = next((u, s) for u, s in (("s", 1), ("min", 60), ("h", 3600), ("days", 86400))
+                       if longest / s < 200 or u == "days")
+    for i, run in enumerate(time["timeline"]):
+        ax.plot([t / scale for t, _ in run], [step for _, step in run], color="C0", lw=1,
+                label="this run" if i == 0 else None)
+        if i:
+            ax.axvspan(time["timeline"][i - 1][-1][0] / scale, run[0][0] / scale, color="0.85",
+                       label="between invocations" if i == 1 else None)
+    if planned:
+        ax.plot([0, 3600 * planned / scale], [0, total_steps], "--", color="C2", lw=1,
+                label=f"planned, at {plan['run']['goodput']:.1%} goodput")
+    ax.set(xlabel=f"wall-clock ({unit})", ylabel="step", title=f"progress: goodput {time['goodput']:.1%}")
+    ax.legend(fontsize=8, loc="lower right")
+    return _save(fig, path)
+
+
 def _tasks_plot(path: Path, evals: list[dict]) -> Path | None:
     """Each task's accuracy and its right choice's loss per token against tokens (eval.tasks)."""
     names = sorted(evals[-1].get("task_accuracy") or {}) if evals else []
@@ -233,6 +263,12 @@ def _html(cfg, summary: dict, plots: list[Path]) -> str:
             *((f"{name}: accuracy, per character, right choice's loss per token",
                f"{task['accuracy']:.1%}, {task['accuracy_norm']:.1%}, {task['nll']:.4f}")
               for name, task in summary["tasks"].items())]
+    time = summary["time"]
+    if time is not None:
+        rows.append((f"goodput: the share of the wall-clock that trained kept steps ({time['invocations']} "
+                     f"invocations, {time['rewinds']} rewinds)", wall_line(time)))
+        rows += [(f"  {label}", f"{time['parts'][key]:,.1f} s ({time['parts'][key] / time['wall_s']:.1%})")
+                 for key, (_, label) in PARTS.items()]
     plan = summary.get("plan")
     if plan is not None:
         for key, label, form in PLANNED:

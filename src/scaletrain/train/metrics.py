@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 import uuid
 from pathlib import Path
@@ -160,6 +161,18 @@ class StepProfiler:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.profiler.export_chrome_trace(str(self.folder / f"steps_{self.traced[0]}-{self.traced[-1]}_rank{self.rank}.json"))
         self.profiler = None
+
+
+def process_started() -> float | None:
+    """When this process started, in unix seconds (from Linux's /proc: to a clock tick); None
+    where that cannot be read."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime: ticks after boot
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - max(0.0, uptime - started)
 
 
 def read_metrics(run_dir: str | Path, kind: str | None = None, superseded: bool = False) -> list[dict]:

@@ -199,7 +199,10 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, launched: float | None = None):
+        """launched: when this process started (unix seconds; default now), from which the start
+        or resume record counts its setup_s."""
+        self.launched = time.time() if launched is None else launched
         self.cfg = cfg = resolve(cfg)
         _check_trackers(cfg)
         self.rank, local_rank, world_size = world()
@@ -1083,6 +1086,11 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------
 
+    def _setup_s(self) -> float:
+        """Seconds from the process's start to its first step: building and laying out the
+        model, loading a checkpoint, opening the data."""
+        return round(time.time() - self.launched, 3)
+
     def fit(self, stop_at_step: int | None = None) -> TrainResult:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -1106,7 +1114,7 @@ class Trainer:
         metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main, sinks=sinks)
         profiler = StepProfiler(cfg.log.profile_steps, self.run_dir / "profile", self.rank, self.device.type == "cuda")
         if resumed_from is not None:
-            metrics.write("resume", self.step, self.tokens)
+            metrics.write("resume", self.step, self.tokens, setup_s=self._setup_s())
         else:
             source = {}
             if self.init_from and self.init_from.kind == "checkpoint":
@@ -1114,7 +1122,8 @@ class Trainer:
             elif self.init_from:
                 source = {"init_from": str(self.init_from.path)}
             metrics.write("start", 0, 0, total_steps=self.total_steps, flops_per_token=self.flops_per_token,
-                          device=str(self.device), dtype=str(self.dtype).removeprefix("torch."), **source)
+                          device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+                          setup_s=self._setup_s(), **source)
             if cfg.train.ema_decay:
                 self._ema_from({})  # from the run's first weights (init_from's, if it has them)
         train_loss = val_loss = None
@@ -1145,6 +1154,7 @@ class Trainer:
                     with profiler.step(coming):
                         train_loss, grad_norm, wait = self.train_step(look=look)
                 except TrainingDiverged as e:
+                    t_rewind = time.perf_counter()
                     try:
                         rewound = self.rewind(e.step, spike=isinstance(e, LossSpike)) if self.rewinds_left else None
                     except checkpoint.CheckpointError as failed:  # no checkpoint could be loaded
@@ -1153,8 +1163,13 @@ class Trainer:
                         raise
                     saved, skipped, discarded = rewound
                     self.rewinds_left -= 1
+                    # The steps trained since the last train record (the diverged one's included) are
+                    # trained again (lost_s); going back took seconds.
                     metrics.write("rewind", self.step, self.tokens, diverged_at=e.step, checkpoint=str(saved),
-                                  skipped_steps=skipped, cause=e.cause, discarded=discarded, message=str(e))
+                                  skipped_steps=skipped, cause=e.cause, discarded=discarded, message=str(e),
+                                  lost_s=round(window_time + t_rewind - t0, 4),
+                                  seconds=round(time.perf_counter() - t_rewind, 4))
+                    window_tokens, window_steps, window_time, window_wait = 0, 0, 0.0, 0.0
                     log.warning("%s; rewound to %s, skipping the %d steps' batches read since%s (%d rewinds left)",
                                 str(e).split(" and nothing was saved")[0], saved, skipped,
                                 f" and discarding {', '.join(discarded)}" if discarded else "", self.rewinds_left)
@@ -1185,7 +1200,7 @@ class Trainer:
                     last_speed = window_tokens / window_time
                     record = metrics.write(
                         "train", self.step, self.tokens, loss=train_loss, lr=self.lr, grad_norm=grad_norm,
-                        tokens_per_s=round(last_speed, 1), mfu=self.mfu(last_speed),
+                        step_s=round(window_time, 4), tokens_per_s=round(last_speed, 1), mfu=self.mfu(last_speed),
                         mfu_causal=self.mfu(last_speed, causal=True),
                         mem_gb=round(peak_memory_gb(self.device), 3),
                         data_wait_ms=round(1000 * window_wait / window_steps, 3),
@@ -1214,9 +1229,11 @@ class Trainer:
                                   background=cfg.checkpoint.async_save)
                     watchdog.beat()
                 if (cfg.eval.interval and self.step % cfg.eval.interval == 0) or self.step == self.total_steps:
+                    t_eval = time.perf_counter()
                     record = self.evaluation(beat=watchdog.beat)
                     val_loss = record["loss"]
-                    metrics.write("eval", self.step, self.tokens, **record)
+                    metrics.write("eval", self.step, self.tokens, **record,
+                                  seconds=round(time.perf_counter() - t_eval, 4))
                     log.info("step %d/%d  validation loss %.4f%s%s%s", self.step, self.total_steps, val_loss,
                              f" ({record['bits_per_byte']:.4f} bits/byte)" if "bits_per_byte" in record else "",
                              f"  moving average {record['ema_loss']:.4f}" if "ema_loss" in record else "",
@@ -1305,11 +1322,12 @@ def _flatten(config: dict) -> dict:
     return {f"{section}.{key}": value for section, values in config.items() for key, value in values.items()}
 
 
-def train(cfg: RunConfig, stop_at_step: int | None = None) -> TrainResult:
+def train(cfg: RunConfig, stop_at_step: int | None = None, launched: float | None = None) -> TrainResult:
     """Train (or resume) the run `cfg` describes; stop cleanly after `stop_at_step` if given.
-    Under torchrun every process calls this; the layout comes from cfg.parallel."""
+    Under torchrun every process calls this; the layout comes from cfg.parallel. launched: when
+    the process started (see Trainer)."""
     try:
-        result = Trainer(cfg).fit(stop_at_step=stop_at_step)
+        result = Trainer(cfg, launched=launched).fit(stop_at_step=stop_at_step)
     except StoppedBySignal:  # every rank stopped after the same step, its checkpoint complete
         shutdown()
         raise

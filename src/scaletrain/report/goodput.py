@@ -1,0 +1,104 @@
+"""Where a run's wall-clock went, from its metrics.jsonl: the goodput measured, to set beside the
+planner's prediction of it (plan/cost.py).
+
+The wall-clock of a run runs from the launch of its first process to its last record, over
+every invocation of `scaletrain train` (a crash, a preemption or a time limit ends one; the next
+resumes from the newest checkpoint). It divides into:
+
+- steps: the training steps whose results the run kept (the train records' step_s);
+- steps redone: steps trained and then lost — past the checkpoint that the next invocation
+  resumed from, or past the one a rewind went back to (their train records are superseded, and
+  a rewind also reports the unlogged steps it discarded, lost_s);
+- setup: each process's start until its first step (imports, building and laying out the model,
+  loading the checkpoint, opening the data: setup_s of the start and resume records) and each
+  rewind's return to its checkpoint;
+- checkpoints: what saving blocked training for (blocking_s; a background save's copy to host
+  memory only);
+- evaluation: validation loss and tasks (the eval records' seconds);
+- between invocations: from an invocation's last record to the launch of the next, which holds
+  the time to notice the failure and restart (the scheduler's queue included) and the work done
+  after the last record before the crash, which no record tells of;
+- other: the rest (logging, waiting for a background save to finish, ...).
+
+The goodput is steps / wall-clock: the share of the wall-clock that advanced the run, as Google's
+ML Productivity Goodput counts it (the "productive training time" over the job's time). The
+planner's goodput counts failures and checkpoints only (Daly's first order model), so it is an
+upper bound of the measured one, which also pays for evaluation and setup. Pure arithmetic.
+"""
+
+from __future__ import annotations
+
+# The parts of the wall-clock, in the order reports list them: a word and a label each.
+PARTS = {"steps": ("steps", "steps kept"),
+         "steps_redone": ("redone", "steps redone (lost to a crash or a rewind)"),
+         "setup": ("setup", "setup (start-up, checkpoint loading, rewinds)"),
+         "checkpoints": ("checkpoints", "checkpoints (what saving blocked)"),
+         "evaluation": ("eval", "evaluation"),
+         "between": ("restarts", "between invocations (restart, queue, unlogged lost work)"),
+         "other": ("other", "other")}
+
+
+def invocations(records: list[dict]) -> list[list[dict]]:
+    """The records of each invocation of training: a start or a resume record opens one."""
+    runs: list[list[dict]] = []
+    for record in records:
+        if record["kind"] in ("start", "resume") or not runs:
+            runs.append([])
+        runs[-1].append(record)
+    return runs
+
+
+def launched(invocation: list[dict]) -> float:
+    """When the invocation's process started (its first record's time, less its setup)."""
+    first = invocation[0]
+    return first["time"] - (first.get("setup_s") or 0.0)
+
+
+def account(records: list[dict], kept: list[dict]) -> dict | None:
+    """The wall-clock of the run whose records (superseded ones included, since its start) are
+    `records`, and of which `kept` are not superseded, split into PARTS (seconds): {"wall_s",
+    "goodput", "invocations", "rewinds", "parts": {part: seconds}, "timeline": [[(time, step),
+    ...] per invocation]}. None when its train records do not time their steps (a run written
+    before step_s was recorded), or it has none."""
+    train = [r for r in records if r["kind"] == "train"]
+    if not train or any("step_s" not in r for r in train):
+        return None
+    runs = invocations(records)
+    start = launched(runs[0])
+    wall = max(r["time"] for r in records) - start
+    kept_steps = sum(r["step_s"] for r in kept if r["kind"] == "train")
+    rewinds = [r for r in records if r["kind"] == "rewind"]
+    parts = {
+        "steps": kept_steps,
+        "steps_redone": sum(r["step_s"] for r in train) - kept_steps + sum(r.get("lost_s") or 0.0 for r in rewinds),
+        "setup": sum(run[0].get("setup_s") or 0.0 for run in runs) + sum(r.get("seconds") or 0.0 for r in rewinds),
+        "checkpoints": sum(r.get("blocking_s") or 0.0 for r in records if r["kind"] == "checkpoint"),
+        "evaluation": sum(r.get("seconds") or 0.0 for r in records if r["kind"] == "eval"),
+        # (Clocks of different hosts may disagree by a little: never below zero.)
+        "between": sum(max(0.0, launched(after) - max(r["time"] for r in before))
+                       for before, after in zip(runs, runs[1:])),
+    }
+    parts["other"] = max(0.0, wall - sum(parts.values()))
+    return {"wall_s": wall, "goodput": kept_steps / wall if wall > 0 else None, "invocations": len(runs),
+            "rewinds": len(rewinds), "parts": parts,
+            "timeline": [[(launched(run) - start, run[0]["step"])]
+                         + [(r["time"] - start, r["step"]) for r in run if r["kind"] in ("start", "resume", "train", "rewind")]
+                         for run in runs]}
+
+
+def wall_line(time: dict) -> str:
+    """The account in a line: the goodput, then the other parts' shares of the wall-clock."""
+    parts, wall = time["parts"], time["wall_s"]
+    rest = ", ".join(f"{PARTS[k][0]} {parts[k] / wall:.1%}" for k in PARTS if k != "steps" and parts[k] >= 0.0005 * wall)
+    return f"{time['goodput']:.1%} of {duration(wall)}" + (f" ({rest})" if rest else "")
+
+
+def duration(seconds: float) -> str:
+    """A span of time for people: seconds, minutes, hours or days."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
