@@ -145,3 +145,16 @@ def test_mup_transfer_benchmark_trains_every_width_and_rate_both_ways(stdlib_dat
     assert standard["val_loss"]["64"] != mup["val_loss"]["64"]
     for entry in (standard, mup):
         assert set(entry["val_loss"]["64"]) == {"0.001", "0.01"} and entry["best_lr"]["64"] in (0.001, 0.01)
+
+
+def test_mtp_benchmark_trains_each_depth_and_sets_it_against_the_first(stdlib_data):
+    result = subprocess.run([sys.executable, "benchmarks/mtp.py", "configs/tiny.toml", f"data.path={stdlib_data}",
+                             "train.steps=2", "eval.interval=1", "--depths", "0,1"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    plain, mtp = report["depths"]["0"], report["depths"]["1"]
+    assert set(plain["val_loss"]) == {"1", "2"} and plain["mtp_loss"] is None and mtp["mtp_loss"] > 0
+    assert plain["final_val_loss_minus_first"] == 0 and mtp["flops_ratio_to_first"] > 1
+    assert mtp["val_loss"]["1"] != plain["val_loss"]["1"]  # its gradient reaches the trunk from the first update

@@ -135,6 +135,9 @@ def assert_parity(run_dir, reference, tolerance=1e-5):
         assert ("z_loss" in got) == ("z_loss" in expected)  # (train.z_loss: its value, which the loss leaves out)
         if "z_loss" in expected:
             assert abs(got["z_loss"] - expected["z_loss"]) <= tolerance * max(1.0, expected["z_loss"]), got["step"]
+        assert ("mtp_loss" in got) == ("mtp_loss" in expected)  # (model.mtp_depth: its loss, left out likewise)
+        if "mtp_loss" in expected:
+            assert abs(got["mtp_loss"] - expected["mtp_loss"]) <= tolerance, got["step"]
     for got, expected in zip(read_metrics(run_dir, "eval"), read_metrics(reference, "eval"), strict=True):
         assert ("ema_loss" in got) == ("ema_loss" in expected)  # (train.ema_decay: the moving average's loss)
         if "ema_loss" in expected:
@@ -159,6 +162,8 @@ RAMP = ["train.batch_ramp=[[256, 512]]"]
 MUP = ["model.mup_base_dim=32"]
 # The moving average of the weights, kept on each rank's shards (and stages), evaluated in place.
 EMA = ["train.ema_decay=0.5"]
+# Multi-token prediction, its modules sharded as blocks are, through the chunked head.
+MTP = ["model.mtp_depth=2"]
 # name -> overrides of 2-process layouts.
 TWO = {
     "replicate-mup": ["parallel.dp_replicate=2", "parallel.dp_shard=1", *MUP],
@@ -169,7 +174,7 @@ TWO = {
     # all-gathers must still meet; the output head and loss run 100 tokens at a time, on the
     # head FSDP gathers (padding included), with the z-loss (against one process's whole-batch one).
     "fsdp-uneven-eval-chunked-loss": ["parallel.dp_shard=2", "eval.tokens=1088", "train.loss_chunk_tokens=100",
-                                      *Z_LOSS],
+                                      *Z_LOSS, *MTP],
     # The batch grows after 512 tokens (train.batch_ramp): 4 sequences a step, then 8, split
     # over FSDP's ranks, or through a pipeline, whose schedule for 4 micro-batches is another
     # than for 8: with a mixture of experts, each schedule's first step infers shapes on a
@@ -403,10 +408,12 @@ def test_fsdp_with_bfloat16_parameters_trains_close_to_float32(layout_runs, refe
     assert max(differences) > 1e-5, differences
 
 
-def test_each_rank_reports_the_bytes_it_holds(layout_runs, reference_deep):
-    """Sharding over 2 ranks halves what each holds (up to the split of odd-sized tensors)."""
-    sharded = read_metrics(layout_runs["fsdp-uneven-eval-chunked-loss"], "memory")[0]["bytes_by_rank"]
-    whole = read_metrics(reference_deep, "memory")[0]["bytes_by_rank"][0]
+def test_each_rank_reports_the_bytes_it_holds(layout_runs, single_process):
+    """Sharding over 2 ranks halves what each holds (up to the split of odd-sized tensors), the
+    modules of multi-token prediction included."""
+    name = "fsdp-uneven-eval-chunked-loss"
+    sharded = read_metrics(layout_runs[name], "memory")[0]["bytes_by_rank"]
+    whole = read_metrics(single_process(TWO[name]), "memory")[0]["bytes_by_rank"][0]
     assert len(sharded) == 2
     for component in ("parameters", "gradients", "optimizer"):
         assert sum(rank[component] for rank in sharded) == pytest.approx(whole[component], rel=0.01), component

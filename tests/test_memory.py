@@ -153,8 +153,9 @@ def test_recomputation_and_sharding_lower_the_prediction_in_order():
 
 
 @pytest.mark.parametrize("overrides", [[], ["model.moe_experts=4", "model.moe_shared_experts=1",
-                                             "model.moe_dense_layers=1", "train.optimizer=muon", "train.ema_decay=0.9"]],
-                         ids=["dense", "moe-muon-ema"])
+                                             "model.moe_dense_layers=1", "train.optimizer=muon", "train.ema_decay=0.9"],
+                                       ["model.mtp_depth=2", "model.qk_norm=true", "train.optimizer=muon"]],
+                         ids=["dense", "moe-muon-ema", "mtp-muon"])
 def test_parameter_gradient_and_optimizer_bytes_equal_a_real_runs(stdlib_data, tmp_path, overrides):
     run_dir = tmp_path / "run"
     cfg = train(tiny_config(stdlib_data, run_dir, "train.steps=1", "eval.interval=0", *overrides)).run_dir

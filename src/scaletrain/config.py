@@ -113,6 +113,8 @@ class ModelConfig(_Section):
     """Std of the normal initialisation; output projections get init_std / sqrt(2 * n_layers)."""
     mup_base_dim: int | None = Field(default=None, ge=1)
     """Maximal update parametrization (muP; Yang et al. 2022, Tensor Programs V), so that the learning rate and init_std found best at width mup_base_dim stay best at width dim: with m = dim / mup_base_dim, the blocks' matrices start at init_std / sqrt(m) and learn at lr / m (under Muon lr / sqrt(m): its orthogonal update's spectral norm grows as sqrt(width)), the output head (and a mixture's routers) start at init_std / m and learn at lr / m, the embedding and the norms as at the base width (the logit multiplier 1 / m of Yang et al. and MiniCPM folded into the head's weight: the same training under Adam, a plain Llama to export). Widths grow together (ffn_dim and the heads in proportion to dim, heads of a fixed width, as the sweep's shapes and Llama's sizes do); not with tied embeddings, whose two uses muP starts and steps differently. Unset: the standard parametrization."""
+    mtp_depth: int = Field(default=0, ge=0)
+    """Multi-token prediction (DeepSeek-V3, Liu et al. 2024, section 2.2): this many extra modules, chained, the k-th predicting the token k + 1 places ahead: at each position it joins the previous depth's hidden state (the trunk's, for the first) with the embedding of the token k places ahead (each RMS-normalised, concatenated, projected from 2 x dim to dim), runs one dense transformer block over them and scores the shared output head; the mean of their losses, times train.mtp_weight, joins the training objective (a denser training signal), not the reported loss. Training only: evaluation, generation and export use the trunk (an export leaves the modules out). Not with tensor, context or pipeline parallelism. 0: off."""
     moe_experts: int = Field(default=0, ge=0)
     """Routed experts of each mixture-of-experts block (0: a dense model): the block's MLP becomes moe_experts SwiGLU experts, each token sent to moe_top_k of them."""
     moe_top_k: int = Field(default=2, ge=1)
@@ -307,6 +309,8 @@ class TrainConfig(_Section):
     """Compute the blocks' linear layers in float8 (torchao, dynamic scaling; Hopper-class GPUs; pip install 'scaletrain[float8]'). Weights, optimizer and checkpoints are unchanged."""
     z_loss: float = Field(default=0.0, ge=0)
     """Weight of PaLM's auxiliary z-loss, z x log^2 Z per token (Z: the output softmax's normaliser), which keeps log Z near 0 and training stabler (PaLM used 1e-4). It enters the gradient, not the reported loss. 0: off."""
+    mtp_weight: float = Field(default=0.3, ge=0)
+    """With model.mtp_depth: the weight of the multi-token prediction loss (the mean over its depths) in the training objective; it enters the gradient, not the reported loss, and is logged as mtp_loss. DeepSeek-V3 used 0.3 for its first 10T tokens, then 0.1."""
     ema_decay: float = Field(default=0.0, ge=0, lt=1)
     """Also keep an exponential moving average of the weights (Polyak averaging), ema <- ema_decay x ema + (1 - ema_decay) x weights after each applied update, from the run's first weights; sharded as the weights are, checkpointed with them. Each evaluation measures it too (ema_loss in the eval records); `scaletrain eval --ema` and `export --ema` take it instead of the weights. A half-life of h steps is ema_decay = 2^(-1/h) (0.999: about 700 steps). Averaged weights approach what annealing the learning rate reaches, without annealing (Sanyal et al. 2023; Hägele et al. 2024 found averaging recovers part of what a cooldown gives, not all). 0: off."""
     loss_chunk_tokens: int = Field(default=0, ge=0)
@@ -475,6 +479,9 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check_run(self) -> RunConfig:
+        if self.model.mtp_depth >= self.data.seq_len:
+            raise ValueError(f"model.mtp_depth = {self.model.mtp_depth} is not below data.seq_len = {self.data.seq_len}; "
+                             "each depth predicts one token further within the sequence")
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(
                 f"data.seq_len = {self.data.seq_len} is above model.max_seq_len = {self.model.max_seq_len}; "

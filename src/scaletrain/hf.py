@@ -266,6 +266,8 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
     for name, tensor in model.state_dict().items():
         if cfg.model.tie_embeddings and name == "output.weight":
             continue  # tied: one tensor, in the embedding
+        if name.startswith("mtp."):
+            continue  # multi-token prediction (model.mtp_depth) serves training: not part of the model
         names = hf_names(cfg.model, name)
         for hf, part in zip(names, tensor.unbind(0) if ".experts." in name else [tensor]):  # experts one by one
             weights[hf] = part.detach().to(getattr(torch, dtype)).contiguous()
@@ -292,7 +294,8 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
                     {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos, "eos_token": eos,
                      "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
                      "split_special_tokens": True, "model_max_length": cfg.model.max_seq_len})
-        (staging / "README.md").write_text(_model_card(Path(run_dir), cfg, step, param_counts(cfg.model)["total"],
+        counts = param_counts(cfg.model)
+        (staging / "README.md").write_text(_model_card(Path(run_dir), cfg, step, counts["total"] - counts["mtp"],
                                                        dtype, average, ema))
         os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would keep the export from everyone else
         os.replace(staging, out)  # rename(2) replaces an empty directory

@@ -4,7 +4,7 @@ This is the one place these numbers are derived; training (MFU), planning and sc
 all call it. Pure arithmetic: it imports neither torch nor the config module, and takes
 any object with the attributes of `scaletrain.config.ModelConfig` that it reads:
 `vocab`, `dim`, `n_layers`, `n_heads`, `kv_heads`, `head_dim`, `hidden_dim`, `qk_norm`,
-`tie_embeddings`.
+`tie_embeddings` (and, where present, the mixture-of-experts settings and `mtp_depth`).
 """
 
 from __future__ import annotations
@@ -20,23 +20,30 @@ def param_counts(cfg: Any) -> dict[str, int]:
     in `embedding`. Equals `sum(p.numel() for p in Transformer(cfg).parameters())`. `active`
     counts what a token passes through: all of a dense model; of a mixture of experts, the
     router and moe_top_k of the routed experts (plus the shared ones) in each such block.
+    `mtp` counts the modules of multi-token prediction (model.mtp_depth), which training runs and
+    an exported model leaves out; they are in `non_embedding` and `total` too.
     """
     embedding = cfg.vocab * cfg.dim
     norms = 2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0)  # attention_norm, ffn_norm (+ q_norm, k_norm)
-    non_embedding = _blocks_linear_params(cfg) + cfg.n_layers * norms + cfg.dim  # + final norm
+    # Each depth: a dense block, a 2 dim x dim projection and three norms (model/llama.py).
+    mtp = _mtp_depth(cfg) * (_dense_block_linear_params(cfg) + norms + 2 * cfg.dim * cfg.dim + 3 * cfg.dim)
+    non_embedding = _blocks_linear_params(cfg) + cfg.n_layers * norms + cfg.dim + mtp  # + final norm
     if not cfg.tie_embeddings:
         non_embedding += cfg.vocab * cfg.dim  # output head
     total = embedding + non_embedding
     # A mixture of experts runs each token through moe_top_k of its routed experts only.
     active = total - _blocks_linear_params(cfg) + _blocks_linear_params(cfg, active=True)
-    return {"total": total, "embedding": embedding, "non_embedding": non_embedding, "active": active}
+    return {"total": total, "embedding": embedding, "non_embedding": non_embedding, "active": active, "mtp": mtp}
 
 
 def matmul_params(cfg: Any) -> int:
     """Weights that each token multiplies through: every linear layer of the blocks (of a
     mixture of experts, the router and the experts the token is routed to) and the output head. The embedding is a lookup and norms are elementwise, so neither counts;
-    the output head counts whether or not it is tied to the embedding."""
-    return _blocks_linear_params(cfg, active=True) + cfg.vocab * cfg.dim
+    the output head counts whether or not it is tied to the embedding. Training's multi-token
+    prediction adds, per depth, its block, its projection and another pass through the head
+    (counted over every position, though depth k scores T - k of T)."""
+    per_depth = _dense_block_linear_params(cfg) + 2 * cfg.dim * cfg.dim + cfg.vocab * cfg.dim
+    return _blocks_linear_params(cfg, active=True) + cfg.vocab * cfg.dim + _mtp_depth(cfg) * per_depth
 
 
 def train_flops_per_token(cfg: Any, seq_len: int, causal: bool = False) -> int:
@@ -51,7 +58,7 @@ def train_flops_per_token(cfg: Any, seq_len: int, causal: bool = False) -> int:
     rotary, softmax, SiLU, loss) is not counted. `causal` counts only the lower triangle of
     the scores, the work a causal kernel (FlashAttention) does: half the attention term.
     """
-    attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    attention = 12 * (cfg.n_layers + _mtp_depth(cfg)) * cfg.n_heads * cfg.head_dim * seq_len
     return 6 * matmul_params(cfg) + (attention // 2 if causal else attention)
 
 
@@ -67,13 +74,25 @@ def moe_layers(cfg: Any) -> int:
     return cfg.n_layers - cfg.moe_dense_layers
 
 
+def _mtp_depth(cfg: Any) -> int:
+    return getattr(cfg, "mtp_depth", 0) or 0
+
+
+def _attention_linear_params(cfg: Any) -> int:
+    # wq, wo: dim x (n_heads * head_dim); wk, wv: dim x (kv_heads * head_dim).
+    return 2 * cfg.dim * cfg.n_heads * cfg.head_dim + 2 * cfg.dim * cfg.kv_heads * cfg.head_dim
+
+
+def _dense_block_linear_params(cfg: Any) -> int:
+    """The linear weights of a dense block: attention and the SwiGLU MLP (w1, w3: dim x hidden,
+    w2: hidden x dim)."""
+    return _attention_linear_params(cfg) + 3 * cfg.dim * cfg.hidden_dim
+
+
 def _blocks_linear_params(cfg: Any, active: bool = False) -> int:
     """The linear weights of all blocks; with `active`, only those a token multiplies through
     (of a mixture of experts: the router, moe_top_k routed experts and the shared ones)."""
-    # wq, wo: dim x (n_heads * head_dim); wk, wv: dim x (kv_heads * head_dim);
-    # SwiGLU w1, w3: dim x hidden, w2: hidden x dim.
-    attention = 2 * cfg.dim * cfg.n_heads * cfg.head_dim + 2 * cfg.dim * cfg.kv_heads * cfg.head_dim
-    dense = attention + 3 * cfg.dim * cfg.hidden_dim
+    attention, dense = _attention_linear_params(cfg), _dense_block_linear_params(cfg)
     sparse = moe_layers(cfg)
     if not sparse:
         return cfg.n_layers * dense

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.attention.bias import CausalBias
 
 from scaletrain.config import YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig, yarn_attention_factor
-from scaletrain.model.loss import LogNormTally, chunked_cross_entropy, compute_dtype, cross_entropy
+from scaletrain.model.loss import Tally, chunked_cross_entropy, compute_dtype, cross_entropy
 from scaletrain.model.moe import MoE
 
 
@@ -247,6 +247,30 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x).to(dtype))
 
 
+class MultiTokenPrediction(nn.Module):
+    """One depth of DeepSeek-V3's multi-token prediction (Liu et al. 2024, "DeepSeek-V3 Technical
+    Report", section 2.2, eq. 21-22): h' = proj [RMSNorm(h); RMSNorm(Emb(t))], the previous
+    depth's hidden state h at each position joined with the embedding of the token this depth
+    reads ahead, then one dense block; returns its output, for the next depth, and that output
+    through its own final norm, for the shared output head (inside forward: under FSDP the norm's
+    weight is gathered only there)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.hidden_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.embedding_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.block = Block(cfg)
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, cos, sin,
+                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = compute_dtype(hidden)
+        joined = torch.cat([self.hidden_norm(hidden), self.embedding_norm(embedded)], dim=-1).to(dtype)
+        out = self.block(self.proj(joined), cos, sin, bias=bias)
+        return out, self.norm(out)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -255,13 +279,19 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, cfg.is_moe_layer(i), i) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        # model.mtp_depth: training's extra heads (see forward); None without them.
+        self.mtp = nn.ModuleList(MultiTokenPrediction(cfg) for _ in range(cfg.mtp_depth)) if cfg.mtp_depth else None
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Tokens per chunk of the output head and loss when forward() is given targets; 0 for the
         # whole batch at once (model/loss.py). Set by the trainer from train.loss_chunk_tokens.
         self.loss_chunk = 0
         self.z_loss = 0.0  # PaLM's z-loss weight (model/loss.py), set by the trainer from train.z_loss
-        self.z_tally: LogNormTally | None = None  # where the trainer reads the z-loss's value (model/loss.py)
+        self.z_tally: Tally | None = None  # where the trainer reads the z-loss's value (model/loss.py)
+        # Multi-token prediction's weight in the objective (train.mtp_weight), and where the trainer
+        # reads its loss, which the loss returned leaves out.
+        self.mtp_weight = 0.0
+        self.mtp_tally: Tally | None = None
         # Derived from cfg, so not saved in checkpoints; init_weights() fills them.
         table = (cfg.max_seq_len, cfg.head_dim // 2)
         self.register_buffer("rope_cos", torch.empty(table, dtype=torch.float32), persistent=False)
@@ -288,7 +318,8 @@ class Transformer(nn.Module):
         hidden_std = std / math.sqrt(mult)
         residual_std = hidden_std / math.sqrt(2 * self.cfg.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
-        for block in self.layers.values():
+        depths = list(self.mtp) if self.mtp is not None else []
+        for block in [*self.layers.values(), *(depth.block for depth in depths)]:
             attention, mlp = block.attention, block.feed_forward
             mlps = [mlp] if isinstance(mlp, FeedForward) else [mlp.experts] + ([mlp.shared] if mlp.shared else [])
             weights = [attention.wq.weight, attention.wk.weight, attention.wv.weight]
@@ -301,6 +332,10 @@ class Transformer(nn.Module):
             for norm in (block.attention_norm, block.ffn_norm, attention.q_norm, attention.k_norm):
                 if norm is not None:
                     norm.reset_parameters()
+        for depth in depths:  # (its projection reads the residual stream as a block's matrices do)
+            nn.init.normal_(depth.proj.weight, mean=0.0, std=hidden_std)
+            for norm in (depth.hidden_norm, depth.embedding_norm, depth.norm):
+                norm.reset_parameters()
         self.norm.reset_parameters()
         if not self.cfg.tie_embeddings:
             nn.init.normal_(self.output.weight, mean=0.0, std=std / mult)
@@ -370,10 +405,36 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, layer_kv, start_pos, bias)
         if self.output is None:
             return x
-        if targets is not None and self.loss_chunk:
-            return chunked_cross_entropy(self.norm(x), self.output.weight, targets, self.loss_chunk, self.z_loss,
-                                         self.z_tally)
-        logits = self.output(self.norm(x))  # (batch, seq, vocab)
         if targets is None:
-            return logits
-        return cross_entropy(logits, targets, self.z_loss, self.z_tally)
+            return self.output(self.norm(x))  # (batch, seq, vocab)
+        loss = self._loss(self.norm(x), targets, self.z_loss, self.z_tally)
+        if self.mtp is not None and self.training:
+            # Its gradient joins the objective, its value stays out of the loss returned (as the z-loss's).
+            extra = self._mtp_loss(x, targets, cos, sin, bias)
+            if self.mtp_tally is not None:
+                self.mtp_tally.add(extra, torch.ones_like(extra))
+            loss = loss + self.mtp_weight * (extra - extra.detach())
+        return loss
+
+    def _loss(self, hidden: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0,
+              tally: Tally | None = None) -> torch.Tensor:
+        """The output head's mean cross-entropy over normalised hidden states (in chunks with
+        loss_chunk)."""
+        if self.loss_chunk:
+            return chunked_cross_entropy(hidden, self.output.weight, targets, self.loss_chunk, z_loss, tally)
+        return cross_entropy(self.output(hidden), targets, z_loss, tally)
+
+    def _mtp_loss(self, trunk: torch.Tensor, targets: torch.Tensor, cos, sin, bias) -> torch.Tensor:
+        """The mean loss of the multi-token prediction depths. Inputs t_0..t_{T-1} have targets
+        t_1..t_T; depth k at position i joins the previous depth's h_i with Emb(t_{i+k}) (the
+        target k - 1 places on) and predicts t_{i+k+1} (the target k places on), for the T - k
+        positions whose token that is: each depth sees one position fewer (DeepSeek-V3's
+        sequences shorten alike), attending causally (within documents, with a bias) over them."""
+        hidden, total, seq = trunk, 0.0, targets.shape[1]
+        for k, depth in enumerate(self.mtp, start=1):
+            length = seq - k
+            ahead = targets[:, k - 1:seq - 1].clamp(min=0)  # (padding, -100, reads token 0; its loss is masked)
+            part = None if bias is None else bias[:, :, :length, :length]
+            hidden, normed = depth(hidden[:, :length], self.tok_embeddings(ahead), cos, sin, part)
+            total = total + self._loss(normed, targets[:, k:])
+        return total / len(self.mtp)

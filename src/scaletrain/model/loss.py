@@ -39,10 +39,10 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
 
 
-class LogNormTally:
-    """log²Z summed over the real tokens of the losses that took the z-loss's gradient since the
-    last reset, and their count, kept on the device (nothing waits for them until read): the
-    z-loss's own value, which the loss returned leaves out, for the train records."""
+class Tally:
+    """A sum of per-token values and their count since the last reset, kept on the device
+    (nothing waits for them until read): what enters the gradient but not the loss returned, for
+    the train records — the z-loss's log²Z per real token, multi-token prediction's losses."""
 
     def __init__(self):
         self.reset()
@@ -51,14 +51,15 @@ class LogNormTally:
         self.total: torch.Tensor | None = None
         self.count: torch.Tensor | None = None
 
-    def add(self, log_norm: torch.Tensor, valid: torch.Tensor) -> None:
-        total, count = (log_norm.detach().float().square() * valid).sum(), valid.sum()
+    def add(self, values: torch.Tensor, counted: torch.Tensor) -> None:
+        """Add values (detached, in float32) where `counted` (0 or 1, or a weight) says."""
+        total, count = (values.detach().float() * counted).sum(), counted.sum()
         self.total = total if self.total is None else self.total + total
         self.count = count if self.count is None else self.count + count
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0,
-                  tally: LogNormTally | None = None) -> torch.Tensor:
+                  tally: Tally | None = None) -> torch.Tensor:
     """Mean next-token loss of logits (batch, seq, vocab) against targets (batch, seq), in
     float32 (a bf16 log-softmax over a large vocabulary loses precision); -100 marks padding.
     With `z_loss`, the gradient of the z-loss too (see the module's docstring), its log²Z added
@@ -72,7 +73,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0
 
 
 def _with_split_z_loss(loss: torch.Tensor, logits: DTensor, targets: torch.Tensor, z_loss: float,
-                       tally: LogNormTally | None = None) -> torch.Tensor:
+                       tally: Tally | None = None) -> torch.Tensor:
     """`loss` plus z·(mean log²Z − the same, detached) for logits whose vocabulary is split over
     tensor-parallel ranks (a DTensor, under loss_parallel): the z-loss's gradient, and nothing
     added to the value. log Z is taken from each rank's own columns — the rows' maximum and sum
@@ -83,7 +84,7 @@ def _with_split_z_loss(loss: torch.Tensor, logits: DTensor, targets: torch.Tenso
     log_norm = _split_log_norm(logits.to_local(), logits.device_mesh.get_group())
     valid = targets != IGNORE
     if tally is not None:
-        tally.add(log_norm, valid)
+        tally.add(log_norm.detach().float().square(), valid)
     square = (log_norm.square() * valid).sum() / valid.sum().clamp(min=1)
     term = z_loss * (square - square.detach())
     if isinstance(loss, DTensor):
@@ -152,7 +153,7 @@ class _ZLossCrossEntropy(torch.autograd.Function):
         count = valid.sum().clamp(min=1)
         log_norm = logits[:, 0] - log_probs[:, 0]
         if tally is not None:
-            tally.add(log_norm, valid)
+            tally.add(log_norm.detach().float().square(), valid)
         ctx.save_for_backward(log_probs, safe, valid, log_norm, count)
         ctx.z_loss = z_loss
         return -(log_probs.gather(1, safe)[:, 0] * valid).sum() / count
@@ -167,7 +168,7 @@ class _ZLossCrossEntropy(torch.autograd.Function):
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          chunk: int, z_loss: float = 0.0, tally: LogNormTally | None = None) -> torch.Tensor:
+                          chunk: int, z_loss: float = 0.0, tally: Tally | None = None) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T, targets) for hidden (batch, seq, dim), weight
     (vocab, dim), without holding more than `chunk` tokens' logits at once. Under autocast the
     product is taken in the autocast dtype, as nn.Linear would."""
@@ -183,7 +184,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
 
 def _chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
             gradients: bool, z_loss: float = 0.0,
-            tally: LogNormTally | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+            tally: Tally | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Summed loss over the rows and, if asked, the gradients of that sum (and of z_loss times
     the rows' summed log²Z, which go to `tally`) with respect to hidden (in hidden's dtype) and
     weight (float32)."""
@@ -203,7 +204,7 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, c
             if z_loss:
                 grad.mul_((1 + 2 * z_loss * log_norm)[:, None])
                 if tally is not None:
-                    tally.add(log_norm, valid)
+                    tally.add(log_norm.detach().float().square(), valid)
             grad.scatter_add_(1, safe, -torch.ones_like(safe, dtype=grad.dtype))
             grad.mul_(valid[:, None])
             grad = grad.to(h.dtype)

@@ -37,4 +37,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype = to
             fully_shard(experts, mesh=mesh["dp_replicate", "efsdp_cp"], mp_policy=block_policy,
                         reshard_after_forward=reshard_after_forward)
         fully_shard(block, mesh=dp_mesh, mp_policy=block_policy, reshard_after_forward=reshard_after_forward)
+    for depth in getattr(model, "mtp", None) or []:  # multi-token prediction's modules, each as a block
+        fully_shard(depth, mesh=dp_mesh, mp_policy=block_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

@@ -97,6 +97,13 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
             raise ConfigError(f"{name} = {batch} holds {batch // seq_len} sequences, which do not split into "
                               f"{layout.dp} data-parallel ranks x train.micro_batch = {cfg.train.micro_batch}; use a "
                               f"multiple of {layout.dp * cfg.train.micro_batch * seq_len} tokens")
+    if model.mtp_depth:
+        splits = [f"parallel.{name} = {size}" for name, size in (("tp", layout.tp), ("cp", layout.cp), ("pp", layout.pp))
+                  if size > 1]
+        if splits:
+            raise ConfigError(f"model.mtp_depth = {model.mtp_depth} runs its modules on whole sequences beside the "
+                              f"output head, which {' and '.join(splits)} split; train multi-token prediction with data "
+                              "parallelism (dp_shard, dp_replicate, ep), or set model.mtp_depth = 0")
     if layout.ep > 1:
         if not model.moe:
             raise ConfigError(f"parallel.ep = {layout.ep} splits the experts of a mixture of experts, but "

@@ -48,7 +48,7 @@ def build_schedule(parts: list[nn.Module], ids: list[int], num_stages: int, sche
                    group, device: torch.device, z_loss: float = 0.0, z_tally=None):
     """The schedule that runs this rank's stages: `.step(inputs, target=..., losses=[...])`
     trains on a batch (gradients averaged over its micro-batches); the z-loss's log²Z goes to
-    `z_tally` (model/loss.py's LogNormTally)."""
+    `z_tally` (model/loss.py's Tally)."""
     stages = [PipelineStage(part, stage, num_stages, device, group=group) for part, stage in zip(parts, ids)]
     for stage in stages:
         _no_p2p_to_self(stage, dist.get_rank(group))

@@ -23,7 +23,11 @@ Components (per device, in bytes):
   per micro-batch and layers, over tensor × context parallel ranks;
 - loss: the output head's logits and their gradient at the loss (float32 log-softmax), or one
   chunk's with train.loss_chunk_tokens (then also the head's float32 weight gradient, and in
-  bf16 a chunk's bf16 part of it before it is summed in).
+  bf16 a chunk's bf16 part of it before it is summed in);
+- multi-token prediction (model.mtp_depth): its modules' parameters, gradients and optimizer
+  state as the blocks' (checked against a real run's), and per depth the activations of one
+  more dense block and one more loss — an estimate from the code's shape, not checked against
+  what autograd saves (the joined inputs and the depths' norms are left out).
 
 Per token and layer, a block of width d, h query heads, key/value width k (kv heads × head
 dim) and MLP width F saves, with bf16 compute (residual stream float32), 26d + 4k + 8F + 4h + 8
@@ -108,8 +112,14 @@ def parameter_tensors(cfg: Any) -> int:
     per_layer = 7 + 2 + (2 if cfg.qk_norm else 0)  # wq wk wv wo w1 w2 w3, two norms, q/k norms
     # A mixture's MLP: the router and the three stacked expert weights (+ the shared experts' three).
     per_moe_layer = per_layer + 1 + (3 if cfg.moe_shared_experts else 0) if moe_layers(cfg) else 0
-    return ((cfg.n_layers - moe_layers(cfg)) * per_layer + moe_layers(cfg) * per_moe_layer
+    per_depth = per_layer + 1 + 3  # multi-token prediction: a dense block, the projection, three norms
+    return ((cfg.n_layers - moe_layers(cfg)) * per_layer + moe_layers(cfg) * per_moe_layer + _mtp(cfg) * per_depth
             + 1 + 1 + (0 if cfg.tie_embeddings else 1))  # embedding, final norm, head
+
+
+def _mtp(cfg: Any) -> int:
+    """Multi-token prediction's depths (model.mtp_depth)."""
+    return getattr(cfg, "mtp_depth", 0) or 0
 
 
 def block_bytes_per_token(cfg: Any, bf16: bool, recompute: str, moe: bool = False, cp: int = 1) -> float:
@@ -247,7 +257,9 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     micro-batches of its blocks and, with the head, of `losses` micro-batches' loss."""
     counts = param_counts(cfg)
     outer = cfg.vocab * cfg.dim  # the embedding, and the output head unless tied to it
-    block_norms = cfg.n_layers * (2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0))
+    norms = 2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    # The blocks' norms and multi-token prediction's (its block's and three more a depth).
+    block_norms = cfg.n_layers * norms + _mtp(cfg) * (norms + 3 * cfg.dim)
     blocks = counts["total"] - block_norms - cfg.dim - outer * (1 if cfg.tie_embeddings else 2)
     matrices = (embedding + head) if not cfg.tie_embeddings else 1  # vocab x dim matrices here
     split = (blocks / pp + outer * matrices) / (fsdp * tp)  # split over tp too
@@ -260,17 +272,22 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     optimizer_bytes = round(8 * local - 4 * muon + 4 * tensors)
     stepping = _muon_step_bytes(cfg, fsdp, tp, ep) if optimizer == "muon" else 0
     head_matmul = outer if head else 0
+    # Multi-token prediction's matmul weights a depth: a dense block's and the projection's.
+    depth_matmul = 2 * cfg.dim * (cfg.n_heads + cfg.kv_heads) * cfg.head_dim + 3 * cfg.dim * cfg.hidden_dim \
+        + 2 * cfg.dim * cfg.dim
     if not bf16:
         weight_copies = 0
     elif fsdp > 1:  # two blocks gathered in bf16 (all of the rank's when pipelining), the root's embedding and head
         every, largest = _block_weights(cfg, ep)
-        gathered = every / pp if pp > 1 else 2 * largest
+        gathered = every / pp if pp > 1 else 2 * max(largest, depth_matmul if _mtp(cfg) else 0)
         weight_copies = round(2 * (gathered + outer * matrices) / tp)
     else:
-        weight_copies = round(2 * (_block_weights(cfg)[0] / pp + head_matmul) / tp)
+        weight_copies = round(2 * (_block_weights(cfg)[0] / pp + head_matmul + _mtp(cfg) * depth_matmul) / tp)
     tokens = micro_batch * seq_len / cp
     per_layer = activation_bytes_per_token(cfg, bf16, recompute, cp) * tokens / tp
     activations = round(in_flight * cfg.n_layers / pp * per_layer)
+    if _mtp(cfg):  # each depth counted as a dense block over the whole sequence (not measured: see above)
+        activations += round(_mtp(cfg) * block_bytes_per_token(cfg, bf16, "none") * tokens)
     if getattr(cfg, "document_mask", False):  # one (batch, 1, T / cp, T) bias for all blocks
         activations += round(in_flight * tokens * seq_len * (2 if bf16 else 4))
     one_block = _largest_block_bytes_per_token(cfg, bf16, cp) * tokens / tp
@@ -283,7 +300,7 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     loss = rows * vocab * ((2 if bf16 else 0) + 4 + 4 + 4)
     if loss_chunk_tokens:  # + the float32 weight gradient, and in bf16 a chunk's contribution before it is added
         loss += tokens * cfg.dim * (2 if bf16 else 4) + (6 if bf16 else 4) * vocab * cfg.dim
-    loss = round(losses * loss) if head else 0
+    loss = round(losses * (1 + _mtp(cfg)) * loss) if head else 0  # (each depth's loss: another head's)
     accumulating = gradients if micro_steps > 1 else 0
     averaged = parameters if ema else 0
     peak = parameters + averaged + optimizer_bytes + weight_copies + max(activations + loss + accumulating,

@@ -28,11 +28,15 @@ from scaletrain.config import ConfigError, RunConfig, load_config, toml_value
 # The model.* settings that give weights their shapes (the rest, rope, sequence length, masks
 # and routing, hold none): those a mismatch names.
 SHAPES = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "qk_norm", "tie_embeddings",
-          "moe_experts", "moe_ffn_dim", "moe_shared_experts", "moe_dense_layers")
-# Weights that a checkpoint may lack and that then keep their initial value: the experts' routing
-# biases start at zero, so a model that switches auxiliary-loss-free balancing on for its next
-# stage starts them there.
-FRESH = ("expert_bias",)
+          "moe_experts", "moe_ffn_dim", "moe_shared_experts", "moe_dense_layers", "mtp_depth")
+
+
+def starts_fresh(name: str) -> bool:
+    """Whether a weight may be missing from the checkpoint a run starts from, and then keeps its
+    initial value: the experts' routing biases (at zero: a model that switches auxiliary-loss-free
+    balancing on for its next stage starts them there) and multi-token prediction's modules (a
+    stage that adds model.mtp_depth trains them from their initialisation)."""
+    return name.endswith("expert_bias") or name.startswith("mtp.")
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,7 @@ def _check_weights(path: Path, cfg: RunConfig, source_cfg: RunConfig | None, giv
     for name, shape in model_shapes(cfg).items():
         there = saved.get(f"model.{name}", "missing")
         if there == "missing":
-            if not name.endswith(FRESH):
+            if not starts_fresh(name):
                 problems.append(f"it has no {name}")
         elif there != shape:
             problems.append(f"its {name} is {_dims(there)}, this model's {_dims(shape)}")

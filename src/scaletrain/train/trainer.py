@@ -30,7 +30,7 @@ from scaletrain.data.shards import DataError, read_index
 from scaletrain.hf import load_hf_weights
 from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.model.llama import Transformer, document_ids
-from scaletrain.model.loss import LogNormTally, cross_entropy, target_log_probs
+from scaletrain.model.loss import Tally, cross_entropy, target_log_probs
 from scaletrain.parallel.apply import parallelize
 from scaletrain.parallel.context import shard_sequence
 from scaletrain.parallel.layout import check_layout, resolve_layout
@@ -41,7 +41,7 @@ from scaletrain.plan.memory import choose_recompute
 from scaletrain.plan.timing import PlanLayout
 from scaletrain.train import checkpoint, noise
 from scaletrain.train.float8 import check_float8, convert_to_float8
-from scaletrain.train.init_from import FRESH, init_source
+from scaletrain.train.init_from import init_source, starts_fresh
 from scaletrain.train.metrics import MetricsLog, StepProfiler, TensorBoardSink, WandbSink, read_metrics
 from scaletrain.train.optim import build_optimizer, local_shard, set_hyperparameters, set_lr
 from scaletrain.train.resilience import StopSignals, StoppedBySignal, Watchdog, loss_spike
@@ -237,7 +237,8 @@ class Trainer:
         param_dtype = self.dtype if cfg.parallel.fsdp_param_dtype == "auto" else getattr(torch, cfg.parallel.fsdp_param_dtype)
         model = Transformer(cfg.model).to(self.device)
         if self.init_from and self.init_from.kind == "hf":  # (another run's checkpoint loads once sharded: fit)
-            model.load_state_dict(load_hf_weights(self.init_from.path, cfg.model))
+            # (Multi-token prediction's modules, which no Hugging Face model holds, start afresh.)
+            model.load_state_dict({**model.state_dict(), **load_hf_weights(self.init_from.path, cfg.model)})
             log.info("weights from %s (checkpoint.init_from)", cfg.checkpoint.init_from)
         if cfg.train.float8:  # before sharding: FSDP then gathers float8-aware weights
             log.info("train.float8: %d linear layers compute in float8",
@@ -246,8 +247,12 @@ class Trainer:
         self.moe_balance: float | None = None  # balancing loss per MoE block and rank at the last look (1: balanced)
         self.moe_max_load: float | None = None  # with expert biases: the most loaded expert over the mean, worst block
         # The z-loss's value, which the loss leaves out: see train_step.
-        self.z_tally = model.z_tally = LogNormTally() if cfg.train.z_loss else None
+        self.z_tally = model.z_tally = Tally() if cfg.train.z_loss else None
         self.z_loss_value: float | None = None
+        # Multi-token prediction's loss (model.mtp_depth), which the loss leaves out likewise.
+        self.mtp_tally = model.mtp_tally = Tally() if cfg.model.mtp_depth else None
+        model.mtp_weight = cfg.train.mtp_weight
+        self.mtp_loss_value: float | None = None
         self.parallel = parallelize(model, self.mesh, self.layout, cfg, self.device, param_dtype=param_dtype)
         self.model = self.parallel.module
         if self.layout.pp == 1:  # (a pipeline's loss is the schedule's)
@@ -569,11 +574,11 @@ class Trainer:
         else:
             state = {section: get_model_state_dict(self.model, options=STATE_OPTIONS)}
         saved = checkpoint.saved_shapes(path)
-        fresh = [name for name in state[section] if f"{section}.{name}" not in saved and name.endswith(FRESH)]
+        fresh = [name for name in state[section] if f"{section}.{name}" not in saved and starts_fresh(name)]
         for name in fresh:  # checked by init_source: only weights that start afresh may be missing
             del state[section][name]
         if take_optimizer:
-            lacking = [name for name in state["optim"] if f"optim.{name}" not in saved]  # (FRESH: buffers, no state)
+            lacking = [name for name in state["optim"] if f"optim.{name}" not in saved]  # (expert_bias: a buffer)
             if lacking:
                 raise ConfigError(f"checkpoint.init_from = {self.cfg.checkpoint.init_from!r} holds no optimizer state "
                                   f"{lacking[0]} (it was written by another optimizer or version); set "
@@ -753,8 +758,9 @@ class Trainer:
         if (self.parallel.schedule is not None and (self.cfg.model.moe or self.z_tally is not None)
                 and micro_steps not in self.pipeline_primed):
             self._prime_pipeline(micro_steps)
-        if self.z_tally is not None:
-            self.z_tally.reset()  # (after any priming of the pipeline: this step's micro-batches only)
+        for tally in (self.z_tally, self.mtp_tally):
+            if tally is not None:
+                tally.reset()  # (after any priming of the pipeline: this step's micro-batches only)
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
         batches = []
@@ -822,7 +828,9 @@ class Trainer:
         self._check(loss_value)
         self.moe_balance = self._mean_balance(balance) if balance is not None else None
         self.moe_max_load = max_load.max().item() if max_load is not None else None
-        self.z_loss_value = self._z_loss_value()
+        z_mean = self._tally_mean(self.z_tally)
+        self.z_loss_value = None if z_mean is None else cfg.z_loss * z_mean
+        self.mtp_loss_value = self._tally_mean(self.mtp_tally)
         return loss_value, grad_norm.item(), data_wait
 
     def _judge_loss(self, loss: torch.Tensor) -> None:
@@ -938,11 +946,11 @@ class Trainer:
         total, count = both.tolist()
         return total / count
 
-    def _z_loss_value(self) -> float | None:
-        """The z-loss of the step just taken: train.z_loss times the mean log²Z over the global
-        batch's tokens (one all-reduce of a sum and a count: tensor-parallel ranks count each
-        token alike, earlier pipeline stages count none). None without train.z_loss."""
-        tally = self.z_tally
+    def _tally_mean(self, tally: Tally | None) -> float | None:
+        """The mean of what `tally` summed over the step just taken, over the global batch (one
+        all-reduce of a sum and a count): the z-loss's log²Z per token (tensor-parallel ranks
+        count each token alike, earlier pipeline stages count none), multi-token prediction's
+        loss per micro-batch. None without the tally, or with nothing counted."""
         if tally is None:
             return None
         zero = torch.zeros((), device=self.device)
@@ -951,7 +959,7 @@ class Trainer:
         if dist.is_initialized():
             dist.all_reduce(both)
         total, count = both.tolist()
-        return self.cfg.train.z_loss * total / count if count else None
+        return total / count if count else None
 
     def _mean_over_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of a per-rank scalar over the ranks that run the last pipeline stage (all
@@ -1207,6 +1215,7 @@ class Trainer:
                         tokens_by_source=self.loader.tokens_by_source(),
                         epochs_by_source={k: round(v, 6) for k, v in self.loader.epochs_by_source().items()},
                         **({"z_loss": self.z_loss_value} if self.z_tally is not None else {}),
+                        **({"mtp_loss": self.mtp_loss_value} if self.mtp_tally is not None else {}),
                         **(self.noise or {}),
                         **({"moe_balance": round(self.moe_balance, 5)} if self.cfg.model.moe else {}),
                         **({"moe_max_load": round(self.moe_max_load, 4)} if self.moe_max_load is not None else {}))
