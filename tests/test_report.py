@@ -122,3 +122,30 @@ def test_the_speed_set_against_the_plan_is_that_of_the_global_batch_past_the_ram
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     summary = run_report(run_dir)
     assert (summary["tokens_per_s"], summary["mfu"]) == (4000.0, 0.4)
+
+
+def test_compare_sets_runs_side_by_side_at_equal_tokens_or_compute(stdlib_data, tmp_path):
+    """Two runs, one with multi-token prediction (more FLOPs per token): the table gives each its
+    final and best validation loss, FLOPs and speed, the plot puts them on one axis; a directory
+    that is not a run, or a single run, is refused in one line."""
+    common = ["train.steps=4", "eval.interval=2", "checkpoint.interval=0"]
+    train(tiny_config(stdlib_data, tmp_path / "plain", *common))
+    train(tiny_config(stdlib_data, tmp_path / "mtp", *common, "model.mtp_depth=1"))
+    result = run_cli("compare", str(tmp_path / "plain"), str(tmp_path / "mtp"), "--x", "flops",
+                     "--out", str(tmp_path / "both.png"))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "both.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = {line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("│ ")}
+    for name in ("plain", "mtp"):
+        evals = read_metrics(tmp_path / name, "eval")
+        start = read_metrics(tmp_path / name, "start")[0]
+        cells = [cell.strip() for cell in lines[name].split("│")[1:-1]]
+        assert cells[4] == f"{start['flops_per_token'] * 4 * 512:.3g}"
+        assert cells[6].split()[0] == f"{evals[-1]['loss']:.4f}" and cells[7] == f"{min(r['loss'] for r in evals):.4f}"
+    assert read_metrics(tmp_path / "mtp", "start")[0]["flops_per_token"] > read_metrics(
+        tmp_path / "plain", "start")[0]["flops_per_token"]
+    assert "*" in (lines["plain"] + lines["mtp"])  # the lower final validation loss is marked
+    for argv, words in (([str(tmp_path / "plain"), str(tmp_path)], "is not a run directory that has trained"),
+                        ([str(tmp_path / "plain")], "give two run directories or more")):
+        result = run_cli("compare", *argv, "--out", str(tmp_path / "x.png"))
+        assert result.returncode == 2 and words in result.stderr and "Traceback" not in result.stderr

@@ -951,6 +951,26 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from scaletrain.report.compare import compare_runs
+
+    rows = compare_runs(args.run_dirs, args.out, x=args.x)
+    table = Table(title=f"{len(rows)} runs")
+    for column in ("run", "parameters", "steps", "tokens", "FLOPs", "train loss", "validation loss", "best validation",
+                   "tokens/s", "goodput"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    best = min((row["val_loss"] for row in rows if row["val_loss"] is not None), default=None)
+    for row in rows:
+        val = _num(row["val_loss"]) + (" *" if row["val_loss"] is not None and row["val_loss"] == best else "")
+        table.add_row(row["name"], f"{row['parameters']:,}", f"{row['step']:,} / {row['total_steps']:,}",
+                      f"{row['tokens']:,}", f"{row['flops']:.3g}", _num(row["train_loss"]), val,
+                      _num(row["best_val_loss"]), f"{row['tokens_per_s']:,.0f}",
+                      f"{row['goodput']:.1%}" if row["goodput"] is not None else "-")
+    out.print(table)
+    out.print(f"wrote {args.out} (losses against {args.x}; * the lowest final validation loss)", highlight=False)
+    return 0
+
+
 # -- export ---------------------------------------------------------------------------------
 
 
@@ -1214,6 +1234,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", default=None, help="the plan the run was written from (the .plan.json that "
                                                 "`plan --write-config` writes, or `plan --json`'s output)")
     p.set_defaults(func=cmd_report)
+
+    p = commands.add_parser("compare", help="several runs side by side: losses on one plot, a table of what each "
+                                            "reached and cost",
+                            description="Draw the runs' train and validation losses against tokens, training FLOPs "
+                                        "(at equal compute) or wall-clock into one PNG and print a row per run.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, e.g. runs/baseline runs/mtp")
+    p.add_argument("--x", choices=("tokens", "flops", "hours"), default="tokens",
+                   help="the plot's horizontal axis (default tokens)")
+    p.add_argument("--out", default="compare.png", help="the plot's path (default compare.png)")
+    p.set_defaults(func=cmd_compare)
 
     p = commands.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory",
                             description="Write config.json, safetensors weights, the tokenizer and a model card "
