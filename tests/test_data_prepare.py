@@ -263,6 +263,31 @@ def test_token_bytes_are_the_utf8_bytes_each_token_stands_for(stdlib_data):
     assert counts[tokenizer.encode(text, add_special_tokens=False).ids].sum() == len(text.encode())
     assert counts[tokenizer.token_to_id("<|endoftext|>")] == 0 and counts[512:].sum() == 0
     assert counts[:512].min() == 0 and (counts[:512] > 0).sum() == 511
-    pieces = Tokenizer(models.WordLevel({"▁the": 0, "▁cat": 1, "[UNK]": 2}, unk_token="[UNK]"))
-    pieces.pre_tokenizer = pre_tokenizers.Metaspace()
-    assert token_bytes(pieces, 3) is None
+    words = Tokenizer(models.WordLevel({"the": 0, "cat": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    assert token_bytes(words, 3) is None  # (no byte-level alphabet, no SentencePiece spaces: nothing to count)
+
+
+def test_token_bytes_of_a_sentencepiece_style_tokenizer_count_its_spaces_and_byte_pieces():
+    """Llama 2's / Mistral's kind: "▁" for a space, unknown characters as "<0xNN>" byte pieces. A
+    text's pieces add up to its UTF-8 length plus the one space the tokenizer prepends."""
+    from tokenizers import decoders, models, normalizers
+
+    from scaletrain.data.tokenizer import token_bytes
+
+    text = "the cat sat on the mat — naïve 日本"
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)),
+              *sorted(set("the cat sat on mat".replace(" ", "▁"))), "▁t", "▁th", "▁the", "at", "▁c", "▁cat"]
+    merges = [("▁", "t"), ("▁t", "h"), ("▁th", "e"), ("a", "t"), ("▁", "c"), ("▁c", "at")]
+    tokenizer = Tokenizer(models.BPE({piece: i for i, piece in enumerate(pieces)}, merges, byte_fallback=True,
+                                     unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.add_special_tokens(["<s>", "</s>"])
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    assert tokenizer.decode(ids) == text and tokenizer.token_to_id("▁cat") in ids
+    assert any(tokenizer.id_to_token(i).startswith("<0x") for i in ids)  # (ï, 日, 本 and — fell back to bytes)
+    counts = token_bytes(tokenizer, 300)
+    assert counts[ids].sum() == len(text.encode()) + 1
+    assert counts[tokenizer.token_to_id("</s>")] == 0 and counts[tokenizer.token_to_id("<0x0A>")] == 1

@@ -862,7 +862,7 @@ def _eval_sweep(args: argparse.Namespace) -> int:
 
 def eval_table(run_dir: str, records: list[dict]) -> Table:
     """A row per checkpoint: its step and tokens, the validation loss (in bits per byte too, where
-    the tokenizer is byte-level; each source's, of a mixture), each task's accuracy (per character)
+    the tokenizer's pieces say their bytes; each source's, of a mixture), each task's accuracy (per character)
     and the right choice's loss."""
     averaged = len(records[0].get("averaged_steps", [])) - 1
     table = Table(title=f"evaluation: {run_dir}"

@@ -6,6 +6,8 @@ string encodes without an unknown token and decodes back to exactly the same str
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -76,19 +78,48 @@ def vocab_size(tokenizer: Tokenizer) -> int:
     return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
 
+# SentencePiece's word boundary, which stands for a space, and its byte-fallback pieces (Llama 2,
+# Mistral, Gemma): "<0x0A>" is the one byte 0x0A.
+METASPACE = "\u2581"
+BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
 def token_bytes(tokenizer: Tokenizer, size: int) -> np.ndarray | None:
     """The bytes of text each of `size` ids stands for — 0 for special tokens (the end of a
-    document is no text) and for ids past the tokenizer's — when the tokenizer is byte-level
-    (each character of a token is one byte: the tokenizers `data prepare` trains, GPT-2's, Llama
-    3's, Qwen's); None for others (SentencePiece's pieces do not say their bytes)."""
+    document is no text) and for ids past the tokenizer's. Byte-level tokenizers (the tokenizers
+    `data prepare` trains, GPT-2's, Llama 3's, Qwen's): one byte per character of a token.
+    SentencePiece-style ones (Llama 2's, Mistral's, Gemma's: a vocabulary that marks spaces with
+    U+2581, bytes it has no piece for as byte-fallback pieces "<0xNN>"): the UTF-8 length of the
+    piece with its U+2581 read as spaces, one byte for a byte piece — counting the space such a
+    tokenizer prepends to each text it encodes (one byte a document more than the text holds).
+    None for others (a vocabulary that says neither)."""
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    if _byte_level(tokenizer) and all(alphabet.issuperset(token) for token in vocab):
+        def length(token: str) -> int:
+            return len(token)
+    elif any(METASPACE in token for token in vocab):
+        def length(token: str) -> int:
+            return 1 if BYTE_PIECE.fullmatch(token) else len(token.replace(METASPACE, " ").encode("utf-8"))
+    else:
+        return None
     counts = np.zeros(size, dtype=np.int64)
-    for token, token_id in tokenizer.get_vocab(with_added_tokens=False).items():
-        if not alphabet.issuperset(token):
-            return None
+    for token, token_id in vocab.items():
         if token_id < size:
-            counts[token_id] = len(token)
+            counts[token_id] = length(token)
     for token_id in tokenizer.get_added_tokens_decoder():
         if token_id < size:
             counts[token_id] = 0
     return counts
+
+
+def _byte_level(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer maps bytes to characters (a ByteLevel pre-tokenizer or decoder)."""
+    saved = json.loads(tokenizer.to_str())
+
+    def has(part) -> bool:
+        if isinstance(part, dict):
+            return part.get("type") == "ByteLevel" or any(has(value) for value in part.values())
+        return isinstance(part, list) and any(has(value) for value in part)
+    return has(saved.get("pre_tokenizer")) or has(saved.get("decoder"))
+

@@ -323,7 +323,7 @@ class Trainer:
 
     def _token_bytes(self) -> torch.Tensor | None:
         """The bytes of text of each token id, on the device (data/tokenizer.token_bytes); None
-        when the tokenizer is not byte-level."""
+        when the tokenizer's vocabulary says no bytes (neither byte-level nor SentencePiece's)."""
         from scaletrain.data.tokenizer import load_tokenizer, token_bytes
 
         path = next(iter(self.cfg.data.sources.values())) / "tokenizer.json"
@@ -978,7 +978,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> tuple[dict[str, float], dict[str, float] | None]:
         """Mean loss per token over each source's fixed validation windows, and — where the
-        tokenizer is byte-level — bits per byte: the same windows' loss in bits over the bytes of
+        tokenizer's pieces say their bytes (data/tokenizer.token_bytes) — bits per byte: the same windows' loss in bits over the bytes of
         text their tokens stand for (the ends of documents are predicted, and count, but hold no
         byte), which compares across tokenizers."""
         self.model.eval()
@@ -1063,7 +1063,7 @@ class Trainer:
     def evaluation(self, beat: Callable[[], None] = lambda: None) -> dict:
         """What an eval record holds: the validation loss (of a mixture, each source's at its
         training weight) and each source's; the same in bits per byte (bits_per_byte,
-        bits_per_byte_by_source) where the tokenizer is byte-level; with eval.tasks, each task's
+        bits_per_byte_by_source) where the tokenizer's pieces say their bytes; with eval.tasks, each task's
         metrics by kind (task_accuracy, task_accuracy_norm, task_nll: task name -> value). `beat`
         after each part."""
         by_source, bits = self.evaluate()
