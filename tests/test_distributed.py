@@ -8,6 +8,7 @@ a few go through `scaletrain train --nproc`, as a user runs it."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -162,6 +163,9 @@ RAMP = ["train.batch_ramp=[[256, 512]]"]
 MUP = ["model.mup_base_dim=32"]
 # The moving average of the weights, kept on each rank's shards (and stages), evaluated in place.
 EMA = ["train.ema_decay=0.5"]
+# checkpoint.interval = auto, at a failure rate that makes every step's the best interval: the
+# ranks choose the same steps from their largest measurements (else they would not meet).
+AUTO_SAVES = ["checkpoint.interval=auto", "checkpoint.failures_per_device_hour=1e9"]
 # Multi-token prediction, its modules sharded as blocks are, through the chunked head.
 MTP = ["model.mtp_depth=2"]
 # name -> overrides of 2-process layouts.
@@ -180,7 +184,7 @@ TWO = {
     # than for 8: with a mixture of experts, each schedule's first step infers shapes on a
     # made-up batch that the routing biases must not count. (Without the balancing loss, which
     # is computed per micro-batch, and the pipeline's micro-batches are of 1, not 4.)
-    "fsdp-batch-ramp": ["parallel.dp_shard=2", "train.micro_batch=2", *RAMP],
+    "fsdp-batch-ramp": ["parallel.dp_shard=2", "train.micro_batch=2", *RAMP, *AUTO_SAVES],
     "pp-batch-ramp-moe": [*PP2, *RAMP, "model.moe_experts=4", "model.moe_score=sigmoid",
                           "model.moe_bias_update=0.05", "model.moe_aux_loss=0"],
     "cp": ["parallel.cp=2", *ONE_STAGE, *DOCUMENTS],
@@ -397,6 +401,17 @@ def test_each_pipeline_rank_holds_the_bytes_the_memory_model_gives_it(stdlib_dat
         assert (estimate.parameters, estimate.gradients, estimate.optimizer, estimate.ema) == (
             rank["parameters"], rank["gradients"], rank["optimizer"], rank.get("ema", 0)), (embedding, head)
     assert ("ema" in held[0]) == ("train.ema_decay=0.5" in TWO[name])  # (1F1B's run keeps the moving average)
+
+
+def test_ranks_agree_on_the_automatic_checkpoint_interval(layout_runs):
+    """(That the run finished at all says the ranks saved at the same steps.) The first save after
+    one step of the 4 (a tenth of the run, at least one); at so high a failure rate each interval
+    is its floor, the save's own blocking time, in steps of the measured step time."""
+    records = read_metrics(layout_runs["fsdp-batch-ramp"], "checkpoint")
+    assert records[0]["step"] == 1 and records[-1]["step"] == 4 and records[0]["mtbf_s"] == 3600 / 2e9
+    for record, after in zip(records, records[1:]):
+        assert after["step"] == min(record["step"] + record["interval_steps"], 4)
+        assert record["interval_steps"] == math.ceil(record["measured_blocking_s"] / record["measured_step_s"])
 
 
 def test_fsdp_with_bfloat16_parameters_trains_close_to_float32(layout_runs, reference_deep):

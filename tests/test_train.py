@@ -141,6 +141,34 @@ def test_checkpoints_are_committed_pointed_to_and_pruned(stdlib_data, tmp_path):
                                                                                  "step_0000004"]
 
 
+def test_an_automatic_interval_is_youngs_from_what_the_run_measures(stdlib_data, tmp_path):
+    """checkpoint.interval = "auto": the first save after a tenth of the run, then each after the
+    steps that sqrt(2 x blocking x MTBF) (no less than the blocking) takes at the measured step
+    time, and at every multiple of keep_every; a resumed run measures again from its first save."""
+    common = ["train.steps=60", "checkpoint.interval=auto", "checkpoint.failures_per_device_hour=20000",
+              "checkpoint.keep_every=25", "checkpoint.keep=100", "eval.interval=0", "log.interval=5"]
+    run_dir = tmp_path / "run"
+    train(tiny_config(stdlib_data, run_dir, *common))
+    records = read_metrics(run_dir, "checkpoint")
+    assert records[0]["step"] == 6 and records[-1]["step"] == 60 and "interval_steps" not in records[-1]
+    mtbf = 3600 / 20000
+    for record, after in zip(records, records[1:]):
+        if after["step"] % 25:  # (not a keep_every save, which comes between)
+            assert after["step"] == min(record["step"] + record["interval_steps"], 60)
+        young = max(math.sqrt(2 * record["measured_blocking_s"] * mtbf), record["measured_blocking_s"])
+        if after is not records[-1]:
+            assert record["mtbf_s"] == mtbf and record["measured_blocking_s"] == pytest.approx(record["blocking_s"],
+                                                                                               abs=1e-4)
+            assert record["interval_steps"] == math.ceil(young / record["measured_step_s"])
+    assert {25, 50} <= {r["step"] for r in records}
+    assert len(records) > 4  # (at the default failure rate this run would save at step 6 and at the end)
+    split = tmp_path / "split"
+    train(tiny_config(stdlib_data, split, *common), stop_at_step=30)
+    train(tiny_config(stdlib_data, split, *common))
+    assert losses(split) == losses(run_dir)  # (step 30, where it stopped, is a logged step anyway)
+    assert 36 in {r["step"] for r in read_metrics(split, "checkpoint")}  # the resumed invocation's first save
+
+
 def test_background_checkpoints_hold_the_state_of_their_step_and_resume_exactly(stdlib_data, tmp_path):
     """Async saves every 2 steps while training goes on changing the weights: each checkpoint is
     committed with the state of its own step, and resuming from step 4 logs the losses of the

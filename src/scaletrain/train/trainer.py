@@ -35,6 +35,7 @@ from scaletrain.parallel.apply import parallelize
 from scaletrain.parallel.context import shard_sequence
 from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.parallel.mesh import collective_timeout, init_distributed, shutdown, world
+from scaletrain.plan.cost import checkpoint_interval
 from scaletrain.plan.hardware import peak_flops
 from scaletrain.model.moe import balance_tally, forget_counts, set_balance_weight, update_expert_bias
 from scaletrain.plan.memory import choose_recompute
@@ -57,6 +58,9 @@ log = logging.getLogger("scaletrain")
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # The first step whose speed is set against log.plan's: the first steps compile and warm up.
 PLAN_CHECK_STEP = 10
+# checkpoint.interval = "auto": the first save, which measures what the interval is chosen from,
+# after this many steps (or a tenth of the run, if fewer).
+AUTO_FIRST_SAVE = 10
 
 
 def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -301,6 +305,7 @@ class Trainer:
         self.ema: dict[str, torch.Tensor] | None = None
         self.ema_pairs: tuple[list, list] | None = None
         self.rewinds_left = cfg.train.rewinds
+        self.next_save: int | None = None  # with checkpoint.interval = "auto": the step of the next checkpoint
         self.pending: checkpoint.AsyncSave | None = None  # a checkpoint being written in the background
         self.checkpoint_group = None  # the process group of background checkpoint writes
         self.stager = None  # page-locked host buffers that background checkpoints copy into (CUDA)
@@ -1094,6 +1099,32 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------
 
+    def _save_due(self, step: int) -> bool:
+        """Whether a checkpoint is due after step `step` (the end's aside): at a multiple of
+        checkpoint.interval, or with "auto" at the step chosen (_auto_interval) and at every multiple
+        of keep_every."""
+        interval, keep_every = self.cfg.checkpoint.interval, self.cfg.checkpoint.keep_every
+        if interval != "auto":
+            return bool(interval) and step % interval == 0
+        return step == self.next_save or bool(keep_every) and step % keep_every == 0
+
+    def _auto_interval(self, blocking_s: float, step_s: float) -> dict:
+        """checkpoint.interval = "auto": the steps to the next checkpoint, Young's interval
+        sqrt(2 x blocking x MTBF) (plan/cost.py) — never below the save's own blocking — over the
+        seconds a step takes, from the largest blocking and step time over the ranks (so that
+        every rank chooses the same step); what the checkpoint record keeps of it."""
+        measured = torch.tensor([blocking_s, step_s], dtype=torch.float64, device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        blocking_s, step_s = measured.tolist()
+        rate = self.cfg.checkpoint.failures_per_device_hour
+        mtbf_s = 3600 / (rate * self.layout.world_size) if rate else None
+        seconds = max(checkpoint_interval(blocking_s, mtbf_s), blocking_s) if mtbf_s else 3600.0
+        steps = max(1, math.ceil(seconds / max(step_s, 1e-9)))
+        self.next_save = self.step + steps
+        return {"interval_steps": steps, "measured_blocking_s": blocking_s, "measured_step_s": step_s,
+                "mtbf_s": mtbf_s}
+
     def _setup_s(self) -> float:
         """Seconds from the process's start to its first step: building and laying out the
         model, loading a checkpoint, opening the data."""
@@ -1138,6 +1169,9 @@ class Trainer:
         accounted = False
         window_tokens, window_steps, window_time, window_wait = 0, 0, 0.0, 0.0
         run_tokens, run_time = 0, 0.0
+        since_save_time, since_save_steps = 0.0, 0  # the steps since the last checkpoint (checkpoint.interval = auto)
+        if cfg.checkpoint.interval == "auto":  # the first save measures what the interval is chosen from
+            self.next_save = self.step + max(1, min(AUTO_FIRST_SAVE, self.total_steps // 10))
         last_speed = None
         plan_checked = False  # (log.plan: once an invocation, from PLAN_CHECK_STEP on)
         stopped_by, saved = None, None  # the signal that ends the run early; the last checkpoint
@@ -1155,9 +1189,8 @@ class Trainer:
                 stopped_by = signals.stop_before_next_step()  # then this step is the last
                 # Loss and norm reach the host only at the steps that use them (train_step).
                 coming = self.step + 1
-                look = stopped_by is not None or coming in (self.total_steps, stop_at_step) or any(
-                    interval and coming % interval == 0
-                    for interval in (cfg.log.interval, cfg.checkpoint.interval, cfg.eval.interval))
+                look = stopped_by is not None or coming in (self.total_steps, stop_at_step) or self._save_due(coming) \
+                    or any(interval and coming % interval == 0 for interval in (cfg.log.interval, cfg.eval.interval))
                 try:
                     with profiler.step(coming):
                         train_loss, grad_norm, wait = self.train_step(look=look)
@@ -1194,6 +1227,8 @@ class Trainer:
                     log.info("bytes held by rank 0: %s", ", ".join(f"{k} {v:,}" for k, v in by_rank[0].items()))
                     accounted = True
                 elapsed = time.perf_counter() - t0
+                since_save_time += elapsed
+                since_save_steps += 1
                 step_tokens = self.cfg.step_batch_tokens(self.step - 1)
                 window_tokens += step_tokens
                 window_steps += 1
@@ -1229,13 +1264,16 @@ class Trainer:
                         metrics.write("plan_check", self.step, self.tokens,
                                       **self.check_against_plan(last_speed, record["mfu"], record["mem_gb"]))
                 self.finish_saving(wait=False)
-                if (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0) or last:
+                if self._save_due(self.step) or last:
                     t_save = time.perf_counter()
                     path = saved = self.save()
                     # What training waited for: the whole save, or its copy to host memory.
-                    metrics.write("checkpoint", self.step, self.tokens, path=str(path),
-                                  blocking_s=round(time.perf_counter() - t_save, 4),
-                                  background=cfg.checkpoint.async_save)
+                    blocking = time.perf_counter() - t_save
+                    auto = (self._auto_interval(blocking, since_save_time / since_save_steps)
+                            if self.next_save is not None and not last else {})
+                    since_save_time, since_save_steps = 0.0, 0
+                    metrics.write("checkpoint", self.step, self.tokens, path=str(path), blocking_s=round(blocking, 4),
+                                  background=cfg.checkpoint.async_save, **auto)
                     watchdog.beat()
                 if (cfg.eval.interval and self.step % cfg.eval.interval == 0) or self.step == self.total_steps:
                     t_eval = time.perf_counter()
