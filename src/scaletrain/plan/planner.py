@@ -315,7 +315,10 @@ def planned_config(plan: dict, hardware: Hardware, base: RunConfig | None = None
     if lay["pp"] == 1:
         data["parallel"].pop("pp_stages_per_rank", None)
         data["parallel"]["pp_schedule"] = "1f1b"
-    data["checkpoint"] = {**data.get("checkpoint", {}), "interval": run["checkpoint_interval_steps"],
+    # The interval the plan predicts is Young's from its predicted save and step; the run takes it
+    # from what it measures instead, at the plan's failure rate.
+    data["checkpoint"] = {**data.get("checkpoint", {}), "interval": "auto",
+                          "failures_per_device_hour": hardware.reliability.failures_per_device_hour,
                           "async_save": hardware.reliability.async_save}
     cfg = validate_config(data, source="the planned config")
     check_layout(resolve_layout(cfg.parallel, hardware.count), cfg)
