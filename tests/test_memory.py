@@ -4,6 +4,8 @@ optimizer bytes a real run reports."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -26,11 +28,11 @@ SHAPES = [dict(dim=128, n_layers=3, n_heads=4, n_kv_heads=2), dict(dim=96, n_lay
                moe_score="sigmoid")]
 
 
-def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool, positions: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> int:
-    """Bytes of the distinct tensors the blocks save for backward, leaving out parameters,
-    buffers and autocast's bf16 copies of the weights (the estimate's weight_copies); the
-    tokens at `positions` (all from 0 when None), attending within `documents` if given."""
+@contextlib.contextmanager
+def counting_saves(model: Transformer):
+    """Within it, the bytes of the distinct tensors autograd saves for backward (a dict of
+    storage -> bytes, filled as they are saved), leaving out parameters, buffers and autocast's
+    bf16 copies of the weights (the estimate's weight_copies)."""
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     # (and each expert's slice of the stacked expert weights, which autocast copies one by one)
     weight_shapes = {shape for p in model.parameters() for whole in (tuple(p.shape), tuple(p.shape)[-2:])
@@ -42,12 +44,18 @@ def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool, positions:
         if ptr not in own and not (t.dtype == torch.bfloat16 and tuple(t.shape) in weight_shapes):
             seen[ptr] = t.untyped_storage().nbytes()
         return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
 
+
+def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> int:
+    """Bytes the blocks save for backward (counting_saves) for the tokens at `positions` (all from
+    0 when None), attending within `documents` if given."""
     x = model.tok_embeddings(tokens)
     cos, sin = (model.rope_cos, model.rope_sin) if positions is None else (model.rope_cos[positions],
                                                                            model.rope_sin[positions])
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), counting_saves(model) as seen:
         bias = None if documents is None else document_bias(documents, compute_dtype(x), positions)
         for block in model.layers.values():
             x = block(x, cos, sin, bias=bias)
@@ -255,3 +263,28 @@ def test_muon_holds_one_moment_of_the_block_matrices_and_the_largest_whole_in_it
     assert short.peak == short.parameters + short.optimizer + short.weight_copies + short.gradients + 28 * 2048 * 8192
     split = training_memory(cfg, 128, 1, fsdp=4, tp=2, optimizer="muon")
     assert split.peak == split.parameters + split.optimizer + split.weight_copies + split.gradients + 20 * 2048 * 8192
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+def test_multi_token_prediction_is_counted_as_a_block_and_a_loss_per_depth(bf16):
+    """The memory model's estimate of what model.mtp_depth adds — per depth a dense block's
+    activations and another loss — against the bytes autograd saves for the depths (the block,
+    the joined inputs, the head's log-softmax): within 20% (the estimate's loss is the peak
+    around the loss, gradient included, the joined inputs are left out; these two nearly cancel)."""
+    batch, seq = 3, 64
+    shape = dict(vocab_size=512, max_seq_len=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2)
+    for depth in (1, 2):
+        cfg = ModelConfig(**shape, mtp_depth=depth)
+        model = Transformer(cfg)
+        stream = torch.randint(0, 512, (batch, seq + 1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            x = model.tok_embeddings(stream[:, :-1])
+            for block in model.layers.values():
+                x = block(x, model.rope_cos, model.rope_sin)
+            trunk = x.detach().requires_grad_()
+            with counting_saves(model) as seen:
+                model._mtp_loss(trunk, stream[:, 1:], model.rope_cos, model.rope_sin, None)
+        measured = sum(seen.values())
+        with_depths, without = (training_memory(c, seq, batch, bf16=bf16) for c in (cfg, ModelConfig(**shape)))
+        predicted = with_depths.activations + with_depths.loss - without.activations - without.loss
+        assert 0.8 < predicted / measured < 1.2, (depth, predicted, measured)

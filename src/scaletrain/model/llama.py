@@ -267,7 +267,8 @@ class MultiTokenPrediction(nn.Module):
                 bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = compute_dtype(hidden)
         joined = torch.cat([self.hidden_norm(hidden), self.embedding_norm(embedded)], dim=-1).to(dtype)
-        out = self.block(self.proj(joined), cos, sin, bias=bias)
+        # The block's residual stream in the trunk's dtype (float32 under autocast), as the trunk's.
+        out = self.block(self.proj(joined).to(hidden.dtype), cos, sin, bias=bias)
         return out, self.norm(out)
 
 
