@@ -157,6 +157,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cooldown(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from scaletrain.cooldown import cooldown_config
+
+    cfg = cooldown_config(args.run_dir, args.step, args.steps, args.decay_shape, args.name, args.overrides)
+    path = Path(cfg.run.dir) / f"{cfg.run.name}.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(cfg.to_toml())
+    out.print(f"wrote {path}: {cfg.run_dir} decays from step {args.step:,} of {args.run_dir} over {args.steps:,} steps "
+              f"({cfg.train.decay_shape}, to {cfg.train.min_lr_ratio:g} x train.lr); training it", highlight=False)
+    return cmd_train(argparse.Namespace(config=str(path), overrides=[], stop_at_step=args.stop_at_step,
+                                        max_restarts=args.max_restarts, nproc=args.nproc))
+
+
 def _torchrun(args: argparse.Namespace, command_args: list[str]) -> int:
     """Start `args.nproc` processes of `scaletrain COMMAND_ARGS` on this node through torchrun."""
     import subprocess
@@ -1043,6 +1058,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --nproc: times torchrun starts every process again after one fails or hangs "
                         "(train.hang_timeout_s); they resume from the newest checkpoint (0)")
     p.set_defaults(func=cmd_train)
+
+    p = commands.add_parser("cooldown", help="branch a learning-rate decay off a checkpoint of a run's stable stretch",
+                            description="Write and train a run that takes RUN_DIR's checkpoint of step K (weights, "
+                                        "optimizer, data position) and decays the learning rate over --steps more "
+                                        "steps: the loss the run would reach annealed there (run it again to resume).")
+    p.add_argument("run_dir", help="the run directory to branch from, e.g. runs/7b")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="override the branch's config values")
+    p.add_argument("--step", type=int, required=True, help="the checkpoint of this step, on the stable stretch")
+    p.add_argument("--steps", type=int, required=True, help="steps of the decay")
+    p.add_argument("--decay-shape", default=None, help="linear, 1-sqrt or cosine (default the run's train.decay_shape)")
+    p.add_argument("--name", default=None, help="the branch's run.name (default RUN-cooldown-K)")
+    p.add_argument("--nproc", type=int, default=1, help="processes to start on this node (through torchrun)")
+    p.add_argument("--stop-at-step", type=int, default=None, help="end this invocation after step K (with a checkpoint)")
+    p.add_argument("--max-restarts", type=int, default=0, help="with --nproc: times torchrun starts the processes again")
+    p.set_defaults(func=cmd_cooldown)
 
     p = commands.add_parser("launch", help="write a Slurm script or Kubernetes manifest that trains on many nodes")
     p.add_argument("launcher", choices=["slurm", "k8s"])

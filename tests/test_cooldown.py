@@ -1,0 +1,64 @@
+"""`scaletrain cooldown`: a learning-rate decay branched off a checkpoint of a run's stable stretch
+trains the losses of a run given that schedule from the start; refusals in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli, tiny_config
+from scaletrain.config import ConfigError
+from scaletrain.cooldown import cooldown_config
+from scaletrain.train.metrics import read_metrics
+from scaletrain.train.trainer import train
+
+WSD = ["train.schedule=wsd", "train.warmup_steps=2", "eval.interval=0", "log.interval=1", "checkpoint.keep=10"]
+
+
+def losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir, "train")}
+
+
+def test_a_cooldown_branch_trains_what_that_schedule_trains_from_the_start(stdlib_data, tmp_path):
+    """The run: 16 steps of WSD whose decay starts at 12, checkpoints every 4. A branch off step 8
+    decaying over 3 steps (1-sqrt) equals a run of 11 steps whose WSD decay is its last 3, trained
+    from step 0 — its steps 9-11 exactly, the schedule's rates too — and stopped and run again it
+    resumes its own checkpoints."""
+    run_dir = tmp_path / "run"
+    train(tiny_config(stdlib_data, run_dir, *WSD, "train.steps=16", "train.decay_fraction=0.25",
+                      "checkpoint.interval=4"))
+    reference = tmp_path / "reference"
+    train(tiny_config(stdlib_data, reference, *WSD, "train.steps=11", f"train.decay_fraction={3 / 11}",
+                      "train.decay_shape=1-sqrt", "checkpoint.interval=0"))
+    result = run_cli("cooldown", str(run_dir), "--step", "8", "--steps", "3", "--decay-shape", "1-sqrt",
+                     "--stop-at-step", "10")
+    assert result.returncode == 0, result.stderr
+    branch = tmp_path / "run-cooldown-8"
+    assert f"wrote {tmp_path / 'run-cooldown-8.toml'}" in " ".join(result.stdout.split())
+    assert max(losses(branch)) == 10
+    assert run_cli("cooldown", str(run_dir), "--step", "8", "--steps", "3", "--decay-shape", "1-sqrt").returncode == 0
+    got, expected = losses(branch), losses(reference)
+    assert [got[s] for s in (9, 10, 11)] == [expected[s] for s in (9, 10, 11)]
+    rates = {r["step"]: r["lr"] for r in read_metrics(branch, "train")}
+    assert rates == {r["step"]: r["lr"] for r in read_metrics(reference, "train") if r["step"] > 8}
+    assert read_metrics(branch, "end")[-1]["complete"]
+
+
+def test_a_cooldown_is_refused_off_the_stable_stretch_or_without_its_checkpoint(stdlib_data, tmp_path):
+    cosine = tmp_path / "cosine"
+    train(tiny_config(stdlib_data, cosine, "train.steps=8", "train.warmup_steps=2", "eval.interval=0",
+                      "checkpoint.interval=4"))
+    with pytest.raises(ConfigError, match=r"learning rate after step 4 is .*, not its peak .*cosine schedule.*"
+                                          r"stable stretch of a 'wsd' or 'constant' schedule"):
+        cooldown_config(cosine, 4, 2)
+    with pytest.raises(ConfigError, match="has no complete checkpoint of step 5; it has 4, 8"):
+        cooldown_config(cosine, 5, 2)
+    result = run_cli("cooldown", str(tmp_path), "--step", "4", "--steps", "2")
+    assert result.returncode == 2 and "is not a run directory" in result.stderr and "Traceback" not in result.stderr
+    constant = tmp_path / "constant"
+    train(tiny_config(stdlib_data, constant, "train.steps=8", "train.warmup_steps=6", "train.schedule=constant",
+                      "eval.interval=0", "checkpoint.interval=4"))
+    with pytest.raises(ConfigError, match="in its warmup"):
+        cooldown_config(constant, 4, 2)
+    branch = cooldown_config(constant, 8, 4, name="annealed", overrides=["train.min_lr_ratio=0"])
+    assert (branch.run.name, branch.train.steps, branch.train.min_lr_ratio) == ("annealed", 12, 0.0)
+    assert branch.checkpoint.resume.endswith("step_0000008")
