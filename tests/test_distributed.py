@@ -102,7 +102,7 @@ def single_process(stdlib_data, placeholders, tmp_path_factory):
     def run(overrides: list[str]):
         model = tuple(o for o in with_data(overrides, placeholders)
                       if o.startswith(("model.", "eval.", "data.", "train.optimizer", "train.z_loss", "train.batch_ramp",
-                                       "train.ema_decay")))
+                                       "train.ema_decay", "log.norms")))
         if model not in runs:
             runs[model] = tmp_path_factory.mktemp("single-deep") / "run"
             train(tiny_config(stdlib_data, runs[model], *STEPS, *DEEP, *model))
@@ -136,6 +136,10 @@ def assert_parity(run_dir, reference, tolerance=1e-5):
         assert ("z_loss" in got) == ("z_loss" in expected)  # (train.z_loss: its value, which the loss leaves out)
         if "z_loss" in expected:
             assert abs(got["z_loss"] - expected["z_loss"]) <= tolerance * max(1.0, expected["z_loss"]), got["step"]
+        for key in ("grad_norm_by_part", "weight_norm_by_part"):  # (log.norms: each part's, over every rank)
+            assert (key in got) == (key in expected)
+            for part, norm in expected.get(key, {}).items():
+                assert got[key][part] == pytest.approx(norm, rel=1e-4, abs=1e-6), (got["step"], key, part)
         assert ("mtp_loss" in got) == ("mtp_loss" in expected)  # (model.mtp_depth: its loss, left out likewise)
         if "mtp_loss" in expected:
             assert abs(got["mtp_loss"] - expected["mtp_loss"]) <= tolerance, got["step"]
@@ -198,6 +202,10 @@ for _name in ("pp-1f1b", "pp-interleaved_zero_bubble"):
 TWO["pp-gpipe"] += Z_LOSS
 TWO["pp-looped_bfs"] += MUP
 TWO["pp-1f1b"] += EMA
+# The norms of each part of the model (log.norms): shards summed over FSDP's ranks, tensor
+# parallelism's split and partial gradients, stages over the pipeline.
+for _name in ("fsdp-grad-accumulation-recompute-muon", "tp-muon-z-loss", "pp-1f1b"):
+    TWO[_name] += ["log.norms=true"]
 # Multiple-choice tasks scored in every kind of split: rows over FSDP ranks (padded), logits
 # split by vocabulary (tensor parallelism), rows split by position (context parallelism), the
 # last pipeline stage's logits.

@@ -24,7 +24,7 @@ BOOTSTRAP = [[2.0, 60.0, 400.0, 0.3, 0.3], [1.9, 60.0, 400.0, 0.3, 0.3], [2.1, 6
 def test_report_writes_plots_and_html_and_compares_the_final_loss_with_the_law(stdlib_data, next_line_task, tmp_path):
     run_dir = tmp_path / "run"
     cfg = tiny_config(stdlib_data, run_dir, "train.steps=6", "eval.interval=3", "checkpoint.interval=3",
-                      f"eval.tasks=['{next_line_task}']", "eval.task_examples=8")
+                      f"eval.tasks=['{next_line_task}']", "eval.task_examples=8", "log.norms=true")
     train(cfg, stop_at_step=3)
     with open(run_dir / "metrics.jsonl", "a") as f:  # an attempt that got to step 5 and hung there
         f.write(json.dumps({"kind": "hang", "step": 5, "tokens": 2560, "time": time.time(), "seconds": 900.0}) + "\n")
@@ -57,10 +57,10 @@ def test_report_writes_plots_and_html_and_compares_the_final_loss_with_the_law(s
     summary = run_report(run_dir)
     assert summary["time"]["invocations"] == 2 and wall_line(summary["time"]) in result.stdout
     assert "goodput over 2 invocation(s)" in result.stdout
-    for name in ("loss.png", "speed.png", "tasks.png", "batch.png", "progress.png"):
+    for name in ("loss.png", "speed.png", "tasks.png", "batch.png", "progress.png", "norms.png"):
         assert (run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (run_dir / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 5  # self-contained
+    assert page.count("data:image/png;base64,") == 6  # self-contained
     assert "goodput: the share of the wall-clock that trained kept steps (2 invocations, 0 rewinds)" in page
     assert "<td>resume</td>" in page and "<td>hang</td>" in page and "<td>end</td>" in page and "[model]" in page
 

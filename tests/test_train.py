@@ -947,3 +947,26 @@ def test_a_divergence_that_recurs_after_its_rewinds_stops_the_run(stdlib_data, t
                           "train.clip=0", "checkpoint.interval=2", "eval.interval=0", "train.rewinds=2"))
     kinds = [r["kind"] for r in read_metrics(run_dir) if r["kind"] in ("rewind", "diverged")]
     assert kinds == ["rewind", "rewind", "diverged"]
+
+
+def test_norms_by_part_add_up_to_the_whole_and_are_the_weights_of_the_checkpoint(stdlib_data, tmp_path):
+    """log.norms: each part's gradient norm, squared and summed, is the step's grad_norm; each
+    part's weight norm is that of the checkpoint's weights (after the update); tied weights count
+    once, in the embedding."""
+    from scaletrain.generate import load_model
+    from scaletrain.train.trainer import model_part
+
+    run_dir = tmp_path / "run"
+    train(tiny_config(stdlib_data, run_dir, "train.steps=3", "log.norms=true", "eval.interval=0",
+                      "checkpoint.interval=1", "checkpoint.keep=3", "model.mtp_depth=1",
+                      "model.tie_embeddings=true"))
+    records = read_metrics(run_dir, "train")
+    assert list(records[0]["grad_norm_by_part"]) == ["embedding", "layers.0", "layers.1", "mtp.0", "head"]
+    for record in records:
+        whole = math.sqrt(sum(n ** 2 for n in record["grad_norm_by_part"].values()))
+        assert whole == pytest.approx(record["grad_norm"], rel=1e-5)
+        model = load_model(run_dir, step=record["step"])[0]
+        squares: dict[str, float] = {}
+        for name, p in model.named_parameters():
+            squares[model_part(name)] = squares.get(model_part(name), 0.0) + p.detach().double().square().sum().item()
+        assert record["weight_norm_by_part"] == pytest.approx({k: math.sqrt(v) for k, v in squares.items()}, rel=1e-5)

@@ -459,6 +459,8 @@ class LogConfig(_Section):
     """Also log them to this Weights & Biases project, as a W&B run named run.name whose id the run directory keeps (wandb_id), so that a resumed run continues it; needs `pip install 'scaletrain[wandb]'` and `wandb login`, or WANDB_MODE=offline."""
     plan: str | None = None
     """The plan the run was written from: the .plan.json that `scaletrain plan --write-config` writes beside the config, and names here. At the first record from step 10 on (of a step of the global batch), each invocation sets its tokens/s, MFU and peak memory against the plan's (a plan_check record) and warns when it runs below 80% of the planned speed, or above the planned memory by more than 10%, or on other devices than planned: hours, not the run's end, into it. Unset: no check (`scaletrain report --plan` compares afterwards)."""
+    norms: bool = False
+    """Also the 2-norm of the gradient (before clipping) and of the weights (after the update) of each part of the model — the embedding, each block (layers.N), the final norm and output head (head), each multi-token prediction depth (mtp.K) — in each train record (grad_norm_by_part, weight_norm_by_part): where an instability starts. One all-reduce of the parts' vector per kind of sharding, at the logged steps only."""
     profile_steps: list[int] | None = None
     """Trace steps [first, last] with the PyTorch profiler on every rank (CPU operators; on a GPU its kernels too; shapes and memory), into the run directory's profile/steps_FIRST-LAST_rankR.json, a Chrome trace that Perfetto (ui.perfetto.dev) opens. Unset: no tracing."""
 

@@ -100,7 +100,8 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
              _speed_plot(run_dir / "speed.png", train, planned_speed),
              _tasks_plot(run_dir / "tasks.png", evals),
              _noise_plot(run_dir / "batch.png", cfg, train),
-             _progress_plot(run_dir / "progress.png", summary["time"], cfg.total_steps, plan_doc)]
+             _progress_plot(run_dir / "progress.png", summary["time"], cfg.total_steps, plan_doc),
+             _norms_plot(run_dir / "norms.png", train)]
     (run_dir / "report.html").write_text(_html(cfg, summary, [p for p in plots if p is not None]))
     summary["files"] = [str(p) for p in plots if p is not None] + [str(run_dir / "report.html")]
     return summary
@@ -209,6 +210,28 @@ def _progress_plot(path: Path, time: dict | None, total_steps: int, plan: dict |
                 label=f"planned, at {plan['run']['goodput']:.1%} goodput")
     ax.set(xlabel=f"wall-clock ({unit})", ylabel="step", title=f"progress: goodput {time['goodput']:.1%}")
     ax.legend(fontsize=8, loc="lower right")
+    return _save(fig, path)
+
+
+def _norms_plot(path: Path, train: list[dict]) -> Path | None:
+    """log.norms: each part's gradient norm (before clipping) and weight norm against the step,
+    the blocks shaded from the first (dark) to the last (light)."""
+    measured = [r for r in train if r.get("grad_norm_by_part")]
+    if not measured:
+        return None
+    parts = list(measured[-1]["grad_norm_by_part"])
+    blocks = [p for p in parts if p.startswith("layers.")]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [r["step"] for r in measured]
+    for ax, key, title in ((axes[0], "grad_norm_by_part", "gradient norm by part"),
+                           (axes[1], "weight_norm_by_part", "weight norm by part")):
+        for part in parts:
+            color = (plt.cm.viridis(blocks.index(part) / max(len(blocks) - 1, 1)) if part in blocks
+                     else {"embedding": "C3", "head": "C1"}.get(part, "C7"))
+            label = part if part not in blocks or part in (blocks[0], blocks[-1]) else None
+            ax.plot(steps, [r[key].get(part) for r in measured], color=color, lw=1, label=label)
+        ax.set(xlabel="step", yscale="log", title=title)
+    axes[0].legend(fontsize=7)
     return _save(fig, path)
 
 

@@ -64,31 +64,61 @@ AUTO_FIRST_SAVE = 10
 
 
 def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of the whole gradient, of which each rank holds parts. A gradient split
-    (sharded) over some mesh dimensions and whole on the others adds its local squares, summed
-    over the sharded dimensions one at a time; one with partial sums (tensor parallelism's
-    replicated weights) is left to DTensor. (DTensor's own reduction of several dimensions at once
-    goes through a flattened group that torch 2.13 fails to find for the experts' mesh under
-    context parallelism, whose dimensions interleave.)"""
-    by_dims: dict = {}  # (mesh, sharded dimensions) -> local parts; partial DTensors by mesh
-    for grad in grads:
-        if not isinstance(grad, DTensor):
-            by_dims.setdefault((None, ()), []).append(grad)
-        elif any(placement.is_partial() for placement in grad.placements):
-            by_dims.setdefault((grad.device_mesh, "partial"), []).append(grad)
+    """The 2-norm of the whole gradient, of which each rank holds parts (see _squares)."""
+    return _squares(grads).sum().sqrt()
+
+
+def _squares(tensors: list[torch.Tensor], parts: list[int] | None = None, count: int = 1) -> torch.Tensor:
+    """The squared 2-norms (count,) of the `count` parts of a whole split over the ranks, tensor i
+    in part parts[i] (all in part 0 by default). A tensor split (sharded) over some mesh
+    dimensions and whole on the others adds its local squares, summed over the sharded dimensions
+    one at a time — one all-reduce of the parts' vector per kind of split, however many parts; one
+    with partial sums (tensor parallelism's replicated weights) is left to DTensor, a part at a
+    time. (DTensor's own reduction of several dimensions at once goes through a flattened group
+    that torch 2.13 fails to find for the experts' mesh under context parallelism, whose
+    dimensions interleave.)"""
+    parts = parts if parts is not None else [0] * len(tensors)
+    by_dims: dict = {}  # (mesh, sharded dimensions) -> local parts and their part indices; partial DTensors by mesh
+    for tensor, part in zip(tensors, parts, strict=True):
+        if not isinstance(tensor, DTensor):
+            key, local = (None, ()), tensor
+        elif any(placement.is_partial() for placement in tensor.placements):
+            key, local = (tensor.device_mesh, "partial"), tensor
         else:
-            dims = tuple(d for d, placement in enumerate(grad.placements) if not placement.is_replicate())
-            by_dims.setdefault((grad.device_mesh, dims), []).append(grad.to_local())
+            key = (tensor.device_mesh, tuple(d for d, placement in enumerate(tensor.placements)
+                                            if not placement.is_replicate()))
+            local = tensor.to_local()
+        entry = by_dims.setdefault(key, ([], []))
+        entry[0].append(local)
+        entry[1].append(part)
     squares = []
-    for (mesh, dims), parts in by_dims.items():
+    for (mesh, dims), (locals_, indices) in by_dims.items():
         if dims == "partial":
-            squares.append(torch.nn.utils.get_total_norm(parts).full_tensor().float().square())
+            for part in sorted(set(indices)):
+                mine = [t for t, i in zip(locals_, indices) if i == part]
+                square = torch.nn.utils.get_total_norm(mine).full_tensor().float().square()
+                squares.append(torch.zeros(count, device=square.device).index_add_(0, torch.tensor([part],
+                               device=square.device), square[None]))
             continue
-        square = torch.stack([n.float() for n in torch._foreach_norm(parts)]).square().sum()
+        each = torch.stack([n.float() for n in torch._foreach_norm(locals_)]).square()
+        if count == 1:
+            square = each.sum()[None]
+        else:
+            square = torch.zeros(count, device=each.device).index_add_(0, torch.tensor(indices, device=each.device),
+                                                                       each)
         for dim in dims:
             dist.all_reduce(square, group=mesh.get_group(dim))
         squares.append(square)
-    return torch.stack(squares).sum().sqrt()
+    return torch.stack(squares).sum(dim=0)
+
+
+def model_part(name: str) -> str:
+    """The part of the model a parameter belongs to, for norms by part: "embedding", "layers.N",
+    "mtp.K" (multi-token prediction's depths) or "head" (the final norm and output head)."""
+    first, *rest = name.replace("_orig_mod.", "").split(".")
+    if first in ("layers", "mtp"):
+        return f"{first}.{rest[0]}"
+    return "embedding" if first == "tok_embeddings" else "head"
 
 
 class TrainingDiverged(RuntimeError):
@@ -300,6 +330,12 @@ class Trainer:
         # last looked-at step's estimates, where the step had a first micro-batch to measure.
         self.noise_stats = noise.new_stats()
         self.noise: dict | None = None
+        # log.norms: the parts of the whole model, in order (every rank lists them all, whatever
+        # its stage holds), and the last looked-at step's norms by part.
+        m = cfg.model
+        self.model_parts = ["embedding", *(f"layers.{i}" for i in range(m.n_layers)),
+                            *(f"mtp.{k}" for k in range(m.mtp_depth)), "head"]
+        self.norms: dict | None = None
         # train.ema_decay: the moving average of the weights, by state-dict name, sharded as they
         # are (made from the weights when first wanted), and the local tensors each step lerps.
         self.ema: dict[str, torch.Tensor] | None = None
@@ -792,6 +828,7 @@ class Trainer:
                                     microbatches=micro_steps)
             if self.parallel.last:
                 loss_sum += torch.stack([_local(loss.detach()) for loss in losses]).mean()
+        part_norms = self._norms_by_part(grads=True) if look and self.cfg.log.norms else None
         grad_norm = self._clip_gradients(cfg.clip if cfg.clip > 0 else math.inf)
         # The norm is global (every rank holds the same), so every rank skips the same steps.
         bad = ~torch.isfinite(grad_norm)
@@ -829,6 +866,9 @@ class Trainer:
             scale = noise.noise_scale(self.noise_stats)
             self.noise = {"noise_grad_sq": grad_sq, "noise_trace": trace,
                           **({"noise_scale": round(scale, 1)} if scale is not None else {})}
+        self.norms = None
+        if part_norms is not None:  # (the weights' after the update)
+            self.norms = {"grad_norm_by_part": part_norms, "weight_norm_by_part": self._norms_by_part(grads=False)}
         loss_value = global_loss.item()
         self._check(loss_value)
         self.moe_balance = self._mean_balance(balance) if balance is not None else None
@@ -923,6 +963,19 @@ class Trainer:
         with self.autocast():
             self.parallel.schedule_for(microbatches).step(*args, **kwargs)
         return losses
+
+    def _norms_by_part(self, grads: bool) -> dict[str, float]:
+        """The 2-norm of the gradients (or of the weights) of each part of the model (model_part),
+        over every rank: pipeline stages add theirs over the pp ranks."""
+        names = self.model_parts
+        named = [(name, p.grad if grads else p) for name, p in self.model.named_parameters()
+                 if (p.grad is not None or not grads)]
+        index = [names.index(model_part(name)) for name, _ in named]
+        squares = _squares([t for _, t in named], index, len(names)) if named else torch.zeros(
+            len(names), device=self.device)
+        if self.layout.pp > 1:
+            dist.all_reduce(squares, group=self.mesh["pp"].get_group())
+        return {name: round(value, 6) for name, value in zip(names, squares.sqrt().tolist())}
 
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Clip the norm of the gradient of the whole model to max_norm; returns the norm before
@@ -1251,7 +1304,7 @@ class Trainer:
                         epochs_by_source={k: round(v, 6) for k, v in self.loader.epochs_by_source().items()},
                         **({"z_loss": self.z_loss_value} if self.z_tally is not None else {}),
                         **({"mtp_loss": self.mtp_loss_value} if self.mtp_tally is not None else {}),
-                        **(self.noise or {}),
+                        **(self.noise or {}), **(self.norms or {}),
                         **({"moe_balance": round(self.moe_balance, 5)} if self.cfg.model.moe else {}),
                         **({"moe_max_load": round(self.moe_max_load, 4)} if self.moe_max_load is not None else {}))
                     log.info("step %d/%d  loss %.4f  lr %.2e  grad %.3f  %.0f tok/s%s", self.step, self.total_steps,
