@@ -141,3 +141,38 @@ def test_layouts_that_split_sequences_or_the_head_and_depths_beyond_the_sequence
             check_layout(resolve_layout(cfg.parallel, 2), cfg)
     with pytest.raises(ConfigError, match="model.mtp_depth = 64 is not below data.seq_len = 64"):
         tiny_config(stdlib_data, tmp_path / "run", "model.mtp_depth=64")
+
+
+def test_within_documents_each_depth_attends_only_to_its_documents_positions():
+    """model.document_mask: an end of document at position 8 of 16; a change to token 3 (the first
+    document) leaves every depth's states at positions 9 on as they were (each depth's attention
+    masked to the document of its positions), where without the mask they change."""
+    from scaletrain.model.llama import document_bias, document_ids
+
+    model, stream = model_and_tokens(1)
+    eos = 95
+    stream[stream == eos] = 0
+    stream[:, 8] = eos
+    changed = stream.clone()
+    changed[:, 3] = (changed[:, 3] + 1) % 95
+
+    def depth_states(tokens: torch.Tensor, masked: bool, normed: bool = False) -> torch.Tensor:
+        inputs = tokens[:, :16]
+        bias = document_bias(document_ids(inputs, eos), torch.float32) if masked else None
+        with torch.no_grad():
+            h = model.tok_embeddings(inputs)
+            for block in model.layers.values():
+                h = block(h, model.rope_cos, model.rope_sin, bias=bias)
+            part = None if bias is None else bias[:, :, :15, :15]
+            return model.mtp[0](h[:, :15], model.tok_embeddings(tokens[:, 1:16]), model.rope_cos, model.rope_sin,
+                                part)[int(normed)]
+    torch.testing.assert_close(depth_states(changed, True)[:, 9:], depth_states(stream, True)[:, 9:], rtol=0, atol=0)
+    assert not torch.allclose(depth_states(changed, False)[:, 9:], depth_states(stream, False)[:, 9:])
+    # The model's own loss of the depth, within documents, is this one's.
+    model.train()
+    model.mtp_tally = Tally()
+    model(stream[:, :-1], stream[:, 1:], documents=document_ids(stream[:, :-1], eos))
+    with torch.no_grad():
+        logits = model.output(depth_states(stream, True, normed=True))
+    expected = F.cross_entropy(logits.flatten(0, 1), stream[:, 2:17].flatten())
+    assert model.mtp_tally.total.item() == pytest.approx(expected.item(), rel=1e-5)
