@@ -3,11 +3,15 @@ trains the losses of a run given that schedule from the start; refusals in one l
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import run_cli, tiny_config
-from scaletrain.config import ConfigError
+from scaletrain.config import ConfigError, load_config
 from scaletrain.cooldown import cooldown_config
+from scaletrain.model.flops import param_counts
+from scaletrain.scaling.laws import ChinchillaLaw
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
 
@@ -41,6 +45,20 @@ def test_a_cooldown_branch_trains_what_that_schedule_trains_from_the_start(stdli
     rates = {r["step"]: r["lr"] for r in read_metrics(branch, "train")}
     assert rates == {r["step"]: r["lr"] for r in read_metrics(reference, "train") if r["step"] > 8}
     assert read_metrics(branch, "end")[-1]["complete"]
+
+    # The run's report sets the branch's annealed loss against the law's L(N, D) at its tokens.
+    law = ChinchillaLaw(E=2.0, A=60.0, B=400.0, alpha=0.3, beta=0.3)
+    (tmp_path / "law.json").write_text(json.dumps(
+        {"approach3": {k: {"value": v} for k, v in law.to_dict().items() if k != "source"}, "bootstrap": []}))
+    result = run_cli("report", str(run_dir), "--law", str(tmp_path / "law.json"))
+    assert result.returncode == 0, result.stderr
+    final = read_metrics(branch, "eval")[-1]
+    n = param_counts(load_config(run_dir / "config.toml").model)["total"]
+    predicted = law.loss(n, final["tokens"])
+    assert final["step"] == 11 and final["tokens"] == 11 * 512
+    assert (f"cooldown from step 8 (run-cooldown-8) │ {final['loss']:.4f} at {final['tokens']:,} tokens (law "
+            f"{predicted:.4f}, {(final['loss'] - predicted) / predicted:+.2%})") in " ".join(result.stdout.split())
+    assert "cooldown from step 8 (run-cooldown-8)" in (run_dir / "report.html").read_text()
 
 
 def test_a_cooldown_is_refused_off_the_stable_stretch_or_without_its_checkpoint(stdlib_data, tmp_path):

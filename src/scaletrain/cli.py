@@ -160,11 +160,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_cooldown(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from scaletrain.cooldown import cooldown_config
+    from scaletrain.cooldown import cooldown_config, mark_branch
 
     cfg = cooldown_config(args.run_dir, args.step, args.steps, args.decay_shape, args.name, args.overrides)
     path = Path(cfg.run.dir) / f"{cfg.run.name}.toml"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    mark_branch(cfg, args.run_dir, args.step, args.steps)  # (for the run's report)
     path.write_text(cfg.to_toml())
     out.print(f"wrote {path}: {cfg.run_dir} decays from step {args.step:,} of {args.run_dir} over {args.steps:,} steps "
               f"({cfg.train.decay_shape}, to {cfg.train.min_lr_ratio:g} x train.lr); training it", highlight=False)
@@ -911,7 +911,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     from scaletrain.plan.planner import PLANNED
     from scaletrain.report.goodput import wall_line
-    from scaletrain.report.run import noise_line, run_report
+    from scaletrain.report.run import branch_line, noise_line, run_report
 
     law = _law_file(args.law)[0] if args.law else None
     plan = None
@@ -949,6 +949,8 @@ def cmd_report(args: argparse.Namespace) -> int:
                       + (f" [{low:.4f}, {high:.4f}]" if low is not None else ""))
         if "error" in prediction:
             table.add_row("reached against predicted", f"{prediction['error']:+.2%}")
+    for branch in summary["branches"]:
+        table.add_row(f"cooldown from step {branch['step']:,} ({branch['run']})", branch_line(branch))
     if "plan" in summary:
         against = summary["plan"]
         for key, label, form in PLANNED:

@@ -15,6 +15,7 @@ from the start with that schedule. The sweep's cooldown branches (sweep.py) are 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from scaletrain.config import ConfigError, RunConfig, load_config, validate_config
@@ -72,3 +73,30 @@ def _as_overrides(cfg: RunConfig) -> list[str]:
 
     return [f"{section}.{key}={toml_value(value)}"
             for section, values in cfg.model_dump(exclude_none=True).items() for key, value in values.items()]
+
+
+# In a branch's run directory: which run and step it branched from (for the run's report).
+BRANCH_FILE = "branch.json"
+
+
+def mark_branch(branch: RunConfig, run_dir: str | Path, step: int, steps: int) -> None:
+    """Note in the branch's run directory where it came from."""
+    branch.run_dir.mkdir(parents=True, exist_ok=True)
+    (branch.run_dir / BRANCH_FILE).write_text(json.dumps(
+        {"of": str(Path(run_dir).resolve()), "step": step, "steps": steps}) + "\n")
+
+
+def branches_of(run_dir: str | Path) -> list[dict]:
+    """The cooldown branches of the run in `run_dir` found beside it (run directories whose
+    branch.json names it), by step: {"run_dir", "step", "steps"}."""
+    run_dir = Path(run_dir).resolve()
+    found = []
+    for marker in sorted(run_dir.parent.glob(f"*/{BRANCH_FILE}")):
+        try:
+            origin = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            continue
+        if origin.get("of") == str(run_dir):
+            found.append({"run_dir": marker.parent, "step": origin["step"], "steps": origin["steps"]})
+    return sorted(found, key=lambda b: b["step"])
+

@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from scaletrain.config import ConfigError, load_config  # noqa: E402
+from scaletrain.cooldown import branches_of  # noqa: E402
 from scaletrain.model.flops import param_counts  # noqa: E402
 from scaletrain.plan.planner import PLANNED, against_plan  # noqa: E402
 from scaletrain.report.goodput import PARTS, account, wall_line  # noqa: E402
@@ -95,8 +96,11 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
         if summary["val_loss"] is not None and summary["step"] == cfg.total_steps:
             prediction["error"] = (summary["val_loss"] - predicted) / predicted
         summary["prediction"] = prediction
+    # The annealed losses of the run's cooldown branches (scaletrain cooldown), against the law's
+    # L(N, D) at their tokens: the law predicts annealed losses, which the plateau is not.
+    summary["branches"] = _branches(run_dir, law, n)
     planned_speed = plan_doc["step"]["tokens_per_s"] if plan_doc is not None else None
-    plots = [_loss_plot(run_dir / "loss.png", train, evals, law, prediction),
+    plots = [_loss_plot(run_dir / "loss.png", train, evals, law, prediction, summary["branches"]),
              _speed_plot(run_dir / "speed.png", train, planned_speed),
              _tasks_plot(run_dir / "tasks.png", evals),
              _noise_plot(run_dir / "batch.png", cfg, train),
@@ -144,7 +148,33 @@ def _noise_plot(path: Path, cfg, train: list[dict]) -> Path | None:
     return _save(fig, path)
 
 
-def _loss_plot(path: Path, train: list[dict], evals: list[dict], law, prediction: dict | None) -> Path | None:
+def _branches(run_dir: Path, law, n: int) -> list[dict]:
+    """Each cooldown branch of the run: its step and length, and once it has finished its final
+    validation loss and tokens, with the law's prediction there and the error against it."""
+    rows = []
+    for branch in branches_of(run_dir):
+        records = read_metrics(branch["run_dir"]) if (branch["run_dir"] / "metrics.jsonl").is_file() else []
+        end = branch["step"] + branch["steps"]
+        final = next((r for r in reversed(records) if r["kind"] == "eval" and r["step"] == end), None)
+        row = {"run": branch["run_dir"].name, "step": branch["step"], "steps": branch["steps"],
+               "tokens": final["tokens"] if final else None, "val_loss": final["loss"] if final else None}
+        if law is not None and final is not None:
+            row["predicted"] = law.loss(n, final["tokens"])
+            row["error"] = (final["loss"] - row["predicted"]) / row["predicted"]
+        rows.append(row)
+    return rows
+
+
+def branch_line(branch: dict) -> str:
+    """The report's line on a cooldown branch."""
+    if branch["val_loss"] is None:
+        return f"{branch['steps']:,} steps, not finished"
+    law = (f" (law {branch['predicted']:.4f}, {branch['error']:+.2%})" if "predicted" in branch else "")
+    return f"{branch['val_loss']:.4f} at {branch['tokens']:,} tokens{law}"
+
+
+def _loss_plot(path: Path, train: list[dict], evals: list[dict], law, prediction: dict | None,
+               branches: list[dict] = ()) -> Path | None:
     if not train and not evals:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -157,6 +187,10 @@ def _loss_plot(path: Path, train: list[dict], evals: list[dict], law, prediction
         if averaged:
             ax.plot([r["tokens"] for r in averaged], [r["ema_loss"] for r in averaged], "s--", ms=3, color="C4",
                     label="validation loss of the moving average")
+    annealed = [b for b in branches if b["val_loss"] is not None]
+    if annealed:
+        ax.plot([b["tokens"] for b in annealed], [b["val_loss"] for b in annealed], "D", ms=5, color="C3",
+                label="annealed: cooldown branches' validation loss")
     if prediction is not None:
         first = min((r["tokens"] for r in train + evals), default=prediction["tokens"] / 100)
         d = np.geomspace(max(first, prediction["tokens"] / 100, 1), prediction["tokens"], 60)
@@ -286,6 +320,8 @@ def _html(cfg, summary: dict, plots: list[Path]) -> str:
             *((f"{name}: accuracy, per character, right choice's loss per token",
                f"{task['accuracy']:.1%}, {task['accuracy_norm']:.1%}, {task['nll']:.4f}")
               for name, task in summary["tasks"].items())]
+    rows += [(f"cooldown from step {b['step']:,} ({b['run']}): final validation loss", branch_line(b))
+             for b in summary["branches"]]
     time = summary["time"]
     if time is not None:
         rows.append((f"goodput: the share of the wall-clock that trained kept steps ({time['invocations']} "
