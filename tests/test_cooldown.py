@@ -4,6 +4,7 @@ trains the losses of a run given that schedule from the start; refusals in one l
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -39,7 +40,12 @@ def test_a_cooldown_branch_trains_what_that_schedule_trains_from_the_start(stdli
     branch = tmp_path / "run-cooldown-8"
     assert f"wrote {tmp_path / 'run-cooldown-8.toml'}" in " ".join(result.stdout.split())
     assert max(losses(branch)) == 10
-    assert run_cli("cooldown", str(run_dir), "--step", "8", "--steps", "3", "--decay-shape", "1-sqrt").returncode == 0
+    # Run again, it resumes its own checkpoint, even after the run has pruned the one it came from.
+    pruned = tmp_path / "step_8"
+    shutil.move(run_dir / "checkpoints" / "step_0000008", pruned)
+    result = run_cli("cooldown", str(run_dir), "--step", "8", "--steps", "3", "--decay-shape", "1-sqrt")
+    assert result.returncode == 0, result.stderr
+    shutil.move(pruned, run_dir / "checkpoints" / "step_0000008")
     got, expected = losses(branch), losses(reference)
     assert [got[s] for s in (9, 10, 11)] == [expected[s] for s in (9, 10, 11)]
     rates = {r["step"]: r["lr"] for r in read_metrics(branch, "train")}
@@ -80,3 +86,7 @@ def test_a_cooldown_is_refused_off_the_stable_stretch_or_without_its_checkpoint(
     branch = cooldown_config(constant, 8, 4, name="annealed", overrides=["train.min_lr_ratio=0"])
     assert (branch.run.name, branch.train.steps, branch.train.min_lr_ratio) == ("annealed", 12, 0.0)
     assert branch.checkpoint.resume.endswith("step_0000008")
+    # On two processes (the one process's checkpoint resharded over them).
+    result = run_cli("cooldown", str(constant), "--step", "8", "--steps", "2", "--nproc", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert read_metrics(tmp_path / "constant-cooldown-8", "end")[-1]["complete"]

@@ -17,7 +17,7 @@ from scaletrain.model.llama import Transformer
 from scaletrain.model.loss import Tally
 from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.train.metrics import read_metrics
-from scaletrain.train.trainer import train
+from scaletrain.train.trainer import Trainer, train
 
 SHAPE = dict(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 
@@ -123,14 +123,25 @@ def test_a_run_logs_it_resumes_exactly_and_exports_without_it(stdlib_data, tmp_p
     counts = param_counts(cfg.model)
     assert sum(t.numel() for t in exported.values()) == counts["total"] - counts["mtp"]
 
-    # A next stage that adds the depths starts them afresh from a checkpoint without them.
+    # A next stage that adds the depths starts them afresh from a checkpoint without them (their
+    # optimizer state too, the rest of it taken from the checkpoint).
     plain = tmp_path / "plain"
     train(tiny_config(stdlib_data, plain, "train.steps=2", "eval.interval=0"))
     staged = tmp_path / "staged"
-    train(tiny_config(stdlib_data, staged, "model.mtp_depth=1", "train.steps=2", "eval.interval=0",
-                      f"checkpoint.init_from={plain}", "checkpoint.init_optimizer=false"))
+    stage = tiny_config(stdlib_data, staged, "model.mtp_depth=1", "train.steps=2", "eval.interval=0",
+                        f"checkpoint.init_from={plain}")
+    trainer = Trainer(stage)
+    trainer.init_from_checkpoint()
+    state = trainer.optimizer.state
+    named = dict(trainer.model.named_parameters())
+    assert not state[named["mtp.0.proj.weight"]]["exp_avg"].any()  # afresh
+    assert state[named["mtp.0.proj.weight"]]["step"] == 0
+    assert state[named["layers.0.attention.wq.weight"]]["exp_avg"].any()  # the checkpoint's
+    trainer.loader.close()
+    train(stage)
     [start] = read_metrics(staged, "start")
-    assert start["init_step"] == 2 and all("mtp_loss" in r for r in read_metrics(staged, "train"))
+    assert start["init_step"] == 2 and start["init_optimizer"]
+    assert all("mtp_loss" in r for r in read_metrics(staged, "train"))
 
 
 def test_layouts_that_split_sequences_or_the_head_and_depths_beyond_the_sequence_are_refused(stdlib_data, tmp_path):

@@ -100,6 +100,16 @@ def test_the_wall_clock_splits_into_kept_steps_redone_steps_setup_checkpoints_ev
                                  [(21, 4), (24, 4), (26, 6)]]
     assert wall_line(time_) == ("22.2% of 27.0 s (redone 18.5%, setup 27.8%, checkpoints 7.4%, eval 1.9%, "
                                 "restarts 18.5%, other 3.7%)")
+    # A checkpoint between train records carries the steps since the last one: resumed from it,
+    # the run keeps them, and only the steps after it are redone.
+    records = [("start", 0, 10, {"setup_s": 0.0}), ("train", 2, 12, {"step_s": 2.0}),
+               ("checkpoint", 3, 13.5, {"blocking_s": 0.5, "step_s": 1.0}), ("train", 4, 14.5, {"step_s": 1.0}),
+               ("resume", 3, 20, {"setup_s": 1.0}), ("train", 4, 21, {"step_s": 1.0})]
+    (run_dir / "metrics.jsonl").write_text("".join(
+        json.dumps({"kind": kind, "step": step, "tokens": 512 * step, "time": t, **extra}) + "\n"
+        for kind, step, t, extra in records))
+    time_ = account(read_metrics(run_dir, superseded=True), read_metrics(run_dir))
+    assert (time_["parts"]["steps"], time_["parts"]["steps_redone"], time_["parts"]["between"]) == (4.0, 1.0, 4.5)
     # A run whose train records do not time their steps (written before they did) has no account.
     (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "tokens": 512, "time": 1.0}) + "\n")
     assert account(read_metrics(run_dir, superseded=True), read_metrics(run_dir)) is None

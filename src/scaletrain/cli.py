@@ -169,7 +169,7 @@ def cmd_cooldown(args: argparse.Namespace) -> int:
     out.print(f"wrote {path}: {cfg.run_dir} decays from step {args.step:,} of {args.run_dir} over {args.steps:,} steps "
               f"({cfg.train.decay_shape}, to {cfg.train.min_lr_ratio:g} x train.lr); training it", highlight=False)
     return cmd_train(argparse.Namespace(config=str(path), overrides=[], stop_at_step=args.stop_at_step,
-                                        max_restarts=args.max_restarts, nproc=args.nproc))
+                                        max_restarts=args.max_restarts, nproc=args.nproc, verbose=args.verbose))
 
 
 def _torchrun(args: argparse.Namespace, command_args: list[str]) -> int:

@@ -37,7 +37,9 @@ def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str
     if steps < 1:
         raise ConfigError(f"--steps {steps}: a cooldown takes at least one step")
     checkpoint = run_dir / "checkpoints" / f"step_{step:07d}"
-    if not checkpoint.is_dir() or check_complete(checkpoint) is not None:
+    begun = complete_checkpoints(Path(cfg.run.dir) / (name or f"{cfg.run.name}-cooldown-{step}") / "checkpoints")
+    if not begun and (not checkpoint.is_dir() or check_complete(checkpoint) is not None):
+        # (A branch that has begun resumes its own checkpoints: the run may have pruned step's since.)
         kept = [step_of(p) for p in complete_checkpoints(run_dir / "checkpoints")]
         raise ConfigError(f"{str(run_dir)!r} has no complete checkpoint of step {step}; it has "
                           + (", ".join(map(str, sorted(kept))) if kept else "none") + " (checkpoint.keep_every keeps "

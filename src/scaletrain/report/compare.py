@@ -6,7 +6,7 @@ and the goodput (report/goodput.py).
 
 Against FLOPs the runs are compared at equal compute: what a change that costs compute per token
 (multi-token prediction, a wider model) must win by. FLOPs are the run's FLOPs per token
-(model/flops.py, as its start record gives them) times the tokens trained.
+(model/flops.py, as training counts them) times the tokens trained.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from scaletrain.config import ConfigError, load_config  # noqa: E402
-from scaletrain.model.flops import param_counts  # noqa: E402
+from scaletrain.model.flops import param_counts, train_flops_per_token  # noqa: E402
 from scaletrain.report.goodput import account, launched  # noqa: E402
 from scaletrain.train.metrics import read_metrics  # noqa: E402
 
@@ -66,10 +66,9 @@ def _read(run_dir: Path) -> dict:
     records, every = read_metrics(run_dir), read_metrics(run_dir, superseded=True)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
-    start = next((r for r in records if r["kind"] == "start"), None)
-    if start is None or not train:
+    if not train:
         raise ConfigError(f"{str(run_dir)!r} has no training steps recorded yet; compare runs that have trained")
-    per_token = start["flops_per_token"]
+    per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)  # (as training counts them)
     tokens = max(r["tokens"] for r in records)
     time = account(every, records)
     return {"dir": str(run_dir), "parameters": param_counts(cfg.model)["total"], "step": train[-1]["step"],

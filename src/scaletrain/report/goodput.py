@@ -5,7 +5,9 @@ The wall-clock of a run runs from the launch of its first process to its last re
 every invocation of `scaletrain train` (a crash, a preemption or a time limit ends one; the next
 resumes from the newest checkpoint). It divides into:
 
-- steps: the training steps whose results the run kept (the train records' step_s);
+- steps: the training steps whose results the run kept (the step_s of train records, and of
+  checkpoint records for the steps since the last train record: no record's steps straddle a
+  checkpoint, so a resume keeps exactly the steps up to its checkpoint);
 - steps redone: steps trained and then lost — past the checkpoint that the next invocation
   resumed from, or past the one a rewind went back to (their train records are superseded, and
   a rewind also reports the unlogged steps it discarded, lost_s);
@@ -66,11 +68,14 @@ def account(records: list[dict], kept: list[dict]) -> dict | None:
     runs = invocations(records)
     start = launched(runs[0])
     wall = max(r["time"] for r in records) - start
-    kept_steps = sum(r["step_s"] for r in kept if r["kind"] == "train")
+
+    def step_time(rows: list[dict]) -> float:  # (a checkpoint record carries the steps since the last record)
+        return sum(r.get("step_s") or 0.0 for r in rows if r["kind"] in ("train", "checkpoint"))
+    kept_steps = step_time(kept)
     rewinds = [r for r in records if r["kind"] == "rewind"]
     parts = {
         "steps": kept_steps,
-        "steps_redone": sum(r["step_s"] for r in train) - kept_steps + sum(r.get("lost_s") or 0.0 for r in rewinds),
+        "steps_redone": step_time(records) - kept_steps + sum(r.get("lost_s") or 0.0 for r in rewinds),
         "setup": sum(run[0].get("setup_s") or 0.0 for run in runs) + sum(r.get("seconds") or 0.0 for r in rewinds),
         "checkpoints": sum(r.get("blocking_s") or 0.0 for r in records if r["kind"] == "checkpoint"),
         "evaluation": sum(r.get("seconds") or 0.0 for r in records if r["kind"] == "eval"),

@@ -5,7 +5,7 @@ directory (config.toml, metrics.jsonl) and writes loss.png, speed.png and a self
 report.html (the plots inlined) into it; it returns the summary the CLI prints.
 
 The law's prediction is L(N, D) of approach 3 for this model's N (all parameters, as the sweep
-counts them) at the tokens the run trains for, with the 95% interval of the law's bootstrap
+counts them; not multi-token prediction's modules, which the model leaves behind) at the tokens the run trains for, with the 95% interval of the law's bootstrap
 refits. It predicts the final loss of a run whose learning rate has decayed, so the curve drawn
 along the run (L(N, D) at each D reached) bounds the loss of a finished run of that length, not
 the loss mid-way through a longer one.
@@ -51,7 +51,11 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
     every = read_metrics(run_dir, superseded=True)  # also what a resume or rewind went back over
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
-    n = param_counts(cfg.model)["total"]
+    counts = param_counts(cfg.model)
+    n = counts["total"]
+    # The law's N: the model's parameters, as the sweep counts them — without the modules of
+    # multi-token prediction, which training runs and the model leaves behind.
+    n_law = n - counts["mtp"]
     planned_tokens = cfg.total_tokens
     later = train[1:] or train  # the first step includes start-up
     # The speed of the steps of the global batch (past train.batch_ramp's), which the plan's step predicts.
@@ -87,10 +91,10 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
             law, boot = law_of(law_doc), bootstrap_laws(law_doc)
         else:  # the law the plan sized with; its interval when the run trains the plan's tokens
             law, boot = ChinchillaLaw(**plan_doc["sizing"]["law"]), []
-        predicted = law.loss(n, planned_tokens)
-        prediction = {"loss": predicted, "n": n, "tokens": planned_tokens}
+        predicted = law.loss(n_law, planned_tokens)
+        prediction = {"loss": predicted, "n": n_law, "tokens": planned_tokens}
         if boot:
-            prediction["interval"] = list(interval([sample.loss(n, planned_tokens) for sample in boot]))
+            prediction["interval"] = list(interval([sample.loss(n_law, planned_tokens) for sample in boot]))
         elif law_doc is None and plan_doc["tokens"] == planned_tokens and "interval" in plan_doc["predicted_loss"]:
             prediction["interval"] = plan_doc["predicted_loss"]["interval"]
         if summary["val_loss"] is not None and summary["step"] == cfg.total_steps:
@@ -98,7 +102,7 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
         summary["prediction"] = prediction
     # The annealed losses of the run's cooldown branches (scaletrain cooldown), against the law's
     # L(N, D) at their tokens: the law predicts annealed losses, which the plateau is not.
-    summary["branches"] = _branches(run_dir, law, n)
+    summary["branches"] = _branches(run_dir, law, n_law)
     planned_speed = plan_doc["step"]["tokens_per_s"] if plan_doc is not None else None
     plots = [_loss_plot(run_dir / "loss.png", train, evals, law, prediction, summary["branches"]),
              _speed_plot(run_dir / "speed.png", train, planned_speed),

@@ -618,13 +618,21 @@ class Trainer:
         fresh = [name for name in state[section] if f"{section}.{name}" not in saved and starts_fresh(name)]
         for name in fresh:  # checked by init_source: only weights that start afresh may be missing
             del state[section][name]
+        restored = {}  # the optimizer state of weights that start afresh: as initialised, not loaded
         if take_optimizer:
             lacking = [name for name in state["optim"] if f"optim.{name}" not in saved]  # (expert_bias: a buffer)
+            restored = {key: state["optim"].pop(key) for key in lacking
+                        if any(key.split(".", 1)[1].startswith(f"{name}.") for name in fresh)}
+            # (Building the state took a step of nothing: the fresh weights' first update is their first.)
+            restored = {key: value * 0 if key.endswith(".step") else value for key, value in restored.items()}
+            lacking = [key for key in lacking if key not in restored]
             if lacking:
                 raise ConfigError(f"checkpoint.init_from = {self.cfg.checkpoint.init_from!r} holds no optimizer state "
                                   f"{lacking[0]} (it was written by another optimizer or version); set "
                                   "checkpoint.init_optimizer = false to start the optimizer afresh")
         checkpoint.load(path, state)
+        if take_optimizer:
+            state["optim"].update(restored)
         options = StateDictOptions(flatten_optimizer_state_dict=True, strict=not fresh)
         if take_optimizer:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
@@ -1221,6 +1229,9 @@ class Trainer:
         train_loss = val_loss = None
         accounted = False
         window_tokens, window_steps, window_time, window_wait = 0, 0, 0.0, 0.0
+        # Seconds of steps since the last train or checkpoint record, which the next one carries
+        # (step_s): every step's time is in the record of a step at or after it, none past a checkpoint.
+        unrecorded = 0.0
         run_tokens, run_time = 0, 0.0
         since_save_time, since_save_steps = 0.0, 0  # the steps since the last checkpoint (checkpoint.interval = auto)
         if cfg.checkpoint.interval == "auto":  # the first save measures what the interval is chosen from
@@ -1261,9 +1272,10 @@ class Trainer:
                     # trained again (lost_s); going back took seconds.
                     metrics.write("rewind", self.step, self.tokens, diverged_at=e.step, checkpoint=str(saved),
                                   skipped_steps=skipped, cause=e.cause, discarded=discarded, message=str(e),
-                                  lost_s=round(window_time + t_rewind - t0, 4),
+                                  lost_s=round(unrecorded + t_rewind - t0, 4),
                                   seconds=round(time.perf_counter() - t_rewind, 4))
                     window_tokens, window_steps, window_time, window_wait = 0, 0, 0.0, 0.0
+                    unrecorded = 0.0
                     log.warning("%s; rewound to %s, skipping the %d steps' batches read since%s (%d rewinds left)",
                                 str(e).split(" and nothing was saved")[0], saved, skipped,
                                 f" and discarding {', '.join(discarded)}" if discarded else "", self.rewinds_left)
@@ -1280,12 +1292,14 @@ class Trainer:
                     log.info("bytes held by rank 0: %s", ", ".join(f"{k} {v:,}" for k, v in by_rank[0].items()))
                     accounted = True
                 elapsed = time.perf_counter() - t0
-                since_save_time += elapsed
-                since_save_steps += 1
+                if self.step > (resumed_from or 0) + 1:  # (as run_time: the first step pays one-off costs)
+                    since_save_time += elapsed
+                    since_save_steps += 1
                 step_tokens = self.cfg.step_batch_tokens(self.step - 1)
                 window_tokens += step_tokens
                 window_steps += 1
                 window_time += elapsed
+                unrecorded += elapsed
                 window_wait += wait
                 if self.step > (resumed_from or 0) + 1:  # this process's first step pays one-off costs
                     run_tokens += step_tokens
@@ -1296,7 +1310,7 @@ class Trainer:
                     last_speed = window_tokens / window_time
                     record = metrics.write(
                         "train", self.step, self.tokens, loss=train_loss, lr=self.lr, grad_norm=grad_norm,
-                        step_s=round(window_time, 4), tokens_per_s=round(last_speed, 1), mfu=self.mfu(last_speed),
+                        step_s=round(unrecorded, 4), tokens_per_s=round(last_speed, 1), mfu=self.mfu(last_speed),
                         mfu_causal=self.mfu(last_speed, causal=True),
                         mem_gb=round(peak_memory_gb(self.device), 3),
                         data_wait_ms=round(1000 * window_wait / window_steps, 3),
@@ -1311,6 +1325,7 @@ class Trainer:
                              train_loss, self.lr, grad_norm, last_speed,
                              f"  mfu {record['mfu']:.1%}" if record["mfu"] is not None else "")
                     window_tokens, window_steps, window_time, window_wait = 0, 0, 0.0, 0.0
+                    unrecorded = 0.0
                     if (self.plan is not None and not plan_checked and self.step >= PLAN_CHECK_STEP
                             and cfg.step_batch_tokens(self.step - 1) == cfg.train.global_batch_tokens):
                         plan_checked = True
@@ -1322,11 +1337,12 @@ class Trainer:
                     path = saved = self.save()
                     # What training waited for: the whole save, or its copy to host memory.
                     blocking = time.perf_counter() - t_save
-                    auto = (self._auto_interval(blocking, since_save_time / since_save_steps)
-                            if self.next_save is not None and not last else {})
+                    auto = (self._auto_interval(blocking, since_save_time / since_save_steps if since_save_steps
+                                                else elapsed) if self.next_save is not None and not last else {})
                     since_save_time, since_save_steps = 0.0, 0
                     metrics.write("checkpoint", self.step, self.tokens, path=str(path), blocking_s=round(blocking, 4),
-                                  background=cfg.checkpoint.async_save, **auto)
+                                  background=cfg.checkpoint.async_save, step_s=round(unrecorded, 4), **auto)
+                    unrecorded = 0.0
                     watchdog.beat()
                 if (cfg.eval.interval and self.step % cfg.eval.interval == 0) or self.step == self.total_steps:
                     t_eval = time.perf_counter()
