@@ -96,9 +96,9 @@ def _squares(tensors: list[torch.Tensor], parts: list[int] | None = None, count:
         if dims == "partial":
             for part in sorted(set(indices)):
                 mine = [t for t, i in zip(locals_, indices) if i == part]
-                square = torch.nn.utils.get_total_norm(mine).full_tensor().float().square()
-                squares.append(torch.zeros(count, device=square.device).index_add_(0, torch.tensor([part],
-                               device=square.device), square[None]))
+                vector = torch.zeros(count, device=mine[0].device)
+                vector[part] = torch.nn.utils.get_total_norm(mine).full_tensor().float().square()
+                squares.append(vector)
             continue
         each = torch.stack([n.float() for n in torch._foreach_norm(locals_)]).square()
         if count == 1:
@@ -976,11 +976,11 @@ class Trainer:
         """The 2-norm of the gradients (or of the weights) of each part of the model (model_part),
         over every rank: pipeline stages add theirs over the pp ranks."""
         names = self.model_parts
+        position = {name: i for i, name in enumerate(names)}
         named = [(name, p.grad if grads else p) for name, p in self.model.named_parameters()
-                 if (p.grad is not None or not grads)]
-        index = [names.index(model_part(name)) for name, _ in named]
-        squares = _squares([t for _, t in named], index, len(names)) if named else torch.zeros(
-            len(names), device=self.device)
+                 if p.grad is not None or not grads]
+        squares = (_squares([t for _, t in named], [position[model_part(name)] for name, _ in named], len(names))
+                   if named else torch.zeros(len(names), device=self.device))
         if self.layout.pp > 1:
             dist.all_reduce(squares, group=self.mesh["pp"].get_group())
         return {name: round(value, 6) for name, value in zip(names, squares.sqrt().tolist())}
@@ -1268,8 +1268,8 @@ class Trainer:
                         raise
                     saved, skipped, discarded = rewound
                     self.rewinds_left -= 1
-                    # The steps trained since the last train record (the diverged one's included) are
-                    # trained again (lost_s); going back took seconds.
+                    # The steps trained since the last train or checkpoint record (the diverged one's
+                    # included) are trained again (lost_s); going back took seconds.
                     metrics.write("rewind", self.step, self.tokens, diverged_at=e.step, checkpoint=str(saved),
                                   skipped_steps=skipped, cause=e.cause, discarded=discarded, message=str(e),
                                   lost_s=round(unrecorded + t_rewind - t0, 4),
