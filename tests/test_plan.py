@@ -97,6 +97,24 @@ def test_every_layout_the_search_returns_is_one_train_accepts_and_fits():
             assert resolve_layout(config.parallel, world).world_size == world
 
 
+def test_a_config_with_multi_token_prediction_is_planned_over_data_parallelism_only():
+    """Training refuses tensor, context and pipeline parallelism with model.mtp_depth: the search
+    offers none, and counts the depths' FLOPs and memory."""
+    cfg = ONE_B.model_copy(update={"mtp_depth": 1})
+    fits, _ = candidates(cfg, 2048, 64, 16, H100, allow_cp=True)
+    assert fits and all((c.layout.tp, c.layout.cp, c.layout.pp) == (1, 1, 1) for c in fits)
+    plain = min(c.time.total for c in candidates(ONE_B, 2048, 64, 16, H100)[0] if c.layout.tp == c.layout.pp == 1)
+    assert min(c.time.total for c in fits) > plain  # (another block and head pass a depth)
+    best = search(cfg, 2048, 64, 16, H100)[0]
+    plan = {"layout": {"layout": best.layout.to_dict()}, "tokens": 10 * best.global_batch * 2048,
+            "hyperparameters": {"global_batch_tokens": best.global_batch * 2048},
+            "run": {"step_s": 1.0, "checkpoint_write_s": 0.1, "checkpoint_interval_steps": 100}}
+    base = load_config(None, ["model.vocab_size=32768", "model.dim=2048", "model.n_layers=16", "model.n_heads=32",
+                              "model.n_kv_heads=8", "model.ffn_dim=8192", "model.max_seq_len=4096",
+                              "model.mtp_depth=1", "data.seq_len=2048", "train.steps=10"])
+    planned_config(plan, Hardware(H100, 16, 8), base=base)  # (raises what train would refuse)
+
+
 MOE = ["model.vocab_size=32768", "model.dim=2048", "model.n_layers=16", "model.n_heads=16", "model.n_kv_heads=4",
        "model.qk_norm=true", "model.moe_experts=64", "model.moe_top_k=8", "model.moe_ffn_dim=768",
        "model.max_seq_len=4096", "data.seq_len=4096", "train.steps=10", "train.micro_batch=1",
