@@ -19,10 +19,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from scaletrain.config import ConfigError, load_config  # noqa: E402
+from scaletrain.config import ConfigError  # noqa: E402
 from scaletrain.model.flops import param_counts, train_flops_per_token  # noqa: E402
 from scaletrain.report.goodput import account, launched  # noqa: E402
-from scaletrain.train.metrics import read_metrics  # noqa: E402
+from scaletrain.report.run import read_run, steady_steps  # noqa: E402
 
 AXES = {"tokens": "tokens", "flops": "training FLOPs", "hours": "wall-clock (hours)"}
 
@@ -59,11 +59,7 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, x: str = "tokens")
 
 
 def _read(run_dir: Path) -> dict:
-    if not (run_dir / "config.toml").is_file() or not (run_dir / "metrics.jsonl").is_file():
-        raise ConfigError(f"{str(run_dir)!r} is not a run directory that has trained (no config.toml and "
-                          "metrics.jsonl); give directories `scaletrain train` wrote, e.g. runs/baseline runs/mtp")
-    cfg = load_config(run_dir / "config.toml")
-    records, every = read_metrics(run_dir), read_metrics(run_dir, superseded=True)
+    cfg, records, every = read_run(run_dir)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     if not train:
@@ -75,7 +71,7 @@ def _read(run_dir: Path) -> dict:
             "total_steps": cfg.total_steps, "tokens": tokens, "flops": per_token * tokens, "per_token": per_token,
             "train_loss": train[-1]["loss"], "val_loss": evals[-1]["loss"] if evals else None,
             "best_val_loss": min((r["loss"] for r in evals), default=None),
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train[1:] or train),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady_steps(cfg, train)),
             "goodput": time["goodput"] if time else None, "train": train, "evals": evals,
             "launched": launched(every)}
 

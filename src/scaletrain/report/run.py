@@ -43,12 +43,7 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
     plan `scaletrain plan` wrote for it, if given), write loss.png, speed.png and report.html
     there; returns the summary."""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.toml").is_file() or not (run_dir / "metrics.jsonl").is_file():
-        raise ConfigError(f"{str(run_dir)!r} is not a run directory that has trained (no config.toml and "
-                          "metrics.jsonl); give the directory `scaletrain train` wrote, e.g. runs/demo")
-    cfg = load_config(run_dir / "config.toml")
-    records = read_metrics(run_dir)
-    every = read_metrics(run_dir, superseded=True)  # also what a resume or rewind went back over
+    cfg, records, every = read_run(run_dir)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     counts = param_counts(cfg.model)
@@ -58,8 +53,7 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
     n_law = n - counts["mtp"]
     planned_tokens = cfg.total_tokens
     later = train[1:] or train  # the first step includes start-up
-    # The speed of the steps of the global batch (past train.batch_ramp's), which the plan's step predicts.
-    steady = [r for r in later if cfg.step_batch_tokens(r["step"] - 1) == cfg.train.global_batch_tokens] or later
+    steady = steady_steps(cfg, train)
     summary = {
         "run": str(run_dir), "parameters": n, "step": max((r["step"] for r in records), default=0),
         "total_steps": cfg.total_steps, "tokens": max((r["tokens"] for r in records), default=0),
@@ -113,6 +107,22 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
     (run_dir / "report.html").write_text(_html(cfg, summary, [p for p in plots if p is not None]))
     summary["files"] = [str(p) for p in plots if p is not None] + [str(run_dir / "report.html")]
     return summary
+
+
+def read_run(run_dir: Path):
+    """A run directory's config, its records (read_metrics) and all of them, superseded ones too
+    (what a resume or rewind went back over); ConfigError when it is not a run that has trained."""
+    if not (run_dir / "config.toml").is_file() or not (run_dir / "metrics.jsonl").is_file():
+        raise ConfigError(f"{str(run_dir)!r} is not a run directory that has trained (no config.toml and "
+                          "metrics.jsonl); give the directory `scaletrain train` wrote, e.g. runs/demo")
+    return load_config(run_dir / "config.toml"), read_metrics(run_dir), read_metrics(run_dir, superseded=True)
+
+
+def steady_steps(cfg, train: list[dict]) -> list[dict]:
+    """The train records whose speed counts: past the first (which includes start-up), of the
+    global batch (past train.batch_ramp's), which the plan's step predicts."""
+    later = train[1:] or train
+    return [r for r in later if cfg.step_batch_tokens(r["step"] - 1) == cfg.train.global_batch_tokens] or later
 
 
 def _median(values) -> float | None:
