@@ -46,6 +46,18 @@ def short_documents(stdlib_data, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def mixture_root(stdlib_data, tmp_path_factory) -> Path:
+    """data/stdlib (the interpreter's library) and data/project (this project's sources), one tokenizer."""
+    from scaletrain.data import prepare
+
+    root = tmp_path_factory.mktemp("mixture")
+    (root / "stdlib").symlink_to(stdlib_data)
+    prepare([str(ROOT / "src"), str(ROOT / "tests")], root / "project", vocab_size=512, val_fraction=0.1,
+            tokenizer=stdlib_data / "tokenizer.json")
+    return root
+
+
+@pytest.fixture(scope="session")
 def next_line_task(tmp_path_factory) -> Path:
     """A multiple-choice task of real text (eval.tasks): four lines of the standard library's
     Python, and which of four lines comes next — the right one or three lines from elsewhere."""

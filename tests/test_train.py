@@ -644,19 +644,6 @@ def test_compiled_blocks_train_the_same_losses(stdlib_data, tmp_path):
         assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-5)
 
 
-@pytest.fixture(scope="module")
-def mixture_root(stdlib_data, tmp_path_factory):
-    """data/stdlib (the interpreter's library) and data/project (this project's sources), one tokenizer."""
-    from conftest import ROOT
-    from scaletrain.data import prepare
-
-    root = tmp_path_factory.mktemp("mixture")
-    (root / "stdlib").symlink_to(stdlib_data)
-    prepare([str(ROOT / "src"), str(ROOT / "tests")], root / "project", vocab_size=512, val_fraction=0.1,
-            tokenizer=stdlib_data / "tokenizer.json")
-    return root
-
-
 def test_a_mixture_trains_reports_tokens_per_source_and_resumes_exactly(mixture_root, tmp_path):
     mix = ["data.mix={stdlib = 0.7, project = 0.3}", f"data.path={mixture_root}", "eval.interval=3"]
     whole, split = tmp_path / "whole", tmp_path / "split"

@@ -526,6 +526,87 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- mixture --------------------------------------------------------------------------------
+
+
+def _weights(text: str) -> dict[str, float]:
+    """'code=1,prose=3' -> {'code': 1.0, 'prose': 3.0}."""
+    weights = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        try:
+            weights[name.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not NAME=WEIGHT (e.g. code=1,prose=3)") from None
+    return weights
+
+
+def cmd_mixture(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from scaletrain.mixture import MAX_EPOCHS, MixtureSearch, MixtureSettings
+
+    root = Path(args.data)
+    if args.sources:
+        sources = [name.strip() for name in args.sources.split(",") if name.strip()]
+    else:
+        sources = sorted(p.name for p in root.iterdir() if (p / "index.json").is_file()) if root.is_dir() else []
+    settings = MixtureSettings(data=args.data, sources=sources, budget=args.budget, runs=args.runs,
+                               seq_len=args.seq_len, prior=args.prior, eval_tokens=args.eval_tokens,
+                               min_steps=args.min_steps, seed=args.seed, device=args.device, optimizer=args.optimizer)
+    out_dir = Path(args.out) if args.out else Path("mixtures") / root.name
+    search = MixtureSearch(out_dir, settings)
+    point = search.point
+    out.print(f"{settings.runs} proxies of {point.shape.name} ({point.n:,} parameters), {point.steps} steps of "
+              f"{point.batch_seqs} x {settings.seq_len} tokens each ({settings.budget:.3g} FLOPs), on mixtures of "
+              f"{', '.join(sources)}")
+    logging.getLogger("scaletrain").setLevel(logging.WARNING)  # the progress bar speaks for the runs
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("mixtures", total=settings.runs, info="", completed=len(search.results()))
+
+        def show(p: dict) -> None:
+            bar.update(task, completed=p["done"], info=f"{p['name']} · {p['flops']:.3g} FLOPs, ETA {p['eta_s']:.0f} s")
+
+        rows = search.run(progress=show, concurrency=args.concurrency)
+    law, choice = search.choose(rows, target=args.target, tokens=args.tokens)
+    table = Table(title=f"mixture search {out_dir}: {len(rows)} proxies")
+    table.add_column("run")
+    for name in sources:
+        table.add_column(f"share {name}", justify="right")
+    for name in sources:
+        table.add_column(f"val {name}", justify="right")
+    table.add_column("target", justify="right")
+    weights = [choice.target[n] for n in sources]
+    for row in rows:
+        target = sum(w * row[f"loss_{n}"] for w, n in zip(weights, sources))
+        table.add_row(row["name"], *(f"{row[f'share_{n}']:.3f}" for n in sources),
+                      *(f"{row[f'loss_{n}']:.4f}" for n in sources), f"{target:.4f}")
+    out.print(table)
+    check = search.check(choice) if args.check else None
+    path = search.write(law, choice, check)
+    target = " + ".join(f"{w:.3g}·{n}" for n, w in choice.target.items() if w > 0)
+    low, high = choice.interval
+    out.print(f"target loss {target}: the law predicts {choice.predicted:.4f} (95% {low:.4f}–{high:.4f}) at the "
+              f"chosen mixture, {choice.natural:.4f} at the natural one (by tokens), {choice.uniform:.4f} at the uniform "
+              f"one; best proxy {choice.best_run['name']} measured {choice.best_run['loss']:.4f}; the law missed "
+              f"proxies left out of its fit by {choice.loo_error:.2%} on average")
+    shares = ", ".join(f"{n} {v:.3f} ({choice.shares_interval[n][0]:.3f}–{choice.shares_interval[n][1]:.3f})"
+                       for n, v in choice.shares.items())
+    out.print(f"chosen mixture: {shares}"
+              + (f"; capped at {MAX_EPOCHS:g} epochs of {args.tokens:.3g} tokens: "
+                 + ", ".join(f"{n} ≤ {cap:.3f}" for n, cap in choice.caps.items()) if choice.caps else ""))
+    if check is not None:
+        out.print(f"check: a proxy trained on the chosen mixture ({check['run']}) measured {check['measured']:.4f}, "
+                  f"{check['error']:+.2%} from the law's {check['predicted']:.4f}; the best of the others "
+                  f"measured {choice.best_run['loss']:.4f}")
+    out.print(f"train with it: scaletrain train CONFIG 'data.mix={choice.mix}' (written to {path})")
+    return 0
+
+
 # -- tune -----------------------------------------------------------------------------------
 
 
@@ -1164,6 +1245,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="points of a budget trained at once, in worker processes (GPUs taken in turn)")
     p.add_argument("--out", default=None, help="sweep directory (default sweeps/DATA_NAME)")
     p.set_defaults(func=cmd_sweep)
+
+    p = commands.add_parser("mixture", help="choose a data mixture: small runs on sampled mixtures, a data mixing "
+                                            "law fitted to their losses, the mixture it predicts best",
+                            description="Train one small proxy model per sampled mixture of the sources under --data, "
+                                        "fit L_i(r) = E_i + 1 / sum_j C_ij r_j^g_ij to each source's validation loss "
+                                        "(Shukor et al. 2025) and choose the mixture that minimises the target loss. Rerun to "
+                                        "resume, or to choose again for another --target or --tokens.")
+    p.add_argument("--data", required=True, help="the directory holding the sources' data directories (as data.path "
+                                                 "of a mixture)")
+    p.add_argument("--sources", default=None, help="the data directories under --data to mix, comma-separated "
+                                                   "(default: every one)")
+    p.add_argument("--budget", required=True, type=_flops, help="training FLOPs of each proxy run, e.g. 1e15")
+    p.add_argument("--runs", type=int, default=0,
+                   help="proxies (default max(6, 2 x (sources + 1)): twice the law's numbers per validation source)")
+    p.add_argument("--target", type=_weights, default=None,
+                   help="the loss to minimise, as weights of the sources' validation losses, e.g. code=1,prose=3 "
+                        "(default every source alike)")
+    p.add_argument("--tokens", type=_flops, default=None,
+                   help="tokens of the run the mixture is for: no source's share may repeat it more than 4 times")
+    p.add_argument("--seq-len", type=int, default=128, help="training sequence length (128)")
+    p.add_argument("--prior", default="epoch", choices=["epoch", "hoffmann"],
+                   help="published law that sizes the proxy compute-optimally for the budget")
+    p.add_argument("--eval-tokens", type=int, default=16384, help="validation tokens of each source (16384)")
+    p.add_argument("--min-steps", type=int, default=100, help="refuse a budget that trains fewer steps (100)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="proxies trained at once, in worker processes (GPUs taken in turn)")
+    p.add_argument("--check", action="store_true",
+                   help="train one more proxy on the chosen mixture and set its target loss against the prediction")
+    p.add_argument("--out", default=None, help="search directory (default mixtures/DATA_NAME)")
+    p.set_defaults(func=cmd_mixture)
 
     p = commands.add_parser("tune", help="find the learning rate of a muP config on its narrow proxy",
                             description="Train the config's model narrowed to model.mup_base_dim once per learning "

@@ -226,15 +226,7 @@ class Sweep:
         return lr, largest.batch_seqs, warmup
 
     def run_overrides(self, point: Point, lr: float, batch_seqs: int, warmup: int) -> list[str]:
-        s = self.settings
-        model = point.shape.model(self.vocab_size, s.seq_len)
-        return [f"data.path={s.data}", f"data.seq_len={s.seq_len}", f"model.vocab_size={self.vocab_size}",
-                f"model.dim={model.dim}", f"model.n_layers={model.n_layers}", f"model.n_heads={model.n_heads}",
-                f"model.max_seq_len={s.seq_len}", f"train.global_batch_tokens={batch_seqs * s.seq_len}",
-                f"train.micro_batch={min(s.micro_batch, batch_seqs)}", f"train.lr={lr}",
-                f"train.warmup_steps={warmup}", f"run.seed={s.seed}", f"train.device={s.device}",
-                f"eval.tokens={s.eval_tokens}", "eval.interval=0", "log.interval=50", "checkpoint.keep=2",
-                f"train.optimizer={s.optimizer}"]
+        return run_overrides(self.settings, self.vocab_size, point.shape, lr, batch_seqs, warmup)
 
     def run(self, progress: Callable[[dict], None] | None = None, concurrency: int = 1) -> list[dict]:
         """Run every point not yet in results.csv; returns all rows. progress gets a dict of
@@ -253,7 +245,7 @@ class Sweep:
         started = time.perf_counter()
         self.spent_here = 0.0
         nominal_here = 0.0  # the points' budgets done by this call: the ETA's unit of work
-        pool = _pool(concurrency, self.settings.device) if concurrency > 1 else None
+        pool = worker_pool(concurrency, self.settings.device) if concurrency > 1 else None
         try:
             for budget in budgets:
                 todo = [point for point in self.points_of(budget, done) if point.name not in finished]
@@ -365,6 +357,20 @@ class Sweep:
                 "saved_fraction": 1 - branched / separate if separate else 0.0}
 
 
+def run_overrides(s, vocab_size: int, shape: Shape, lr: float, batch_seqs: int, warmup: int) -> list[str]:
+    """The config overrides of one small run of `shape` on settings `s` (a sweep's or a mixture
+    search's: data, seq_len, micro_batch, seed, device, eval_tokens, optimizer): evaluated once,
+    at the end; no periodic checkpoints beyond the caller's."""
+    model = shape.model(vocab_size, s.seq_len)
+    return [f"data.path={s.data}", f"data.seq_len={s.seq_len}", f"model.vocab_size={vocab_size}",
+            f"model.dim={model.dim}", f"model.n_layers={model.n_layers}", f"model.n_heads={model.n_heads}",
+            f"model.max_seq_len={s.seq_len}", f"train.global_batch_tokens={batch_seqs * s.seq_len}",
+            f"train.micro_batch={min(s.micro_batch, batch_seqs)}", f"train.lr={lr}",
+            f"train.warmup_steps={warmup}", f"run.seed={s.seed}", f"train.device={s.device}",
+            f"eval.tokens={s.eval_tokens}", "eval.interval=0", "log.interval=50", "checkpoint.keep=2",
+            f"train.optimizer={s.optimizer}"]
+
+
 def peak_in_use(device: str, workers: int = 1) -> tuple[str, float | None]:
     """(name, dense bf16 peak FLOP/s) of the devices `workers` concurrent runs on `device` use:
     the GPUs they take in turn (at most one each), or the CPU, whose peak is not known (None),
@@ -380,7 +386,7 @@ def peak_in_use(device: str, workers: int = 1) -> tuple[str, float | None]:
     return name, None if peak is None else peak * min(workers, torch.cuda.device_count())
 
 
-def _pool(workers: int, device: str):
+def worker_pool(workers: int, device: str):
     """Worker processes that each train on their own device (GPUs in turn) with their share of
     the CPU threads. Spawned, not forked: CUDA and torch's thread pools do not survive a fork."""
     import multiprocessing

@@ -109,6 +109,40 @@ def plot_fit(points: Points, doc: dict, out: Path) -> list[Path]:
     return paths
 
 
+def plot_mixture(law, choice, shares: np.ndarray, losses: np.ndarray, path: Path) -> Path:
+    """mixture.png of a mixture search (scaletrain.mixture): each proxy's measured target loss
+    against the law's prediction; beside it, for two sources the target loss along the first
+    one's share (law and proxies, the choice marked), for more each chosen share with the
+    interval of the bootstrap refits' optima."""
+    names = law.sources
+    weights = np.array([choice.target[n] for n in names])
+    measured, predicted = losses @ weights, law.target(shares, weights)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    left.scatter(predicted, measured, s=16)
+    finite = np.isfinite(measured)
+    low, high = min(predicted[finite].min(), measured[finite].min()), max(predicted[finite].max(), measured[finite].max())
+    left.plot([low, high], [low, high], color="k", lw=0.8)
+    left.set(xlabel="law's target loss", ylabel="measured target loss",
+             title=f"proxies (leave-one-out error {choice.loo_error:.2%})")
+    if len(names) == 2:
+        grid = np.linspace(0, 1, 201)
+        curve = law.target(np.stack([grid, 1 - grid], axis=1), weights)
+        right.plot(grid, curve, color="C0", label="law")
+        right.scatter(shares[:, 0], measured, s=16, color="C0", label="proxies")
+        chosen = choice.shares[names[0]]
+        right.axvline(chosen, color="C3", lw=1, label=f"chosen {chosen:.3f}")
+        right.axvspan(*choice.shares_interval[names[0]], color="C3", alpha=0.15, lw=0)
+        right.set(xlabel=f"share of {names[0]} (the rest {names[1]})", ylabel="target loss",
+                  title="target loss by mixture")
+        right.legend(fontsize=8)
+    else:
+        chosen = np.array([choice.shares[n] for n in names])
+        bounds = np.array([choice.shares_interval[n] for n in names])
+        right.bar(names, chosen, yerr=[chosen - bounds[:, 0], bounds[:, 1] - chosen], capsize=4, color="C3")
+        right.set(ylabel="share", title="chosen mixture (95% interval of the refits' optima)")
+    return _save(fig, path)
+
+
 def _fitted(points: Points, doc: dict) -> np.ndarray:
     """Which points approach 3 was fitted to (fit_all's law_min_steps)."""
     min_steps = doc["approach3"].get("min_steps", 0)

@@ -1,0 +1,354 @@
+"""Choose a data mixture by measurement: train one small proxy model per sampled mixture, fit a
+data mixing law to their validation losses on every source (scaling/mixing.py), and take the
+mixture the law predicts best for a target.
+
+The proxies are one shape — the prior law's compute-optimal model at the search's budget —
+trained for the tokens the budget buys with the sweep's hyperparameter rule and a cosine
+schedule, so the mixture is the only thing that differs between them. The first mixture is
+the sources' natural one (in proportion to their training tokens), the second the uniform
+one, then one "corner" per source (that source with every other at the floor), so that the
+law chosen inside them interpolates rather than extrapolates, and the rest are drawn uniformly
+from the simplex (Dirichlet(1)) from the seed; every share is at least MIN_SHARE. The directory holds mixtures.json (settings and the planned mixtures),
+runs/ (one run directory per mixture), results.csv, and mixture.json and mixture.png once
+fitted; rerunning the same command continues where it stopped: finished runs are kept, an
+unfinished one resumes from its checkpoint. The target and the planned run's tokens only
+change the fit, so they may change between invocations.
+
+Where a model grows, the best mixture has been found to carry from proxies of about 1M
+parameters to models 1000× larger (RegMix, Liu et al. 2024, who fit a regression to the losses
+of many tiny proxies; Ye et al. 2024, section 4, nest the mixing law inside scaling laws of
+steps and size to the same end). The search measures it at the size it trains, nothing more.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from scaletrain.config import ConfigError, load_config
+from scaletrain.data.shards import DataError, read_index
+from scaletrain.scaling.grid import Point, deepseek_hyperparameters, plan_points, shapes_around, warmup_steps
+from scaletrain.scaling.laws import ChinchillaLaw, preset
+from scaletrain.scaling.mixing import (MixingLaw, best_mixture, bootstrap_mixing_laws, fit_mixing_law, leave_one_out,
+                                       share_bounds)
+from scaletrain.sweep import run_overrides, worker_pool
+
+log = logging.getLogger("scaletrain")
+
+MIN_SHARE = 0.02  # the least share of any source in a proxy's mixture and in the one chosen
+MAX_EPOCHS = 4.0  # Muennighoff et al. 2023: repeating data past ~4 epochs is worth much less
+
+
+@dataclass
+class MixtureSettings:
+    data: str  # the directory that holds the sources' data directories
+    sources: list[str]
+    budget: float  # training FLOPs of each proxy run
+    runs: int = 0  # proxies; 0: default_runs(len(sources))
+    seq_len: int = 128
+    prior: str = "epoch"
+    eval_tokens: int = 16384  # validation tokens of each source
+    micro_batch: int = 8
+    min_steps: int = 100
+    seed: int = 0
+    device: str = "auto"
+    optimizer: str = "adamw"
+
+    def __post_init__(self):
+        if self.runs == 0:
+            self.runs = default_runs(len(self.sources))
+
+
+def default_runs(sources: int) -> int:
+    """Proxies for a mixture of `sources`: the law has 2 x sources + 1 numbers per validation
+    source; about twice that (4 per source, at least 8) leaves enough over to check it on runs it
+    was not fitted to. They hold the natural, uniform and corner mixtures and the rest drawn."""
+    return max(8, 4 * sources)
+
+
+@dataclass
+class Choice:
+    """What the law recommends for a target: the shares, the target loss predicted there (with
+    the bootstrap's 95% interval) and at the natural and uniform mixtures, and each share's
+    interval over the bootstrap refits' own optima."""
+
+    shares: dict[str, float]
+    target: dict[str, float]  # validation source -> weight in the target loss
+    predicted: float
+    interval: tuple[float, float]
+    shares_interval: dict[str, tuple[float, float]]
+    natural: float
+    uniform: float
+    best_run: dict  # the proxy with the lowest measured target loss: name, shares, target loss
+    loo_error: float  # mean |leave-one-out prediction - measured| of the proxies' target losses, relative
+    tokens: float | None  # the planned run's tokens the epoch caps were set for
+    caps: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def mix(self) -> str:
+        """The shares as data.mix's TOML value."""
+        return "{" + ", ".join(f"{name} = {share:.3f}" for name, share in self.shares.items()) + "}"
+
+
+class MixtureSearch:
+    """The mixture search in directory `out` (see the module's docstring)."""
+
+    def __init__(self, out: Path, settings: MixtureSettings):
+        self.out, self.settings = Path(out), settings
+        if len(settings.sources) < 2:
+            raise ConfigError(f"a mixture search needs at least two sources, got {settings.sources}; name them with "
+                              "--sources a,b,... (data directories under --data)")
+        root = Path(settings.data)
+        if not root.is_dir():
+            raise ConfigError(f"--data {settings.data!r} is not a directory; give the directory that holds the "
+                              "sources' data directories (each written by `scaletrain data prepare`)")
+        self.unique_tokens, tokenizers = {}, {}
+        for name in settings.sources:
+            try:
+                index = read_index(root / name)
+            except DataError as e:
+                present = sorted(p.name for p in root.iterdir() if (p / "index.json").is_file())
+                raise ConfigError(f"source {name!r}: {e} (data directories under {str(root)!r}: "
+                                  f"{', '.join(present) or 'none'})") from None
+            self.unique_tokens[name] = index["splits"]["train"]["tokens"]
+            self.vocab_size = -(-index["vocab_size"] // 64) * 64
+            tokenizer = root / name / "tokenizer.json"
+            tokenizers[name] = tokenizer.read_bytes() if tokenizer.is_file() else None
+        if len(set(tokenizers.values())) > 1:
+            raise ConfigError(f"the sources {', '.join(settings.sources)} have different tokenizers; prepare them "
+                              "with one (`data prepare --tokenizer DIR/tokenizer.json`)")
+        if settings.runs < 2 * len(settings.sources) + 1:
+            raise ConfigError(f"--runs {settings.runs}: a law of {len(settings.sources)} sources needs at least "
+                              f"{2 * len(settings.sources) + 1} runs (default {default_runs(len(settings.sources))})")
+        prior = preset(settings.prior)
+        if not isinstance(prior, ChinchillaLaw):
+            raise ConfigError(f"--prior {settings.prior!r} has no compute-optimal size; use epoch or hoffmann")
+        shape = shapes_around(prior.optimum(settings.budget)[0], 1, self.vocab_size)[0]
+        self.point = plan_points(settings.budget, [shape], self.vocab_size, settings.seq_len, deepseek_hyperparameters,
+                                 min_steps=settings.min_steps, micro_batch=settings.micro_batch)[0]
+        if self.point.steps < settings.min_steps:
+            raise ConfigError(f"--budget {settings.budget:.3g} trains the proxy ({shape.name}) for only "
+                              f"{self.point.steps} steps, fewer than {settings.min_steps}: a loss after so few updates "
+                              "says little about the data; raise the budget or lower --seq-len")
+        self.mixtures = self._planned()
+
+    def _planned(self) -> list[dict[str, float]]:
+        """The proxies' mixtures, as written in mixtures.json (or planned now and written there);
+        a directory started with other settings is refused."""
+        s, saved = self.settings, self.out / "mixtures.json"
+        if saved.is_file():
+            doc = json.loads(saved.read_text())
+            if doc["settings"] != asdict(s):
+                changed = [f"{k}: {doc['settings'].get(k)} then, {v} now" for k, v in asdict(s).items()
+                           if doc["settings"].get(k) != v]
+                raise ConfigError(f"mixture directory {str(self.out)!r} was started with other settings "
+                                  f"({'; '.join(changed)}); rerun it with the same ones or choose a new --out")
+            return doc["mixtures"]
+        names = s.sources
+        tokens = np.array([self.unique_tokens[name] for name in names], dtype=float)
+        rng = np.random.default_rng(s.seed)
+        corners = np.eye(len(names))
+        drawn = [tokens / tokens.sum(), np.full(len(names), 1 / len(names)), *corners,
+                 *rng.dirichlet(np.ones(len(names)), size=max(0, s.runs - 2 - len(names)))][:s.runs]
+        mixtures = []
+        for shares in drawn:
+            shares = MIN_SHARE + (1 - MIN_SHARE * len(names)) * shares
+            mixtures.append(dict(zip(names, np.round(shares, 4).tolist())))
+        self.out.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"settings": asdict(s), "mixtures": mixtures}, indent=1) + "\n"
+        temporary = saved.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(text)
+        temporary.replace(saved)
+        return mixtures
+
+    @staticmethod
+    def name_of(index: int) -> str:
+        return f"mix-{index:02d}"
+
+    # -- the runs ----------------------------------------------------------------------------------
+
+    def results(self) -> list[dict]:
+        path = self.out / "results.csv"
+        if not path.is_file():
+            return []
+        with path.open(newline="") as f:
+            return [{k: (v if k == "name" else float(v)) for k, v in row.items()} for row in csv.DictReader(f)]
+
+    def columns(self) -> list[str]:
+        names = self.settings.sources
+        return ["name", *(f"share_{n}" for n in names), *(f"loss_{n}" for n in names), "loss", "train_loss",
+                "steps", "tokens", "c"]
+
+    def run(self, progress: Callable[[dict], None] | None = None, concurrency: int = 1) -> list[dict]:
+        """Train every proxy not yet in results.csv; returns all rows. progress gets a dict of
+        runs done / total, FLOPs spent and an ETA after each run."""
+        done = self.results()
+        finished = {row["name"] for row in done}
+        todo = [i for i in range(len(self.mixtures)) if self.name_of(i) not in finished]
+        started, spent_here = time.perf_counter(), 0
+        pool = worker_pool(concurrency, self.settings.device) if concurrency > 1 and len(todo) > 1 else None
+        try:
+            if pool is None:
+                from scaletrain.train.trainer import train
+                rows = (self._run_one(i, train) for i in todo)
+            else:
+                rows = pool.map(_run_in_worker, [(self.out, self.settings, i) for i in todo])
+            for row in rows:
+                self._record(row)
+                done.append(row)
+                spent_here += 1
+                if progress:
+                    elapsed = time.perf_counter() - started
+                    progress({"done": len(done), "total": len(self.mixtures), "name": row["name"],
+                              "flops": sum(r["c"] for r in done),
+                              "eta_s": elapsed / spent_here * (len(self.mixtures) - len(done))})
+        finally:
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
+        return sorted(done, key=lambda row: row["name"])
+
+    def _record(self, row: dict) -> None:
+        path = self.out / "results.csv"
+        new = not path.is_file()
+        with path.open("a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.columns())
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+
+    def run_config(self, index: int):
+        return proxy_config(self.settings, self.vocab_size, self.point, self.mixtures[index],
+                            self.out / "runs" / self.name_of(index))
+
+    def _run_one(self, index: int, train) -> dict:
+        """Train (or finish) proxy `index`; its row of results.csv. A run that diverges is recorded
+        with losses of nan, left out of the fit."""
+        names = self.settings.sources
+        by_source, loss, train_loss = _train(self.run_config(index), train)
+        point = self.point
+        tokens = point.steps * point.batch_seqs * self.settings.seq_len
+        return {"name": self.name_of(index), **{f"share_{n}": self.mixtures[index][n] for n in names},
+                **{f"loss_{n}": by_source.get(n, math.nan) for n in names}, "loss": loss, "train_loss": train_loss,
+                "steps": point.steps, "tokens": tokens, "c": float(tokens * point.flops_per_token)}
+
+    def check(self, choice: Choice) -> dict:
+        """Train one more proxy, on the chosen mixture (runs/chosen-SHARES; resumed if it was
+        begun), and set its measured target loss against the law's prediction."""
+        from scaletrain.train.trainer import train
+
+        name = "chosen-" + "-".join(f"{share:.3f}" for share in choice.shares.values())
+        by_source, _, _ = _train(proxy_config(self.settings, self.vocab_size, self.point, choice.shares,
+                                              self.out / "runs" / name), train)
+        measured = sum(w * by_source.get(n, math.nan) for n, w in choice.target.items() if w > 0)
+        return {"run": name, "measured": measured, "predicted": choice.predicted, "interval": list(choice.interval),
+                "error": measured / choice.predicted - 1, "loss_by_source": by_source}
+
+    # -- the fit -----------------------------------------------------------------------------------
+
+    def arrays(self, rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+        """(shares (R, n), validation losses (R, n)) of the rows, shares normalised."""
+        names = self.settings.sources
+        shares = np.array([[row[f"share_{n}"] for n in names] for row in rows], dtype=float)
+        return shares / shares.sum(axis=1, keepdims=True), np.array([[row[f"loss_{n}"] for n in names] for row in rows])
+
+    def choose(self, rows: list[dict], target: dict[str, float] | None = None, tokens: float | None = None,
+               samples: int = 100) -> tuple[MixingLaw, Choice]:
+        """Fit the law to the finished proxies and choose the mixture for `target` (validation
+        source -> weight; default every source alike) and a planned run of `tokens` tokens (each
+        source then capped at MAX_EPOCHS repeats; default no cap)."""
+        names = self.settings.sources
+        target = dict(target) if target else {name: 1.0 for name in names}
+        unknown = sorted(set(target) - set(names))
+        if unknown or any(not (w >= 0 and math.isfinite(w)) for w in target.values()) or sum(target.values()) <= 0:
+            raise ConfigError(f"--target {target}: give non-negative weights, not all zero, of the sources "
+                              f"{', '.join(names)} (e.g. {names[0]}=1)")
+        weights = np.array([target.get(n, 0.0) for n in names])
+        weights = weights / weights.sum()
+        shares, losses = self.arrays(rows)
+        try:
+            law = fit_mixing_law(names, names, shares, losses)
+        except ValueError as e:
+            raise ConfigError(f"{e}; run the search to the end (rerun the same command)") from None
+        lower, upper = share_bounds(np.array([self.unique_tokens[n] for n in names]), tokens, MAX_EPOCHS, MIN_SHARE)
+        try:
+            best = best_mixture(law, weights, lower, upper)
+        except ValueError as e:
+            raise ConfigError(f"--tokens {tokens:.3g}: {e}") from None
+        boot = bootstrap_mixing_laws(law, shares, losses, samples=samples, seed=self.settings.seed)
+        predicted = np.array([b.target(best, weights) for b in boot])
+        optima = np.array([best_mixture(b, weights, lower, upper) for b in boot])
+        measured = losses @ weights
+        finite = np.isfinite(measured)
+        loo = leave_one_out(law, shares[finite], losses[finite]) @ weights
+        k = int(np.nanargmin(np.where(finite, measured, np.nan)))
+        natural = np.array([self.unique_tokens[n] for n in names], dtype=float)
+        choice = Choice(shares=dict(zip(names, best.round(4).tolist())), target=dict(zip(names, weights.tolist())),
+                        predicted=float(law.target(best, weights)),
+                        interval=tuple(np.percentile(predicted, [2.5, 97.5]).tolist()),
+                        shares_interval={n: tuple(np.percentile(optima[:, j], [2.5, 97.5]).round(4).tolist())
+                                         for j, n in enumerate(names)},
+                        natural=float(law.target(natural / natural.sum(), weights)),
+                        uniform=float(law.target(np.full(len(names), 1 / len(names)), weights)),
+                        best_run={"name": rows[k]["name"], "shares": dict(zip(names, shares[k].round(4).tolist())),
+                                  "loss": float(measured[k])},
+                        loo_error=float(np.nanmean(np.abs(loo - measured[finite]) / measured[finite])),
+                        tokens=tokens, caps={n: float(u) for n, u in zip(names, upper) if u < 1})
+        return law, choice
+
+    def write(self, law: MixingLaw, choice: Choice, check: dict | None = None) -> Path:
+        """mixture.json (the law, the choice, the proxies' shape and budget, the check if run) and
+        mixture.png."""
+        from scaletrain.report.scaling import plot_mixture
+
+        point = self.point
+        doc = {"law": law.to_dict(), "choice": {**asdict(choice), "mix": choice.mix},
+               "proxy": {"shape": point.shape.name, "n": point.n, "tokens": point.tokens, "budget": point.budget,
+                         "steps": point.steps, "lr": point.lr, "batch_seqs": point.batch_seqs},
+               "settings": asdict(self.settings), "check": check}
+        path = self.out / "mixture.json"
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        shares, losses = self.arrays(self.results())
+        plot_mixture(law, choice, shares, losses, self.out / "mixture.png")
+        return path
+
+
+def _train(cfg, train) -> tuple[dict[str, float], float, float]:
+    """Train (or finish) cfg's run: (validation loss by source, validation loss, train loss) at
+    its end, or ({}, nan, nan) if it diverged."""
+    from scaletrain.train.metrics import read_metrics
+    from scaletrain.train.trainer import TrainingDiverged
+
+    try:
+        result = train(cfg)
+    except TrainingDiverged as e:
+        log.warning("%s diverged (%s); it is recorded with losses of nan and left out of the fit", cfg.run_dir, e)
+        return {}, math.nan, math.nan
+    return read_metrics(cfg.run_dir, "eval")[-1]["loss_by_source"], result.val_loss, result.train_loss
+
+
+def proxy_config(settings: MixtureSettings, vocab_size: int, point: Point, shares: dict[str, float], run_dir: Path):
+    """The config of a run of `point` (a shape, its steps, batch and learning rate) on the mixture
+    `shares`, in run_dir: the search's rule, a cosine schedule, a checkpoint half-way to resume."""
+    warmup = warmup_steps(point.n, point.batch_seqs * settings.seq_len, max(1, point.steps // 5))
+    mix = "{" + ", ".join(f"{name} = {share}" for name, share in shares.items()) + "}"
+    return load_config(None, [*run_overrides(settings, vocab_size, point.shape, point.lr, point.batch_seqs, warmup),
+                              f"data.mix={mix}", f"run.dir={run_dir.parent}", f"run.name={run_dir.name}",
+                              "train.schedule=cosine", f"train.steps={point.steps}",
+                              f"checkpoint.interval={max(1, point.steps // 2)}"])
+
+
+def _run_in_worker(job: tuple[Path, MixtureSettings, int]) -> dict:
+    from scaletrain.train.trainer import train
+
+    out, settings, index = job
+    return MixtureSearch(out, settings)._run_one(index, train)
+
