@@ -197,7 +197,7 @@ def test_the_command_fits_a_finished_search_and_bad_input_is_refused(searched, m
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"sources": ["stdlib", "nothing"]}, "source 'nothing': data directory .* does not exist; .* "
+    ({"sources": ["stdlib", "nothing"]}, "--sources stdlib,nothing: data directory .* does not exist; .* "
                                          "\\(data directories under .*: project, stdlib\\)"),
     ({"sources": ["stdlib"]}, "a mixture search needs at least two sources"),
     ({"runs": 4}, "--runs 4: a law of 2 sources needs at least 5 runs"),
@@ -210,3 +210,44 @@ def test_bad_settings_are_refused_before_anything_trains(mixture_root, tmp_path,
     with pytest.raises(ConfigError, match=message):
         MixtureSearch(tmp_path / "bad", replace(settings(mixture_root), **change))
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_sweep_measures_the_law_of_a_mixture(mixture_root, tmp_path):
+    from scaletrain.config import load_config
+    from scaletrain.sweep import Sweep, SweepSettings
+
+    mix = {"project": 0.4, "stdlib": 0.6}
+
+    def on(mixture):
+        return SweepSettings(data=str(mixture_root), budgets=[2e10], shapes=2, seq_len=64, eval_tokens=2048,
+                             min_steps=20, mix=mixture)
+
+    sweep = Sweep(tmp_path / "sweep", on(mix))
+    rows = sweep.run()
+    assert len(rows) == 2
+    for row in rows:
+        for run_dir in (sweep.out / "points" / row["name"], sweep.out / "trunks" / row["shape"]):
+            assert load_config(run_dir / "config.toml").data.mix == mix
+        by_source = read_metrics(sweep.out / "points" / row["name"], "eval")[-1]["loss_by_source"]
+        assert row["loss"] == pytest.approx(0.4 * by_source["project"] + 0.6 * by_source["stdlib"])
+    with pytest.raises(ConfigError, match="was started with other settings \\(mix: "):
+        Sweep(tmp_path / "sweep", on({"project": 0.5, "stdlib": 0.5}))
+    with pytest.raises(ConfigError, match="with --mix: data directory .*nothing' does not exist"):
+        Sweep(tmp_path / "other", on({"nothing": 1.0}))
+
+
+def test_runs_on_other_mixtures_are_reported_and_compared_by_source(searched, tmp_path):
+    from scaletrain.report.run import run_report
+
+    search, rows = searched
+    natural, corner = (search.out / "runs" / name for name in ("mix-00", "mix-02"))
+    summary = run_report(natural)
+    assert summary["val_loss_by_source"] == {"project": rows[0]["loss_project"], "stdlib": rows[0]["loss_stdlib"]}
+    assert f"project {rows[0]['loss_project']:.4f}, stdlib {rows[0]['loss_stdlib']:.4f}" in (natural / "report.html").read_text()
+    result = run_cli("compare", str(natural), str(corner), "--out", str(tmp_path / "compare.png"))
+    assert result.returncode == 0, result.stderr
+    assert "val project" in result.stdout and "val stdlib" in result.stdout
+    assert "runs on other mixtures compare by source" in result.stdout
+    # the corner (project 0.98) is the better of the two on project's validation data
+    project_cells = [line.split("│")[9].strip() for line in result.stdout.splitlines() if "mix-0" in line]
+    assert project_cells[1].endswith("*") and not project_cells[0].endswith("*")

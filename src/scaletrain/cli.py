@@ -493,7 +493,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     budgets = sorted(set(args.budgets))
     settings = SweepSettings(data=args.data, budgets=budgets, shapes=args.shapes, seq_len=args.seq_len,
                              prior=args.prior, eval_tokens=args.eval_tokens, min_steps=args.min_steps, seed=args.seed,
-                             device=args.device, optimizer=args.optimizer)
+                             device=args.device, optimizer=args.optimizer, mix=args.mix)
     out_dir = Path(args.out) if args.out else Path("sweeps") / Path(args.data).name
     try:
         sweep = Sweep(out_dir, settings)
@@ -603,7 +603,9 @@ def cmd_mixture(args: argparse.Namespace) -> int:
         out.print(f"check: a proxy trained on the chosen mixture ({check['run']}) measured {check['measured']:.4f}, "
                   f"{check['error']:+.2%} from the law's {check['predicted']:.4f}; the best of the others "
                   f"measured {choice.best_run['loss']:.4f}")
-    out.print(f"train with it: scaletrain train CONFIG 'data.mix={choice.mix}' (written to {path})")
+    out.print(f"train with it: scaletrain train CONFIG 'data.mix={choice.mix}' (written to {path}); measure its "
+              f"scaling law: scaletrain sweep --data {args.data} --mix "
+              + ",".join(f"{n}={round(v, 3)}" for n, v in choice.shares.items()) + " --budgets ...")
     return 0
 
 
@@ -992,7 +994,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     from scaletrain.plan.planner import PLANNED
     from scaletrain.report.goodput import wall_line
-    from scaletrain.report.run import branch_line, noise_line, run_report
+    from scaletrain.report.run import branch_line, by_source_line, noise_line, run_report
 
     law = _law_file(args.law)[0] if args.law else None
     plan = None
@@ -1011,6 +1013,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     table.add_row("final validation loss", _num(summary["val_loss"]))
     if summary["val_bits_per_byte"] is not None:
         table.add_row("final validation bits per byte", _num(summary["val_bits_per_byte"]))
+    if summary["val_loss_by_source"]:
+        table.add_row("final validation loss by source", by_source_line(summary["val_loss_by_source"]))
     if summary["val_ema_loss"] is not None:
         table.add_row("final validation loss, moving average", _num(summary["val_ema_loss"]))
     table.add_row("tokens/s (median)", f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "-")
@@ -1053,19 +1057,30 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from scaletrain.report.compare import compare_runs
 
     rows = compare_runs(args.run_dirs, args.out, x=args.x)
+    # Runs on other mixtures weigh their validation loss differently: their sources compare.
+    sources = sorted({name for row in rows for name in (row["val_loss_by_source"] or {})})
+    sources = sources if len(sources) > 1 else []
     table = Table(title=f"{len(rows)} runs")
     for column in ("run", "parameters", "steps", "tokens", "FLOPs", "train loss", "validation loss", "best validation",
-                   "tokens/s", "goodput"):
+                   *(f"val {name}" for name in sources), "tokens/s", "goodput"):
         table.add_column(column, justify="left" if column == "run" else "right")
-    best = min((row["val_loss"] for row in rows if row["val_loss"] is not None), default=None)
+
+    def marked(value: float | None, values) -> str:
+        lowest = min((v for v in values if v is not None), default=None)
+        return _num(value) + (" *" if value is not None and value == lowest else "")
+
     for row in rows:
-        val = _num(row["val_loss"]) + (" *" if row["val_loss"] is not None and row["val_loss"] == best else "")
+        by_source = [[(r["val_loss_by_source"] or {}).get(name) for r in rows] for name in sources]
         table.add_row(row["name"], f"{row['parameters']:,}", f"{row['step']:,} / {row['total_steps']:,}",
-                      f"{row['tokens']:,}", f"{row['flops']:.3g}", _num(row["train_loss"]), val,
-                      _num(row["best_val_loss"]), f"{row['tokens_per_s']:,.0f}",
-                      f"{row['goodput']:.1%}" if row["goodput"] is not None else "-")
+                      f"{row['tokens']:,}", f"{row['flops']:.3g}", _num(row["train_loss"]),
+                      marked(row["val_loss"], [r["val_loss"] for r in rows]), _num(row["best_val_loss"]),
+                      *(marked((row["val_loss_by_source"] or {}).get(name), values)
+                        for name, values in zip(sources, by_source)),
+                      f"{row['tokens_per_s']:,.0f}", f"{row['goodput']:.1%}" if row["goodput"] is not None else "-")
     out.print(table)
-    out.print(f"wrote {args.out} (losses against {args.x}; * the lowest final validation loss)", highlight=False)
+    out.print(f"wrote {args.out} (losses against {args.x}; * the lowest final validation loss"
+              + (": a run's validation loss weighs the sources by its own data.mix, so runs on other mixtures "
+                 "compare by source" if sources else "") + ")", highlight=False)
     return 0
 
 
@@ -1241,6 +1256,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
                    help="train.optimizer of every point (adamw): measure the law of the optimizer you will train with")
+    p.add_argument("--mix", type=_weights, default=None,
+                   help="train every point on this mixture of the data directories under --data, e.g. "
+                        "code=0.3,prose=0.7 (data.mix; what `scaletrain mixture` chose): the law of the data you will "
+                        "train on")
     p.add_argument("--concurrency", type=int, default=1,
                    help="points of a budget trained at once, in worker processes (GPUs taken in turn)")
     p.add_argument("--out", default=None, help="sweep directory (default sweeps/DATA_NAME)")

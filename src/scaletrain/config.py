@@ -9,7 +9,9 @@ the value and what would be valid.
 from __future__ import annotations
 
 import copy
+import json
 import math
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -260,6 +262,15 @@ class DataConfig(_Section):
             return {name: 1.0 for name in self.sources}
         total = sum(self.mix.values())
         return {name: weight / total for name, weight in self.mix.items()}
+
+
+def mix_toml(shares: dict[str, float]) -> str:
+    """data.mix's TOML value for `shares`, e.g. {code = 0.3, prose = 0.7} (names that are not
+    bare TOML keys quoted)."""
+    def key(name: str) -> str:
+        return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
+
+    return "{" + ", ".join(f"{key(name)} = {share}" for name, share in shares.items()) + "}"
 
 
 class TrainConfig(_Section):

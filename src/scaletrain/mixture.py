@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from scaletrain.config import ConfigError, load_config
-from scaletrain.data.shards import DataError, read_index
+from scaletrain.config import ConfigError, load_config, mix_toml
+from scaletrain.data.shards import DataError, read_indexes
 from scaletrain.scaling.grid import Point, deepseek_hyperparameters, plan_points, shapes_around, warmup_steps
 from scaletrain.scaling.laws import ChinchillaLaw, preset
 from scaletrain.scaling.mixing import (MixingLaw, best_mixture, bootstrap_mixing_laws, fit_mixing_law, leave_one_out,
@@ -96,7 +96,7 @@ class Choice:
     @property
     def mix(self) -> str:
         """The shares as data.mix's TOML value."""
-        return "{" + ", ".join(f"{name} = {share:.3f}" for name, share in self.shares.items()) + "}"
+        return mix_toml({name: round(share, 3) for name, share in self.shares.items()})
 
 
 class MixtureSearch:
@@ -111,21 +111,14 @@ class MixtureSearch:
         if not root.is_dir():
             raise ConfigError(f"--data {settings.data!r} is not a directory; give the directory that holds the "
                               "sources' data directories (each written by `scaletrain data prepare`)")
-        self.unique_tokens, tokenizers = {}, {}
-        for name in settings.sources:
-            try:
-                index = read_index(root / name)
-            except DataError as e:
-                present = sorted(p.name for p in root.iterdir() if (p / "index.json").is_file())
-                raise ConfigError(f"source {name!r}: {e} (data directories under {str(root)!r}: "
-                                  f"{', '.join(present) or 'none'})") from None
-            self.unique_tokens[name] = index["splits"]["train"]["tokens"]
-            self.vocab_size = -(-index["vocab_size"] // 64) * 64
-            tokenizer = root / name / "tokenizer.json"
-            tokenizers[name] = tokenizer.read_bytes() if tokenizer.is_file() else None
-        if len(set(tokenizers.values())) > 1:
-            raise ConfigError(f"the sources {', '.join(settings.sources)} have different tokenizers; prepare them "
-                              "with one (`data prepare --tokenizer DIR/tokenizer.json`)")
+        try:
+            indexes = read_indexes({name: root / name for name in settings.sources})
+        except DataError as e:
+            present = sorted(p.name for p in root.iterdir() if (p / "index.json").is_file())
+            raise ConfigError(f"--sources {','.join(settings.sources)}: {e} (data directories under {str(root)!r}: "
+                              f"{', '.join(present) or 'none'})") from None
+        self.unique_tokens = {name: index["splits"]["train"]["tokens"] for name, index in indexes.items()}
+        self.vocab_size = -(-max(index["vocab_size"] for index in indexes.values()) // 64) * 64
         if settings.runs < 2 * len(settings.sources) + 1:
             raise ConfigError(f"--runs {settings.runs}: a law of {len(settings.sources)} sources needs at least "
                               f"{2 * len(settings.sources) + 1} runs (default {default_runs(len(settings.sources))})")
@@ -339,11 +332,10 @@ def proxy_config(settings: MixtureSettings, vocab_size: int, point: Point, share
     """The config of a run of `point` (a shape, its steps, batch and learning rate) on the mixture
     `shares`, in run_dir: the search's rule, a cosine schedule, a checkpoint half-way to resume."""
     warmup = warmup_steps(point.n, point.batch_seqs * settings.seq_len, max(1, point.steps // 5))
-    mix = "{" + ", ".join(f"{name} = {share}" for name, share in shares.items()) + "}"
-    return load_config(None, [*run_overrides(settings, vocab_size, point.shape, point.lr, point.batch_seqs, warmup),
-                              f"data.mix={mix}", f"run.dir={run_dir.parent}", f"run.name={run_dir.name}",
-                              "train.schedule=cosine", f"train.steps={point.steps}",
-                              f"checkpoint.interval={max(1, point.steps // 2)}"])
+    return load_config(None, [*run_overrides(settings, vocab_size, point.shape, point.lr, point.batch_seqs, warmup,
+                                             shares),
+                              f"run.dir={run_dir.parent}", f"run.name={run_dir.name}", "train.schedule=cosine",
+                              f"train.steps={point.steps}", f"checkpoint.interval={max(1, point.steps // 2)}"])
 
 
 def _run_in_worker(job: tuple[Path, MixtureSettings, int]) -> dict:

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from scaletrain.config import ConfigError, RunConfig, load_config
-from scaletrain.data.shards import read_index
+from scaletrain.config import ConfigError, RunConfig, load_config, mix_toml
+from scaletrain.data.shards import read_indexes
 from scaletrain.scaling.fit import Points, fit_allocation
 from scaletrain.model.flops import train_flops_per_token
 from scaletrain.scaling.grid import (Point, Shape, deepseek_hyperparameters, family, plan_points, shapes_around,
@@ -57,6 +57,7 @@ class SweepSettings:
     seed: int = 0
     device: str = "auto"
     optimizer: str = "adamw"  # train.optimizer of every point (Muon takes AdamW's learning rates: optim.py)
+    mix: dict[str, float] | None = None  # data.mix of every point (data then holds the mixed directories)
 
 
 
@@ -79,11 +80,15 @@ class Sweep:
                 raise ConfigError(f"sweep directory {str(self.out)!r} was started with other settings "
                                   f"({', '.join(f'{k}: {a} then, {b} now' for k, (a, b) in changed.items())}); "
                                   "rerun it with the same ones or choose a new --out")
+        root = Path(settings.data)
+        sources = {name: root / name for name in settings.mix} if settings.mix else {root.name: root}
         try:
-            index = read_index(Path(settings.data))
+            indexes = read_indexes(sources)
         except Exception as e:
-            raise ConfigError(f"--data {settings.data!r}: {e}") from None
-        self.vocab_size = -(-index["vocab_size"] // 64) * 64
+            raise ConfigError(f"--data {settings.data!r}{' with --mix' if settings.mix else ''}: {e}") from None
+        if settings.mix is not None and not (settings.mix and all(0 < w < math.inf for w in settings.mix.values())):
+            raise ConfigError(f"--mix {settings.mix}: give each data directory's weight, positive (e.g. code=0.3,prose=0.7)")
+        self.vocab_size = -(-max(index["vocab_size"] for index in indexes.values()) // 64) * 64
         self.prior = preset(settings.prior)
         if not isinstance(self.prior, ChinchillaLaw):
             raise ConfigError(f"--prior {settings.prior!r} has no compute-optimal allocation to centre a grid on; "
@@ -226,7 +231,7 @@ class Sweep:
         return lr, largest.batch_seqs, warmup
 
     def run_overrides(self, point: Point, lr: float, batch_seqs: int, warmup: int) -> list[str]:
-        return run_overrides(self.settings, self.vocab_size, point.shape, lr, batch_seqs, warmup)
+        return run_overrides(self.settings, self.vocab_size, point.shape, lr, batch_seqs, warmup, self.settings.mix)
 
     def run(self, progress: Callable[[dict], None] | None = None, concurrency: int = 1) -> list[dict]:
         """Run every point not yet in results.csv; returns all rows. progress gets a dict of
@@ -357,16 +362,18 @@ class Sweep:
                 "saved_fraction": 1 - branched / separate if separate else 0.0}
 
 
-def run_overrides(s, vocab_size: int, shape: Shape, lr: float, batch_seqs: int, warmup: int) -> list[str]:
+def run_overrides(s, vocab_size: int, shape: Shape, lr: float, batch_seqs: int, warmup: int,
+                  mix: dict[str, float] | None = None) -> list[str]:
     """The config overrides of one small run of `shape` on settings `s` (a sweep's or a mixture
-    search's: data, seq_len, micro_batch, seed, device, eval_tokens, optimizer): evaluated once,
-    at the end; no periodic checkpoints beyond the caller's."""
+    search's: data, seq_len, micro_batch, seed, device, eval_tokens, optimizer), on the mixture
+    `mix` of the directories under s.data if given: evaluated once, at the end; no periodic
+    checkpoints beyond the caller's."""
     model = shape.model(vocab_size, s.seq_len)
-    return [f"data.path={s.data}", f"data.seq_len={s.seq_len}", f"model.vocab_size={vocab_size}",
-            f"model.dim={model.dim}", f"model.n_layers={model.n_layers}", f"model.n_heads={model.n_heads}",
-            f"model.max_seq_len={s.seq_len}", f"train.global_batch_tokens={batch_seqs * s.seq_len}",
-            f"train.micro_batch={min(s.micro_batch, batch_seqs)}", f"train.lr={lr}",
-            f"train.warmup_steps={warmup}", f"run.seed={s.seed}", f"train.device={s.device}",
+    return [f"data.path={s.data}", *([f"data.mix={mix_toml(mix)}"] if mix else []), f"data.seq_len={s.seq_len}",
+            f"model.vocab_size={vocab_size}", f"model.dim={model.dim}", f"model.n_layers={model.n_layers}",
+            f"model.n_heads={model.n_heads}", f"model.max_seq_len={s.seq_len}",
+            f"train.global_batch_tokens={batch_seqs * s.seq_len}", f"train.micro_batch={min(s.micro_batch, batch_seqs)}",
+            f"train.lr={lr}", f"train.warmup_steps={warmup}", f"run.seed={s.seed}", f"train.device={s.device}",
             f"eval.tokens={s.eval_tokens}", "eval.interval=0", "log.interval=50", "checkpoint.keep=2",
             f"train.optimizer={s.optimizer}"]
 

@@ -109,6 +109,20 @@ def read_index(data_dir: str | Path) -> dict:
     return index
 
 
+
+def read_indexes(sources: dict[str, Path]) -> dict[str, dict]:
+    """The index of each named data directory, checked to share one tokenizer (the directories of
+    a mixture must: the model sees one vocabulary)."""
+    indexes, tokenizers = {}, {}
+    for name, path in sources.items():
+        indexes[name] = read_index(path)
+        tokenizer = Path(path) / "tokenizer.json"
+        tokenizers[name] = tokenizer.read_bytes() if tokenizer.is_file() else None
+    if len(set(tokenizers.values())) > 1:
+        raise DataError(f"the data directories {', '.join(map(str, sources.values()))} have different tokenizers; "
+                        "prepare them with one (`data prepare --tokenizer DIR/tokenizer.json`)")
+    return indexes
+
 @dataclass
 class TokenSplit:
     """One split's shards as a single read-only token sequence (memory-mapped, never loaded whole)."""

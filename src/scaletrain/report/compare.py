@@ -29,8 +29,10 @@ AXES = {"tokens": "tokens", "flops": "training FLOPs", "hours": "wall-clock (hou
 
 def compare_runs(run_dirs: list[str | Path], out: str | Path, x: str = "tokens") -> list[dict]:
     """A row per run (name, parameters, step, tokens, flops, final train and validation loss, best
-    validation loss, median tokens/s, goodput), and their losses against `x` ("tokens", "flops"
-    or "hours") drawn into the PNG `out`."""
+    validation loss, the final validation loss by source, median tokens/s, goodput), and their
+    losses against `x` ("tokens", "flops" or "hours") drawn into the PNG `out`. (A run's
+    validation loss weighs its sources by its own data.mix: runs on other mixtures compare by
+    source.)"""
     if x not in AXES:
         raise ConfigError(f"cannot compare runs against {x!r}; choose one of {', '.join(AXES)}")
     if len(run_dirs) < 2:
@@ -54,7 +56,8 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, x: str = "tokens")
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return [{key: run[key] for key in ("name", "dir", "parameters", "step", "total_steps", "tokens", "flops",
-                                       "train_loss", "val_loss", "best_val_loss", "tokens_per_s", "goodput")}
+                                       "train_loss", "val_loss", "best_val_loss", "val_loss_by_source",
+                                       "tokens_per_s", "goodput")}
             for run in runs]
 
 
@@ -71,6 +74,7 @@ def _read(run_dir: Path) -> dict:
             "total_steps": cfg.total_steps, "tokens": tokens, "flops": per_token * tokens, "per_token": per_token,
             "train_loss": train[-1]["loss"], "val_loss": evals[-1]["loss"] if evals else None,
             "best_val_loss": min((r["loss"] for r in evals), default=None),
+            "val_loss_by_source": evals[-1].get("loss_by_source") if evals else None,
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady_steps(cfg, train)),
             "goodput": time["goodput"] if time else None, "train": train, "evals": evals,
             "launched": launched(every)}

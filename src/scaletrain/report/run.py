@@ -60,6 +60,9 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
         "planned_tokens": planned_tokens,
         "train_loss": train[-1]["loss"] if train else None, "val_loss": evals[-1]["loss"] if evals else None,
         "val_bits_per_byte": evals[-1].get("bits_per_byte") if evals else None,
+        # data.mix: each source's validation loss, comparable between runs on other mixtures
+        "val_loss_by_source": evals[-1].get("loss_by_source") if evals and len(evals[-1].get("loss_by_source") or {}) > 1
+        else None,
         "val_ema_loss": evals[-1].get("ema_loss") if evals else None,  # (train.ema_decay's average)
         "tokens_per_s": _median(r["tokens_per_s"] for r in steady),
         "mfu": _median(r.get("mfu") for r in steady),
@@ -307,6 +310,11 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def by_source_line(losses: dict[str, float]) -> str:
+    """'code 3.1234, prose 4.0021': a mixture's validation loss by source."""
+    return ", ".join(f"{name} {loss:.4f}" for name, loss in losses.items())
+
+
 def noise_line(noise: dict) -> str:
     """The report's line on the noise scale (its summary's "noise")."""
     return (f"{noise['noise_scale']:,.0f} at step {noise['step']:,}, batch {noise['batch_tokens']:,}: "
@@ -323,6 +331,8 @@ def _html(cfg, summary: dict, plots: list[Path]) -> str:
             ("final train loss", number(summary["train_loss"], ".4f")),
             ("final validation loss", number(summary["val_loss"], ".4f")),
             ("final validation bits per byte", number(summary["val_bits_per_byte"], ".4f")),
+            *([("final validation loss by source", by_source_line(summary["val_loss_by_source"]))]
+              if summary["val_loss_by_source"] else []),
             *([("final validation loss of the moving average of the weights",
                 number(summary["val_ema_loss"], ".4f"))] if summary["val_ema_loss"] is not None else []),
             ("tokens/s (median)", number(summary["tokens_per_s"], ",.0f")),

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import loss_parallel as vocabulary_split_
 
 from scaletrain.config import ConfigError, RunConfig, load_config, validate_config
 from scaletrain.data.loader import IGNORE, Prefetcher, TokenLoader, eval_batches
-from scaletrain.data.shards import DataError, read_index
+from scaletrain.data.shards import DataError, read_index, read_indexes
 from scaletrain.hf import load_hf_weights
 from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.model.llama import Transformer, document_ids
@@ -155,17 +155,10 @@ def resolve(cfg: RunConfig) -> RunConfig:
     """Fill in what the config leaves to the data (vocabulary size); check that every data
     directory exists and that a mixture's directories share one tokenizer."""
     where = "data.path" if cfg.data.mix is None else "data.mix"
-    indexes, tokenizers = {}, {}
-    for name, path in cfg.data.sources.items():
-        try:
-            indexes[name] = read_index(path)
-        except DataError as e:
-            raise ConfigError(f"{where}: {e}") from None
-        tokenizer = path / "tokenizer.json"
-        tokenizers[name] = tokenizer.read_bytes() if tokenizer.is_file() else None
-    if len(set(tokenizers.values())) > 1:
-        raise ConfigError(f"data.mix: the data directories {', '.join(map(str, cfg.data.sources.values()))} have "
-                          "different tokenizers; prepare them with one (`data prepare --tokenizer DIR/tokenizer.json`)")
+    try:
+        indexes = read_indexes(cfg.data.sources)
+    except DataError as e:
+        raise ConfigError(f"{where}: {e}") from None
     if cfg.model.document_mask and len({index["eos_id"] for index in indexes.values()}) > 1:
         raise ConfigError(f"data.mix: the data directories end documents with different tokens "
                           f"({ {name: index['eos_id'] for name, index in indexes.items()} }), so model.document_mask "
