@@ -136,6 +136,7 @@ def test_the_search_chooses_writes_and_checks_a_mixture(searched, tmp_path):
     measured = [0.5 * row["loss_project"] + 0.5 * row["loss_stdlib"] for row in rows]
     assert choice.best_run["loss"] == min(measured)
     assert choice.interval[0] <= choice.predicted <= choice.interval[1]
+    assert 0 < choice.loo_error < 0.2
     # the law is at its lowest at the choice: no proxy's mixture is predicted lower
     shares, _ = search.arrays(rows)
     assert choice.predicted <= law.target(shares, np.array([0.5, 0.5])).min() + 1e-9
@@ -147,7 +148,8 @@ def test_the_search_chooses_writes_and_checks_a_mixture(searched, tmp_path):
     tokens = 4 * search.unique_tokens["stdlib"] / 0.3
     _, capped = search.choose(rows, target={"stdlib": 1}, tokens=tokens, samples=20)
     assert capped.shares["stdlib"] <= 0.3 + 1e-4 and capped.caps == {"stdlib": pytest.approx(0.3)}
-    with pytest.raises(ConfigError, match="give non-negative weights, not all zero, of the sources project, stdlib"):
+    with pytest.raises(ConfigError, match="give non-negative weights, not all zero, of the validation losses of "
+                                          "project, stdlib"):
         search.choose(rows, target={"prose": 1})
     # the check trains a proxy on the chosen mixture and sets it against the prediction
     check = search.check(choice)
@@ -248,6 +250,34 @@ def test_runs_on_other_mixtures_are_reported_and_compared_by_source(searched, tm
     assert result.returncode == 0, result.stderr
     assert "val project" in result.stdout and "val stdlib" in result.stdout
     assert "runs on other mixtures compare by source" in result.stdout
-    # the corner (project 0.98) is the better of the two on project's validation data
-    project_cells = [line.split("│")[9].strip() for line in result.stdout.splitlines() if "mix-0" in line]
-    assert project_cells[1].endswith("*") and not project_cells[0].endswith("*")
+    # each source's column marks the run lower on that source's validation data
+    lines = [line.split("│") for line in result.stdout.splitlines() if "mix-0" in line]
+    for column, source in ((9, "project"), (10, "stdlib")):
+        cells = [line[column].strip() for line in lines]
+        values = [rows[0][f"loss_{source}"], rows[2][f"loss_{source}"]]
+        assert [float(cell.rstrip(" *")) for cell in cells] == pytest.approx(values, abs=1e-4)
+        assert [cell.endswith("*") for cell in cells] == [v == min(values) for v in values]
+
+
+def test_a_target_domain_no_proxy_trains_on_sets_the_mixture(mixture_root, short_documents, tmp_path):
+    from dataclasses import replace
+
+    # short_documents: the standard library's Python cut into short documents, prepared apart
+    search = MixtureSearch(tmp_path / "target", replace(settings(mixture_root, runs=5),
+                                                        target_data=str(short_documents)))
+    assert search.validation == ["project", "stdlib", "documents"]
+    rows = search.run()
+    for row in rows:
+        cfg = search.run_config(int(row["name"][-2:]))
+        assert set(cfg.data.mix) == {"project", "stdlib"}  # never trained on the target
+        assert math.isfinite(row["loss_documents"])
+    law, choice = search.choose(rows, samples=20)
+    assert choice.target == {"project": 0.0, "stdlib": 0.0, "documents": 1.0}
+    assert choice.loo_error is None  # 5 proxies, 5 numbers per source: none to spare
+    assert law.validation == ["project", "stdlib", "documents"] and law.sources == ["project", "stdlib"]
+    # the target is the standard library's code: more of it in training lowers its loss
+    corners = {row["name"]: row["loss_documents"] for row in rows if row["name"] in ("mix-02", "mix-03")}
+    assert corners["mix-03"] < corners["mix-02"]  # stdlib 0.98 against project 0.98
+    assert choice.shares["stdlib"] > 0.5
+    with pytest.raises(ConfigError, match="--target-data .* has the name of a source"):
+        MixtureSearch(tmp_path / "clash", replace(settings(mixture_root), target_data=str(mixture_root / "stdlib")))

@@ -555,7 +555,8 @@ def cmd_mixture(args: argparse.Namespace) -> int:
         sources = sorted(p.name for p in root.iterdir() if (p / "index.json").is_file()) if root.is_dir() else []
     settings = MixtureSettings(data=args.data, sources=sources, budget=args.budget, runs=args.runs,
                                seq_len=args.seq_len, prior=args.prior, eval_tokens=args.eval_tokens,
-                               min_steps=args.min_steps, seed=args.seed, device=args.device, optimizer=args.optimizer)
+                               min_steps=args.min_steps, seed=args.seed, device=args.device, optimizer=args.optimizer,
+                               target_data=args.target_data)
     out_dir = Path(args.out) if args.out else Path("mixtures") / root.name
     search = MixtureSearch(out_dir, settings)
     point = search.point
@@ -577,14 +578,13 @@ def cmd_mixture(args: argparse.Namespace) -> int:
     table.add_column("run")
     for name in sources:
         table.add_column(f"share {name}", justify="right")
-    for name in sources:
+    for name in search.validation:
         table.add_column(f"val {name}", justify="right")
     table.add_column("target", justify="right")
-    weights = [choice.target[n] for n in sources]
     for row in rows:
-        target = sum(w * row[f"loss_{n}"] for w, n in zip(weights, sources))
+        target = sum(w * row[f"loss_{n}"] for n, w in choice.target.items())
         table.add_row(row["name"], *(f"{row[f'share_{n}']:.3f}" for n in sources),
-                      *(f"{row[f'loss_{n}']:.4f}" for n in sources), f"{target:.4f}")
+                      *(f"{row[f'loss_{n}']:.4f}" for n in search.validation), f"{target:.4f}")
     out.print(table)
     check = search.check(choice) if args.check else None
     path = search.write(law, choice, check)
@@ -592,8 +592,9 @@ def cmd_mixture(args: argparse.Namespace) -> int:
     low, high = choice.interval
     out.print(f"target loss {target}: the law predicts {choice.predicted:.4f} (95% {low:.4f}–{high:.4f}) at the "
               f"chosen mixture, {choice.natural:.4f} at the natural one (by tokens), {choice.uniform:.4f} at the uniform "
-              f"one; best proxy {choice.best_run['name']} measured {choice.best_run['loss']:.4f}; the law missed "
-              f"proxies left out of its fit by {choice.loo_error:.2%} on average")
+              f"one; best proxy {choice.best_run['name']} measured {choice.best_run['loss']:.4f}; "
+              + (f"the law missed proxies left out of its fit by {choice.loo_error:.2%} on average"
+                 if choice.loo_error is not None else "too few proxies to measure the law on one left out"))
     shares = ", ".join(f"{n} {v:.3f} ({choice.shares_interval[n][0]:.3f}–{choice.shares_interval[n][1]:.3f})"
                        for n, v in choice.shares.items())
     out.print(f"chosen mixture: {shares}"
@@ -1279,8 +1280,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=0,
                    help="proxies (default max(6, 2 x (sources + 1)): twice the law's numbers per validation source)")
     p.add_argument("--target", type=_weights, default=None,
-                   help="the loss to minimise, as weights of the sources' validation losses, e.g. code=1,prose=3 "
-                        "(default every source alike)")
+                   help="the loss to minimise, as weights of the validation losses (the sources' and --target-data's "
+                        "by directory name), e.g. code=1,prose=3 (default --target-data's, else every source alike)")
+    p.add_argument("--target-data", default=None,
+                   help="a data directory none of the proxies trains on (one tokenizer with the sources), whose "
+                        "validation loss every proxy is also measured on and which is then the default target")
     p.add_argument("--tokens", type=_flops, default=None,
                    help="tokens of the run the mixture is for: no source's share may repeat it more than 4 times")
     p.add_argument("--seq-len", type=int, default=128, help="training sequence length (128)")

@@ -62,6 +62,9 @@ class MixtureSettings:
     seed: int = 0
     device: str = "auto"
     optimizer: str = "adamw"
+    # A data directory (one tokenizer with the sources) whose validation split every proxy is also
+    # evaluated on: a target domain trained on by none of them (Ye et al.'s implicit target).
+    target_data: str | None = None
 
     def __post_init__(self):
         if self.runs == 0:
@@ -89,7 +92,9 @@ class Choice:
     natural: float
     uniform: float
     best_run: dict  # the proxy with the lowest measured target loss: name, shares, target loss
-    loo_error: float  # mean |leave-one-out prediction - measured| of the proxies' target losses, relative
+    # mean |leave-one-out prediction / measured - 1| of the proxies' target losses; None when no
+    # proxy can be left out (as many proxies as the law has numbers)
+    loo_error: float | None
     tokens: float | None  # the planned run's tokens the epoch caps were set for
     caps: dict[str, float] = field(default_factory=dict)
 
@@ -111,13 +116,22 @@ class MixtureSearch:
         if not root.is_dir():
             raise ConfigError(f"--data {settings.data!r} is not a directory; give the directory that holds the "
                               "sources' data directories (each written by `scaletrain data prepare`)")
+        self.validation = list(settings.sources)
+        checked = {name: root / name for name in settings.sources}
+        if settings.target_data is not None:
+            name = Path(settings.target_data).name
+            if name in settings.sources:
+                raise ConfigError(f"--target-data {settings.target_data!r} has the name of a source; a target domain "
+                                  "is data none of the proxies trains on (rename its directory if it is another)")
+            self.validation.append(name)
+            checked = {**checked, name: Path(settings.target_data)}
         try:
-            indexes = read_indexes({name: root / name for name in settings.sources})
+            indexes = read_indexes(checked)
         except DataError as e:
             present = sorted(p.name for p in root.iterdir() if (p / "index.json").is_file())
             raise ConfigError(f"--sources {','.join(settings.sources)}: {e} (data directories under {str(root)!r}: "
                               f"{', '.join(present) or 'none'})") from None
-        self.unique_tokens = {name: index["splits"]["train"]["tokens"] for name, index in indexes.items()}
+        self.unique_tokens = {name: indexes[name]["splits"]["train"]["tokens"] for name in settings.sources}
         self.vocab_size = -(-max(index["vocab_size"] for index in indexes.values()) // 64) * 64
         if settings.runs < 2 * len(settings.sources) + 1:
             raise ConfigError(f"--runs {settings.runs}: a law of {len(settings.sources)} sources needs at least "
@@ -177,8 +191,8 @@ class MixtureSearch:
             return [{k: (v if k == "name" else float(v)) for k, v in row.items()} for row in csv.DictReader(f)]
 
     def columns(self) -> list[str]:
-        names = self.settings.sources
-        return ["name", *(f"share_{n}" for n in names), *(f"loss_{n}" for n in names), "loss", "train_loss",
+        return ["name", *(f"share_{n}" for n in self.settings.sources), *(f"loss_{n}" for n in self.validation),
+                "loss", "train_loss",
                 "steps", "tokens", "c"]
 
     def run(self, progress: Callable[[dict], None] | None = None, concurrency: int = 1) -> list[dict]:
@@ -225,12 +239,14 @@ class MixtureSearch:
     def _run_one(self, index: int, train) -> dict:
         """Train (or finish) proxy `index`; its row of results.csv. A run that diverges is recorded
         with losses of nan, left out of the fit."""
-        names = self.settings.sources
-        by_source, loss, train_loss = _train(self.run_config(index), train)
+        cfg = self.run_config(index)
+        by_source, loss, train_loss = _train(cfg, train)
+        by_source = self._with_target(cfg.run_dir, by_source)
         point = self.point
         tokens = point.steps * point.batch_seqs * self.settings.seq_len
-        return {"name": self.name_of(index), **{f"share_{n}": self.mixtures[index][n] for n in names},
-                **{f"loss_{n}": by_source.get(n, math.nan) for n in names}, "loss": loss, "train_loss": train_loss,
+        return {"name": self.name_of(index), **{f"share_{n}": self.mixtures[index][n] for n in self.settings.sources},
+                **{f"loss_{n}": by_source.get(n, math.nan) for n in self.validation}, "loss": loss,
+                "train_loss": train_loss,
                 "steps": point.steps, "tokens": tokens, "c": float(tokens * point.flops_per_token)}
 
     def check(self, choice: Choice) -> dict:
@@ -239,36 +255,48 @@ class MixtureSearch:
         from scaletrain.train.trainer import train
 
         name = "chosen-" + "-".join(f"{share:.3f}" for share in choice.shares.values())
-        by_source, _, _ = _train(proxy_config(self.settings, self.vocab_size, self.point, choice.shares,
-                                              self.out / "runs" / name), train)
+        cfg = proxy_config(self.settings, self.vocab_size, self.point, choice.shares, self.out / "runs" / name)
+        by_source, _, _ = _train(cfg, train)
+        by_source = self._with_target(cfg.run_dir, by_source)
         measured = sum(w * by_source.get(n, math.nan) for n, w in choice.target.items() if w > 0)
         return {"run": name, "measured": measured, "predicted": choice.predicted, "interval": list(choice.interval),
                 "error": measured / choice.predicted - 1, "loss_by_source": by_source}
 
+    def _with_target(self, run_dir: Path, by_source: dict[str, float]) -> dict[str, float]:
+        """by_source and, with target_data, the trained proxy's loss on its validation split."""
+        if self.settings.target_data is None or not by_source:
+            return by_source
+        from scaletrain.evaluate import evaluate_run
+
+        record = next(evaluate_run(run_dir, data=self.settings.target_data))
+        return {**by_source, self.validation[-1]: record["loss"]}
+
     # -- the fit -----------------------------------------------------------------------------------
 
     def arrays(self, rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-        """(shares (R, n), validation losses (R, n)) of the rows, shares normalised."""
-        names = self.settings.sources
-        shares = np.array([[row[f"share_{n}"] for n in names] for row in rows], dtype=float)
-        return shares / shares.sum(axis=1, keepdims=True), np.array([[row[f"loss_{n}"] for n in names] for row in rows])
+        """(shares (R, n), validation losses (R, m)) of the rows, shares normalised."""
+        shares = np.array([[row[f"share_{n}"] for n in self.settings.sources] for row in rows], dtype=float)
+        losses = np.array([[row[f"loss_{n}"] for n in self.validation] for row in rows], dtype=float)
+        return shares / shares.sum(axis=1, keepdims=True), losses
 
     def choose(self, rows: list[dict], target: dict[str, float] | None = None, tokens: float | None = None,
                samples: int = 100) -> tuple[MixingLaw, Choice]:
         """Fit the law to the finished proxies and choose the mixture for `target` (validation
-        source -> weight; default every source alike) and a planned run of `tokens` tokens (each
-        source then capped at MAX_EPOCHS repeats; default no cap)."""
-        names = self.settings.sources
-        target = dict(target) if target else {name: 1.0 for name in names}
-        unknown = sorted(set(target) - set(names))
+        source -> weight; default the target data's loss if there is one, else every source's
+        alike) and a planned run of `tokens` tokens (each source then capped at MAX_EPOCHS repeats;
+        default no cap)."""
+        names, validation = self.settings.sources, self.validation
+        if not target:
+            target = {validation[-1]: 1.0} if self.settings.target_data else {name: 1.0 for name in names}
+        unknown = sorted(set(target) - set(validation))
         if unknown or any(not (w >= 0 and math.isfinite(w)) for w in target.values()) or sum(target.values()) <= 0:
-            raise ConfigError(f"--target {target}: give non-negative weights, not all zero, of the sources "
-                              f"{', '.join(names)} (e.g. {names[0]}=1)")
-        weights = np.array([target.get(n, 0.0) for n in names])
+            raise ConfigError(f"--target {target}: give non-negative weights, not all zero, of the validation losses "
+                              f"of {', '.join(validation)} (e.g. {validation[-1]}=1)")
+        weights = np.array([target.get(n, 0.0) for n in validation])
         weights = weights / weights.sum()
         shares, losses = self.arrays(rows)
         try:
-            law = fit_mixing_law(names, names, shares, losses)
+            law = fit_mixing_law(names, validation, shares, losses)
         except ValueError as e:
             raise ConfigError(f"{e}; run the search to the end (rerun the same command)") from None
         lower, upper = share_bounds(np.array([self.unique_tokens[n] for n in names]), tokens, MAX_EPOCHS, MIN_SHARE)
@@ -281,10 +309,12 @@ class MixtureSearch:
         optima = np.array([best_mixture(b, weights, lower, upper) for b in boot])
         measured = losses @ weights
         finite = np.isfinite(measured)
-        loo = leave_one_out(law, shares[finite], losses[finite]) @ weights
+        missed = np.abs(leave_one_out(law, shares[finite], losses[finite]) @ weights / measured[finite] - 1)
+        missed = missed[np.isfinite(missed)]  # (nan where the others were too few to fit)
         k = int(np.nanargmin(np.where(finite, measured, np.nan)))
         natural = np.array([self.unique_tokens[n] for n in names], dtype=float)
-        choice = Choice(shares=dict(zip(names, best.round(4).tolist())), target=dict(zip(names, weights.tolist())),
+        choice = Choice(shares=dict(zip(names, best.round(4).tolist())),
+                        target=dict(zip(validation, weights.tolist())),
                         predicted=float(law.target(best, weights)),
                         interval=tuple(np.percentile(predicted, [2.5, 97.5]).tolist()),
                         shares_interval={n: tuple(np.percentile(optima[:, j], [2.5, 97.5]).round(4).tolist())
@@ -293,7 +323,7 @@ class MixtureSearch:
                         uniform=float(law.target(np.full(len(names), 1 / len(names)), weights)),
                         best_run={"name": rows[k]["name"], "shares": dict(zip(names, shares[k].round(4).tolist())),
                                   "loss": float(measured[k])},
-                        loo_error=float(np.nanmean(np.abs(loo - measured[finite]) / measured[finite])),
+                        loo_error=float(missed.mean()) if len(missed) else None,
                         tokens=tokens, caps={n: float(u) for n, u in zip(names, upper) if u < 1})
         return law, choice
 

@@ -115,7 +115,7 @@ def plot_mixture(law, choice, shares: np.ndarray, losses: np.ndarray, path: Path
     one's share (law and proxies, the choice marked), for more each chosen share with the
     interval of the bootstrap refits' optima."""
     names = law.sources
-    weights = np.array([choice.target[n] for n in names])
+    weights = np.array([choice.target[n] for n in law.validation])
     measured, predicted = losses @ weights, law.target(shares, weights)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     left.scatter(predicted, measured, s=16)
@@ -123,7 +123,7 @@ def plot_mixture(law, choice, shares: np.ndarray, losses: np.ndarray, path: Path
     low, high = min(predicted[finite].min(), measured[finite].min()), max(predicted[finite].max(), measured[finite].max())
     left.plot([low, high], [low, high], color="k", lw=0.8)
     left.set(xlabel="law's target loss", ylabel="measured target loss",
-             title=f"proxies (leave-one-out error {choice.loo_error:.2%})")
+             title="proxies" + (f" (leave-one-out error {choice.loo_error:.2%})" if choice.loo_error is not None else ""))
     if len(names) == 2:
         grid = np.linspace(0, 1, 201)
         curve = law.target(np.stack([grid, 1 - grid], axis=1), weights)
