@@ -1,23 +1,27 @@
 """Choose a data mixture by measurement: train one small proxy model per sampled mixture, fit a
-data mixing law to their validation losses on every source (scaling/mixing.py), and take the
-mixture the law predicts best for a target.
+data mixing law to their validation losses (scaling/mixing.py), and take the mixture the law
+predicts best for a target.
 
 The proxies are one shape — the prior law's compute-optimal model at the search's budget —
 trained for the tokens the budget buys with the sweep's hyperparameter rule and a cosine
 schedule, so the mixture is the only thing that differs between them. The first mixture is
 the sources' natural one (in proportion to their training tokens), the second the uniform
 one, then one "corner" per source (that source with every other at the floor), so that the
-law chosen inside them interpolates rather than extrapolates, and the rest are drawn uniformly
-from the simplex (Dirichlet(1)) from the seed; every share is at least MIN_SHARE. The directory holds mixtures.json (settings and the planned mixtures),
-runs/ (one run directory per mixture), results.csv, and mixture.json and mixture.png once
-fitted; rerunning the same command continues where it stopped: finished runs are kept, an
-unfinished one resumes from its checkpoint. The target and the planned run's tokens only
-change the fit, so they may change between invocations.
+mixture chosen lies among measured ones rather than beyond them, and the rest are drawn
+uniformly from the simplex (Dirichlet(1)) from the seed; every share is at least MIN_SHARE.
+Each proxy's loss is measured on every source's validation split and, with target_data, on
+that of a domain none of them trains on.
 
-Where a model grows, the best mixture has been found to carry from proxies of about 1M
-parameters to models 1000× larger (RegMix, Liu et al. 2024, who fit a regression to the losses
-of many tiny proxies; Ye et al. 2024, section 4, nest the mixing law inside scaling laws of
-steps and size to the same end). The search measures it at the size it trains, nothing more.
+The directory holds mixtures.json (settings and the planned mixtures), runs/ (one run
+directory per mixture), results.csv, and mixture.json and mixture.png once fitted; rerunning
+the same command continues where it stopped: finished runs are kept, an unfinished one
+resumes from its checkpoint. The target and the planned run's tokens only change the fit, so
+they may change between invocations.
+
+The best mixture has been found to carry from proxies of about 1M parameters to models 1000×
+larger (RegMix, Liu et al. 2024, who fit a regression to the losses of many tiny proxies;
+Shukor et al. 2025 and Ye et al. 2024 fit laws of the mixture, size and steps together). The
+search measures at the size it trains; benchmarks/mixture.py checks the choice at 10× that.
 """
 
 from __future__ import annotations
