@@ -1070,8 +1070,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         lowest = min((v for v in values if v is not None), default=None)
         return _num(value) + (" *" if value is not None and value == lowest else "")
 
+    by_source = [[(r["val_loss_by_source"] or {}).get(name) for r in rows] for name in sources]
     for row in rows:
-        by_source = [[(r["val_loss_by_source"] or {}).get(name) for r in rows] for name in sources]
         table.add_row(row["name"], f"{row['parameters']:,}", f"{row['step']:,} / {row['total_steps']:,}",
                       f"{row['tokens']:,}", f"{row['flops']:.3g}", _num(row["train_loss"]),
                       marked(row["val_loss"], [r["val_loss"] for r in rows]), _num(row["best_val_loss"]),
