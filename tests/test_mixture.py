@@ -93,7 +93,7 @@ def test_the_best_mixture_keeps_to_the_epoch_caps_and_says_when_none_can():
 
 def settings(root, runs=6) -> MixtureSettings:
     # min_steps 20 and a tiny budget keep these runs to seconds (a real search's proxies train more)
-    return MixtureSettings(data=str(root), sources=["project", "stdlib"], budget=2e10, runs=runs, seq_len=64,
+    return MixtureSettings(data=str(root), sources=["project", "stdlib"], budget=1e10, runs=runs, seq_len=64,
                            eval_tokens=2048, min_steps=20, device="cpu")
 
 
@@ -184,7 +184,7 @@ def test_a_search_interrupted_between_and_inside_runs_resumes_to_the_same_result
 
 def test_the_command_fits_a_finished_search_and_bad_input_is_refused(searched, mixture_root, tmp_path):
     search, _ = searched
-    args = ["mixture", "--data", str(mixture_root), "--budget", "2e10", "--runs", "6", "--seq-len", "64",
+    args = ["mixture", "--data", str(mixture_root), "--budget", "1e10", "--runs", "6", "--seq-len", "64",
             "--eval-tokens", "2048", "--min-steps", "20", "--device", "cpu", "--out", str(search.out)]
     result = run_cli(*args, "--target", "stdlib=3,project=1")
     assert result.returncode == 0, result.stderr
