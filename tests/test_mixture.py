@@ -12,7 +12,7 @@ import pytest
 
 from conftest import run_cli
 from scaletrain.config import ConfigError
-from scaletrain.mixture import MIN_SHARE, MixtureSearch, MixtureSettings, default_runs
+from scaletrain.mixture import MIN_SHARE, MixtureSearch, MixtureSettings, default_runs, sources_under
 from scaletrain.scaling.mixing import (MixingLaw, best_mixture, bootstrap_mixing_laws, fit_mixing_law, leave_one_out,
                                        share_bounds)
 from scaletrain.train.metrics import read_metrics
@@ -278,5 +278,12 @@ def test_a_target_domain_no_proxy_trains_on_sets_the_mixture(mixture_root, short
     corners = {row["name"]: row["loss_documents"] for row in rows if row["name"] in ("mix-02", "mix-03")}
     assert corners["mix-03"] < corners["mix-02"]  # stdlib 0.98 against project 0.98
     assert choice.shares["stdlib"] > 0.5
+    # a target prepared beside the sources is not a default source
+    (tmp_path / "root").mkdir()
+    for name, path in (("project", mixture_root / "project"), ("stdlib", mixture_root / "stdlib"),
+                       ("documents", short_documents)):
+        (tmp_path / "root" / name).symlink_to(path)
+    assert sources_under(tmp_path / "root") == ["documents", "project", "stdlib"]
+    assert sources_under(tmp_path / "root", str(tmp_path / "root" / "documents")) == ["project", "stdlib"]
     with pytest.raises(ConfigError, match="--target-data .* has the name of a source"):
         MixtureSearch(tmp_path / "clash", replace(settings(mixture_root), target_data=str(mixture_root / "stdlib")))

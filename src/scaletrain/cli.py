@@ -546,13 +546,13 @@ def cmd_mixture(args: argparse.Namespace) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from scaletrain.mixture import MAX_EPOCHS, MixtureSearch, MixtureSettings
+    from scaletrain.mixture import MAX_EPOCHS, MixtureSearch, MixtureSettings, sources_under
 
     root = Path(args.data)
     if args.sources:
         sources = [name.strip() for name in args.sources.split(",") if name.strip()]
     else:
-        sources = sorted(p.name for p in root.iterdir() if (p / "index.json").is_file()) if root.is_dir() else []
+        sources = sources_under(root, args.target_data)
     settings = MixtureSettings(data=args.data, sources=sources, budget=args.budget, runs=args.runs,
                                seq_len=args.seq_len, prior=args.prior, eval_tokens=args.eval_tokens,
                                min_steps=args.min_steps, seed=args.seed, device=args.device, optimizer=args.optimizer,
@@ -1275,7 +1275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="the directory holding the sources' data directories (as data.path "
                                                  "of a mixture)")
     p.add_argument("--sources", default=None, help="the data directories under --data to mix, comma-separated "
-                                                   "(default: every one)")
+                                                   "(default: every one but --target-data's)")
     p.add_argument("--budget", required=True, type=_flops, help="training FLOPs of each proxy run, e.g. 1e15")
     p.add_argument("--runs", type=int, default=0,
                    help="proxies (default max(6, 2 x (sources + 1)): twice the law's numbers per validation source)")

@@ -75,6 +75,16 @@ class MixtureSettings:
             self.runs = default_runs(len(self.sources))
 
 
+def sources_under(root: str | Path, target_data: str | None = None) -> list[str]:
+    """The prepared data directories under root, by name (a search's default sources), but for
+    the target data's if it is one of them: no proxy trains on the target."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    target = Path(target_data).resolve() if target_data else None
+    return sorted(p.name for p in root.iterdir() if (p / "index.json").is_file() and p.resolve() != target)
+
+
 def default_runs(sources: int) -> int:
     """Proxies for a mixture of `sources`: the law has 2 x sources + 1 numbers per validation
     source; about twice that (4 per source, at least 8) leaves enough over to check it on runs it
