@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from scaletrain.data import prepare
-from scaletrain.mixture import MixtureSearch, MixtureSettings, _train, proxy_config
+from scaletrain.mixture import MixtureSearch, MixtureSettings, proxy_config, train_proxy
 from scaletrain.scaling.grid import deepseek_hyperparameters, plan_points, shapes_around
 from scaletrain.scaling.laws import preset
 from scaletrain.train.trainer import train
@@ -78,7 +78,7 @@ def main() -> None:
     large = {}
     for label, shares in candidates.items():
         cfg = proxy_config(settings, search.vocab_size, point, shares, work / f"large-{args.seed}" / label)
-        by_source, _, _ = _train(cfg, train)
+        by_source, _, _ = train_proxy(cfg, train)
         large[label] = {"shares": shares, "loss_by_source": by_source,
                         "target": sum(choice.target[n] * by_source[n] for n in names)}
     print(json.dumps({

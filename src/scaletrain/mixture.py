@@ -215,7 +215,7 @@ class MixtureSearch:
         done = self.results()
         finished = {row["name"] for row in done}
         todo = [i for i in range(len(self.mixtures)) if self.name_of(i) not in finished]
-        started, spent_here = time.perf_counter(), 0
+        started, trained_here = time.perf_counter(), 0
         pool = worker_pool(concurrency, self.settings.device) if concurrency > 1 and len(todo) > 1 else None
         try:
             if pool is None:
@@ -226,12 +226,12 @@ class MixtureSearch:
             for row in rows:
                 self._record(row)
                 done.append(row)
-                spent_here += 1
+                trained_here += 1
                 if progress:
                     elapsed = time.perf_counter() - started
                     progress({"done": len(done), "total": len(self.mixtures), "name": row["name"],
                               "flops": sum(r["c"] for r in done),
-                              "eta_s": elapsed / spent_here * (len(self.mixtures) - len(done))})
+                              "eta_s": elapsed / trained_here * (len(self.mixtures) - len(done))})
         finally:
             if pool is not None:
                 pool.shutdown(cancel_futures=True)
@@ -254,7 +254,7 @@ class MixtureSearch:
         """Train (or finish) proxy `index`; its row of results.csv. A run that diverges is recorded
         with losses of nan, left out of the fit."""
         cfg = self.run_config(index)
-        by_source, loss, train_loss = _train(cfg, train)
+        by_source, loss, train_loss = train_proxy(cfg, train)
         by_source = self._with_target(cfg.run_dir, by_source)
         point = self.point
         tokens = point.steps * point.batch_seqs * self.settings.seq_len
@@ -270,7 +270,7 @@ class MixtureSearch:
 
         name = "chosen-" + "-".join(f"{share:.3f}" for share in choice.shares.values())
         cfg = proxy_config(self.settings, self.vocab_size, self.point, choice.shares, self.out / "runs" / name)
-        by_source, _, _ = _train(cfg, train)
+        by_source, _, _ = train_proxy(cfg, train)
         by_source = self._with_target(cfg.run_dir, by_source)
         measured = sum(w * by_source.get(n, math.nan) for n, w in choice.target.items() if w > 0)
         return {"run": name, "measured": measured, "predicted": choice.predicted, "interval": list(choice.interval),
@@ -358,7 +358,7 @@ class MixtureSearch:
         return path
 
 
-def _train(cfg, train) -> tuple[dict[str, float], float, float]:
+def train_proxy(cfg, train) -> tuple[dict[str, float], float, float]:
     """Train (or finish) cfg's run: (validation loss by source, validation loss, train loss) at
     its end, or ({}, nan, nan) if it diverged."""
     from scaletrain.train.metrics import read_metrics
