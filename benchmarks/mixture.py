@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from scaletrain.data import prepare
-from scaletrain.mixture import MixtureSearch, MixtureSettings, proxy_config, train_proxy
+from scaletrain.mixture import MixtureSearch, MixtureSettings, proxy_config
+from scaletrain.proxies import train_proxy
 from scaletrain.scaling.grid import deepseek_hyperparameters, plan_points, shapes_around
 from scaletrain.scaling.laws import preset
 from scaletrain.train.trainer import train

@@ -313,6 +313,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if law is not None and sizing is None:  # a given model: the law only predicts its loss
         sizing = Sizing("given", law=law, bootstrap=boot)
     common = dict(data_path=data_path, name=args.name, top=args.top)
+    if args.hparams is not None:
+        from scaletrain.hparams import load_law
+
+        common["hyperparameters"] = load_law(args.hparams)
     if args.hours is not None:
         plan = plan_for_time(law, args.hours, hardware, vocab, seq_len, inference_tokens=args.inference_tokens or 0.0,
                              unique_tokens=args.unique_tokens, bootstrap=boot, batch_tokens=batch, **common)
@@ -415,8 +419,13 @@ def plan_tables(plan: dict) -> list[Table]:
                      + f"  ({loss['source']})")
     hp = plan["hyperparameters"]
     schedule = {"wsd": "warmup-stable-decay", "cosine": "cosine decay", "constant": "constant"}[hp["schedule"]]
+    from scaletrain.scaling.hparams import EXTRAPOLATION_WARNING
+
+    far = hp.get("extrapolation") or 1.0
     what.add_row("batch, lr", f"{hp['global_batch_tokens']:,} tokens a step, peak lr {hp['lr']:.3g}, warmup "
-                              f"{hp['warmup_steps']} steps, {schedule} ({hp['source']})")
+                              f"{hp['warmup_steps']} steps, {schedule} ({hp['source']}"
+                 + (f", {far:.2g}x beyond the budgets it was measured at: check the rate on a short run first"
+                    if far > EXTRAPOLATION_WARNING else "") + ")")
 
     how = Table(title=f"on {hw['devices']} x {hw['device']['name']} ({hw['nodes']} node{'s' * (hw['nodes'] > 1)})",
                 show_header=False)
@@ -493,7 +502,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     budgets = sorted(set(args.budgets))
     settings = SweepSettings(data=args.data, budgets=budgets, shapes=args.shapes, seq_len=args.seq_len,
                              prior=args.prior, eval_tokens=args.eval_tokens, min_steps=args.min_steps, seed=args.seed,
-                             device=args.device, optimizer=args.optimizer, mix=args.mix)
+                             device=args.device, optimizer=args.optimizer, mix=args.mix, hparams=_hparams(args.hparams))
     out_dir = Path(args.out) if args.out else Path("sweeps") / Path(args.data).name
     try:
         sweep = Sweep(out_dir, settings)
@@ -556,7 +565,7 @@ def cmd_mixture(args: argparse.Namespace) -> int:
     settings = MixtureSettings(data=args.data, sources=sources, budget=args.budget, runs=args.runs,
                                seq_len=args.seq_len, prior=args.prior, eval_tokens=args.eval_tokens,
                                min_steps=args.min_steps, seed=args.seed, device=args.device, optimizer=args.optimizer,
-                               target_data=args.target_data)
+                               target_data=args.target_data, hparams=_hparams(args.hparams))
     out_dir = Path(args.out) if args.out else Path("mixtures") / root.name
     search = MixtureSearch(out_dir, settings)
     point = search.point
@@ -607,6 +616,93 @@ def cmd_mixture(args: argparse.Namespace) -> int:
     out.print(f"train with it: scaletrain train CONFIG 'data.mix={choice.mix}' (written to {path}); measure its "
               f"scaling law: scaletrain sweep --data {args.data} --mix "
               + ",".join(f"{n}={round(v, 3)}" for n, v in choice.shares.items()) + " --budgets ...")
+    return 0
+
+
+# -- hparams -------------------------------------------------------------------------------
+
+
+def _hparams(path: str | None) -> dict | None:
+    """The law of an `--hparams` file as a settings dict (None without one)."""
+    if path is None:
+        return None
+    from scaletrain.hparams import load_law
+
+    return load_law(path).to_dict()
+
+
+def cmd_hparams(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    import math
+
+    from scaletrain.hparams import HparamSearch, HparamSettings
+    from scaletrain.scaling.hparams import EXTRAPOLATION_WARNING
+
+    settings = HparamSettings(data=args.data, budgets=sorted(set(args.budgets)), lr_factors=args.lrs,
+                              batch_factors=args.batches, seq_len=args.seq_len, prior=args.prior,
+                              eval_tokens=args.eval_tokens, min_steps=args.min_steps, seed=args.seed,
+                              device=args.device, optimizer=args.optimizer, mix=args.mix)
+    out_dir = Path(args.out) if args.out else Path("hparams") / Path(args.data).name
+    search = HparamSearch(out_dir, settings)
+    for budget in settings.budgets:
+        at = [p for p in search.points.values() if p.budget == budget]
+        out.print(f"budget {budget:.3g}: {at[0].shape.name} ({at[0].n:,} parameters), learning rates "
+                  f"{', '.join(f'{lr:.3g}' for lr in sorted({p.lr for p in at}))} x batches of "
+                  f"{', '.join(str(b) for b in sorted({p.batch_seqs for p in at}))} x {settings.seq_len} tokens",
+                  highlight=False)
+    logging.getLogger("scaletrain").setLevel(logging.WARNING)  # the progress bar speaks for the runs
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("hparams", total=len(search.points), info="", completed=len(search.results()))
+
+        def show(p: dict) -> None:
+            bar.update(task, completed=p["done"], info=f"{p['name']} · {p['flops']:.3g} FLOPs, ETA {p['eta_s']:.0f} s")
+
+        rows = search.run(progress=show, concurrency=args.concurrency)
+    law, optima, boot = search.fit(rows, samples=args.bootstrap)
+    path, doc = search.write(law, optima, boot, args.predict or [])
+    for entry in doc["budgets"]:
+        budget = entry["budget"]
+        at = [row for row in rows if row["budget"] == budget]
+        batches = sorted({row["batch_seqs"] for row in at})
+        table = Table(title=f"budget {budget:.3g} ({entry['shape']}): validation loss")
+        table.add_column("lr \\ batch", justify="right")
+        for seqs in batches:
+            table.add_column(f"{seqs * settings.seq_len:,} tok", justify="right")
+        for lr in sorted({row["lr"] for row in at}):
+            cells = []
+            for seqs in batches:
+                row = next((r for r in at if r["lr"] == lr and r["batch_seqs"] == seqs), None)
+                text = "" if row is None else "diverged" if not math.isfinite(row["loss"]) else f"{row['loss']:.4f}"
+                cells.append(f"[bold]{text}[/bold]" if row is not None and row["name"] == entry["best_run"]["name"]
+                             else text)
+            table.add_row(f"{lr:.4g}", *cells)
+        out.print(table)
+        prior = entry["prior_rule"]
+        out.print(f"  optimum ({entry['method']}): lr {entry['lr']:.4g}, batch {entry['batch_tokens']:,.0f} tokens; "
+                  f"DeepSeek's rule: lr {prior['lr']:.4g}, batch {prior['batch_tokens']:,.0f}"
+                  + (f"; the best run is at the grid's {' and '.join(entry['edges'])}: widen "
+                     f"{' and '.join(sorted({'--lrs' if e.startswith('lr') else '--batches' for e in entry['edges']}))}"
+                     if entry["edges"] else ""), highlight=False)
+    ci = doc["interval"]
+    out.print(f"law: lr = {law.lr_coefficient:.4g} · C^{law.lr_exponent:.4f} (exponent 95% "
+              f"{ci['lr_exponent'][0]:.3f} to {ci['lr_exponent'][1]:.3f}), batch = {law.batch_coefficient:.4g} · "
+              f"C^{law.batch_exponent:.4f} tokens ({ci['batch_exponent'][0]:.3f} to {ci['batch_exponent'][1]:.3f}); "
+              "DeepSeek LLM's: -0.125 and 0.327", highlight=False)
+    for p in doc["predictions"]:
+        lr_low, lr_high = p["lr_interval"]
+        b_low, b_high = p["batch_interval"]
+        out.print(f"at {p['compute']:.3g} FLOPs: lr {p['lr']:.4g} ({lr_low:.3g}–{lr_high:.3g}), batch "
+                  f"{p['batch_tokens']:,.0f} tokens ({b_low:,.0f}–{b_high:,.0f}); DeepSeek's rule: lr "
+                  f"{p['prior_rule']['lr']:.4g}, batch {p['prior_rule']['batch_tokens']:,.0f}"
+                  + (f" ({p['extrapolation']:.2g}x beyond the budgets measured: the further, the less it holds)"
+                     if p["extrapolation"] > EXTRAPOLATION_WARNING else ""), highlight=False)
+    out.print(f"wrote {path}; use it: scaletrain sweep --data {args.data} --budgets ... --hparams {path} "
+              f"(also mixture and plan --hparams)", highlight=False)
     return 0
 
 
@@ -1222,7 +1318,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=_count, default=4096, help="tokens per sequence, without a config (4096)")
     p.add_argument("--vocab", type=_count, default=None, help="vocabulary size, without a config or --data (32768)")
     p.add_argument("--global-batch-tokens", type=_count, default=None,
-                   help="fix the batch (default: DeepSeek LLM's rule for the compute, rounded for the layout)")
+                   help="fix the batch (default: the rule's for the compute, rounded for the layout)")
+    p.add_argument("--hparams", default=None, metavar="FILE",
+                   help="the learning-rate and batch rule of a run sized here (a config keeps its own): a hparams.json of "
+                        "`scaletrain hparams` (default DeepSeek LLM's)")
     p.add_argument("--data", default=None, help="prepared data directory for the written config (and its vocabulary)")
     p.add_argument("--name", default="planned", help="run name in the written config")
     p.add_argument("--price", type=_amount, default=None, help="price of a device-hour, for the cost")
@@ -1263,6 +1362,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "train on")
     p.add_argument("--concurrency", type=int, default=1,
                    help="points of a budget trained at once, in worker processes (GPUs taken in turn)")
+    p.add_argument("--hparams", default=None, metavar="FILE",
+                   help="the learning-rate and batch rule of every point: a hparams.json of "
+                        "`scaletrain hparams` (default DeepSeek LLM's)")
     p.add_argument("--out", default=None, help="sweep directory (default sweeps/DATA_NAME)")
     p.set_defaults(func=cmd_sweep)
 
@@ -1278,7 +1380,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "(default: every one but --target-data's)")
     p.add_argument("--budget", required=True, type=_flops, help="training FLOPs of each proxy run, e.g. 1e15")
     p.add_argument("--runs", type=int, default=0,
-                   help="proxies (default max(6, 2 x (sources + 1)): twice the law's numbers per validation source)")
+                   help="proxies (default max(8, 4 x sources): about twice the law's numbers per validation source)")
     p.add_argument("--target", type=_weights, default=None,
                    help="the loss to minimise, as weights of the validation losses (the sources' and --target-data's "
                         "by directory name), e.g. code=1,prose=3 (default --target-data's, else every source alike)")
@@ -1297,10 +1399,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     p.add_argument("--concurrency", type=int, default=1,
                    help="proxies trained at once, in worker processes (GPUs taken in turn)")
+    p.add_argument("--hparams", default=None, metavar="FILE",
+                   help="the learning-rate and batch rule of the proxies: a hparams.json of "
+                        "`scaletrain hparams` (default DeepSeek LLM's)")
     p.add_argument("--check", action="store_true",
                    help="train one more proxy on the chosen mixture and set its target loss against the prediction")
     p.add_argument("--out", default=None, help="search directory (default mixtures/DATA_NAME)")
     p.set_defaults(func=cmd_mixture)
+
+    p = commands.add_parser("hparams", help="measure the learning-rate and batch rule: a grid of small runs per "
+                                            "budget, the best of each, power laws in the compute",
+                            description="At each budget, train the prior law's compute-optimal model at the prior "
+                                        "rule's learning rate and batch times --lrs and --batches, find the best, "
+                                        "and fit lr = a C^b and batch = c C^d (DeepSeek LLM's procedure) with "
+                                        "bootstrap intervals; write hparams.json for sweep, mixture and plan "
+                                        "--hparams. Rerun to resume.")
+    p.add_argument("--data", required=True, help="a data directory written by `scaletrain data prepare`")
+    p.add_argument("--budgets", required=True, type=lambda text: [_flops(x) for x in text.split(",")],
+                   help="training FLOPs of each run, comma-separated, two or more, e.g. 1e10,3e10,1e11")
+    p.add_argument("--lrs", type=lambda text: [_flops(x) for x in text.split(",")], default=[0.25, 0.5, 1.0, 2.0, 4.0],
+                   help="learning rates as factors of DeepSeek's rule at each budget (0.25,0.5,1,2,4)")
+    p.add_argument("--batches", type=lambda text: [_flops(x) for x in text.split(",")], default=[0.5, 1.0, 2.0],
+                   help="batch sizes as factors of DeepSeek's rule at each budget (0.5,1,2)")
+    p.add_argument("--predict", type=_flops, action="append", metavar="C",
+                   help="training FLOPs to give the law's learning rate and batch for, with intervals (repeatable)")
+    p.add_argument("--seq-len", type=int, default=128, help="training sequence length (128)")
+    p.add_argument("--prior", default="epoch", choices=["epoch", "hoffmann"],
+                   help="published law that sizes each budget's model compute-optimally")
+    p.add_argument("--eval-tokens", type=int, default=16384, help="validation tokens per run (16384)")
+    p.add_argument("--min-steps", type=int, default=100, help="leave out batches that train fewer steps (100)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                   help="train.optimizer of every run (adamw): measure the rule of the optimizer you will train with")
+    p.add_argument("--mix", type=_weights, default=None,
+                   help="train every run on this mixture of the data directories under --data (as sweep --mix)")
+    p.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals (200)")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="runs trained at once, in worker processes (GPUs taken in turn)")
+    p.add_argument("--out", default=None, help="search directory (default hparams/DATA_NAME)")
+    p.set_defaults(func=cmd_hparams)
 
     p = commands.add_parser("tune", help="find the learning rate of a muP config on its narrow proxy",
                             description="Train the config's model narrowed to model.mup_base_dim once per learning "

@@ -26,13 +26,10 @@ search measures at the size it trains; benchmarks/mixture.py checks the choice a
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import math
 import os
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,10 +38,12 @@ import numpy as np
 from scaletrain.config import ConfigError, load_config, mix_toml
 from scaletrain.data.shards import DataError, read_indexes
 from scaletrain.scaling.grid import Point, deepseek_hyperparameters, plan_points, shapes_around, warmup_steps
+from scaletrain.scaling.hparams import HyperparameterLaw
 from scaletrain.scaling.laws import ChinchillaLaw, preset
 from scaletrain.scaling.mixing import (MixingLaw, best_mixture, bootstrap_mixing_laws, fit_mixing_law, leave_one_out,
                                        share_bounds)
-from scaletrain.sweep import run_overrides, worker_pool
+from scaletrain.proxies import ProxyRuns, train_proxy
+from scaletrain.sweep import run_overrides
 
 log = logging.getLogger("scaletrain")
 
@@ -69,6 +68,7 @@ class MixtureSettings:
     # A data directory (one tokenizer with the sources) whose validation split every proxy is also
     # evaluated on: a target domain trained on by none of them (Ye et al.'s implicit target).
     target_data: str | None = None
+    hparams: dict | None = None  # a measured learning-rate and batch rule (as the sweep's); None: DeepSeek's
 
     def __post_init__(self):
         if self.runs == 0:
@@ -118,11 +118,11 @@ class Choice:
         return mix_toml({name: round(share, 3) for name, share in self.shares.items()})
 
 
-class MixtureSearch:
+class MixtureSearch(ProxyRuns):
     """The mixture search in directory `out` (see the module's docstring)."""
 
     def __init__(self, out: Path, settings: MixtureSettings):
-        self.out, self.settings = Path(out), settings
+        super().__init__(out, settings)
         if len(settings.sources) < 2:
             raise ConfigError(f"a mixture search needs at least two sources, got {settings.sources}; name them with "
                               "--sources a,b,... (data directories under --data)")
@@ -154,7 +154,8 @@ class MixtureSearch:
         if not isinstance(prior, ChinchillaLaw):
             raise ConfigError(f"--prior {settings.prior!r} has no compute-optimal size; use epoch or hoffmann")
         shape = shapes_around(prior.optimum(settings.budget)[0], 1, self.vocab_size)[0]
-        self.point = plan_points(settings.budget, [shape], self.vocab_size, settings.seq_len, deepseek_hyperparameters,
+        rule = HyperparameterLaw.from_dict(settings.hparams) if settings.hparams else deepseek_hyperparameters
+        self.point = plan_points(settings.budget, [shape], self.vocab_size, settings.seq_len, rule,
                                  min_steps=settings.min_steps, micro_batch=settings.micro_batch)[0]
         if self.point.steps < settings.min_steps:
             raise ConfigError(f"--budget {settings.budget:.3g} trains the proxy ({shape.name}) for only "
@@ -197,54 +198,12 @@ class MixtureSearch:
 
     # -- the runs ----------------------------------------------------------------------------------
 
-    def results(self) -> list[dict]:
-        path = self.out / "results.csv"
-        if not path.is_file():
-            return []
-        with path.open(newline="") as f:
-            return [{k: (v if k == "name" else float(v)) for k, v in row.items()} for row in csv.DictReader(f)]
+    def keys(self) -> list[int]:
+        return list(range(len(self.mixtures)))
 
     def columns(self) -> list[str]:
         return ["name", *(f"share_{n}" for n in self.settings.sources), *(f"loss_{n}" for n in self.validation),
-                "loss", "train_loss",
-                "steps", "tokens", "c"]
-
-    def run(self, progress: Callable[[dict], None] | None = None, concurrency: int = 1) -> list[dict]:
-        """Train every proxy not yet in results.csv; returns all rows. progress gets a dict of
-        runs done / total, FLOPs spent and an ETA after each run."""
-        done = self.results()
-        finished = {row["name"] for row in done}
-        todo = [i for i in range(len(self.mixtures)) if self.name_of(i) not in finished]
-        started, trained_here = time.perf_counter(), 0
-        pool = worker_pool(concurrency, self.settings.device) if concurrency > 1 and len(todo) > 1 else None
-        try:
-            if pool is None:
-                from scaletrain.train.trainer import train
-                rows = (self._run_one(i, train) for i in todo)
-            else:
-                rows = pool.map(_run_in_worker, [(self.out, self.settings, i) for i in todo])
-            for row in rows:
-                self._record(row)
-                done.append(row)
-                trained_here += 1
-                if progress:
-                    elapsed = time.perf_counter() - started
-                    progress({"done": len(done), "total": len(self.mixtures), "name": row["name"],
-                              "flops": sum(r["c"] for r in done),
-                              "eta_s": elapsed / trained_here * (len(self.mixtures) - len(done))})
-        finally:
-            if pool is not None:
-                pool.shutdown(cancel_futures=True)
-        return sorted(done, key=lambda row: row["name"])
-
-    def _record(self, row: dict) -> None:
-        path = self.out / "results.csv"
-        new = not path.is_file()
-        with path.open("a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self.columns())
-            if new:
-                writer.writeheader()
-            writer.writerow(row)
+                "loss", "train_loss", "steps", "tokens", "c"]
 
     def run_config(self, index: int):
         return proxy_config(self.settings, self.vocab_size, self.point, self.mixtures[index],
@@ -358,20 +317,6 @@ class MixtureSearch:
         return path
 
 
-def train_proxy(cfg, train) -> tuple[dict[str, float], float, float]:
-    """Train (or finish) cfg's run: (validation loss by source, validation loss, train loss) at
-    its end, or ({}, nan, nan) if it diverged."""
-    from scaletrain.train.metrics import read_metrics
-    from scaletrain.train.trainer import TrainingDiverged
-
-    try:
-        result = train(cfg)
-    except TrainingDiverged as e:
-        log.warning("%s diverged (%s); it is recorded with losses of nan and left out of the fit", cfg.run_dir, e)
-        return {}, math.nan, math.nan
-    return read_metrics(cfg.run_dir, "eval")[-1]["loss_by_source"], result.val_loss, result.train_loss
-
-
 def proxy_config(settings: MixtureSettings, vocab_size: int, point: Point, shares: dict[str, float], run_dir: Path):
     """The config of a run of `point` (a shape, its steps, batch and learning rate) on the mixture
     `shares`, in run_dir: the search's rule, a cosine schedule, a checkpoint half-way to resume."""
@@ -380,11 +325,4 @@ def proxy_config(settings: MixtureSettings, vocab_size: int, point: Point, share
                                              shares),
                               f"run.dir={run_dir.parent}", f"run.name={run_dir.name}", "train.schedule=cosine",
                               f"train.steps={point.steps}", f"checkpoint.interval={max(1, point.steps // 2)}"])
-
-
-def _run_in_worker(job: tuple[Path, MixtureSettings, int]) -> dict:
-    from scaletrain.train.trainer import train
-
-    out, settings, index = job
-    return MixtureSearch(out, settings)._run_one(index, train)
 

@@ -33,6 +33,7 @@ from scaletrain.scaling.fit import Points, fit_allocation
 from scaletrain.model.flops import train_flops_per_token
 from scaletrain.scaling.grid import (Point, Shape, deepseek_hyperparameters, family, plan_points, shapes_around,
                                     steps_for, warmup_steps)
+from scaletrain.scaling.hparams import EXTRAPOLATION_WARNING, HyperparameterLaw
 from scaletrain.scaling.laws import ChinchillaLaw, preset
 from scaletrain.train.schedule import wsd_decay_start
 
@@ -58,6 +59,9 @@ class SweepSettings:
     device: str = "auto"
     optimizer: str = "adamw"  # train.optimizer of every point (Muon takes AdamW's learning rates: optim.py)
     mix: dict[str, float] | None = None  # data.mix of every point (data then holds the mixed directories)
+    # The learning-rate and batch rule, a law `scaletrain hparams` measured (HyperparameterLaw.to_dict);
+    # None: the rule the Sweep is given (DeepSeek's by default).
+    hparams: dict | None = None
 
 
 
@@ -66,10 +70,17 @@ class Sweep:
     """The sweep in directory `out`. `hyperparameters(budget, width)` -> (learning rate, tokens
     per step) is the rule the runs follow (DeepSeek's by default, scaling.grid); with
     concurrency > 1 the workers are spawned processes, which import it by name, so it must be a
-    module-level function, not a lambda or a closure."""
+    module-level function, not a lambda or a closure. A measured law in settings.hparams takes its
+    place (and, unlike a function, is recorded in grid.json and so kept on resuming)."""
 
     def __init__(self, out: Path, settings: SweepSettings,
                  hyperparameters: Callable[[float, int], tuple[float, float]] = deepseek_hyperparameters):
+        if settings.hparams is not None:
+            hyperparameters = HyperparameterLaw.from_dict(settings.hparams)
+            far = max(hyperparameters.extrapolation(b) or 1.0 for b in settings.budgets)
+            if far > EXTRAPOLATION_WARNING:
+                log.warning("the learning-rate and batch rule was measured at %s FLOPs; the sweep's budgets reach "
+                            "%.2gx beyond them, where it may not hold", hyperparameters.budgets, far)
         self.out, self.settings, self.hyperparameters = Path(out), settings, hyperparameters
         saved = self.out / "grid.json"
         if saved.is_file():
@@ -103,7 +114,8 @@ class Sweep:
     @classmethod
     def open(cls, out: Path) -> Sweep:
         """The sweep that `out` holds, with the settings it was started with (and the default
-        hyperparameter rule: a swapped-in rule is code, not recorded in grid.json)."""
+        hyperparameter rule unless it was started with a measured one: a swapped-in function is
+        code, not recorded in grid.json)."""
         saved = Path(out) / "grid.json"
         if not saved.is_file():
             raise ConfigError(f"{str(out)!r} is not a sweep directory (no grid.json)")

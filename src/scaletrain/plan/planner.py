@@ -30,7 +30,8 @@ from scaletrain.plan.cost import Prices, Reliability, run_cost
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.search import PlanError, describe, search
 from scaletrain.plan.timing import Efficiency, step_time
-from scaletrain.scaling.grid import deepseek_hyperparameters, warmup_steps
+from scaletrain.scaling.grid import warmup_steps
+from scaletrain.scaling.hparams import DEEPSEEK, HyperparameterLaw
 from scaletrain.scaling.laws import ChinchillaLaw
 
 ASPECT = 128  # width / depth
@@ -151,16 +152,18 @@ def predicted_loss(sizing: Sizing, n: int, tokens: int) -> dict | None:
 
 def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware, *, batch_tokens: int | None = None,
               base: RunConfig | None = None, sizing: Sizing | None = None, data_path: str = "data/corpus",
-              name: str = "planned", top: int = 5) -> dict:
+              name: str = "planned", top: int = 5, hyperparameters: HyperparameterLaw = DEEPSEEK) -> dict:
     """The whole plan as a JSON-able dict (the keys of DESIGN.md's plan contract), with the config
     to train it under "config" (TOML). `batch_tokens` fixes the global batch; otherwise the
     rule's batch for the run's compute is the target each layout rounds to its data-parallel
-    ranks. `base` is a config whose other settings the written config keeps."""
+    ranks. `base` is a config whose other settings the written config keeps. `hyperparameters`:
+    the rule of the learning rate and batch (DeepSeek LLM's, or one `scaletrain hparams`
+    measured), unless `base` sets them."""
     hardware.check()
     sizing = sizing or Sizing("given")
     per_token = train_flops_per_token(model, seq_len)
     compute = tokens * per_token
-    lr, rule_batch = deepseek_hyperparameters(compute, model.dim)
+    lr, rule_batch = hyperparameters(compute, model.dim)
     dtype = "fp32" if base is not None and base.train.dtype == "float32" else "bf16"
     fixed = batch_tokens is not None
     if fixed and batch_tokens % seq_len:
@@ -229,7 +232,8 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
         "run": cost.to_dict(),
         "hyperparameters": {"lr": lr, "rule_batch_tokens": rule_batch, "global_batch_tokens": batch_tokens,
                             "warmup_steps": warmup_steps(counts["total"], batch_tokens, max(1, steps // 10)),
-                            "schedule": "wsd", "source": "DeepSeek LLM's rule at the run's compute"}
+                            "schedule": "wsd", "source": f"the rule of {hyperparameters.source} at the run's compute",
+                            "extrapolation": hyperparameters.extrapolation(compute)}
         if base is None else {"lr": base.train.lr, "global_batch_tokens": batch_tokens,
                               "warmup_steps": base.train.warmup_steps, "schedule": base.train.schedule,
                               "source": "the config"},

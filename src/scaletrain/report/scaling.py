@@ -143,6 +143,39 @@ def plot_mixture(law, choice, shares: np.ndarray, losses: np.ndarray, path: Path
     return _save(fig, path)
 
 
+def plot_hparams(rows: list[dict], law, optima, boot, prior, path: Path) -> Path:
+    """hparams.png of a hyperparameter search (scaletrain.hparams): each budget's final loss
+    against the learning rate, a line per batch size, its optimum marked; then the optima's
+    learning rates and batches against the budget with the fitted law (and the bootstrap's 95%
+    band) beside the prior rule."""
+    fig, (losses, rates, batches) = plt.subplots(1, 3, figsize=(15, 4.5))
+    budgets = sorted({row["budget"] for row in rows})
+    for k, budget in enumerate(budgets):
+        at = [row for row in rows if row["budget"] == budget]
+        for j, seqs in enumerate(sorted({row["batch_seqs"] for row in at})):
+            line = sorted((row["lr"], row["loss"]) for row in at if row["batch_seqs"] == seqs)
+            losses.plot(*zip(*line), marker="o", ms=3, color=f"C{k}", ls=("-", "--", ":", "-.")[j % 4],
+                        label=f"C={budget:.2g}, {int(seqs)} seqs")
+    for k, optimum in enumerate(sorted(optima, key=lambda o: o.budget)):
+        losses.scatter([optimum.lr], [optimum.loss], marker="*", s=120, color=f"C{k}", edgecolor="k", zorder=3)
+    losses.set(xscale="log", xlabel="peak learning rate", ylabel="final validation loss",
+               title="loss by learning rate and batch (* the optimum)")
+    losses.legend(fontsize=6)
+    span = np.geomspace(min(budgets) / 2, max(budgets) * 10, 50)
+    for axis, value, name in ((rates, "lr", "learning rate"), (batches, "batch_tokens", "batch (tokens)")):
+        axis.scatter([o.budget for o in optima], [getattr(o, value) for o in optima], color="C0", zorder=3,
+                     label="each budget's optimum")
+        of = (lambda lw, c: lw.lr(c)) if value == "lr" else (lambda lw, c: lw.batch_tokens(c))
+        axis.plot(span, [of(law, c) for c in span], color="C0", label="fitted")
+        if boot:
+            band = np.percentile([[of(b, c) for c in span] for b in boot], [2.5, 97.5], axis=0)
+            axis.fill_between(span, band[0], band[1], color="C0", alpha=0.15, lw=0)
+        axis.plot(span, [of(prior, c) for c in span], color="k", ls="--", lw=0.8, label=prior.source or "prior")
+        axis.set(xscale="log", yscale="log", xlabel="compute (FLOPs)", ylabel=name, title=f"best {name} by budget")
+        axis.legend(fontsize=7)
+    return _save(fig, path)
+
+
 def _fitted(points: Points, doc: dict) -> np.ndarray:
     """Which points approach 3 was fitted to (fit_all's law_min_steps)."""
     min_steps = doc["approach3"].get("min_steps", 0)

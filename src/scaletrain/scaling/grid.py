@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from scaletrain.config import ModelConfig
+from scaletrain.scaling.hparams import DEEPSEEK
 from scaletrain.model.flops import param_counts, train_flops_per_token
 
 HEAD_DIM = 32
@@ -86,12 +87,13 @@ def deepseek_hyperparameters(compute: float, dim: int) -> tuple[float, float]:
     section 3.1) fitted η_opt = 0.3118 · C^−0.125 and B_opt = 0.2920 · C^0.3271 (tokens).
 
     The rule is a function of the width too, so that a rule with a width correction can be
-    swapped in (`Sweep(..., hyperparameters=...)`); this one applies none, as measured: on the
+    swapped in (`Sweep(..., hyperparameters=...)`, or a law measured on the user's data by
+    `scaletrain hparams`: scaling/hparams.py); this one applies none, as measured: on the
     built-in corpus at 4e11 FLOPs, widths 24 to 80 (1 and 2 layers) all trained best at 0.01
     of {0.005, 0.01, 0.02}, and η_opt(4e11) = 0.011. (A μP-style (1024 / width)^0.5 correction,
     capped at 0.02, doubled the rate of every narrow shape and made the 2-layer ones unstable:
     +0.25 to +0.6 nats at 1e12 FLOPs; BENCHMARKS.md.)"""
-    return 0.3118 * compute ** -0.125, 0.2920 * compute ** 0.3271
+    return DEEPSEEK(compute, dim)
 
 
 def warmup_steps(n: int, batch_tokens: int, longest: int) -> int:

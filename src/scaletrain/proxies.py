@@ -1,0 +1,111 @@
+"""Searches by small runs: a plan of proxy runs in one directory, each trained once and recorded as
+a row of results.csv, in worker processes if asked. The mixture search (one proxy per mixture)
+and the hyperparameter search (one per learning rate and batch) are each a ProxyRuns; an
+interrupted search resumes where it stopped: finished runs are kept, an unfinished one resumes
+from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger("scaletrain")
+
+
+class ProxyRuns:
+    """What a search defines: `keys()` (its runs, in order), `name_of(key)` (the run's name and
+    results.csv row), `columns()` and `_run_one(key, train)` (train or finish one run; its row),
+    with `text_columns` the columns that are not numbers. A subclass is built from (out, settings)
+    alone: worker processes build it again from those."""
+
+    text_columns: tuple[str, ...] = ("name",)
+
+    def __init__(self, out: Path, settings):
+        self.out, self.settings = Path(out), settings
+
+    def keys(self) -> list:
+        raise NotImplementedError
+
+    def name_of(self, key) -> str:
+        raise NotImplementedError
+
+    def columns(self) -> list[str]:
+        raise NotImplementedError
+
+    def _run_one(self, key, train) -> dict:
+        raise NotImplementedError
+
+    def results(self) -> list[dict]:
+        path = self.out / "results.csv"
+        if not path.is_file():
+            return []
+        with path.open(newline="") as f:
+            return [{k: (v if k in self.text_columns else float(v)) for k, v in row.items()}
+                    for row in csv.DictReader(f)]
+
+    def _record(self, row: dict) -> None:
+        path = self.out / "results.csv"
+        new = not path.is_file()
+        with path.open("a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.columns())
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+
+    def run(self, progress: Callable[[dict], None] | None = None, concurrency: int = 1) -> list[dict]:
+        """Train every run not yet in results.csv; returns all rows, in the plan's order. progress
+        gets a dict of runs done / total, FLOPs spent and an ETA after each run."""
+        from scaletrain.sweep import worker_pool
+
+        keys = self.keys()
+        done = self.results()
+        finished = {row["name"] for row in done}
+        todo = [key for key in keys if self.name_of(key) not in finished]
+        started, trained_here = time.perf_counter(), 0
+        pool = worker_pool(concurrency, self.settings.device) if concurrency > 1 and len(todo) > 1 else None
+        try:
+            if pool is None:
+                from scaletrain.train.trainer import train
+                rows = (self._run_one(key, train) for key in todo)
+            else:
+                rows = pool.map(_run_in_worker, [(type(self), self.out, self.settings, key) for key in todo])
+            for row in rows:
+                self._record(row)
+                done.append(row)
+                trained_here += 1
+                if progress:
+                    elapsed = time.perf_counter() - started
+                    progress({"done": len(done), "total": len(keys), "name": row["name"],
+                              "flops": sum(r["c"] for r in done),
+                              "eta_s": elapsed / trained_here * (len(keys) - len(done))})
+        finally:
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
+        order = {self.name_of(key): i for i, key in enumerate(keys)}
+        return sorted(done, key=lambda row: order.get(row["name"], len(order)))
+
+
+def train_proxy(cfg, train) -> tuple[dict[str, float], float, float]:
+    """Train (or finish) cfg's run: (validation loss by source, validation loss, train loss) at
+    its end, or ({}, nan, nan) if it diverged."""
+    from scaletrain.train.metrics import read_metrics
+    from scaletrain.train.trainer import TrainingDiverged
+
+    try:
+        result = train(cfg)
+    except TrainingDiverged as e:
+        log.warning("%s diverged (%s); it is recorded with losses of nan and left out of the fit", cfg.run_dir, e)
+        return {}, math.nan, math.nan
+    return read_metrics(cfg.run_dir, "eval")[-1]["loss_by_source"], result.val_loss, result.train_loss
+
+
+def _run_in_worker(job: tuple[type, Path, object, object]) -> dict:
+    from scaletrain.train.trainer import train
+
+    kind, out, settings, key = job
+    return kind(out, settings)._run_one(key, train)
