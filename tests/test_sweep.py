@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ from conftest import ROOT, run_cli
 from scaletrain.config import ConfigError, load_config
 from scaletrain.data.shards import read_index
 from scaletrain.model.flops import param_counts
+from scaletrain.report.run import other_data
 from scaletrain.scaling.fit import law_of
 from scaletrain.scaling.grid import deepseek_hyperparameters, family, plan_points, shapes_around
 from scaletrain.scaling.laws import ChinchillaLaw
@@ -166,6 +168,15 @@ def test_fit_names_the_shape_to_train_and_writes_its_config(uninterrupted, tmp_p
     assert (cfg.model.dim, cfg.model.n_layers, cfg.train.steps) == (point.shape.dim, point.shape.n_layers, point.steps)
     assert (cfg.train.lr, cfg.train.warmup_steps, cfg.train.schedule) == (point.lr, warmup, "wsd")
     assert cfg.train.global_batch_tokens == point.batch_seqs * 64 and cfg.data.path == sweep.settings.data
+    # the law says what data it is of; a report holds a run on other data against it with a note
+    assert doc["data"] == {"path": str(Path(sweep.settings.data).resolve()), "mix": None}
+    assert other_data(doc["data"], cfg.data.path, None) is None
+    assert other_data(doc["data"], "data/other", None) == (f"the law was measured on {doc['data']['path']}, this run "
+                                                           "trains on data/other: its prediction is of other data")
+    assert "(mix a 0.3, b 0.7): its prediction" in other_data(doc["data"], cfg.data.path, {"a": 0.3, "b": 0.7})
+    mixed = {"path": doc["data"]["path"], "mix": {"a": 0.3, "b": 0.7}}
+    assert other_data(mixed, cfg.data.path, {"a": 3, "b": 7}) is None  # (weights, normalised)
+    assert other_data(mixed, cfg.data.path, {"a": 0.5, "b": 0.5}) is not None
     with pytest.raises(ValueError, match="is not a sweep directory"):
         Sweep.open(tmp_path)
 

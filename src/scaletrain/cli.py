@@ -822,6 +822,10 @@ def cmd_fit(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UserError(str(e)) from None
         doc["source"] = str(points_path)
+        grid = points_path.parent / "grid.json"
+        if args.sweep_dir and grid.is_file():  # the data the law is of: `report --law` checks a run against it
+            swept = json.loads(grid.read_text())["settings"]
+            doc["data"] = {"path": str(Path(swept["data"]).resolve()), "mix": swept.get("mix")}
         law, boot = fitting.law_of(doc), fitting.bootstrap_laws(doc)
         out_dir = Path(args.out) if args.out else points_path.parent
         fitted = doc["approach3"]["points"]
@@ -1131,6 +1135,8 @@ def cmd_report(args: argparse.Namespace) -> int:
                       + (f" [{low:.4f}, {high:.4f}]" if low is not None else ""))
         if "error" in prediction:
             table.add_row("reached against predicted", f"{prediction['error']:+.2%}")
+        if prediction.get("other_data"):
+            table.add_row("note", prediction["other_data"])
     for branch in summary["branches"]:
         table.add_row(f"cooldown from step {branch['step']:,} ({branch['run']})", branch_line(branch))
     if "plan" in summary:

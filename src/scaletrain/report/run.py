@@ -96,6 +96,7 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
             prediction["interval"] = plan_doc["predicted_loss"]["interval"]
         if summary["val_loss"] is not None and summary["step"] == cfg.total_steps:
             prediction["error"] = (summary["val_loss"] - predicted) / predicted
+        prediction["other_data"] = other_data((law_doc or {}).get("data"), cfg.data.path, cfg.data.mix)
         summary["prediction"] = prediction
     # The annealed losses of the run's cooldown branches (scaletrain cooldown), against the law's
     # L(N, D) at their tokens: the law predicts annealed losses, which the plateau is not.
@@ -110,6 +111,26 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
     (run_dir / "report.html").write_text(_html(cfg, summary, [p for p in plots if p is not None]))
     summary["files"] = [str(p) for p in plots if p is not None] + [str(run_dir / "report.html")]
     return summary
+
+
+def other_data(law_data: dict | None, path: str, mix: dict[str, float] | None) -> str | None:
+    """What is said when a law (law.json's "data": the path and mix of the sweep it was fitted
+    to) was measured on other data than the run trains on — another corpus or another mixture
+    of it has another law — else None (also when the law does not say)."""
+    if not law_data:
+        return None
+    swept_mix, mix = law_data.get("mix") or None, mix or None
+    same_mix = (swept_mix is None) == (mix is None) and (mix is None or (
+        set(mix) == set(swept_mix) and all(abs(mix[k] / sum(mix.values()) - swept_mix[k] / sum(swept_mix.values()))
+                                           < 1e-3 for k in mix)))
+    if Path(law_data["path"]).resolve() == Path(path).resolve() and same_mix:
+        return None
+
+    def said(where, shares):
+        return f"{where}" + (f" (mix {', '.join(f'{k} {v:g}' for k, v in shares.items())})" if shares else "")
+
+    return (f"the law was measured on {said(law_data['path'], swept_mix)}, this run trains on "
+            f"{said(path, mix)}: its prediction is of other data")
 
 
 def read_run(run_dir: Path):
