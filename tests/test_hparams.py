@@ -93,6 +93,20 @@ def test_the_law_recovers_known_power_laws_from_noisy_runs_with_intervals_that_h
         fit_runs(*noisy_runs(KNOWN, [1e10], noise=0.0))
 
 
+def test_a_budget_whose_best_run_is_on_the_grids_edge_is_left_out_of_that_law():
+    runs = noisy_runs(KNOWN, [1e10, 1e11, 1e12], noise=0.0)
+    budget, lrs, batches, losses = runs
+    # the smallest budget's grid of batches lies wholly above its optimum: the best run is at its low edge
+    at = budget == 1e10
+    batches[at] *= 8
+    losses[at] = bowl(lrs[at], batches[at], *KNOWN(1e10))
+    law, optima = fit_runs(budget, lrs, batches, losses)
+    assert optima[0].edges == ["batch low"] and optima[0].used == ["lr"]
+    assert all(o.used == ["lr", "batch"] for o in optima[1:])
+    assert law.batch_exponent == pytest.approx(KNOWN.batch_exponent, abs=1e-6)  # from the two others, exactly
+    assert law.budgets == (1e10, 1e12)
+
+
 def test_a_law_survives_json_and_bad_law_files_are_refused(tmp_path):
     assert HyperparameterLaw.from_dict(json.loads(json.dumps(KNOWN.to_dict()))) == KNOWN
     assert DEEPSEEK(1e20) == pytest.approx((0.3118 * 1e20 ** -0.125, 0.2920 * 1e20 ** 0.3271))
@@ -125,8 +139,8 @@ def searched(stdlib_data, tmp_path_factory):
 def test_a_search_trains_the_grid_around_the_prior_rule_at_each_budget(searched):
     search, rows = searched
     assert len(rows) == 12 and [row["name"] for row in rows] == list(search.points)
-    # a batch is whole sequences, whole micro-batches of 8 above one
-    assert [search.batch_seqs(64 * k) for k in (0.2, 3, 9, 17)] == [1, 3, 8, 16]
+    # a batch is whole sequences, whole half micro-batches (of 8) above one
+    assert [search.batch_seqs(64 * k) for k in (0.2, 3, 9, 12.4, 17)] == [1, 3, 8, 12, 16]
     for budget in (3e9, 1e10):
         at = [row for row in rows if row["budget"] == budget]
         lr, batch = DEEPSEEK(budget)

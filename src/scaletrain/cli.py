@@ -687,7 +687,9 @@ def cmd_hparams(args: argparse.Namespace) -> int:
                   f"DeepSeek's rule: lr {prior['lr']:.4g}, batch {prior['batch_tokens']:,.0f}"
                   + (f"; the best run is at the grid's {' and '.join(entry['edges'])}: widen "
                      f"{' and '.join(sorted({'--lrs' if e.startswith('lr') else '--batches' for e in entry['edges']}))}"
-                     if entry["edges"] else ""), highlight=False)
+                     if entry["edges"] else "")
+                  + "".join(f"; left out of the {what} law (its optimum there is only a bound)"
+                            for what in ("lr", "batch") if what not in entry["used"]), highlight=False)
     ci = doc["interval"]
     out.print(f"law: lr = {law.lr_coefficient:.4g} · C^{law.lr_exponent:.4f} (exponent 95% "
               f"{ci['lr_exponent'][0]:.3f} to {ci['lr_exponent'][1]:.3f}), batch = {law.batch_coefficient:.4g} · "

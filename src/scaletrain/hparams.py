@@ -111,10 +111,13 @@ class HparamSearch(ProxyRuns):
             temporary.replace(saved)
 
     def batch_seqs(self, tokens: float) -> int:
-        """Sequences a step for a batch of about `tokens`: whole micro-batches when above one."""
+        """Sequences a step for a batch of about `tokens`: above one micro-batch, whole half
+        micro-batches (a step of 12 sequences runs micro-batches of 4), so that the grid's batches
+        keep near their factors at small budgets."""
         s = self.settings
         seqs = max(1, round(tokens / s.seq_len))
-        return seqs if seqs <= s.micro_batch else max(s.micro_batch, round(seqs / s.micro_batch) * s.micro_batch)
+        half = max(1, s.micro_batch // 2)
+        return seqs if seqs <= s.micro_batch else max(s.micro_batch, round(seqs / half) * half)
 
     def _plan(self) -> dict[str, Point]:
         """The grid's runs by name, budget by budget, batch by batch, rate by rate."""

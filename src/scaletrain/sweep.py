@@ -384,10 +384,17 @@ def run_overrides(s, vocab_size: int, shape: Shape, lr: float, batch_seqs: int, 
     return [f"data.path={s.data}", *([f"data.mix={mix_toml(mix)}"] if mix else []), f"data.seq_len={s.seq_len}",
             f"model.vocab_size={vocab_size}", f"model.dim={model.dim}", f"model.n_layers={model.n_layers}",
             f"model.n_heads={model.n_heads}", f"model.max_seq_len={s.seq_len}",
-            f"train.global_batch_tokens={batch_seqs * s.seq_len}", f"train.micro_batch={min(s.micro_batch, batch_seqs)}",
+            f"train.global_batch_tokens={batch_seqs * s.seq_len}", f"train.micro_batch={micro_batch_of(batch_seqs, s)}",
             f"train.lr={lr}", f"train.warmup_steps={warmup}", f"run.seed={s.seed}", f"train.device={s.device}",
             f"eval.tokens={s.eval_tokens}", "eval.interval=0", "log.interval=50", "checkpoint.keep=2",
             f"train.optimizer={s.optimizer}"]
+
+
+def micro_batch_of(batch_seqs: int, s) -> int:
+    """Sequences a micro-batch of a step of batch_seqs: s.micro_batch, or all of a smaller step,
+    or the largest that divides the step (12 sequences, micro-batches of at most 8: 4)."""
+    largest = min(s.micro_batch, batch_seqs)
+    return largest if batch_seqs % largest == 0 else math.gcd(batch_seqs, largest)
 
 
 def peak_in_use(device: str, workers: int = 1) -> tuple[str, float | None]:

@@ -17,8 +17,10 @@ that budget's lowest loss (at least its six lowest), minimised; when the grid ha
 three levels of either, the surface is not convex, or its minimum lies more than one grid step
 beyond the grid, the optimum is instead the centre (in log) of the near-optimal runs, those
 within `near` of the lowest loss (DeepSeek's 0.25%, widened by default for small runs' noise).
-The law is then a least-squares line through the budgets' optima in log-log, and its intervals
-come from refitting to each budget's runs resampled with replacement.
+The law is then a least-squares line through the budgets' optima in log-log — leaving out of
+each line the budgets whose best run sits on the grid's edge in that hyperparameter, where the
+optimum is only a bound, as long as two budgets remain — and its intervals come from refitting to
+each budget's runs resampled with replacement.
 """
 
 from __future__ import annotations
@@ -108,10 +110,12 @@ class BudgetOptimum:
     best: int  # the index of the lowest measured loss among the runs given
     near: list[int] = field(default_factory=list)  # indices of the near-optimal runs
     edges: list[str] = field(default_factory=list)
+    used: list[str] = field(default_factory=list)  # the laws ("lr", "batch") fitted through it
+
 
     def to_dict(self) -> dict:
         return {"budget": self.budget, "lr": self.lr, "batch_tokens": self.batch_tokens, "loss": self.loss,
-                "method": self.method, "near": self.near, "edges": self.edges}
+                "method": self.method, "near": self.near, "edges": self.edges, "used": self.used}
 
 
 def _surface(x: np.ndarray, y: np.ndarray, loss: np.ndarray) -> tuple[float, float, float] | None:
@@ -173,14 +177,23 @@ def _line(log_c: np.ndarray, log_v: np.ndarray) -> tuple[float, float]:
 
 
 def fit_hyperparameter_law(optima: list[BudgetOptimum], source: str = "") -> HyperparameterLaw:
-    """The power laws through the budgets' optima; ValueError with fewer than two budgets."""
+    """The power laws through the budgets' optima; ValueError with fewer than two budgets.
+
+    A budget whose best run lies on the grid's edge in the learning rate (or the batch) has an
+    optimum that is only a bound there: it is left out of that law while two budgets or more
+    remain without (each optimum's `used` says which laws it entered)."""
     budgets = sorted({o.budget for o in optima})
     if len(budgets) < 2:
         raise ValueError(f"a law of the compute needs optima at two budgets or more, got {len(budgets)}")
-    log_c = np.log([o.budget for o in optima])
-    a, b = _line(log_c, np.log([o.lr for o in optima]))
-    c, d = _line(log_c, np.log([o.batch_tokens for o in optima]))
-    return HyperparameterLaw(a, b, c, d, source=source, budgets=(budgets[0], budgets[-1]))
+    lines = {}
+    for what, value in (("lr", lambda o: o.lr), ("batch", lambda o: o.batch_tokens)):
+        inside = [o for o in optima if not any(edge.startswith(what) for edge in o.edges)]
+        chosen = inside if len({o.budget for o in inside}) >= 2 else optima
+        for o in optima:
+            o.used = [u for u in o.used if u != what] + ([what] if any(o is c for c in chosen) else [])
+        lines[what] = _line(np.log([o.budget for o in chosen]), np.log([value(o) for o in chosen]))
+    used = [o.budget for o in optima if o.used]
+    return HyperparameterLaw(*lines["lr"], *lines["batch"], source=source, budgets=(min(used), max(used)))
 
 
 def fit_runs(budget, lrs, batch_tokens, losses, band: float = BAND, near: float = NEAR,
