@@ -622,6 +622,26 @@ def cmd_mixture(args: argparse.Namespace) -> int:
 # -- hparams -------------------------------------------------------------------------------
 
 
+def _small_runs(p: argparse.ArgumentParser, run: str, runs: str, sizing: str, min_steps: int, min_steps_help: str,
+                hparams: bool = True) -> None:
+    """The options every search by small runs takes (sweep, mixture, hparams): how each `run` is
+    sized and trained, and how many at once."""
+    p.add_argument("--seq-len", type=int, default=128, help="training sequence length (128)")
+    p.add_argument("--prior", default="epoch", choices=["epoch", "hoffmann"], help=f"published law that {sizing}")
+    p.add_argument("--eval-tokens", type=int, default=16384, help=f"validation tokens of each source per {run} (16384)")
+    p.add_argument("--min-steps", type=int, default=min_steps, help=min_steps_help)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                   help=f"train.optimizer of every {run} (adamw): measure with the optimizer you will train with")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help=f"{runs} trained at once, in worker processes (GPUs taken in turn)")
+    if hparams:
+        p.add_argument("--hparams", default=None, metavar="FILE",
+                       help=f"the learning-rate and batch rule of every {run}: a hparams.json of `scaletrain hparams` "
+                            "(default DeepSeek LLM's)")
+
+
 def _hparams(path: str | None) -> dict | None:
     """The law of an `--hparams` file as a settings dict (None without one)."""
     if path is None:
@@ -1353,26 +1373,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", required=True, type=lambda text: [_flops(x) for x in text.split(",")],
                    help="training FLOPs of each IsoFLOP profile, comma-separated, e.g. 1e12,3e12,1e13")
     p.add_argument("--shapes", type=int, default=5, help="models per budget (5)")
-    p.add_argument("--seq-len", type=int, default=128, help="training sequence length (128)")
-    p.add_argument("--prior", default="epoch", choices=["epoch", "hoffmann"],
-                   help="published law that centres the first budgets")
-    p.add_argument("--eval-tokens", type=int, default=16384, help="validation tokens per point (16384)")
-    p.add_argument("--min-steps", type=int, default=250,
-                   help="plan no point shorter than this many optimizer steps (250): shorter runs are set by their "
-                        "few updates, not by N and D, and bend the fit")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
-                   help="train.optimizer of every point (adamw): measure the law of the optimizer you will train with")
+    _small_runs(p, "point", "points of a budget", "centres the first budgets", 250,
+                "plan no point shorter than this many optimizer steps (250): shorter runs are set by their few "
+                "updates, not by N and D, and bend the fit")
     p.add_argument("--mix", type=_weights, default=None,
                    help="train every point on this mixture of the data directories under --data, e.g. "
                         "code=0.3,prose=0.7 (data.mix; what `scaletrain mixture` chose): the law of the data you will "
                         "train on")
-    p.add_argument("--concurrency", type=int, default=1,
-                   help="points of a budget trained at once, in worker processes (GPUs taken in turn)")
-    p.add_argument("--hparams", default=None, metavar="FILE",
-                   help="the learning-rate and batch rule of every point: a hparams.json of "
-                        "`scaletrain hparams` (default DeepSeek LLM's)")
     p.add_argument("--out", default=None, help="sweep directory (default sweeps/DATA_NAME)")
     p.set_defaults(func=cmd_sweep)
 
@@ -1397,19 +1404,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "validation loss every proxy is also measured on and which is then the default target")
     p.add_argument("--tokens", type=_flops, default=None,
                    help="tokens of the run the mixture is for: no source's share may repeat it more than 4 times")
-    p.add_argument("--seq-len", type=int, default=128, help="training sequence length (128)")
-    p.add_argument("--prior", default="epoch", choices=["epoch", "hoffmann"],
-                   help="published law that sizes the proxy compute-optimally for the budget")
-    p.add_argument("--eval-tokens", type=int, default=16384, help="validation tokens of each source (16384)")
-    p.add_argument("--min-steps", type=int, default=100, help="refuse a budget that trains fewer steps (100)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
-    p.add_argument("--concurrency", type=int, default=1,
-                   help="proxies trained at once, in worker processes (GPUs taken in turn)")
-    p.add_argument("--hparams", default=None, metavar="FILE",
-                   help="the learning-rate and batch rule of the proxies: a hparams.json of "
-                        "`scaletrain hparams` (default DeepSeek LLM's)")
+    _small_runs(p, "proxy", "proxies", "sizes the proxy compute-optimally for the budget", 100,
+                "refuse a budget that trains fewer steps (100)")
     p.add_argument("--check", action="store_true",
                    help="train one more proxy on the chosen mixture and set its target loss against the prediction")
     p.add_argument("--out", default=None, help="search directory (default mixtures/DATA_NAME)")
@@ -1431,20 +1427,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch sizes as factors of DeepSeek's rule at each budget (0.5,1,2)")
     p.add_argument("--predict", type=_flops, action="append", metavar="C",
                    help="training FLOPs to give the law's learning rate and batch for, with intervals (repeatable)")
-    p.add_argument("--seq-len", type=int, default=128, help="training sequence length (128)")
-    p.add_argument("--prior", default="epoch", choices=["epoch", "hoffmann"],
-                   help="published law that sizes each budget's model compute-optimally")
-    p.add_argument("--eval-tokens", type=int, default=16384, help="validation tokens per run (16384)")
-    p.add_argument("--min-steps", type=int, default=100, help="leave out batches that train fewer steps (100)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
-                   help="train.optimizer of every run (adamw): measure the rule of the optimizer you will train with")
+    _small_runs(p, "run", "runs", "sizes each budget's model compute-optimally", 100,
+                "leave out batches that train fewer steps (100)", hparams=False)
     p.add_argument("--mix", type=_weights, default=None,
                    help="train every run on this mixture of the data directories under --data (as sweep --mix)")
     p.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals (200)")
-    p.add_argument("--concurrency", type=int, default=1,
-                   help="runs trained at once, in worker processes (GPUs taken in turn)")
     p.add_argument("--out", default=None, help="search directory (default hparams/DATA_NAME)")
     p.set_defaults(func=cmd_hparams)
 
