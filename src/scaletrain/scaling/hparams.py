@@ -6,10 +6,10 @@ each of several small budgets, found the near-optimal region of each, and fitted
 
     η_opt(C) = a · C^b        B_opt(C) = c · C^d   (tokens per step)
 
-(they measured a, b, c, d = 0.3118, −0.125, 0.2920, 0.3271 on their data; Porian et al. 2024 and
-Bi et al.'s own ablations found the constants move with the data and the recipe, the exponents'
-signs not). The sweep, the mixture search and the planner take such a rule; this module fits one
-to the user's own runs.
+(a, b, c, d = 0.3118, −0.125, 0.2920, 0.3271 on their data and recipe, which need not be the
+user's). The sweep, the mixture search and the planner take such a rule; this module fits one to
+the user's own runs (benchmarks/hparams.py: on this project's CPU corpus the batch law carried
+to 10× its budgets and the learning-rate law, fitted over one decade, did not; BENCHMARKS.md).
 
 Each budget's optimum: a quadratic surface in (log η, log B) — a paraboloid with a cross term,
 since the best rate grows with the batch — fitted by least squares to the runs within `band` of
