@@ -173,9 +173,19 @@ def test_a_search_interrupted_between_and_inside_runs_resumes_to_the_same_result
     assert rows == whole
     assert (search.out / "runs" / names[0] / "metrics.jsonl").read_text() == kept  # not trained again
     assert read_metrics(half.run_dir, "resume"), "the half-trained run should have resumed from its checkpoint"
-    with pytest.raises(ConfigError, match="was started with other settings \\(lr_factors: \\[0.5, 1, 2\\] then, "
-                                          "\\[1, 2, 4\\] now\\)"):
-        HparamSearch(tmp_path / "resumed", settings(stdlib_data, lr_factors=[1, 2, 4]))
+    # a wider grid trains only the runs it adds; a narrower one fits the runs it keeps
+    wider = HparamSearch(tmp_path / "resumed", settings(stdlib_data, lr_factors=[0.5, 1, 2, 4]))
+    rows = wider.run()
+    assert len(rows) == 16 and [row for row in rows if row["name"] in set(names)] == whole
+    assert (search.out / "runs" / names[0] / "metrics.jsonl").read_text() == kept
+    narrower = HparamSearch(tmp_path / "resumed", settings(stdlib_data, lr_factors=[1, 2, 4]))
+    assert len(narrower.planned_results()) == 12 and len(narrower.results()) == 16
+    law, optima, _ = narrower.fit(rows, samples=5)
+    assert all(len(o.near) >= 1 for o in optima) and all(row["lr"] >= min(r["lr"] for r in whole) * 1.9
+                                                          for row in narrower.planned_results())
+    with pytest.raises(ConfigError, match="was started with other settings \\(seq_len: 64 then, 32 now\\); .* \\(the "
+                                          "grid, --budgets, --lrs and --batches, may change\\)"):
+        HparamSearch(tmp_path / "resumed", settings(stdlib_data, seq_len=32))
 
 
 @pytest.mark.parametrize("change, message", [

@@ -677,7 +677,7 @@ def cmd_hparams(args: argparse.Namespace) -> int:
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn())
     with Progress(*columns, console=console) as bar:
-        task = bar.add_task("hparams", total=len(search.points), info="", completed=len(search.results()))
+        task = bar.add_task("hparams", total=len(search.points), info="", completed=len(search.planned_results()))
 
         def show(p: dict) -> None:
             bar.update(task, completed=p["done"], info=f"{p['name']} · {p['flops']:.3g} FLOPs, ETA {p['eta_s']:.0f} s")

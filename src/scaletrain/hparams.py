@@ -13,7 +13,8 @@ has the sweep's schedule — warmup of N tokens, constant, then a linear decay o
 
 The directory holds grid.json (the settings), runs/ (one run directory per grid point),
 results.csv, and hparams.json and hparams.png once fitted; rerunning the same command continues
-where it stopped.
+where it stopped, and rerunning it with a wider grid (more --lrs, --batches or --budgets) trains
+only the runs it adds.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ from scaletrain.scaling.laws import ChinchillaLaw, preset
 from scaletrain.sweep import DECAY_FRACTION, run_overrides
 
 log = logging.getLogger("scaletrain")
+
+# Settings that may change between invocations: the grid. A run is named by its budget, batch and
+# rate, so one trained before is kept when the grid widens (its best run was on an edge) and the
+# fit takes the runs of the grid as it is now.
+GRID = ("budgets", "lr_factors", "batch_factors")
 
 
 @dataclass
@@ -98,16 +104,20 @@ class HparamSearch(ProxyRuns):
             raise ConfigError(f"--prior {s.prior!r} has no compute-optimal size; use epoch or hoffmann")
         self.points = self._plan()
         saved = self.out / "grid.json"
+        text = json.dumps({"settings": asdict(s)}, indent=1) + "\n"
         if saved.is_file():
             before = json.loads(saved.read_text())["settings"]
-            if before != asdict(s):
-                changed = [f"{k}: {before.get(k)} then, {v} now" for k, v in asdict(s).items() if before.get(k) != v]
+            changed = [f"{k}: {before.get(k)} then, {v} now" for k, v in asdict(s).items()
+                       if before.get(k) != v and k not in GRID]
+            if changed:
                 raise ConfigError(f"hyperparameter search directory {str(self.out)!r} was started with other settings "
-                                  f"({'; '.join(changed)}); rerun it with the same ones or choose a new --out")
+                                  f"({'; '.join(changed)}); rerun it with the same ones or choose a new --out (the "
+                                  "grid, --budgets, --lrs and --batches, may change)")
         else:
             self.out.mkdir(parents=True, exist_ok=True)
+        if not saved.is_file() or saved.read_text() != text:  # (workers open it too)
             temporary = saved.with_suffix(f".{os.getpid()}.tmp")
-            temporary.write_text(json.dumps({"settings": asdict(s)}, indent=1) + "\n")
+            temporary.write_text(text)
             temporary.replace(saved)
 
     def batch_seqs(self, tokens: float) -> int:
@@ -169,11 +179,16 @@ class HparamSearch(ProxyRuns):
                 "steps": point.steps, "tokens": point.tokens, "c": point.compute, "loss": loss,
                 "train_loss": train_loss}
 
+    def planned_results(self) -> list[dict]:
+        """The finished runs of the grid as it is now (a narrowed grid leaves others on disk)."""
+        return [row for row in self.results() if row["name"] in self.points]
+
     # -- the fit -----------------------------------------------------------------------------------
 
     def fit(self, rows: list[dict], samples: int = 200, band: float = BAND,
             near: float = NEAR) -> tuple[HyperparameterLaw, list[BudgetOptimum], list[HyperparameterLaw]]:
-        """The law fitted to the finished runs, each budget's optimum and the bootstrap's laws."""
+        """The law fitted to the finished runs of the grid, each budget's optimum and the bootstrap's laws."""
+        rows = [row for row in rows if row["name"] in self.points]
         budgets = {row["budget"] for row in rows}
         missing = sorted(set(self.settings.budgets) - budgets)
         if missing:
@@ -193,7 +208,7 @@ class HparamSearch(ProxyRuns):
                 predict: list[float] = ()) -> dict:
         """hparams.json's content: the law with 95% intervals, each budget's optimum beside the prior
         rule's values and the grid's best run, and predictions at the budgets in `predict`."""
-        rows = self.results()
+        rows = self.planned_results()
         budgets = []
         for optimum in optima:
             at = [row for row in rows if row["budget"] == optimum.budget]
@@ -226,7 +241,7 @@ class HparamSearch(ProxyRuns):
         doc = self.summary(law, optima, boot, predict)
         path = self.out / "hparams.json"
         path.write_text(json.dumps(doc, indent=1) + "\n")
-        plot_hparams(self.results(), law, optima, boot, DEEPSEEK, self.out / "hparams.png")
+        plot_hparams(self.planned_results(), law, optima, boot, DEEPSEEK, self.out / "hparams.png")
         return path, doc
 
 

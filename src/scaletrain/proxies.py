@@ -63,7 +63,8 @@ class ProxyRuns:
         from scaletrain.sweep import worker_pool
 
         keys = self.keys()
-        done = self.results()
+        planned = {self.name_of(key) for key in keys}
+        done = [row for row in self.results() if row["name"] in planned]  # (not those of a plan narrowed since)
         finished = {row["name"] for row in done}
         todo = [key for key in keys if self.name_of(key) not in finished]
         started, trained_here = time.perf_counter(), 0
