@@ -170,14 +170,16 @@ EMA = ["train.ema_decay=0.5"]
 # checkpoint.interval = auto, at a failure rate that makes every step's the best interval: the
 # ranks choose the same steps from their largest measurements (else they would not meet).
 AUTO_SAVES = ["checkpoint.interval=auto", "checkpoint.failures_per_device_hour=1e9"]
-# Multi-token prediction, its modules sharded as blocks are, through the chunked head.
+# Multi-token prediction: its modules sharded as blocks are (through the chunked head), split as
+# blocks are under tensor parallelism, on each rank's part of the sequences under context
+# parallelism (within documents; with FSDP too; resumed), with a tied head under FSDP x TP.
 MTP = ["model.mtp_depth=2"]
 # name -> overrides of 2-process layouts.
 TWO = {
     "replicate-mup": ["parallel.dp_replicate=2", "parallel.dp_shard=1", *MUP],
     "fsdp-grad-accumulation-recompute-muon": ["parallel.dp_shard=2", "train.micro_batch=2",
                                               "parallel.recompute=selective", *MUON, *EMA],
-    "tp-muon-z-loss": [*TP2, *MUON, *Z_LOSS],  # the z-loss through the vocabulary-split logits
+    "tp-muon-z-loss": [*TP2, *MUON, *Z_LOSS, *MTP],  # the z-loss through the vocabulary-split logits
     # 17 validation windows over 2 ranks: one rank's last eval batch is padding, and FSDP's
     # all-gathers must still meet; the output head and loss run 100 tokens at a time, on the
     # head FSDP gathers (padding included), with the z-loss (against one process's whole-batch one).
@@ -191,7 +193,7 @@ TWO = {
     "fsdp-batch-ramp": ["parallel.dp_shard=2", "train.micro_batch=2", *RAMP, *AUTO_SAVES],
     "pp-batch-ramp-moe": [*PP2, *RAMP, "model.moe_experts=4", "model.moe_score=sigmoid",
                           "model.moe_bias_update=0.05", "model.moe_aux_loss=0"],
-    "cp": ["parallel.cp=2", *ONE_STAGE, *DOCUMENTS],
+    "cp": ["parallel.cp=2", *ONE_STAGE, *DOCUMENTS, *MTP],
     **{f"pp-{schedule}": [*PP2, f"parallel.pp_schedule={schedule}"]
        for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
                         "zbv_zero_bubble", "dualpipev")},
@@ -216,11 +218,11 @@ for _name in ("fsdp-uneven-eval-chunked-loss", "tp-muon-z-loss", "cp", "pp-1f1b"
 MIXED = {"fsdp-bf16-params": ["parallel.dp_shard=2", "train.dtype=bfloat16"]}
 # FSDP x TP and CP x TP untied: the second halves of RESHARD's runs.
 FOUR = {
-    "fsdp-x-tp-tied-qk-norm-muon": ["parallel.dp_shard=2", "parallel.tp=2", *TIED_QK, *MUON],
+    "fsdp-x-tp-tied-qk-norm-muon-mtp": ["parallel.dp_shard=2", "parallel.tp=2", *TIED_QK, *MUON, *MTP],
     "fsdp-x-pp": ["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2", "parallel.recompute=full"],
     "tp-x-pp-interleaved-z-loss": [*PP2, "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b", *DOCUMENTS,
                                    *Z_LOSS],
-    "fsdp-x-cp": ["parallel.cp=2", "parallel.dp_shard=2", *DOCUMENTS],
+    "fsdp-x-cp-mtp": ["parallel.cp=2", "parallel.dp_shard=2", *DOCUMENTS, *MTP],
     "cp-x-pp-zbv": [*PP2, "parallel.cp=2", "parallel.pp_schedule=zbv_zero_bubble"],
     "pp4": ["parallel.pp=4", *ONE_STAGE, "train.micro_batch=1"],
 }
@@ -395,17 +397,21 @@ def test_ranks_that_diverge_together_rewind_together_to_the_losses_of_one_proces
     assert_parity(run_dir, one)
 
 
-@pytest.mark.parametrize("name, holds", [("pp-1f1b", [(True, False), (False, True)]),
-                                         ("pp-zbv_zero_bubble", [(True, True), (False, False)])])
-def test_each_pipeline_rank_holds_the_bytes_the_memory_model_gives_it(stdlib_data, layout_runs, tmp_path, name,
-                                                                      holds):
+@pytest.mark.parametrize("name, split, holds", [("pp-1f1b", {"pp": 2}, [(True, False), (False, True)]),
+                                                ("pp-zbv_zero_bubble", {"pp": 2}, [(True, True), (False, False)]),
+                                                ("tp-muon-z-loss", {"tp": 2}, [(True, True), (True, True)])])
+def test_each_pipeline_or_tensor_parallel_rank_holds_the_bytes_the_memory_model_gives_it(
+        stdlib_data, layout_runs, tmp_path, name, split, holds):
     """(embedding, head) per rank: 1F1B puts them on the first and last rank, a V-shaped
-    schedule both on rank 0 (its first and last stage)."""
+    schedule both on rank 0 (its first and last stage). Under tensor parallelism each rank holds
+    half of every matrix but the whole norms and multi-token prediction's projections (Muon: one
+    moment a matrix)."""
     held = read_metrics(layout_runs[name], "memory")[0]["bytes_by_rank"]
     cfg = tiny_config(stdlib_data, tmp_path / "run", *DEEP, *TWO[name], "model.vocab_size=512")
     for rank, (embedding, head) in zip(held, holds, strict=True):
-        estimate = rank_memory(cfg.model, cfg.data.seq_len, cfg.train.micro_batch, bf16=False, pp=2,
-                               embedding=embedding, head=head, ema=cfg.train.ema_decay > 0)
+        estimate = rank_memory(cfg.model, cfg.data.seq_len, cfg.train.micro_batch, bf16=False, **split,
+                               embedding=embedding, head=head, ema=cfg.train.ema_decay > 0,
+                               optimizer=cfg.train.optimizer)
         assert (estimate.parameters, estimate.gradients, estimate.optimizer, estimate.ema) == (
             rank["parameters"], rank["gradients"], rank["optimizer"], rank.get("ema", 0)), (embedding, head)
     assert ("ema" in held[0]) == ("train.ema_decay=0.5" in TWO[name])  # (1F1B's run keeps the moving average)

@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT, tiny_config
 from scaletrain.config import ModelConfig, load_config
 from scaletrain.model.flops import matmul_params
-from scaletrain.model.llama import Transformer, document_bias, document_ids
+from scaletrain.model.llama import Transformer, document_bias, document_ids, shifted_targets
 from scaletrain.model.loss import compute_dtype
 from scaletrain.plan.memory import (activation_bytes_per_token, block_bytes_per_token, choose_recompute,
                                     in_flight_microbatches, rank_memory, training_memory)
@@ -283,7 +283,7 @@ def test_multi_token_prediction_is_counted_as_a_block_and_a_loss_per_depth(bf16)
                 x = block(x, model.rope_cos, model.rope_sin)
             trunk = x.detach().requires_grad_()
             with counting_saves(model) as seen:
-                model._mtp_loss(trunk, stream[:, 1:], model.rope_cos, model.rope_sin, None)
+                model._mtp_loss(trunk, shifted_targets(stream[:, 1:], depth), model.rope_cos, model.rope_sin, None)
         measured = sum(seen.values())
         with_depths, without = (training_memory(c, seq, batch, bf16=bf16) for c in (cfg, ModelConfig(**shape)))
         predicted = with_depths.activations + with_depths.loss - without.activations - without.loss

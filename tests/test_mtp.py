@@ -144,12 +144,22 @@ def test_a_run_logs_it_resumes_exactly_and_exports_without_it(stdlib_data, tmp_p
     assert all("mtp_loss" in r for r in read_metrics(staged, "train"))
 
 
-def test_layouts_that_split_sequences_or_the_head_and_depths_beyond_the_sequence_are_refused(stdlib_data, tmp_path):
-    for layout, words in ((["parallel.tp=2"], "parallel.tp = 2"), (["parallel.cp=2"], "parallel.cp = 2"),
-                          (["parallel.pp=2", "train.micro_batch=1"], "parallel.pp = 2")):
-        cfg = tiny_config(stdlib_data, tmp_path / "run", "model.mtp_depth=1", "parallel.dp_shard=1", *layout)
-        with pytest.raises(ConfigError, match=f"model.mtp_depth = 1 runs its modules on whole sequences.*{words}"):
-            check_layout(resolve_layout(cfg.parallel, 2), cfg)
+def test_pipelines_and_depths_beyond_the_sequence_are_refused(stdlib_data, tmp_path):
+    """Tensor and context parallelism take the depths (tests/test_distributed.py trains them);
+    a pipeline, whose first stage holds the embedding they read, does not."""
+    cfg = tiny_config(stdlib_data, tmp_path / "run", "model.mtp_depth=1", "parallel.dp_shard=1", "parallel.pp=2",
+                      "train.micro_batch=1")
+    with pytest.raises(ConfigError, match="model.mtp_depth = 1 runs its modules beside the output head on the last "
+                                          "pipeline stage.*parallel.pp = 2"):
+        check_layout(resolve_layout(cfg.parallel, 2), cfg)
+    for layout in (["parallel.tp=2"], ["parallel.cp=2"]):
+        cfg = tiny_config(stdlib_data, tmp_path / "run", "model.mtp_depth=2", "model.vocab_size=512",
+                          "parallel.dp_shard=1", *layout)
+        check_layout(resolve_layout(cfg.parallel, 2), cfg)
+    cfg = tiny_config(stdlib_data, tmp_path / "run", "model.mtp_depth=32", "parallel.dp_shard=1", "parallel.cp=2")
+    with pytest.raises(ConfigError, match="model.mtp_depth = 32 would leave a context-parallel rank no position to "
+                                          "predict; with parallel.cp = 2 it must be below data.seq_len / 2 = 32"):
+        check_layout(resolve_layout(cfg.parallel, 2), cfg)
     with pytest.raises(ConfigError, match="model.mtp_depth = 64 is not below data.seq_len = 64"):
         tiny_config(stdlib_data, tmp_path / "run", "model.mtp_depth=64")
 
@@ -187,3 +197,25 @@ def test_within_documents_each_depth_attends_only_to_its_documents_positions():
         logits = model.output(depth_states(stream, True, normed=True))
     expected = F.cross_entropy(logits.flatten(0, 1), stream[:, 2:17].flatten())
     assert model.mtp_tally.total.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputation_covers_the_depths_and_changes_no_gradient(mode):
+    """parallel.recompute wraps each depth's block as it does the trunk's: the same loss, gradients
+    and state-dict names as without it."""
+    import copy
+
+    from scaletrain.parallel.recompute import apply_recompute
+
+    model, stream = model_and_tokens(2)
+    wrapped = copy.deepcopy(model)
+    apply_recompute(wrapped, mode)
+    assert all(type(depth.block).__name__ == "CheckpointWrapper" for depth in wrapped.mtp)
+    assert list(wrapped.state_dict()) == list(model.state_dict())
+    for m in (model, wrapped):
+        m.train()
+        m.mtp_weight = 0.3
+        m(stream[:, :-1], stream[:, 1:]).backward()
+    grads = {name.replace("_checkpoint_wrapped_module.", ""): p.grad for name, p in wrapped.named_parameters()}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7)

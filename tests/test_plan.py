@@ -97,22 +97,27 @@ def test_every_layout_the_search_returns_is_one_train_accepts_and_fits():
             assert resolve_layout(config.parallel, world).world_size == world
 
 
-def test_a_config_with_multi_token_prediction_is_planned_over_data_parallelism_only():
-    """Training refuses tensor, context and pipeline parallelism with model.mtp_depth: the search
-    offers none, and counts the depths' FLOPs and memory."""
+def test_a_config_with_multi_token_prediction_is_planned_without_pipelines():
+    """Training refuses pipeline parallelism with model.mtp_depth (the depths read the embedding,
+    which the first stage holds) and takes tensor and context parallelism: the search offers
+    those and no pipeline, counts the depths' FLOPs and memory, and each kind of layout it offers
+    is one training accepts."""
     cfg = ONE_B.model_copy(update={"mtp_depth": 1})
     fits, _ = candidates(cfg, 2048, 64, 16, H100, allow_cp=True)
-    assert fits and all((c.layout.tp, c.layout.cp, c.layout.pp) == (1, 1, 1) for c in fits)
-    plain = min(c.time.total for c in candidates(ONE_B, 2048, 64, 16, H100)[0] if c.layout.tp == c.layout.pp == 1)
-    assert min(c.time.total for c in fits) > plain  # (another block and head pass a depth)
-    best = search(cfg, 2048, 64, 16, H100)[0]
-    plan = {"layout": {"layout": best.layout.to_dict()}, "tokens": 10 * best.global_batch * 2048,
-            "hyperparameters": {"global_batch_tokens": best.global_batch * 2048},
-            "run": {"step_s": 1.0, "checkpoint_write_s": 0.1, "checkpoint_interval_steps": 100}}
+    assert fits and all(c.layout.pp == 1 for c in fits)
+    split = {kind: next(c for c in fits if getattr(c.layout, kind) > 1) for kind in ("tp", "cp")}
+    plain = {c.layout: c for c in candidates(ONE_B, 2048, 64, 16, H100, allow_cp=True)[0]}
+    for c in (*split.values(), min(fits, key=lambda c: c.time.total)):
+        same = plain[c.layout]  # (another block and head pass, and their weights and activations, a depth)
+        assert c.time.total > same.time.total and c.memory.peak > same.memory.peak
     base = load_config(None, ["model.vocab_size=32768", "model.dim=2048", "model.n_layers=16", "model.n_heads=32",
                               "model.n_kv_heads=8", "model.ffn_dim=8192", "model.max_seq_len=4096",
                               "model.mtp_depth=1", "data.seq_len=2048", "train.steps=10"])
-    planned_config(plan, Hardware(H100, 16, 8), base=base)  # (raises what train would refuse)
+    for best in (search(cfg, 2048, 64, 16, H100)[0], *split.values()):
+        plan = {"layout": {"layout": best.layout.to_dict()}, "tokens": 10 * best.global_batch * 2048,
+                "hyperparameters": {"global_batch_tokens": best.global_batch * 2048},
+                "run": {"step_s": 1.0, "checkpoint_write_s": 0.1, "checkpoint_interval_steps": 100}}
+        planned_config(plan, Hardware(H100, 16, 8), base=base)  # (raises what train would refuse)
 
 
 MOE = ["model.vocab_size=32768", "model.dim=2048", "model.n_layers=16", "model.n_heads=16", "model.n_kv_heads=4",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 
-import pytest
 
 from conftest import run_cli, tiny_config
 from scaletrain.config import load_config

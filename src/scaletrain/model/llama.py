@@ -16,12 +16,14 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import CausalBias
 
 from scaletrain.config import YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig, yarn_attention_factor
-from scaletrain.model.loss import Tally, chunked_cross_entropy, compute_dtype, cross_entropy
+from scaletrain.model.loss import (IGNORE, Tally, add_replicated, chunked_cross_entropy, compute_dtype, cross_entropy,
+                                   local_value)
 from scaletrain.model.moe import MoE
 
 
@@ -69,6 +71,15 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None,
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, freqs)  # (max_seq_len, head_dim // 2)
     return angles.cos() * magnitude, angles.sin() * magnitude
+
+
+def shifted_targets(targets: torch.Tensor, depth: int) -> torch.Tensor:
+    """(batch, seq, 1 + depth) from targets (batch, seq): column k holds, at each position, the
+    target k places on (column 0 the targets themselves; multi-token prediction's depth k predicts
+    column k and reads the token of column k - 1), IGNORE past the end of the sequence. Built on
+    whole sequences, it can be cut along the sequence (context parallelism) as they are."""
+    pad = torch.full_like(targets[:, :depth], IGNORE)
+    return torch.stack([torch.cat([targets[:, k:], pad[:, :k]], dim=1) for k in range(depth + 1)], dim=-1)
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -293,6 +304,9 @@ class Transformer(nn.Module):
         # reads its loss, which the loss returned leaves out.
         self.mtp_weight = 0.0
         self.mtp_tally: Tally | None = None
+        # Under context parallelism (parallel/context.py) the group whose ranks hold the other
+        # parts of each sequence: multi-token prediction weighs each rank's mean loss by its share.
+        self.cp_group = None
         # Derived from cfg, so not saved in checkpoints; init_weights() fills them.
         table = (cfg.max_seq_len, cfg.head_dim // 2)
         self.register_buffer("rope_cos", torch.empty(table, dtype=torch.float32), persistent=False)
@@ -362,7 +376,7 @@ class Transformer(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,  # (batch, seq) token ids; hidden states (batch, seq, dim) without tok_embeddings
-        targets: torch.Tensor | None = None,  # (batch, seq) next-token ids
+        targets: torch.Tensor | None = None,  # (batch, seq) next-token ids, or shifted_targets' (batch, seq, 1 + depth)
         cache: KVCache | None = None,
         start_pos: int = 0,
         positions: torch.Tensor | None = None,  # (seq,) positions of the tokens, if not start_pos..
@@ -408,13 +422,14 @@ class Transformer(nn.Module):
             return x
         if targets is None:
             return self.output(self.norm(x))  # (batch, seq, vocab)
-        loss = self._loss(self.norm(x), targets, self.z_loss, self.z_tally)
+        shifted = targets.dim() == 3
+        loss = self._loss(self.norm(x), targets[..., 0] if shifted else targets, self.z_loss, self.z_tally)
         if self.mtp is not None and self.training:
             # Its gradient joins the objective, its value stays out of the loss returned (as the z-loss's).
-            extra = self._mtp_loss(x, targets, cos, sin, bias)
+            extra = self._mtp_loss(x, targets if shifted else shifted_targets(targets, len(self.mtp)), cos, sin, bias)
             if self.mtp_tally is not None:
                 self.mtp_tally.add(extra, torch.ones_like(extra))
-            loss = loss + self.mtp_weight * (extra - extra.detach())
+            loss = add_replicated(loss, self.mtp_weight * (extra - extra.detach()))
         return loss
 
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0,
@@ -426,16 +441,26 @@ class Transformer(nn.Module):
         return cross_entropy(self.output(hidden), targets, z_loss, tally)
 
     def _mtp_loss(self, trunk: torch.Tensor, targets: torch.Tensor, cos, sin, bias) -> torch.Tensor:
-        """The mean loss of the multi-token prediction depths. Inputs t_0..t_{T-1} have targets
-        t_1..t_T; depth k at position i joins the previous depth's h_i with Emb(t_{i+k}) (the
-        target k - 1 places on) and predicts t_{i+k+1} (the target k places on), for the T - k
-        positions whose token that is: each depth sees one position fewer (DeepSeek-V3's
-        sequences shorten alike), attending causally (within documents, with a bias) over them."""
-        hidden, total, seq = trunk, 0.0, targets.shape[1]
+        """The mean loss of the multi-token prediction depths, from the trunk's last hidden states
+        and shifted_targets (batch, seq, 1 + depths). Inputs t_0..t_{T-1} have targets t_1..t_T;
+        depth k at position i joins the previous depth's h_i with Emb(t_{i+k}) (column k - 1) and
+        predicts t_{i+k+1} (column k), at the T - k positions whose token that is (DeepSeek-V3's
+        depths see sequences one shorter each). Attention is causal (within documents, with a
+        bias), so the k positions past them, whose targets are IGNORE, change nothing of the others:
+        every depth runs on the whole sequence — the shape tensor and context parallelism split."""
+        hidden, losses = trunk, []
         for k, depth in enumerate(self.mtp, start=1):
-            length = seq - k
-            ahead = targets[:, k - 1:seq - 1].clamp(min=0)  # (padding, -100, reads token 0; its loss is masked)
-            part = None if bias is None else bias[:, :, :length, :length]
-            hidden, normed = depth(hidden[:, :length], self.tok_embeddings(ahead), cos, sin, part)
-            total = total + self._loss(normed, targets[:, k:])
-        return total / len(self.mtp)
+            ahead = targets[..., k - 1].clamp(min=0)  # (past the end, IGNORE, reads token 0: its loss is masked)
+            hidden, normed = depth(hidden, self.tok_embeddings(ahead), cos, sin, bias)
+            losses.append(local_value(self._loss(normed, targets[..., k])))  # (a DTensor under tp)
+        total = torch.stack(losses)
+        if self.cp_group is not None:
+            # Each rank's means are over its part of the sequences, which holds fewer of the
+            # positions a depth predicts where the sequences end: weighted by its share of them,
+            # the mean of the ranks' losses (what FSDP's average over cp makes of the gradients)
+            # is the whole sequences' loss.
+            counts = (targets[..., 1:] != IGNORE).flatten(0, -2).sum(0).to(total.dtype)
+            whole = counts.clone()
+            dist.all_reduce(whole, group=self.cp_group)
+            total = total * counts * dist.get_world_size(self.cp_group) / whole
+        return total.mean()

@@ -86,10 +86,21 @@ def _with_split_z_loss(loss: torch.Tensor, logits: DTensor, targets: torch.Tenso
     if tally is not None:
         tally.add(log_norm.detach().float().square(), valid)
     square = (log_norm.square() * valid).sum() / valid.sum().clamp(min=1)
-    term = z_loss * (square - square.detach())
+    return add_replicated(loss, z_loss * (square - square.detach()))
+
+
+def add_replicated(loss: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+    """loss + term, where loss may be a replicated DTensor (under loss_parallel) and term is a
+    plain tensor that every rank holds the same (DTensor adds no plain tensor to itself)."""
     if isinstance(loss, DTensor):
         term = DTensor.from_local(term, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
     return loss + term
+
+
+def local_value(value: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (a loss under loss_parallel) as this rank's plain tensor, which
+    holds all of it (differentiable); a plain tensor as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _split_log_norm(local: torch.Tensor, group) -> torch.Tensor:

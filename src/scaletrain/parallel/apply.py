@@ -94,6 +94,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout: Layout, cfg: 
                 # A mixture's routing waits on the host, and torch's grouped GEMM traces in bf16
                 # only: a mixture block compiles its attention, the rest runs eagerly.
                 (block.attention if isinstance(block.feed_forward, MoE) else block).compile(mode=mode)
+            for depth in getattr(part, "mtp", None) or []:  # multi-token prediction's (dense) blocks
+                depth.block.compile(mode=mode)
         if mesh is not None:
             apply_fsdp(part, mesh, param_dtype=param_dtype, reshard_after_forward=layout.pp == 1)
     if layout.pp == 1:

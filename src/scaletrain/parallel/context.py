@@ -103,7 +103,8 @@ def apply_cp(model: nn.Module, group: dist.ProcessGroup, seq_len: int) -> None:
     tokens are passed to every forward."""
     device = model.rope_cos.device
     positions = local_positions(seq_len, dist.get_rank(group), dist.get_world_size(group)).to(device)
-    for block in model.layers.values():
+    depths = [depth.block for depth in getattr(model, "mtp", None) or []]  # (multi-token prediction's)
+    for block in [*model.layers.values(), *depths]:
         block.attention.core = ContextParallelAttention(group, seq_len)
         if isinstance(block.feed_forward, MoE):  # its balancing loss counts the whole sequences' assignments
             block.feed_forward.cp_group = group
@@ -112,3 +113,5 @@ def apply_cp(model: nn.Module, group: dist.ProcessGroup, seq_len: int) -> None:
         return args, {**kwargs, "positions": positions}
 
     model.register_forward_pre_hook(add_positions, with_kwargs=True)
+    if depths:  # its depths weigh each rank's share of the positions they predict
+        model.cp_group = group

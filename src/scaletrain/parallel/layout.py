@@ -97,13 +97,14 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
             raise ConfigError(f"{name} = {batch} holds {batch // seq_len} sequences, which do not split into "
                               f"{layout.dp} data-parallel ranks x train.micro_batch = {cfg.train.micro_batch}; use a "
                               f"multiple of {layout.dp * cfg.train.micro_batch * seq_len} tokens")
-    if model.mtp_depth:
-        splits = [f"parallel.{name} = {size}" for name, size in (("tp", layout.tp), ("cp", layout.cp), ("pp", layout.pp))
-                  if size > 1]
-        if splits:
-            raise ConfigError(f"model.mtp_depth = {model.mtp_depth} runs its modules on whole sequences beside the "
-                              f"output head, which {' and '.join(splits)} split; train multi-token prediction with data "
-                              "parallelism (dp_shard, dp_replicate, ep), or set model.mtp_depth = 0")
+    if model.mtp_depth and layout.pp > 1:
+        raise ConfigError(f"model.mtp_depth = {model.mtp_depth} runs its modules beside the output head on the last "
+                          f"pipeline stage, but they read the embedding, which parallel.pp = {layout.pp} puts on the "
+                          "first; train multi-token prediction without pipeline parallelism (data, tensor, context "
+                          "and expert parallelism all take it), or set model.mtp_depth = 0")
+    if model.mtp_depth and layout.cp > 1 and 2 * model.mtp_depth >= seq_len:
+        raise ConfigError(f"model.mtp_depth = {model.mtp_depth} would leave a context-parallel rank no position to "
+                          f"predict; with parallel.cp = {layout.cp} it must be below data.seq_len / 2 = {seq_len // 2}")
     if layout.ep > 1:
         if not model.moe:
             raise ConfigError(f"parallel.ep = {layout.ep} splits the experts of a mixture of experts, but "

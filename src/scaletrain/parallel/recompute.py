@@ -31,14 +31,17 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def apply_recompute(model: nn.Module, mode: str) -> None:
-    """Wrap each block of model.layers for recomputation ("none", "selective" or "full")."""
+    """Wrap each block of model.layers, and the block of each multi-token prediction depth, for
+    recomputation ("none", "selective" or "full")."""
     if mode == "none":
         return
+    if mode == "full":
+        wrap = checkpoint_wrapper
+    elif mode == "selective":
+        wrap = partial(checkpoint_wrapper, context_fn=partial(create_selective_checkpoint_contexts, _policy))
+    else:
+        raise ValueError(f"recompute mode {mode!r}; valid: none, selective, full")
     for name, block in model.layers.items():
-        if mode == "full":
-            model.layers[name] = checkpoint_wrapper(block)
-        elif mode == "selective":
-            model.layers[name] = checkpoint_wrapper(
-                block, context_fn=partial(create_selective_checkpoint_contexts, _policy))
-        else:
-            raise ValueError(f"recompute mode {mode!r}; valid: none, selective, full")
+        model.layers[name] = wrap(block)
+    for depth in getattr(model, "mtp", None) or []:
+        depth.block = wrap(depth.block)

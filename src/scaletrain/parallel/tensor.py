@@ -6,7 +6,8 @@ wq/wk/wv/w1/w3, row-parallel wo/w2); between blocks the residual stream is split
 sequence (norms run on a sequence shard), so activations are never replicated. The output head
 stays split over the vocabulary and the loss is computed on those shards (`loss_parallel`);
 a tied embedding is split the same way (by vocabulary rows), so one sharded matrix serves both.
-A mixture-of-experts block is not split: each rank routes its part of the sequence through the
+Multi-token prediction's depths (model.mtp_depth) are split as blocks, on
+the same sequence shards. A mixture-of-experts block is not split: each rank routes its part of the sequence through the
 whole router and experts, the ranks summing their gradients (model/moe.py).
 """
 
@@ -35,32 +36,45 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                                         if getattr(model, name) is not None})
     if tied:  # both split the (vocab, dim) matrix by rows, so one sharded parameter serves both again
         model.output.weight = model.tok_embeddings.weight
-    head_norm = SequenceParallel(sequence_dim=2, use_local_output=True)  # (batch, seq, heads, head_dim): heads split
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            # (x, cos, sin, kv, start_pos, bias): gather x's sequence for attention; the rest are
-            # not DTensors (a document bias covers whole sequences already).
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None, None),
-                                            desired_input_layouts=(Replicate(), None, None, None, None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            # QK-norm normalises each head on the rank that holds it; its weight, shared by all
-            # heads, stays whole and sums its gradient over the tp ranks.
-            **({"attention.q_norm": head_norm, "attention.k_norm": head_norm}
-               if block.attention.q_norm is not None else {}),
-            "ffn_norm": SequenceParallel(),
-            **(_mixture_plan() if isinstance(block.feed_forward, MoE) else {
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            }),
-        })
-        if isinstance(block.feed_forward, MoE):
-            block.feed_forward.tp_group = block.feed_forward.experts.tp_group = tp_mesh.get_group()
+        _parallelize_block(block, tp_mesh)
+    for depth in getattr(model, "mtp", None) or []:
+        # Multi-token prediction's depths run on the residual stream's sequence shards as the
+        # blocks' norms do: its norms and the projection that joins the two streams keep whole
+        # weights (the projection's gradient summed over the ranks), its block is split as the
+        # trunk's, and its final norm hands the shared output head a sequence shard.
+        parallelize_module(depth, tp_mesh, {"hidden_norm": SequenceParallel(), "embedding_norm": SequenceParallel(),
+                                            "proj": SequenceParallel(use_local_output=True),
+                                            "norm": SequenceParallel()})
+        _parallelize_block(depth.block, tp_mesh)
+
+
+def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    head_norm = SequenceParallel(sequence_dim=2, use_local_output=True)  # (batch, seq, heads, head_dim): heads split
+    parallelize_module(block, tp_mesh, {
+        "attention_norm": SequenceParallel(),
+        # (x, cos, sin, kv, start_pos, bias): gather x's sequence for attention; the rest are
+        # not DTensors (a document bias covers whole sequences already).
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None, None),
+                                        desired_input_layouts=(Replicate(), None, None, None, None, None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        # QK-norm normalises each head on the rank that holds it; its weight, shared by all
+        # heads, stays whole and sums its gradient over the tp ranks.
+        **({"attention.q_norm": head_norm, "attention.k_norm": head_norm}
+           if block.attention.q_norm is not None else {}),
+        "ffn_norm": SequenceParallel(),
+        **(_mixture_plan() if isinstance(block.feed_forward, MoE) else {
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        }),
+    })
+    if isinstance(block.feed_forward, MoE):
+        block.feed_forward.tp_group = block.feed_forward.experts.tp_group = tp_mesh.get_group()
 
 
 def _mixture_plan() -> dict:

@@ -25,11 +25,12 @@ Components (per device, in bytes):
   chunk's with train.loss_chunk_tokens (then also the head's float32 weight gradient, and in
   bf16 a chunk's bf16 part of it before it is summed in);
 - multi-token prediction (model.mtp_depth): its modules' parameters, gradients and optimizer
-  state as the blocks' (checked against a real run's), and per depth the activations of one
-  more dense block and one more loss — an estimate, not a tally: the joined inputs and the
-  depths' norms are left out and the loss counts its gradient, which about cancel (tests: 0.98–1.01
-  of what autograd saves for the depths in float32, 1.12–1.15 in bf16, at width 128 and a
-  vocabulary of 512; a larger vocabulary weighs the loss more).
+  state as the blocks', its projections and norms whole under tensor parallelism (checked
+  against real runs', one process and tp = 2), and per depth the activations of one more dense
+  block (recomputed as the blocks are) and one more loss — an estimate, not a tally: the joined
+  inputs and the depths' norms are left out and the loss counts its gradient, which about
+  cancel (tests: 0.97–0.98 of what autograd saves for the depths in float32, 1.10–1.12 in bf16,
+  at width 128 and a vocabulary of 512; a larger vocabulary weighs the loss more).
 
 Per token and layer, a block of width d, h query heads, key/value width k (kv heads × head
 dim) and MLP width F saves, with bf16 compute (residual stream float32), 26d + 4k + 8F + 4h + 8
@@ -262,21 +263,22 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     norms = 2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0)
     # The blocks' norms and multi-token prediction's (its block's and three more a depth).
     block_norms = cfg.n_layers * norms + _mtp(cfg) * (norms + 3 * cfg.dim)
-    blocks = counts["total"] - block_norms - cfg.dim - outer * (1 if cfg.tie_embeddings else 2)
+    joins = _mtp(cfg) * 2 * cfg.dim * cfg.dim  # multi-token prediction's projections, whole under tp too
+    blocks = counts["total"] - block_norms - joins - cfg.dim - outer * (1 if cfg.tie_embeddings else 2)
     matrices = (embedding + head) if not cfg.tie_embeddings else 1  # vocab x dim matrices here
     split = (blocks / pp + outer * matrices) / (fsdp * tp)  # split over tp too
-    whole = (block_norms / pp + (cfg.dim if head else 0)) / fsdp  # norm weights: whole under tp
+    whole = (block_norms / pp + joins + (cfg.dim if head else 0)) / fsdp  # norm weights: whole under tp
     local = split + whole
     parameters = gradients = round(4 * local)
     tensors = parameter_tensors(cfg) - 2 - (0 if cfg.tie_embeddings else 1)  # the blocks' tensors
     tensors = tensors / pp + int(embedding) + int(head) * (1 if cfg.tie_embeddings else 2)  # head: norm (+ matrix)
-    muon = blocks / pp / (fsdp * tp) if optimizer == "muon" else 0  # one moment, not two
+    muon = (blocks / pp / tp + joins) / fsdp if optimizer == "muon" else 0  # one moment, not two
     optimizer_bytes = round(8 * local - 4 * muon + 4 * tensors)
     stepping = _muon_step_bytes(cfg, fsdp, tp, ep) if optimizer == "muon" else 0
     head_matmul = outer if head else 0
-    # Multi-token prediction's matmul weights a depth: a dense block's and the projection's.
+    # Multi-token prediction's matmul weights a depth: a dense block's (split under tp) and the projection's.
     depth_matmul = 2 * cfg.dim * (cfg.n_heads + cfg.kv_heads) * cfg.head_dim + 3 * cfg.dim * cfg.hidden_dim \
-        + 2 * cfg.dim * cfg.dim
+        + 2 * cfg.dim * cfg.dim * tp
     if not bf16:
         weight_copies = 0
     elif fsdp > 1:  # two blocks gathered in bf16 (all of the rank's when pipelining), the root's embedding and head
@@ -288,8 +290,8 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     tokens = micro_batch * seq_len / cp
     per_layer = activation_bytes_per_token(cfg, bf16, recompute, cp) * tokens / tp
     activations = round(in_flight * cfg.n_layers / pp * per_layer)
-    if _mtp(cfg):  # each depth counted as a dense block over the whole sequence (not measured: see above)
-        activations += round(_mtp(cfg) * block_bytes_per_token(cfg, bf16, "none") * tokens)
+    if _mtp(cfg):  # each depth counted as a dense block over the rank's tokens (not measured: see above)
+        activations += round(_mtp(cfg) * block_bytes_per_token(cfg, bf16, recompute, cp=cp) * tokens / tp)
     if getattr(cfg, "document_mask", False):  # one (batch, 1, T / cp, T) bias for all blocks
         activations += round(in_flight * tokens * seq_len * (2 if bf16 else 4))
     one_block = _largest_block_bytes_per_token(cfg, bf16, cp) * tokens / tp

@@ -69,14 +69,14 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _whole_sequences(cfg: Any) -> bool:
-    """Multi-token prediction (model.mtp_depth) runs on whole sequences beside the output head:
-    training refuses tensor, context and pipeline parallelism with it."""
-    return bool(getattr(cfg, "mtp_depth", 0))
+def _last_stage_embedding(cfg: Any) -> bool:
+    """Whether the last pipeline stage would need the embedding too: a tied output head, or
+    multi-token prediction (model.mtp_depth), whose depths read it beside the head."""
+    return cfg.tie_embeddings or bool(getattr(cfg, "mtp_depth", 0))
 
 
 def _tp_sizes(cfg: Any, seq_len: int, cp: int, gpus_per_node: int) -> list[int]:
-    if moe_layers(cfg) or _whole_sequences(cfg):  # (a mixture under tp, whole experts on every rank: not modelled)
+    if moe_layers(cfg):  # (a mixture under tp, whole experts on every rank: not modelled)
         return [1]
     sizes = (cfg.n_heads, cfg.kv_heads, cfg.hidden_dim, cfg.vocab, seq_len // cp)
     return [tp for tp in divisors(gpus_per_node) if all(size % tp == 0 for size in sizes)]
@@ -92,7 +92,7 @@ def _data_parallel(cfg: Any, dp: int) -> list[tuple[int, int]]:
 
 def _pipelines(cfg: Any, world: int) -> list[tuple[int, str, int]]:
     """(pp, schedule, stages per rank) choices: one stage a rank under 1F1B, two interleaved."""
-    if cfg.tie_embeddings or _whole_sequences(cfg):  # (tied: the embedding and the head on different stages)
+    if _last_stage_embedding(cfg):  # (parallel/layout.py refuses these)
         return [(1, "1f1b", 1)]
     out = [(1, "1f1b", 1)]
     for pp in divisors(world):
@@ -134,7 +134,7 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
     capacity = usable * device.memory
     fits: list[Candidate] = []
     closest: Candidate | None = None
-    cps = [cp for cp in divisors(world) if cp == 1 or (allow_cp and not _whole_sequences(cfg) and cp <= 64
+    cps = [cp for cp in divisors(world) if cp == 1 or (allow_cp and cp <= 64
                                                        and seq_len % (2 * cp) == 0)]
     for cp in cps:
         for tp in _tp_sizes(cfg, seq_len, cp, min(gpus_per_node, world)):

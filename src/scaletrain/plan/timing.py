@@ -225,6 +225,9 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
     micro_steps = lay.microbatches(global_batch)
     tokens = lay.micro_batch * seq_len / lay.cp  # per device and micro-batch
     layers = cfg.n_layers / lay.pp
+    # Multi-token prediction's depths (never pipelined): a dense block each, beside the head; their
+    # FLOPs are spread over the blocks' below, their collectives and element-wise work counted here.
+    depths = getattr(cfg, "mtp_depth", 0) or 0
     d, kv_width = cfg.dim, cfg.kv_heads * cfg.head_dim
     bandwidth = device.memory_bandwidth
 
@@ -233,7 +236,7 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
     block_flops = (train_flops_per_token(cfg, seq_len, causal=True) - 6 * head_matmul) / cfg.n_layers
     elementwise = efficiency.elementwise * activation_bytes_per_token(cfg, bf16, "none")  # per token and block
     blocks_matmul = tokens * layers * block_flops / lay.tp / peak
-    blocks_elementwise = tokens * layers * elementwise / lay.tp / bandwidth
+    blocks_elementwise = tokens * (layers + depths) * elementwise / lay.tp / bandwidth
     head = tokens * (6 * head_matmul / lay.tp / peak + cfg.vocab / lay.tp * (act_bytes + 12) / bandwidth)
     recompute = {"none": 0.0, "selective": blocks_elementwise / 3,
                  "full": (blocks_matmul + blocks_elementwise) / 3}[lay.recompute]
@@ -246,12 +249,12 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
     again = lay.recompute != "none"
     activations = tokens * d * act_bytes  # the norms' outputs, gathered; the projections' outputs, scattered
     tp_bw = group_bandwidth(lay, "tp", device, gpus_per_node, efficiency)
-    tp_collectives = layers * (12 if again else 8) + 2
+    tp_collectives = (layers + depths) * (12 if again else 8) + 2 * (1 + depths)  # (+ the head's, a pass each)
     tp_time = tp_collectives * collective("all_gather", activations, lay.tp, tp_bw, efficiency)
     # Keys, then values, of whole sequences: all-gathered forward, their gradients all-reduced backward.
     half_kv = lay.micro_batch * seq_len * kv_width / lay.tp * act_bytes
     cp_bw = group_bandwidth(lay, "cp", device, gpus_per_node, efficiency)
-    cp_time = 2 * layers * ((2 if again else 1) * collective("all_gather", half_kv, lay.cp, cp_bw, efficiency)
+    cp_time = 2 * (layers + depths) * ((2 if again else 1) * collective("all_gather", half_kv, lay.cp, cp_bw, efficiency)
                             + collective("all_reduce", half_kv, lay.cp, cp_bw, efficiency))
     sends = 0.0
     if lay.pp > 1:  # the float32 residual stream, out and back, at each of the rank's stages

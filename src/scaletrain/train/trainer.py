@@ -29,7 +29,7 @@ from scaletrain.data.loader import IGNORE, Prefetcher, TokenLoader, eval_batches
 from scaletrain.data.shards import DataError, read_index, read_indexes
 from scaletrain.hf import load_hf_weights
 from scaletrain.model.flops import param_counts, train_flops_per_token
-from scaletrain.model.llama import Transformer, document_ids
+from scaletrain.model.llama import Transformer, document_ids, shifted_targets
 from scaletrain.model.loss import Tally, cross_entropy, target_log_probs
 from scaletrain.parallel.apply import parallelize
 from scaletrain.parallel.context import shard_sequence
@@ -809,7 +809,7 @@ class Trainer:
         first_sq = None  # the first micro-batch's squared gradient norm, for the noise scale
         for micro in range(micro_steps):
             t0 = time.perf_counter()
-            batches.append(self._batch(*self.loader.next_batch()))
+            batches.append(self._batch(*self.loader.next_batch(), depths=self.cfg.model.mtp_depth))
             data_wait += time.perf_counter() - t0
             if self.parallel.schedule is None:  # one micro-batch at a time: forward, backward
                 inputs, targets, documents = batches.pop()
@@ -916,15 +916,19 @@ class Trainer:
                     else f"no checkpoint from before step {int(step) - 1} to go back to")
         self.spikes.append({"step": int(step), "loss": spiked, "mean": mean, "std": std})
 
-    def _batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _batch(self, inputs: torch.Tensor, targets: torch.Tensor,
+               depths: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A batch of whole sequences as this rank feeds it to the model: its part of each
         sequence under context parallelism, on the device; with the document ids of the whole
-        sequences when attention stays within documents (else None)."""
+        sequences when attention stays within documents (else None); with `depths` (training's
+        multi-token prediction), the targets of each depth beside the next tokens (shifted_targets)."""
         documents = None
         if self.eos_id is not None:
             documents = document_ids(inputs, self.eos_id)
             documents = (documents.pin_memory() if self.device.type == "cuda" else documents).to(
                 self.device, non_blocking=True)  # (as inputs and targets below)
+        if depths:  # (taken on whole sequences)
+            targets = shifted_targets(targets, depths)
         if self.layout.cp > 1:
             inputs, targets = (shard_sequence(t, self.cp_rank, self.layout.cp) for t in (inputs, targets))
         if self.device.type == "cuda" and not inputs.is_pinned():
