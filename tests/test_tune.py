@@ -69,9 +69,17 @@ def test_tune_trains_each_rate_once_resumes_and_writes_the_tuned_config(stdlib_d
     assert tuned.train.batch_ramp == [(256, 512)]
     assert "diverged" in first.stdout and "← best" in first.stdout
 
-    again = run_cli(*args)  # nothing left to train
+    again = run_cli(*args, "--concurrency", "2")  # nothing left to train
     assert again.returncode == 0, again.stderr
-    assert "training lr" not in again.stderr and json.loads((out / "tune.json").read_text()) == doc
+    assert json.loads((out / "tune.json").read_text()) == doc
+    assert "3/3" in again.stderr and (out / "results.csv").read_text().count("\n") == 4  # (a header, 3 rates)
+    wider = run_cli(*[a.replace("0.003,0.03,1e38", "0.003,0.01,0.03,0.1,1e38") for a in args], "--concurrency", "2")
+    assert wider.returncode == 0, wider.stderr  # the two new rates, in two worker processes
+    widened = json.loads((out / "tune.json").read_text())
+    assert [row["lr"] for row in widened["results"]] == [0.003, 0.01, 0.03, 0.1, 1e38]
+    assert {row["lr"]: row for row in widened["results"]}[0.03] == by_lr[0.03]  # kept, not trained again
+    for lr in (0.01, 0.1):
+        assert load_config(out / f"lr_{lr:g}" / "config.toml").train.lr == lr
     other = run_cli(*[a.replace("train.warmup_steps=1", "train.warmup_steps=2") for a in args])
     assert other.returncode != 0 and "holds a tuning of another config" in other.stderr
     refused = run_cli("tune", str(TINY), f"data.path={stdlib_data}", "--out", str(tmp_path / "x"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -495,8 +496,6 @@ def _utilisation(flops_per_s: float | None, device: str, workers: int) -> str:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from scaletrain.sweep import Sweep, SweepSettings
 
     budgets = sorted(set(args.budgets))
@@ -508,16 +507,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         sweep = Sweep(out_dir, settings)
     except ValueError as e:  # an unknown prior law
         raise UserError(str(e)) from None
-    logging.getLogger("scaletrain").setLevel(logging.WARNING)  # the progress bar speaks for the runs
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-               TimeElapsedColumn())
-    with Progress(*columns, console=console) as bar:
-        task = bar.add_task("sweep", total=sum(sweep.planned().values()), info="", completed=len(sweep.results()))
-
-        def show(p: dict) -> None:
-            eta = f", ETA {p['eta_s']:.0f} s" if p["eta_s"] is not None else ""
-            bar.update(task, completed=p["done"], info=f"{p['name']} · {p['flops']:.3g} FLOPs{eta}")
-
+    with _searching("sweep", sum(sweep.planned().values()), len(sweep.results())) as show:
         rows = sweep.run(progress=show, concurrency=args.concurrency)
     table = Table(title=f"sweep {out_dir}: {len(rows)} points")
     for column in ("point", "N", "D", "C", "val loss"):
@@ -553,8 +543,6 @@ def _weights(text: str) -> dict[str, float]:
 def cmd_mixture(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from scaletrain.mixture import MAX_EPOCHS, MixtureSearch, MixtureSettings, sources_under
 
     root = Path(args.data)
@@ -572,15 +560,7 @@ def cmd_mixture(args: argparse.Namespace) -> int:
     out.print(f"{settings.runs} proxies of {point.shape.name} ({point.n:,} parameters), {point.steps} steps of "
               f"{point.batch_seqs} x {settings.seq_len} tokens each ({settings.budget:.3g} FLOPs), on mixtures of "
               f"{', '.join(sources)}")
-    logging.getLogger("scaletrain").setLevel(logging.WARNING)  # the progress bar speaks for the runs
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[info]}"), TimeElapsedColumn())
-    with Progress(*columns, console=console) as bar:
-        task = bar.add_task("mixtures", total=settings.runs, info="", completed=len(search.results()))
-
-        def show(p: dict) -> None:
-            bar.update(task, completed=p["done"], info=f"{p['name']} · {p['flops']:.3g} FLOPs, ETA {p['eta_s']:.0f} s")
-
+    with _searching("mixtures", settings.runs, len(search.results())) as show:
         rows = search.run(progress=show, concurrency=args.concurrency)
     law, choice = search.choose(rows, target=args.target, tokens=args.tokens)
     table = Table(title=f"mixture search {out_dir}: {len(rows)} proxies")
@@ -642,6 +622,25 @@ def _small_runs(p: argparse.ArgumentParser, run: str, runs: str, sizing: str, mi
                             "(default DeepSeek LLM's)")
 
 
+@contextlib.contextmanager
+def _searching(description: str, total: int, done: int):
+    """A progress bar for a search by small runs (a sweep's too): yields the progress callback of
+    their run()."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    logging.getLogger("scaletrain").setLevel(logging.WARNING)  # the progress bar speaks for the runs
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task(description, total=total, info="", completed=done)
+
+        def show(p: dict) -> None:
+            eta = f", ETA {p['eta_s']:.0f} s" if p["eta_s"] is not None else ""
+            bar.update(task, completed=p["done"], info=f"{p['name']} · {p['flops']:.3g} FLOPs{eta}")
+
+        yield show
+
+
 def _hparams(path: str | None) -> dict | None:
     """The law of an `--hparams` file as a settings dict (None without one)."""
     if path is None:
@@ -653,8 +652,6 @@ def _hparams(path: str | None) -> dict | None:
 
 def cmd_hparams(args: argparse.Namespace) -> int:
     from pathlib import Path
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     import math
 
@@ -673,15 +670,7 @@ def cmd_hparams(args: argparse.Namespace) -> int:
                   f"{', '.join(f'{lr:.3g}' for lr in sorted({p.lr for p in at}))} x batches of "
                   f"{', '.join(str(b) for b in sorted({p.batch_seqs for p in at}))} x {settings.seq_len} tokens",
                   highlight=False)
-    logging.getLogger("scaletrain").setLevel(logging.WARNING)  # the progress bar speaks for the runs
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[info]}"), TimeElapsedColumn())
-    with Progress(*columns, console=console) as bar:
-        task = bar.add_task("hparams", total=len(search.points), info="", completed=len(search.planned_results()))
-
-        def show(p: dict) -> None:
-            bar.update(task, completed=p["done"], info=f"{p['name']} · {p['flops']:.3g} FLOPs, ETA {p['eta_s']:.0f} s")
-
+    with _searching("hparams", len(search.points), len(search.planned_results())) as show:
         rows = search.run(progress=show, concurrency=args.concurrency)
     law, optima, boot = search.fit(rows, samples=args.bootstrap)
     path, doc = search.write(law, optima, boot, args.predict or [])
@@ -735,18 +724,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from scaletrain.config import load_config
-    from scaletrain.tune import DEFAULT_LRS, proxy_data, tune
+    from scaletrain.tune import DEFAULT_LRS, proxy_data, tune, tuned_rates
 
     cfg = load_config(args.config, args.overrides)
     proxy_data(cfg)  # a config muP cannot narrow is refused before anything trains
     lrs = args.lrs or list(DEFAULT_LRS)
     out_dir = Path(args.out) if args.out else Path("runs") / f"{cfg.run.name}-tune"
-    logging.getLogger("scaletrain").setLevel(logging.WARNING)  # a line per rate speaks for the runs
     base = cfg.model.mup_base_dim
+    at_once = f", {args.concurrency} at a time" if args.concurrency > 1 else ""
     console.print(f"tuning the learning rate of {cfg.run.name} (width {cfg.model.dim}) on its proxy of width {base}, "
-                  f"{len(set(lrs))} rates, in {out_dir}", highlight=False)
-    doc = tune(cfg, out_dir, lrs, progress=lambda lr: console.print(f"  training lr {lr:.4g}", highlight=False),
-               steps=args.steps)
+                  f"{len(set(lrs))} rates{at_once}, in {out_dir}", highlight=False)
+    with _searching("rates", len(set(lrs)), len(tuned_rates(out_dir) & set(lrs))) as show:
+        doc = tune(cfg, out_dir, lrs, progress=show, steps=args.steps, concurrency=args.concurrency)
     table = Table(title=f"proxy of width {base}: validation loss by learning rate")
     table.add_column("lr", justify="right")
     table.add_column("val loss", justify="right")
@@ -1447,6 +1436,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lrs", type=lambda text: [_lr(part) for part in text.split(",")], default=None,
                    help="learning rates to try, comma-separated (default: 2^-11 to 2^-5, a factor of 2 apart)")
     p.add_argument("--out", default=None, help="directory of the proxy runs and tune.json (runs/NAME-tune)")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="proxies trained at once, in worker processes (GPUs taken in turn)")
     p.add_argument("--write-config", default=None, metavar="FILE",
                    help="write the config with train.lr set to the best rate")
     p.set_defaults(func=cmd_tune)

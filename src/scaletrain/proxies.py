@@ -1,6 +1,7 @@
 """Searches by small runs: a plan of proxy runs in one directory, each trained once and recorded as
-a row of results.csv, in worker processes if asked. The mixture search (one proxy per mixture)
-and the hyperparameter search (one per learning rate and batch) are each a ProxyRuns; an
+a row of results.csv, in worker processes if asked. The mixture search (one proxy per mixture),
+the hyperparameter search (one per learning rate and batch) and muP's tuning (one per learning
+rate of the narrow proxy) are each a ProxyRuns; an
 interrupted search resumes where it stopped: finished runs are kept, an unfinished one resumes
 from its checkpoint.
 """

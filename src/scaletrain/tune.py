@@ -9,20 +9,22 @@ head as wide) scaled to mup_base_dim and everything else — depth, vocabulary, 
 steps, schedule, seed — the same: muP transfers across width, not depth or training length, so
 a proxy trained shorter than the run finds the best rate of a shorter run (shorten it anyway
 when the run is long, with `steps`: the best rate moves slowly with length). Each proxy is a run of its own
-in the tuning directory: an interrupted tuning resumes (finished rates kept, the one in
-progress from its checkpoint), and a diverged one counts as the worst.
+in the tuning directory, one row of its results.csv when done (proxies.ProxyRuns, as the other
+searches by small runs): an interrupted tuning resumes (finished rates kept, the ones in progress
+from their checkpoints), several rates train at once with `concurrency` (worker processes, GPUs
+taken in turn), and a diverged one counts as the worst.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.config import ConfigError, RunConfig, validate_config
+from scaletrain.proxies import ProxyRuns, train_proxy
 
-log = logging.getLogger("scaletrain")
 
 # A factor-2 grid around the rates small Llama-style models train at (AdamW).
 DEFAULT_LRS = tuple(2.0 ** k for k in range(-11, -4))
@@ -57,14 +59,43 @@ def proxy_data(cfg: RunConfig) -> dict:
     return data
 
 
-def tune(cfg: RunConfig, out: str | Path, lrs=DEFAULT_LRS, progress=None, steps: int | None = None) -> dict:
-    """Train the proxy of `cfg` at each learning rate of `lrs` in directory `out` (resuming what
-    is there), each for `steps` optimizer steps if given (else the run's length); returns {"proxy": ..., "results": [{"lr", "val_loss" or None, "diverged"}...],
-    "best_lr", "fitted_lr", "edge"}, also written to out/tune.json. progress(lr) is called
-    before each rate is trained."""
-    from scaletrain.train.metrics import read_metrics
-    from scaletrain.train.trainer import TrainingDiverged, train
+@dataclass(frozen=True)
+class TuneSettings:
+    proxy: dict  # the proxy's config data, its run directory the tuning's
+    lrs: tuple[float, ...]
+    device: str = "auto"  # train.device: where worker processes train (GPUs taken in turn)
 
+
+class Tuning(ProxyRuns):
+    """One proxy run per learning rate (proxies.ProxyRuns: results.csv, resume, worker processes)."""
+
+    def keys(self) -> list[float]:
+        return sorted(set(self.settings.lrs))
+
+    def name_of(self, lr: float) -> str:
+        return f"lr_{lr:.6g}"
+
+    def columns(self) -> list[str]:
+        return ["name", "lr", "val_loss", "c"]
+
+    def _run_one(self, lr: float, train) -> dict:
+        from scaletrain.train.metrics import read_metrics
+
+        proxy = self.settings.proxy
+        cfg = validate_config({**proxy, "run": {**proxy["run"], "name": self.name_of(lr)},
+                               "train": {**proxy["train"], "lr": lr}}, source="the proxy")
+        _, loss, _ = train_proxy(cfg, train)  # (nan if it diverged)
+        return {"name": self.name_of(lr), "lr": lr, "val_loss": loss,
+                "c": read_metrics(cfg.run_dir, "start")[-1]["flops_per_token"] * cfg.total_tokens}
+
+
+def tune(cfg: RunConfig, out: str | Path, lrs=DEFAULT_LRS, progress=None, steps: int | None = None,
+         concurrency: int = 1) -> dict:
+    """Train the proxy of `cfg` at each learning rate of `lrs` in directory `out` (resuming what
+    is there), each for `steps` optimizer steps if given (else the run's length), `concurrency`
+    at a time in worker processes; returns {"proxy": ..., "results": [{"lr", "val_loss" or None,
+    "diverged"}...] (every rate the directory has trained), "best_lr", "fitted_lr", "edge"},
+    also written to out/tune.json. progress gets ProxyRuns.run's dict after each rate."""
     out = Path(out)
     proxy = proxy_data(cfg)
     proxy.setdefault("run", {}).update(dir=str(out), name="proxy")
@@ -75,36 +106,24 @@ def tune(cfg: RunConfig, out: str | Path, lrs=DEFAULT_LRS, progress=None, steps:
     identity = validate_config(proxy, source="the proxy").model_dump(mode="json", exclude_none=True)  # (as JSON reads back)
     identity["train"].pop("lr")
     record = out / "tune.json"
-    results: dict[float, dict] = {}
-    if record.is_file():
-        previous = json.loads(record.read_text())
-        if previous["proxy"] != identity:
-            raise ConfigError(f"{out} holds a tuning of another config (its proxy differs); give another --out, or "
-                              "the config and overrides it was tuned with")
-        results = {entry["lr"]: entry for entry in previous["results"]}
+    if record.is_file() and json.loads(record.read_text())["proxy"] != identity:
+        raise ConfigError(f"{out} holds a tuning of another config (its proxy differs); give another --out, or "
+                          "the config and overrides it was tuned with")
     out.mkdir(parents=True, exist_ok=True)
-    for lr in sorted(set(lrs)):
-        if lr in results:
-            continue
-        if progress is not None:
-            progress(lr)
-        run_cfg = validate_config({**proxy, "run": {**proxy["run"], "name": f"lr_{lr:.6g}"},
-                                   "train": {**proxy["train"], "lr": lr}}, source="the proxy")
-        try:
-            train(run_cfg)
-            evals = read_metrics(out / f"lr_{lr:.6g}", "eval")
-            loss = evals[-1]["loss"] if evals else None
-            results[lr] = {"lr": lr, "val_loss": loss if loss is not None and math.isfinite(loss) else None,
-                           "diverged": loss is None or not math.isfinite(loss)}
-        except TrainingDiverged as e:
-            log.warning("learning rate %g diverged: %s", lr, e)
-            results[lr] = {"lr": lr, "val_loss": None, "diverged": True}
-        _write(record, identity, cfg, results)
-    return _write(record, identity, cfg, results)
+    tuning = Tuning(out, TuneSettings(proxy, tuple(lrs), cfg.train.device))
+    _write(record, identity, cfg, tuning.results())  # (the identity first: a resumed tuning is checked against it)
+    tuning.run(progress, concurrency)
+    return _write(record, identity, cfg, tuning.results())
 
 
-def _write(record: Path, identity: dict, cfg: RunConfig, results: dict[float, dict]) -> dict:
-    rows = [results[lr] for lr in sorted(results)]
+def tuned_rates(out: str | Path) -> set[float]:
+    """The learning rates a tuning directory has trained (those its results.csv records)."""
+    return {row["lr"] for row in Tuning(Path(out), None).results()}
+
+
+def _write(record: Path, identity: dict, cfg: RunConfig, trained: list[dict]) -> dict:
+    rows = [{"lr": row["lr"], "val_loss": row["val_loss"] if math.isfinite(row["val_loss"]) else None,
+             "diverged": not math.isfinite(row["val_loss"])} for row in sorted(trained, key=lambda r: r["lr"])]
     doc = {"proxy": identity, "width": cfg.model.dim, "base_width": cfg.model.mup_base_dim, "results": rows,
            **best_rate(rows)}
     record.write_text(json.dumps(doc, indent=1) + "\n")
