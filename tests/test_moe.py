@@ -20,6 +20,7 @@ from scaletrain.model import flops
 from scaletrain.model.llama import Transformer
 from scaletrain.model.moe import MoE, balance_tally, set_balance_weight
 from scaletrain.parallel.layout import check_layout, resolve_layout
+from scaletrain.plan.memory import rank_memory
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
 
@@ -272,10 +273,14 @@ LAYOUTS = {  # name: (processes, overrides); plain FSDP of a MoE is the non-expe
     # orthogonalised where they lie, the attention's FSDP shards gathered whole.
     "expert-parallel-fsdp-muon": (4, ["parallel.dp_shard=4", "parallel.ep=2", "parallel.recompute=full",
                                       "train.optimizer=muon"]),
-    # Each rank of a tp pair routes its half of the sequences through whole weights, the pair
-    # summing their gradients; with experts split over ep and FSDP, recomputed, and Muon.
+    # Each rank of a tp pair routes its half of the sequences with the whole router, the pair
+    # summing its gradients, to experts split over ep x tp (one a rank), sharded by FSDP,
+    # recomputed, with Muon; each rank holds the bytes the memory model gives it.
     "tensor-expert-and-data-parallel-muon": (4, ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2",
                                                  "parallel.recompute=full", "train.optimizer=muon"]),
+    # tp alone: each rank of the pair holds half the experts (2 of 4), the tokens of both halves of
+    # the sequences exchanged by all-to-all.
+    "tensor-parallel": (2, ["parallel.tp=2", "parallel.dp_shard=1"]),
     # Each sequence split over 2 cp ranks: the balancing loss counts the whole micro-batch's
     # assignments, and each expert's FSDP group takes in the cp ranks holding it.
     "context-and-expert-parallel": (4, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2"]),
@@ -315,6 +320,14 @@ def test_parallel_moe_trains_the_losses_and_gradients_of_one_process(stdlib_data
     result = run_cli("train", "configs/tiny.toml", *common, *layout, "--stop-at-step", "2", "--nproc", str(processes),
                      timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    if "parallel.tp=2" in layout:  # the routed experts split over ep x tp, the routers and shared experts whole
+        cfg = load_config(ROOT / "configs" / "tiny.toml", [*common, *layout, "model.vocab_size=512"])
+        par = cfg.parallel
+        estimate = rank_memory(cfg.model, cfg.data.seq_len, cfg.train.micro_batch, bf16=False, fsdp=par.dp_shard,
+                               tp=par.tp, ep=par.ep, optimizer=cfg.train.optimizer)
+        for rank in read_metrics(tmp_path / "run", "memory")[0]["bytes_by_rank"]:
+            assert (estimate.parameters, estimate.gradients, estimate.optimizer) == (
+                rank["parameters"], rank["gradients"], rank["optimizer"])
     train(load_config(ROOT / "configs" / "tiny.toml", common))
     records = read_metrics(tmp_path / "run", "train")
     assert [r["step"] for r in records] == [1, 2, 3, 4]

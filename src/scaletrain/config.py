@@ -373,7 +373,7 @@ class ParallelConfig(_Section):
     tp: int = Field(default=1, ge=1)
     """Tensor-parallel degree: attention heads, MLP columns and the vocabulary split over tp ranks, the sequence between blocks (sequence parallel)."""
     ep: int = Field(default=1, ge=1)
-    """Expert-parallel degree (a mixture of experts only): each group of ep neighbouring dp_shard ranks splits the routed experts between them, each token sent to its experts' rank and back by all-to-all; FSDP shards each expert over the dp_shard and cp ranks that hold the same experts."""
+    """Expert-parallel degree (a mixture of experts only): each group of ep neighbouring dp_shard ranks splits the routed experts between them, each token sent to its experts' rank and back by all-to-all; FSDP shards each expert over the dp_shard and cp ranks that hold the same experts. Under tensor parallelism the experts split over the ep x tp ranks (model.moe_experts a multiple of ep x tp)."""
     cp: int = Field(default=1, ge=1)
     """Context-parallel degree: each sequence split over cp ranks (load-balanced causal split into 2 x cp chunks), keys and values all-gathered for attention."""
     pp: int = Field(default=1, ge=1)

@@ -41,10 +41,15 @@ f_i counts the assignments of the whole sequences, gathered over the cp ranks, s
 the ranks' losses is the loss of the whole micro-batch.
 
 Under tensor parallelism (`tp_group`) a block takes the rank's part of the sequences (sequence
-parallelism's split of the residual stream) and routes it with the whole router and experts,
-as data parallelism would: the tp ranks sum the weights' gradients (an all-reduce in the
-backward pass), f_i counts over them too, and the balancing loss's weight is divided by tp
-(each rank's loss is over its part of the tokens, and the parts' gradients are summed).
+parallelism's split of the residual stream) and routes it with the whole router (and shared
+experts), as data parallelism would: the tp ranks sum those weights' gradients (an all-reduce
+in the backward pass), f_i counts over them too, and the balancing loss's weight is divided by
+tp (each rank's loss is over its part of the tokens, and the parts' gradients are summed). The
+routed experts are split over the tp ranks instead, by expert, as expert parallelism splits
+them (and together with it, over ep x tp ranks): each rank holds 1/tp of them and the tokens
+travel to their experts by all-to-all, where whole experts on every tp rank would hold tp
+copies of what is most of a mixture's weights (torchtitan's experts likewise take the tp
+ranks into expert parallelism).
 """
 
 from __future__ import annotations
@@ -68,19 +73,19 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(count, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(count, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(count, hidden_dim, dim))
-        # Under expert parallelism (parallel/expert.py) the weights are DTensors split by expert
-        # over this group, and tokens travel to their experts' rank and back.
+        # Under expert parallelism and tensor parallelism (parallel/expert.py) the weights are
+        # DTensors split by expert over this group (the ep ranks, each with its tp ranks), and
+        # tokens travel to their experts' rank and back; `ep` of its ranks train on other data.
         self.ep_group = None
-        self.tp_group = None  # tensor parallelism: see MoE.tp_group
+        self.ep = 1
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (assignments, dim) sorted by expert, counts[e] of them for expert e (a tensor of
         every expert's count, this rank's assignments)."""
         weights = [w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3)]
-        weights = summed_over(weights, self.tp_group)
         if self.ep_group is None:
             return _run(x, counts, *weights)
-        return _expert_parallel(x, counts, weights, self.ep_group)
+        return _expert_parallel(x, counts, weights, self.ep_group, self.ep)
 
 
 def _run(x: torch.Tensor, counts: list[int] | torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -134,28 +139,34 @@ class _ContiguousGradient(torch.autograd.Function):
         return grad.contiguous()
 
 
-def _expert_parallel(x: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor], group) -> torch.Tensor:
-    """Send each assignment to the rank of its expert (rank r holds experts r·E/ep ..), run the
-    local experts on what arrives from every rank, send the results back (all-to-all, GShard's
-    dispatch and combine, Lepikhin et al. 2021); rows return in x's order."""
+def _expert_parallel(x: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor], group,
+                     ep: int) -> torch.Tensor:
+    """Send each assignment to the rank of its expert (rank r of the group's n holds experts
+    r·E/n ..), run the local experts on what arrives from every rank, send the results back
+    (all-to-all, GShard's dispatch and combine, Lepikhin et al. 2021); rows return in x's order.
+    `ep` of the group's ranks train on different data (the others, tensor-parallel ranks, on
+    other parts of the same sequences)."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-    ep, local = dist.get_world_size(group), weights[0].shape[0]
-    # An expert's gradient sums the tokens of all ep ranks (the all-to-all's backward brings them),
-    # and data parallelism averages it over the ranks holding that expert, ep times fewer than
-    # the data-parallel ranks whose mean loss it is the gradient of: scale by 1 / ep. (FSDP's
-    # set_gradient_divide_factor would, but through a reduction gloo does not have.)
-    weights = [_ScaleGradient.apply(w, 1 / ep) for w in weights]
+    ranks, local = dist.get_world_size(group), weights[0].shape[0]
+    # An expert's gradient sums the tokens of all the group's ranks (the all-to-all's backward
+    # brings them): over tensor-parallel ranks, the parts of the same sequences, as a sum should;
+    # over the ep ranks, other data, which data parallelism averages over the ranks holding that
+    # expert, ep times fewer than the data-parallel ranks whose mean loss it is the gradient
+    # of: scale by 1 / ep. (FSDP's set_gradient_divide_factor would, but through a reduction
+    # gloo does not have.)
+    if ep > 1:
+        weights = [_ScaleGradient.apply(w, 1 / ep) for w in weights]
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)  # [source rank, local expert] counts
     sent, came = torch.stack([counts, received]).tolist()  # one host sync for every split
-    sent_splits = [sum(sent[r * local:(r + 1) * local]) for r in range(ep)]
-    arrived_splits = [sum(came[s * local:(s + 1) * local]) for s in range(ep)]
+    sent_splits = [sum(sent[r * local:(r + 1) * local]) for r in range(ranks)]
+    arrived_splits = [sum(came[s * local:(s + 1) * local]) for s in range(ranks)]
     arrived = all_to_all_single_autograd(x, arrived_splits, sent_splits, group)  # by source, then expert
     # Regroup by local expert (then source), run, and put back in arrival order.
-    expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(received)
+    expert_of_row = torch.arange(local, device=x.device).repeat(ranks).repeat_interleave(received)
     index = expert_of_row.argsort(stable=True)
-    per_expert = [sum(came[s * local + e] for s in range(ep)) for e in range(local)]
+    per_expert = [sum(came[s * local + e] for s in range(ranks)) for e in range(local)]
     out = _run(arrived[index], per_expert, *weights)
     back = torch.empty_like(out)
     back[index] = out
@@ -180,7 +191,8 @@ class MoE(nn.Module):
         self.balance_sum, self.balance_count = None, 0  # the values backward passes saw since the last tally
         self.cp_group = None  # context parallelism: the ranks holding the other parts of the sequences
         # Tensor parallelism (parallel/tensor.py): the ranks holding the other parts of the
-        # sequences, each routing its own tokens with the whole weights, whose gradients they sum.
+        # sequences, each routing its own tokens with the whole router and shared experts, whose
+        # gradients they sum (the routed experts are split over them: parallel/expert.py).
         self.tp_group = None
         if cfg.moe_bias_update:
             self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts))

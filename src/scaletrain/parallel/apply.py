@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from scaletrain.config import RunConfig
 from scaletrain.model.moe import MoE
 from scaletrain.parallel.context import apply_cp
-from scaletrain.parallel.expert import apply_ep
+from scaletrain.parallel.expert import apply_ep, expert_mesh
 from scaletrain.parallel.fsdp import apply_fsdp
 from scaletrain.parallel.layout import Layout, stage_ids
 from scaletrain.parallel.pipeline import build_schedule, forward_only, split_stages
@@ -85,8 +85,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout: Layout, cfg: 
             apply_tp(part, mesh["tp"])
         if layout.cp > 1:
             apply_cp(part, mesh["cp"].get_group(), cfg.data.seq_len)
-        if layout.ep > 1:
-            apply_ep(part, mesh["ep"])
+        split = expert_mesh(mesh, layout.ep, layout.tp) if cfg.model.moe else None
+        if split is not None:
+            apply_ep(part, split, layout.ep)
         apply_recompute(part, parallel.recompute)
         if cfg.train.compile:
             mode = None if cfg.train.compile_mode == "default" else cfg.train.compile_mode

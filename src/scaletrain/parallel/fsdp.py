@@ -31,11 +31,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype = to
     for block in model.layers.values():
         experts = getattr(block.feed_forward, "experts", None)
         if experts is not None and experts.ep_group is not None:
-            # Split by expert over ep, each rank's experts sharded over the ranks that hold the
-            # same ones, cp ranks included (model/moe.py scales their gradients by 1 / ep: see
-            # _expert_parallel).
-            fully_shard(experts, mesh=mesh["dp_replicate", "efsdp_cp"], mp_policy=block_policy,
-                        reshard_after_forward=reshard_after_forward)
+            # Split by expert over ep (and tp), each rank's experts sharded over the ranks that
+            # hold the same ones, cp ranks included (model/moe.py scales their gradients by 1 / ep:
+            # see _expert_parallel) — all the data-parallel ones when only tp splits them.
+            fully_shard(experts, mesh=mesh["dp_replicate", "efsdp_cp"] if experts.ep > 1 else dp_mesh,
+                        mp_policy=block_policy, reshard_after_forward=reshard_after_forward)
         fully_shard(block, mesh=dp_mesh, mp_policy=block_policy, reshard_after_forward=reshard_after_forward)
     for depth in getattr(model, "mtp", None) or []:  # multi-token prediction's modules, each as a block
         fully_shard(depth, mesh=dp_mesh, mp_policy=block_policy, reshard_after_forward=reshard_after_forward)

@@ -119,6 +119,11 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
         if seq_len % (2 * layout.cp):
             raise ConfigError(f"data.seq_len = {seq_len} is not divisible by 2 x parallel.cp = {2 * layout.cp}; "
                               "context parallelism splits each sequence into 2 x cp equal chunks")
+    if layout.tp > 1 and model.moe and model.moe_experts % (layout.ep * layout.tp):
+        split = f"parallel.ep x tp = {layout.ep} x {layout.tp}" if layout.ep > 1 else f"parallel.tp = {layout.tp}"
+        raise ConfigError(f"model.moe_experts = {model.moe_experts} is not divisible by {split}; tensor parallelism "
+                          "splits a mixture's experts over its ranks (with expert parallelism's), each holding the "
+                          "same number of them")
     if layout.tp > 1:
         local_seq = seq_len // layout.cp
         sizes = {"model.n_heads": model.n_heads, "model.n_kv_heads": model.kv_heads, "the MLP width (model.ffn_dim)":

@@ -52,6 +52,8 @@ def init_distributed(device: torch.device, layout: Layout,
         mesh["efsdp", "ep"]._flatten("dp_shard")
         mesh["efsdp", "ep", "cp"]._flatten("dp_shard_cp")
         mesh["efsdp", "cp"]._flatten("efsdp_cp")  # the ranks holding the same experts
+        if layout.tp > 1:  # the experts split over ep x tp (parallel/expert.py)
+            mesh["ep", "tp"]._flatten("ep_tp")
     # FSDP shards over the data-parallel and context-parallel ranks alike: cp ranks hold the same
     # parameters and each contributes the gradient of its part of the sequence. (Slicing
     # ("dp_replicate", "dp_shard_cp") from the root then warns of a future deprecation; torch

@@ -6,9 +6,10 @@ wq/wk/wv/w1/w3, row-parallel wo/w2); between blocks the residual stream is split
 sequence (norms run on a sequence shard), so activations are never replicated. The output head
 stays split over the vocabulary and the loss is computed on those shards (`loss_parallel`);
 a tied embedding is split the same way (by vocabulary rows), so one sharded matrix serves both.
-Multi-token prediction's depths (model.mtp_depth) are split as blocks, on
-the same sequence shards. A mixture-of-experts block is not split: each rank routes its part of the sequence through the
-whole router and experts, the ranks summing their gradients (model/moe.py).
+Multi-token prediction's depths (model.mtp_depth) are split as blocks, on the same sequence
+shards. A mixture-of-experts block routes each rank's part of the sequence with the whole
+router, the ranks summing its gradients; its routed experts are split over the tp ranks by
+expert, as expert parallelism splits them (parallel/expert.py, model/moe.py).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh) -> None:
         }),
     })
     if isinstance(block.feed_forward, MoE):
-        block.feed_forward.tp_group = block.feed_forward.experts.tp_group = tp_mesh.get_group()
+        block.feed_forward.tp_group = tp_mesh.get_group()  # (its routed experts: parallel/expert.py)
 
 
 def _mixture_plan() -> dict:

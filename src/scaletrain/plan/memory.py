@@ -212,9 +212,6 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
     FSDP ranks (sharded over all `fsdp` of them either way); `ema`: train.ema_decay's moving
     average of the weights is kept. Under pipelining, the estimate of
     the pipeline rank with the larger peak."""
-    if moe_layers(cfg) and tp > 1:
-        raise ValueError("the memory model does not cover a mixture of experts under tensor parallelism (its router "
-                         "and experts stay whole on every tp rank); estimate it with tp = 1")
     if pp > 1 and 0 < moe_layers(cfg) < cfg.n_layers:
         cfg = _heaviest_pipeline_rank(cfg, pp, pp_schedule, pp_stages_per_rank)
     common = dict(micro_steps=micro_steps, bf16=bf16, recompute=recompute, fsdp=fsdp, tp=tp, cp=cp,
@@ -263,16 +260,21 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     norms = 2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0)
     # The blocks' norms and multi-token prediction's (its block's and three more a depth).
     block_norms = cfg.n_layers * norms + _mtp(cfg) * (norms + 3 * cfg.dim)
-    joins = _mtp(cfg) * 2 * cfg.dim * cfg.dim  # multi-token prediction's projections, whole under tp too
-    blocks = counts["total"] - block_norms - joins - cfg.dim - outer * (1 if cfg.tie_embeddings else 2)
+    # Matrices whole under tp too (every tp rank holds all of them): multi-token prediction's
+    # projections, a mixture's routers and shared experts (its routed experts split over tp).
+    joins = _mtp(cfg) * 2 * cfg.dim * cfg.dim
+    routing = moe_layers(cfg) * cfg.dim * (cfg.moe_experts + 3 * cfg.moe_shared_experts * cfg.expert_dim) \
+        if moe_layers(cfg) else 0
+    blocks = counts["total"] - block_norms - joins - routing - cfg.dim - outer * (1 if cfg.tie_embeddings else 2)
     matrices = (embedding + head) if not cfg.tie_embeddings else 1  # vocab x dim matrices here
     split = (blocks / pp + outer * matrices) / (fsdp * tp)  # split over tp too
-    whole = (block_norms / pp + joins + (cfg.dim if head else 0)) / fsdp  # norm weights: whole under tp
+    whole_matrices = joins + routing / pp
+    whole = (block_norms / pp + whole_matrices + (cfg.dim if head else 0)) / fsdp  # norm weights: whole under tp
     local = split + whole
     parameters = gradients = round(4 * local)
     tensors = parameter_tensors(cfg) - 2 - (0 if cfg.tie_embeddings else 1)  # the blocks' tensors
     tensors = tensors / pp + int(embedding) + int(head) * (1 if cfg.tie_embeddings else 2)  # head: norm (+ matrix)
-    muon = (blocks / pp / tp + joins) / fsdp if optimizer == "muon" else 0  # one moment, not two
+    muon = (blocks / pp / tp + whole_matrices) / fsdp if optimizer == "muon" else 0  # one moment, not two
     optimizer_bytes = round(8 * local - 4 * muon + 4 * tensors)
     stepping = _muon_step_bytes(cfg, fsdp, tp, ep) if optimizer == "muon" else 0
     head_matmul = outer if head else 0

@@ -76,18 +76,18 @@ def _last_stage_embedding(cfg: Any) -> bool:
 
 
 def _tp_sizes(cfg: Any, seq_len: int, cp: int, gpus_per_node: int) -> list[int]:
-    if moe_layers(cfg):  # (a mixture under tp, whole experts on every rank: not modelled)
-        return [1]
-    sizes = (cfg.n_heads, cfg.kv_heads, cfg.hidden_dim, cfg.vocab, seq_len // cp)
+    sizes = (cfg.n_heads, cfg.kv_heads, cfg.hidden_dim, cfg.vocab, seq_len // cp,
+             *((cfg.moe_experts,) if moe_layers(cfg) else ()))  # (a mixture's experts split over tp too)
     return [tp for tp in divisors(gpus_per_node) if all(size % tp == 0 for size in sizes)]
 
 
-def _data_parallel(cfg: Any, dp: int) -> list[tuple[int, int]]:
+def _data_parallel(cfg: Any, dp: int, tp: int = 1) -> list[tuple[int, int]]:
     """(replicas, ep) choices for `dp` data-parallel ranks: every split into replicas x FSDP
-    shards and, for a mixture, every expert-parallel group of shards that divides its experts."""
+    shards and, for a mixture, every expert-parallel group of shards that, with the tp ranks,
+    divides its experts."""
     return [(replicate, ep) for replicate in divisors(dp)
             for ep in (divisors(dp // replicate) if moe_layers(cfg) else [1])
-            if not moe_layers(cfg) or cfg.moe_experts % ep == 0]
+            if not moe_layers(cfg) or cfg.moe_experts % (ep * tp) == 0]
 
 
 def _pipelines(cfg: Any, world: int) -> list[tuple[int, str, int]]:
@@ -142,7 +142,7 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
                 continue
             for pp, schedule, stages in _pipelines(cfg, world // (cp * tp)):
                 dp = world // (cp * tp * pp)
-                for replicate, ep in _data_parallel(cfg, dp):
+                for replicate, ep in _data_parallel(cfg, dp, tp):
                     for micro_batch in MICRO_BATCHES:
                         global_batch = _batch(batch, dp, micro_batch, fixed_batch)
                         if global_batch is None:

@@ -260,20 +260,22 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
     if lay.pp > 1:  # the float32 residual stream, out and back, at each of the rank's stages
         pp_bw = group_bandwidth(lay, "pp", device, gpus_per_node, efficiency)
         sends = 2 * lay.pp_stages_per_rank * (tokens * d * 4 / lay.tp / pp_bw + efficiency.latency)
-    # Each routed copy of a token's activations to its expert's rank and back, forward and backward.
-    routed = tokens * getattr(cfg, "moe_top_k", 0) * d * act_bytes
+    # Each routed copy of a token's activations to its expert's rank and back, forward and backward,
+    # over the ep x tp ranks the experts split over (a tp rank routes its part of the sequences).
+    routed = tokens / lay.tp * getattr(cfg, "moe_top_k", 0) * d * act_bytes
     ep_bw = group_bandwidth(lay, "ep", device, gpus_per_node, efficiency)
     ep_time = 0.0
-    if lay.ep > 1:
+    split = lay.ep * lay.tp
+    if split > 1 and moe_layers(cfg):
         all_to_alls = moe_layers(cfg) / lay.pp * (6 if lay.recompute == "full" else 4)
-        ep_time = all_to_alls * ((lay.ep - 1) / lay.ep * routed / ep_bw + efficiency.latency)
+        ep_time = all_to_alls * ((split - 1) / split * routed / ep_bw + efficiency.latency)
     microbatch = forward + backward + tp_time + cp_time + ep_time + sends
 
     # -- data parallelism --------------------------------------------------------------------------
     stage_params = _stage_parameters(cfg, lay.pp) / lay.tp  # one tp rank's part of one stage, unsharded
     shard = lay.dp_shard * lay.cp
     fsdp_bw = group_bandwidth(lay, "fsdp", device, gpus_per_node, efficiency)
-    experts = _routed_expert_parameters(cfg) / lay.pp  # gathered 1/ep of them over dp_shard / ep ranks
+    experts = _routed_expert_parameters(cfg) / lay.pp / lay.tp  # gathered 1/ep of them over dp_shard / ep ranks
     efsdp_bw = group_bandwidth(lay, "efsdp", device, gpus_per_node, efficiency)
     gather = collective("all_gather", (stage_params - experts) * act_bytes, shard, fsdp_bw, efficiency)
     reduce = collective("reduce_scatter", (stage_params - experts) * 4, shard, fsdp_bw, efficiency)
