@@ -75,6 +75,14 @@ def test_report_refuses_what_is_not_a_run_or_a_law_in_one_line(stdlib_data, tmp_
     assert "Traceback" not in result.stderr
 
 
+def accounted(run_dir, records: list[tuple]) -> dict | None:
+    """account() of a run directory whose metrics.jsonl holds (kind, step, time, extra) records."""
+    (run_dir / "metrics.jsonl").write_text("".join(
+        json.dumps({"kind": kind, "step": step, "tokens": 512 * step, "time": t, **extra}) + "\n"
+        for kind, step, t, extra in records))
+    return account(read_metrics(run_dir, superseded=True), read_metrics(run_dir))
+
+
 def test_the_wall_clock_splits_into_kept_steps_redone_steps_setup_checkpoints_evaluation_and_restarts(tmp_path):
     """A run started (4 s of setup), rewound once (the record of its step 4 superseded, 1 s of
     unlogged steps lost, 0.5 s to go back), crashed after step 6 and was resumed from step 4's
@@ -88,10 +96,7 @@ def test_the_wall_clock_splits_into_kept_steps_redone_steps_setup_checkpoints_ev
                ("eval", 4, 19, {"seconds": 0.5}), ("checkpoint", 4, 20, {"blocking_s": 1.0}),
                ("train", 6, 22, {"step_s": 2.0}),  # then the crash
                ("resume", 4, 30, {"setup_s": 3.0}), ("train", 6, 32, {"step_s": 2.0}), ("end", 6, 33, {})]
-    (run_dir / "metrics.jsonl").write_text("".join(
-        json.dumps({"kind": kind, "step": step, "tokens": 512 * step, "time": t, **extra}) + "\n"
-        for kind, step, t, extra in records))
-    time_ = account(read_metrics(run_dir, superseded=True), read_metrics(run_dir))
+    time_ = accounted(run_dir, records)
     assert time_["parts"] == {"steps": 6.0, "steps_redone": 5.0, "setup": 7.5, "checkpoints": 2.0, "evaluation": 0.5,
                               "between": 5.0, "other": 1.0}
     assert (time_["wall_s"], time_["goodput"], time_["invocations"], time_["rewinds"]) == (27.0, 6 / 27, 2, 1)
@@ -104,11 +109,17 @@ def test_the_wall_clock_splits_into_kept_steps_redone_steps_setup_checkpoints_ev
     records = [("start", 0, 10, {"setup_s": 0.0}), ("train", 2, 12, {"step_s": 2.0}),
                ("checkpoint", 3, 13.5, {"blocking_s": 0.5, "step_s": 1.0}), ("train", 4, 14.5, {"step_s": 1.0}),
                ("resume", 3, 20, {"setup_s": 1.0}), ("train", 4, 21, {"step_s": 1.0})]
-    (run_dir / "metrics.jsonl").write_text("".join(
-        json.dumps({"kind": kind, "step": step, "tokens": 512 * step, "time": t, **extra}) + "\n"
-        for kind, step, t, extra in records))
-    time_ = account(read_metrics(run_dir, superseded=True), read_metrics(run_dir))
+    time_ = accounted(run_dir, records)
     assert (time_["parts"]["steps"], time_["parts"]["steps_redone"], time_["parts"]["between"]) == (4.0, 1.0, 4.5)
+    # The crashed invocation went on training 1.5 s past its last record (its heartbeat, which the
+    # resume record carries): those seconds were redone too, the rest of the gap was the restart.
+    records[4] = ("resume", 3, 20, {"setup_s": 1.0, "last_alive": 16.0})
+    time_ = accounted(run_dir, records)
+    assert (time_["parts"]["steps"], time_["parts"]["steps_redone"], time_["parts"]["between"]) == (4.0, 2.5, 3.0)
+    # A beat from before the last record (or from an earlier invocation) adds nothing.
+    records[4] = ("resume", 3, 20, {"setup_s": 1.0, "last_alive": 12.0})
+    time_ = accounted(run_dir, records)
+    assert (time_["parts"]["steps_redone"], time_["parts"]["between"]) == (1.0, 4.5)
     # A run whose train records do not time their steps (written before they did) has no account.
     (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "tokens": 512, "time": 1.0}) + "\n")
     assert account(read_metrics(run_dir, superseded=True), read_metrics(run_dir)) is None

@@ -21,7 +21,7 @@ from conftest import glitched, nan_norm_once_after, run_cli, tiny_config
 from scaletrain.config import ConfigError
 from scaletrain.report.goodput import account
 from scaletrain.train import checkpoint
-from scaletrain.train.metrics import read_metrics
+from scaletrain.train.metrics import Heartbeat, read_metrics
 from scaletrain.train.resilience import StoppedBySignal, loss_spike
 from scaletrain.train.trainer import Trainer, TrainingDiverged, train
 
@@ -957,3 +957,34 @@ def test_norms_by_part_add_up_to_the_whole_and_are_the_weights_of_the_checkpoint
         for name, p in model.named_parameters():
             squares[model_part(name)] = squares.get(model_part(name), 0.0) + p.detach().double().square().sum().item()
         assert record["weight_norm_by_part"] == pytest.approx({k: math.sqrt(v) for k, v in squares.items()}, rel=1e-5)
+
+
+def test_a_crashed_invocations_training_past_its_last_record_counts_as_redone_by_its_heartbeat(
+        stdlib_data, tmp_path, monkeypatch):
+    """Records at step 4 (train, checkpoint), then steps 5 and 6 trained with no record and the
+    process dies in step 7: its heartbeat (every step here) said step 6; the resumed invocation's
+    resume record carries that beat's time, and the goodput counts the seconds from the last
+    record to it as steps redone, the rest of the gap as the restart."""
+    monkeypatch.setattr(Heartbeat, "EVERY", 0.0)
+    real_step = Trainer.train_step
+
+    def dies_in_step_7(self, look=True):
+        if self.step == 6:
+            raise RuntimeError("the node went away")
+        return real_step(self, look)
+    monkeypatch.setattr(Trainer, "train_step", dies_in_step_7)
+    common = ["train.steps=8", "checkpoint.interval=4", "eval.interval=0", "log.interval=4"]
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="the node went away"):
+        train(tiny_config(stdlib_data, run_dir, *common))
+    beat = json.loads((run_dir / "heartbeat.json").read_text())
+    last = max(r["time"] for r in read_metrics(run_dir))
+    assert beat["step"] == 6 and beat["time"] >= last
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    assert train(tiny_config(stdlib_data, run_dir, *common)).resumed_from == 4
+    [resume] = read_metrics(run_dir, "resume")
+    assert resume["last_alive"] == beat["time"]
+    time_ = account(read_metrics(run_dir, superseded=True), read_metrics(run_dir))
+    assert time_["parts"]["steps_redone"] == pytest.approx(beat["time"] - last, abs=1e-6)
+    assert json.loads((run_dir / "heartbeat.json").read_text())["step"] == 8
+    assert sum(time_["parts"].values()) == pytest.approx(time_["wall_s"])

@@ -9,17 +9,18 @@ resumes from the newest checkpoint). It divides into:
   checkpoint records for the steps since the last train record: no record's steps straddle a
   checkpoint, so a resume keeps exactly the steps up to its checkpoint);
 - steps redone: steps trained and then lost — past the checkpoint that the next invocation
-  resumed from, or past the one a rewind went back to (their train records are superseded, and
-  a rewind also reports the unlogged steps it discarded, lost_s);
+  resumed from, or past the one a rewind went back to (their train records are superseded, a
+  rewind also reports the unlogged steps it discarded, lost_s, and a crashed invocation's
+  training past its last record is timed by its heartbeat, train/metrics.py's Heartbeat, which
+  the next resume record carries as last_alive);
 - setup: each process's start until its first step (imports, building and laying out the model,
   loading the checkpoint, opening the data: setup_s of the start and resume records) and each
   rewind's return to its checkpoint;
 - checkpoints: what saving blocked training for (blocking_s; a background save's copy to host
   memory only);
 - evaluation: validation loss and tasks (the eval records' seconds);
-- between invocations: from an invocation's last record to the launch of the next, which holds
-  the time to notice the failure and restart (the scheduler's queue included) and the work done
-  after the last record before the crash, which no record tells of;
+- between invocations: from an invocation's last record (or heartbeat) to the launch of the next:
+  the time to notice the failure and restart (a hang's included, the scheduler's queue too);
 - other: the rest (logging, waiting for a background save to finish, ...).
 
 The goodput is steps / wall-clock: the share of the wall-clock that advanced the run, as Google's
@@ -36,7 +37,7 @@ PARTS = {"steps": ("steps", "steps kept"),
          "setup": ("setup", "setup (start-up, checkpoint loading, rewinds)"),
          "checkpoints": ("checkpoints", "checkpoints (what saving blocked)"),
          "evaluation": ("eval", "evaluation"),
-         "between": ("restarts", "between invocations (restart, queue, unlogged lost work)"),
+         "between": ("restarts", "between invocations (noticing, restart, queue)"),
          "other": ("other", "other")}
 
 
@@ -73,15 +74,23 @@ def account(records: list[dict], kept: list[dict]) -> dict | None:
         return sum(r.get("step_s") or 0.0 for r in rows if r["kind"] in ("train", "checkpoint"))
     kept_steps = step_time(kept)
     rewinds = [r for r in records if r["kind"] == "rewind"]
+    # Between the last record of an invocation and the launch of the next (clocks of different
+    # hosts may disagree by a little: never below zero), the part it went on training (to its
+    # last heartbeat, which the next one's resume record carries) and the rest.
+    gaps = []
+    for before, after in zip(runs, runs[1:]):
+        last = max(r["time"] for r in before)
+        gap = max(0.0, launched(after) - last)
+        alive = min(gap, max(0.0, (after[0].get("last_alive") or last) - last))
+        gaps.append((alive, gap - alive))
     parts = {
         "steps": kept_steps,
-        "steps_redone": step_time(records) - kept_steps + sum(r.get("lost_s") or 0.0 for r in rewinds),
+        "steps_redone": step_time(records) - kept_steps + sum(r.get("lost_s") or 0.0 for r in rewinds)
+        + sum(alive for alive, _ in gaps),
         "setup": sum(run[0].get("setup_s") or 0.0 for run in runs) + sum(r.get("seconds") or 0.0 for r in rewinds),
         "checkpoints": sum(r.get("blocking_s") or 0.0 for r in records if r["kind"] == "checkpoint"),
         "evaluation": sum(r.get("seconds") or 0.0 for r in records if r["kind"] == "eval"),
-        # (Clocks of different hosts may disagree by a little: never below zero.)
-        "between": sum(max(0.0, launched(after) - max(r["time"] for r in before))
-                       for before, after in zip(runs, runs[1:])),
+        "between": sum(rest for _, rest in gaps),
     }
     parts["other"] = max(0.0, wall - sum(parts.values()))
     return {"wall_s": wall, "goodput": kept_steps / wall if wall > 0 else None, "invocations": len(runs),

@@ -125,6 +125,36 @@ class MetricsLog:
             sink.close()
 
 
+class Heartbeat:
+    """`heartbeat.json` in the run directory: the time and step of an invocation's last finished
+    step, rewritten at most every EVERY seconds. After a crash it tells how long the process
+    went on training past its last record — work no record tells of, lost with it — which the next
+    invocation's resume record carries (`last_alive`; report/goodput.py counts that time as steps
+    redone, not as time between invocations). A hung process stops beating at its last step."""
+
+    NAME = "heartbeat.json"
+    EVERY = 1.0  # seconds between beats, at least
+
+    def __init__(self, run_dir: Path, enabled: bool = True):
+        self.path, self.enabled, self.last = Path(run_dir) / self.NAME, enabled, -math.inf
+
+    def beat(self, step: int) -> None:
+        now = time.time()
+        if self.enabled and now - self.last >= self.EVERY:
+            partial = self.path.with_suffix(".tmp")
+            partial.write_text(json.dumps({"time": round(now, 3), "step": step}))
+            os.replace(partial, self.path)  # (a crash mid-write leaves the previous beat)
+            self.last = now
+
+    @classmethod
+    def read(cls, run_dir: Path) -> dict | None:
+        """The last beat of a run directory's earlier invocations, if one wrote any."""
+        try:
+            return json.loads((Path(run_dir) / cls.NAME).read_text())
+        except (OSError, ValueError):
+            return None
+
+
 class StepProfiler:
     """The PyTorch profiler over steps [first, last] (log.profile_steps) of this process: CPU
     operators, and on a GPU its kernels, with shapes and memory, written when the last of them

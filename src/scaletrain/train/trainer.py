@@ -43,7 +43,7 @@ from scaletrain.plan.timing import PlanLayout
 from scaletrain.train import checkpoint, noise
 from scaletrain.train.float8 import check_float8, convert_to_float8
 from scaletrain.train.init_from import init_source, starts_fresh
-from scaletrain.train.metrics import MetricsLog, StepProfiler, TensorBoardSink, WandbSink, read_metrics
+from scaletrain.train.metrics import Heartbeat, MetricsLog, StepProfiler, TensorBoardSink, WandbSink, read_metrics
 from scaletrain.train.optim import build_optimizer, local_shard, set_hyperparameters, set_lr
 from scaletrain.train.resilience import StopSignals, StoppedBySignal, Watchdog, loss_spike
 from scaletrain.train.schedule import lr_at
@@ -1210,8 +1210,11 @@ class Trainer:
             sinks.append(TensorBoardSink(self.run_dir / "tensorboard", resumed_from))
         metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.is_main, sinks=sinks)
         profiler = StepProfiler(cfg.log.profile_steps, self.run_dir / "profile", self.rank, self.device.type == "cuda")
+        heartbeat = Heartbeat(self.run_dir, enabled=self.is_main)
         if resumed_from is not None:
-            metrics.write("resume", self.step, self.tokens, setup_s=self._setup_s())
+            beat = Heartbeat.read(self.run_dir)  # (the interrupted invocation's last step)
+            metrics.write("resume", self.step, self.tokens, setup_s=self._setup_s(),
+                          **({"last_alive": beat["time"]} if beat else {}))
         else:
             source = {}
             if self.init_from and self.init_from.kind == "checkpoint":
@@ -1279,6 +1282,7 @@ class Trainer:
                     watchdog.beat()
                     continue
                 watchdog.beat()  # the first beat arms it
+                heartbeat.beat(self.step)
                 for spike in self.spikes:  # (those with no rewind left: the run went on)
                     metrics.write("spike", spike["step"], self.cfg.tokens_before(spike["step"]),
                                   **{k: round(v, 6) for k, v in spike.items() if k != "step"})
