@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from scaletrain.config import ConfigError
+from scaletrain.config import ConfigError, load_config
 from scaletrain.hparams import HparamSearch, HparamSettings, load_law
 from scaletrain.scaling.hparams import (DEEPSEEK, HyperparameterLaw, bootstrap_hyperparameter_laws, budget_optimum,
                                         fit_runs)
@@ -210,10 +210,24 @@ def test_the_command_fits_the_search_and_its_law_sets_the_sweep_mixture_and_plan
     args = ["hparams", "--data", str(stdlib_data), "--budgets", "3e9,1e10", "--lrs", "0.5,1,2", "--batches", "0.5,1",
             "--seq-len", "64", "--eval-tokens", "2048", "--min-steps", "30", "--device", "cpu", "--bootstrap", "20",
             "--predict", "1e12", "--out", str(search.out)]
-    result = run_cli(*args)
+    result = run_cli(*args, "--check", "3e10", "--concurrency", "2")
     assert result.returncode == 0, result.stderr
     doc = json.loads((search.out / "hparams.json").read_text())
     law = load_law(search.out / "hparams.json")
+    # --check: the compute-optimal model at 3e10, trained with the law's rate and batch and with
+    # DeepSeek's (two worker processes), their losses set side by side
+    [check] = doc["checks"]
+    assert check["budget"] == 3e10 and check["extrapolation"] == pytest.approx(3.0)
+    for rule, (lr, batch) in (("measured", law(3e10)), ("prior", DEEPSEEK(3e10))):
+        run = check["runs"][rule]
+        assert run["lr"] == pytest.approx(lr) and abs(run["batch_tokens"] - batch) <= 64 * 4
+        cfg = load_config(search.out / "check" / "runs" / run["name"] / "config.toml")
+        assert (cfg.train.lr, cfg.train.global_batch_tokens) == (pytest.approx(lr), run["batch_tokens"])
+        assert read_metrics(cfg.run_dir, "eval")[-1]["loss"] == run["loss"]
+    assert check["loss_difference"] == pytest.approx(check["runs"]["measured"]["loss"] - check["runs"]["prior"]["loss"])
+    assert "check at 3e+10 FLOPs" in result.stdout and "trained the better model, by" in result.stdout
+    within = run_cli(*args, "--check", "1e10")
+    assert within.returncode != 0 and "--check 1e+10: check the law beyond the budgets" in within.stderr
     assert [entry["budget"] for entry in doc["budgets"]] == [3e9, 1e10] and (search.out / "hparams.png").is_file()
     for entry in doc["budgets"]:
         best = min((row for row in rows if row["budget"] == entry["budget"]), key=lambda row: row["loss"])

@@ -712,9 +712,40 @@ def cmd_hparams(args: argparse.Namespace) -> int:
                   f"{p['prior_rule']['lr']:.4g}, batch {p['prior_rule']['batch_tokens']:,.0f}"
                   + (f" ({p['extrapolation']:.2g}x beyond the budgets measured: the further, the less it holds)"
                      if p["extrapolation"] > EXTRAPOLATION_WARNING else ""), highlight=False)
+    for budget in sorted(set(args.check or [])):
+        _check_hparams(search, law, budget, args.concurrency)
     out.print(f"wrote {path}; use it: scaletrain sweep --data {args.data} --budgets ... --hparams {path} "
               f"(also mixture and plan --hparams)", highlight=False)
     return 0
+
+
+def _check_hparams(search, law, budget: float, concurrency: int) -> None:
+    """hparams --check: the measured law against DeepSeek's rule at `budget`, a run each."""
+    import math
+
+    from scaletrain.hparams import CheckSettings, HparamCheck
+
+    if budget <= max(search.settings.budgets):
+        raise UserError(f"--check {budget:.3g}: check the law beyond the budgets it was measured at (above "
+                        f"{max(search.settings.budgets):.3g}); within them the grid's runs already tell")
+    check = HparamCheck(search.out / "check", CheckSettings(search.settings, law.to_dict(), budget))
+    with _searching(f"check {budget:.3g}", 2, len([r for r in check.results() if r["budget"] == budget])) as show:
+        rows = check.run(progress=show, concurrency=concurrency)
+    entry = check.record(rows)
+    table = Table(title=f"check at {budget:.3g} FLOPs ({rows[0]['shape']}, {rows[0]['n']:,.0f} parameters, "
+                        f"{entry['extrapolation']:.2g}x beyond the budgets measured): validation loss")
+    for column in ("rule", "lr", "batch", "steps", "val loss"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row("measured law" if row["rule"] == "measured" else "DeepSeek's", f"{row['lr']:.4g}",
+                      f"{row['batch_tokens']:,.0f} tok", f"{row['steps']:,.0f}",
+                      "diverged" if not math.isfinite(row["loss"]) else f"{row['loss']:.4f}")
+    out.print(table)
+    if entry["relative_difference"] is not None:
+        better = "the measured law" if entry["loss_difference"] < 0 else "DeepSeek's rule"
+        out.print(f"  {better} trained the better model, by {abs(entry['relative_difference']):.2%} of the loss "
+                  "(a seed moves such losses by a few tenths of a percent: a difference below that is a tie)",
+                  highlight=False)
 
 
 # -- tune -----------------------------------------------------------------------------------
@@ -1416,6 +1447,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch sizes as factors of DeepSeek's rule at each budget (0.5,1,2)")
     p.add_argument("--predict", type=_flops, action="append", metavar="C",
                    help="training FLOPs to give the law's learning rate and batch for, with intervals (repeatable)")
+    p.add_argument("--check", type=_flops, action="append", metavar="C",
+                   help="after the fit, train the compute-optimal model at C FLOPs (above the budgets) with the law's "
+                        "learning rate and batch and with DeepSeek's, and compare their losses (repeatable)")
     _small_runs(p, "run", "runs", "sizes each budget's model compute-optimally", 100,
                 "leave out batches that train fewer steps (100)", hparams=False)
     p.add_argument("--mix", type=_weights, default=None,

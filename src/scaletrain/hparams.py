@@ -14,7 +14,9 @@ has the sweep's schedule — warmup of N tokens, constant, then a linear decay o
 The directory holds grid.json (the settings), runs/ (one run directory per grid point),
 results.csv, and hparams.json and hparams.png once fitted; rerunning the same command continues
 where it stopped, and rerunning it with a wider grid (more --lrs, --batches or --budgets) trains
-only the runs it adds.
+only the runs it adds. `--check C` then trains the compute-optimal model at a larger budget C
+with the measured law's values and with DeepSeek's (HparamCheck, in check/): whether the law
+holds beyond where it was measured, which its intervals alone do not say.
 """
 
 from __future__ import annotations
@@ -243,6 +245,74 @@ class HparamSearch(ProxyRuns):
         path.write_text(json.dumps(doc, indent=1) + "\n")
         plot_hparams(self.planned_results(), law, optima, boot, DEEPSEEK, self.out / "hparams.png")
         return path, doc
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    search: HparamSettings
+    law: dict  # the measured law (HyperparameterLaw.to_dict())
+    budget: float
+
+    @property
+    def device(self) -> str:  # (where worker processes train: ProxyRuns)
+        return self.search.device
+
+
+class HparamCheck(ProxyRuns):
+    """`hparams --check C`: the measured law put to the test at a budget beyond those it was
+    measured at — the prior law's compute-optimal model at C trained twice, with the law's learning
+    rate and batch and with the prior rule's (DeepSeek LLM's), the sweep's schedule for both. In
+    the search directory's check/ (results.csv, runs/): resumable, the two runs at once with
+    concurrency 2."""
+
+    text_columns = ("name", "rule", "shape")
+    RULES = ("measured", "prior")
+
+    def __init__(self, out: Path, settings: CheckSettings):
+        super().__init__(out, settings)
+        self.search = HparamSearch(out.parent, settings.search)
+        self.law = HyperparameterLaw.from_dict(settings.law)
+
+    def keys(self) -> list[str]:
+        return list(self.RULES)
+
+    def name_of(self, rule: str) -> str:
+        return f"C{self.settings.budget:.4g}-{rule}".replace("+", "")
+
+    def columns(self) -> list[str]:
+        return ["name", "rule", "budget", "shape", "n", "lr", "batch_seqs", "batch_tokens", "steps", "c", "loss"]
+
+    def point(self, rule: str) -> Point:
+        s, budget = self.search.settings, self.settings.budget
+        shape = shapes_around(self.search.prior.optimum(budget)[0], 1, self.search.vocab_size)[0]
+        model = shape.model(self.search.vocab_size, s.seq_len)
+        per_token = train_flops_per_token(model, s.seq_len)
+        lr, batch_tokens = (self.law if rule == "measured" else DEEPSEEK)(budget, shape.dim)
+        seqs = self.search.batch_seqs(batch_tokens)
+        steps = max(1, round(steps_for(budget, per_token, seqs, s.seq_len)))
+        return Point(shape, budget, param_counts(model)["total"], per_token, s.seq_len, seqs, steps, lr)
+
+    def _run_one(self, rule: str, train) -> dict:
+        point, name = self.point(rule), self.name_of(rule)
+        _, loss, _ = train_proxy(run_config(self.search.settings, self.search.vocab_size, point,
+                                            self.out / "runs" / name), train)
+        return {"name": name, "rule": rule, "budget": point.budget, "shape": point.shape.name, "n": point.n,
+                "lr": point.lr, "batch_seqs": point.batch_seqs, "batch_tokens": point.batch_seqs * point.seq_len,
+                "steps": point.steps, "c": point.compute, "loss": loss}
+
+    def record(self, rows: list[dict]) -> dict:
+        """The check's entry of hparams.json (added to it): each rule's run and the measured law's
+        loss against the prior rule's (negative: the measured law trained the better model)."""
+        by_rule = {row["rule"]: row for row in rows}
+        measured, prior = by_rule["measured"]["loss"], by_rule["prior"]["loss"]
+        entry = {"budget": self.settings.budget, "extrapolation": self.law.extrapolation(self.settings.budget),
+                 "runs": by_rule, "loss_difference": measured - prior,
+                 "relative_difference": (measured - prior) / prior if math.isfinite(measured - prior) else None}
+        path = self.search.out / "hparams.json"
+        doc = json.loads(path.read_text())
+        doc["checks"] = [c for c in doc.get("checks", []) if c["budget"] != entry["budget"]] + [entry]
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        return entry
 
 
 def run_config(settings: HparamSettings, vocab_size: int, point: Point, run_dir: Path):
