@@ -185,3 +185,34 @@ def test_launch_refuses_a_grace_too_short_to_save_and_negative_restarts():
         k8s_manifest(cfg, "configs/llama-1b.toml", [], 2, 8, "image:1", grace_s=0)
     with pytest.raises(ConfigError, match="--max-restarts -1 must be ≥ 0"):
         k8s_manifest(cfg, "configs/llama-1b.toml", [], 2, 8, "image:1", max_restarts=-1)
+
+
+def test_bad_paths_names_and_values_are_said_in_one_sentence(stdlib_data, tmp_path, capsys):
+    """An output path that is a file (or a directory where a file is written), a run name that
+    would leave run.dir, a value in a CSV that is not a number, records without the text field: a
+    sentence naming what is wrong, no traceback; brackets in a value are printed as given (not
+    taken for markup); tune refuses its --write-config before training, not after."""
+    from scaletrain.cli import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    (tmp_path / "bad.csv").write_text("n,c,loss\n1e6,1e12,3.0\n2e6,abc,3.1\n")
+    (tmp_path / "nofield.jsonl").write_text('{"body": "some text"}\n')
+    tiny = str(ROOT / "configs" / "tiny.toml")
+    cases = [
+        (["sweep", "--data", str(stdlib_data), "--budgets", "1e12", "--out", str(afile)],
+         f"{str(afile)!r} is a file, or lies under one, where a directory is needed"),
+        (["train", tiny, f"data.path={stdlib_data}", f"run.dir={afile}", "train.steps=1"], "is a file, or lies under one"),
+        (["train", tiny, f"data.path={stdlib_data}[bold]v2"], f"{stdlib_data}[bold]v2' does not exist"),
+        (["train", tiny, f"data.path={stdlib_data}", "run.name=../escape"], "must name one folder inside run.dir"),
+        (["fit", "--points", str(tmp_path / "bad.csv")], "bad.csv' line 3, column c: 'abc' is not a number"),
+        (["data", "prepare", str(tmp_path / "nofield.jsonl"), "--out", str(tmp_path / "o"), "--vocab-size", "300"],
+         "name the field that holds the text with --text-field"),
+        (["tune", tiny, f"data.path={stdlib_data}", "model.mup_base_dim=32", "--out", str(tmp_path / "tune"),
+          "--write-config", str(tmp_path)], f"--write-config {str(tmp_path)!r} is a directory"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert message in err and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "tune").exists()  # (refused before any proxy trained)

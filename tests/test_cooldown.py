@@ -11,6 +11,7 @@ import pytest
 from conftest import run_cli, tiny_config
 from scaletrain.config import ConfigError, load_config
 from scaletrain.cooldown import cooldown_config
+from scaletrain.data.shards import DataError
 from scaletrain.model.flops import param_counts
 from scaletrain.scaling.laws import ChinchillaLaw
 from scaletrain.train.metrics import read_metrics
@@ -83,6 +84,12 @@ def test_a_cooldown_is_refused_off_the_stable_stretch_or_without_its_checkpoint(
                       "eval.interval=0", "checkpoint.interval=4"))
     with pytest.raises(ConfigError, match="in its warmup"):
         cooldown_config(constant, 4, 2)
+    # The branch resumes the run's checkpoint: it keeps the run's model, and its data is checked
+    # before its config is written.
+    with pytest.raises(ConfigError, match="keeps the run's model; drop the overrides of model.dim"):
+        cooldown_config(constant, 8, 4, overrides=["model.dim=32", "model.n_heads=2"])
+    with pytest.raises(DataError, match="does not exist; create it with `scaletrain data prepare`"):
+        cooldown_config(constant, 8, 4, overrides=[f"data.path={tmp_path / 'nowhere'}"])
     branch = cooldown_config(constant, 8, 4, name="annealed", overrides=["train.min_lr_ratio=0"])
     assert (branch.run.name, branch.train.steps, branch.train.min_lr_ratio) == ("annealed", 12, 0.0)
     assert branch.checkpoint.resume.endswith("step_0000008")

@@ -199,6 +199,10 @@ def test_the_command_fits_a_finished_search_and_bad_input_is_refused(searched, m
     assert set(doc["law"]["validation"]) == {"project", "stdlib"} and (search.out / "mixture.png").is_file()
     result = run_cli(*args, "--target", "stdlib")
     assert result.returncode != 0 and "'stdlib' is not NAME=WEIGHT (e.g. code=1,prose=3)" in result.stderr
+    # A target naming no validation source is refused before any proxy trains (a new directory stays empty).
+    result = run_cli(*args[:-1], str(tmp_path / "new"), "--target", "zzz=1")
+    assert result.returncode == 2 and "(zzz is not one)" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "new" / "runs").exists()
 
 
 @pytest.mark.parametrize("change, message", [
@@ -208,10 +212,13 @@ def test_the_command_fits_a_finished_search_and_bad_input_is_refused(searched, m
     ({"runs": 4}, "--runs 4: a law of 2 sources needs at least 5 runs"),
     ({"budget": 1e8}, "trains the proxy \\(d16-l1\\) for only \\d+ steps?, fewer than 20"),
     ({"data": "/nonexistent"}, "--data '/nonexistent' is not a directory"),
+    ({"data": "STDLIB"}, "is itself a prepared data directory; give the directory that holds one"),
 ])
 def test_bad_settings_are_refused_before_anything_trains(mixture_root, tmp_path, change, message):
     from dataclasses import replace
 
+    if change.get("data") == "STDLIB":
+        change = {"data": str(mixture_root / "stdlib")}
     with pytest.raises(ConfigError, match=message):
         MixtureSearch(tmp_path / "bad", replace(settings(mixture_root), **change))
     assert not (tmp_path / "bad").exists()

@@ -337,6 +337,14 @@ def test_plan_refuses_bad_input_in_one_sentence(tmp_path, capsys):
         (["plan", "--compute", "1e21", "--preset", "kaplan"], "no E + A/N^α + B/D^β form"),
         (["plan", "--compute", "1e21", "--gpus", "12"], "not whole nodes of 8"),
         (["plan", "--params", "4e11", "--tokens", "1e12", "--gpus", "1"], "no layout fits on 1 x H100 SXM"),
+        # A mistyped device is not taken for a listed one it contains ("h100" in "H1000").
+        (["plan", "--compute", "1e21", "--gpu", "H1000"], "no device 'H1000' in the catalog; did you mean"),
+        (["plan", "--compute", "1e21", "--gpu", "GH200"], "no device 'GH200' in the catalog"),
+        # A budget below the smallest model: refused, not planned at a thousand times its FLOPs.
+        (["plan", "--compute", "1e9"], "--compute 1e+09 FLOPs is too little for the smallest model"),
+        (["plan", "--compute", "1e3"], "--compute 1e+03 FLOPs is too little for the smallest model"),
+        # A file where a file cannot be written: the path in a sentence, not a traceback.
+        (["plan", "--compute", "1e21", "--write-config", str(tmp_path)], f"{str(tmp_path)!r} is a directory"),
     ]
     for i, (text, message) in enumerate([('{"memory_gb": -1}', "memory_gb = -1 must be a positive number"),
                                          ('{"peak_tflops": 400}', "must map dtypes to TFLOP/s"),

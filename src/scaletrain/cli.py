@@ -269,6 +269,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from scaletrain.config import load_config
     from scaletrain.plan.planner import Sizing, make_plan, model_for, plan_for_time, size, vocab_of
+    from scaletrain.model.flops import param_counts, train_flops_per_token
 
     hardware = _hardware(args)
     modes = [args.config is not None, args.compute is not None, args.hours is not None, args.params is not None]
@@ -309,6 +310,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.compute is not None:
             model, tokens, sizing = size(law, args.compute, vocab, seq_len, args.inference_tokens or 0.0,
                                          args.unique_tokens, boot)
+            n = param_counts(model)["total"]
+            if tokens < n:  # (the law wants a model below the smallest shape: it would get under a token a parameter)
+                enough = 20 * n * train_flops_per_token(model, seq_len)
+                raise UserError(f"--compute {args.compute:.3g} FLOPs is too little for the smallest model the planner "
+                                f"builds ({n:,} parameters at a vocabulary of {vocab:,}: {tokens:,} tokens, under one a "
+                                f"parameter); plan about {enough:.1g} FLOPs or more, or a smaller --vocab")
         elif args.params is not None:
             model, tokens = model_for(args.params, vocab, seq_len), int(args.tokens)
     if law is not None and sizing is None:  # a given model: the law only predicts its loss
@@ -556,6 +563,7 @@ def cmd_mixture(args: argparse.Namespace) -> int:
                                target_data=args.target_data, hparams=_hparams(args.hparams))
     out_dir = Path(args.out) if args.out else Path("mixtures") / root.name
     search = MixtureSearch(out_dir, settings)
+    search.target_weights(args.target)  # (a --target naming no validation source is refused before training)
     point = search.point
     out.print(f"{settings.runs} proxies of {point.shape.name} ({point.n:,} parameters), {point.steps} steps of "
               f"{point.batch_seqs} x {settings.seq_len} tokens each ({settings.budget:.3g} FLOPs), on mixtures of "
@@ -606,15 +614,15 @@ def _small_runs(p: argparse.ArgumentParser, run: str, runs: str, sizing: str, mi
                 hparams: bool = True) -> None:
     """The options every search by small runs takes (sweep, mixture, hparams): how each `run` is
     sized and trained, and how many at once."""
-    p.add_argument("--seq-len", type=int, default=128, help="training sequence length (128)")
+    p.add_argument("--seq-len", type=_count, default=128, help="training sequence length (128)")
     p.add_argument("--prior", default="epoch", choices=["epoch", "hoffmann"], help=f"published law that {sizing}")
-    p.add_argument("--eval-tokens", type=int, default=16384, help=f"validation tokens of each source per {run} (16384)")
+    p.add_argument("--eval-tokens", type=_count, default=16384, help=f"validation tokens of each source per {run} (16384)")
     p.add_argument("--min-steps", type=int, default=min_steps, help=min_steps_help)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
                    help=f"train.optimizer of every {run} (adamw): measure with the optimizer you will train with")
-    p.add_argument("--concurrency", type=int, default=1,
+    p.add_argument("--concurrency", type=_count, default=1,
                    help=f"{runs} trained at once, in worker processes (GPUs taken in turn)")
     if hparams:
         p.add_argument("--hparams", default=None, metavar="FILE",
@@ -760,6 +768,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     proxy_data(cfg)  # a config muP cannot narrow is refused before anything trains
     lrs = args.lrs or list(DEFAULT_LRS)
+    _writable_file(args.write_config, "--write-config")  # (before training: not after it)
     out_dir = Path(args.out) if args.out else Path("runs") / f"{cfg.run.name}-tune"
     base = cfg.model.mup_base_dim
     at_once = f", {args.concurrency} at a time" if args.concurrency > 1 else ""
@@ -1293,7 +1302,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "newest complete checkpoint when there is one.")
     p.add_argument("config", help="TOML config, e.g. configs/tiny.toml")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
-    p.add_argument("--nproc", type=int, default=1,
+    p.add_argument("--nproc", type=_count, default=1,
                    help="processes to start on this node (through torchrun); the layout is the config's [parallel]")
     p.add_argument("--stop-at-step", type=int, default=None,
                    help="end this invocation after step K (with a checkpoint) without changing the schedule")
@@ -1312,7 +1321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, required=True, help="steps of the decay")
     p.add_argument("--decay-shape", default=None, help="linear, 1-sqrt or cosine (default the run's train.decay_shape)")
     p.add_argument("--name", default=None, help="the branch's run.name (default RUN-cooldown-K)")
-    p.add_argument("--nproc", type=int, default=1, help="processes to start on this node (through torchrun)")
+    p.add_argument("--nproc", type=_count, default=1, help="processes to start on this node (through torchrun)")
     p.add_argument("--stop-at-step", type=int, default=None, help="end this invocation after step K (with a checkpoint)")
     p.add_argument("--max-restarts", type=int, default=0, help="with --nproc: times torchrun starts the processes again")
     p.set_defaults(func=cmd_cooldown)
@@ -1392,7 +1401,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="a data directory written by `scaletrain data prepare`")
     p.add_argument("--budgets", required=True, type=lambda text: [_flops(x) for x in text.split(",")],
                    help="training FLOPs of each IsoFLOP profile, comma-separated, e.g. 1e12,3e12,1e13")
-    p.add_argument("--shapes", type=int, default=5, help="models per budget (5)")
+    p.add_argument("--shapes", type=_count, default=5, help="models per budget (5)")
     _small_runs(p, "point", "points of a budget", "centres the first budgets", 250,
                 "plan no point shorter than this many optimizer steps (250): shorter runs are set by their few "
                 "updates, not by N and D, and bend the fit")
@@ -1454,7 +1463,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "leave out batches that train fewer steps (100)", hparams=False)
     p.add_argument("--mix", type=_weights, default=None,
                    help="train every run on this mixture of the data directories under --data (as sweep --mix)")
-    p.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals (200)")
+    p.add_argument("--bootstrap", type=_count, default=200, help="bootstrap resamples for the intervals (200)")
     p.add_argument("--out", default=None, help="search directory (default hparams/DATA_NAME)")
     p.set_defaults(func=cmd_hparams)
 
@@ -1470,7 +1479,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lrs", type=lambda text: [_lr(part) for part in text.split(",")], default=None,
                    help="learning rates to try, comma-separated (default: 2^-11 to 2^-5, a factor of 2 apart)")
     p.add_argument("--out", default=None, help="directory of the proxy runs and tune.json (runs/NAME-tune)")
-    p.add_argument("--concurrency", type=int, default=1,
+    p.add_argument("--concurrency", type=_count, default=1,
                    help="proxies trained at once, in worker processes (GPUs taken in turn)")
     p.add_argument("--write-config", default=None, metavar="FILE",
                    help="write the config with train.lr set to the best rate")
@@ -1486,7 +1495,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fit approach 3 only to points of at least this many optimizer steps (0: all); the demo "
                         "fits at 500 (twice its sweep's --min-steps): short runs are early in training and bend "
                         "the law")
-    p.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals (200)")
+    p.add_argument("--bootstrap", type=_count, default=200, help="bootstrap resamples for the intervals (200)")
     p.add_argument("--predict", type=_flops, action="append", metavar="C",
                    help="training FLOPs to predict N_opt, D_opt and loss for (repeatable); from a sweep "
                         "directory, also the shape of its family to train there, with its config written beside "
@@ -1549,7 +1558,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                "the CSV of its points, for `fit --points`)")
     p.add_argument("--metric", default="loss", metavar="loss|bits_per_byte|task_nll:TASK",
                    help="of a sweep: the number its points' loss column holds, what `fit` fits (loss)")
-    p.add_argument("--nproc", type=int, default=1, help="processes to start on this node (through torchrun)")
+    p.add_argument("--nproc", type=_count, default=1, help="processes to start on this node (through torchrun)")
     p.set_defaults(func=cmd_eval)
 
     p = commands.add_parser("report", help="summarise a run (losses, speed, events; against a law's prediction)",
@@ -1603,13 +1612,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _writable_file(path: str | None, flag: str) -> None:
+    """Refuse, before any work, an output file that cannot be written: a directory, or under a
+    folder that does not exist."""
+    if path is None:
+        return
+    from pathlib import Path
+
+    target = Path(path)
+    if target.is_dir():
+        raise UserError(f"{flag} {path!r} is a directory; give the path of a file to write")
+    if not target.parent.is_dir():
+        raise UserError(f"{flag} {path!r}: its folder {str(target.parent)!r} does not exist; create it or give "
+                        "another path")
+
+
+def _error(message: str) -> None:
+    """An error in one line, printed as it is (a path or value in brackets is not rich markup)."""
+    from rich.text import Text
+
+    console.print(Text.assemble(("error:", "red"), " ", message), highlight=False, soft_wrap=True)
+
+
+def _path_problem(e: OSError) -> str:
+    """What is wrong with the path of an OSError, and what would be right."""
+    path = e.filename
+    if isinstance(e, (FileExistsError, NotADirectoryError)):
+        return f"{path!r} is a file, or lies under one, where a directory is needed; give another path"
+    if isinstance(e, IsADirectoryError):
+        return f"{path!r} is a directory where a file is needed; give the path of a file (new or to overwrite)"
+    if isinstance(e, FileNotFoundError):
+        return f"{path!r} does not exist (or its folder does not); create the folder or give another path"
+    if isinstance(e, PermissionError):
+        return f"no permission to use {path!r}; give a path you may write to"
+    return f"{path!r}: {e.strerror or e}; give another path"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _setup_logging(args.verbose)
     try:
         return args.func(args)
     except UserError as e:
-        console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        _error(str(e))
+        return 2
+    except OSError as e:  # a path given that cannot be used as asked: said in a sentence, not a traceback
+        if e.filename is None:
+            raise
+        _error(_path_problem(e))
         return 2
     except Stopped as e:
         if int(os.environ.get("RANK", 0)) == 0:  # every rank stops alike: one says so

@@ -39,6 +39,14 @@ class RunSection(_Section):
     seed: int = Field(default=0, ge=0)
     """Seeds the model initialisation and the data order."""
 
+    @model_validator(mode="after")
+    def _check_name(self) -> RunSection:
+        name = self.name
+        if not name or name in (".", "..") or "/" in name or "\\" in name:
+            raise ValueError(f"run.name = {name!r} must name one folder inside run.dir (not empty, no '/', not '.' "
+                             "or '..'), e.g. run.name=llama-1b")
+        return self
+
 
 # model.rope_scaling's kinds: {type: (keys it must give, keys it may give)}; no type is Llama 3.1's.
 ROPE_SCALING = {"llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"), ()),

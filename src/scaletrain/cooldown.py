@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 from scaletrain.config import ConfigError, RunConfig, load_config, validate_config
+from scaletrain.data.shards import read_index
 from scaletrain.train.checkpoint import check_complete, complete_checkpoints, step_of
 from scaletrain.train.schedule import DECAY_SHAPES, lr_at
 
@@ -64,6 +65,12 @@ def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str
     branch = validate_config(data, source="the cooldown's config")
     if overrides:
         branch = load_config(None, [*_as_overrides(branch), *overrides])
+        if branch.model != cfg.model:
+            changed = sorted(k for k, v in branch.model.model_dump().items() if cfg.model.model_dump()[k] != v)
+            raise ConfigError(f"a cooldown resumes the run's checkpoint, so it keeps the run's model; drop the "
+                              f"overrides of {', '.join(f'model.{k}' for k in changed)}")
+        for path in branch.data.sources.values():  # (before the branch's config is written)
+            read_index(path)
     if complete_checkpoints(branch.run_dir / "checkpoints"):  # a branch stopped and run again: from its own newest
         branch = branch.model_copy(update={"checkpoint": branch.checkpoint.model_copy(update={"resume": "auto"})})
     return branch

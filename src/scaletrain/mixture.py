@@ -123,13 +123,16 @@ class MixtureSearch(ProxyRuns):
 
     def __init__(self, out: Path, settings: MixtureSettings):
         super().__init__(out, settings)
-        if len(settings.sources) < 2:
-            raise ConfigError(f"a mixture search needs at least two sources, got {settings.sources}; name them with "
-                              "--sources a,b,... (data directories under --data)")
         root = Path(settings.data)
         if not root.is_dir():
             raise ConfigError(f"--data {settings.data!r} is not a directory; give the directory that holds the "
                               "sources' data directories (each written by `scaletrain data prepare`)")
+        if (root / "index.json").is_file():
+            raise ConfigError(f"--data {settings.data!r} is itself a prepared data directory; give the directory "
+                              "that holds one prepared directory per source (e.g. data/ holding data/code, data/web)")
+        if len(settings.sources) < 2:
+            raise ConfigError(f"a mixture search needs at least two sources, got {settings.sources}; name them with "
+                              "--sources a,b,... (data directories under --data)")
         self.validation = list(settings.sources)
         checked = {name: root / name for name in settings.sources}
         if settings.target_data is not None:
@@ -252,6 +255,21 @@ class MixtureSearch(ProxyRuns):
         losses = np.array([[row[f"loss_{n}"] for n in self.validation] for row in rows], dtype=float)
         return shares / shares.sum(axis=1, keepdims=True), losses
 
+    def target_weights(self, target: dict[str, float] | None = None) -> np.ndarray:
+        """The weights (summing to one) of the validation losses that `target` names (default the
+        target data's loss if there is one, else every source's alike): checked before any proxy
+        trains, as the choice uses them after."""
+        names, validation = self.settings.sources, self.validation
+        if not target:
+            target = {validation[-1]: 1.0} if self.settings.target_data else {name: 1.0 for name in names}
+        unknown = sorted(set(target) - set(validation))
+        if unknown or any(not (w >= 0 and math.isfinite(w)) for w in target.values()) or sum(target.values()) <= 0:
+            named = f" ({', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not one)" if unknown else ""
+            raise ConfigError(f"--target {target}: give non-negative weights, not all zero, of the validation losses "
+                              f"of {', '.join(validation)}{named} (e.g. {validation[-1]}=1)")
+        weights = np.array([target.get(n, 0.0) for n in validation])
+        return weights / weights.sum()
+
     def choose(self, rows: list[dict], target: dict[str, float] | None = None, tokens: float | None = None,
                samples: int = 100) -> tuple[MixingLaw, Choice]:
         """Fit the law to the finished proxies and choose the mixture for `target` (validation
@@ -259,14 +277,7 @@ class MixtureSearch(ProxyRuns):
         alike) and a planned run of `tokens` tokens (each source then capped at MAX_EPOCHS repeats;
         default no cap)."""
         names, validation = self.settings.sources, self.validation
-        if not target:
-            target = {validation[-1]: 1.0} if self.settings.target_data else {name: 1.0 for name in names}
-        unknown = sorted(set(target) - set(validation))
-        if unknown or any(not (w >= 0 and math.isfinite(w)) for w in target.values()) or sum(target.values()) <= 0:
-            raise ConfigError(f"--target {target}: give non-negative weights, not all zero, of the validation losses "
-                              f"of {', '.join(validation)} (e.g. {validation[-1]}=1)")
-        weights = np.array([target.get(n, 0.0) for n in validation])
-        weights = weights / weights.sum()
+        weights = self.target_weights(target)
         shares, losses = self.arrays(rows)
         try:
             law = fit_mixing_law(names, validation, shares, losses)

@@ -147,8 +147,11 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     if stats.documents["kept"] == 0:
         dropped = stats.as_dict()["documents"]["dropped"]
         reasons = ", ".join(f"{n} {reason}" for reason, n in dropped.items() if n) or "the sources hold none"
-        raise DataError(f"no documents to prepare ({reasons}); give sources that contain text"
-                        + (" or a larger max_bytes" if dropped["over_max_bytes"] else ""))
+        hints = [" or a larger max_bytes" if dropped.get("over_max_bytes") else "",
+                 f" (a .jsonl record or .parquet row without a field {text_field!r} holds none: name the field "
+                 "that holds the text with --text-field)" if dropped.get("missing_field") else "",
+                 " (a .jsonl line that is not JSON holds none)" if dropped.get("bad_json") else ""]
+        raise DataError(f"no documents to prepare ({reasons}); give sources that contain text" + "".join(hints))
 
     work = out / "work"
     if not _same_work(work, key):

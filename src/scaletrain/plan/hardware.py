@@ -84,7 +84,8 @@ def identify(device_name: str) -> str | None:
     """The canonical name (a key of PEAK_FLOPS) of a device name, or None if unknown."""
     name = device_name.lower()
     for pattern, canonical in _RULES:
-        if re.search(pattern, name):
+        # A model number stands alone: "h100" is not in "h1000" nor "gh200" in "h200".
+        if re.search(rf"(?<![a-z0-9]){pattern}(?!\d)", name):
             return canonical
     return None
 
@@ -171,7 +172,11 @@ def device(name: str) -> Device:
             return spec
     canonical = identify(name)
     if canonical is None:
-        raise ValueError(f"no device {name!r} in the catalog; use one of {', '.join(DEVICES)}, or describe it "
+        import difflib
+
+        near = difflib.get_close_matches(name.strip().upper(), [key.upper() for key in DEVICES], n=1, cutoff=0.6)
+        guess = f"did you mean {next(k for k in DEVICES if k.upper() == near[0])!r}? " if near else ""
+        raise ValueError(f"no device {name!r} in the catalog; {guess}use one of {', '.join(DEVICES)}, or describe it "
                          "in a JSON file (plan --hardware FILE)")
     return DEVICES[canonical]
 

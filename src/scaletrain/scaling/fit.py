@@ -478,10 +478,22 @@ def read_points(path, drop_highest: int = 0) -> Points:
         raise ValueError(f"{str(path)!r} has no column for {', '.join(missing)} (columns: {', '.join(header)}); "
                          f"name them {', '.join(COLUMNS[k][0] if k in COLUMNS else 'c' for k in missing)}")
 
+    def number(row: dict, line: int, name: str) -> float:
+        try:
+            return float(row[name])
+        except (TypeError, ValueError):
+            raise ValueError(f"{str(path)!r} line {line}, column {name}: {row[name]!r} is not a number") from None
+
     def column(key):
-        return None if found[key] is None else np.array([float(row[found[key]]) for row in rows])
+        return None if found[key] is None else np.array([number(row, line, found[key])
+                                                         for line, row in enumerate(rows, start=2)])
 
     n, d, c, loss, budget, steps = (column(key) for key in ("n", "d", "c", "loss", "budget", "steps"))
+    for name, values in (("n", n), ("d", d), ("c", c)):
+        bad = np.flatnonzero(~(values > 0)) if values is not None else []
+        if len(bad):
+            raise ValueError(f"{str(path)!r} line {bad[0] + 2}, column {found[name]}: {values[bad[0]]:g} is not a "
+                             "positive count; give parameters, tokens and FLOPs above zero")
     d = c / (6 * n) if d is None else d
     c = 6 * n * d if c is None else c
     kept = np.isfinite(loss)  # a sweep records diverged points with a loss of nan

@@ -1200,9 +1200,13 @@ class Trainer:
                  str(self.dtype).removeprefix("torch."))
         if self.is_main:  # one writer of the run directory's files
             (self.run_dir / "config.toml").write_text(cfg.to_toml())
-            if not (self.run_dir / "tokenizer.json").is_file():
-                shutil.copyfile(next(iter(cfg.data.sources.values())) / "tokenizer.json",
-                                self.run_dir / "tokenizer.json")
+            tokenizer = next(iter(cfg.data.sources.values())) / "tokenizer.json"
+            if tokenizer.is_file() and not (self.run_dir / "tokenizer.json").is_file():
+                shutil.copyfile(tokenizer, self.run_dir / "tokenizer.json")
+            elif not tokenizer.is_file():
+                log.warning("%s has no tokenizer.json: the run trains on its tokens, but cannot be exported, "
+                            "sampled from or scored in bits per byte without it (copy it into the run directory)",
+                            tokenizer.parent)
         sinks = []
         if self.is_main and cfg.log.wandb_project:  # first: the one that can fail to start
             sinks.append(WandbSink(self.run_dir, cfg.log.wandb_project, cfg.run.name, cfg.model_dump()))
