@@ -216,3 +216,18 @@ def test_bad_paths_names_and_values_are_said_in_one_sentence(stdlib_data, tmp_pa
         err = " ".join(capsys.readouterr().err.split())
         assert message in err and "Traceback" not in err, (argv, err)
     assert not (tmp_path / "tune").exists()  # (refused before any proxy trained)
+
+
+def test_a_run_directory_given_as_config_and_a_resume_past_the_runs_steps_are_refused(trained_run, tmp_path,
+                                                                                      capsys):
+    """A run directory where a config is asked for points to its config.toml; a run whose newest
+    checkpoint (step 6) lies past train.steps = 3 is refused, its config left as it was."""
+    from scaletrain.cli import main
+
+    assert main(["train", str(trained_run)]) == 2
+    assert f"is a directory; pass its config.toml ({str(trained_run / 'config.toml')!r})" in capsys.readouterr().err
+    before = (trained_run / "config.toml").read_text()
+    assert main(["train", str(trained_run / "config.toml"), "train.steps=3"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "step_0000006 is at step 6, past the run's 3 steps" in err and "Traceback" not in err
+    assert (trained_run / "config.toml").read_text() == before

@@ -632,6 +632,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            hint = f"pass its config.toml ({str(path / 'config.toml')!r})" if (path / "config.toml").is_file() \
+                else "pass a TOML file such as configs/tiny.toml"
+            raise ConfigError(f"config file {str(path)!r} is a directory; {hint}")
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist; pass a TOML file such as configs/tiny.toml")
         try:

@@ -364,7 +364,7 @@ def saved_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
 
 
 # What a section of a checkpoint's state holds, for saying that one lacks it.
-SECTIONS = {"ema": "moving average of the weights (its run trained with train.ema_decay = 0)",
+SECTIONS = {"ema": "moving average of the weights (its run trained with train.ema_decay = 0: drop --ema)",
             "optim": "optimizer state"}
 
 

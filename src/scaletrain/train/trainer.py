@@ -696,6 +696,10 @@ class Trainer:
             log.info("%s was rewound to after the divergence at step %d: resuming past the %d steps of batches "
                      "skipped then", path, skip["diverged_at"], skip["skipped_steps"])
         self.load_state(state)
+        if self.step > self.total_steps:
+            raise ConfigError(f"{path} is at step {self.step}, past the run's {self.total_steps} steps "
+                              f"(train.steps or train.tokens); raise them to at least {self.step} to go on, or give "
+                              "a new run.name to start another run")
         log.info("resumed from %s at step %d", path, self.step)
         return self.step
 
