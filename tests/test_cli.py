@@ -221,7 +221,8 @@ def test_bad_paths_names_and_values_are_said_in_one_sentence(stdlib_data, tmp_pa
 def test_a_run_directory_given_as_config_and_a_resume_past_the_runs_steps_are_refused(trained_run, tmp_path,
                                                                                       capsys):
     """A run directory where a config is asked for points to its config.toml; a run whose newest
-    checkpoint (step 6) lies past train.steps = 3 is refused, its config left as it was."""
+    checkpoint (step 6) lies past train.steps = 3 is refused, its config left as it was; a run
+    directory given as the checkpoint to resume, and a directory as compare's plot, are refused."""
     from scaletrain.cli import main
 
     assert main(["train", str(trained_run)]) == 2
@@ -231,3 +232,10 @@ def test_a_run_directory_given_as_config_and_a_resume_past_the_runs_steps_are_re
     err = " ".join(capsys.readouterr().err.split())
     assert "step_0000006 is at step 6, past the run's 3 steps" in err and "Traceback" not in err
     assert (trained_run / "config.toml").read_text() == before
+    # A directory that is no checkpoint given to resume from; a plot's path that is a directory.
+    assert main(["train", str(trained_run / "config.toml"), f"run.dir={tmp_path}",
+                 f"checkpoint.resume={trained_run}"]) == 2
+    assert "is not a checkpoint directory (a run directory: its newest is resumed with 'auto')" in " ".join(
+        capsys.readouterr().err.split())
+    assert main(["compare", str(trained_run), str(trained_run), "--out", str(tmp_path)]) == 2
+    assert f"--out {str(tmp_path)!r} is a directory" in capsys.readouterr().err

@@ -1210,6 +1210,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from scaletrain.report.compare import compare_runs
 
+    _writable_file(args.out, "--out")
+    if not os.path.splitext(args.out)[1]:
+        args.out += ".png"  # (what matplotlib writes for a name without a suffix)
     rows = compare_runs(args.run_dirs, args.out, x=args.x)
     # Runs on other mixtures weigh their validation loss differently: their sources compare.
     sources = sorted({name for row in rows for name in (row["val_loss_by_source"] or {})})

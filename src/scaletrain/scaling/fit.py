@@ -13,6 +13,7 @@ each with bootstrap confidence intervals.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -20,6 +21,8 @@ import numpy as np
 from scipy.optimize import minimize
 
 from scaletrain.scaling.laws import ChinchillaLaw
+
+log = logging.getLogger("scaletrain")
 
 HUBER_DELTA = 1e-3
 # a, b, e free; the exponents kept positive, so every fit has a finite compute-optimal allocation
@@ -497,6 +500,9 @@ def read_points(path, drop_highest: int = 0) -> Points:
     d = c / (6 * n) if d is None else d
     c = 6 * n * d if c is None else c
     kept = np.isfinite(loss)  # a sweep records diverged points with a loss of nan
+    if not kept.all():
+        log.warning("%s: %d of its %d points have no finite loss (runs that diverged) and are left out of the fit",
+                    path, int((~kept).sum()), len(kept))
     points = Points(n[kept], d[kept], c[kept], loss[kept], None if budget is None else budget[kept],
                     None if steps is None else steps[kept])
     if drop_highest:

@@ -682,6 +682,10 @@ class Trainer:
             if not path.is_dir():
                 raise ConfigError(f"checkpoint.resume = {choice!r} is not a directory; give a checkpoint directory "
                                   "(…/checkpoints/step_NNNNNNN), 'auto' or 'never'")
+            if not any((path / name).exists() for name in (".metadata", "COMMITTED")):
+                hint = " (a run directory: its newest is resumed with 'auto')" if (path / "checkpoints").is_dir() else ""
+                raise ConfigError(f"checkpoint.resume = {choice!r} is not a checkpoint directory{hint}; give one "
+                                  "(…/checkpoints/step_NNNNNNN), 'auto' or 'never'")
             checkpoint.load(path, state, self.optional())
             # A leftover of an interrupted save is no history (the next save of its step replaces it).
             newer = [p.name for p in checkpoint.complete_checkpoints(self.ckpt_root)
