@@ -86,6 +86,9 @@ def test_generate_reports_bad_requests_in_one_line(tmp_path, trained_run):
         generate_text(trained_run, "", temperature=-1)
     with pytest.raises(UserError, match="shorten the prompt"):
         generate_text(trained_run, "x = 1\n" * 100)
+    # A checkpoint given where its run is asked for: the run and --step to give instead.
+    with pytest.raises(UserError, match=r"is a checkpoint of the run .*tiny'; give the run directory, with --step 6"):
+        generate_text(trained_run / "checkpoints" / "step_0000006", "")
 
 
 def test_greedy_text_is_the_same_with_and_without_the_kv_cache(trained_run):

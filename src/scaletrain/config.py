@@ -627,6 +627,21 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, value
 
 
+def run_config_file(run_dir: str | Path) -> Path:
+    """The config.toml of a run directory; ConfigError when `run_dir` is none (pointing from one
+    of its checkpoints to the run and its step)."""
+    run_dir = Path(run_dir)
+    path = run_dir / "config.toml"
+    if not path.is_file():
+        run = run_dir.parent.parent
+        if run_dir.name.startswith("step_") and (run / "config.toml").is_file():
+            raise ConfigError(f"{str(run_dir)!r} is a checkpoint of the run {str(run)!r}; give the run directory, "
+                              f"with --step {int(run_dir.name.removeprefix('step_'))} for this checkpoint")
+        raise ConfigError(f"{str(run_dir)!r} is not a run directory (no config.toml); give the directory "
+                          "`scaletrain train` wrote, e.g. runs/demo")
+    return path
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """Read a TOML config, apply dotted overrides and validate; raise ConfigError with a readable message."""
     data: dict[str, Any] = {}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from scaletrain.config import ConfigError, RunConfig, load_config, validate_config
+from scaletrain.config import ConfigError, RunConfig, load_config, run_config_file, validate_config
 from scaletrain.data.shards import read_index
 from scaletrain.train.checkpoint import check_complete, complete_checkpoints, step_of
 from scaletrain.train.schedule import DECAY_SHAPES, lr_at
@@ -31,10 +31,7 @@ def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str
     its min_lr_ratio), as run `name` (default RUN-cooldown-STEP) beside it; `overrides` last.
     ConfigError, in one sentence, when the run, checkpoint or schedule cannot branch."""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.toml").is_file():
-        raise ConfigError(f"{str(run_dir)!r} is not a run directory (no config.toml); give the directory "
-                          "`scaletrain train` wrote, e.g. runs/7b")
-    cfg = load_config(run_dir / "config.toml")
+    cfg = load_config(run_config_file(run_dir))
     if steps < 1:
         raise ConfigError(f"--steps {steps}: a cooldown takes at least one step")
     checkpoint = run_dir / "checkpoints" / f"step_{step:07d}"

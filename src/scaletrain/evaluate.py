@@ -19,7 +19,7 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
-from scaletrain.config import ConfigError, config_from
+from scaletrain.config import ConfigError, config_from, run_config_file
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +33,7 @@ TRAIN = {"device": "auto", "compile": False, "float8": False}
 
 def run_config_data(run_dir: Path) -> dict:
     """The TOML data of the config a run directory was trained with."""
-    path = run_dir / "config.toml"
-    if not path.is_file():
-        raise ConfigError(f"{str(run_dir)!r} is not a run directory (no config.toml); give the directory "
-                          "`scaletrain train` wrote, e.g. runs/demo")
-    return tomllib.loads(path.read_text())
+    return tomllib.loads(run_config_file(run_dir).read_text())
 
 
 def weights_to_evaluate(source: Path, steps: list[int] | None = None, every: bool = False,

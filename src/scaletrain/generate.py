@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.config import ConfigError, load_config
+from scaletrain.config import ConfigError, load_config, run_config_file
 from scaletrain.errors import UserError
 
 
@@ -24,12 +24,10 @@ def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None
     from scaletrain.train import checkpoint
 
     run_dir = Path(run_dir)
-    if not (run_dir / "config.toml").is_file():
-        raise ConfigError(f"{str(run_dir)!r} is not a run directory (no config.toml); give the directory "
-                          "`scaletrain train` wrote, e.g. runs/demo")
+    config = run_config_file(run_dir)
     if ema and average > 1:
         raise ConfigError(f"average {average} with the moving average of the weights: choose one")
-    cfg = load_config(run_dir / "config.toml")
+    cfg = load_config(config)
     root = run_dir / "checkpoints"
     model = Transformer(cfg.model)
     section = "ema" if ema else "model"
