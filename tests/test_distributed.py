@@ -172,8 +172,11 @@ EMA = ["train.ema_decay=0.5"]
 AUTO_SAVES = ["checkpoint.interval=auto", "checkpoint.failures_per_device_hour=1e9"]
 # Multi-token prediction: its modules sharded as blocks are (through the chunked head), split as
 # blocks are under tensor parallelism, on each rank's part of the sequences under context
-# parallelism (within documents; with FSDP too; resumed), with a tied head under FSDP x TP.
+# parallelism (within documents; with FSDP too; resumed), with a tied head under FSDP x TP; on the
+# last pipeline stage, beside a copy of the embedding (tied to the head under 1F1B; with TP), whose
+# checkpoint then continues under CP x TP.
 MTP = ["model.mtp_depth=2"]
+TIED = ["model.tie_embeddings=true"]
 # name -> overrides of 2-process layouts.
 TWO = {
     "replicate-mup": ["parallel.dp_replicate=2", "parallel.dp_shard=1", *MUP],
@@ -203,7 +206,7 @@ for _name in ("pp-1f1b", "pp-interleaved_zero_bubble"):
     TWO[_name] += DOCUMENTS
 TWO["pp-gpipe"] += Z_LOSS
 TWO["pp-looped_bfs"] += MUP
-TWO["pp-1f1b"] += EMA
+TWO["pp-1f1b"] += [*EMA, *MTP, *TIED]
 # The norms of each part of the model (log.norms): shards summed over FSDP's ranks, tensor
 # parallelism's split and partial gradients, stages over the pipeline.
 for _name in ("fsdp-grad-accumulation-recompute-muon", "tp-muon-z-loss", "pp-1f1b"):
@@ -220,8 +223,8 @@ MIXED = {"fsdp-bf16-params": ["parallel.dp_shard=2", "train.dtype=bfloat16"]}
 FOUR = {
     "fsdp-x-tp-tied-qk-norm-muon-mtp": ["parallel.dp_shard=2", "parallel.tp=2", *TIED_QK, *MUON, *MTP],
     "fsdp-x-pp": ["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2", "parallel.recompute=full"],
-    "tp-x-pp-interleaved-z-loss": [*PP2, "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b", *DOCUMENTS,
-                                   *Z_LOSS],
+    "tp-x-pp-interleaved-z-loss-mtp": [*PP2, "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b", *DOCUMENTS,
+                                       *Z_LOSS, *MTP],
     "fsdp-x-cp-mtp": ["parallel.cp=2", "parallel.dp_shard=2", *DOCUMENTS, *MTP],
     "cp-x-pp-zbv": [*PP2, "parallel.cp=2", "parallel.pp_schedule=zbv_zero_bubble"],
     "pp4": ["parallel.pp=4", *ONE_STAGE, "train.micro_batch=1"],
@@ -230,8 +233,8 @@ EIGHT = {"fsdp-x-tp-x-pp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.pp
 # Saved at step STOP by the first layout, continued by the second (4 processes each).
 RESHARD = {
     "fsdp4-to-fsdp2-x-tp2": (["parallel.dp_shard=4", "train.micro_batch=2"], ["parallel.dp_shard=2", "parallel.tp=2"]),
-    "fsdp2-x-pp2-to-cp2-x-tp2": (["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2"],
-                                 ["parallel.cp=2", "parallel.tp=2", *ONE_STAGE]),
+    "fsdp2-x-pp2-to-cp2-x-tp2-tied-mtp": (["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2", *TIED, *MTP],
+                                          ["parallel.cp=2", "parallel.tp=2", *ONE_STAGE, *TIED, *MTP]),
 }
 
 
@@ -339,10 +342,10 @@ def test_a_pipelined_context_parallel_or_background_saving_run_resumes_exactly_i
 
 @pytest.mark.parametrize("name", list(RESHARD))
 def test_a_checkpoint_resumes_in_another_layout_with_the_losses_of_one_that_never_changed(
-        layout_runs, reference_deep, name):
+        layout_runs, single_process, name):
     run_dir = layout_runs[name]
     assert [r["step"] for r in read_metrics(run_dir, "resume")] == [STOP]
-    assert_parity(run_dir, reference_deep)
+    assert_parity(run_dir, single_process(RESHARD[name][1]))
 
 
 @pytest.mark.parametrize("name", list(STAGED))
@@ -397,15 +400,16 @@ def test_ranks_that_diverge_together_rewind_together_to_the_losses_of_one_proces
     assert_parity(run_dir, one)
 
 
-@pytest.mark.parametrize("name, split, holds", [("pp-1f1b", {"pp": 2}, [(True, False), (False, True)]),
+@pytest.mark.parametrize("name, split, holds", [("pp-1f1b", {"pp": 2}, [(True, False), (True, True)]),
                                                 ("pp-zbv_zero_bubble", {"pp": 2}, [(True, True), (False, False)]),
                                                 ("tp-muon-z-loss", {"tp": 2}, [(True, True), (True, True)])])
 def test_each_pipeline_or_tensor_parallel_rank_holds_the_bytes_the_memory_model_gives_it(
         stdlib_data, layout_runs, tmp_path, name, split, holds):
-    """(embedding, head) per rank: 1F1B puts them on the first and last rank, a V-shaped
-    schedule both on rank 0 (its first and last stage). Under tensor parallelism each rank holds
-    half of every matrix but the whole norms and multi-token prediction's projections (Muon: one
-    moment a matrix)."""
+    """(embedding, head) per rank: 1F1B puts them on the first and last rank, the last also a
+    copy of the embedding (here its tied head, and multi-token prediction's depths read it), a
+    V-shaped schedule both on rank 0 (its first and last stage). Under tensor parallelism each rank
+    holds half of every matrix but the whole norms and multi-token prediction's projections (Muon:
+    one moment a matrix)."""
     held = read_metrics(layout_runs[name], "memory")[0]["bytes_by_rank"]
     cfg = tiny_config(stdlib_data, tmp_path / "run", *DEEP, *TWO[name], "model.vocab_size=512")
     for rank, (embedding, head) in zip(held, holds, strict=True):
@@ -522,7 +526,9 @@ def test_a_hung_rank_is_ended_by_its_watchdog_and_torchrun_restarts_the_job_from
      "model.n_layers = 2 is not divisible into 4 pipeline stages .parallel.pp = 2 x 2 stages per rank"),
     ("parallel.pp=4 model.n_layers=4", 4, "'1f1b' needs the micro-batches per step on each pipeline .* = 2. to be "
                                           "at least the 4 pipeline stages"),
-    ("parallel.pp=2 model.tie_embeddings=true", 2, "tie_embeddings = true is not supported with parallel.pp > 1"),
+    ("parallel.pp=2 model.n_layers=4 model.tie_embeddings=true parallel.pp_schedule=zbv_zero_bubble", 2,
+     "model.tie_embeddings = true reads the embedding on the last pipeline stage, which parallel.pp_schedule = "
+     "'zbv_zero_bubble' runs on the first stage's rank"),
     ("parallel.cp=2 data.seq_len=62 train.global_batch_tokens=496", 2,
      "data.seq_len = 62 is not divisible by 2 x parallel.cp = 4"),
     ("parallel.cp=2 parallel.tp=4 model.n_kv_heads=4 data.seq_len=36 train.global_batch_tokens=288", 8,
@@ -530,7 +536,7 @@ def test_a_hung_rank_is_ended_by_its_watchdog_and_torchrun_restarts_the_job_from
     ("parallel.dp_shard=3", 3, "8 sequences, which do not split into 3 data-parallel ranks"),
     ("train.compile=true train.compile_mode=reduce-overhead", 2, "replays CUDA graphs, which one process can do but 2"),
 ], ids=["product", "remaining", "heads", "seq-tp", "layers-pp", "layers-virtual", "microbatches",
-        "tied-pp", "seq-cp", "seq-cp-tp", "batch", "cuda-graphs"])
+        "tied-v-shaped-pp", "seq-cp", "seq-cp-tp", "batch", "cuda-graphs"])
 def test_a_layout_that_cannot_split_the_model_or_batch_is_refused_with_the_constraint(stdlib_data, tmp_path,
                                                                                      overrides, world, words):
     cfg = tiny_config(stdlib_data, tmp_path / "run", "model.vocab_size=512", *overrides.split())

@@ -17,6 +17,7 @@ from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.plan.cost import Reliability, checkpoint_interval, goodput, run_cost
 from scaletrain.plan.hardware import DEVICES, device, device_from_dict
 from scaletrain.plan.planner import Hardware, make_plan, model_for, plan_for_time, planned_config, size
+from scaletrain.plan.memory import rank_memory, training_memory
 from scaletrain.plan.search import PlanError, candidates, search
 from scaletrain.plan.timing import Efficiency, PlanLayout, collective, group_bandwidth, step_time
 from scaletrain.scaling.laws import preset
@@ -97,15 +98,22 @@ def test_every_layout_the_search_returns_is_one_train_accepts_and_fits():
             assert resolve_layout(config.parallel, world).world_size == world
 
 
-def test_a_config_with_multi_token_prediction_is_planned_without_pipelines():
-    """Training refuses pipeline parallelism with model.mtp_depth (the depths read the embedding,
-    which the first stage holds) and takes tensor and context parallelism: the search offers
-    those and no pipeline, counts the depths' FLOPs and memory, and each kind of layout it offers
-    is one training accepts."""
+def test_a_config_with_multi_token_prediction_is_planned_in_every_kind_of_layout():
+    """Training takes model.mtp_depth under tensor, context and (looping) pipeline parallelism, the
+    last stage holding the depths and a copy of the embedding they read: the search offers each,
+    counts the depths' FLOPs and memory (a pipeline's last rank the heavier by the copy and the
+    depths), and each kind of layout it offers is one training accepts."""
     cfg = ONE_B.model_copy(update={"mtp_depth": 1})
     fits, _ = candidates(cfg, 2048, 64, 16, H100, allow_cp=True)
-    assert fits and all(c.layout.pp == 1 for c in fits)
-    split = {kind: next(c for c in fits if getattr(c.layout, kind) > 1) for kind in ("tp", "cp")}
+    split = {kind: next(c for c in fits if getattr(c.layout, kind) > 1) for kind in ("tp", "cp", "pp")}
+    untied = ONE_B.model_copy(update={"tie_embeddings": False})
+    depths = untied.model_copy(update={"mtp_depth": 1})
+    first, plain_first = (rank_memory(m, 2048, 1, pp=2, embedding=True, head=False) for m in (depths, untied))
+    last, plain_last = (rank_memory(depths, 2048, 1, pp=2, embedding=True, head=True),
+                        rank_memory(untied, 2048, 1, pp=2, embedding=False, head=True))
+    assert first.parameters == plain_first.parameters
+    assert last.parameters - plain_last.parameters == 4 * (untied.vocab * untied.dim + param_counts(depths)["mtp"])
+    assert training_memory(depths, 2048, 1, micro_steps=8, pp=2).parameters == last.parameters
     plain = {c.layout: c for c in candidates(ONE_B, 2048, 64, 16, H100, allow_cp=True)[0]}
     for c in (*split.values(), min(fits, key=lambda c: c.time.total)):
         same = plain[c.layout]  # (another block and head pass, and their weights and activations, a depth)

@@ -375,7 +375,7 @@ class Transformer(nn.Module):
 
     def forward(
         self,
-        tokens: torch.Tensor,  # (batch, seq) token ids; hidden states (batch, seq, dim) without tok_embeddings
+        tokens: torch.Tensor,  # (batch, seq) token ids; at a later pipeline stage hidden states (batch, seq, dim)
         targets: torch.Tensor | None = None,  # (batch, seq) next-token ids, or shifted_targets' (batch, seq, 1 + depth)
         cache: KVCache | None = None,
         start_pos: int = 0,
@@ -405,7 +405,8 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]  # (≥ seq, head_dim // 2)
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        x = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)  # (batch, seq, dim)
+        # (A later pipeline stage is given hidden states; the last one may hold the embedding too.)
+        x = tokens if tokens.is_floating_point() else self.tok_embeddings(tokens)  # (batch, seq, dim)
         bias = None
         if documents is not None:
             if cache is not None:

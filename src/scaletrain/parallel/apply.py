@@ -23,7 +23,8 @@ from scaletrain.parallel.context import apply_cp
 from scaletrain.parallel.expert import apply_ep, expert_mesh
 from scaletrain.parallel.fsdp import apply_fsdp
 from scaletrain.parallel.layout import Layout, stage_ids
-from scaletrain.parallel.pipeline import build_schedule, forward_only, split_stages
+from scaletrain.parallel.pipeline import (EmbeddingCopies, build_schedule, forward_only, last_stage_embeds,
+                                          split_stages)
 from scaletrain.parallel.recompute import apply_recompute
 from scaletrain.parallel.tensor import apply_tp
 
@@ -49,6 +50,8 @@ class ParallelModel:
     make_schedule: Callable[[int], Any] | None = None
     """Under pipelining, a schedule of the same stages for another number of micro-batches."""
     schedules: dict[int, Any] = field(default_factory=dict)
+    embedding_copies: EmbeddingCopies | None = None
+    """Under pipelining, where the last stage holds a copy of the embedding (parallel/pipeline.py)."""
 
     def schedule_for(self, microbatches: int):
         """The schedule that runs `microbatches` micro-batches a step (a batch that grows over
@@ -56,6 +59,17 @@ class ParallelModel:
         if microbatches not in self.schedules:
             self.schedules[microbatches] = self.make_schedule(microbatches)
         return self.schedules[microbatches]
+
+    def sum_gradients(self) -> None:
+        """After a backward pass: what the gradients of parameters held twice need (the
+        embedding's copies under pipelining)."""
+        if self.embedding_copies is not None:
+            self.embedding_copies.sum_gradients()
+
+    def counts(self, param: torch.Tensor) -> bool:
+        """Whether a norm over the whole model counts param: not where it is the second copy of
+        something held twice."""
+        return self.embedding_copies is None or param is not self.embedding_copies.held
 
 
 def _holder(parts: list[nn.Module]) -> nn.Module:
@@ -103,10 +117,16 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout: Layout, cfg: 
         return ParallelModel(module=model, parts=parts)
     microbatches = cfg.seqs_per_step // (layout.dp * cfg.train.micro_batch)
     make_schedule = partial(build_schedule, parts, ids, num_stages, parallel.pp_schedule, group=mesh["pp"].get_group(),
-                            device=device, z_loss=cfg.train.z_loss, z_tally=model.z_tally)
+                            device=device)
     schedule = make_schedule(microbatches)
-    return ParallelModel(module=_holder(parts), parts=parts, schedule=schedule, first=0 in ids,
-                         last=num_stages - 1 in ids,
+    first, last = 0 in ids, num_stages - 1 in ids
+    copies = None
+    if last_stage_embeds(cfg.model):
+        last_holder = next(rank for rank in range(layout.pp)
+                           if num_stages - 1 in stage_ids(parallel.pp_schedule, rank, layout.pp, parallel.stages_per_rank))
+        copies = EmbeddingCopies(mesh, 0, last_holder, parts, first, last)
+    return ParallelModel(module=_holder(parts), parts=parts, schedule=schedule, first=first, last=last,
+                         embedding_copies=copies,
                          forward=partial(forward_only, parts, ids, num_stages, parallel.pp_schedule,
                                          mesh["pp"].get_group()),
                          make_schedule=make_schedule, schedules={microbatches: schedule})

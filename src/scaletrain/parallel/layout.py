@@ -52,6 +52,7 @@ class Layout:
 
 
 V_SHAPED = ("zbv_zero_bubble", "dualpipev")  # rank r runs stages r and 2 pp - 1 - r
+LOOPING = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")  # rank r: r, r + pp, ...
 
 
 def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
@@ -97,11 +98,6 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
             raise ConfigError(f"{name} = {batch} holds {batch // seq_len} sequences, which do not split into "
                               f"{layout.dp} data-parallel ranks x train.micro_batch = {cfg.train.micro_batch}; use a "
                               f"multiple of {layout.dp * cfg.train.micro_batch * seq_len} tokens")
-    if model.mtp_depth and layout.pp > 1:
-        raise ConfigError(f"model.mtp_depth = {model.mtp_depth} runs its modules beside the output head on the last "
-                          f"pipeline stage, but they read the embedding, which parallel.pp = {layout.pp} puts on the "
-                          "first; train multi-token prediction without pipeline parallelism (data, tensor, context "
-                          "and expert parallelism all take it), or set model.mtp_depth = 0")
     if model.mtp_depth and layout.cp > 1 and 2 * model.mtp_depth >= seq_len:
         raise ConfigError(f"model.mtp_depth = {model.mtp_depth} would leave a context-parallel rank no position to "
                           f"predict; with parallel.cp = {layout.cp} it must be below data.seq_len / 2 = {seq_len // 2}")
@@ -139,9 +135,12 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
             raise ConfigError(f"model.n_layers = {model.n_layers} is not divisible into {stages} pipeline stages "
                               f"(parallel.pp = {layout.pp} x {parallel.stages_per_rank} stages per rank); each stage "
                               "holds the same number of blocks")
-        if model.tie_embeddings:
-            raise ConfigError("model.tie_embeddings = true is not supported with parallel.pp > 1 (the embedding "
-                              "and the output head live on different stages); set it to false")
+        if (model.tie_embeddings or model.mtp_depth) and parallel.pp_schedule in V_SHAPED:
+            reader = "model.tie_embeddings = true" if model.tie_embeddings else f"model.mtp_depth = {model.mtp_depth}"
+            raise ConfigError(f"{reader} reads the embedding on the last pipeline stage, which parallel.pp_schedule = "
+                              f"{parallel.pp_schedule!r} runs on the first stage's rank (a V), and two stages of one rank "
+                              "sharing the embedding are not supported; use a looping schedule (" + ", ".join(
+                                  repr(s) for s in LOOPING) + ")")
         for name, batch in cfg.batch_names():
             microbatches = batch // seq_len // (layout.dp * cfg.train.micro_batch)
             need = None

@@ -6,21 +6,30 @@ Large-Scale Language Model Training on GPU Clusters"; zero-bubble schedules, Qi 
 
 A stage is the whole model with the blocks of other stages removed (and the embedding or the
 output head where it is not the first or last stage), so every parameter keeps the name it has
-in the whole model, and checkpoints move between pipelined and unpipelined layouts.
+in the whole model, and checkpoints move between pipelined and unpipelined layouts. The last
+stage computes the loss itself (it is given the targets), through the chunked head and with
+multi-token prediction's depths as one process does.
+
+A tied output head and multi-token prediction's depths read the embedding on the last stage too:
+that stage holds a copy of it, as Megatron-LM does (Shoeybi et al. 2019; Narayanan et al. 2021,
+section 4.2), under the same name. The copies start equal, their gradients are summed after each
+backward pass (EmbeddingCopies), and the optimizer then takes the same step on each; checkpoints
+hold one (DCP keeps one of the keys several ranks save), which every copy loads.
 """
 
 from __future__ import annotations
 
 import copy
-from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.microbatch import _CustomReducer
 from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.tensor import DTensor
 
-from scaletrain.model.loss import cross_entropy
 from scaletrain.parallel.layout import stage_ids
 
 # Our names for the schedules -> torch.distributed.pipelining's.
@@ -28,35 +37,86 @@ SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1
              "interleaved_zero_bubble": "InterleavedZeroBubble", "zbv_zero_bubble": "ZBVZeroBubble",
              "dualpipev": "DualPipeV"}
 def split_stages(model: nn.Module, ids: list[int], num_stages: int) -> list[nn.Module]:
-    """One module per stage in ids, each holding n_layers / num_stages consecutive blocks."""
+    """One module per stage in ids, each holding n_layers / num_stages consecutive blocks; the
+    last also the embedding where it reads it (last_stage_embeds). Each shares the whole model's
+    tallies (model/loss.py's Tally: where the trainer reads the z-loss and multi-token prediction)."""
     per_stage = len(model.layers) // num_stages
+    shared = {id(tally): tally for tally in (model.z_tally, model.mtp_tally) if tally is not None}
     parts = []
     for stage in ids:
-        part = copy.deepcopy(model)
+        part = copy.deepcopy(model, memo=dict(shared))
         keep = {str(i) for i in range(stage * per_stage, (stage + 1) * per_stage)}
         for name in [name for name in part.layers if name not in keep]:
             del part.layers[name]
-        if stage != 0:
+        last = stage == num_stages - 1
+        if stage != 0 and not (last and last_stage_embeds(model.cfg)):
             part.tok_embeddings = None
-        if stage != num_stages - 1:
-            part.norm, part.output = None, None
+        if not last:
+            part.norm, part.output, part.mtp = None, None, None
         parts.append(part)
     return parts
 
 
+def last_stage_embeds(cfg) -> bool:
+    """Whether the last stage reads the embedding too (and holds a copy of it): for a tied output
+    head, or multi-token prediction's depths (model.mtp_depth)."""
+    return cfg.tie_embeddings or bool(cfg.mtp_depth)
+
+
+class EmbeddingCopies:
+    """The embedding's two copies, on the ranks running the first and the last stage: after a
+    backward pass each holds the sum of both gradients (one all-reduce between the two ranks), so
+    the optimizer takes the same step on each. Every rank builds one (the pairs' groups are made
+    together); `held` is the copy this rank holds where it is the last stage's and not the first's (else
+    None), which a norm over the whole model must not count twice."""
+
+    def __init__(self, mesh: DeviceMesh, first_holder: int, last_holder: int, parts: list[nn.Module],
+                 first: bool, last: bool):
+        me = dist.get_rank()
+        # Ranks that differ only in their pp coordinate hold the same shard of the embedding: one
+        # pair of them per coordinate of the other dimensions. Every rank makes every pair's group.
+        ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), 0).flatten(1)
+        self.group = None
+        for column in ranks.unbind(1):
+            pair = [int(column[first_holder]), int(column[last_holder])]
+            group = dist.new_group(pair)
+            if me in pair:
+                self.group = group
+        embeddings = [part.tok_embeddings.weight for part in parts if part.tok_embeddings is not None]
+        self.weight = embeddings[0] if embeddings else None
+        self.held = self.weight if last and not first else None
+
+    def sum_gradients(self) -> None:
+        """Add the other copy's gradient to this rank's (on the two ranks that hold one)."""
+        if self.weight is None or self.group is None:
+            return
+        grad = self.weight.grad
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+
+
 def build_schedule(parts: list[nn.Module], ids: list[int], num_stages: int, schedule: str, microbatches: int,
-                   group, device: torch.device, z_loss: float = 0.0, z_tally=None):
-    """The schedule that runs this rank's stages: `.step(inputs, target=..., losses=[...])`
-    trains on a batch (gradients averaged over its micro-batches); the z-loss's log²Z goes to
-    `z_tally` (model/loss.py's Tally)."""
+                   group, device: torch.device):
+    """The schedule that runs this rank's stages: `.step(inputs, targets=..., target=...,
+    losses=[...])` trains on a batch (gradients averaged over its micro-batches). The last stage
+    is given the targets as a keyword (the schedule cuts those into micro-batches too) and returns
+    the loss, which is what the schedule's own `target` and loss function then pass on."""
     stages = [PipelineStage(part, stage, num_stages, device, group=group) for part, stage in zip(parts, ids)]
     for stage in stages:
         _no_p2p_to_self(stage, dist.get_rank(group))
     cls = get_schedule_class(SCHEDULES[schedule])
-    loss_fn = partial(cross_entropy, z_loss=z_loss, tally=z_tally)
-    if schedule in ("gpipe", "1f1b"):
-        return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
-    return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    # The last stage's outputs (losses, not batches) are not put together: `losses` has them.
+    # (The reducer's class is torch's own, not exported in torch 2.11-2.13.)
+    options = dict(n_microbatches=microbatches, loss_fn=_the_loss, output_merge_spec=_CustomReducer(None, _nothing))
+    return cls(stages[0] if schedule in ("gpipe", "1f1b") else stages, **options)
+
+
+def _nothing(_merged, _output) -> None:
+    return None
+
+
+def _the_loss(loss: torch.Tensor, _target) -> torch.Tensor:
+    """The schedule's loss function: the last stage computed the loss already."""
+    return loss
 
 
 def _no_p2p_to_self(stage: PipelineStage, me: int) -> None:

@@ -25,8 +25,9 @@ Components (per device, in bytes):
   chunk's with train.loss_chunk_tokens (then also the head's float32 weight gradient, and in
   bf16 a chunk's bf16 part of it before it is summed in);
 - multi-token prediction (model.mtp_depth): its modules' parameters, gradients and optimizer
-  state as the blocks', its projections and norms whole under tensor parallelism (checked
-  against real runs', one process and tp = 2), and per depth the activations of one more dense
+  state as the blocks', its projections and norms whole under tensor parallelism, all on the
+  last pipeline stage, which also holds a copy of the embedding (as for a tied head; checked
+  against real runs': one process, tp = 2, pp = 2), and per depth the activations of one more dense
   block (recomputed as the blocks are) and one more loss — an estimate, not a tally: the joined
   inputs and the depths' norms are left out and the loss counts its gradient, which about
   cancel (tests: 0.97–0.98 of what autograd saves for the depths in float32, 1.10–1.12 in bf16,
@@ -226,6 +227,8 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
     else:
         last = min(((pp_stages_per_rank - 1) * pp + 1) / pp_stages_per_rank, micro_steps)
         ranks = [(in_flight, 0, True, False), (last, 1, False, True)]
+    if pp_schedule not in V_SHAPED and (cfg.tie_embeddings or _mtp(cfg)):  # the last holds a copy of the embedding
+        ranks[-1] = (*ranks[-1][:2], True, True)
     estimates = [rank_memory(cfg, seq_len, micro_batch, **common, pp=pp, in_flight=count, losses=losses,
                              embedding=embedding, head=head) for count, losses, embedding, head in ranks]
     return max(estimates, key=lambda e: e.peak)
@@ -258,41 +261,48 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     counts = param_counts(cfg)
     outer = cfg.vocab * cfg.dim  # the embedding, and the output head unless tied to it
     norms = 2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0)
-    # The blocks' norms and multi-token prediction's (its block's and three more a depth).
-    block_norms = cfg.n_layers * norms + _mtp(cfg) * (norms + 3 * cfg.dim)
-    # Matrices whole under tp too (every tp rank holds all of them): multi-token prediction's
-    # projections, a mixture's routers and shared experts (its routed experts split over tp).
-    joins = _mtp(cfg) * 2 * cfg.dim * cfg.dim
+    # Multi-token prediction's depths sit beside the head (on the last pipeline stage): their
+    # blocks' matrices, split under tp as the trunk's; their norms (a block's and three more) and
+    # projections, whole under tp.
+    depth_whole = _mtp(cfg) * (norms + 3 * cfg.dim + 2 * cfg.dim * cfg.dim) if head else 0
+    depth_split = counts["mtp"] - _mtp(cfg) * (norms + 3 * cfg.dim + 2 * cfg.dim * cfg.dim) if head else 0
+    # Matrices whole under tp too (every tp rank holds all of them): a mixture's routers and shared
+    # experts (its routed experts split over tp).
     routing = moe_layers(cfg) * cfg.dim * (cfg.moe_experts + 3 * cfg.moe_shared_experts * cfg.expert_dim) \
         if moe_layers(cfg) else 0
-    blocks = counts["total"] - block_norms - joins - routing - cfg.dim - outer * (1 if cfg.tie_embeddings else 2)
+    blocks = (counts["total"] - counts["mtp"] - cfg.n_layers * norms - routing - cfg.dim
+              - outer * (1 if cfg.tie_embeddings else 2))
     matrices = (embedding + head) if not cfg.tie_embeddings else 1  # vocab x dim matrices here
-    split = (blocks / pp + outer * matrices) / (fsdp * tp)  # split over tp too
-    whole_matrices = joins + routing / pp
-    whole = (block_norms / pp + whole_matrices + (cfg.dim if head else 0)) / fsdp  # norm weights: whole under tp
+    split = (blocks / pp + depth_split + outer * matrices) / (fsdp * tp)  # split over tp too
+    whole_matrices = routing / pp + (_mtp(cfg) * 2 * cfg.dim * cfg.dim if head else 0)
+    # Norm weights: whole under tp.
+    whole = (cfg.n_layers * norms / pp + routing / pp + depth_whole + (cfg.dim if head else 0)) / fsdp
     local = split + whole
     parameters = gradients = round(4 * local)
-    tensors = parameter_tensors(cfg) - 2 - (0 if cfg.tie_embeddings else 1)  # the blocks' tensors
-    tensors = tensors / pp + int(embedding) + int(head) * (1 if cfg.tie_embeddings else 2)  # head: norm (+ matrix)
-    muon = (blocks / pp / tp + whole_matrices) / fsdp if optimizer == "muon" else 0  # one moment, not two
+    depth_tensors = _mtp(cfg) * (7 + 2 + (2 if cfg.qk_norm else 0) + 1 + 3)  # a dense block, projection, 3 norms
+    tensors = parameter_tensors(cfg) - depth_tensors - 2 - (0 if cfg.tie_embeddings else 1)  # the blocks' tensors
+    tensors = (tensors / pp + (depth_tensors if head else 0) + int(embedding)
+               + int(head) * (1 if cfg.tie_embeddings else 2))  # head: norm (+ matrix)
+    muon = (blocks / pp / tp + depth_split / tp + whole_matrices) / fsdp if optimizer == "muon" else 0  # one moment
     optimizer_bytes = round(8 * local - 4 * muon + 4 * tensors)
     stepping = _muon_step_bytes(cfg, fsdp, tp, ep) if optimizer == "muon" else 0
     head_matmul = outer if head else 0
     # Multi-token prediction's matmul weights a depth: a dense block's (split under tp) and the projection's.
     depth_matmul = 2 * cfg.dim * (cfg.n_heads + cfg.kv_heads) * cfg.head_dim + 3 * cfg.dim * cfg.hidden_dim \
         + 2 * cfg.dim * cfg.dim * tp
+    depths_matmul = _mtp(cfg) * depth_matmul if head else 0
     if not bf16:
         weight_copies = 0
     elif fsdp > 1:  # two blocks gathered in bf16 (all of the rank's when pipelining), the root's embedding and head
         every, largest = _block_weights(cfg, ep)
-        gathered = every / pp if pp > 1 else 2 * max(largest, depth_matmul if _mtp(cfg) else 0)
+        gathered = (every / pp + depths_matmul) if pp > 1 else 2 * max(largest, depth_matmul if _mtp(cfg) else 0)
         weight_copies = round(2 * (gathered + outer * matrices) / tp)
     else:
-        weight_copies = round(2 * (_block_weights(cfg)[0] / pp + head_matmul + _mtp(cfg) * depth_matmul) / tp)
+        weight_copies = round(2 * (_block_weights(cfg)[0] / pp + head_matmul + depths_matmul) / tp)
     tokens = micro_batch * seq_len / cp
     per_layer = activation_bytes_per_token(cfg, bf16, recompute, cp) * tokens / tp
     activations = round(in_flight * cfg.n_layers / pp * per_layer)
-    if _mtp(cfg):  # each depth counted as a dense block over the rank's tokens (not measured: see above)
+    if _mtp(cfg) and head:  # each depth counted as a dense block over the rank's tokens (not measured: see above)
         activations += round(_mtp(cfg) * block_bytes_per_token(cfg, bf16, recompute, cp=cp) * tokens / tp)
     if getattr(cfg, "document_mask", False):  # one (batch, 1, T / cp, T) bias for all blocks
         activations += round(in_flight * tokens * seq_len * (2 if bf16 else 4))

@@ -69,12 +69,6 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _last_stage_embedding(cfg: Any) -> bool:
-    """Whether the last pipeline stage would need the embedding too: a tied output head, or
-    multi-token prediction (model.mtp_depth), whose depths read it beside the head."""
-    return cfg.tie_embeddings or bool(getattr(cfg, "mtp_depth", 0))
-
-
 def _tp_sizes(cfg: Any, seq_len: int, cp: int, gpus_per_node: int) -> list[int]:
     sizes = (cfg.n_heads, cfg.kv_heads, cfg.hidden_dim, cfg.vocab, seq_len // cp,
              *((cfg.moe_experts,) if moe_layers(cfg) else ()))  # (a mixture's experts split over tp too)
@@ -92,8 +86,6 @@ def _data_parallel(cfg: Any, dp: int, tp: int = 1) -> list[tuple[int, int]]:
 
 def _pipelines(cfg: Any, world: int) -> list[tuple[int, str, int]]:
     """(pp, schedule, stages per rank) choices: one stage a rank under 1F1B, two interleaved."""
-    if _last_stage_embedding(cfg):  # (parallel/layout.py refuses these)
-        return [(1, "1f1b", 1)]
     out = [(1, "1f1b", 1)]
     for pp in divisors(world):
         if 1 < pp <= cfg.n_layers:

@@ -225,8 +225,9 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
     micro_steps = lay.microbatches(global_batch)
     tokens = lay.micro_batch * seq_len / lay.cp  # per device and micro-batch
     layers = cfg.n_layers / lay.pp
-    # Multi-token prediction's depths (never pipelined): a dense block each, beside the head; their
-    # FLOPs are spread over the blocks' below, their collectives and element-wise work counted here.
+    # Multi-token prediction's depths: a dense block each, beside the head; their FLOPs are spread
+    # over the blocks' below (pipelined, they run on the last stage: an imbalance left out), their
+    # collectives and element-wise work counted here.
     depths = getattr(cfg, "mtp_depth", 0) or 0
     d, kv_width = cfg.dim, cfg.kv_heads * cfg.head_dim
     bandwidth = device.memory_bandwidth
@@ -293,7 +294,10 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
 
     bubble = bubble_microbatches(lay.pp_schedule, lay.pp, lay.pp_stages_per_rank) * microbatch
     optimizer = 36 * stage_params / shard / bandwidth
-    total = micro_steps * microbatch + bubble + data_parallel + optimizer
+    copies = 0.0
+    if lay.pp > 1 and (cfg.tie_embeddings or depths):  # the embedding's copies sum their float32 gradients
+        copies = collective("all_reduce", cfg.vocab * d * 4 / lay.tp / shard, 2, pp_bw, efficiency)
+    total = micro_steps * microbatch + bubble + data_parallel + optimizer + copies
 
     step_tokens = global_batch * seq_len
     world = lay.world_size
@@ -302,7 +306,7 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
     return StepTime(compute=micro_steps * (forward + backward), recompute=micro_steps * recompute,
                     tensor_parallel=micro_steps * tp_time, context_parallel=micro_steps * cp_time,
                     expert_parallel=micro_steps * ep_time,
-                    data_parallel=data_parallel, pipeline_bubble=bubble, pipeline_sends=micro_steps * sends,
+                    data_parallel=data_parallel, pipeline_bubble=bubble, pipeline_sends=micro_steps * sends + copies,
                     optimizer=optimizer, total=total, tokens_per_s=step_tokens / total, mfu=mfu,
                     mfu_causal=mfu_causal)
 
@@ -314,9 +318,11 @@ def _routed_expert_parameters(cfg: Any) -> float:
 
 def _stage_parameters(cfg: Any, pp: int) -> float:
     """Parameters of the largest pipeline stage: L/pp blocks (every expert of a mixture) and, on
-    the last, the output head and final norm (the embedding, on the first, is no larger than the
-    head; counted once when tied and there is one stage)."""
-    blocks = param_counts(cfg)["total"] - cfg.vocab * cfg.dim * (1 if cfg.tie_embeddings else 2) - cfg.dim
-    outer = cfg.vocab * cfg.dim * (1 if (cfg.tie_embeddings or pp > 1) else 2)
-    return blocks / pp + outer + cfg.dim
+    the last, the output head, final norm and multi-token prediction's depths (the embedding, on
+    the first, is no larger than the head; counted once when tied, and the last stage's copy of it
+    serves as the tied head; an untied head with depths has the copy beside it)."""
+    counts = param_counts(cfg)
+    blocks = counts["total"] - counts["mtp"] - cfg.vocab * cfg.dim * (1 if cfg.tie_embeddings else 2) - cfg.dim
+    matrices = 1 if cfg.tie_embeddings else (2 if pp == 1 or counts["mtp"] else 1)
+    return blocks / pp + counts["mtp"] + cfg.vocab * cfg.dim * matrices + cfg.dim
 

@@ -280,12 +280,12 @@ class Trainer:
         self.mtp_tally = model.mtp_tally = Tally() if cfg.model.mtp_depth else None
         model.mtp_weight = cfg.train.mtp_weight
         self.mtp_loss_value: float | None = None
+        # (Set before the model is split: a pipeline's last stage computes the loss as one process does.)
+        model.z_loss = cfg.train.z_loss
+        if self.layout.tp == 1:  # (a vocabulary-sharded head takes loss_parallel)
+            model.loss_chunk = cfg.train.loss_chunk_tokens
         self.parallel = parallelize(model, self.mesh, self.layout, cfg, self.device, param_dtype=param_dtype)
         self.model = self.parallel.module
-        if self.layout.pp == 1:  # (a pipeline's loss is the schedule's)
-            self.model.z_loss = cfg.train.z_loss
-            if self.layout.tp == 1:  # (a vocabulary-sharded head takes loss_parallel)
-                self.model.loss_chunk = cfg.train.loss_chunk_tokens
         self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                          betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
                                          device=self.device, kind=cfg.train.optimizer,
@@ -805,7 +805,7 @@ class Trainer:
             per_step = 1 if self.layout.pp > 1 else micro_steps
             set_balance_weight(self.model, self.cfg.model.moe_aux_loss / (per_step * self.layout.tp))
             self.balance_micro_steps = micro_steps
-        if (self.parallel.schedule is not None and (self.cfg.model.moe or self.z_tally is not None)
+        if (self.parallel.schedule is not None and (self.cfg.model.moe or self.z_tally or self.mtp_tally)
                 and micro_steps not in self.pipeline_primed):
             self._prime_pipeline(micro_steps)
         for tally in (self.z_tally, self.mtp_tally):
@@ -835,6 +835,7 @@ class Trainer:
         if self.parallel.schedule is not None:  # the pipeline takes this rank's whole share, in micro-batches
             losses = self._pipeline(*(None if parts[0] is None else torch.cat(parts) for parts in zip(*batches)),
                                     microbatches=micro_steps)
+            self.parallel.sum_gradients()
             if self.parallel.last:
                 loss_sum += torch.stack([_local(loss.detach()) for loss in losses]).mean()
         part_norms = self._norms_by_part(grads=True) if look and self.cfg.log.norms else None
@@ -951,8 +952,9 @@ class Trainer:
         run infers what passes between the stages by a forward and a backward of a micro-batch
         (torch 2.13), which a mixture's blocks would count as a micro-batch of training: their
         expert loads (which move the biases) and balancing losses would then depend on where a
-        run started, and a resumed run would differ from one that never stopped. The z-loss's
-        tally would likewise count that micro-batch (tensors the inference makes up)."""
+        run started, and a resumed run would differ from one that never stopped. The tallies of the
+        z-loss and of multi-token prediction would likewise count that micro-batch (tensors the
+        inference makes up)."""
         self.pipeline_primed.add(microbatches)
         # Varied tokens (a batch of one token would route every token to the same experts, and
         # under expert parallelism pile them on one rank), from a generator of its own: the
@@ -970,7 +972,7 @@ class Trainer:
         document ids go to every stage (the schedule cuts keyword arguments into micro-batches too)."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.parallel.first else ()
-        kwargs = {"target": targets, "losses": losses} if self.parallel.last else {}
+        kwargs = {"targets": targets, "target": targets, "losses": losses} if self.parallel.last else {}
         if documents is not None:
             kwargs["documents"] = documents
         with self.autocast():
@@ -983,7 +985,7 @@ class Trainer:
         names = self.model_parts
         position = {name: i for i, name in enumerate(names)}
         named = [(name, p.grad if grads else p) for name, p in self.model.named_parameters()
-                 if p.grad is not None or not grads]
+                 if (p.grad is not None or not grads) and self.parallel.counts(p)]
         squares = (_squares([t for _, t in named], [position[model_part(name)] for name, _ in named], len(names))
                    if named else torch.zeros(len(names), device=self.device))
         if self.layout.pp > 1:
@@ -995,7 +997,7 @@ class Trainer:
         clipping. Sharded gradients (DTensors) give the global norm of their dimensions; pipeline
         stages add up their squares over the pp ranks."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = _global_norm([p.grad for p in params])
+        norm = _global_norm([p.grad for p in params if self.parallel.counts(p)])
         if self.layout.pp > 1:
             norm = norm.square()
             dist.all_reduce(norm, group=self.mesh["pp"].get_group())
