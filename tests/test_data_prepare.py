@@ -117,6 +117,38 @@ def test_a_directory_without_its_manifest_is_prepared_again(tmp_path):
     assert (out / "manifest.json").is_file()
 
 
+@pytest.mark.parametrize("damage, words", [
+    ("offsets-missing", "cannot be read"),
+    ("offsets-truncated", "cannot be read"),
+    ("offsets-wrong", "do not describe that shard's"),
+    ("tokens-short", "is missing or not"),
+])
+def test_a_damaged_shard_is_reported_by_data_stats_and_prepared_again(tmp_path, damage, words):
+    """data stats names the damaged file and what to do; data prepare does not take the damaged
+    directory for a finished one."""
+    from scaletrain.data.stats import describe
+
+    write_corpus(tmp_path / "corpus")
+    out = tmp_path / "data"
+    prepare([str(tmp_path / "corpus")], out, VOCAB)
+    assert describe(out)["mean_length"] > 0
+    shard = read_index(out)["splits"]["train"]["shards"][0]
+    docs, tokens = out / shard["docs"], out / shard["path"]
+    if damage == "offsets-missing":
+        docs.unlink()
+    elif damage == "offsets-truncated":
+        docs.write_bytes(docs.read_bytes()[:-5])
+    elif damage == "offsets-wrong":
+        np.save(docs, np.load(docs)[::-1])
+    else:
+        tokens.write_bytes(tokens.read_bytes()[:-2])
+    with pytest.raises(DataError, match=words) as raised:
+        describe(out)
+    assert "prepare the data directory again" in str(raised.value)
+    assert not prepare([str(tmp_path / "corpus")], out, VOCAB).reused
+    assert describe(out)["mean_length"] > 0
+
+
 def test_non_utf8_file_is_kept_with_replacement_characters_and_counted(tmp_path):
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "latin1.txt").write_bytes("café crème".encode("latin-1"))

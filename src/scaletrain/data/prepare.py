@@ -43,7 +43,7 @@ import tokenizers
 from .curate import REASONS as FILTER_REASONS
 from .curate import FilterConfig, curate, document_kind, load_filters
 from .dedup import DedupIndex, Decontaminator, MinHasher, exact_key
-from .shards import DataError, ShardWriter, read_index, write_index
+from .shards import DataError, ShardWriter, document_offsets, read_index, write_index
 from .sources import ReadStats, list_files, read_documents
 from .tokenizer import check_vocab_size, eos_id, load_tokenizer, train_tokenizer
 from .tokenizer import vocab_size as tokenizer_vocab_size
@@ -728,9 +728,12 @@ def _is_complete(out: Path, key: str) -> bool:
     itemsize = np.dtype(index["dtype"]).itemsize
     for split in index["splits"].values():
         for shard in split["shards"]:
-            bin_path, docs_path = out / shard["path"], out / shard["docs"]
-            if not docs_path.is_file() or not bin_path.is_file() \
-                    or bin_path.stat().st_size != shard["tokens"] * itemsize:
+            bin_path = out / shard["path"]
+            if not bin_path.is_file() or bin_path.stat().st_size != shard["tokens"] * itemsize:
+                return False
+            try:
+                document_offsets(out, shard)
+            except DataError:
                 return False
     return True
 

@@ -152,6 +152,23 @@ class TokenSplit:
         return out
 
 
+def document_offsets(data_dir: str | Path, shard: dict) -> np.ndarray:
+    """Where each document of one shard (an entry of index.json) starts, and where the last ends:
+    int64, documents + 1 of them, rising from 0 to the shard's tokens. DataError when the file is
+    missing, unreadable or does not fit the shard."""
+    path = Path(data_dir) / shard["docs"]
+    again = "prepare the data directory again"
+    try:
+        offsets = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise DataError(f"document offsets {path} cannot be read ({e}); {again}") from None
+    if offsets.ndim != 1 or offsets.dtype.kind not in "iu" or len(offsets) != shard["documents"] + 1 \
+            or offsets[0] != 0 or offsets[-1] != shard["tokens"] or np.any(np.diff(offsets) <= 0):
+        raise DataError(f"document offsets {path} do not describe that shard's {shard['documents']} documents of "
+                        f"{shard['tokens']} tokens (rising offsets from 0 to {shard['tokens']}); {again}")
+    return offsets.astype(np.int64, copy=False)
+
+
 def open_split(data_dir: str | Path, split: str) -> TokenSplit:
     index = read_index(data_dir)
     if split not in index["splits"]:

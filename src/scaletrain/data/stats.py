@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scaletrain.data.shards import DataError, read_index
+from scaletrain.data.shards import DataError, document_offsets, open_split, read_index
 
 PERCENTILES = (5, 25, 50, 75, 95, 99)
 
@@ -20,20 +20,19 @@ PERCENTILES = (5, 25, 50, 75, 95, 99)
 def document_lengths(data_dir: Path, split: str) -> np.ndarray:
     """Tokens of every document of a split (end-of-document token included), int64."""
     index = read_index(data_dir)
-    lengths = [np.diff(np.load(data_dir / shard["docs"])) for shard in index["splits"].get(split, {}).get("shards", [])]
+    shards = index["splits"].get(split, {}).get("shards", [])
+    lengths = [np.diff(document_offsets(data_dir, shard)) for shard in shards]
     return np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
 
 
 def token_counts(data_dir: Path, max_tokens: int = 50_000_000) -> tuple[np.ndarray, int]:
     """Occurrences of each token id in the training split, from at most `max_tokens` tokens
     spread evenly over the shards; returns (counts by id, tokens counted)."""
-    index = read_index(data_dir)
-    shards = index["splits"]["train"]["shards"]
-    total = sum(shard["tokens"] for shard in shards) or 1
-    counts = np.zeros(index["vocab_size"], dtype=np.int64)
+    split = open_split(data_dir, "train")  # (checks every shard is there, of the length index.json says)
+    total = split.tokens or 1
+    counts = np.zeros(split.vocab_size, dtype=np.int64)
     counted = 0
-    for shard in shards:
-        tokens = np.memmap(data_dir / shard["path"], dtype=np.dtype(index["dtype"]), mode="r")
+    for tokens in split.shards:
         take = min(len(tokens), max(1, max_tokens * len(tokens) // total))
         stride = max(1, len(tokens) // take)
         sample = np.asarray(tokens[::stride][:take])
