@@ -93,6 +93,37 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env, cwd=ROOT)
 
 
+# Failures of the machinery rather than of the code under test: a port taken between torchrun
+# choosing it and binding it, a loopback connection dropped on an overloaded 2-core machine.
+TRANSIENT = ("Address already in use", "EADDRINUSE", "Connection reset by peer", "Connection closed by peer")
+
+
+def run_with_retry(run, describe: str):
+    """run() -> CompletedProcess; once more, from the same state, when the launch itself failed
+    for a transient network reason."""
+    result = run()
+    if result.returncode != 0 and any(word in result.stderr for word in TRANSIENT):
+        print(f"retrying {describe}, which failed for a transient reason:\n" + result.stderr[-2000:])
+        result = run()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def launch_runs(spec_path: Path, nproc: int, spec: list[dict]) -> None:
+    """Train each run of `spec` (tests/run_layouts.py says what each entry holds), one after
+    another, in one torchrun job of nproc processes: starting processes costs seconds each on a
+    2-core machine, so tests group the runs of one size into one launch. The spec is written to
+    spec_path."""
+    import json
+
+    spec_path.write_text(json.dumps(spec))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(ROOT / "tests" / "run_layouts.py"), str(spec_path)]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # 60 s per run is ample (the 8-process 3-D layout takes ~15 s here).
+    run_with_retry(lambda: subprocess.run(command, capture_output=True, text=True, timeout=60 * len(spec) + 60,
+                                          env=env, cwd=ROOT), f"{len(spec)} runs of {nproc} processes")
+
+
 def lr_boost_once_at(step: int, factor: float):
     """A replacement for the trainer's lr_at under which the update after step `step` takes
     `factor` times its learning rate, once per process: a real loss spike at step `step` + 2

@@ -7,7 +7,6 @@ a few go through `scaletrain train --nproc`, as a user runs it."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, glitched, run_cli, tiny_config
+from conftest import ROOT, glitched, launch_runs, run_cli, run_with_retry, tiny_config
 from scaletrain.config import ConfigError, ParallelConfig
 from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.plan.memory import rank_memory
@@ -36,26 +35,11 @@ def records(run_dir, kind):
     return {r["step"]: r["loss"] for r in read_metrics(run_dir, kind)}
 
 
-# Failures of the machinery rather than of the code under test: a port taken between torchrun
-# choosing it and binding it, a loopback connection dropped on an overloaded 2-core machine.
-TRANSIENT = ("Address already in use", "EADDRINUSE", "Connection reset by peer", "Connection closed by peer")
-
-
-def _run_with_retry(run, describe: str):
-    """run() -> CompletedProcess; once more, from the same state, when the launch itself failed
-    for a transient network reason."""
-    result = run()
-    if result.returncode != 0 and any(word in result.stderr for word in TRANSIENT):
-        print(f"retrying {describe}, which failed for a transient reason:\n" + result.stderr[-2000:])
-        result = run()
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-
-
 def launch(stdlib_data, run_dir, nproc: int, *overrides: str):
     """`scaletrain train configs/tiny.toml --nproc N` as a user runs it (torchrun, gloo)."""
     args = ["train", "configs/tiny.toml", f"data.path={stdlib_data}", f"run.dir={run_dir.parent}",
             f"run.name={run_dir.name}", *STEPS, *overrides, f"--nproc={nproc}"]
-    _run_with_retry(lambda: run_cli(*args, timeout=240), "a launch")
+    run_with_retry(lambda: run_cli(*args, timeout=240), "a launch")
 
 
 def launch_layouts(stdlib_data, root, nproc: int, runs: list[tuple], placeholders: dict | None = None):
@@ -67,14 +51,7 @@ def launch_layouts(stdlib_data, root, nproc: int, runs: list[tuple], placeholder
              "overrides": [f"data.path={stdlib_data}", f"run.dir={root}", f"run.name={name}", *STEPS,
                            *with_data(overrides, placeholders)]}
             for name, overrides, stop, *extra in runs]
-    spec_path = root / f"layouts-{nproc}.json"
-    spec_path.write_text(json.dumps(spec))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(ROOT / "tests" / "run_layouts.py"), str(spec_path)]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    # 60 s per run is ample (the 8-process 3-D layout takes ~15 s here).
-    _run_with_retry(lambda: subprocess.run(command, capture_output=True, text=True, timeout=60 * len(runs) + 60,
-                                           env=env, cwd=ROOT), f"{nproc}-process layouts")
+    launch_runs(root / f"layouts-{nproc}.json", nproc, spec)
 
 
 @pytest.fixture(scope="module")
