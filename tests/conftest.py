@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -29,7 +30,6 @@ def stdlib_data(tmp_path_factory) -> Path:
 def short_documents(stdlib_data, tmp_path_factory) -> Path:
     """Python source cut at blank lines into short documents (about 130 tokens each, so about half
     of the 64-token windows hold a document boundary), tokenized with stdlib_data's tokenizer."""
-    import json
     import sysconfig
 
     from scaletrain.data import prepare
@@ -61,7 +61,6 @@ def mixture_root(stdlib_data, tmp_path_factory) -> Path:
 def next_line_task(tmp_path_factory) -> Path:
     """A multiple-choice task of real text (eval.tasks): four lines of the standard library's
     Python, and which of four lines comes next — the right one or three lines from elsewhere."""
-    import json
     import random
     import sysconfig
 
@@ -113,8 +112,6 @@ def launch_runs(spec_path: Path, nproc: int, spec: list[dict]) -> None:
     another, in one torchrun job of nproc processes: starting processes costs seconds each on a
     2-core machine, so tests group the runs of one size into one launch. The spec is written to
     spec_path."""
-    import json
-
     spec_path.write_text(json.dumps(spec))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                str(ROOT / "tests" / "run_layouts.py"), str(spec_path)]
