@@ -128,6 +128,22 @@ def test_a_config_with_multi_token_prediction_is_planned_in_every_kind_of_layout
         planned_config(plan, Hardware(H100, 16, 8), base=base)  # (raises what train would refuse)
 
 
+def test_multi_token_prediction_is_timed_on_the_last_pipeline_stage():
+    """Pipelined, the depths all run on the last stage beside the head: a depth adds the same
+    compute to a step at pp=2 as at pp=1 (not half of it, as if spread over the stages' blocks),
+    and at pp=1 the step's compute still counts every FLOP of train_flops_per_token once."""
+    cfg = ONE_B.model_copy(update={"tie_embeddings": False})
+    depth = cfg.model_copy(update={"mtp_depth": 1})
+    added = {}
+    for pp in (1, 2):
+        layout = PlanLayout(pp=pp, micro_batch=1)
+        added[pp] = step_time(depth, 2048, 16, layout, H100).compute - step_time(cfg, 2048, 16, layout, H100).compute
+    assert added[2] == pytest.approx(added[1], rel=1e-9) and added[1] > 0
+    flops = train_flops_per_token(depth, 2048, causal=True) - train_flops_per_token(cfg, 2048, causal=True)
+    matmul = 16 * 2048 * flops / (H100.peak["bf16"] * Efficiency().matmul)
+    assert matmul < added[1] < 1.5 * matmul  # (with the depth's elementwise work and its pass of the logits)
+
+
 MOE = ["model.vocab_size=32768", "model.dim=2048", "model.n_layers=16", "model.n_heads=16", "model.n_kv_heads=4",
        "model.qk_norm=true", "model.moe_experts=64", "model.moe_top_k=8", "model.moe_ffn_dim=768",
        "model.max_seq_len=4096", "data.seq_len=4096", "train.steps=10", "train.micro_batch=1",

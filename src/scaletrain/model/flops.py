@@ -62,6 +62,16 @@ def train_flops_per_token(cfg: Any, seq_len: int, causal: bool = False) -> int:
     return 6 * matmul_params(cfg) + (attention // 2 if causal else attention)
 
 
+def mtp_train_flops_per_token(cfg: Any, seq_len: int, causal: bool = False) -> int:
+    """The share of `train_flops_per_token` that multi-token prediction's depths take: per depth,
+    6 x (its block's linear weights, its 2d x d projection and the head it passes through again)
+    plus its block's attention term (halved with `causal`). 0 without depths. Under pipeline
+    parallelism this work runs on the last stage, beside the head."""
+    per_depth = _dense_block_linear_params(cfg) + 2 * cfg.dim * cfg.dim + cfg.vocab * cfg.dim
+    attention = 12 * cfg.n_heads * cfg.head_dim * seq_len
+    return _mtp_depth(cfg) * (6 * per_depth + (attention // 2 if causal else attention))
+
+
 def forward_flops_per_token(cfg: Any, seq_len: int) -> int:
     """FLOPs of a forward pass per token: one third of `train_flops_per_token` (2 N + 4 L H Q T)."""
     return train_flops_per_token(cfg, seq_len) // 3

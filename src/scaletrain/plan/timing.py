@@ -3,6 +3,8 @@ arithmetic, no torch.
 
 Per micro-batch, each device runs its share of the model: L/pp blocks (and the output head on
 the last pipeline stage) over micro_batch x seq_len / cp tokens, the matmuls split over tp ranks.
+The last stage is the one timed: it also holds multi-token prediction's depths (a block, a
+projection and a pass through the head each), so they add the same time at any pp.
 
 - Compute: matmul and attention FLOPs (model/flops.py: 6 N per token, attention counted over
   the causal half, the work FlashAttention does) at `Efficiency.matmul` of the device's dense
@@ -67,7 +69,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from scaletrain.model.flops import moe_layers, param_counts, train_flops_per_token
+from scaletrain.model.flops import moe_layers, mtp_train_flops_per_token, param_counts, train_flops_per_token
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import MemoryEstimate, activation_bytes_per_token, training_memory
 
@@ -225,20 +227,21 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
     micro_steps = lay.microbatches(global_batch)
     tokens = lay.micro_batch * seq_len / lay.cp  # per device and micro-batch
     layers = cfg.n_layers / lay.pp
-    # Multi-token prediction's depths: a dense block each, beside the head; their FLOPs are spread
-    # over the blocks' below (pipelined, they run on the last stage: an imbalance left out), their
-    # collectives and element-wise work counted here.
+    # Multi-token prediction's depths: a dense block, a projection and another pass through the
+    # head each, all on the last stage beside the head (the stage timed here, the pipeline's slowest).
     depths = getattr(cfg, "mtp_depth", 0) or 0
+    mtp_flops = mtp_train_flops_per_token(cfg, seq_len, causal=True)
     d, kv_width = cfg.dim, cfg.kv_heads * cfg.head_dim
     bandwidth = device.memory_bandwidth
 
     # -- compute of one micro-batch on one device (the last stage's: it holds the head) ----------
     head_matmul = cfg.vocab * cfg.dim
-    block_flops = (train_flops_per_token(cfg, seq_len, causal=True) - 6 * head_matmul) / cfg.n_layers
+    block_flops = (train_flops_per_token(cfg, seq_len, causal=True) - 6 * head_matmul - mtp_flops) / cfg.n_layers
     elementwise = efficiency.elementwise * activation_bytes_per_token(cfg, bf16, "none")  # per token and block
-    blocks_matmul = tokens * layers * block_flops / lay.tp / peak
+    blocks_matmul = tokens * (layers * block_flops + mtp_flops) / lay.tp / peak
     blocks_elementwise = tokens * (layers + depths) * elementwise / lay.tp / bandwidth
-    head = tokens * (6 * head_matmul / lay.tp / peak + cfg.vocab / lay.tp * (act_bytes + 12) / bandwidth)
+    head = tokens * (6 * head_matmul / lay.tp / peak
+                     + (1 + depths) * cfg.vocab / lay.tp * (act_bytes + 12) / bandwidth)
     recompute = {"none": 0.0, "selective": blocks_elementwise / 3,
                  "full": (blocks_matmul + blocks_elementwise) / 3}[lay.recompute]
     forward = (blocks_matmul + blocks_elementwise + head) / 3
