@@ -21,7 +21,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype = to
     float32, and gradients are reduced in float32. Pipeline stages keep parameters gathered
     between micro-batches (reshard_after_forward=False) instead of gathering them again for
     each one."""
-    dp_mesh = mesh["dp_replicate", "dp_shard_cp"]
+    dp_mesh = _data_parallel(mesh, "dp_shard_cp")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     # Blocks take their inputs as the previous block left them: cast at each block, the attention
     # bias of attention within documents (one tensor for all blocks, in the compute dtype) would
@@ -34,9 +34,16 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype = to
             # Split by expert over ep (and tp), each rank's experts sharded over the ranks that
             # hold the same ones, cp ranks included (model/moe.py scales their gradients by 1 / ep:
             # see _expert_parallel) — all the data-parallel ones when only tp splits them.
-            fully_shard(experts, mesh=mesh["dp_replicate", "efsdp_cp"] if experts.ep > 1 else dp_mesh,
+            fully_shard(experts, mesh=_data_parallel(mesh, "efsdp_cp") if experts.ep > 1 else dp_mesh,
                         mp_policy=block_policy, reshard_after_forward=reshard_after_forward)
         fully_shard(block, mesh=dp_mesh, mp_policy=block_policy, reshard_after_forward=reshard_after_forward)
     for depth in getattr(model, "mtp", None) or []:  # multi-token prediction's modules, each as a block
         fully_shard(depth, mesh=dp_mesh, mp_policy=block_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+def _data_parallel(mesh: DeviceMesh, shard: str) -> DeviceMesh:
+    """The mesh FSDP shards over: (dp_replicate, shard) for HSDP, `shard` alone without replicas.
+    (A dimension of one rank is not free: DTensor's sharding propagation, run for each new
+    operation a parameter meets, grows exponentially with the mesh's dimensions.)"""
+    return mesh["dp_replicate", shard] if mesh["dp_replicate"].size() > 1 else mesh[shard]

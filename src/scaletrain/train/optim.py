@@ -210,12 +210,10 @@ class Muon(torch.optim.AdamW):
             state["step"] += 1 if skip is None else (skip <= 0).float()
             del momentum
 
-        def nesterov(i: int, local: bool = False) -> torch.Tensor:
-            # The gradient plus mu times the new momentum (when the step is skipped the update
-            # this makes is discarded below, whatever it is).
-            grad, buffer = (local_shard(params[i].grad), local_shard(buffers[i])) if local else (params[i].grad,
-                                                                                                 buffers[i])
-            return grad + buffer * mu
+        def nesterov(i: int) -> torch.Tensor:
+            # This rank's part of the gradient plus mu times the new momentum (when the step is
+            # skipped the update this makes is discarded below, whatever it is).
+            return local_shard(params[i].grad) + local_shard(buffers[i]) * mu
 
         for i, update in _orthogonalised(params, nesterov):
             param = local_shard(params[i])
@@ -226,21 +224,23 @@ class Muon(torch.optim.AdamW):
 
 
 def _orthogonalised(params: list[torch.Tensor], nesterov):
-    """Yields (i, parameter i's update nesterov(i) orthogonalised, as this rank's part: a plain
-    tensor shaped like its shard), for every i; nesterov(i, local=True) is this rank's part of
-    it. Each update is made when it is needed and handed on when it is ready, so that few are
-    held at once."""
+    """Yields (i, parameter i's update orthogonalised, as this rank's part: a plain tensor shaped
+    like its shard), for every i; nesterov(i) is this rank's part of the update before it. Each
+    update is made when it is needed and handed on when it is ready, so that few are held at once."""
     shared: dict = {}  # (mesh, dimension) -> indices of matrices split by rows over it
     for i, p in enumerate(params):
         if _whole_where_it_lies(p):
-            yield i, orthogonalise(nesterov(i, local=True))
+            yield i, orthogonalise(nesterov(i))
         elif (dim := _row_shard_dim(p)) is not None:
             shared.setdefault((p.device_mesh, dim), []).append(i)
         else:
-            whole = orthogonalise(nesterov(i).full_tensor())
+            # (Made on the local shards and gathered: the same values, without DTensor's dispatch.)
+            update = DTensor.from_local(nesterov(i), p.device_mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
+            whole = orthogonalise(update.full_tensor())
             yield i, local_shard(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None))
             del whole
     for (mesh, dim), indices in shared.items():
         for j, part in _orthogonalise_shared_out([params[i] for i in indices],
-                                                 lambda j: nesterov(indices[j], local=True), mesh.get_group(dim)):
+                                                 lambda j: nesterov(indices[j]), mesh.get_group(dim)):
             yield indices[j], part
