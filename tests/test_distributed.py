@@ -132,6 +132,7 @@ def assert_parity(run_dir, reference, tolerance=1e-5):
 ONE_STAGE = ["parallel.dp_shard=1"]
 TIED_QK = ["model.tie_embeddings=true", "model.qk_norm=true"]
 PP2 = ["parallel.pp=2", "parallel.dp_shard=1", "train.micro_batch=1"]  # 8 micro-batches through 2 ranks
+PP2_MB2 = [*PP2[:2], "train.micro_batch=2"]  # 4 micro-batches of 2: enough, where 4 processes share 2 cores
 TP2 = ["parallel.tp=2", "parallel.dp_shard=1"]
 # Muon gathers each sharded matrix's update whole (FSDP's shards, tensor parallelism's, both
 # together), orthogonalises it and keeps the rank's shard: the same update as one process's.
@@ -200,10 +201,10 @@ MIXED = {"fsdp-bf16-params": ["parallel.dp_shard=2", "train.dtype=bfloat16"]}
 FOUR = {
     "fsdp-x-tp-tied-qk-norm-muon-mtp": ["parallel.dp_shard=2", "parallel.tp=2", *TIED_QK, *MUON, *MTP],
     "fsdp-x-pp": ["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2", "parallel.recompute=full"],
-    "tp-x-pp-interleaved-z-loss-mtp": [*PP2, "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b", *DOCUMENTS,
+    "tp-x-pp-interleaved-z-loss-mtp": [*PP2_MB2, "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b", *DOCUMENTS,
                                        *Z_LOSS, *MTP],
     "fsdp-x-cp-mtp": ["parallel.cp=2", "parallel.dp_shard=2", *DOCUMENTS, *MTP],
-    "cp-x-pp-zbv": [*PP2, "parallel.cp=2", "parallel.pp_schedule=zbv_zero_bubble"],
+    "cp-x-pp-zbv": [*PP2_MB2, "parallel.cp=2", "parallel.pp_schedule=zbv_zero_bubble"],
     "pp4": ["parallel.pp=4", *ONE_STAGE, "train.micro_batch=1"],
 }
 EIGHT = {"fsdp-x-tp-x-pp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2", "train.micro_batch=2"]}
