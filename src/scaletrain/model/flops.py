@@ -42,8 +42,7 @@ def matmul_params(cfg: Any) -> int:
     the output head counts whether or not it is tied to the embedding. Training's multi-token
     prediction adds, per depth, its block, its projection and another pass through the head
     (counted over every position, though depth k scores T - k of T)."""
-    per_depth = _dense_block_linear_params(cfg) + 2 * cfg.dim * cfg.dim + cfg.vocab * cfg.dim
-    return _blocks_linear_params(cfg, active=True) + cfg.vocab * cfg.dim + _mtp_depth(cfg) * per_depth
+    return _blocks_linear_params(cfg, active=True) + cfg.vocab * cfg.dim + _mtp_depth(cfg) * _mtp_matmul_params(cfg)
 
 
 def train_flops_per_token(cfg: Any, seq_len: int, causal: bool = False) -> int:
@@ -67,9 +66,8 @@ def mtp_train_flops_per_token(cfg: Any, seq_len: int, causal: bool = False) -> i
     6 x (its block's linear weights, its 2d x d projection and the head it passes through again)
     plus its block's attention term (halved with `causal`). 0 without depths. Under pipeline
     parallelism this work runs on the last stage, beside the head."""
-    per_depth = _dense_block_linear_params(cfg) + 2 * cfg.dim * cfg.dim + cfg.vocab * cfg.dim
     attention = 12 * cfg.n_heads * cfg.head_dim * seq_len
-    return _mtp_depth(cfg) * (6 * per_depth + (attention // 2 if causal else attention))
+    return _mtp_depth(cfg) * (6 * _mtp_matmul_params(cfg) + (attention // 2 if causal else attention))
 
 
 def forward_flops_per_token(cfg: Any, seq_len: int) -> int:
@@ -86,6 +84,12 @@ def moe_layers(cfg: Any) -> int:
 
 def _mtp_depth(cfg: Any) -> int:
     return getattr(cfg, "mtp_depth", 0) or 0
+
+
+def _mtp_matmul_params(cfg: Any) -> int:
+    """The weights a token multiplies through in one depth of multi-token prediction: its dense
+    block, its 2d x d projection and another pass through the output head."""
+    return _dense_block_linear_params(cfg) + 2 * cfg.dim * cfg.dim + cfg.vocab * cfg.dim
 
 
 def _attention_linear_params(cfg: Any) -> int:
