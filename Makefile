@@ -15,6 +15,9 @@ STAMP := $(VENV)/.scaletrain-installed
 STAMP_KEY := $(TORCH) $(TORCH_PIP_ARGS) $(shell cat pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1)
 
 DEMO_DIR ?= demo
+# Test files run in this many worker processes (tests/conftest.py: each worker's torch threads,
+# and the order the files are handed out in); TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test clean
 
@@ -34,7 +37,7 @@ demo: install
 	$(BIN)/scaletrain generate $(DEMO_DIR)/final --prompt "$$(printf 'class Parser:\n    def __init__(self')" --max-new-tokens 120 --temperature 0.8 --top-k 50
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) data runs $(DEMO_DIR)

@@ -15,6 +15,35 @@ from scaletrain.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# `make test` runs the test files in worker processes (pytest-xdist, --dist loadfile: a file's
+# module fixtures are made once, on one worker). The suite's tiny models gain nothing from a
+# second torch thread, and its imports, subprocesses and SciPy fits use one core each: on this
+# project's 2-core machine two workers of one thread each ran the suite in 19.6 min where one
+# process of two threads took 32.8 (2026-12-05). Each worker's torch, and every process it
+# starts, get an equal share of the cores (unless OMP_NUM_THREADS says otherwise).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if WORKERS:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // WORKERS)))
+
+# The test files that take longest, longest first (one process, 2026-12-05): the workers are
+# handed them first (with `--no-loadscope-reorder`), so that none is left with a long file to
+# run alone at the end while the other idles.
+SLOWEST_FILES = ["test_distributed.py", "test_sweep.py", "test_mixture.py", "test_hparams.py", "test_train.py",
+                 "test_benchmarks.py", "test_hf.py", "test_moe.py", "test_cooldown.py", "test_report.py",
+                 "test_cli.py", "test_evaluate.py", "test_scaling.py", "test_tune.py", "test_mup.py", "test_plan.py"]
+
+
+def pytest_configure(config):
+    if WORKERS:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_collection_modifyitems(items):
+    order = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: each file's own order kept
+
 
 @pytest.fixture(scope="session")
 def stdlib_data(tmp_path_factory) -> Path:
