@@ -5,13 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from scaletrain.config import load_config
+from zygote import run_cli, run_ranks  # noqa: F401 (run_cli: the tests' way to run a command)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,13 +113,6 @@ def tiny_config(data_dir: Path, run_dir: Path, *overrides: str):
                        [f"data.path={data_dir}", f"run.dir={run_dir.parent}", f"run.name={run_dir.name}", *overrides])
 
 
-def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run the `scaletrain` command in a fresh process, as a user would."""
-    env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "scaletrain.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
-
-
 # Failures of the machinery rather than of the code under test: a port taken between torchrun
 # choosing it and binding it, a loopback connection dropped on an overloaded 2-core machine.
 TRANSIENT = ("Address already in use", "EADDRINUSE", "Connection reset by peer", "Connection closed by peer")
@@ -138,16 +130,15 @@ def run_with_retry(run, describe: str):
 
 def launch_runs(spec_path: Path, nproc: int, spec: list[dict]) -> None:
     """Train each run of `spec` (tests/run_layouts.py says what each entry holds), one after
-    another, in one torchrun job of nproc processes: starting processes costs seconds each on a
-    2-core machine, so tests group the runs of one size into one launch. The spec is written to
-    spec_path."""
+    another, in one job of nproc processes (tests/zygote.py: torchrun's environment, processes
+    forked with torch imported): starting processes costs seconds each on a 2-core machine, so
+    tests group the runs of one size into one launch. The spec is written to spec_path."""
+    import run_layouts
+
     spec_path.write_text(json.dumps(spec))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(ROOT / "tests" / "run_layouts.py"), str(spec_path)]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     # 60 s per run is ample (the 8-process 3-D layout takes ~15 s here).
-    run_with_retry(lambda: subprocess.run(command, capture_output=True, text=True, timeout=60 * len(spec) + 60,
-                                          env=env, cwd=ROOT), f"{len(spec)} runs of {nproc} processes")
+    run_with_retry(lambda: run_ranks(run_layouts.main, (str(spec_path),), nproc, timeout=60 * len(spec) + 60),
+                   f"{len(spec)} runs of {nproc} processes")
 
 
 def lr_boost_once_at(step: int, factor: float):

@@ -8,12 +8,12 @@ import sys
 import pytest
 
 from conftest import ROOT
+from zygote import run_script
 
 
 def test_cpu_throughput_benchmark_prints_json():
-    result = subprocess.run([sys.executable, "benchmarks/cpu_throughput.py", "--config", "configs/tiny.toml",
-                             "--vocab-size", "512", "--steps", "1", "--documents", "16"], capture_output=True,
-                            text=True, cwd=ROOT, timeout=300)
+    result = run_script("benchmarks/cpu_throughput.py", "--config", "configs/tiny.toml",
+                        "--vocab-size", "512", "--steps", "1", "--documents", "16", timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["tokens_per_s"] > 0 and 0 < report["mfu_vs_measured_matmul"]
@@ -25,9 +25,8 @@ def test_cpu_throughput_benchmark_prints_json():
 
 def test_gpu_suite_runs_its_configs_ablations_and_resume_check_on_tiny_shapes(tmp_path):
     out = tmp_path / "suite.json"
-    result = subprocess.run([sys.executable, "benchmarks/gpu_suite.py", "--tiny", "--configs", "llama-126m",
-                             "--steps", "4", "--warmup", "2", "--log-every", "2", "--out", str(out)],
-                            capture_output=True, text=True, cwd=ROOT, timeout=600)
+    result = run_script("benchmarks/gpu_suite.py", "--tiny", "--configs", "llama-126m",
+                        "--steps", "4", "--warmup", "2", "--log-every", "2", "--out", str(out), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = [report["configs"]["llama-126m"], *report["ablations"].values()]
@@ -42,9 +41,8 @@ def test_gpu_suite_runs_its_configs_ablations_and_resume_check_on_tiny_shapes(tm
 
 
 def test_loss_chunk_benchmark_prints_both_variants_with_the_same_loss():
-    result = subprocess.run([sys.executable, "benchmarks/loss_chunk.py", "--tokens", "256", "--dim", "32", "--vocab",
-                             "512", "--chunk", "64", "--repeats", "1"], capture_output=True, text=True, cwd=ROOT,
-                            timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    result = run_script("benchmarks/loss_chunk.py", "--tokens", "256", "--dim", "32", "--vocab",
+                        "512", "--chunk", "64", "--repeats", "1", timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["whole"]["chunk"] == 0 and report["chunked"]["chunk"] == 64
@@ -52,9 +50,8 @@ def test_loss_chunk_benchmark_prints_both_variants_with_the_same_loss():
 
 
 def test_data_wait_benchmark_reports_both_loaders():
-    result = subprocess.run([sys.executable, "benchmarks/data_wait.py", "--seq-len", "64", "--micro-batch", "4",
-                             "--step-ms", "2", "--steps", "8", "--max-bytes", "1000000"], capture_output=True,
-                            text=True, cwd=ROOT, timeout=300)
+    result = run_script("benchmarks/data_wait.py", "--seq-len", "64", "--micro-batch", "4",
+                        "--step-ms", "2", "--steps", "8", "--max-bytes", "1000000", timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["plain"]["median_wait_ms"] > 0 and report["prefetched"]["median_wait_ms"] >= 0
@@ -62,7 +59,7 @@ def test_data_wait_benchmark_reports_both_loaders():
 
 def test_stop_vote_benchmark_prints_both_variants():
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             "benchmarks/stop_vote.py", "--steps", "5", "--rounds", "1", "--width", "16"],
+                        "benchmarks/stop_vote.py", "--steps", "5", "--rounds", "1", "--width", "16"],
                             capture_output=True, text=True, cwd=ROOT, timeout=300,
                             env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert result.returncode == 0, result.stderr
@@ -71,8 +68,7 @@ def test_stop_vote_benchmark_prints_both_variants():
 
 
 def test_plan_backtest_prints_a_prediction_beside_each_published_figure():
-    result = subprocess.run([sys.executable, "benchmarks/plan_backtest.py"], capture_output=True, text=True, cwd=ROOT,
-                            timeout=120)
+    result = run_script("benchmarks/plan_backtest.py", timeout=120)
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(rows) == 9
@@ -82,8 +78,8 @@ def test_plan_backtest_prints_a_prediction_beside_each_published_figure():
 
 
 def test_moe_layer_benchmark_prints_json():
-    result = subprocess.run([sys.executable, "benchmarks/moe_layer.py", "--tokens", "64", "--dim", "32",
-                             "--experts", "4", "--repeats", "1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = run_script("benchmarks/moe_layer.py", "--tokens", "64", "--dim", "32",
+                        "--experts", "4", "--repeats", "1", timeout=120)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["moe_ms"] > 0 and report["dense_same_flops_ms"] > 0 and report["overhead"] > 0
@@ -91,10 +87,8 @@ def test_moe_layer_benchmark_prints_json():
 
 
 def test_spike_scores_benchmark_tells_a_real_spike_from_an_ordinary_run(stdlib_data):
-    result = subprocess.run([sys.executable, "benchmarks/spike_scores.py", "configs/tiny.toml",
-                             f"data.path={stdlib_data}", "train.steps=40", "--windows", "10,20", "--boost", "30"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=300,
-                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    result = run_script("benchmarks/spike_scores.py", "configs/tiny.toml", f"data.path={stdlib_data}",
+                        "train.steps=40", "--windows", "10,20", "--boost", "30", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     for window, entry in report["windows"].items():
@@ -103,10 +97,8 @@ def test_spike_scores_benchmark_tells_a_real_spike_from_an_ordinary_run(stdlib_d
 
 
 def test_optimizers_benchmark_trains_both_and_muon_holds_fewer_optimizer_bytes(stdlib_data):
-    result = subprocess.run([sys.executable, "benchmarks/optimizers.py", "configs/tiny.toml",
-                             f"data.path={stdlib_data}", "train.steps=6", "eval.interval=3"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=300,
-                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    result = run_script("benchmarks/optimizers.py", "configs/tiny.toml",
+                        f"data.path={stdlib_data}", "train.steps=6", "eval.interval=3", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     adamw, muon = report["adamw"], report["muon"]
@@ -116,27 +108,24 @@ def test_optimizers_benchmark_trains_both_and_muon_holds_fewer_optimizer_bytes(s
 
 
 def test_muon_step_benchmark_prints_json_and_finds_both_ways_equal():
-    result = subprocess.run([sys.executable, "benchmarks/muon_step.py", "--dim", "64", "--layers", "1",
-                             "--repeats", "1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    result = run_script("benchmarks/muon_step.py", "--dim", "64", "--layers", "1",
+                        "--repeats", "1", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["identical"] and report["matrices"] == 7 and report["gathered_s"] > 0 and report["shared_out_s"] > 0
 
 
 def test_task_scoring_benchmark_compares_gathered_and_split_logits_over_two_processes():
-    result = subprocess.run([sys.executable, "benchmarks/task_scoring.py", "--rows", "2", "--seq-len", "64",
-                             "--vocab", "512", "--repeats", "1"], capture_output=True, text=True, cwd=ROOT,
-                            timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    result = run_script("benchmarks/task_scoring.py", "--rows", "2", "--seq-len", "64",
+                        "--vocab", "512", "--repeats", "1", timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["difference"] < 1e-6 and report["gathered"]["median_s"] > 0 and report["split"]["median_s"] > 0
 
 
 def test_mup_transfer_benchmark_trains_every_width_and_rate_both_ways(stdlib_data):
-    result = subprocess.run([sys.executable, "benchmarks/mup_transfer.py", "configs/tiny.toml",
-                             f"data.path={stdlib_data}", "train.steps=3", "--widths", "32,64", "--lrs", "0.001,0.01"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=300,
-                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    result = run_script("benchmarks/mup_transfer.py", "configs/tiny.toml", f"data.path={stdlib_data}",
+                        "train.steps=3", "--widths", "32,64", "--lrs", "0.001,0.01", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     standard, mup = report["standard"], report["mup"]
@@ -148,10 +137,8 @@ def test_mup_transfer_benchmark_trains_every_width_and_rate_both_ways(stdlib_dat
 
 
 def test_mtp_benchmark_trains_each_depth_and_sets_it_against_the_first(stdlib_data):
-    result = subprocess.run([sys.executable, "benchmarks/mtp.py", "configs/tiny.toml", f"data.path={stdlib_data}",
-                             "train.steps=2", "eval.interval=1", "--depths", "0,1"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=300,
-                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    result = run_script("benchmarks/mtp.py", "configs/tiny.toml", f"data.path={stdlib_data}",
+                        "train.steps=2", "eval.interval=1", "--depths", "0,1", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     plain, mtp = report["depths"]["0"], report["depths"]["1"]

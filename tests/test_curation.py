@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from conftest import ROOT
+from conftest import ROOT, run_cli
 from scaletrain.data import prepare
 from scaletrain.data.dedup import Decontaminator, DedupIndex, MinHasher, exact_key
 from scaletrain.data.shards import open_split
@@ -190,7 +190,7 @@ def test_an_interrupted_prepare_resumes_from_its_finished_chunks(tmp_path):
     args = [sys.executable, "-m", "scaletrain.cli", "data", "prepare", "builtin:python-stdlib", "--vocab-size", "300",
             "--max-bytes", "1500000", "--chunk-bytes", "200000", "--workers", "2", "--val-fraction", "0.05"]
     clean = tmp_path / "clean"
-    assert subprocess.run([*args, "--out", str(clean)], capture_output=True, cwd=ROOT, timeout=300).returncode == 0
+    assert run_cli(*args[3:], "--out", str(clean)).returncode == 0
 
     out = tmp_path / "interrupted"
     process = subprocess.Popen([*args, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -206,7 +206,7 @@ def test_an_interrupted_prepare_resumes_from_its_finished_chunks(tmp_path):
         pytest.skip("the prepare finished before the worker was killed (machine too fast for this test)")
     assert process.returncode == 2 and "worker process" in stderr and "Traceback" not in stderr
 
-    again = subprocess.run([*args, "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    again = run_cli(*args[3:], "--out", str(out))
     assert again.returncode == 0, again.stderr
     assert "resumed an interrupted prepare" in again.stderr
     assert json.loads((out / "index.json").read_text()) == json.loads((clean / "index.json").read_text())

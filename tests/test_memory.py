@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT, tiny_config
+from zygote import run_ranks, script
 from scaletrain.config import ModelConfig, load_config
 from scaletrain.model.flops import matmul_params
 from scaletrain.model.llama import Transformer, document_bias, document_ids, shifted_targets
@@ -118,24 +119,12 @@ def test_context_parallel_ranks_save_the_keys_and_values_of_the_whole_sequence(t
     are the dense block's per local token plus the other rank's keys and values (the CPU's
     materialised mask adds under 1%); within documents, plus one bias of the rank's queries."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    import socket
-
-    script = tmp_path / "cp_saved.py"
-    script.write_text(CP_SAVED)
-    with socket.socket() as s:  # a free port for the two processes' rendezvous (no launcher: it costs seconds)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")]),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
-    ranks = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(rank)}, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
-    outputs = [rank.communicate(timeout=120) for rank in ranks]
-    assert all(rank.returncode == 0 for rank in ranks), outputs[0][1][-3000:] + outputs[1][1][-3000:]
-    measured = json.loads(outputs[0][0].strip().splitlines()[-1])
+    path = tmp_path / "cp_saved.py"
+    path.write_text(CP_SAVED)
+    result = run_ranks(script, (str(path), []), 2, timeout=120)
+    assert result.returncode == 0, result.stderr[-6000:]
+    measured = json.loads([line for line in result.stdout.splitlines() if line.startswith("[rank0] ")][-1][8:])
     cfg = ModelConfig(vocab_size=512, max_seq_len=128, dim=128, n_layers=2, n_heads=4, n_kv_heads=2)
     for name, bf16 in (("float32", False), ("bf16", True)):
         predicted = activation_bytes_per_token(cfg, bf16, "none", cp=2) * 3 * 64 * cfg.n_layers

@@ -4,14 +4,11 @@ skipped step, exact resumes, and matrices split by rows orthogonalised one rank 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from conftest import ROOT, tiny_config
+from zygote import run_ranks, script
 from scaletrain.config import ConfigError, load_config
 from scaletrain.model.llama import Transformer
 from scaletrain.train.metrics import read_metrics
@@ -80,7 +77,5 @@ def test_a_muon_run_learns_resumes_bit_exactly_and_keeps_its_optimizer(stdlib_da
 
 def test_matrices_split_by_rows_are_orthogonalised_by_one_rank_each_to_the_bit():
     """Three real processes over gloo (tests/muon_shared_out.py asserts on every rank)."""
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
-                             str(ROOT / "tests" / "muon_shared_out.py")], capture_output=True, text=True,
-                            timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+    result = run_ranks(script, (str(ROOT / "tests" / "muon_shared_out.py"), []), 3, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
