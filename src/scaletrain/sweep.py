@@ -414,11 +414,18 @@ def peak_in_use(device: str, workers: int = 1) -> tuple[str, float | None]:
 
 def worker_pool(workers: int, device: str):
     """Worker processes that each train on their own device (GPUs in turn) with their share of
-    the CPU threads. Spawned, not forked: CUDA and torch's thread pools do not survive a fork."""
+    the CPU threads. Not forked from this process (CUDA and torch's thread pools do not survive a
+    fork): forked from a forkserver that has only imported the trainer (no CUDA, no thread pool),
+    so that no worker imports torch again (7-10 s of CPU each on a small machine); spawned where
+    there is no forkserver."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    context = multiprocessing.get_context("spawn")
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["scaletrain.train.trainer"])
+    else:
+        context = multiprocessing.get_context("spawn")
     counter = context.Value("i", 0)
     threads = max(1, (os.cpu_count() or 1) // workers)
     return ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
