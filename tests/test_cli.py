@@ -30,7 +30,7 @@ def trained_run(stdlib_data, tmp_path_factory):
 
 
 def test_help_lists_the_commands():
-    result = run_cli("--help")
+    result = run_cli("--help", fresh=True)  # `python -m scaletrain.cli` in a new interpreter, not a fork
     assert result.returncode == 0
     for command in ["data", "train", "generate"]:
         assert command in result.stdout
@@ -68,7 +68,7 @@ def test_train_reports_a_bad_config_in_one_line(stdlib_data, tmp_path):
     result = run_cli("train", "configs/tiny.toml", f"data.path={stdlib_data}", f"run.dir={tmp_path}",
                      "train.micro_batch=3")
     assert_one_line_error(result, "train.global_batch_tokens", "multiple of 192")
-    result = run_cli("train", "configs/tiny.toml", f"data.path={tmp_path / 'none'}")
+    result = run_cli("train", "configs/tiny.toml", f"data.path={tmp_path / 'none'}", fresh=True)  # (likewise)
     assert_one_line_error(result, "data.path", "scaletrain data prepare")
 
 
