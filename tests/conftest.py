@@ -120,12 +120,13 @@ TRANSIENT = ("Address already in use", "EADDRINUSE", "Connection reset by peer",
 
 def run_with_retry(run, describe: str):
     """run() -> CompletedProcess; once more, from the same state, when the launch itself failed
-    for a transient network reason."""
+    for a transient network reason. Returns the successful result."""
     result = run()
     if result.returncode != 0 and any(word in result.stderr for word in TRANSIENT):
         print(f"retrying {describe}, which failed for a transient reason:\n" + result.stderr[-2000:])
         result = run()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
 
 
 def launch_runs(spec_path: Path, nproc: int, spec: list[dict]) -> None:

@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from conftest import ROOT, tiny_config
+from conftest import ROOT, run_with_retry, tiny_config
 from zygote import run_ranks, script
 from scaletrain.config import ModelConfig, load_config
 from scaletrain.model.flops import matmul_params
@@ -122,8 +122,7 @@ def test_context_parallel_ranks_save_the_keys_and_values_of_the_whole_sequence(t
 
     path = tmp_path / "cp_saved.py"
     path.write_text(CP_SAVED)
-    result = run_ranks(script, (str(path), []), 2, timeout=120)
-    assert result.returncode == 0, result.stderr[-6000:]
+    result = run_with_retry(lambda: run_ranks(script, (str(path), []), 2, timeout=120), "2 ranks of cp_saved.py")
     measured = json.loads([line for line in result.stdout.splitlines() if line.startswith("[rank0] ")][-1][8:])
     cfg = ModelConfig(vocab_size=512, max_seq_len=128, dim=128, n_layers=2, n_heads=4, n_kv_heads=2)
     for name, bf16 in (("float32", False), ("bf16", True)):
