@@ -113,8 +113,9 @@ def tiny_config(data_dir: Path, run_dir: Path, *overrides: str):
                        [f"data.path={data_dir}", f"run.dir={run_dir.parent}", f"run.name={run_dir.name}", *overrides])
 
 
-# Failures of the machinery rather than of the code under test: a port taken between torchrun
-# choosing it and binding it, a loopback connection dropped on an overloaded 2-core machine.
+# Failures of the machinery rather than of the code under test: a port taken between its choice
+# (by torchrun or zygote.run_ranks) and rank 0 binding it, a loopback connection dropped on an
+# overloaded 2-core machine.
 TRANSIENT = ("Address already in use", "EADDRINUSE", "Connection reset by peer", "Connection closed by peer")
 
 

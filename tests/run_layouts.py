@@ -1,5 +1,6 @@
-"""Run several training layouts one after another in one torchrun launch (starting processes
-costs seconds each on a 2-core machine): `torchrun --nproc-per-node N tests/run_layouts.py SPEC`,
+"""Run several training layouts one after another in one job of N processes (starting processes
+costs seconds each on a 2-core machine): the tests start its `main` in N ranks forked from their
+forkserver (conftest.launch_runs); by hand, `torchrun --nproc-per-node N tests/run_layouts.py SPEC`,
 SPEC a JSON list of {"config": path, "overrides": [...], "stop_at_step": int | null, "damage":
 path | null, "glitch": {"step": int, "kind": "nan" | "spike"} | null}. Every layout must use all
 N processes. "damage" names a file of the run directory that every process overwrites in the

@@ -2,7 +2,7 @@
 same global batch, and a checkpoint saved by one layout resumes in another.
 
 Starting processes costs seconds each on a 2-core machine, so most layouts run in a few grouped
-launches (tests/run_layouts.py runs several trainings one after another in one torchrun job);
+launches (tests/run_layouts.py runs several trainings one after another in one job of ranks);
 a few go through `scaletrain train --nproc`, as a user runs it."""
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def launch(stdlib_data, run_dir, nproc: int, *overrides: str):
 
 def launch_layouts(stdlib_data, root, nproc: int, runs: list[tuple], placeholders: dict | None = None):
     """Train each (run name, overrides, stop at step[, file of the run to damage first[, the
-    divergence to cause: see run_layouts.py]]) under root/, one after another, in one torchrun
-    job of nproc processes; a run name given twice resumes the first one's checkpoint."""
+    divergence to cause: see run_layouts.py]]) under root/, one after another, in one job of
+    nproc processes; a run name given twice resumes the first one's checkpoint."""
     spec = [{"config": str(ROOT / "configs" / "tiny.toml"), "stop_at_step": stop,
              "damage": extra[0] if extra else None, "glitch": extra[1] if len(extra) > 1 else None,
              "overrides": [f"data.path={stdlib_data}", f"run.dir={root}", f"run.name={name}", *STEPS,
