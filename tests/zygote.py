@@ -112,11 +112,18 @@ def run_cli(*args: str, timeout: float = 300, fresh: bool = False) -> subprocess
     if fresh:
         return subprocess.run([sys.executable, "-m", "scaletrain.cli", *args], capture_output=True, text=True,
                               timeout=timeout, env=env, cwd=ROOT)
-    with tempfile.TemporaryDirectory(prefix="cli-") as logs:
-        process = _start(_command, (list(args),), env, Path(logs), "cli")
-        _wait([process], timeout, f"scaletrain {' '.join(args)}")
-        return subprocess.CompletedProcess(["scaletrain", *args], process.exitcode, _read(Path(logs) / "cli.out"),
-                                           _read(Path(logs) / "cli.err"))
+    return _run_one(_command, (list(args),), env, timeout, ["scaletrain", *args])
+
+
+def _run_one(target: Callable, args: tuple, env: dict[str, str], timeout: float, argv: list[str]
+             ) -> subprocess.CompletedProcess:
+    """`target(*args)` in one process forked from the forkserver, in `env`; `argv`: what it stands
+    for, in the result and in a timeout's message."""
+    with tempfile.TemporaryDirectory(prefix="process-") as logs:
+        process = _start(target, args, env, Path(logs), "process")
+        _wait([process], timeout, " ".join(argv))
+        return subprocess.CompletedProcess(argv, process.exitcode, _read(Path(logs) / "process.out"),
+                                           _read(Path(logs) / "process.err"))
 
 
 def script(path: str, argv: list[str]) -> None:
@@ -129,16 +136,10 @@ def script(path: str, argv: list[str]) -> None:
     runpy.run_path(str(ROOT / path), run_name="__main__")
 
 
-def run_script(path: str, *args: str, timeout: float = 300, env: dict[str, str] | None = None
-               ) -> subprocess.CompletedProcess:
+def run_script(path: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python PATH ARGS` (PATH relative to the project's root, e.g. one of benchmarks/) in a new
-    process forked from the preloaded forkserver, in `env` (the tests' own by default). Its output
-    is captured."""
-    with tempfile.TemporaryDirectory(prefix="script-") as logs:
-        process = _start(script, (path, list(args)), dict(os.environ if env is None else env), Path(logs), "script")
-        _wait([process], timeout, f"python {path} {' '.join(args)}")
-        return subprocess.CompletedProcess([path, *args], process.exitcode, _read(Path(logs) / "script.out"),
-                                           _read(Path(logs) / "script.err"))
+    process forked from the preloaded forkserver, in the tests' environment. Its output is captured."""
+    return _run_one(script, (path, list(args)), dict(os.environ), timeout, ["python", path, *args])
 
 
 def _free_port() -> int:
