@@ -1,12 +1,14 @@
-"""Does the best learning rate carry over from a narrow model to wider ones? The same run (config,
-data, seed, steps) at several widths (heads of 16, depth and everything else fixed) and learning
-rates, in the standard parametrization and under muP (model.mup_base_dim = the narrowest
-width), trained one after the other in this process. Prints JSON: each run's final validation
-loss, each width's best learning rate, and how far (in factors of two) the best rate moved from
-the narrowest width to the widest.
+"""Does the best learning rate carry over from a narrow model to wider ones, or from a shallow one
+to deeper ones? The same run (config, data, seed, steps) at several widths (heads of 16, depth
+and everything else fixed) — or, with --depths, at several depths (the width fixed) — and
+learning rates, in the standard parametrization and under muP (model.mup_base_dim = the
+narrowest width; with --depths depth-wise muP, CompleteP: model.mup_base_layers = the
+shallowest depth), trained one after the other in this process. Prints JSON: each run's final
+validation loss, each size's best learning rate, and how far (in factors of two) the best rate
+moved from the smallest size to the largest.
 
     python benchmarks/mup_transfer.py configs/tiny.toml data.path=DIR [train.steps=N ...]
-        [--widths 64,128,256] [--lrs 0.001,0.002,...]
+        [--widths 64,128,256 | --depths 2,4,8] [--lrs 0.001,0.002,...]
 """
 
 from __future__ import annotations
@@ -42,29 +44,42 @@ def main() -> None:
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--widths", default="64,128,256")
+    parser.add_argument("--depths", default=None, help="vary the depth instead of the width (depth-wise muP)")
     parser.add_argument("--lrs", default=",".join(f"{2 ** k / 1024:g}" for k in range(0, 7)))  # 2^-10 .. 2^-4
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    widths = [int(w) for w in args.widths.split(",")]
     lrs = [float(lr) for lr in args.lrs.split(",")]
     cfg = load_config(args.config, args.overrides)
-    result = {"config": args.config, "overrides": args.overrides, "steps": cfg.total_steps, "widths": widths,
-              "lrs": lrs, "mup_base_dim": widths[0], "torch": torch.__version__,
-              "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+    result = {"config": args.config, "overrides": args.overrides, "steps": cfg.total_steps, "lrs": lrs,
+              "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+              "threads": torch.get_num_threads()}
+    if args.depths:
+        sizes = [int(d) for d in args.depths.split(",")]
+        result.update(depths=sizes, mup_base_layers=sizes[0], width=cfg.model.dim)
+
+        def shape(depth: int) -> list[str]:
+            return [f"model.n_layers={depth}"]
+        mup = [f"model.mup_base_layers={sizes[0]}"]
+    else:
+        sizes = [int(w) for w in args.widths.split(",")]
+        result.update(widths=sizes, mup_base_dim=sizes[0])
+
+        def shape(width: int) -> list[str]:
+            return [f"model.dim={width}", f"model.n_heads={width // 16}", f"model.n_kv_heads={width // 16}"]
+        mup = [f"model.mup_base_dim={sizes[0]}"]
     start = time.perf_counter()
-    for name, extra in (("standard", []), ("mup", [f"model.mup_base_dim={widths[0]}"])):
+    for name, extra in (("standard", []), ("mup", mup)):
         losses = {}
-        for width in widths:
-            shape = [f"model.dim={width}", f"model.n_heads={width // 16}", f"model.n_kv_heads={width // 16}"]
-            losses[width] = {lr: round(val_loss(args.config, [*args.overrides, *shape, *extra, f"train.lr={lr}"]), 4)
-                             for lr in lrs}
-        best = {width: min(by_lr, key=lambda lr: by_lr[lr] if math.isfinite(by_lr[lr]) else math.inf)
-                for width, by_lr in losses.items()}
-        result[name] = {"val_loss": {str(w): {f"{lr:g}": loss for lr, loss in by_lr.items()}
-                                     for w, by_lr in losses.items()},
-                        "best_lr": {str(w): lr for w, lr in best.items()},
-                        "best_val_loss": {str(w): losses[w][best[w]] for w in widths},
-                        "best_lr_shift_doublings": round(math.log2(best[widths[-1]] / best[widths[0]]), 2)}
+        for size in sizes:
+            losses[size] = {lr: round(val_loss(args.config, [*args.overrides, *shape(size), *extra, f"train.lr={lr}"]), 4)
+                            for lr in lrs}
+        best = {size: min(by_lr, key=lambda lr: by_lr[lr] if math.isfinite(by_lr[lr]) else math.inf)
+                for size, by_lr in losses.items()}
+        result[name] = {"val_loss": {str(size): {f"{lr:g}": loss for lr, loss in by_lr.items()}
+                                     for size, by_lr in losses.items()},
+                        "best_lr": {str(size): lr for size, lr in best.items()},
+                        "best_val_loss": {str(size): losses[size][best[size]] for size in sizes},
+                        "best_lr_shift_doublings": round(math.log2(best[sizes[-1]] / best[sizes[0]]), 2)}
     result["seconds"] = round(time.perf_counter() - start, 1)
     json.dump(result, sys.stdout, indent=1)
     print()

@@ -123,7 +123,7 @@ def test_task_scoring_benchmark_compares_gathered_and_split_logits_over_two_proc
     assert report["difference"] < 1e-6 and report["gathered"]["median_s"] > 0 and report["split"]["median_s"] > 0
 
 
-def test_mup_transfer_benchmark_trains_every_width_and_rate_both_ways(stdlib_data):
+def test_mup_transfer_benchmark_trains_every_width_or_depth_and_rate_both_ways(stdlib_data):
     result = run_script("benchmarks/mup_transfer.py", "configs/tiny.toml", f"data.path={stdlib_data}",
                         "train.steps=3", "--widths", "32,64", "--lrs", "0.001,0.01", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -134,6 +134,14 @@ def test_mup_transfer_benchmark_trains_every_width_and_rate_both_ways(stdlib_dat
     assert standard["val_loss"]["64"] != mup["val_loss"]["64"]
     for entry in (standard, mup):
         assert set(entry["val_loss"]["64"]) == {"0.001", "0.01"} and entry["best_lr"]["64"] in (0.001, 0.01)
+    # Across depth: depth-wise muP on a base of one block.
+    result = run_script("benchmarks/mup_transfer.py", "configs/tiny.toml", f"data.path={stdlib_data}",
+                        "train.steps=3", "--depths", "1,3", "--lrs", "0.01", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    standard, mup = report["standard"], report["mup"]
+    assert report["mup_base_layers"] == 1 and report["depths"] == [1, 3]
+    assert standard["val_loss"]["1"] == mup["val_loss"]["1"] and standard["val_loss"]["3"] != mup["val_loss"]["3"]
 
 
 def test_mtp_benchmark_trains_each_depth_and_sets_it_against_the_first(stdlib_data):

@@ -141,8 +141,9 @@ MUON = ["train.optimizer=muon"]
 # tensor parallelism's (vocabulary split, alone and pipelined).
 Z_LOSS = ["train.z_loss=0.01"]
 RAMP = ["train.batch_ramp=[[256, 512]]"]
-# muP: each group of parameters at its own share of the learning rate, wherever it lies.
-MUP = ["model.mup_base_dim=32"]
+# muP: each group of parameters at its own share of the learning rate, wherever it lies (and,
+# depth-wise, of the weight decay and Adam's eps: 4 blocks on a base of 2).
+MUP = ["model.mup_base_dim=32", "model.mup_base_layers=2"]
 # The moving average of the weights, kept on each rank's shards (and stages), evaluated in place.
 EMA = ["train.ema_decay=0.5"]
 # checkpoint.interval = auto, at a failure rate that makes every step's the best interval: the

@@ -1,9 +1,13 @@
 """muP (model.mup_base_dim): its initialisation and learning rates, the same model as the standard
 parametrization at the base width, and the coordinate check of Yang et al. 2022 — after a few
 Adam steps at one learning rate, the logits move by as much at 8x the width under muP, and by
-about 8x as much without it (and Muon's hidden updates keep their spectral norm)."""
+about 8x as much without it (and Muon's hidden updates keep their spectral norm). Depth-wise muP
+(model.mup_base_layers, CompleteP): its factors, its residual multiplier folded into the weights
+trains as the multiplier itself does, and its coordinate check across depth."""
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
@@ -25,14 +29,15 @@ def config(dim: int, *overrides: str):
                               f"model.n_kv_heads={dim // 16}", *overrides])
 
 
-def optimizer_for(model, cfg, lr=1e-3, kind="adamw"):
-    return build_optimizer(model, lr=lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=torch.device("cpu"),
-                           kind=kind, width_mult=cfg.model.width_mult)
+def optimizer_for(model, cfg, lr=1e-3, kind="adamw", weight_decay=0.1, eps=1e-8):
+    return build_optimizer(model, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), eps=eps,
+                           device=torch.device("cpu"), kind=kind, width_mult=cfg.model.width_mult,
+                           depth_mult=cfg.model.depth_mult, depth_alpha=cfg.model.mup_depth_alpha)
 
 
-def lr_by_name(model, optimizer) -> dict[str, float]:
+def lr_by_name(model, optimizer, key="lr") -> dict[str, float]:
     names = {id(p): name for name, p in model.named_parameters()}
-    return {names[id(p)]: group["lr"] for group in optimizer.param_groups for p in group["params"]}
+    return {names[id(p)]: group[key] for group in optimizer.param_groups for p in group["params"]}
 
 
 def test_mup_starts_and_steps_each_kind_of_weight_as_its_fan_in_asks():
@@ -78,10 +83,12 @@ def test_mup_refuses_tied_embeddings():
         config(128, "model.mup_base_dim=64", "model.tie_embeddings=true")
 
 
-def update_size(dim: int, data, *overrides: str, lr: float = 3e-3, steps: int = 5, kind: str = "adamw") -> float:
+def update_size(dim: int, data, *overrides: str, lr: float = 3e-3, steps: int = 5, kind: str = "adamw",
+                blocks: bool = False) -> float:
     """Root mean square of how far `steps` steps at `lr` moved the logits of a batch of real
     text, for the model at width `dim` (kind "muon": the spectral norm of how far they moved
-    the second block's MLP output matrix, a hidden matrix Muon steps)."""
+    the second block's MLP output matrix, a hidden matrix Muon steps; blocks: of how far they
+    moved what the blocks add to the residual stream, the final norm's input less the embedding)."""
     cfg = config(dim, *overrides)
     torch.manual_seed(0)
     model = Transformer(cfg.model)
@@ -89,8 +96,12 @@ def update_size(dim: int, data, *overrides: str, lr: float = 3e-3, steps: int = 
     hidden = model.layers["1"].feed_forward.w2.weight
     start = hidden.detach().clone()
     inputs, targets = data[:, :-1], data[:, 1:]
+    seen = {}
+    if blocks:
+        model.tok_embeddings.register_forward_hook(lambda module, args, out: seen.update(embedding=out.detach()))
+        model.norm.register_forward_pre_hook(lambda module, args: seen.update(added=args[0].detach() - seen["embedding"]))
     with torch.no_grad():
-        before = model(inputs)
+        before = model(inputs) if not blocks else (model(inputs), seen["added"])[1]
     for _ in range(steps):
         loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
         optimizer.zero_grad()
@@ -99,7 +110,8 @@ def update_size(dim: int, data, *overrides: str, lr: float = 3e-3, steps: int = 
     with torch.no_grad():
         if kind == "muon":
             return torch.linalg.matrix_norm(hidden - start, ord=2).item()
-        return (model(inputs) - before).pow(2).mean().sqrt().item()
+        after = model(inputs) if not blocks else (model(inputs), seen["added"])[1]
+        return (after - before).pow(2).mean().sqrt().item()
 
 
 def test_the_coordinate_check_muP_keeps_the_logits_update_as_the_width_grows_and_standard_does_not(stdlib_data):
@@ -127,11 +139,111 @@ def test_a_mup_run_resumes_with_the_losses_of_one_that_never_stopped(stdlib_data
     from scaletrain.train.metrics import read_metrics
     from scaletrain.train.trainer import train
 
+    # (Depth-wise muP too: its groups' shares of the decay and of Adam's eps come back with the config.)
     common = ["model.dim=128", "model.n_heads=8", "model.n_kv_heads=4", "model.mup_base_dim=32", "train.steps=6",
-              "checkpoint.interval=3", "eval.interval=3"]
+              "model.mup_base_layers=1", "checkpoint.interval=3", "eval.interval=3"]
     train(tiny_config(stdlib_data, tmp_path / "whole", *common))
     train(tiny_config(stdlib_data, tmp_path / "split", *common), stop_at_step=3)
     train(tiny_config(stdlib_data, tmp_path / "split", *common))
     for kind in ("train", "eval"):
         whole, split = ({r["step"]: r["loss"] for r in read_metrics(tmp_path / run, kind)} for run in ("whole", "split"))
         assert split == whole, kind  # (the loaded optimizer keeps each group's share of the rate)
+
+
+def test_depth_mup_starts_and_steps_each_kind_of_weight_as_completep_asks():
+    # d = 8 / 2 = 4, alpha 1/2: the residual multiplier 1/2; with muP's width m = 2.
+    cfg = config(128, "model.mup_base_dim=64", "model.n_layers=8", "model.mup_base_layers=2",
+                 "model.mup_depth_alpha=0.5", "model.moe_experts=4", "model.moe_shared_experts=1",
+                 "model.qk_norm=true", "model.mtp_depth=1")
+    assert (cfg.model.depth_mult, cfg.model.residual_scale) == (4, 0.5)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    weights = dict(model.named_parameters())
+    residual = 0.02 / 2 ** 0.5 / 2  # init_std / sqrt(m) / sqrt(2 mup_base_layers): the base depth's
+    for name, std in {"layers.0.attention.wq.weight": 0.02 / 2 ** 0.5, "layers.0.attention.wo.weight": residual / 2,
+                      "layers.0.feed_forward.experts.w2": residual / 2, "layers.0.feed_forward.shared.w2.weight":
+                      residual / 2, "mtp.0.block.attention.wo.weight": residual, "output.weight": 0.01}.items():
+        assert weights[name].std().item() == pytest.approx(std, rel=0.08), name
+    for kind in ("adamw", "muon"):
+        optimizer = optimizer_for(model, cfg, lr=1e-3, kind=kind, eps=1e-8)
+        lrs, decays, epss = (lr_by_name(model, optimizer, key) for key in ("lr", "weight_decay", "eps"))
+        assert len(lrs) == len(weights)
+        for name, lr in lrs.items():
+            matrix = weights[name].ndim >= 2
+            width = 1 if not matrix or name.startswith("tok_embeddings") else 2 ** 0.5 if (
+                kind == "muon" and not name.startswith("output") and not name.endswith("router.weight")) else 2
+            trunk = name.startswith("layers.")
+            residual = trunk and (".wo." in name or ".w2" in name)
+            depth = 1 / 4 if residual else 4 ** -0.5 if trunk else 1  # lr d^(alpha - 1), and s of it for W' = s W
+            assert lr == pytest.approx(1e-3 / width * depth), (kind, name)
+            assert decays[name] == pytest.approx(0 if not matrix else 0.1 * 2 if residual else 0.1), (kind, name)
+            assert epss[name] == pytest.approx(1e-8 * (1 / 2 if trunk and not residual else 1)), (kind, name)
+
+
+def test_at_its_base_depth_depth_mup_is_the_standard_parametrization():
+    standard, mup = config(64, "model.n_layers=3"), config(64, "model.n_layers=3", "model.mup_base_layers=3")
+    models, optimizers = [], []
+    for cfg in (standard, mup):
+        torch.manual_seed(0)
+        models.append(Transformer(cfg.model))
+        optimizers.append(optimizer_for(models[-1], cfg))
+    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    def groups(optimizer):  # (the groups a checkpoint of the standard parametrization holds)
+        return [(len(g["params"]), g["lr"], g["weight_decay"], g["eps"]) for g in optimizer.param_groups]
+    assert groups(optimizers[0]) == groups(optimizers[1])
+    with pytest.raises(ConfigError, match="model.mup_depth_alpha = 0.5 is set but model.mup_base_layers is not"):
+        config(64, "model.mup_depth_alpha=0.5")
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_the_residual_multiplier_folded_into_the_weights_trains_as_the_multiplier_itself(stdlib_data, alpha):
+    """CompleteP written out — each block's attention and MLP outputs times s = d^-alpha, the
+    blocks' parameters at lr d^(alpha - 1) and eps d^-alpha — against the model that trains:
+    s folded into wo and w2 with their own rate, decay and eps. A large eps and decay, so that
+    either factor wrong shows."""
+    cfg = config(64, "model.n_layers=6", "model.mup_base_layers=2", f"model.mup_depth_alpha={alpha}",
+                 "model.qk_norm=true")
+    d, s = 3.0, 3.0 ** -alpha
+    lr, eps, decay = 3e-3, 1e-4, 0.5
+    torch.manual_seed(0)
+    folded = Transformer(cfg.model)
+    written = copy.deepcopy(folded)
+    for block in written.layers.values():
+        for linear in (block.attention.wo, block.feed_forward.w2):
+            linear.weight.data /= s
+            linear.register_forward_hook(lambda module, args, out: out * s)
+    groups = []
+    for name, p in written.named_parameters():
+        trunk = name.startswith("layers.")
+        groups.append({"params": [p], "lr": lr * (d ** (alpha - 1) if trunk else 1),
+                       "eps": eps * (d ** -alpha if trunk else 1), "weight_decay": decay if p.ndim >= 2 else 0.0})
+    optimizers = [optimizer_for(folded, cfg, lr=lr, weight_decay=decay, eps=eps),
+                  torch.optim.AdamW(groups, betas=(0.9, 0.95), fused=True)]
+    split = open_split(stdlib_data, "train")
+    losses = {0: [], 1: []}
+    for step in range(4):
+        batch = torch.from_numpy(np.stack([split.read((step * 8 + i) * 65, 65) for i in range(8)]))
+        for i, model in enumerate((folded, written)):
+            loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+            optimizers[i].zero_grad()
+            loss.backward()
+            optimizers[i].step()
+            losses[i].append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for (name, a), b in zip(folded.state_dict().items(), written.state_dict().values(), strict=True):
+        scale = s if name.endswith(("wo.weight", "w2.weight")) else 1.0
+        torch.testing.assert_close(a, b * scale, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_the_coordinate_check_across_depth(stdlib_data):
+    """What the blocks add to the residual stream moves as far after 5 Adam steps at 16 blocks as
+    at 2 under CompleteP, and about 9x as far in the standard parametrization."""
+    split = open_split(stdlib_data, "train")
+    data = torch.from_numpy(np.stack([split.read(i * 65, 65) for i in range(16)]))
+    sizes = {name: [update_size(64, data, f"model.n_layers={n}", *extra, blocks=True) for n in (2, 16)]
+             for name, extra in (("standard", []), ("completep", ["model.mup_base_layers=2"]))}
+    # Measured: 0.031 -> 0.033 under CompleteP; 0.031 -> 0.28 without it.
+    assert sizes["standard"][0] == pytest.approx(sizes["completep"][0], rel=1e-6)
+    assert 0.5 < sizes["completep"][1] / sizes["completep"][0] < 2, sizes
+    assert sizes["standard"][1] / sizes["standard"][0] > 4, sizes

@@ -23,8 +23,16 @@ def test_the_proxy_is_the_model_narrowed_to_the_base_width_with_heads_as_wide():
         == {"dim": 64, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 176, "mup_base_dim": 64, "n_layers": 2}
     assert proxy["parallel"] == {} and "plan" not in proxy["log"]  # one process, not the wide run's plan
     assert proxy["train"] == cfg.train.model_dump(exclude_none=True)  # batch, steps, schedule: the run's
+    # Depth-wise muP: the proxy is as shallow as mup_base_layers too (and only that, alone).
+    deep = ["model.dim=256", "model.n_heads=8", "model.n_kv_heads=8", "model.n_layers=8", "model.mup_base_layers=2"]
+    proxy = proxy_data(load_config(TINY, [*deep, "model.mup_base_dim=64"]))["model"]
+    assert (proxy["dim"], proxy["n_heads"], proxy["n_layers"], proxy["mup_base_layers"]) == (64, 2, 2, 2)
+    proxy = proxy_data(load_config(TINY, deep))["model"]
+    assert (proxy["dim"], proxy["n_heads"], proxy["n_layers"]) == (256, 8, 2)
     for overrides, words in [
-            (["model.dim=128"], "set model.mup_base_dim"),
+            (["model.dim=128"], "set model.mup_base_dim to the width to tune at .*, model.mup_base_layers"),
+            ([*deep, "model.moe_experts=4", "model.moe_dense_layers=2"],
+             "leaves the proxy only the model.moe_dense_layers = 2 dense blocks"),
             (["model.dim=128", "model.mup_base_dim=24"], "not a multiple of the head width dim / n_heads = 32"),
             (["model.dim=256", "model.n_heads=8", "model.n_kv_heads=2", "model.mup_base_dim=64"],
              "2 heads, which do not share key/value heads 4 to one")]:

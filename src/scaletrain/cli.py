@@ -766,17 +766,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from scaletrain.tune import DEFAULT_LRS, proxy_data, tune, tuned_rates
 
     cfg = load_config(args.config, args.overrides)
-    proxy_data(cfg)  # a config muP cannot narrow is refused before anything trains
+    proxy = proxy_data(cfg)["model"]  # a config muP cannot narrow is refused before anything trains
     lrs = args.lrs or list(DEFAULT_LRS)
     _writable_file(args.write_config, "--write-config")  # (before training: not after it)
     out_dir = Path(args.out) if args.out else Path("runs") / f"{cfg.run.name}-tune"
-    base = cfg.model.mup_base_dim
+    shape = f"width {proxy['dim']}, {proxy['n_layers']} blocks"
     at_once = f", {args.concurrency} at a time" if args.concurrency > 1 else ""
-    console.print(f"tuning the learning rate of {cfg.run.name} (width {cfg.model.dim}) on its proxy of width {base}, "
-                  f"{len(set(lrs))} rates{at_once}, in {out_dir}", highlight=False)
+    console.print(f"tuning the learning rate of {cfg.run.name} (width {cfg.model.dim}, {cfg.model.n_layers} blocks) "
+                  f"on its proxy of {shape}, {len(set(lrs))} rates{at_once}, in {out_dir}", highlight=False)
     with _searching("rates", len(set(lrs)), len(tuned_rates(out_dir) & set(lrs))) as show:
         doc = tune(cfg, out_dir, lrs, progress=show, steps=args.steps, concurrency=args.concurrency)
-    table = Table(title=f"proxy of width {base}: validation loss by learning rate")
+    table = Table(title=f"proxy of {shape}: validation loss by learning rate")
     table.add_column("lr", justify="right")
     table.add_column("val loss", justify="right")
     for row in doc["results"]:
@@ -1470,11 +1470,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="search directory (default hparams/DATA_NAME)")
     p.set_defaults(func=cmd_hparams)
 
-    p = commands.add_parser("tune", help="find the learning rate of a muP config on its narrow proxy",
-                            description="Train the config's model narrowed to model.mup_base_dim once per learning "
-                                        "rate, and keep the rate of the lowest validation loss: under muP the best "
-                                        "rate of the narrow model is the wide one's.")
-    p.add_argument("config", help="TOML config with model.mup_base_dim set")
+    p = commands.add_parser("tune", help="find the learning rate of a muP config on its small proxy",
+                            description="Train the config's model narrowed to model.mup_base_dim (and made as shallow "
+                                        "as model.mup_base_layers) once per learning rate, and keep the rate of the "
+                                        "lowest validation loss: under muP the best rate of the small model is the "
+                                        "large one's.")
+    p.add_argument("config", help="TOML config with model.mup_base_dim or model.mup_base_layers set")
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="override config values (of the proxies and of the config --write-config writes)")
     p.add_argument("--steps", type=_count, default=None,

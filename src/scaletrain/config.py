@@ -120,9 +120,13 @@ class ModelConfig(_Section):
     document_mask: bool = False
     """Attention within documents: a token of a packed training sequence attends only to the tokens of its own document (from the one after the previous end-of-document token on), as Llama 3 was trained (Llama Team 2024, section 3.2), instead of to every earlier token of the sequence. Generation is unchanged (a prompt is one document)."""
     init_std: float = Field(default=0.02, gt=0)
-    """Std of the normal initialisation; output projections get init_std / sqrt(2 * n_layers)."""
+    """Std of the normal initialisation; output projections get init_std / sqrt(2 * n_layers) (under mup_base_layers, see there)."""
     mup_base_dim: int | None = Field(default=None, ge=1)
     """Maximal update parametrization (muP; Yang et al. 2022, Tensor Programs V), so that the learning rate and init_std found best at width mup_base_dim stay best at width dim: with m = dim / mup_base_dim, the blocks' matrices start at init_std / sqrt(m) and learn at lr / m (under Muon lr / sqrt(m): its orthogonal update's spectral norm grows as sqrt(width)), the output head (and a mixture's routers) start at init_std / m and learn at lr / m, the embedding and the norms as at the base width (the logit multiplier 1 / m of Yang et al. and MiniCPM folded into the head's weight: the same training under Adam, a plain Llama to export). Widths grow together (ffn_dim and the heads in proportion to dim, heads of a fixed width, as the sweep's shapes and Llama's sizes do); not with tied embeddings, whose two uses muP starts and steps differently. Unset: the standard parametrization."""
+    mup_base_layers: int | None = Field(default=None, ge=1)
+    """Depth-wise muP, CompleteP (Dey et al. 2025, "Don't be lazy: CompleteP enables compute-efficient deep transformers", table 1; Bordelon et al. 2023 and Yang et al. 2023 for alpha 1/2), so that the learning rate, init_std and weight decay found best at mup_base_layers blocks stay best at n_layers: with d = n_layers / mup_base_layers, each block's attention and MLP outputs enter the residual stream multiplied by d^-alpha, the blocks' matrices and norms learn at lr x d^(alpha - 1) with Adam's eps x d^-alpha, and the output projections start as at the base depth (init_std / sqrt(2 x mup_base_layers)); the embedding, the final norm, the head and the multi-token-prediction modules (one block each, whatever the depth) as at the base depth. The multiplier is folded into the output projections (wo, w2: started d^-alpha as large, learning at lr / d, decay x d^alpha, Adam's eps as at the base), the same training under Adam and Muon (whose updates do not depend on the gradient's scale) and a plain Llama to export; gradient-norm clipping sees the folded gradients. Combines with mup_base_dim (the width's factors multiply). Unset: no depth scaling."""
+    mup_depth_alpha: float = Field(default=1.0, ge=0.5, le=1.0)
+    """The exponent alpha of mup_base_layers' residual multiplier d^-alpha: 1 is CompleteP (every block keeps learning non-linear features as depth grows, and the one Dey et al. found best), 1/2 the depth-muP of Yang et al. 2023 and Bordelon et al. 2023."""
     mtp_depth: int = Field(default=0, ge=0)
     """Multi-token prediction (DeepSeek-V3, Liu et al. 2024, section 2.2): this many extra modules, chained, the k-th predicting the token k + 1 places ahead: at each position it joins the previous depth's hidden state (the trunk's, for the first) with the embedding of the token k places ahead (each RMS-normalised, concatenated, projected from 2 x dim to dim), runs one dense transformer block over them and scores the shared output head; the mean of their losses, times train.mtp_weight, joins the training objective (a denser training signal), not the reported loss. Training only: evaluation, generation and export use the trunk (an export leaves the modules out). Trains under data, tensor, context, expert and pipeline parallelism (on the last stage, beside a copy of the embedding the depths read; looping schedules, not the V-shaped ones). 0: off."""
     moe_experts: int = Field(default=0, ge=0)
@@ -164,6 +168,10 @@ class ModelConfig(_Section):
             raise ValueError("model.mup_base_dim is set with model.tie_embeddings = true; muP initialises and "
                              "steps the embedding and the output head differently, so untie them "
                              "(model.tie_embeddings = false) or unset model.mup_base_dim")
+        if self.mup_base_layers is None and "mup_depth_alpha" in self.model_fields_set and self.mup_depth_alpha != 1.0:
+            raise ValueError(f"model.mup_depth_alpha = {self.mup_depth_alpha:g} is set but model.mup_base_layers is "
+                             "not; set model.mup_base_layers to the depth the hyperparameters were tuned at, or drop "
+                             "model.mup_depth_alpha")
         if self.rope_scaling is not None:
             check_rope_scaling(self.rope_scaling)
             if self.rope_scaling.get("type") == "llama3":  # one way to write each: no type is Llama 3.1's
@@ -217,6 +225,17 @@ class ModelConfig(_Section):
     def width_mult(self) -> float:
         """muP's width multiplier dim / mup_base_dim (1 in the standard parametrization)."""
         return self.dim / self.mup_base_dim if self.mup_base_dim else 1.0
+
+    @property
+    def depth_mult(self) -> float:
+        """Depth-wise muP's multiplier n_layers / mup_base_layers (1 without it)."""
+        return self.n_layers / self.mup_base_layers if self.mup_base_layers else 1.0
+
+    @property
+    def residual_scale(self) -> float:
+        """What each block's outputs are multiplied by on their way into the residual stream under
+        depth-wise muP, depth_mult^-mup_depth_alpha (folded into wo and w2; 1 without it)."""
+        return self.depth_mult ** -self.mup_depth_alpha
 
     @property
     def head_dim(self) -> int:

@@ -360,6 +360,9 @@ def _model_card(run_dir: Path, cfg, step: int, params: int, dtype: str, average:
     if m.mup_base_dim:
         lines.append(f"| trained under muP, base width | {m.mup_base_dim} (the output multiplier is in the head's "
                      "weights: a plain model) |")
+    if m.mup_base_layers:
+        lines.append(f"| trained under depth-wise muP (CompleteP, alpha {m.mup_depth_alpha:g}), base depth | "
+                     f"{m.mup_base_layers} (the residual multiplier is in wo's and w2's weights: a plain model) |")
     if evals:
         last = evals[-1]
         lines.append(f"| validation loss at step {last['step']:,} ({last['tokens']:,} tokens) | {last['loss']:.4f} |")

@@ -1,14 +1,17 @@
-"""The learning rate, tuned where it is cheap: under muP (model.mup_base_dim) the best rate of a
-model at the base width is the best rate of the wide one (Yang et al. 2022, "Tensor Programs
-V": muTransfer), so `tune` trains the config's model narrowed to that width — its proxy — once
-per learning rate of a grid, and the config takes the rate whose proxy reached the lowest
+"""The learning rate, tuned where it is cheap: under muP (model.mup_base_dim, model.mup_base_layers)
+the best rate of a model at the base width and depth is the best rate of the wide, deep one (Yang
+et al. 2022, "Tensor Programs V": muTransfer; Dey et al. 2025 across depth), so `tune` trains
+the config's model narrowed to that width and depth — its proxy — once per learning rate of a
+grid, and the config takes the rate whose proxy reached the lowest
 validation loss.
 
 The proxy is the config's run with the width (and the MLP's, and the number of heads, each
-head as wide) scaled to mup_base_dim and everything else — depth, vocabulary, data, batch,
-steps, schedule, seed — the same: muP transfers across width, not depth or training length, so
-a proxy trained shorter than the run finds the best rate of a shorter run (shorten it anyway
-when the run is long, with `steps`: the best rate moves slowly with length). Each proxy is a run of its own
+head as wide) scaled to mup_base_dim, the depth to mup_base_layers under depth-wise muP
+(CompleteP, Dey et al. 2025: the rate carries across depth too), and everything else —
+vocabulary, data, batch, steps, schedule, seed — the same: muP transfers across width and depth,
+not training length, so a proxy trained shorter than the run finds the best rate of a shorter
+run (shorten it anyway when the run is long, with `steps`: the best rate moves slowly with
+length). Each proxy is a run of its own
 in the tuning directory, one row of its results.csv when done (proxies.ProxyRuns, as the other
 searches by small runs): an interrupted tuning resumes (finished rates kept, the ones in progress
 from their checkpoints), several rates train at once with `concurrency` (worker processes, GPUs
@@ -31,12 +34,32 @@ DEFAULT_LRS = tuple(2.0 ** k for k in range(-11, -4))
 
 
 def proxy_data(cfg: RunConfig) -> dict:
-    """The config's TOML data with its model narrowed to model.mup_base_dim, in one process
-    (the proxy is small), without the plan (which is the wide run's)."""
+    """The config's TOML data with its model narrowed to model.mup_base_dim and made as shallow as
+    model.mup_base_layers (whichever are set), in one process (the proxy is small), without the
+    plan (which is the wide run's)."""
     m = cfg.model
-    if m.mup_base_dim is None:
+    if m.mup_base_dim is None and m.mup_base_layers is None:
         raise ConfigError("tune transfers the learning rate under muP: set model.mup_base_dim to the width to tune "
-                          f"at (e.g. {max(m.head_dim, m.dim // 4)}, a multiple of the head width {m.head_dim})")
+                          f"at (e.g. {max(m.head_dim, m.dim // 4)}, a multiple of the head width {m.head_dim}), "
+                          f"model.mup_base_layers to the depth (e.g. {max(1, m.n_layers // 4)}), or both")
+    data = cfg.model_dump(exclude_none=True)
+    model = data["model"]
+    if m.mup_base_dim is not None:
+        model.update(narrowed(m))
+    if m.mup_base_layers is not None:
+        if m.moe and m.moe_dense_layers >= m.mup_base_layers:
+            raise ConfigError(f"model.mup_base_layers = {m.mup_base_layers} leaves the proxy only the "
+                              f"model.moe_dense_layers = {m.moe_dense_layers} dense blocks and no mixture of "
+                              f"experts; use more than {m.moe_dense_layers} base layers")
+        model["n_layers"] = m.mup_base_layers
+    data["parallel"] = {}
+    data["log"].pop("plan", None)
+    return data
+
+
+def narrowed(m) -> dict:
+    """The model's width fields at model.mup_base_dim: heads as wide and fewer of them, the MLPs'
+    widths in proportion; ConfigError where that width cannot hold whole heads."""
     base = m.mup_base_dim
     if base % m.head_dim:
         raise ConfigError(f"model.mup_base_dim = {base} is not a multiple of the head width dim / n_heads = "
@@ -48,15 +71,11 @@ def proxy_data(cfg: RunConfig) -> dict:
         raise ConfigError(f"model.mup_base_dim = {base} leaves {heads} heads, which do not share key/value heads "
                           f"{group} to one as model.n_heads / n_kv_heads = {m.n_heads} / {m.kv_heads} do; use a "
                           f"multiple of {m.head_dim * group}")
-    data = cfg.model_dump(exclude_none=True)
-    model = data["model"]
-    model.update(dim=base, n_heads=heads, n_kv_heads=heads // group)
+    fields = {"dim": base, "n_heads": heads, "n_kv_heads": heads // group}
     for key in ("ffn_dim", "moe_ffn_dim"):  # (unset: derived from the width, as the wide model's)
-        if key in model:
-            model[key] = max(1, round(model[key] * base / m.dim))
-    data["parallel"] = {}
-    data["log"].pop("plan", None)
-    return data
+        if getattr(m, key) is not None:
+            fields[key] = max(1, round(getattr(m, key) * base / m.dim))
+    return fields
 
 
 @dataclass(frozen=True)
@@ -124,8 +143,8 @@ def tuned_rates(out: str | Path) -> set[float]:
 def _write(record: Path, identity: dict, cfg: RunConfig, trained: list[dict]) -> dict:
     rows = [{"lr": row["lr"], "val_loss": row["val_loss"] if math.isfinite(row["val_loss"]) else None,
              "diverged": not math.isfinite(row["val_loss"])} for row in sorted(trained, key=lambda r: r["lr"])]
-    doc = {"proxy": identity, "width": cfg.model.dim, "base_width": cfg.model.mup_base_dim, "results": rows,
-           **best_rate(rows)}
+    doc = {"proxy": identity, "width": cfg.model.dim, "base_width": cfg.model.mup_base_dim,
+           "depth": cfg.model.n_layers, "base_depth": cfg.model.mup_base_layers, "results": rows, **best_rate(rows)}
     record.write_text(json.dumps(doc, indent=1) + "\n")
     return doc
 

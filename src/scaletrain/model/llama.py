@@ -324,17 +324,22 @@ class Transformer(nn.Module):
         2019, section 2.3; Megatron-LM, Shoeybi et al. 2019). Norm weights are ones. Under muP
         (model.mup_base_dim), with m the width multiplier, the blocks' matrices start 1 / sqrt(m)
         as large (their fan-in grew m times), the output head and routers 1 / m as large (muP's
-        output multiplier folded into them), the embedding as at the base width."""
+        output multiplier folded into them), the embedding as at the base width. Under depth-wise
+        muP (model.mup_base_layers) the output projections start as at the base depth, times the
+        residual multiplier folded into them; the multi-token-prediction blocks' as at the base
+        depth (each is one block, whatever the depth)."""
         if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             # to_empty() from the meta device gives each module its own new Parameter,
             # untying them; tie again (a no-op where tying survived, e.g. under FSDP2).
             self.output.weight = self.tok_embeddings.weight
         std, mult = self.cfg.init_std, self.cfg.width_mult
         hidden_std = std / math.sqrt(mult)
-        residual_std = hidden_std / math.sqrt(2 * self.cfg.n_layers)
+        base_std = hidden_std / math.sqrt(2 * (self.cfg.mup_base_layers or self.cfg.n_layers))
         nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
         depths = list(self.mtp) if self.mtp is not None else []
-        for block in [*self.layers.values(), *(depth.block for depth in depths)]:
+        trunk = list(self.layers.values())
+        for block in [*trunk, *(depth.block for depth in depths)]:
+            residual_std = base_std * (self.cfg.residual_scale if block in trunk else 1.0)
             attention, mlp = block.attention, block.feed_forward
             mlps = [mlp] if isinstance(mlp, FeedForward) else [mlp.experts] + ([mlp.shared] if mlp.shared else [])
             weights = [attention.wq.weight, attention.wk.weight, attention.wv.weight]

@@ -31,6 +31,7 @@ rank runs them).
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.distributed as dist
@@ -46,40 +47,81 @@ ADAMW_ONLY = ("tok_embeddings", "output")
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
                     eps: float, device: torch.device, kind: str = "adamw", momentum: float = 0.95,
-                    width_mult: float = 1.0) -> torch.optim.AdamW:
+                    width_mult: float = 1.0, depth_mult: float = 1.0, depth_alpha: float = 1.0) -> torch.optim.AdamW:
     """Decay applies to weight matrices (embeddings and linears), not to norm gains or other vectors:
     shrinking a norm's gain towards zero has no regularising meaning (as in GPT-3 and Llama).
     kind "muon": the blocks' matrices go to Muon (see the module's docstring). width_mult: muP's
     (model.mup_base_dim), by which every matrix but the embedding learns more slowly (AdamW's by
-    1 / m, Muon's hidden matrices by 1 / sqrt(m)); each group's share of the learning rate is the
-    optimizer's `lr_scales` (see set_lr)."""
+    1 / m, Muon's hidden matrices by 1 / sqrt(m)). depth_mult and depth_alpha: depth-wise muP's
+    (model.mup_base_layers, see depth_factors). Each group's share of the learning rate, of the
+    weight decay and of Adam's eps is the optimizer's `lr_scales`, `decay_scales` and `eps_scales`
+    (see set_lr and set_hyperparameters)."""
     named = [(name.replace("_orig_mod.", ""), p) for name, p in model.named_parameters() if p.requires_grad]
     muon = [(name, p) for name, p in named if kind == "muon" and p.ndim >= 2 and name.split(".")[0] not in ADAMW_ONLY]
     chosen = {id(p) for _, p in muon}
     params = [(name, p) for name, p in named if id(p) not in chosen]
     # (Yang et al. 2022, table 3: under Adam a matrix whose fan-in grows m times steps 1 / m as
     # far; the embedding's fan-in, the vocabulary, does not grow.)
-    matrices = [(name.split(".")[0] == "tok_embeddings" or width_mult == 1, p) for name, p in params if p.ndim >= 2]
-    groups = [({"params": [p for unscaled, p in matrices if not unscaled]}, 1 / width_mult),
-              ({"params": [p for unscaled, p in matrices if unscaled]}, 1.0),
-              ({"params": [p for _, p in params if p.ndim < 2]}, 1.0)]
+    matrices = [(name.split(".")[0] == "tok_embeddings" or width_mult == 1, name, p) for name, p in params if p.ndim >= 2]
+    kinds = [({}, [(name, p) for unscaled, name, p in matrices if not unscaled], 1 / width_mult),
+             ({}, [(name, p) for unscaled, name, p in matrices if unscaled], 1.0),
+             ({}, [(name, p) for name, p in params if p.ndim < 2], 1.0)]
     if kind == "muon":
         # Muon's update is orthogonal, its spectral norm 0.2 lr sqrt(max(rows, columns)): muP's
         # spectral condition (Yang, Simon and Bernstein 2023: sqrt(fan-out / fan-in)) asks
         # lr / sqrt(m) of the hidden matrices and lr / m of the routers, whose fan-out stays.
         def router(name: str) -> bool:
             return width_mult != 1 and name.endswith("router.weight")
-        groups += [({"params": [p for name, p in muon if not router(name)], "muon": True}, 1 / math.sqrt(width_mult)),
-                   ({"params": [p for name, p in muon if router(name)], "muon": True}, 1 / width_mult)]
-    groups = [(group, scale) for group, scale in groups if group["params"]]
+        kinds += [({"muon": True}, [(name, p) for name, p in muon if not router(name)], 1 / math.sqrt(width_mult)),
+                  ({"muon": True}, [(name, p) for name, p in muon if router(name)], 1 / width_mult)]
+    groups = []  # (group, (lr, decay, eps) scales)
+    for extra, members, lr_scale in kinds:
+        # Under depth-wise muP each kind splits by where in the model its members sit.
+        roles = [None] if depth_mult == 1 else [None, "inner", "residual"]
+        for role in roles:
+            share = [p for name, p in members if depth_mult == 1 or depth_role(name) == role]
+            factors = depth_factors(role, depth_mult, depth_alpha)
+            if share:
+                groups.append(({"params": share, **extra}, (lr_scale * factors[0], factors[1], factors[2])))
     # The fused kernel is one launch per step instead of one per tensor group.
     fused = device.type in ("cuda", "cpu")
     optimizer = (Muon if kind == "muon" else torch.optim.AdamW)([group for group, _ in groups], lr=lr, fused=fused)
-    # Not a key of the groups, which checkpoints save and loading expects: the config's to give.
-    optimizer.lr_scales = [scale for _, scale in groups]
+    # Not keys of the groups, which checkpoints save and loading expects: the config's to give.
+    optimizer.lr_scales = [scales[0] for _, scales in groups]
+    optimizer.decay_scales = [scales[1] for _, scales in groups]
+    optimizer.eps_scales = [scales[2] for _, scales in groups]
     set_hyperparameters(optimizer, weight_decay=weight_decay, betas=betas, eps=eps, momentum=momentum)
     set_lr(optimizer, lr)
     return optimizer
+
+
+# The parameters through which a block writes into the residual stream (attention's output
+# projection, the MLP's, each expert's and the shared experts').
+_RESIDUAL = re.compile(r"\.(attention\.wo|feed_forward\.(experts\.|shared\.)?w2)(\.weight)?$")
+
+
+def depth_role(name: str) -> str | None:
+    """Where a parameter sits for depth-wise muP: "residual" (a trunk block's output projections,
+    which carry its residual multiplier), "inner" (the trunk blocks' other matrices and norms), or
+    None (the embedding, the final norm, the head, the multi-token-prediction modules)."""
+    if not name.startswith("layers."):
+        return None
+    return "residual" if _RESIDUAL.search(name) else "inner"
+
+
+def depth_factors(role: str | None, depth_mult: float, alpha: float) -> tuple[float, float, float]:
+    """(learning rate, weight decay, Adam's eps) factors of depth-wise muP for a parameter of
+    `role` (depth_role). CompleteP's table 1 (Dey et al. 2025) for a block's output multiplied by
+    d^-alpha: its matrices and norms learn at lr d^(alpha - 1), Adam's eps d^-alpha. Here the
+    multiplier s = d^-alpha is folded into the output projections W' = s W, which then take
+    lr s d^(alpha - 1) = lr / d, decay / s (AdamW decays by lr x decay) and eps / s (W' has
+    gradients 1 / s as large; Adam's steps do not depend on the gradient's scale otherwise):
+    the same training, step for step, as the multiplier would give."""
+    if role is None or depth_mult == 1:
+        return 1.0, 1.0, 1.0
+    if role == "inner":
+        return depth_mult ** (alpha - 1), 1.0, depth_mult ** -alpha
+    return 1 / depth_mult, depth_mult ** alpha, 1.0
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -91,11 +133,14 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def set_hyperparameters(optimizer: torch.optim.Optimizer, *, weight_decay: float, betas: tuple[float, float],
                         eps: float, momentum: float = 0.95) -> None:
-    """Give every group the config's values again (decay on its matrices' group only): loading
-    a checkpoint restores the values it was saved with, and a resumed run follows its config."""
-    for group in optimizer.param_groups:
+    """Give every group the config's values again (decay on its matrices' groups only, each times
+    its group's share under depth-wise muP): loading a checkpoint restores the values it was saved
+    with, and a resumed run follows its config."""
+    ones = [1.0] * len(optimizer.param_groups)
+    for group, decay, eps_scale in zip(optimizer.param_groups, getattr(optimizer, "decay_scales", ones),
+                                       getattr(optimizer, "eps_scales", ones), strict=True):
         matrices = all(p.ndim >= 2 for p in group["params"])
-        group.update(weight_decay=weight_decay if matrices else 0.0, betas=betas, eps=eps)
+        group.update(weight_decay=weight_decay * decay if matrices else 0.0, betas=betas, eps=eps * eps_scale)
         if group.get("muon"):
             group["momentum"] = momentum
 

@@ -289,7 +289,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                          betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
                                          device=self.device, kind=cfg.train.optimizer,
-                                         momentum=cfg.train.muon_momentum, width_mult=cfg.model.width_mult)
+                                         momentum=cfg.train.muon_momentum, width_mult=cfg.model.width_mult,
+                                         depth_mult=cfg.model.depth_mult, depth_alpha=cfg.model.mup_depth_alpha)
         self.loader = self._new_loader()
         # The micro-batches the experts' balancing weight was last set for (see train_step).
         self.balance_micro_steps: int | None = None
