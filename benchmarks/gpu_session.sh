@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (15 minutes of device time a session, start-up included):
-# install the wheels carried in .whl/ (packages that machine lacks, e.g. pydantic), then run
-# either the GPU suite (issue 6) or the GPU demo (issue 5), bounded so that the call ends in
-# time, with logs and JSON under $OUT.
+# install the wheels carried in .whl/ (packages that machine lacks: pydantic, ftfy, rensa and
+# theirs; `bash benchmarks/gpu_wheels.sh` here fetches them), then run either the GPU suite
+# (issue 6) or the GPU demo (issue 5), bounded so that the call ends in time (SIGINT at the
+# limit: the trainer stops at once, what was measured is already written; killed 20 s later if
+# not), with logs and JSON under $OUT.
 #
 #     bash benchmarks/gpu_session.sh suite [seconds]   # benchmarks/gpu_suite.py, default 480 s
 #     bash benchmarks/gpu_session.sh demo [seconds]    # scaletrain demo --device cuda, default 540 s
@@ -17,11 +19,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         || exit 1
     export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
+if ! python3 -c "import pydantic, ftfy, rensa" 2>"$out/imports.txt"; then
+    echo "missing packages ($(tail -1 "$out/imports.txt")): run 'bash benchmarks/gpu_wheels.sh' here and carry .whl"
+    exit 1
+fi
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch; print(torch.__version__)"; } \
     > "$out/machine.txt" 2>&1
 case "$what" in
-    suite) timeout "${2:-480}" python3 benchmarks/gpu_suite.py --out "$out/suite.json" 2>&1 | tee "$out/suite.log" ;;
-    demo) timeout "${2:-540}" python3 -m scaletrain.cli demo --device cuda --out /tmp/demo 2>&1 | tee "$out/demo.log"
+    suite) timeout -s INT -k 20 "${2:-480}" python3 benchmarks/gpu_suite.py --out "$out/suite.json" 2>&1 | tee "$out/suite.log" ;;
+    demo) timeout -s INT -k 20 "${2:-540}" python3 -m scaletrain.cli demo --device cuda --out /tmp/demo 2>&1 | tee "$out/demo.log"
           cp /tmp/demo/demo.json /tmp/demo/sweep/results.csv /tmp/demo/sweep/law.json /tmp/demo/data/stats.json \
              "$out/" 2>/dev/null ;;
 esac

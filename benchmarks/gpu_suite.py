@@ -14,8 +14,9 @@ GPU wait for the host after each one; the ablation "loss read every step" measur
 costs): tokens/s is the global batch over the median step time of the timed logging windows
 (after `--warmup` steps, which include compilation; `mean_tokens_per_s` is all their tokens
 over all their time); MFU both ways (attention over the whole score matrix as nanoGPT and PaLM
-count it, and causal: half of that term); `cold_start_s`, the time from the run's start to the
-end of its first step (model build, compilation, first batch); peak memory; data wait as a
+count it, and causal: half of that term); `cold_start_s`, the time from the call to train to the
+host's end of its first step (config, model build, compilation, first batch; the ablations reuse
+llama-126m's compiled blocks where their graphs are the same); peak memory; data wait as a
 share of the step; the blocking time of the background checkpoints; and beside the peak, the
 peak plan/memory.py predicts (parameters, gradients, optimizer, bf16 weight copies, activations,
 loss) — CPUs report process RSS, not comparable.
@@ -24,8 +25,10 @@ loss) — CPUs report process RSS, not comparable.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -75,14 +78,19 @@ def measure(data: Path, runs: Path, name: str, overrides: list[str], steps: int,
     seq, micro = cfg.data.seq_len, cfg.train.micro_batch
     cfg = load_config(None, [*base, *overrides, f"train.global_batch_tokens={seq * micro}",
                              f"model.max_seq_len={seq}"])
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    fresh()
+    called = time.time()
     try:
         train(cfg)
-    except torch.OutOfMemoryError as e:
-        return {"error": f"out of memory: {str(e)[:200]}"}
+    except Exception as e:  # (one run's failure is a row of the table, not the end of the suite)
+        what = "out of memory" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
+        return {"error": f"{what}: {str(e)[:300]}"}
+    finally:
+        shutil.rmtree(runs / name / "checkpoints", ignore_errors=True)  # (1.1B: 13 GB each)
+        fresh()
     predicted = training_memory(cfg.model, seq, micro, bf16=torch.cuda.is_available() and "train.device=cpu" not in overrides,
-                                recompute=cfg.parallel.recompute, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+                                recompute=cfg.parallel.recompute, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+                                optimizer=cfg.train.optimizer)
     predicted_speed = None  # the planner's step-time model for this GPU, beside what was measured
     if torch.cuda.is_available() and "train.device=cpu" not in overrides:
         try:
@@ -94,7 +102,6 @@ def measure(data: Path, runs: Path, name: str, overrides: list[str], steps: int,
                                 loss_chunk_tokens=cfg.train.loss_chunk_tokens)
             predicted_speed = round(step_time(cfg.model, seq, micro, layout, spec).tokens_per_s)
     records = read_metrics(runs / name)
-    start = next(r for r in records if r["kind"] == "start")
     first = next(r for r in records if r["kind"] == "memory")  # written once the first step is done
     steps_done = [r for r in records if r["kind"] == "train"]
     # Each train record covers the steps since the one before it (its window); time those after warmup.
@@ -114,7 +121,7 @@ def measure(data: Path, runs: Path, name: str, overrides: list[str], steps: int,
                                    / sum(size * cfg.train.global_batch_tokens / r["tokens_per_s"] for r, size in timed)),
         "mfu": None if mfu_scale is None else round(tokens_per_s * mfu_scale, 4),
         "mfu_causal": None if causal_scale is None else round(tokens_per_s * causal_scale, 4),
-        "cold_start_s": round(first["time"] - start["time"], 1),
+        "cold_start_s": round(first["time"] - called, 1),
         "peak_mem_gb": max(r["mem_gb"] for r in steps_done), "predicted_peak_gb": round(predicted.peak / 1e9, 3),
         "predicted_memory": predicted.as_dict(), "predicted_tokens_per_s": predicted_speed,
         "data_wait_share": round(statistics.median(r["data_wait_ms"] for r, _ in timed) / (1000 * step_s), 5),
@@ -122,17 +129,43 @@ def measure(data: Path, runs: Path, name: str, overrides: list[str], steps: int,
     }
 
 
+def fresh() -> None:
+    """Release the last trainer's memory before the next run is measured."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def static_compiles() -> None:
+    """One compile cache serves every run of this process: each config's blocks compile for their
+    own static shapes (by default the second config's would be taken for changed shapes and the
+    rest compiled for dynamic ones, measured slower, in an order-dependent way), and the ablations
+    of llama-126m reuse its compiled blocks where their graphs are the same, with room for every
+    run's entries (by default 8 before falling back to eager)."""
+    config = torch._dynamo.config
+    config.automatic_dynamic_shapes = False
+    for name in ("recompile_limit", "cache_size_limit"):  # (the older name, should this torch have only it)
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 64))
+
+
 def resume_exactness(data: Path, runs: Path, device: list[str]) -> dict:
+    """Steps 5-8 of a run stopped at step 4 and resumed, against the same run never stopped — and
+    that run trained twice: on a GPU, kernels that add in a varying order (attention's backward,
+    atomics) can make two identical runs differ, and then a resumed one can differ as much."""
     common = [f"data.path={data}", f"run.dir={runs}", "train.steps=8", "eval.interval=4", "checkpoint.interval=0",
               *device]
     tiny = ROOT / "configs" / "tiny.toml"
     train(load_config(tiny, [*common, "run.name=whole"]))
+    train(load_config(tiny, [*common, "run.name=again"]))
     train(load_config(tiny, [*common, "run.name=split"]), stop_at_step=4)
     train(load_config(tiny, [*common, "run.name=split"]))
-    whole = {r["step"]: r["loss"] for r in read_metrics(runs / "whole", "train")}
-    split = {r["step"]: r["loss"] for r in read_metrics(runs / "split", "train")}
+    whole, again, split = ({r["step"]: r["loss"] for r in read_metrics(runs / name, "train")}
+                           for name in ("whole", "again", "split"))
     diffs = [abs(whole[s] - split[s]) for s in range(5, 9)]
-    return {"max_abs_loss_diff_after_resume": max(diffs), "bit_exact": max(diffs) == 0.0}
+    repeat = [abs(whole[s] - again[s]) for s in range(1, 9)]
+    return {"max_abs_loss_diff_after_resume": max(diffs), "bit_exact": max(diffs) == 0.0,
+            "max_abs_loss_diff_run_twice": max(repeat), "repeatable": max(repeat) == 0.0}
 
 
 def _float8_available() -> bool:
@@ -174,13 +207,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="steps not timed (compilation happens in them)")
     parser.add_argument("--log-every", type=int, default=5, help="steps per metrics record: the host reads the "
                         "loss only then (a divisor of --warmup and --steps, so that the timed windows are whole)")
+    parser.add_argument("--work", default=None, help="directory for the data and the runs (default: a new temporary one)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the suite, measures nothing")
     args = parser.parse_args()
     if args.warmup % args.log_every or args.steps % args.log_every or args.steps <= args.warmup:
         parser.error(f"--log-every {args.log_every} must divide --warmup {args.warmup} and --steps {args.steps}, "
                      "and --steps exceed --warmup, so that the timed steps are whole logging windows")
     sections = set(args.only.split(","))
-    work = Path(tempfile.mkdtemp())
+    static_compiles()
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp())
     data = work / "data"
     t0 = time.perf_counter()
     prepare(["builtin:python-stdlib"], data, vocab_size=512 if args.tiny else 32768,
@@ -219,9 +254,14 @@ def main() -> None:
                 **measure(data, runs, f"ablation-{what.replace(' ', '-')}", overrides, args.steps, args.warmup, every,
                           args.log_every),
                 "settings": [*BEST, *change]}
+            if what == "CUDA graphs":
+                torch._dynamo.reset()  # (and its graphs' memory pool, which the next run's peak would count)
             keep()
     if "resume" in sections:
-        report["resume"] = resume_exactness(data, runs, ["train.device=cpu"] if args.tiny else [])
+        try:
+            report["resume"] = resume_exactness(data, runs, ["train.device=cpu"] if args.tiny else [])
+        except Exception as e:
+            report["resume"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     print(table(report))
     text = json.dumps(report, indent=1)
     print(text)

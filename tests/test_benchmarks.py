@@ -26,7 +26,8 @@ def test_cpu_throughput_benchmark_prints_json():
 def test_gpu_suite_runs_its_configs_ablations_and_resume_check_on_tiny_shapes(tmp_path):
     out = tmp_path / "suite.json"
     result = run_script("benchmarks/gpu_suite.py", "--tiny", "--configs", "llama-126m",
-                        "--steps", "4", "--warmup", "2", "--log-every", "2", "--out", str(out), timeout=600)
+                        "--steps", "4", "--warmup", "2", "--log-every", "2", "--out", str(out), "--work",
+                        str(tmp_path / "work"), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = [report["configs"]["llama-126m"], *report["ablations"].values()]
@@ -36,8 +37,11 @@ def test_gpu_suite_runs_its_configs_ablations_and_resume_check_on_tiny_shapes(tm
         assert 0 <= row["data_wait_share"] < 1 and row["cold_start_s"] >= 0
         assert len(row["checkpoint_blocking_s"]) == 2  # at step 2 (two thirds of 4, rounded down) and the end
         assert row["mfu"] is None  # no peak is known for a CPU
-    assert report["resume"]["bit_exact"]
+    assert report["resume"]["bit_exact"] and report["resume"]["repeatable"]
     assert "llama-126m" in result.stdout.splitlines()[1]  # the table comes before the JSON
+    runs = tmp_path / "work" / "runs"  # each measured run's checkpoints removed once measured
+    assert (runs / "llama-126m" / "metrics.jsonl").exists() and not list(runs.glob("llama-126m/checkpoints/step_*"))
+    assert not list(runs.glob("ablation-*/checkpoints/step_*"))
 
 
 def test_loss_chunk_benchmark_prints_both_variants_with_the_same_loss():

@@ -19,6 +19,7 @@ import torch
 
 from conftest import glitched, nan_norm_once_after, run_cli, tiny_config
 from scaletrain.config import ConfigError
+from scaletrain.parallel.mesh import shutdown
 from scaletrain.report.goodput import account
 from scaletrain.train import checkpoint
 from scaletrain.train.metrics import Heartbeat, read_metrics
@@ -169,10 +170,31 @@ def test_an_automatic_interval_is_youngs_from_what_the_run_measures(stdlib_data,
     assert 36 in {r["step"] for r in read_metrics(split, "checkpoint")}  # the resumed invocation's first save
 
 
-def test_background_checkpoints_hold_the_state_of_their_step_and_resume_exactly(stdlib_data, tmp_path):
+class RefusingStager:
+    """A page-locking stager whose host refuses to lock memory (as a sandbox may: the GPU's
+    stager is never made on a CPU, so the refusal is what is injected)."""
+
+    should_synchronize_after_execute = False
+
+    def __init__(self):
+        self.staged = self.closed = 0
+
+    def stage(self, state_dict):
+        self.staged += 1
+        raise RuntimeError("CUDA error: operation not permitted when registering host memory")
+
+    def synchronize_staging(self):
+        pass
+
+    def close(self):
+        self.closed += 1
+
+
+def test_background_checkpoints_hold_the_state_of_their_step_and_resume_exactly(stdlib_data, tmp_path, caplog):
     """Async saves every 2 steps while training goes on changing the weights: each checkpoint is
     committed with the state of its own step, and resuming from step 4 logs the losses of the
-    run that never stopped."""
+    run that never stopped — the resumed run's page-locked copies refused, each of its saves
+    made with pageable ones after one warning."""
     common = ["train.steps=8", "eval.interval=0", "checkpoint.keep=4", "train.warmup_steps=2"]
     whole = tmp_path / "whole"
     train(tiny_config(stdlib_data, whole, *common, "checkpoint.interval=0"))
@@ -185,7 +207,14 @@ def test_background_checkpoints_hold_the_state_of_their_step_and_resume_exactly(
     root = split / "checkpoints"
     assert [p.name for p in checkpoint.complete_checkpoints(root)] == ["step_0000005", "step_0000004", "step_0000002"]
     shutil.rmtree(root / "step_0000005")  # resume from 4, a checkpoint written while steps 5 trained
-    train(tiny_config(stdlib_data, split, *background))
+    trainer = Trainer(tiny_config(stdlib_data, split, *background))
+    trainer.stager = refusing = RefusingStager()
+    with caplog.at_level(logging.WARNING, logger="scaletrain"):
+        trainer.fit()
+    shutdown()
+    assert (refusing.staged, refusing.closed) == (1, 1) and caplog.text.count("page-locked memory failed") == 1
+    assert [r["step"] for r in read_metrics(split, "checkpoint")][-2:] == [6, 8]
+    assert checkpoint.complete_checkpoints(root)[0].name == "step_0000008"
     expected, got = losses(whole), losses(split)
     assert [got[s] for s in range(5, 9)] == [expected[s] for s in range(5, 9)]
 

@@ -37,6 +37,9 @@ class DemoSettings:
     bootstrap: int = 100
     device: str = "auto"
     concurrency: int = 2  # sweep points trained at once (tiny models leave cores idle one at a time)
+    # Sequences per micro-batch (and the granularity of the points' batches, in sequences): on a
+    # GPU, tiny models are bound by the launches of each micro-step, so fewer, larger ones.
+    micro_batch: int = 8
     min_steps: int = 250  # no sweep point shorter (scaling.sweep.Sweep.fits)
     # Approach 3 is fitted to the points of at least this many steps (scaling.fit.fit_all; to
     # all of them when fewer than 6, in 2 budgets, are that long); the shorter ones still shape
@@ -62,7 +65,8 @@ class DemoSettings:
         # in 2 minutes on 2 cores), and demo.json reports the epochs each run saw.
         return cls(budgets=(3e14, 4.8e14, 7.5e14, 1.2e15, 1.9e15, 3e15), shapes=5, extrapolate=10.0,
                    seq_len=512, vocab_size=4096, sources=("builtin:python-stdlib", "builtin:python-packages"),
-                   max_bytes=400_000_000, val_fraction=0.01, eval_tokens=262144, device="cuda", concurrency=4)
+                   max_bytes=400_000_000, val_fraction=0.01, eval_tokens=262144, device="cuda", concurrency=4,
+                   micro_batch=32)
 
 
 def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], None] | None = None) -> dict:
@@ -86,7 +90,7 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
     sweep = Sweep(out / "sweep", SweepSettings(data=str(data), budgets=list(settings.budgets), shapes=settings.shapes,
                                                seq_len=settings.seq_len, eval_tokens=settings.eval_tokens,
                                                min_steps=settings.min_steps, seed=settings.seed,
-                                               device=settings.device))
+                                               device=settings.device, micro_batch=settings.micro_batch))
     rows = sweep.run(progress=lambda p: say("sweep", **p), concurrency=settings.concurrency)
     finite = [r for r in rows if math.isfinite(r["loss"])]  # diverged points are recorded, not fitted
     if len(finite) < len(rows):

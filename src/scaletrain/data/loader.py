@@ -137,7 +137,9 @@ class TokenLoader:
             self.step += 1
             self.draws += 1
         batch = torch.from_numpy(rows)  # (micro_batch, seq_len + 1) int64
-        return batch[:, :-1], batch[:, 1:]
+        # Each contiguous: a strided tensor is copied to the GPU through a contiguous copy in
+        # pageable memory, which makes the host wait for the GPU, pinned or not.
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
     def tokens_by_source(self) -> dict[str, int]:
         """Training tokens taken from each source by completed steps (seq_len per sample)."""
@@ -268,6 +270,6 @@ def eval_batches(data_dir: str | Path, seq_len: int, tokens: int, rows: int,
         chunk = windows[i:i + rows]
         padding = [0] * (rows - len(chunk))  # any window: its targets are ignored
         batch = torch.from_numpy(np.stack([source.read(w * seq_len, seq_len + 1) for w in chunk + padding]))
-        inputs, targets = batch[:, :-1], batch[:, 1:].clone()
+        inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].clone()  # (contiguous: see next_batch)
         targets[len(chunk):] = IGNORE
         yield inputs, targets

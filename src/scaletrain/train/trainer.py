@@ -338,7 +338,7 @@ class Trainer:
         self.next_save: int | None = None  # with checkpoint.interval = "auto": the step of the next checkpoint
         self.pending: checkpoint.AsyncSave | None = None  # a checkpoint being written in the background
         self.checkpoint_group = None  # the process group of background checkpoint writes
-        self.stager = None  # page-locked host buffers that background checkpoints copy into (CUDA)
+        self.stager = None  # page-locked host buffers that background checkpoints copy into (CUDA; False: refused)
         self.plan = self._load_plan()  # (log.plan: what the run checks itself against, early)
         self.flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
         self.causal_flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len, causal=True)
@@ -759,9 +759,24 @@ class Trainer:
             self.checkpoint_group = dist.new_group(backend="gloo")  # see checkpoint.save_async
         if self.device.type == "cuda" and self.stager is None:
             self.stager = checkpoint.pinned_stager()
-        self.pending = checkpoint.save_async(self.ckpt_root, self.step, self.tokens, self.state(),
-                                             self.cfg.checkpoint.keep, self.checkpoint_group, self.stager,
-                                             self.cfg.checkpoint.keep_every)
+        state = self.state()
+        try:
+            self.pending = checkpoint.save_async(self.ckpt_root, self.step, self.tokens, state,
+                                                 self.cfg.checkpoint.keep, self.checkpoint_group, self.stager or None,
+                                                 self.cfg.checkpoint.keep_every)
+        except RuntimeError as e:
+            if not self.stager:
+                raise
+            # Page-locking host memory can be refused (a sandbox, a locked-memory limit): DCP's
+            # own pageable copies then, for the rest of the run. (The stager fails before any of
+            # the save's collectives, so a rank that falls back meets the others.)
+            log.warning("checkpoint.async_save: copying the state to page-locked memory failed (%s); copying it to "
+                        "pageable memory from now on", str(e).splitlines()[0][:200])
+            self.stager.close()
+            self.stager = False  # (not made again)
+            self.pending = checkpoint.save_async(self.ckpt_root, self.step, self.tokens, state,
+                                                 self.cfg.checkpoint.keep, self.checkpoint_group, None,
+                                                 self.cfg.checkpoint.keep_every)
         return self.pending.path
 
     def finish_saving(self, wait: bool) -> None:
@@ -1372,7 +1387,7 @@ class Trainer:
                              "".join(f"  {name} {accuracy:.1%}"
                                      for name, accuracy in record.get("task_accuracy", {}).items()))
             self.finish_saving(wait=True)  # the run's last checkpoint is complete before it returns
-            if self.stager is not None:
+            if self.stager:
                 self.stager.close()
                 self.stager = None
             consumption = {"tokens_by_source": self.loader.tokens_by_source(),
