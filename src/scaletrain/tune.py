@@ -2,20 +2,17 @@
 the best rate of a model at the base width and depth is the best rate of the wide, deep one (Yang
 et al. 2022, "Tensor Programs V": muTransfer; Dey et al. 2025 across depth), so `tune` trains
 the config's model narrowed to that width and depth — its proxy — once per learning rate of a
-grid, and the config takes the rate whose proxy reached the lowest
-validation loss.
+grid, and the config takes the rate whose proxy reached the lowest validation loss.
 
 The proxy is the config's run with the width (and the MLP's, and the number of heads, each
-head as wide) scaled to mup_base_dim, the depth to mup_base_layers under depth-wise muP
-(CompleteP, Dey et al. 2025: the rate carries across depth too), and everything else —
+head as wide) scaled to mup_base_dim, the depth to mup_base_layers, and everything else —
 vocabulary, data, batch, steps, schedule, seed — the same: muP transfers across width and depth,
 not training length, so a proxy trained shorter than the run finds the best rate of a shorter
 run (shorten it anyway when the run is long, with `steps`: the best rate moves slowly with
-length). Each proxy is a run of its own
-in the tuning directory, one row of its results.csv when done (proxies.ProxyRuns, as the other
-searches by small runs): an interrupted tuning resumes (finished rates kept, the ones in progress
-from their checkpoints), several rates train at once with `concurrency` (worker processes, GPUs
-taken in turn), and a diverged one counts as the worst.
+length). Each proxy is a run of its own in the tuning directory, one row of its results.csv when
+done (proxies.ProxyRuns, as the other searches by small runs): an interrupted tuning resumes
+(finished rates kept, the ones in progress from their checkpoints), several rates train at once
+with `concurrency` (worker processes, GPUs taken in turn), and a diverged one counts as the worst.
 """
 
 from __future__ import annotations
