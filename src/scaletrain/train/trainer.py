@@ -956,11 +956,12 @@ class Trainer:
             targets = shifted_targets(targets, depths)
         if self.layout.cp > 1:
             inputs, targets = (shard_sequence(t, self.cp_rank, self.layout.cp) for t in (inputs, targets))
-        if self.device.type == "cuda" and not inputs.is_pinned():
+        if self.device.type == "cuda":
             # From page-locked memory the copy is queued behind the GPU's work and the host goes
             # on (from pageable memory it would wait for the copy to finish). The prefetcher
-            # pins whole batches; context-parallel slices of them are copies, pinned here.
-            inputs, targets = inputs.pin_memory(), targets.pin_memory()
+            # pins whole batches; context-parallel slices of them and multi-token prediction's
+            # shifted targets are copies, pinned here.
+            inputs, targets = (t if t.is_pinned() else t.pin_memory() for t in (inputs, targets))
         return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True), documents
 
     def _prime_pipeline(self, microbatches: int) -> None:
