@@ -159,8 +159,11 @@ TIED = ["model.tie_embeddings=true"]
 # name -> overrides of 2-process layouts.
 TWO = {
     "replicate-mup": ["parallel.dp_replicate=2", "parallel.dp_shard=1", *MUP],
+    # (With depth-wise muP: Muon's groups split by depth role, its parameters named through the
+    # recompute wrapper; resumed in the background below.)
     "fsdp-grad-accumulation-recompute-muon": ["parallel.dp_shard=2", "train.micro_batch=2",
-                                              "parallel.recompute=selective", *MUON, *EMA],
+                                              "parallel.recompute=selective", *MUON, *EMA,
+                                              "model.mup_base_layers=2"],
     "tp-muon-z-loss": [*TP2, *MUON, *Z_LOSS, *MTP],  # the z-loss through the vocabulary-split logits
     # 17 validation windows over 2 ranks: one rank's last eval batch is padding, and FSDP's
     # all-gathers must still meet; the output head and loss run 100 tokens at a time, on the
