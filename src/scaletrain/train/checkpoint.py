@@ -147,14 +147,32 @@ def save_async(root: Path, step: int, tokens: int, state: dict, keep: int, group
     memory, so that training can go on changing the live tensors. Under torch.distributed,
     `group` must be a process group of its own (gloo): DCP's background collectives on the
     group training uses interleave with training's and deadlock or corrupt it. `stager` (see
-    pinned_stager) is DCP's default, pageable copies, when None."""
+    pinned_stager) is DCP's default, pageable copies, when None. A stager that fails (a host may
+    refuse to lock memory: a sandbox, a locked-memory limit) is closed and DCP's copies taken
+    instead, with a warning; the AsyncSave's `stager_refused` says so, for the caller to stop
+    passing it. (It fails before any of the save's collectives, so a rank that falls back still
+    meets the others.)"""
     path = _prepare(root, step)
-    future = dcp.async_save(state, checkpoint_id=path, process_group=group, no_dist=not dist.is_initialized(),
-                            async_stager=stager)
+
+    def start(stager):
+        return dcp.async_save(state, checkpoint_id=path, process_group=group, no_dist=not dist.is_initialized(),
+                              async_stager=stager)
+    refused = False
+    try:
+        future = start(stager)
+    except RuntimeError as e:
+        if stager is None:
+            raise
+        log.warning("checkpoint.async_save: copying the state to page-locked memory failed (%s); copying it to "
+                    "pageable memory instead", str(e).splitlines()[0][:200])
+        stager.close()
+        refused, future = True, start(None)
     if hasattr(future, "staging_completion"):  # an asynchronous stager: the copy must end before training goes on
         future.staging_completion.result()
         future = future.upload_completion
-    return AsyncSave(root, path, step, tokens, (keep, keep_every), future, group)
+    saving = AsyncSave(root, path, step, tokens, (keep, keep_every), future, group)
+    saving.stager_refused = refused
+    return saving
 
 
 def pinned_stager():

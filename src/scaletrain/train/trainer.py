@@ -759,24 +759,11 @@ class Trainer:
             self.checkpoint_group = dist.new_group(backend="gloo")  # see checkpoint.save_async
         if self.device.type == "cuda" and self.stager is None:
             self.stager = checkpoint.pinned_stager()
-        state = self.state()
-        try:
-            self.pending = checkpoint.save_async(self.ckpt_root, self.step, self.tokens, state,
-                                                 self.cfg.checkpoint.keep, self.checkpoint_group, self.stager or None,
-                                                 self.cfg.checkpoint.keep_every)
-        except RuntimeError as e:
-            if not self.stager:
-                raise
-            # Page-locking host memory can be refused (a sandbox, a locked-memory limit): DCP's
-            # own pageable copies then, for the rest of the run. (The stager fails before any of
-            # the save's collectives, so a rank that falls back meets the others.)
-            log.warning("checkpoint.async_save: copying the state to page-locked memory failed (%s); copying it to "
-                        "pageable memory from now on", str(e).splitlines()[0][:200])
-            self.stager.close()
-            self.stager = False  # (not made again)
-            self.pending = checkpoint.save_async(self.ckpt_root, self.step, self.tokens, state,
-                                                 self.cfg.checkpoint.keep, self.checkpoint_group, None,
-                                                 self.cfg.checkpoint.keep_every)
+        self.pending = checkpoint.save_async(self.ckpt_root, self.step, self.tokens, self.state(),
+                                             self.cfg.checkpoint.keep, self.checkpoint_group, self.stager or None,
+                                             self.cfg.checkpoint.keep_every)
+        if self.pending.stager_refused:
+            self.stager = False  # (closed; DCP's pageable copies from now on, not made again)
         return self.pending.path
 
     def finish_saving(self, wait: bool) -> None:
