@@ -113,6 +113,8 @@ def assert_parity(run_dir, reference, tolerance=1e-5):
         assert ("z_loss" in got) == ("z_loss" in expected)  # (train.z_loss: its value, which the loss leaves out)
         if "z_loss" in expected:
             assert abs(got["z_loss"] - expected["z_loss"]) <= tolerance * max(1.0, expected["z_loss"]), got["step"]
+        # The whole gradient's norm over every rank (under muP with its multipliers written out).
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4), got["step"]
         for key in ("grad_norm_by_part", "weight_norm_by_part"):  # (log.norms: each part's, over every rank)
             assert (key in got) == (key in expected)
             for part, norm in expected.get(key, {}).items():

@@ -247,3 +247,45 @@ def test_the_coordinate_check_across_depth(stdlib_data):
     assert sizes["standard"][0] == pytest.approx(sizes["completep"][0], rel=1e-6)
     assert 0.5 < sizes["completep"][1] / sizes["completep"][0] < 2, sizes
     assert sizes["standard"][1] / sizes["standard"][0] > 4, sizes
+
+
+def test_clipping_and_the_logged_norms_count_the_gradients_with_the_multipliers_written_out(stdlib_data, tmp_path):
+    """The trainer's gradient norm under width and depth muP is that of the model with muP's output
+    multiplier 1 / m and the residual multiplier d^-alpha written out (the weights that fold them
+    divided by them, the multipliers applied to their outputs), and clipping leaves each folded
+    gradient 1 / s times the written-out model's clipped one: the same training."""
+    from conftest import tiny_config
+    from scaletrain.train.trainer import Trainer
+
+    cfg = tiny_config(stdlib_data, tmp_path / "run", "model.n_layers=4", "model.mup_base_layers=1",
+                      "model.mup_depth_alpha=0.5", "model.mup_base_dim=16", "train.clip=0.05")
+    trainer = Trainer(cfg)
+    m, s = 4.0, 4.0 ** -0.5
+    written = copy.deepcopy(trainer.model)
+    multipliers = {"output.weight": 1 / m}
+    for name, block in written.layers.items():
+        for linear, path in ((block.attention.wo, "attention.wo"), (block.feed_forward.w2, "feed_forward.w2")):
+            multipliers[f"layers.{name}.{path}.weight"] = s
+    for name, multiplier in multipliers.items():
+        module = written.get_submodule(name.removesuffix(".weight"))
+        module.weight.data /= multiplier
+        module.register_forward_hook(lambda module, args, out, multiplier=multiplier: out * multiplier)
+    inputs, targets = trainer.loader.next_batch()[:2]
+    trainer.model(inputs, targets).backward()
+    F.cross_entropy(written(inputs).flatten(0, 1), targets.flatten()).backward()
+    trainer.loader.close()
+
+    by_part = trainer._norms_by_part(grads=True)
+    expected = {"embedding": written.tok_embeddings.weight.grad.norm().item(),
+                "head": torch.cat([written.norm.weight.grad, written.output.weight.grad.flatten()]).norm().item(),
+                **{f"layers.{name}": torch.cat([p.grad.flatten() for p in block.parameters()]).norm().item()
+                   for name, block in written.layers.items()}}
+    assert by_part == pytest.approx(expected, rel=1e-4)
+    folded_norm = torch.cat([p.grad.flatten() for p in trainer.model.parameters()]).norm().item()
+    norm = trainer._clip_gradients(cfg.train.clip).item()
+    written_norm = torch.nn.utils.clip_grad_norm_(written.parameters(), cfg.train.clip).item()
+    assert norm == pytest.approx(written_norm, rel=1e-5)
+    assert abs(norm / folded_norm - 1) > 0.1, (norm, folded_norm)  # (the folded gradients alone would differ)
+    assert norm > 2 * cfg.train.clip  # (clipping acts)
+    for (name, p), q in zip(trainer.model.named_parameters(), written.parameters(), strict=True):
+        torch.testing.assert_close(p.grad * multipliers.get(name, 1.0), q.grad, rtol=1e-4, atol=1e-8, msg=name)

@@ -124,6 +124,21 @@ def depth_factors(role: str | None, depth_mult: float, alpha: float) -> tuple[fl
     return 1 / depth_mult, depth_mult ** alpha, 1.0
 
 
+def folded_multiplier(name: str, width_mult: float = 1.0, depth_mult: float = 1.0, depth_alpha: float = 1.0) -> float:
+    """The constant multiplier folded into parameter `name` (s, where the weight held is s times the
+    weight with the multiplier written out): muP's output multiplier 1 / m in the output head and
+    the routers (model.mup_base_dim), depth-wise muP's residual multiplier d^-alpha in the blocks'
+    output projections (model.mup_base_layers, see depth_factors); 1 elsewhere. The gradient of
+    the written-out weight is s times that of the folded one, which is what gradient clipping
+    and the logged gradient norms count (Trainer._grad_squares)."""
+    name = name.replace("_orig_mod.", "")
+    if width_mult != 1 and (name == "output.weight" or name.endswith("router.weight")):
+        return 1 / width_mult
+    if depth_mult != 1 and depth_role(name) == "residual":
+        return depth_mult ** -depth_alpha
+    return 1.0
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """The learning rate of this step, times each group's share of it (muP's, or 1)."""
     for group, scale in zip(optimizer.param_groups, getattr(optimizer, "lr_scales", None)

@@ -44,7 +44,7 @@ from scaletrain.train import checkpoint, noise
 from scaletrain.train.float8 import check_float8, convert_to_float8
 from scaletrain.train.init_from import init_source, starts_fresh
 from scaletrain.train.metrics import Heartbeat, MetricsLog, StepProfiler, TensorBoardSink, WandbSink, read_metrics
-from scaletrain.train.optim import build_optimizer, local_shard, set_hyperparameters, set_lr
+from scaletrain.train.optim import build_optimizer, folded_multiplier, local_shard, set_hyperparameters, set_lr
 from scaletrain.train.resilience import StopSignals, StoppedBySignal, Watchdog, loss_spike
 from scaletrain.train.schedule import lr_at
 from scaletrain.train.tasks import Task, load_task, task_metrics
@@ -61,11 +61,6 @@ PLAN_CHECK_STEP = 10
 # checkpoint.interval = "auto": the first save, which measures what the interval is chosen from,
 # after this many steps (or a tenth of the run, if fewer).
 AUTO_FIRST_SAVE = 10
-
-
-def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of the whole gradient, of which each rank holds parts (see _squares)."""
-    return _squares(grads).sum().sqrt()
 
 
 def _squares(tensors: list[torch.Tensor], parts: list[int] | None = None, count: int = 1) -> torch.Tensor:
@@ -291,6 +286,11 @@ class Trainer:
                                          device=self.device, kind=cfg.train.optimizer,
                                          momentum=cfg.train.muon_momentum, width_mult=cfg.model.width_mult,
                                          depth_mult=cfg.model.depth_mult, depth_alpha=cfg.model.mup_depth_alpha)
+        # muP's multipliers folded into weights, by parameter: what the gradient norms count (_grad_squares).
+        self.folded = {id(p): s for name, p in self.model.named_parameters()
+                       if (s := folded_multiplier(name, cfg.model.width_mult, cfg.model.depth_mult,
+                                                  cfg.model.mup_depth_alpha)) != 1}
+        self.folded_weights: dict[tuple[float, ...], torch.Tensor] = {}  # their squares, by set of multipliers
         self.loader = self._new_loader()
         # The micro-batches the experts' balancing weight was last set for (see train_step).
         self.balance_micro_steps: int | None = None
@@ -829,8 +829,8 @@ class Trainer:
                     loss.backward()
                 loss_sum += _local(loss.detach())
                 if look and micro == 0 and micro_steps > 1:  # (reduced over the data-parallel ranks already)
-                    first_sq = _global_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-                    first_sq = (first_sq * micro_steps).square()  # the loss was divided by micro_steps
+                    first_sq = self._grad_squares([p for p in self.model.parameters() if p.grad is not None])
+                    first_sq = first_sq[0] * micro_steps ** 2  # the loss was divided by micro_steps
         after = self.loader.state_dict()  # the loader sized the step as training did (train.batch_ramp)
         if after["micro"] or after["step"] != self.step + 1:
             raise RuntimeError(f"the data loader's step {after['step']} (micro-batch {after['micro']}) is not "
@@ -988,24 +988,52 @@ class Trainer:
         over every rank: pipeline stages add theirs over the pp ranks."""
         names = self.model_parts
         position = {name: i for i, name in enumerate(names)}
-        named = [(name, p.grad if grads else p) for name, p in self.model.named_parameters()
+        named = [(name, p) for name, p in self.model.named_parameters()
                  if (p.grad is not None or not grads) and self.parallel.counts(p)]
-        squares = (_squares([t for _, t in named], [position[model_part(name)] for name, _ in named], len(names))
-                   if named else torch.zeros(len(names), device=self.device))
+        parts = [position[model_part(name)] for name, _ in named]
+        if grads:
+            squares = self._grad_squares([p for _, p in named], parts, len(names))
+        else:
+            squares = (_squares([p for _, p in named], parts, len(names)) if named
+                       else torch.zeros(len(names), device=self.device))
+            if self.layout.pp > 1:
+                dist.all_reduce(squares, group=self.mesh["pp"].get_group())
+        return {name: round(value, 6) for name, value in zip(names, squares.sqrt().tolist())}
+
+    def _grad_squares(self, params: list[torch.Tensor], parts: list[int] | None = None, count: int = 1) -> torch.Tensor:
+        """The squared 2-norms (count,) of the gradients of `params` over every rank, param i in
+        part parts[i] (see _squares; all in one by default), the second copy of anything held
+        twice left out, summed over the pipeline stages. Under muP they are the gradients with its
+        multipliers written out (optim.folded_multiplier): a weight holding a folded multiplier s
+        counts s times its gradient, so that clipping and the logged norms are those of the
+        parametrization whose factors carry over from the base width and depth."""
+        kept = [(p, part) for p, part in zip(params, parts or [0] * len(params), strict=True)
+                if self.parallel.counts(p)]
+        params, parts = [p for p, _ in kept], [part for _, part in kept]
+        grads = [p.grad for p in params]
+        multipliers = sorted({self.folded.get(id(p), 1.0) for p in params}) or [1.0]
+        if multipliers == [1.0]:
+            squares = _squares(grads, parts, count) if grads else torch.zeros(count, device=self.device)
+        else:  # (one part per (part, multiplier), weighted after the all-reduces)
+            k = len(multipliers)
+            index = [part * k + multipliers.index(self.folded.get(id(p), 1.0)) for p, part in zip(params, parts)]
+            key = tuple(multipliers)  # (made once: a host-to-device copy each step would wait)
+            weights = self.folded_weights.get(key)
+            if weights is None:
+                weights = self.folded_weights[key] = torch.tensor(multipliers, device=self.device).square()
+            squares = _squares(grads, index, count * k).view(count, k) @ weights
         if self.layout.pp > 1:
             dist.all_reduce(squares, group=self.mesh["pp"].get_group())
-        return {name: round(value, 6) for name, value in zip(names, squares.sqrt().tolist())}
+        return squares
 
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Clip the norm of the gradient of the whole model to max_norm; returns the norm before
-        clipping. Sharded gradients (DTensors) give the global norm of their dimensions; pipeline
-        stages add up their squares over the pp ranks."""
+        clipping (_grad_squares: over every rank, and under muP with its multipliers written out,
+        the same scaling of every gradient then being the same training). Sharded gradients
+        (DTensors) give the global norm of their dimensions; pipeline stages add up their squares
+        over the pp ranks."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = _global_norm([p.grad for p in params if self.parallel.counts(p)])
-        if self.layout.pp > 1:
-            norm = norm.square()
-            dist.all_reduce(norm, group=self.mesh["pp"].get_group())
-            norm = norm.sqrt()
+        norm = self._grad_squares(params)[0].sqrt()
         # Scaling by one number is the same on each shard as on the whole: scaling the local
         # shards skips DTensor's sharding propagation for a list of differently placed tensors,
         # which cost more than the rest of the step on a small tensor-parallel model.
