@@ -513,6 +513,9 @@ def test_a_checkpoint_that_does_not_fit_the_next_stage_is_refused_in_one_sentenc
             "model.dim=128")
     refused(r"was trained with train.optimizer = 'adamw'.*set train.optimizer = 'adamw', or "
             r"checkpoint.init_optimizer = false", first_stage, "train.optimizer=muon")
+    refused(r"was trained with model.mup_base_dim = unset, model.mup_base_layers = unset, this run with 32, 1: "
+            r"its weights hold muP's multipliers folded in .*keeps its parametrization; set it as that run had it",
+            first_stage, "model.mup_base_dim=32", "model.mup_base_layers=1")
     refused("neither a Hugging Face model directory .* nor a scaletrain run directory or checkpoint", tmp_path)
     with pytest.raises(ConfigError, match="is this run's own directory: a next stage is a run of its own"):
         Trainer(tiny_config(stdlib_data, first_stage, "train.steps=6", f"checkpoint.init_from={first_stage}"))

@@ -15,7 +15,8 @@ newest is taken) and not be this run's own, the checkpoint must hold every weigh
 in the same shape (a mismatch names the tensor and, when the source run's config.toml is
 beside it, the shape settings that differ), its tokenizer must be the data's, and its optimizer
 the run's when its state is taken (when the source's config.toml is not beside it, a missing
-optimizer state is found as the state loads).
+optimizer state is found as the state loads), and its parametrization (muP's base width and
+depth, model.mup_*) the run's.
 """
 
 from __future__ import annotations
@@ -90,8 +91,26 @@ def init_source(cfg: RunConfig) -> InitSource | None:
                           f"{source_cfg.train.optimizer!r}, so its optimizer state cannot start this run's "
                           f"{cfg.train.optimizer!r}; set train.optimizer = {source_cfg.train.optimizer!r}, or "
                           "checkpoint.init_optimizer = false to start the optimizer afresh")
+    if source_cfg is not None and parametrization(source_cfg) != parametrization(cfg):
+        before, now = parametrization(source_cfg), parametrization(cfg)
+        differ = [key for key in before if before[key] != now[key]
+                  and not (key == "mup_depth_alpha" and before["mup_base_layers"] != now["mup_base_layers"])]
+        setting = {key: "unset" if value is None else toml_value(value) for key, value in before.items()}
+        raise ConfigError(f"checkpoint.init_from = {given!r} was trained with "
+                          f"{', '.join(f'model.{key} = {setting[key]}' for key in differ)}, this run with "
+                          f"{', '.join('unset' if now[key] is None else toml_value(now[key]) for key in differ)}: its "
+                          "weights hold muP's multipliers folded in and their learning rates follow from them, so a "
+                          "next stage keeps its parametrization; set it as that run had it")
     _check_weights(path, cfg, source_cfg, given)
     return InitSource("checkpoint", path)
+
+
+def parametrization(cfg: RunConfig) -> dict:
+    """The settings of muP that a run's weights carry (its base width; its base depth and, with
+    one, the exponent of its residual multiplier)."""
+    m = cfg.model
+    return {"mup_base_dim": m.mup_base_dim, "mup_base_layers": m.mup_base_layers,
+            "mup_depth_alpha": m.mup_depth_alpha if m.mup_base_layers else None}
 
 
 def _source_config(run_dir: Path) -> RunConfig | None:
