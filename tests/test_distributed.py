@@ -384,22 +384,24 @@ def test_ranks_that_diverge_together_rewind_together_to_the_losses_of_one_proces
     assert_parity(run_dir, one)
 
 
-@pytest.mark.parametrize("name, split, holds", [("pp-1f1b", {"pp": 2}, [(True, False), (True, True)]),
-                                                ("pp-zbv_zero_bubble", {"pp": 2}, [(True, True), (False, False)]),
-                                                ("tp-muon-z-loss", {"tp": 2}, [(True, True), (True, True)])])
+@pytest.mark.parametrize("name, split, holds", [("pp-1f1b", {"pp": 2}, [(True, False, False), (True, True, True)]),
+                                                ("pp-zbv_zero_bubble", {"pp": 2},
+                                                 [(True, True, False), (False, False, False)]),
+                                                ("tp-muon-z-loss", {"tp": 2}, [(True, True, False), (True, True, False)])])
 def test_each_pipeline_or_tensor_parallel_rank_holds_the_bytes_the_memory_model_gives_it(
         stdlib_data, layout_runs, tmp_path, name, split, holds):
-    """(embedding, head) per rank: 1F1B puts them on the first and last rank, the last also a
-    copy of the embedding (here its tied head, and multi-token prediction's depths read it), a
+    """(embedding, head, copy) per rank: 1F1B puts them on the first and last rank, the last also a
+    copy of the embedding (here its tied head, and multi-token prediction's depths read it), which
+    the first rank's optimizer steps (no optimizer state on the last), a
     V-shaped schedule both on rank 0 (its first and last stage). Under tensor parallelism each rank
     holds half of every matrix but the whole norms and multi-token prediction's projections (Muon:
     one moment a matrix)."""
     held = read_metrics(layout_runs[name], "memory")[0]["bytes_by_rank"]
     cfg = tiny_config(stdlib_data, tmp_path / "run", *DEEP, *TWO[name], "model.vocab_size=512")
-    for rank, (embedding, head) in zip(held, holds, strict=True):
+    for rank, (embedding, head, copy) in zip(held, holds, strict=True):
         estimate = rank_memory(cfg.model, cfg.data.seq_len, cfg.train.micro_batch, bf16=False, **split,
                                embedding=embedding, head=head, ema=cfg.train.ema_decay > 0,
-                               optimizer=cfg.train.optimizer)
+                               optimizer=cfg.train.optimizer, embedding_copy=copy)
         assert (estimate.parameters, estimate.gradients, estimate.optimizer, estimate.ema) == (
             rank["parameters"], rank["gradients"], rank["optimizer"], rank.get("ema", 0)), (embedding, head)
     assert ("ema" in held[0]) == ("train.ema_decay=0.5" in TWO[name])  # (1F1B's run keeps the moving average)

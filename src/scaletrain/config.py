@@ -116,7 +116,7 @@ class ModelConfig(_Section):
     qk_norm: bool = False
     """RMSNorm on queries and keys per head before attention (stabilises large learning rates)."""
     tie_embeddings: bool = False
-    """Share the input embedding with the output projection. Under pipeline parallelism the last stage holds a copy of the embedding as its head, the two copies' gradients summed each step (looping schedules; not the V-shaped ones)."""
+    """Share the input embedding with the output projection. Under pipeline parallelism the last stage holds a copy of the embedding as its head: its gradient is added to the first stage's each step, whose optimizer steps the embedding, and the copy takes the result (looping schedules; not the V-shaped ones)."""
     document_mask: bool = False
     """Attention within documents: a token of a packed training sequence attends only to the tokens of its own document (from the one after the previous end-of-document token on), as Llama 3 was trained (Llama Team 2024, section 3.2), instead of to every earlier token of the sequence. Generation is unchanged (a prompt is one document)."""
     init_std: float = Field(default=0.02, gt=0)

@@ -66,6 +66,17 @@ class ParallelModel:
         if self.embedding_copies is not None:
             self.embedding_copies.sum_gradients()
 
+    def share_weights(self) -> None:
+        """After the optimizer's step: what parameters held twice need (the embedding's copy
+        under pipelining takes the first stage's weights)."""
+        if self.embedding_copies is not None:
+            self.embedding_copies.share_weights()
+
+    def unstepped(self) -> list[torch.Tensor]:
+        """The parameters no optimizer steps here (the embedding's copy: see share_weights)."""
+        held = self.embedding_copies.held if self.embedding_copies is not None else None
+        return [held] if held is not None else []
+
     def counts(self, param: torch.Tensor) -> bool:
         """Whether a norm over the whole model counts param: not where it is the second copy of
         something held twice."""

@@ -12,9 +12,12 @@ multi-token prediction's depths as one process does.
 
 A tied output head and multi-token prediction's depths read the embedding on the last stage too:
 that stage holds a copy of it, as Megatron-LM does (Shoeybi et al. 2019; Narayanan et al. 2021,
-section 4.2), under the same name. The copies start equal, their gradients are summed after each
-backward pass (EmbeddingCopies), and the optimizer then takes the same step on each; checkpoints
-hold one (DCP keeps one of the keys several ranks save), which every copy loads.
+section 4.2), under the same name. The copies start equal; after each backward pass the copy's
+gradient is added to the first stage's (EmbeddingCopies), whose optimizer steps the embedding,
+and after the step the copy takes its weights again. Only the first stage keeps optimizer state
+for it (Megatron-LM steps both copies, each with its moments: 8 bytes a parameter more on the
+last rank, 4 GB for a vocabulary of 128k at width 4,096 before sharding). Checkpoints hold one
+(DCP keeps one of the keys several ranks save), which every copy loads.
 """
 
 from __future__ import annotations
@@ -65,10 +68,11 @@ def last_stage_embeds(cfg) -> bool:
 
 class EmbeddingCopies:
     """The embedding's two copies, on the ranks running the first and the last stage: after a
-    backward pass each holds the sum of both gradients (one all-reduce between the two ranks), so
-    the optimizer takes the same step on each. Every rank builds one (the pairs' groups are made
-    together); `held` is the copy this rank holds where it is the last stage's and not the first's (else
-    None), which a norm over the whole model must not count twice."""
+    backward pass the first's gradient holds the sum of both (one reduce between the two ranks),
+    the first's optimizer steps it, and the copy then takes its weights (one broadcast). Every
+    rank builds one (the pairs' groups are made together); `held` is the copy this rank holds
+    where it is the last stage's and not the first's (else None): no optimizer steps it, and a
+    norm over the whole model must not count it."""
 
     def __init__(self, mesh: DeviceMesh, first_holder: int, last_holder: int, parts: list[nn.Module],
                  first: bool, last: bool):
@@ -77,21 +81,30 @@ class EmbeddingCopies:
         # pair of them per coordinate of the other dimensions. Every rank makes every pair's group.
         ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), 0).flatten(1)
         self.group = None
+        self.source = None  # the global rank of this pair's first-stage copy
         for column in ranks.unbind(1):
             pair = [int(column[first_holder]), int(column[last_holder])]
             group = dist.new_group(pair)
             if me in pair:
-                self.group = group
+                self.group, self.source = group, pair[0]
         embeddings = [part.tok_embeddings.weight for part in parts if part.tok_embeddings is not None]
         self.weight = embeddings[0] if embeddings else None
         self.held = self.weight if last and not first else None
 
     def sum_gradients(self) -> None:
-        """Add the other copy's gradient to this rank's (on the two ranks that hold one)."""
+        """Add the copy's gradient to the first stage's (on the two ranks that hold one)."""
         if self.weight is None or self.group is None:
             return
         grad = self.weight.grad
-        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+        dist.reduce(grad.to_local() if isinstance(grad, DTensor) else grad, dst=self.source, group=self.group)
+
+    @torch.no_grad()
+    def share_weights(self) -> None:
+        """After the optimizer's step: the copy takes the first stage's embedding."""
+        if self.weight is None or self.group is None:
+            return
+        weight = self.weight
+        dist.broadcast(weight.to_local() if isinstance(weight, DTensor) else weight, src=self.source, group=self.group)
 
 
 def build_schedule(parts: list[nn.Module], ids: list[int], num_stages: int, schedule: str, microbatches: int,

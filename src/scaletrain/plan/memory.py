@@ -26,7 +26,8 @@ Components (per device, in bytes):
   bf16 a chunk's bf16 part of it before it is summed in);
 - multi-token prediction (model.mtp_depth): its modules' parameters, gradients and optimizer
   state as the blocks', its projections and norms whole under tensor parallelism, all on the
-  last pipeline stage, which also holds a copy of the embedding (as for a tied head; checked
+  last pipeline stage, which also holds a copy of the embedding (as for a tied head: its weights
+  and gradient, stepped by the first stage's optimizer; checked
   against real runs': one process, tp = 2, pp = 2), and per depth the activations of one more dense
   block (recomputed as the blocks are) and one more loss — an estimate, not a tally: the joined
   inputs and the depths' norms are left out and the loss counts its gradient, which about
@@ -221,16 +222,17 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
         return rank_memory(cfg, seq_len, micro_batch, **common)
     in_flight = in_flight_microbatches(pp, micro_steps, pp_schedule, pp_stages_per_rank)
     if pp_schedule in V_SHAPED:  # rank 0 runs the first and the last stage; the loss's backward follows at once
-        ranks = [(in_flight, 1, True, True)]
+        ranks = [(in_flight, 1, True, True, False)]
     elif pp_schedule in ("gpipe", "looped_bfs"):
-        ranks = [(in_flight, 0, True, False), (in_flight, in_flight, False, True)]
+        ranks = [(in_flight, 0, True, False, False), (in_flight, in_flight, False, True, False)]
     else:
         last = min(((pp_stages_per_rank - 1) * pp + 1) / pp_stages_per_rank, micro_steps)
-        ranks = [(in_flight, 0, True, False), (last, 1, False, True)]
+        ranks = [(in_flight, 0, True, False, False), (last, 1, False, True, False)]
     if pp_schedule not in V_SHAPED and (cfg.tie_embeddings or _mtp(cfg)):  # the last holds a copy of the embedding
-        ranks[-1] = (*ranks[-1][:2], True, True)
+        ranks[-1] = (*ranks[-1][:2], True, True, True)
     estimates = [rank_memory(cfg, seq_len, micro_batch, **common, pp=pp, in_flight=count, losses=losses,
-                             embedding=embedding, head=head) for count, losses, embedding, head in ranks]
+                             embedding=embedding, head=head, embedding_copy=copy)
+                 for count, losses, embedding, head, copy in ranks]
     return max(estimates, key=lambda e: e.peak)
 
 
@@ -254,10 +256,13 @@ class _heaviest_pipeline_rank:
 def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 1, bf16: bool = True,
                 recompute: str = "none", fsdp: int = 1, tp: int = 1, cp: int = 1, loss_chunk_tokens: int = 0,
                 pp: int = 1, in_flight: float = 1, losses: float = 1, embedding: bool = True,
-                head: bool = True, ep: int = 1, optimizer: str = "adamw", ema: bool = False) -> MemoryEstimate:
+                head: bool = True, ep: int = 1, optimizer: str = "adamw", ema: bool = False,
+                embedding_copy: bool = False) -> MemoryEstimate:
     """One rank's bytes (arguments as training_memory's): L/pp blocks, the embedding and the
     output head (with the final norm) where it holds them, the activations of `in_flight`
-    micro-batches of its blocks and, with the head, of `losses` micro-batches' loss."""
+    micro-batches of its blocks and, with the head, of `losses` micro-batches' loss.
+    embedding_copy: the embedding held is the last pipeline stage's copy, which the first
+    stage's optimizer steps (parallel/pipeline.py): its weights and gradient, no optimizer state."""
     counts = param_counts(cfg)
     outer = cfg.vocab * cfg.dim  # the embedding, and the output head unless tied to it
     norms = 2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0)
@@ -284,7 +289,8 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     tensors = (tensors / pp + (depth_tensors if head else 0) + int(embedding)
                + int(head) * (1 if cfg.tie_embeddings else 2))  # head: norm (+ matrix)
     muon = (blocks / pp / tp + depth_split / tp + whole_matrices) / fsdp if optimizer == "muon" else 0  # one moment
-    optimizer_bytes = round(8 * local - 4 * muon + 4 * tensors)
+    stepped = local - (outer / (fsdp * tp) if embedding_copy else 0)
+    optimizer_bytes = round(8 * stepped - 4 * muon + 4 * (tensors - int(embedding_copy)))
     stepping = _muon_step_bytes(cfg, fsdp, tp, ep) if optimizer == "muon" else 0
     head_matmul = outer if head else 0
     # Multi-token prediction's matmul weights a depth: a dense block's (split under tp) and the projection's.

@@ -47,7 +47,8 @@ ADAMW_ONLY = ("tok_embeddings", "output")
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
                     eps: float, device: torch.device, kind: str = "adamw", momentum: float = 0.95,
-                    width_mult: float = 1.0, depth_mult: float = 1.0, depth_alpha: float = 1.0) -> torch.optim.AdamW:
+                    width_mult: float = 1.0, depth_mult: float = 1.0, depth_alpha: float = 1.0,
+                    exclude: list[torch.Tensor] = ()) -> torch.optim.AdamW:
     """Decay applies to weight matrices (embeddings and linears), not to norm gains or other vectors:
     shrinking a norm's gain towards zero has no regularising meaning (as in GPT-3 and Llama).
     kind "muon": the blocks' matrices go to Muon (see the module's docstring). width_mult: muP's
@@ -55,8 +56,11 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     1 / m, Muon's hidden matrices by 1 / sqrt(m)). depth_mult and depth_alpha: depth-wise muP's
     (model.mup_base_layers, see depth_factors). Each group's share of the learning rate, of the
     weight decay and of Adam's eps is the optimizer's `lr_scales`, `decay_scales` and `eps_scales`
-    (see set_lr and set_hyperparameters)."""
-    named = [(name.replace("_orig_mod.", ""), p) for name, p in model.named_parameters() if p.requires_grad]
+    (see set_lr and set_hyperparameters). exclude: parameters stepped otherwise (a pipeline's copy
+    of the embedding)."""
+    skipped = {id(p) for p in exclude}
+    named = [(name.replace("_orig_mod.", ""), p) for name, p in model.named_parameters()
+             if p.requires_grad and id(p) not in skipped]
     muon = [(name, p) for name, p in named if kind == "muon" and p.ndim >= 2 and name.split(".")[0] not in ADAMW_ONLY]
     chosen = {id(p) for _, p in muon}
     params = [(name, p) for name, p in named if id(p) not in chosen]

@@ -285,7 +285,8 @@ class Trainer:
                                          betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
                                          device=self.device, kind=cfg.train.optimizer,
                                          momentum=cfg.train.muon_momentum, width_mult=cfg.model.width_mult,
-                                         depth_mult=cfg.model.depth_mult, depth_alpha=cfg.model.mup_depth_alpha)
+                                         depth_mult=cfg.model.depth_mult, depth_alpha=cfg.model.mup_depth_alpha,
+                                         exclude=self.parallel.unstepped())
         # muP's multipliers folded into weights, by parameter: what the gradient norms count (_grad_squares).
         self.folded = {id(p): s for name, p in self.model.named_parameters()
                        if (s := folded_multiplier(name, cfg.model.width_mult, cfg.model.depth_mult,
@@ -734,7 +735,7 @@ class Trainer:
         self._load_loader(position)
         self.first_bad = torch.tensor([-1.0, 0.0, 0.0], device=self.device)
         self.first_spike[0] = -1
-        self.optimizer.zero_grad(set_to_none=True)  # a step that raised before applying left its gradients
+        self._zero_grad()  # a step that raised before applying left its gradients
         before = json.loads(state["loader"])
         skipped = position["draws"] - before.get("draws", before["consumed"] // self.cfg.seqs_per_step)
         checkpoint.record_rewind(path, position, diverged_at, skipped)
@@ -857,6 +858,7 @@ class Trainer:
         else:  # no skip on the device: every step is looked at before it applies
             self._check(None)
         self.optimizer.step()
+        self.parallel.share_weights()
         if cfg.ema_decay:
             self._update_ema(bad)
         max_load = (update_expert_bias(self.model, self.cfg.model, skip=bad)
@@ -864,7 +866,7 @@ class Trainer:
         balance = balance_tally(self.model) if self.cfg.model.moe else None
         if self.held_bytes is None:  # after the first update every piece of state exists
             self.held_bytes = held_bytes(self.model, self.optimizer, self.ema)
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         step_tokens = self.cfg.step_batch_tokens(self.step)
         self.tokens += step_tokens
         self.step += 1
@@ -966,7 +968,7 @@ class Trainer:
         tokens = torch.randint(self.cfg.model.vocab, (microbatches * self.cfg.train.micro_batch, self.cfg.data.seq_len),
                                generator=torch.Generator().manual_seed(0))
         self._pipeline(*self._batch(tokens, tokens), microbatches=microbatches)
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         forget_counts(self.model)
 
     def _pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None,
@@ -1025,6 +1027,12 @@ class Trainer:
         if self.layout.pp > 1:
             dist.all_reduce(squares, group=self.mesh["pp"].get_group())
         return squares
+
+    def _zero_grad(self) -> None:
+        """Drop every gradient: the optimizer's parameters' and those no optimizer steps here."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for param in self.parallel.unstepped():
+            param.grad = None
 
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Clip the norm of the gradient of the whole model to max_norm; returns the norm before
