@@ -1013,12 +1013,13 @@ class Trainer:
                 if self.parallel.counts(p)]
         params, parts = [p for p, _ in kept], [part for _, part in kept]
         grads = [p.grad for p in params]
-        multipliers = sorted({self.folded.get(id(p), 1.0) for p in params}) or [1.0]
+        each = [self.folded.get(id(p), 1.0) for p in params]
+        multipliers = sorted(set(each)) or [1.0]
         if multipliers == [1.0]:
             squares = _squares(grads, parts, count) if grads else torch.zeros(count, device=self.device)
         else:  # (one part per (part, multiplier), weighted after the all-reduces)
             k = len(multipliers)
-            index = [part * k + multipliers.index(self.folded.get(id(p), 1.0)) for p, part in zip(params, parts)]
+            index = [part * k + multipliers.index(s) for s, part in zip(each, parts)]
             key = tuple(multipliers)  # (made once: a host-to-device copy each step would wait)
             weights = self.folded_weights.get(key)
             if weights is None:
