@@ -188,6 +188,9 @@ TWO = {
 # The schedules hand the document ids to every stage, in micro-batches, as keyword arguments.
 for _name in ("pp-1f1b", "pp-interleaved_zero_bubble"):
     TWO[_name] += DOCUMENTS
+# (A zero-bubble schedule's last stage with depths that read the embedding and head several times,
+# and the chunked loss, whose backward pass it calls twice: see parallel/pipeline.py.)
+TWO["pp-interleaved_zero_bubble"] += [*MTP, "train.loss_chunk_tokens=50"]
 TWO["pp-gpipe"] += Z_LOSS
 TWO["pp-looped_bfs"] += MUP
 TWO["pp-1f1b"] += [*EMA, *MTP, *TIED]
@@ -528,6 +531,41 @@ def test_a_layout_that_cannot_split_the_model_or_batch_is_refused_with_the_const
     cfg = tiny_config(stdlib_data, tmp_path / "run", "model.vocab_size=512", *overrides.split())
     with pytest.raises(ConfigError, match=words):
         check_layout(resolve_layout(cfg.parallel, world), cfg)
+
+
+@pytest.mark.parametrize("overrides", [["model.mtp_depth=2", "model.tie_embeddings=true"],
+                                       ["model.mtp_depth=3", "train.loss_chunk_tokens=50"]], ids=["tied", "chunked"])
+def test_a_zero_bubble_split_backward_gives_the_last_stage_the_gradients_of_one_backward(stdlib_data, tmp_path,
+                                                                                       overrides):
+    """The zero-bubble schedules take a stage's gradients in two passes, the inputs' and then the
+    weights' (parallel/pipeline.py keeps torch's graph through the second: multi-token prediction's
+    depths chain their uses of the embedding); the chunked loss computes its gradients in the
+    forward pass, and is asked for them twice. The two passes give what one backward gives."""
+    import torch
+    import torch.distributed.pipelining.stage as pipeline_stage
+    from torch.distributed.pipelining._backward import stage_backward_input
+
+    from scaletrain.model.llama import Transformer
+    from scaletrain.parallel import pipeline
+
+    cfg = tiny_config(stdlib_data, tmp_path / "run", *DEEP, "model.vocab_size=512", *overrides)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    model.mtp_weight, model.loss_chunk = 0.3, cfg.train.loss_chunk_tokens
+    [last] = pipeline.split_stages(model, [3], 4)
+    hidden = torch.randn(2, cfg.data.seq_len, cfg.model.dim, requires_grad=True)
+    targets = torch.randint(0, cfg.model.vocab, (2, cfg.data.seq_len))
+    params = list(last.parameters())
+    last(hidden, targets).backward()
+    expected = [p.grad.clone() for p in [hidden, *params]]
+    hidden.grad = None
+    last.zero_grad(set_to_none=True)
+    pipeline._mend_split_backward()
+    _, groups = stage_backward_input([last(hidden, targets)], None, [hidden], iter(params))
+    assert hidden.grad is not None and all(p.grad is None for p in params)  # (the inputs' pass alone)
+    pipeline_stage.stage_backward_weight(iter(params), groups)
+    for got, want in zip([hidden, *params], expected, strict=True):
+        assert torch.equal(got.grad, want)
 
 
 def test_a_schedule_with_the_wrong_number_of_stages_per_rank_is_refused():

@@ -233,14 +233,20 @@ class _ChunkedLoss(torch.autograd.Function):
         count = (targets != IGNORE).sum().clamp(min=1)
         total, grad_hidden, grad_weight = _chunks(hidden.to(dtype), weight.to(dtype), targets, chunk, gradients=True,
                                                   z_loss=z_loss, tally=tally)
-        ctx.save_for_backward(grad_hidden, grad_weight, count)
+        ctx.save_for_backward(grad_hidden, count)
+        # (Kept on ctx, not saved: it is scaled in place, once, and a zero-bubble pipeline schedule
+        # calls this backward twice, for the hidden states' gradient and then the weight's.)
+        ctx.grad_weight, ctx.scaled = grad_weight, False
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return total / count
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_hidden, grad_weight, count = ctx.saved_tensors
+        grad_hidden, count = ctx.saved_tensors
         scale = grad_output / count
+        if not ctx.scaled:  # (the weight's gradient, vocab x dim in float32: no second copy)
+            ctx.grad_weight.mul_(scale)
+            ctx.scaled = True
         hidden_dtype, weight_dtype = ctx.dtypes
         return (grad_hidden.mul(scale.to(grad_hidden.dtype)).to(hidden_dtype),
-                grad_weight.mul_(scale).to(weight_dtype), None, None, None, None, None)
+                ctx.grad_weight.to(weight_dtype), None, None, None, None, None)

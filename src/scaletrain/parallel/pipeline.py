@@ -23,9 +23,12 @@ last rank, 4 GB for a vocabulary of 128k at width 4,096 before sharding). Checkp
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining._backward as split_backward
+import torch.distributed.pipelining.stage as pipeline_stage
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
@@ -39,6 +42,8 @@ from scaletrain.parallel.layout import stage_ids
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "looped_bfs": "LoopedBFS",
              "interleaved_zero_bubble": "InterleavedZeroBubble", "zbv_zero_bubble": "ZBVZeroBubble",
              "dualpipev": "DualPipeV"}
+# The schedules that split each backward pass into the inputs' gradients and the weights'.
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 def split_stages(model: nn.Module, ids: list[int], num_stages: int) -> list[nn.Module]:
     """One module per stage in ids, each holding n_layers / num_stages consecutive blocks; the
     last also the embedding where it reads it (last_stage_embeds). Each shares the whole model's
@@ -117,10 +122,24 @@ def build_schedule(parts: list[nn.Module], ids: list[int], num_stages: int, sche
     for stage in stages:
         _no_p2p_to_self(stage, dist.get_rank(group))
     cls = get_schedule_class(SCHEDULES[schedule])
+    if schedule in ZERO_BUBBLE:
+        _mend_split_backward()
     # The last stage's outputs (losses, not batches) are not put together: `losses` has them.
     # (The reducer's class is torch's own, not exported in torch 2.11-2.13.)
     options = dict(n_microbatches=microbatches, loss_fn=_the_loss, output_merge_spec=_CustomReducer(None, _nothing))
     return cls(stages[0] if schedule in ("gpipe", "1f1b") else stages, **options)
+
+
+def _mend_split_backward() -> None:
+    """A zero-bubble schedule splits a stage's backward pass in two: the gradients of its inputs
+    first, those of its weights later, each group of weights from the nodes where its part of the
+    graph meets the inputs'. torch 2.11-2.13 frees the graph behind each group as it goes, which
+    fails where one group's path runs through another's: on a last stage with multi-token
+    prediction's depths, the first depth's embedding lookup feeds the second depth's block, whose
+    weights then find their nodes freed ("Trying to backward through the graph a second time").
+    Keep the graph until every group has its gradients: it goes when the weights' pass ends,
+    holding no more until then than it held when the pass began."""
+    pipeline_stage.stage_backward_weight = partial(split_backward.stage_backward_weight, retain_graph=True)
 
 
 def _nothing(_merged, _output) -> None:
