@@ -155,7 +155,8 @@ AUTO_SAVES = ["checkpoint.interval=auto", "checkpoint.failures_per_device_hour=1
 # blocks are under tensor parallelism, on each rank's part of the sequences under context
 # parallelism (within documents; with FSDP too; resumed), with a tied head under FSDP x TP; on the
 # last pipeline stage, beside a copy of the embedding (tied to the head under 1F1B; with TP), whose
-# checkpoint then continues under CP x TP.
+# checkpoint then continues under CP x TP; and under the V-shaped schedules, on rank 0 beside the
+# embedding itself (resumed under ZB-V; tied, with the moving average, under DualPipeV).
 MTP = ["model.mtp_depth=2"]
 TIED = ["model.tie_embeddings=true"]
 # name -> overrides of 2-process layouts.
@@ -194,9 +195,11 @@ TWO["pp-interleaved_zero_bubble"] += [*MTP, "train.loss_chunk_tokens=50"]
 TWO["pp-gpipe"] += Z_LOSS
 TWO["pp-looped_bfs"] += MUP
 TWO["pp-1f1b"] += [*EMA, *MTP, *TIED]
+TWO["pp-zbv_zero_bubble"] += MTP
+TWO["pp-dualpipev"] += [*EMA, *MTP, *TIED]
 # The norms of each part of the model (log.norms): shards summed over FSDP's ranks, tensor
 # parallelism's split and partial gradients, stages over the pipeline.
-for _name in ("fsdp-grad-accumulation-recompute-muon", "tp-muon-z-loss", "pp-1f1b"):
+for _name in ("fsdp-grad-accumulation-recompute-muon", "tp-muon-z-loss", "pp-1f1b", "pp-dualpipev"):
     TWO[_name] += ["log.norms=true"]
 # Multiple-choice tasks scored in every kind of split: rows over FSDP ranks (padded), logits
 # split by vocabulary (tensor parallelism), rows split by position (context parallelism), the
@@ -387,16 +390,19 @@ def test_ranks_that_diverge_together_rewind_together_to_the_losses_of_one_proces
     assert_parity(run_dir, one)
 
 
-@pytest.mark.parametrize("name, split, holds", [("pp-1f1b", {"pp": 2}, [(True, False, False), (True, True, True)]),
+@pytest.mark.parametrize("name, split, holds", [("pp-1f1b", {"pp": 2}, [(True, False, False), (False, True, True)]),
                                                 ("pp-zbv_zero_bubble", {"pp": 2},
-                                                 [(True, True, False), (False, False, False)]),
+                                                 [(True, True, True), (False, False, False)]),
+                                                ("pp-dualpipev", {"pp": 2}, [(True, True, True), (False, False, False)]),
                                                 ("tp-muon-z-loss", {"tp": 2}, [(True, True, False), (True, True, False)])])
 def test_each_pipeline_or_tensor_parallel_rank_holds_the_bytes_the_memory_model_gives_it(
         stdlib_data, layout_runs, tmp_path, name, split, holds):
-    """(embedding, head, copy) per rank: 1F1B puts them on the first and last rank, the last also a
-    copy of the embedding (here its tied head, and multi-token prediction's depths read it), which
-    the first rank's optimizer steps (no optimizer state on the last), a
-    V-shaped schedule both on rank 0 (its first and last stage). Under tensor parallelism each rank
+    """(embedding, head, copy of the embedding) per rank: 1F1B puts the embedding on the first rank
+    and the head on the last, with a copy of the embedding (here its tied head, and multi-token
+    prediction's depths read it), which the first rank's optimizer steps (no optimizer state for
+    it on the last); a V-shaped schedule all three on rank 0 (its first and last stage; here
+    multi-token prediction's depths read the copy, beside an untied head under ZB-V, as the head
+    under DualPipeV, with the moving average). Under tensor parallelism each rank
     holds half of every matrix but the whole norms and multi-token prediction's projections (Muon:
     one moment a matrix)."""
     held = read_metrics(layout_runs[name], "memory")[0]["bytes_by_rank"]
@@ -515,9 +521,6 @@ def test_a_hung_rank_is_ended_by_its_watchdog_and_torchrun_restarts_the_job_from
      "model.n_layers = 2 is not divisible into 4 pipeline stages .parallel.pp = 2 x 2 stages per rank"),
     ("parallel.pp=4 model.n_layers=4", 4, "'1f1b' needs the micro-batches per step on each pipeline .* = 2. to be "
                                           "at least the 4 pipeline stages"),
-    ("parallel.pp=2 model.n_layers=4 model.tie_embeddings=true parallel.pp_schedule=zbv_zero_bubble", 2,
-     "model.tie_embeddings = true reads the embedding on the last pipeline stage, which parallel.pp_schedule = "
-     "'zbv_zero_bubble' runs on the first stage's rank"),
     ("parallel.cp=2 data.seq_len=62 train.global_batch_tokens=496", 2,
      "data.seq_len = 62 is not divisible by 2 x parallel.cp = 4"),
     ("parallel.cp=2 parallel.tp=4 model.n_kv_heads=4 data.seq_len=36 train.global_batch_tokens=288", 8,
@@ -525,7 +528,7 @@ def test_a_hung_rank_is_ended_by_its_watchdog_and_torchrun_restarts_the_job_from
     ("parallel.dp_shard=3", 3, "8 sequences, which do not split into 3 data-parallel ranks"),
     ("train.compile=true train.compile_mode=reduce-overhead", 2, "replays CUDA graphs, which one process can do but 2"),
 ], ids=["product", "remaining", "heads", "seq-tp", "layers-pp", "layers-virtual", "microbatches",
-        "tied-v-shaped-pp", "seq-cp", "seq-cp-tp", "batch", "cuda-graphs"])
+        "seq-cp", "seq-cp-tp", "batch", "cuda-graphs"])
 def test_a_layout_that_cannot_split_the_model_or_batch_is_refused_with_the_constraint(stdlib_data, tmp_path,
                                                                                      overrides, world, words):
     cfg = tiny_config(stdlib_data, tmp_path / "run", "model.vocab_size=512", *overrides.split())

@@ -109,7 +109,7 @@ def test_a_config_with_multi_token_prediction_is_planned_in_every_kind_of_layout
     untied = ONE_B.model_copy(update={"tie_embeddings": False})
     depths = untied.model_copy(update={"mtp_depth": 1})
     first, plain_first = (rank_memory(m, 2048, 1, pp=2, embedding=True, head=False) for m in (depths, untied))
-    last, plain_last = (rank_memory(depths, 2048, 1, pp=2, embedding=True, head=True),
+    last, plain_last = (rank_memory(depths, 2048, 1, pp=2, embedding=False, head=True, embedding_copy=True),
                         rank_memory(untied, 2048, 1, pp=2, embedding=False, head=True))
     assert first.parameters == plain_first.parameters
     assert last.parameters - plain_last.parameters == 4 * (untied.vocab * untied.dim + param_counts(depths)["mtp"])

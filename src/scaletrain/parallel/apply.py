@@ -67,8 +67,9 @@ class ParallelModel:
             self.embedding_copies.sum_gradients()
 
     def share_weights(self) -> None:
-        """After the optimizer's step: what parameters held twice need (the embedding's copy
-        under pipelining takes the first stage's weights)."""
+        """After the optimizer's step, or anything else that set the weights (a checkpoint loaded,
+        the moving average swapped in): what parameters held twice need (the embedding's copy
+        under pipelining takes the first stage's weights). Every rank calls it."""
         if self.embedding_copies is not None:
             self.embedding_copies.share_weights()
 
@@ -84,14 +85,15 @@ class ParallelModel:
 
 
 def _holder(parts: list[nn.Module]) -> nn.Module:
-    """One module whose children are the stages' pieces, named as in the whole model."""
+    """One module whose children are the stages' pieces, named as in the whole model (of a piece
+    two stages hold, the embedding's copies, the first stage's)."""
     holder = nn.Module()
     holder.layers = nn.ModuleDict()
     for part in sorted(parts, key=lambda p: min(map(int, p.layers))):
         for name, child in part.named_children():
             if name == "layers":
                 holder.layers.update(child)
-            elif child is not None:
+            elif child is not None and getattr(holder, name, None) is None:
                 setattr(holder, name, child)
     return holder
 
@@ -135,7 +137,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout: Layout, cfg: 
     if last_stage_embeds(cfg.model):
         last_holder = next(rank for rank in range(layout.pp)
                            if num_stages - 1 in stage_ids(parallel.pp_schedule, rank, layout.pp, parallel.stages_per_rank))
-        copies = EmbeddingCopies(mesh, 0, last_holder, parts, first, last)
+        copies = EmbeddingCopies(mesh, 0, last_holder, parts, last)
     return ParallelModel(module=_holder(parts), parts=parts, schedule=schedule, first=first, last=last,
                          embedding_copies=copies,
                          forward=partial(forward_only, parts, ids, num_stages, parallel.pp_schedule,

@@ -51,8 +51,7 @@ class Layout:
         return coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
 
 
-V_SHAPED = ("zbv_zero_bubble", "dualpipev")  # rank r runs stages r and 2 pp - 1 - r
-LOOPING = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")  # rank r: r, r + pp, ...
+V_SHAPED = ("zbv_zero_bubble", "dualpipev")  # rank r runs stages r and 2 pp - 1 - r (the others loop: r, r + pp, ...)
 
 
 def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
@@ -135,12 +134,6 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
             raise ConfigError(f"model.n_layers = {model.n_layers} is not divisible into {stages} pipeline stages "
                               f"(parallel.pp = {layout.pp} x {parallel.stages_per_rank} stages per rank); each stage "
                               "holds the same number of blocks")
-        if (model.tie_embeddings or model.mtp_depth) and parallel.pp_schedule in V_SHAPED:
-            reader = "model.tie_embeddings = true" if model.tie_embeddings else f"model.mtp_depth = {model.mtp_depth}"
-            raise ConfigError(f"{reader} reads the embedding on the last pipeline stage, which parallel.pp_schedule = "
-                              f"{parallel.pp_schedule!r} runs on the first stage's rank (a V), and two stages of one rank "
-                              "sharing the embedding are not supported; use a looping schedule (" + ", ".join(
-                                  repr(s) for s in LOOPING) + ")")
         for name, batch in cfg.batch_names():
             microbatches = batch // seq_len // (layout.dp * cfg.train.micro_batch)
             need = None

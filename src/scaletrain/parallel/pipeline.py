@@ -17,7 +17,12 @@ gradient is added to the first stage's (EmbeddingCopies), whose optimizer steps 
 and after the step the copy takes its weights again. Only the first stage keeps optimizer state
 for it (Megatron-LM steps both copies, each with its moments: 8 bytes a parameter more on the
 last rank, 4 GB for a vocabulary of 128k at width 4,096 before sharding). Checkpoints hold one
-(DCP keeps one of the keys several ranks save), which every copy loads.
+(DCP keeps one of the keys several ranks save), which every copy loads. The V-shaped schedules
+run the first and the last stage on one rank, which DeepSeek-V3 (Liu et al. 2024, section 3.2.3)
+chose so that multi-token prediction's depths and the main model share the embedding and head
+there: the two stages hold a copy each (FSDP shards each stage as its own whole), the sum and
+the sharing are local copies, no communication, and the rank's whole model and checkpoints hold
+the first stage's alone.
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import _CustomReducer
 from torch.distributed.pipelining.schedules import get_schedule_class
-from torch.distributed.tensor import DTensor
 
 from scaletrain.parallel.layout import stage_ids
+from scaletrain.train.optim import local_shard
 
 # Our names for the schedules -> torch.distributed.pipelining's.
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "looped_bfs": "LoopedBFS",
@@ -72,44 +77,52 @@ def last_stage_embeds(cfg) -> bool:
 
 
 class EmbeddingCopies:
-    """The embedding's two copies, on the ranks running the first and the last stage: after a
-    backward pass the first's gradient holds the sum of both (one reduce between the two ranks),
-    the first's optimizer steps it, and the copy then takes its weights (one broadcast). Every
-    rank builds one (the pairs' groups are made together); `held` is the copy this rank holds
-    where it is the last stage's and not the first's (else None): no optimizer steps it, and a
-    norm over the whole model must not count it."""
+    """The embedding's two copies, in the first and the last stage: after a backward pass the
+    first's gradient holds the sum of both, the first's optimizer steps it, and the copy then
+    takes its weights. On two ranks (looping schedules) that is one reduce and one broadcast
+    between them; on one (V-shaped schedules: its first and last stage), two local copies.
+    Every rank builds one (the pairs' groups are made together); `held` is the copy this rank
+    holds where it runs the last stage (else None): no optimizer steps it, and a norm over the
+    whole model must not count it."""
 
-    def __init__(self, mesh: DeviceMesh, first_holder: int, last_holder: int, parts: list[nn.Module],
-                 first: bool, last: bool):
+    def __init__(self, mesh: DeviceMesh, first_holder: int, last_holder: int, parts: list[nn.Module], last: bool):
+        embeddings = [part.tok_embeddings.weight for part in parts if part.tok_embeddings is not None]
+        self.weight = embeddings[0] if embeddings else None  # the first stage's where this rank runs it
+        self.held = embeddings[-1] if last else None
+        self.group = None
+        self.source = None  # the global rank of this pair's first-stage copy
+        if first_holder == last_holder:  # both on this rank, or neither
+            return
         me = dist.get_rank()
         # Ranks that differ only in their pp coordinate hold the same shard of the embedding: one
         # pair of them per coordinate of the other dimensions. Every rank makes every pair's group.
         ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), 0).flatten(1)
-        self.group = None
-        self.source = None  # the global rank of this pair's first-stage copy
         for column in ranks.unbind(1):
             pair = [int(column[first_holder]), int(column[last_holder])]
             group = dist.new_group(pair)
             if me in pair:
                 self.group, self.source = group, pair[0]
-        embeddings = [part.tok_embeddings.weight for part in parts if part.tok_embeddings is not None]
-        self.weight = embeddings[0] if embeddings else None
-        self.held = self.weight if last and not first else None
+
+    @property
+    def local(self) -> bool:
+        """Both copies on this rank."""
+        return self.held is not None and self.held is not self.weight
 
     def sum_gradients(self) -> None:
-        """Add the copy's gradient to the first stage's (on the two ranks that hold one)."""
-        if self.weight is None or self.group is None:
-            return
-        grad = self.weight.grad
-        dist.reduce(grad.to_local() if isinstance(grad, DTensor) else grad, dst=self.source, group=self.group)
+        """Add the copy's gradient to the first stage's (on the ranks that hold one)."""
+        if self.local:
+            local_shard(self.weight.grad).add_(local_shard(self.held.grad))
+        elif self.weight is not None and self.group is not None:
+            dist.reduce(local_shard(self.weight.grad), dst=self.source, group=self.group)
 
     @torch.no_grad()
     def share_weights(self) -> None:
-        """After the optimizer's step: the copy takes the first stage's embedding."""
-        if self.weight is None or self.group is None:
-            return
-        weight = self.weight
-        dist.broadcast(weight.to_local() if isinstance(weight, DTensor) else weight, src=self.source, group=self.group)
+        """After the optimizer's step (or whatever else set the weights): the copy takes the first
+        stage's embedding."""
+        if self.local:
+            local_shard(self.held).copy_(local_shard(self.weight))
+        elif self.weight is not None and self.group is not None:
+            dist.broadcast(local_shard(self.weight), src=self.source, group=self.group)
 
 
 def build_schedule(parts: list[nn.Module], ids: list[int], num_stages: int, schedule: str, microbatches: int,

@@ -27,7 +27,8 @@ Components (per device, in bytes):
 - multi-token prediction (model.mtp_depth): its modules' parameters, gradients and optimizer
   state as the blocks', its projections and norms whole under tensor parallelism, all on the
   last pipeline stage, which also holds a copy of the embedding (as for a tied head: its weights
-  and gradient, stepped by the first stage's optimizer; checked
+  and gradient, stepped by the first stage's optimizer; beside the embedding itself on rank 0
+  under the V-shaped schedules; checked
   against real runs': one process, tp = 2, pp = 2), and per depth the activations of one more dense
   block (recomputed as the blocks are) and one more loss — an estimate, not a tally: the joined
   inputs and the depths' norms are left out and the loss counts its gradient, which about
@@ -221,15 +222,16 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
     if pp == 1:
         return rank_memory(cfg, seq_len, micro_batch, **common)
     in_flight = in_flight_microbatches(pp, micro_steps, pp_schedule, pp_stages_per_rank)
+    copy = bool(cfg.tie_embeddings or _mtp(cfg))  # the last stage holds a copy of the embedding
     if pp_schedule in V_SHAPED:  # rank 0 runs the first and the last stage; the loss's backward follows at once
-        ranks = [(in_flight, 1, True, True, False)]
+        ranks = [(in_flight, 1, True, True, copy)]
     elif pp_schedule in ("gpipe", "looped_bfs"):
         ranks = [(in_flight, 0, True, False, False), (in_flight, in_flight, False, True, False)]
     else:
         last = min(((pp_stages_per_rank - 1) * pp + 1) / pp_stages_per_rank, micro_steps)
         ranks = [(in_flight, 0, True, False, False), (last, 1, False, True, False)]
-    if pp_schedule not in V_SHAPED and (cfg.tie_embeddings or _mtp(cfg)):  # the last holds a copy of the embedding
-        ranks[-1] = (*ranks[-1][:2], True, True, True)
+    if pp_schedule not in V_SHAPED and copy:
+        ranks[-1] = (*ranks[-1][:2], False, True, True)
     estimates = [rank_memory(cfg, seq_len, micro_batch, **common, pp=pp, in_flight=count, losses=losses,
                              embedding=embedding, head=head, embedding_copy=copy)
                  for count, losses, embedding, head, copy in ranks]
@@ -261,8 +263,9 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     """One rank's bytes (arguments as training_memory's): L/pp blocks, the embedding and the
     output head (with the final norm) where it holds them, the activations of `in_flight`
     micro-batches of its blocks and, with the head, of `losses` micro-batches' loss.
-    embedding_copy: the embedding held is the last pipeline stage's copy, which the first
-    stage's optimizer steps (parallel/pipeline.py): its weights and gradient, no optimizer state."""
+    embedding: the rank holds the embedding (the first pipeline stage's, which its optimizer
+    steps); embedding_copy: it holds the last pipeline stage's copy of it too (parallel/pipeline.py):
+    its weights and gradient, no optimizer state."""
     counts = param_counts(cfg)
     outer = cfg.vocab * cfg.dim  # the embedding, and the output head unless tied to it
     norms = 2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0)
@@ -277,7 +280,8 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
         if moe_layers(cfg) else 0
     blocks = (counts["total"] - counts["mtp"] - cfg.n_layers * norms - routing - cfg.dim
               - outer * (1 if cfg.tie_embeddings else 2))
-    matrices = (embedding + head) if not cfg.tie_embeddings else 1  # vocab x dim matrices here
+    # vocab x dim matrices here (a tied head reads the embedding, or its copy)
+    matrices = embedding + embedding_copy + (head if not cfg.tie_embeddings else 0)
     split = (blocks / pp + depth_split + outer * matrices) / (fsdp * tp)  # split over tp too
     whole_matrices = routing / pp + (_mtp(cfg) * 2 * cfg.dim * cfg.dim if head else 0)
     # Norm weights: whole under tp.
@@ -286,7 +290,7 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     parameters = gradients = round(4 * local)
     depth_tensors = _mtp(cfg) * (7 + 2 + (2 if cfg.qk_norm else 0) + 1 + 3)  # a dense block, projection, 3 norms
     tensors = parameter_tensors(cfg) - depth_tensors - 2 - (0 if cfg.tie_embeddings else 1)  # the blocks' tensors
-    tensors = (tensors / pp + (depth_tensors if head else 0) + int(embedding)
+    tensors = (tensors / pp + (depth_tensors if head else 0) + int(embedding) + int(embedding_copy)
                + int(head) * (1 if cfg.tie_embeddings else 2))  # head: norm (+ matrix)
     muon = (blocks / pp / tp + depth_split / tp + whole_matrices) / fsdp if optimizer == "muon" else 0  # one moment
     stepped = local - (outer / (fsdp * tp) if embedding_copy else 0)

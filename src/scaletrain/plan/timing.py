@@ -70,6 +70,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from scaletrain.model.flops import moe_layers, mtp_train_flops_per_token, param_counts, train_flops_per_token
+from scaletrain.parallel.layout import V_SHAPED
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import MemoryEstimate, activation_bytes_per_token, training_memory
 
@@ -298,7 +299,8 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
     bubble = bubble_microbatches(lay.pp_schedule, lay.pp, lay.pp_stages_per_rank) * microbatch
     optimizer = 36 * stage_params / shard / bandwidth
     copies = 0.0
-    if lay.pp > 1 and (cfg.tie_embeddings or depths):  # the embedding's copies sum their float32 gradients
+    # The embedding's copies sum their float32 gradients (within rank 0 under the V-shaped schedules: no link).
+    if lay.pp > 1 and (cfg.tie_embeddings or depths) and lay.pp_schedule not in V_SHAPED:
         copies = collective("all_reduce", cfg.vocab * d * 4 / lay.tp / shard, 2, pp_bw, efficiency)
     total = micro_steps * microbatch + bubble + data_parallel + optimizer + copies
 

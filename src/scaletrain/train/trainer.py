@@ -501,6 +501,7 @@ class Trainer:
     def load_state(self, state: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=STATE_OPTIONS)
+        self.parallel.share_weights()
         self._set_hyperparameters()
         set_rng_state(state["rng"], self.device)
         self.step, self.tokens = int(state["progress"]["step"]), int(state["progress"]["tokens"])
@@ -554,12 +555,14 @@ class Trainer:
         with torch.no_grad():
             kept = [weight.clone() for weight in weights]
             torch._foreach_copy_(weights, averages)
+        self.parallel.share_weights()
         try:
             yield
         finally:
             self._reshard()
             with torch.no_grad():
                 torch._foreach_copy_(weights, kept)
+            self.parallel.share_weights()
 
     def _reshard(self) -> None:
         """Free FSDP's gathered parameters (pipeline stages keep them between forwards), so that
@@ -635,6 +638,7 @@ class Trainer:
             self._set_hyperparameters()
         else:
             set_model_state_dict(self.model, state[section], options=options)
+        self.parallel.share_weights()
         marker = checkpoint.marker(path)
         log.info("%s%s from %s (step %d of its run)", "the moving average of the weights" if ema else "weights",
                  " and optimizer state" if take_optimizer else "", path, marker["step"])
@@ -663,6 +667,7 @@ class Trainer:
             if value.is_floating_point():
                 value /= len(paths)
         set_model_state_dict(self.model, total, options=STATE_OPTIONS)
+        self.parallel.share_weights()
 
     def resume(self) -> int | None:
         choice = self.cfg.checkpoint.resume
@@ -865,7 +870,7 @@ class Trainer:
                     if self.cfg.model.moe_bias_update else None)
         balance = balance_tally(self.model) if self.cfg.model.moe else None
         if self.held_bytes is None:  # after the first update every piece of state exists
-            self.held_bytes = held_bytes(self.model, self.optimizer, self.ema)
+            self.held_bytes = held_bytes(self.model, self.optimizer, self.ema, self.parallel.unstepped())
         self._zero_grad()
         step_tokens = self.cfg.step_batch_tokens(self.step)
         self.tokens += step_tokens
@@ -1446,11 +1451,12 @@ class Trainer:
 
 
 def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               ema: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
+               ema: dict[str, torch.Tensor] | None = None, unstepped: list[torch.Tensor] = ()) -> dict[str, int]:
     """Bytes this rank holds in parameters, gradients and optimizer state (its shards only,
     under FSDP), and in the moving average of the weights (train.ema_decay): what
-    plan/memory.py's model of per-device memory must predict exactly."""
-    params = list(model.parameters())
+    plan/memory.py's model of per-device memory must predict exactly. unstepped: parameters
+    held beside the model's (a pipeline's copy of the embedding, ParallelModel.unstepped)."""
+    params = [*model.parameters(), *unstepped]
     unique = {id(p): p for p in params}.values()  # tied weights count once
     return {
         **({"ema": sum(_bytes(value) for value in {id(v): v for v in ema.values()}.values())} if ema is not None else {}),
