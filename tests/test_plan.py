@@ -435,3 +435,20 @@ def test_a_planned_config_trains_and_reports_against_its_plan(stdlib_data, tmp_p
         with pytest.raises(ConfigError, match=f"log.plan = .*{words}"):
             train(load_config(config, [f"run.dir={tmp_path}", "run.name=other", "train.steps=2", f"log.plan={given}",
                                        "train.device=cpu"]))
+
+
+def test_a_runs_layout_is_planned_with_the_chunked_loss_it_trains_with():
+    """Training chunks the loss wherever the head is whole (one process, FSDP, a pipeline's last
+    stage), not under tensor parallelism: the memory a run is predicted to need (what
+    parallel.recompute = auto chooses by) says the same."""
+    base = ["model.vocab_size=32768", "model.dim=1024", "model.n_layers=8", "model.n_heads=16", "data.seq_len=1024",
+            "train.global_batch_tokens=65536", "train.steps=10"]
+    for split, chunked in ((["parallel.pp=2", "parallel.dp_shard=1"], True), (["parallel.dp_shard=2"], True),
+                           (["parallel.tp=2", "parallel.dp_shard=1"], False)):
+        peaks = []
+        for chunk in (0, 512):
+            cfg = load_config(None, [*base, *split, f"train.loss_chunk_tokens={chunk}"])
+            layout = PlanLayout.of(cfg, resolve_layout(cfg.parallel, 2))
+            assert layout.loss_chunk_tokens == (chunk if chunked else 0), split
+            peaks.append(layout.memory(cfg.model, 1024, cfg.seqs_per_step).peak)
+        assert (peaks[1] < peaks[0]) == chunked, (split, peaks)

@@ -352,7 +352,7 @@ class TrainConfig(_Section):
     ema_decay: float = Field(default=0.0, ge=0, lt=1)
     """Also keep an exponential moving average of the weights (Polyak averaging), ema <- ema_decay x ema + (1 - ema_decay) x weights after each applied update, from the run's first weights; sharded as the weights are, checkpointed with them. Each evaluation measures it too (ema_loss in the eval records); `scaletrain eval --ema` and `export --ema` take it instead of the weights. A half-life of h steps is ema_decay = 2^(-1/h) (0.999: about 700 steps). Averaged weights approach what annealing the learning rate reaches, without annealing (Sanyal et al. 2023; Hägele et al. 2024 found averaging recovers part of what a cooldown gives, not all). 0: off."""
     loss_chunk_tokens: int = Field(default=0, ge=0)
-    """Run the output head and loss this many tokens at a time, never holding a micro-batch's float32 logits (0: all at once). Not under tensor or pipeline parallelism, whose heads are split."""
+    """Run the output head and loss this many tokens at a time, never holding a micro-batch's float32 logits (0: all at once); on a pipeline's last stage too. Not under tensor parallelism, whose head is split by vocabulary (the loss then takes the split logits)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: auto picks CUDA when available."""
     rewinds: int = Field(default=0, ge=0)

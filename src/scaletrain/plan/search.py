@@ -141,7 +141,7 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
                             continue
                         if not all(_splits(b, dp, micro_batch, pp, stages) for b in (global_batch, *ramp)):
                             continue
-                        chunks = (0, LOSS_CHUNK) if tp == 1 and pp == 1 and micro_batch * seq_len // cp > LOSS_CHUNK \
+                        chunks = (0, LOSS_CHUNK) if tp == 1 and micro_batch * seq_len // cp > LOSS_CHUNK \
                             else (0,)
                         for recompute in RECOMPUTE:
                             if recompute == "selective" and moe_layers(cfg):

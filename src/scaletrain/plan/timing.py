@@ -129,7 +129,7 @@ class PlanLayout:
     def of(cls, cfg: Any, layout: Any) -> PlanLayout:
         """The layout a RunConfig `cfg` trains with on the resolved mesh sizes `layout`
         (parallel/layout.py's Layout)."""
-        chunk = cfg.train.loss_chunk_tokens if layout.tp == 1 and layout.pp == 1 else 0  # train ignores it there
+        chunk = cfg.train.loss_chunk_tokens if layout.tp == 1 else 0  # train ignores it there
         return cls(layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp, layout.pp, cfg.train.micro_batch,
                    cfg.parallel.recompute, cfg.parallel.pp_schedule, cfg.parallel.stages_per_rank, chunk, layout.ep,
                    cfg.train.optimizer, cfg.train.ema_decay > 0)
