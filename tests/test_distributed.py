@@ -255,7 +255,10 @@ GLITCH = 2
 # saved by one process) on other documents, trained under tensor parallelism: the losses of the
 # same stage in one process.
 STAGE_TWO = ["data.path=SHORT_DOCUMENTS", "train.warmup_steps=0", "model.rope_theta=50000.0"]
-STAGED = {"tp-stage-two": TP2}
+# name -> (its layout, the layout run it continues from; None: one process's, reference_deep). The
+# V-shaped run's copy of the embedding takes the weights the tied head was trained to.
+STAGED = {"tp-stage-two": (TP2, None),
+          "dualpipev-tied-stage-two": ([*PP2, "parallel.pp_schedule=dualpipev", *TIED, *MTP], "pp-dualpipev")}
 
 
 @pytest.fixture(scope="module")
@@ -263,8 +266,8 @@ def layout_runs(stdlib_data, placeholders, reference_deep, tmp_path_factory):
     """Every grouped layout trained once: name -> run directory (three launches: 2, 4, 8 processes)."""
     root = tmp_path_factory.mktemp("layouts")
     two = [(name, [*DEEP, *overrides], None) for name, overrides in {**TWO, **MIXED}.items()]
-    two += [(name, [*DEEP, *overrides, *STAGE_TWO, f"checkpoint.init_from={reference_deep}"], None)
-            for name, overrides in STAGED.items()]
+    two += [(name, [*DEEP, *overrides, *STAGE_TWO, f"checkpoint.init_from={root / source if source else reference_deep}"],
+             None) for name, (overrides, source) in STAGED.items()]
     for name, (uninterrupted, extra) in RESUME.items():
         two += [(name, [*DEEP, *TWO[uninterrupted], *extra], STOP),
                 (name, [*DEEP, *TWO[uninterrupted], *extra], None)]
@@ -342,8 +345,10 @@ def test_a_checkpoint_resumes_in_another_layout_with_the_losses_of_one_that_neve
 def test_the_next_stage_of_a_run_trains_in_another_layout_the_losses_of_one_process(
         stdlib_data, placeholders, layout_runs, reference_deep, tmp_path, name):
     one = tmp_path / "one"
-    train(tiny_config(stdlib_data, one, *STEPS, *DEEP, *with_data(STAGE_TWO, placeholders),
-                      f"checkpoint.init_from={reference_deep}"))
+    overrides, source = STAGED[name]
+    model = [o for o in overrides if o.startswith("model.")]  # (the model of the run continued)
+    train(tiny_config(stdlib_data, one, *STEPS, *DEEP, *model, *with_data(STAGE_TWO, placeholders),
+                      f"checkpoint.init_from={layout_runs[source] if source else reference_deep}"))
     assert read_metrics(layout_runs[name], "start")[0]["init_step"] == 4
     assert_parity(layout_runs[name], one)
 
