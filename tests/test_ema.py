@@ -3,13 +3,16 @@ its evaluation during training and afterwards, its export, exact resume, and ref
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
 import torch
+from rich.console import Console
 from safetensors.torch import load_file
 
 from conftest import run_cli, tiny_config
+from scaletrain.cli import eval_table
 from scaletrain.config import ConfigError
 from scaletrain.evaluate import evaluate_run, weights_to_evaluate
 from scaletrain.generate import load_model
@@ -56,6 +59,22 @@ def test_evaluations_measure_the_average_as_eval_and_export_take_it(stdlib_data,
     assert "moving average of the run's (decay 0.5 a step)" in (tmp_path / "hf" / "README.md").read_text()
     with pytest.raises(ConfigError, match=r"Hugging Face model, one set of weights.*moving average \(--ema\)"):
         weights_to_evaluate(tmp_path / "hf", ema=True)  # (an export keeps no average of its own)
+    # Both kinds of averaging: the mean of the last two checkpoints' moving averages.
+    three, four = (load_model(ema_run, step=step, ema=True)[0].state_dict() for step in (3, 4))
+    mean = load_model(ema_run, step=4, average=2, ema=True)[0].state_dict()
+    for name, value in mean.items():
+        torch.testing.assert_close(value, (three[name] + four[name]) / 2, rtol=0, atol=1e-7)
+    [both] = evaluate_run(ema_run, steps=[4], ema=True, average=2)
+    assert both["ema"] and both["averaged_steps"] == [3, 4] and both["loss"] != measured["loss"]
+    printed = io.StringIO()  # the title `scaletrain eval --ema --average 2` prints
+    Console(file=printed, width=300).print(eval_table(str(ema_run), [both]))
+    assert ("(each the mean of 2 checkpoints' moving averages of the weights, ending at its step)"
+            in " ".join(printed.getvalue().split()))
+    export_hf(ema_run, tmp_path / "both", average=2, ema=True)
+    exported = load_file(tmp_path / "both" / "model.safetensors")
+    assert torch.equal(exported["model.embed_tokens.weight"], mean["tok_embeddings.weight"])
+    assert ("the mean of the moving averages of the run's weights (decay 0.5 a step) held by that checkpoint and the 1 "
+            "before it") in " ".join((tmp_path / "both" / "README.md").read_text().split())
     memory = read_metrics(ema_run, "memory")[0]["bytes_by_rank"][0]
     assert memory["ema"] == memory["parameters"]  # float32, as the weights
     report = run_cli("report", str(ema_run))
@@ -74,8 +93,6 @@ def test_a_run_with_an_average_resumes_exactly_and_one_without_is_refused_it(std
     train(tiny_config(stdlib_data, plain, "train.steps=2", "eval.interval=0"))
     with pytest.raises(CheckpointError, match="holds no moving average of the weights .*train.ema_decay = 0"):
         list(evaluate_run(plain, ema=True))
-    with pytest.raises(ConfigError, match="not both"):
-        list(evaluate_run(ema_run, ema=True, average=2))
     refused = run_cli("export", str(plain), "--ema", "--out", str(tmp_path / "out"))
     assert refused.returncode != 0 and "holds no moving average" in refused.stderr
     assert not (tmp_path / "out").exists()

@@ -1115,10 +1115,10 @@ def eval_table(run_dir: str, records: list[dict]) -> Table:
     the tokenizer's pieces say their bytes; each source's, of a mixture), each task's accuracy (per character)
     and the right choice's loss."""
     averaged = len(records[0].get("averaged_steps", [])) - 1
+    what = "moving averages of the weights" if records[0].get("ema") else "weights"
     table = Table(title=f"evaluation: {run_dir}"
-                  + (f" (each the mean of {averaged + 1} checkpoints' weights, ending at its step)"
-                     if averaged > 0 else "")
-                  + (" (each checkpoint's moving average of the weights)" if records[0].get("ema") else ""))
+                  + (f" (each the mean of {averaged + 1} checkpoints' {what}, ending at its step)" if averaged > 0
+                     else " (each checkpoint's moving average of the weights)" if records[0].get("ema") else ""))
     bits = "bits_per_byte" in records[0]
     for name in ("step", "tokens", "validation loss", *(["bits/byte"] if bits else [])):
         table.add_column(name, justify="right")
@@ -1249,8 +1249,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     result = export_hf(args.run_dir, args.out, dtype=args.dtype, step=args.step,
                        max_shard_bytes=args.max_shard_size, average=args.average, ema=args.ema)
-    averaged = f" (the mean of {args.average} checkpoints' weights, ending there)" if args.average > 1 else ""
-    averaged += " (its moving average of the weights)" if args.ema else ""
+    what = "moving averages of the weights" if args.ema else "weights"
+    averaged = (f" (the mean of {args.average} checkpoints' {what}, ending there)" if args.average > 1
+                else " (its moving average of the weights)" if args.ema else "")
     out.print(f"wrote {result.out}: {result.architecture} from step {result.step:,}{averaged}, "
               f"{result.bytes / 2**20:,.1f} MiB of weights in {args.dtype} ({', '.join(result.files)})")
     return 0
@@ -1557,7 +1558,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluate each chosen checkpoint as the mean of its weights and the K-1 complete "
                         "checkpoints' before it (with --all: each that has K-1 before it) (1)")
     p.add_argument("--ema", action="store_true",
-                   help="evaluate each chosen checkpoint's moving average of the weights (train.ema_decay)")
+                   help="evaluate each chosen checkpoint's moving average of the weights (train.ema_decay); "
+                        "with --average, the mean of the K checkpoints' moving averages")
     p.add_argument("--out", default=None, help="also write a JSON line per checkpoint to this file (of a sweep: "
                                                "the CSV of its points, for `fit --points`)")
     p.add_argument("--metric", default="loss", metavar="loss|bits_per_byte|task_nll:TASK",
@@ -1597,7 +1599,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--average", type=int, default=1, metavar="K",
                    help="the mean of the weights of that checkpoint and the K-1 complete ones before it (1)")
     p.add_argument("--ema", action="store_true",
-                   help="the checkpoint's moving average of the weights (train.ema_decay) instead of its weights")
+                   help="the checkpoint's moving average of the weights (train.ema_decay) instead of its weights; "
+                        "with --average, the mean of the K checkpoints' moving averages")
     p.add_argument("--max-shard-size", type=_bytes, default="5G",
                    help="split the weights into files of at most this size (5G, Hugging Face's default)")
     p.set_defaults(func=cmd_export)

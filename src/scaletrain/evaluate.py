@@ -47,9 +47,6 @@ def weights_to_evaluate(source: Path, steps: list[int] | None = None, every: boo
 
     if average < 1:
         raise ConfigError(f"--average {average}: average at least 1 checkpoint (1: each on its own)")
-    if ema and average > 1:
-        raise ConfigError(f"--ema with --average {average}: evaluate the moving average or a mean of checkpoints, "
-                          "not both")
     if is_hf_model(source):
         if steps or every or average > 1 or ema:
             raise ConfigError(f"{str(source)!r} is a Hugging Face model, one set of weights: it has no checkpoints "

@@ -19,14 +19,13 @@ def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None
     """The model of a run directory with the weights of its newest intact checkpoint (or of
     the checkpoint of `step`; with `average`, the mean of those weights and of the average - 1
     complete checkpoints' before it: see Trainer.load_average; with `ema`, the moving average of
-    the weights the checkpoint holds, train.ema_decay's), and that checkpoint's step."""
+    the weights the checkpoint holds, train.ema_decay's, or with both the mean of those
+    checkpoints' moving averages), and that checkpoint's step."""
     from scaletrain.model.llama import Transformer
     from scaletrain.train import checkpoint
 
     run_dir = Path(run_dir)
     config = run_config_file(run_dir)
-    if ema and average > 1:
-        raise ConfigError(f"average {average} with the moving average of the weights: choose one")
     cfg = load_config(config)
     root = run_dir / "checkpoints"
     model = Transformer(cfg.model)
@@ -43,13 +42,13 @@ def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None
             raise checkpoint.CheckpointError(f"run directory {str(run_dir)!r} has no checkpoint of step {step}; "
                                              f"it has steps: {have}")
         checkpoint.load(path, state)
-    if average > 1:  # (not with ema: the section is "model")
-        total = {name: value.clone() for name, value in state["model"].items()}
+    if average > 1:
+        total = {name: value.clone() for name, value in state[section].items()}
         for earlier in checkpoint.with_earlier(path, average)[:-1]:
             checkpoint.load(earlier, state)
-            for name, value in state["model"].items():
+            for name, value in state[section].items():
                 total[name] += value
-        state["model"] = {name: value / average for name, value in total.items()}
+        state[section] = {name: value / average for name, value in total.items()}
     model.load_state_dict(state[section])
     return model.to(device).eval(), cfg, checkpoint.step_of(path)
 

@@ -228,7 +228,8 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
               max_shard_bytes: int = MAX_SHARD_BYTES, average: int = 1, ema: bool = False) -> Exported:
     """Write the run's newest complete checkpoint (or the one of `step`; with `average`, the mean
     of its weights and those of the average - 1 complete checkpoints before it; with `ema`, the
-    moving average of the weights it holds, train.ema_decay's) to `out` as a
+    moving average of the weights it holds, train.ema_decay's; with both, the mean of those
+    checkpoints' moving averages) to `out` as a
     Hugging Face model directory; `out` must not exist or be empty. float32 keeps the trained
     weights exactly; bfloat16 or float16 halve the files."""
     out = Path(out)
@@ -344,8 +345,10 @@ def _model_card(run_dir: Path, cfg, step: int, params: int, dtype: str, average:
         f"# {cfg.run.name}",
         "",
         f"A {params:,}-parameter decoder pre-trained with scaletrain (run `{cfg.run.name}`, step {step:,}"
-        + (f", its weights the mean of that checkpoint's and the {average - 1} before it" if average > 1 else "")
-        + (f", its weights the moving average of the run's (decay {cfg.train.ema_decay:g} a step)" if ema else "")
+        + (f", its weights the mean of that checkpoint's and the {average - 1} before it" if average > 1 and not ema
+           else f", its weights the mean of the moving averages of the run's weights (decay {cfg.train.ema_decay:g} a "
+                f"step) held by that checkpoint and the {average - 1} before it" if average > 1
+           else f", its weights the moving average of the run's (decay {cfg.train.ema_decay:g} a step)" if ema else "")
         + f"), exported in {dtype}.",
         "",
         "| | |",
