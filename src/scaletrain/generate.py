@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.config import ConfigError, load_config, run_config_file
+from scaletrain.config import load_config, run_config_file
 from scaletrain.errors import UserError
 
 

@@ -49,6 +49,8 @@ SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1
              "dualpipev": "DualPipeV"}
 # The schedules that split each backward pass into the inputs' gradients and the weights'.
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+
+
 def split_stages(model: nn.Module, ids: list[int], num_stages: int) -> list[nn.Module]:
     """One module per stage in ids, each holding n_layers / num_stages consecutive blocks; the
     last also the embedding where it reads it (last_stage_embeds). Each shares the whole model's
