@@ -341,15 +341,18 @@ def _model_card(run_dir: Path, cfg, step: int, params: int, dtype: str, average:
 
     evals = [r for r in read_metrics(run_dir, "eval") if r["step"] <= step] if (run_dir / "metrics.jsonl").is_file() else []
     m = cfg.model
+    decay = f"(decay {cfg.train.ema_decay:g} a step)"
+    weights = ""  # what the exported weights are, where not the checkpoint's own
+    if average > 1:
+        weights = (f"the mean of the moving averages of the run's weights {decay} held by that checkpoint" if ema
+                   else "the mean of that checkpoint's") + f" and the {average - 1} before it"
+    elif ema:
+        weights = f"the moving average of the run's {decay}"
     lines = [
         f"# {cfg.run.name}",
         "",
         f"A {params:,}-parameter decoder pre-trained with scaletrain (run `{cfg.run.name}`, step {step:,}"
-        + (f", its weights the mean of that checkpoint's and the {average - 1} before it" if average > 1 and not ema
-           else f", its weights the mean of the moving averages of the run's weights (decay {cfg.train.ema_decay:g} a "
-                f"step) held by that checkpoint and the {average - 1} before it" if average > 1
-           else f", its weights the moving average of the run's (decay {cfg.train.ema_decay:g} a step)" if ema else "")
-        + f"), exported in {dtype}.",
+        + (f", its weights {weights}" if weights else "") + f"), exported in {dtype}.",
         "",
         "| | |",
         "|---|---|",
