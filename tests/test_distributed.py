@@ -532,8 +532,11 @@ def test_a_hung_rank_is_ended_by_its_watchdog_and_torchrun_restarts_the_job_from
      r"data.seq_len / parallel.cp = 18 is not divisible by parallel.tp = 4"),
     ("parallel.dp_shard=3", 3, "8 sequences, which do not split into 3 data-parallel ranks"),
     ("train.compile=true train.compile_mode=reduce-overhead", 2, "replays CUDA graphs, which one process can do but 2"),
+    ("train.compile=true parallel.pp=2 model.n_layers=4 parallel.pp_schedule=zbv_zero_bubble train.micro_batch=2", 2,
+     "'zbv_zero_bubble' takes each block's gradients in two passes, .* train.compile = true compiled; set "
+     "train.compile = false"),
 ], ids=["product", "remaining", "heads", "seq-tp", "layers-pp", "layers-virtual", "microbatches",
-        "seq-cp", "seq-cp-tp", "batch", "cuda-graphs"])
+        "seq-cp", "seq-cp-tp", "batch", "cuda-graphs", "compiled-zero-bubble"])
 def test_a_layout_that_cannot_split_the_model_or_batch_is_refused_with_the_constraint(stdlib_data, tmp_path,
                                                                                      overrides, world, words):
     cfg = tiny_config(stdlib_data, tmp_path / "run", "model.vocab_size=512", *overrides.split())

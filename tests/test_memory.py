@@ -211,8 +211,9 @@ def test_pipeline_ranks_hold_the_micro_batches_their_schedule_keeps_in_flight():
     assert in_flight_microbatches(4, 8, "1f1b") == 4  # the first stage runs pp forwards before its first backward
     assert in_flight_microbatches(4, 8, "gpipe") == in_flight_microbatches(4, 8, "looped_bfs") == 8
     assert in_flight_microbatches(4, 8, "interleaved_1f1b", 2) == pytest.approx(4 * (1 + 3 / 8))
-    assert in_flight_microbatches(4, 8, "zbv_zero_bubble", 2) == 4
-    assert in_flight_microbatches(4, 8, "dualpipev", 2) == 5
+    assert in_flight_microbatches(4, 8, "zbv_zero_bubble", 2) == in_flight_microbatches(4, 8, "interleaved_zero_bubble",
+                                                                                      2) == 4
+    assert in_flight_microbatches(4, 8, "dualpipev", 2) == 4.5  # a stage's micro-batch more (test_plan walks them)
     assert in_flight_microbatches(4, 2, "1f1b") == 2  # never more than there are
 
 

@@ -13,13 +13,14 @@ import pytest
 from scaletrain.cli import main
 from scaletrain.config import ConfigError, ModelConfig, load_config
 from scaletrain.model.flops import param_counts, train_flops_per_token
-from scaletrain.parallel.layout import check_layout, resolve_layout
+from scaletrain.parallel.layout import V_SHAPED, check_layout, resolve_layout
 from scaletrain.plan.cost import Reliability, checkpoint_interval, goodput, run_cost
 from scaletrain.plan.hardware import DEVICES, device, device_from_dict
 from scaletrain.plan.planner import Hardware, make_plan, model_for, plan_for_time, planned_config, size
-from scaletrain.plan.memory import rank_memory, training_memory
+from scaletrain.plan.memory import in_flight_microbatches, last_rank_microbatches, rank_memory, training_memory
 from scaletrain.plan.search import PlanError, candidates, search
-from scaletrain.plan.timing import Efficiency, PlanLayout, collective, group_bandwidth, step_time
+from scaletrain.plan.timing import (Efficiency, PlanLayout, bubble_microbatches, collective, group_bandwidth,
+                                    step_time)
 from scaletrain.scaling.laws import preset
 from scaletrain.train.trainer import train
 
@@ -58,8 +59,101 @@ def test_pipeline_bubble_is_pp_minus_one_microbatches_and_interleaving_divides_i
                                                   pp_stages_per_rank=2), H100)
     assert two.pipeline_bubble == pytest.approx(3 / 2 * per_microbatch(two))
     assert two.pipeline_sends == pytest.approx(2 * one.pipeline_sends)  # each rank's two stages send
-    with pytest.raises(ValueError, match="no timing model"):
-        step_time(EIGHT_B, 4096, 64, PlanLayout(pp=4, pp_schedule="dualpipev", pp_stages_per_rank=2), H100)
+    v = step_time(EIGHT_B, 4096, 64, PlanLayout(dp_shard=2, pp=4, micro_batch=1, pp_schedule="dualpipev",
+                                                pp_stages_per_rank=2), H100)
+    assert v.pipeline_bubble == pytest.approx(1 * per_microbatch(v))
+
+
+def _run_schedule(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> tuple[float, list[float]]:
+    """torch's action lists for `schedule` (each rank's forwards F, inputs' gradients I, weights'
+    gradients W, whole backwards B = I + W and DualPipeV's pairs of a forward and a backward, in
+    the order the rank runs them), run as soon as each rank and what it waits on allow, F, I and
+    W taking a unit of time each. As torch's runtime sends them, an action's outputs reach
+    another rank when the whole action ends (a pair's after both). Returns the idle time of the
+    step in micro-batches of a rank (all its stages' F + I + W), and each rank's peak of
+    activations held, from a stage's F to its W (or B), in micro-batches of a rank's blocks."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from torch.distributed.pipelining.schedules import _ComputationType as Kind
+
+    from scaletrain.parallel.pipeline import SCHEDULES
+
+    v, stages = stages_per_rank, pp * stages_per_rank
+    lasting = {Kind.FORWARD: 1, Kind.BACKWARD_INPUT: 1, Kind.BACKWARD_WEIGHT: 1, Kind.FULL_BACKWARD: 2}
+    owner, seen, ranks = {}, {}, []
+    for rank, actions in enumerate(get_schedule_ops(SCHEDULES[schedule], pp, microbatches, v)):
+        ranks.append([])
+        for action in actions:
+            if action is None or action.computation_type not in (*lasting, Kind.OVERLAP_F_B):
+                continue
+            ops = []
+            for op in action.sub_actions if action.computation_type == Kind.OVERLAP_F_B else [action]:
+                # Each stage takes its micro-batches in order: count them (torch's listing of a
+                # single-stage schedule numbers a rank's micro-batches from its rank).
+                kind = "I" if op.computation_type == Kind.FULL_BACKWARD else op.computation_type.value
+                index = seen[op.stage_index, kind] = seen.get((op.stage_index, kind), -1) + 1
+                ops.append((op.stage_index, op.computation_type, index))
+                owner[op.stage_index] = rank
+            ranks[-1].append(ops)
+
+    def waits_on(stage: int, kind, index: int) -> list[tuple]:
+        if kind == Kind.FORWARD:
+            return [(stage - 1, "F", index)] if stage else []
+        if kind == Kind.BACKWARD_WEIGHT:
+            return [(stage, "I", index)]
+        return [(stage, "F", index)] + ([(stage + 1, "I", index)] if stage < stages - 1 else [])
+
+    ended: dict[tuple, float] = {}  # on the rank that ran it
+    sent: dict[tuple, float] = {}  # to the others
+    clock, next_action = [0.0] * pp, [0] * pp
+    while any(next_action[r] < len(ranks[r]) for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while next_action[r] < len(ranks[r]):
+                ops, start, names = ranks[r][next_action[r]], clock[r], []
+                for stage, kind, index in ops:
+                    needs = [(need, ended if owner[need[0]] == r else sent) for need in waits_on(stage, kind, index)]
+                    if not all(need in times for need, times in needs):
+                        break
+                    start = max([start] + [times[need] for need, times in needs]) + lasting[kind]
+                    for name in ("I", "W") if kind == Kind.FULL_BACKWARD else (kind.value,):
+                        ended[stage, name, index] = start
+                        names.append((stage, name, index))
+                else:
+                    sent.update((name, start) for name in names)
+                    clock[r], next_action[r], moved = start, next_action[r] + 1, True
+                    continue
+                for name in names:  # (a pair whose second half waits on what has not run yet: again later)
+                    del ended[name]
+                break
+        assert moved, f"{schedule}: the action lists wait on each other"
+    held = []
+    for actions in ranks:
+        count = peak = 0
+        for _, kind, _ in (op for ops in actions for op in ops):
+            count += 1 if kind == Kind.FORWARD else -1 if kind in (Kind.BACKWARD_WEIGHT, Kind.FULL_BACKWARD) else 0
+            peak = max(peak, count)
+        held.append(peak / v)
+    return max(clock) / (3 * v) - microbatches, held
+
+
+@pytest.mark.parametrize("schedule, stages_per_rank", [
+    ("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("looped_bfs", 2),
+    ("interleaved_zero_bubble", 2), ("interleaved_zero_bubble", 4), ("zbv_zero_bubble", 2), ("dualpipev", 2)])
+def test_the_pipeline_bubble_and_activations_are_those_of_the_schedules_torch_runs(schedule, stages_per_rank):
+    """plan/timing.py's bubble and plan/memory.py's micro-batches in flight (on the first rank,
+    which holds the most, and on the last) equal what torch's own action lists for each schedule
+    give, for the micro-batch counts train accepts."""
+    for pp in (2, 3, 4):
+        least = pp * stages_per_rank if schedule in ("1f1b", "zbv_zero_bubble", "dualpipev") else pp
+        for microbatches in (least, 2 * least, 4 * pp * stages_per_rank):
+            bubble, held = _run_schedule(schedule, pp, microbatches, stages_per_rank)
+            case = f"{schedule} over {pp} ranks, {microbatches} micro-batches"
+            assert bubble == pytest.approx(bubble_microbatches(schedule, pp, stages_per_rank)), case
+            assert held[0] == max(held) == pytest.approx(
+                in_flight_microbatches(pp, microbatches, schedule, stages_per_rank)), case
+            if schedule not in V_SHAPED:  # (a V's first rank runs the last stage too)
+                last = last_rank_microbatches(pp, microbatches, schedule, stages_per_rank)
+                assert held[-1] == pytest.approx(last), case
 
 
 def test_step_time_moves_the_way_its_inputs_say():

@@ -407,7 +407,7 @@ class ParallelConfig(_Section):
     """Pipeline-parallel degree: the blocks split into consecutive stages on pp ranks; each rank's micro-batches (train.micro_batch sequences each) flow through them."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
                          "zbv_zero_bubble", "dualpipev"] = "1f1b"
-    """Pipeline schedule (torch.distributed.pipelining): gpipe and 1f1b run one stage per rank; the others run several (virtual stages)."""
+    """Pipeline schedule (torch.distributed.pipelining): gpipe and 1f1b run one stage per rank; the others run several (virtual stages). The zero-bubble ones (interleaved_zero_bubble, zbv_zero_bubble, dualpipev) split each backward pass into the inputs' and the weights' gradients, which torch cannot do through compiled blocks (no train.compile)."""
     pp_stages_per_rank: int | None = Field(default=None, ge=1)
     """Virtual pipeline stages per rank. Unset: 1 for gpipe and 1f1b, 2 for the others (zbv_zero_bubble and dualpipev need exactly 2)."""
     recompute: Literal["none", "selective", "full", "auto"] = "none"

@@ -52,6 +52,8 @@ class Layout:
 
 
 V_SHAPED = ("zbv_zero_bubble", "dualpipev")  # rank r runs stages r and 2 pp - 1 - r (the others loop: r, r + pp, ...)
+# The schedules that split each backward pass into the inputs' gradients and, later, the weights'.
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
 
 def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
@@ -129,6 +131,11 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
                 raise ConfigError(f"{name} = {size} is not divisible by parallel.tp = {layout.tp}; tensor "
                                   "parallelism splits it evenly over the tp ranks")
     if layout.pp > 1:
+        if cfg.train.compile and parallel.pp_schedule in ZERO_BUBBLE:
+            raise ConfigError(f"parallel.pp_schedule = {parallel.pp_schedule!r} takes each block's gradients in two "
+                              "passes, the inputs' and then the weights', which torch cannot do through a block that "
+                              "train.compile = true compiled; set train.compile = false, or use 1f1b or "
+                              "interleaved_1f1b")
         stages = layout.pp * parallel.stages_per_rank
         if model.n_layers % stages:
             raise ConfigError(f"model.n_layers = {model.n_layers} is not divisible into {stages} pipeline stages "

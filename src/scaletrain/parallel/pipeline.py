@@ -40,15 +40,13 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import _CustomReducer
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from scaletrain.parallel.layout import stage_ids
+from scaletrain.parallel.layout import ZERO_BUBBLE, stage_ids
 from scaletrain.train.optim import local_shard
 
 # Our names for the schedules -> torch.distributed.pipelining's.
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "looped_bfs": "LoopedBFS",
              "interleaved_zero_bubble": "InterleavedZeroBubble", "zbv_zero_bubble": "ZBVZeroBubble",
              "dualpipev": "DualPipeV"}
-# The schedules that split each backward pass into the inputs' gradients and the weights'.
-ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
 
 def split_stages(model: nn.Module, ids: list[int], num_stages: int) -> list[nn.Module]:

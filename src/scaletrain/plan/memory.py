@@ -80,13 +80,17 @@ GPipe and breadth-first looping; pp under 1F1B (Narayanan et al. 2021, "Efficien
 Language Model Training on GPU Clusters", section 2.2), times 1 + (pp - 1)/(pp·v) when it
 interleaves v stages a rank (Korthikanti et al. 2022, section 4.2.3); pp under the zero-bubble
 schedules (Qi et al. 2023, "Zero Bubble Pipeline Parallelism": ZB-H1 and ZB-V keep 1F1B's
-peak), pp + 1 under DualPipe (DeepSeek-V3 technical report, 2024, table 2). The last rank holds
-one micro-batch and its loss under 1F1B, ((v - 1)·pp + 1)/v under interleaving (the same
-count of warm-up chunks, for the last rank), and every micro-batch with its loss under GPipe
-and breadth-first looping, which keep each loss until its backward. The estimate is that of
-the rank with the larger peak; the counts of the other schedules are taken from their papers,
-not measured here. A mixture of experts with dense first blocks has stages of unequal weight:
-every rank is counted as holding as many mixture blocks as the rank that holds the most.
+peak, a micro-batch's activations counted until its weights' gradients are taken); pp + 1/2
+under DualPipeV as torch schedules it, one stage's micro-batch (half a rank's blocks) more
+than ZB-V (the DeepSeek-V3 technical report, 2024, table 2, gives pp + 1 for the
+two-directional DualPipe). The last rank holds one micro-batch and its loss under 1F1B,
+((v - 1)·pp + 1)/v under interleaving (the same count of warm-up chunks, for the last rank),
+pp under interleaved zero bubble (as every rank does), and every micro-batch with its loss
+under GPipe and breadth-first looping, which keep each loss until its backward. The estimate
+is that of the rank with the larger peak. Each count is the peak of the action lists torch's
+schedules run, which tests/test_plan.py walks. A mixture of experts with dense first blocks
+has stages of unequal weight: every rank is counted as holding as many mixture blocks as the
+rank that holds the most.
 """
 
 from __future__ import annotations
@@ -194,12 +198,22 @@ def in_flight_microbatches(pp: int, microbatches: int, schedule: str = "1f1b", s
     if schedule in ("gpipe", "looped_bfs"):
         count = microbatches
     elif schedule == "dualpipev":
-        count = pp + 1
-    elif schedule in V_SHAPED or stages_per_rank == 1:
+        count = pp + 1 / 2
+    elif schedule in (*V_SHAPED, "interleaved_zero_bubble") or stages_per_rank == 1:
         count = pp
     else:
         count = pp * (1 + (pp - 1) / (pp * stages_per_rank))
     return min(count, microbatches)
+
+
+def last_rank_microbatches(pp: int, microbatches: int, schedule: str = "1f1b", stages_per_rank: int = 1) -> float:
+    """Micro-batches whose activations the last pipeline rank holds at its peak, each of its
+    L/pp blocks, under the schedules that give it the last stage alone (not the V-shaped ones)."""
+    if schedule in ("gpipe", "looped_bfs"):
+        return microbatches
+    if schedule == "interleaved_zero_bubble":
+        return in_flight_microbatches(pp, microbatches, schedule, stages_per_rank)
+    return min(((stages_per_rank - 1) * pp + 1) / stages_per_rank, microbatches)
 
 
 def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 1, bf16: bool = True,
@@ -225,11 +239,10 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
     copy = bool(cfg.tie_embeddings or _mtp(cfg))  # the last stage holds a copy of the embedding
     if pp_schedule in V_SHAPED:  # rank 0 runs the first and the last stage; the loss's backward follows at once
         ranks = [(in_flight, 1, True, True, copy)]
-    elif pp_schedule in ("gpipe", "looped_bfs"):
-        ranks = [(in_flight, 0, True, False, False), (in_flight, in_flight, False, True, False)]
-    else:
-        last = min(((pp_stages_per_rank - 1) * pp + 1) / pp_stages_per_rank, micro_steps)
-        ranks = [(in_flight, 0, True, False, False), (last, 1, False, True, False)]
+    else:  # (GPipe and breadth-first looping keep every micro-batch's loss until its backward)
+        last = last_rank_microbatches(pp, micro_steps, pp_schedule, pp_stages_per_rank)
+        losses = last if pp_schedule in ("gpipe", "looped_bfs") else 1
+        ranks = [(in_flight, 0, True, False, False), (last, losses, False, True, False)]
     if pp_schedule not in V_SHAPED and copy:
         ranks[-1] = (*ranks[-1][:2], False, True, True)
     estimates = [rank_memory(cfg, seq_len, micro_batch, **common, pp=pp, in_flight=count, losses=losses,

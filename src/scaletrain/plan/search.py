@@ -7,12 +7,16 @@ torchtitan and Megatron-LM keep it), pp under 1F1B or interleaved 1F1B with two 
 (at least two micro-batches a stage), the data-parallel ranks split every way between FSDP
 shards and replicas, micro-batches of 1 to 64 sequences (powers of two), and for each the
 least recomputation (none, selective, full; then chunking the loss) whose predicted peak fits
-in the usable memory. Not searched: GPipe and the zero-bubble schedules; and context
-parallelism unless asked for (`allow_cp`): parallel/context.py's attention reaches the flash
-kernel on GPUs through SDPA's bottom-right causal mask, but that path has not been measured
-on a GPU here. The fastest by plan/timing.py
-wins; among layouts within 1% of it, the simplest (fewest kinds of parallelism, smaller tp,
-no recomputation), since the difference is below what the model can tell apart.
+in the usable memory. Not searched: GPipe and breadth-first looping, which hold every
+micro-batch's activations for the bubble of 1F1B and interleaving; the zero-bubble schedules,
+since torch cannot split a compiled block's backward pass into the inputs' and the weights'
+halves as they do (the configs the planner writes compile the blocks, and the speed of
+uncompiled ones is not modelled); and context parallelism unless asked for (`allow_cp`):
+parallel/context.py's attention reaches the flash kernel on GPUs through SDPA's bottom-right
+causal mask, but that path has not been measured on a GPU here. The fastest by
+plan/timing.py wins; among layouts within 1% of it, the simplest (fewest kinds of
+parallelism, smaller tp, no recomputation), since the difference is below what the model can
+tell apart.
 
 The global batch is either fixed (a config's, which every layout must split evenly) or a
 target in sequences: each layout takes the multiple of its data-parallel ranks x micro-batch

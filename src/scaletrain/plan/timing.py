@@ -32,9 +32,17 @@ projection and a pass through the head each), so they add the same time at any p
 - Pipeline parallelism: the step takes (micro-batches + bubble) x one stage's micro-batch
   time; the bubble is pp - 1 micro-batches for GPipe and 1F1B (Narayanan et al. 2021, section
   2.2), (pp - 1) / v with v stages a rank (interleaved 1F1B and breadth-first looping), a third
-  of that for the zero-bubble schedule (Qi et al. 2023, ZB-H1: (p-1)(F+B-W) against 1F1B's
-  (p-1)(F+B+W), with F = B = W). Activations between stages cost one send each way per
-  micro-batch and stage (the float32 residual stream), counted as exposed.
+  of that for interleaved zero bubble (Qi et al. 2023, ZB-H1: (p-1)(F+B-W) against 1F1B's
+  (p-1)(F+B+W), with the forward F, the inputs' gradients B and the weights' W alike), (pp - 1)
+  / 6 for ZB-V (the last rank waits (pp - 1) forwards of a stage, half a rank's blocks, for
+  its first; the paper's zero assumes steps that do not synchronise, and each step here ends
+  with the gradients' norm) and (pp - 1) / 3 for DualPipeV (the DeepSeek-V3 report's bubble of
+  DualPipe, (PP/2-1)(F&B+B-3W) with B the whole backward, 2024, table 2, with PP/2 = pp and
+  the overlapped forward and backward F&B taking as long as both: torch runs them one after
+  the other). Each is the
+  makespan of torch's action lists for these schedules with F = B = W, which tests/test_plan.py
+  simulates. Activations between stages cost one send each way per micro-batch and stage (the
+  float32 residual stream), counted as exposed.
 - Expert parallelism (a mixture of experts, model/moe.py): per mixture block and micro-batch,
   the k routed copies of each token's bf16 activations go to their experts' ranks and back
   (GShard's dispatch and combine, Lepikhin et al. 2021), an all-to-all each way in the forward,
@@ -74,7 +82,6 @@ from scaletrain.parallel.layout import V_SHAPED
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import MemoryEstimate, activation_bytes_per_token, training_memory
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
 
 
 @dataclass(frozen=True)
@@ -202,14 +209,9 @@ def bubble_microbatches(schedule: str, pp: int, stages_per_rank: int) -> float:
     """Idle micro-batch times a pipeline step adds (see the module's docstring)."""
     if pp == 1:
         return 0.0
-    if schedule not in SCHEDULES:
-        raise ValueError(f"no timing model for pipeline schedule {schedule!r}; the planner times "
-                         f"{', '.join(SCHEDULES)}")
-    if schedule in ("gpipe", "1f1b"):
-        return pp - 1
-    if schedule == "interleaved_zero_bubble":
-        return (pp - 1) / (3 * stages_per_rank)
-    return (pp - 1) / stages_per_rank
+    return {"gpipe": pp - 1, "1f1b": pp - 1, "interleaved_1f1b": (pp - 1) / stages_per_rank,
+            "looped_bfs": (pp - 1) / stages_per_rank, "interleaved_zero_bubble": (pp - 1) / (3 * stages_per_rank),
+            "zbv_zero_bubble": (pp - 1) / 6, "dualpipev": (pp - 1) / 3}[schedule]
 
 
 def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, device: Device,
