@@ -439,6 +439,43 @@ def test_the_cli_prints_the_plan_for_people_and_writes_its_config(tmp_path, caps
     assert replanned["tokens"] == cfg.total_steps * cfg.train.global_batch_tokens
 
 
+def test_keep_layout_plans_the_configs_own_layout_beside_the_searchs_best(tmp_path, capsys):
+    llama = ["configs/llama-1b.toml", "--vocab", "32768", "--gpus", "8"]
+    mine = ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "train.micro_batch=2"]
+    config = tmp_path / "kept.toml"
+    assert main(["plan", *llama, *mine, "--keep-layout", "--json", "--write-config", str(config)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    layout = plan["layout"]["layout"]
+    assert plan["layout"]["kept"] and (layout["pp"], layout["dp_shard"], layout["micro_batch"]) == (2, 4, 2)
+    assert (layout["pp_schedule"], layout["pp_stages_per_rank"]) == ("interleaved_1f1b", 2)
+    model = load_config("configs/llama-1b.toml", ["model.vocab_size=32768"]).model
+    expected = step_time(model, 4096, 256, PlanLayout(**layout), H100)
+    assert plan["step"]["tokens_per_s"] == pytest.approx(expected.tokens_per_s)
+    # The search's best follow it (here faster: the model fits without a pipeline), never itself again.
+    assert plan["alternatives"] and all(alt["layout"] != layout for alt in plan["alternatives"])
+    assert plan["alternatives"][0]["time"]["tokens_per_s"] > plan["step"]["tokens_per_s"]
+    cfg = load_config(config)
+    assert (cfg.parallel.pp, cfg.parallel.pp_schedule, cfg.train.micro_batch) == (2, "interleaved_1f1b", 2)
+    assert main(["plan", *llama, *mine, "--keep-layout"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(the config's)" in text and "the search's best layouts" in text
+    # parallel.recompute = auto is resolved as train resolves it on a GPU: the least that fits.
+    assert main(["plan", *llama, "train.micro_batch=16", "parallel.recompute=auto", "--keep-layout", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["layout"]["recompute"] in ("selective", "full")
+    # Each schedule train runs is timed, the zero-bubble ones too (with uncompiled blocks).
+    zbv = ["parallel.pp=2", "parallel.pp_schedule=zbv_zero_bubble", "train.micro_batch=2", "train.compile=false"]
+    assert main(["plan", *llama, *zbv, "--keep-layout", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"]["pipeline_bubble"] > 0
+    for argv, message in (
+            (["plan", "--compute", "1e21", "--keep-layout"], "--keep-layout plans a config's own layout"),
+            ([*llama, "train.micro_batch=32", "--keep-layout"], "the config's layout (dp 8 (fsdp), micro-batch 32) "
+                                                                "needs"),
+            ([*llama, "parallel.tp=3", "--keep-layout"], "does not divide the 8 processes"),
+            ([*llama, *zbv[:-1], "--keep-layout"], "which torch cannot do through a block that train.compile")):
+        assert main(argv if argv[0] == "plan" else ["plan", *argv]) == 2, argv
+        assert message in " ".join(capsys.readouterr().err.split()), argv
+
+
 def test_catalog_devices_are_complete():
     for name, spec in DEVICES.items():
         assert spec.memory > 0 and spec.memory_bandwidth > 0 and spec.intra_node >= spec.inter_node * 0.6, name
@@ -497,15 +534,17 @@ def test_a_planned_config_trains_and_reports_against_its_plan(stdlib_data, tmp_p
     assert plan["model"]["vocab_size"] == 512 and plan["hardware"]["devices"] == 1
     assert load_config(config).log.plan == str(tmp_path / "planned.plan.json")  # the config names its plan
     capsys.readouterr()
+    assert plan["layout"]["layout"]["micro_batch"] == 32  # (the run halves it: not the plan's layout)
     train(load_config(config, [f"run.dir={tmp_path}", "train.steps=11", "train.compile=false", "train.device=cpu",
-                               "eval.interval=0", "eval.tokens=1024"]))
+                               "eval.interval=0", "eval.tokens=1024", "train.micro_batch=16"]))
     records = [json.loads(line) for line in (tmp_path / "planned" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r.get("kind") == "train"][-1] == 11
     # From step 10 the run sets itself against its plan, once, and says what falls short.
     [check] = [r for r in records if r["kind"] == "plan_check"]
     assert check["step"] == 10 and check["tokens_per_s"]["planned"] == plan["step"]["tokens_per_s"]
     assert check["tokens_per_s"]["measured"] > 0 and check["peak_memory_gb"]["measured"] > 0
-    assert check["problems"][0] == "the plan is for 1 x a CPU, this runs on 1 x cpu"
+    assert check["problems"][:2] == ["the plan is for 1 x a CPU, this runs on 1 x cpu",
+                                     "the plan is for dp 1, micro-batch 32, this runs dp 1, micro-batch 16"]
     warned = " ".join(capsys.readouterr().err.split())  # (the console's handler, which main set up, wraps lines)
     assert "against its plan" in warned and "this runs on 1 x cpu" in warned
     # The report puts the plan's predictions beside what the run measured.

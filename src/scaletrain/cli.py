@@ -278,6 +278,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         "of FLOPs or of wall-clock on the devices, sized by --law or --preset), or --params N with "
                         "--tokens D")
     sized = args.compute is not None or args.hours is not None
+    if args.keep_layout and args.config is None:
+        raise UserError("--keep-layout plans a config's own layout; give the config FILE")
     if (args.inference_tokens or args.unique_tokens) and not sized:
         raise UserError("--inference-tokens and --unique-tokens size the model for a budget; add --compute C or "
                         "--hours H")
@@ -329,7 +331,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = plan_for_time(law, args.hours, hardware, vocab, seq_len, inference_tokens=args.inference_tokens or 0.0,
                              unique_tokens=args.unique_tokens, bootstrap=boot, batch_tokens=batch, **common)
     else:
-        plan = make_plan(model, tokens, seq_len, hardware, batch_tokens=batch, base=base, sizing=sizing, **common)
+        plan = make_plan(model, tokens, seq_len, hardware, batch_tokens=batch, base=base, sizing=sizing,
+                         keep_layout=args.keep_layout, **common)
     if args.write_config:
         import tomllib
         from pathlib import Path
@@ -439,7 +442,7 @@ def plan_tables(plan: dict) -> list[Table]:
                 show_header=False)
     how.add_column(style="bold")
     how.add_column()
-    how.add_row("layout", plan["layout"]["text"])
+    how.add_row("layout", plan["layout"]["text"] + (" (the config's)" if plan["layout"].get("kept") else ""))
     mem = plan["memory"]
     parts = ", ".join(f"{key.replace('_', ' ')} {_gb(mem[key])}" for key in
                       ("parameters", "gradients", "optimizer", "ema", "weight_copies", "activations", "loss")
@@ -477,7 +480,7 @@ def plan_tables(plan: dict) -> list[Table]:
                                          f"{plan['inference']['tokens']:.3g} inference tokens")
     tables = [what, how, cost]
     if plan["alternatives"]:
-        alt = Table(title="next best layouts")
+        alt = Table(title="the search's best layouts" if plan["layout"].get("kept") else "next best layouts")
         for column in ("layout", "tokens/s", "MFU", "memory"):
             alt.add_column(column, justify="left" if column == "layout" else "right")
         for c in plan["alternatives"]:
@@ -1394,6 +1397,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="minutes from a failure to training again (10)")
     p.add_argument("--sync-checkpoints", action="store_true", help="plan blocking checkpoint writes, not async")
     p.add_argument("--top", type=_count, default=5, help="layouts to show (5)")
+    p.add_argument("--keep-layout", action="store_true",
+                   help="with a config: plan its own layout (parallel sizes over --gpus, schedule, micro-batch, "
+                        "recomputation) instead of the search's best, which are listed after it")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--write-config", default=None, metavar="FILE", help="write the config that trains the plan")
     p.set_defaults(func=cmd_plan)

@@ -1,7 +1,8 @@
 """The plan of a run, before it starts: which model and how many tokens (from a scaling law and a
 compute budget, or as given), which layout on which hardware, and what it will take — memory per
 device, step time, MFU, wall-clock with failures, device-hours, energy, cost — written as a
-config that `scaletrain train` runs. Arithmetic, no torch.
+config that `scaletrain train` runs. Arithmetic, no torch. The layout is the search's best
+(plan/search.py) or a config's own (`keep_layout`), with the search's best beside it.
 
 Model shapes for a parameter count come from one family: widths multiples of 128 below 2048
 with heads of 64, multiples of 1024 from 2048 with heads of 128; eight key/value heads
@@ -18,6 +19,7 @@ warmup-stable-decay (so that the run can be extended from any stable-phase check
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +30,9 @@ from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.plan.cost import Prices, Reliability, run_cost
 from scaletrain.plan.hardware import Device
-from scaletrain.plan.search import PlanError, describe, search
-from scaletrain.plan.timing import Efficiency, step_time
+from scaletrain.plan.memory import choose_recompute
+from scaletrain.plan.search import USABLE_MEMORY, Candidate, PlanError, describe, search
+from scaletrain.plan.timing import Efficiency, PlanLayout, step_time
 from scaletrain.scaling.grid import warmup_steps
 from scaletrain.scaling.hparams import DEEPSEEK, HyperparameterLaw
 from scaletrain.scaling.laws import ChinchillaLaw
@@ -152,13 +155,16 @@ def predicted_loss(sizing: Sizing, n: int, tokens: int) -> dict | None:
 
 def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware, *, batch_tokens: int | None = None,
               base: RunConfig | None = None, sizing: Sizing | None = None, data_path: str = "data/corpus",
-              name: str = "planned", top: int = 5, hyperparameters: HyperparameterLaw = DEEPSEEK) -> dict:
+              name: str = "planned", top: int = 5, hyperparameters: HyperparameterLaw = DEEPSEEK,
+              keep_layout: bool = False) -> dict:
     """The whole plan as a JSON-able dict (the keys of DESIGN.md's plan contract), with the config
     to train it under "config" (TOML). `batch_tokens` fixes the global batch; otherwise the
     rule's batch for the run's compute is the target each layout rounds to its data-parallel
     ranks. `base` is a config whose other settings the written config keeps. `hyperparameters`:
     the rule of the learning rate and batch (DeepSeek LLM's, or one `scaletrain hparams`
-    measured), unless `base` sets them."""
+    measured), unless `base` sets them. `keep_layout`: plan `base`'s own layout (its parallel
+    sizes over the devices, schedule, micro-batch, recomputation and loss chunks) rather than
+    the search's best, which then come after it as the alternatives."""
     hardware.check()
     sizing = sizing or Sizing("given")
     per_token = train_flops_per_token(model, seq_len)
@@ -175,12 +181,21 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
     # train.batch_ramp's steps of smaller batches (the layout must split them too), then the global batch.
     ramp = [(count, batch) for count, batch in base.batch_schedule() if batch != base.train.global_batch_tokens] \
         if base is not None else []
-    ranked = search(model, seq_len, target, hardware.count, hardware.device, fixed_batch=fixed,
-                    gpus_per_node=hardware.gpus_per_node, efficiency=hardware.efficiency, dtype=dtype, top=top,
-                    optimizer=base.train.optimizer if base is not None else "adamw",
-                    ema=base is not None and base.train.ema_decay > 0,
-                    ramp=tuple(batch // seq_len for _, batch in ramp))
-    best = ranked[0]
+    searching = dict(gpus_per_node=hardware.gpus_per_node, efficiency=hardware.efficiency, dtype=dtype, top=top,
+                     optimizer=base.train.optimizer if base is not None else "adamw",
+                     ema=base is not None and base.train.ema_decay > 0, ramp=tuple(batch // seq_len for _, batch in ramp))
+    if keep_layout:
+        if base is None:
+            raise PlanError("keeping a config's layout needs the config")
+        best = configured_layout(base, hardware, dtype)
+        try:
+            others = search(model, seq_len, target, hardware.count, hardware.device, fixed_batch=True, **searching)
+        except PlanError:  # (the config's fits where no layout the search builds does: none to compare)
+            others = []
+        ranked = [best, *[c for c in others if c.layout != best.layout]][:top]
+    else:
+        ranked = search(model, seq_len, target, hardware.count, hardware.device, fixed_batch=fixed, **searching)
+        best = ranked[0]
     batch_tokens = best.global_batch * seq_len
     ramp_tokens = sum(steps * batch for steps, batch in ramp)
     steps = max(0 if ramp else 1, -(-(tokens - ramp_tokens) // batch_tokens))
@@ -224,8 +239,8 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
                      "nodes": hardware.nodes, "gpus_per_node": hardware.gpus_per_node,
                      "efficiency": vars(hardware.efficiency), "reliability": vars(hardware.reliability),
                      "prices": vars(hardware.prices)},
-        "layout": {**best.to_dict(), "text": describe(best.layout)},
-        "memory": {**best.memory.as_dict(), "usable": 0.9 * hardware.device.memory,
+        "layout": {**best.to_dict(), "text": describe(best.layout), "kept": keep_layout},
+        "memory": {**best.memory.as_dict(), "usable": USABLE_MEMORY * hardware.device.memory,
                    "capacity": hardware.device.memory},
         "step": best.time.to_dict(),  # of the global batch
         "batch_ramp": phases,  # train.batch_ramp's stretches: batch_tokens, steps, step_s, tokens_per_s, mfu
@@ -246,6 +261,29 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
     config = planned_config(plan, hardware, base=base, data_path=data_path, name=name)
     plan["config"] = config.to_toml()
     return plan
+
+
+def configured_layout(cfg: RunConfig, hardware: Hardware, dtype: str = "bf16") -> Candidate:
+    """The layout `cfg` trains with on `hardware` (parallel.recompute = auto resolved as train
+    resolves it on a GPU), with its predicted memory and step time; ConfigError when train would
+    refuse it, PlanError when it does not fit in the usable memory."""
+    resolved = resolve_layout(cfg.parallel, hardware.count)
+    check_layout(resolved, cfg)
+    layout = PlanLayout.of(cfg, resolved)
+    seq_len, batch = cfg.data.seq_len, cfg.seqs_per_step
+    usable = USABLE_MEMORY * hardware.device.memory
+    if layout.recompute == "auto":
+        mode, _ = choose_recompute(cfg.model, seq_len, layout.micro_batch, usable, bf16=dtype == "bf16",
+                                   **layout.memory_layout(batch))
+        layout = dataclasses.replace(layout, recompute=mode)
+    memory = layout.memory(cfg.model, seq_len, batch, bf16=dtype == "bf16")
+    if memory.peak > usable:
+        raise PlanError(f"the config's layout ({describe(layout)}) needs {memory.peak / 1e9:.1f} GB per device, "
+                        f"against {usable / 1e9:.1f} GB usable on {hardware.device.name}; let the planner search "
+                        "(without --keep-layout), or recompute more, lower train.micro_batch or use more devices")
+    time = step_time(cfg.model, seq_len, batch, layout, hardware.device, hardware.efficiency, hardware.gpus_per_node,
+                     dtype)
+    return Candidate(layout, batch, memory, time)
 
 
 def plan_for_time(law: ChinchillaLaw, hours: float, hardware: Hardware, vocab: int, seq_len: int, *,

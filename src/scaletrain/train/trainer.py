@@ -39,6 +39,7 @@ from scaletrain.plan.cost import checkpoint_interval
 from scaletrain.plan.hardware import peak_flops
 from scaletrain.model.moe import balance_tally, forget_counts, set_balance_weight, update_expert_bias
 from scaletrain.plan.memory import choose_recompute
+from scaletrain.plan.search import describe
 from scaletrain.plan.timing import PlanLayout
 from scaletrain.train import checkpoint, noise
 from scaletrain.train.float8 import check_float8, convert_to_float8
@@ -400,6 +401,10 @@ class Trainer:
         if not same or against["devices"] != self.layout.world_size:
             problems.append(f"the plan is for {against['devices']} x {against['device']}, this runs on "
                             f"{self.layout.world_size} x {here}")
+        planned_layout = (self.plan["layout"].get("layout") or {})
+        mine = PlanLayout.of(self.cfg, self.layout)
+        if any(planned_layout.get(name, value) != value for name, value in mine.to_dict().items()):
+            problems.append(f"the plan is for {against['layout']}, this runs {describe(mine)}")
         speed, memory = against["tokens_per_s"], against["peak_memory_gb"]
         if speed["ratio"] is not None and speed["ratio"] < 0.8:
             problems.append(f"{tokens_per_s:,.0f} tokens/s is {speed['ratio']:.2f}x the planned "
