@@ -71,6 +71,17 @@ def test_stop_vote_benchmark_prints_both_variants():
     assert report["world_size"] == 2 and report["step_us_with_vote"] > 0 and report["step_us_without_vote"] > 0
 
 
+def test_pipeline_schedules_benchmark_times_each_schedule_beside_the_model(stdlib_data):
+    result = run_script("benchmarks/pipeline_schedules.py", "--data", str(stdlib_data), "--schedules", "dualpipev",
+                        "--steps", "3", "--dim", "64", "--layers", "4", "--seq-len", "64", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert set(report["schedules"]) == {"dualpipev m=4", "dualpipev m=8"}
+    for name, row in report["schedules"].items():
+        assert row["step_s"] > 0 and row["predicted_s"] > 0 and row["predicted_bubble"] == 0.333, name
+    assert report["timed_steps"] == 1 and report["microbatch_s"] != 0
+
+
 def test_plan_backtest_prints_a_prediction_beside_each_published_figure():
     result = run_script("benchmarks/plan_backtest.py", timeout=120)
     assert result.returncode == 0, result.stderr

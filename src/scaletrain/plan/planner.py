@@ -188,8 +188,9 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
         if base is None:
             raise PlanError("keeping a config's layout needs the config")
         best = configured_layout(base, hardware, dtype)
-        try:
-            others = search(model, seq_len, target, hardware.count, hardware.device, fixed_batch=True, **searching)
+        try:  # (at the config's batch, which the kept layout trains)
+            others = search(model, seq_len, best.global_batch, hardware.count, hardware.device, fixed_batch=True,
+                            **searching)
         except PlanError:  # (the config's fits where no layout the search builds does: none to compare)
             others = []
         ranked = [best, *[c for c in others if c.layout != best.layout]][:top]
