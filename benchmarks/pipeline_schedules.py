@@ -91,8 +91,10 @@ def main() -> None:
     for s in schedules:
         for m in counts:
             model = bubble_microbatches(s, pp, SCHEDULES[s])
-            rows[f"{s} m={m}"] = {"step_s": round(measured[s, m], 4), "predicted_s": round(float((m + model) * t + c), 4),
-                                  "bubble": round(float((measured[s, m] - c) / t - m), 3), "predicted_bubble": round(model, 3),
+            rows[f"{s} m={m}"] = {"step_s": round(measured[s, m], 4),
+                                  "predicted_s": round(float((m + model) * t + c), 4),
+                                  "bubble": round(float((measured[s, m] - c) / t - m), 3),
+                                  "predicted_bubble": round(model, 3),
                                   **({"over_1f1b": round(measured[s, m] / measured["1f1b", m], 3)}
                                      if "1f1b" in schedules else {})}
     import torch

@@ -183,7 +183,8 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
         if base is not None else []
     searching = dict(gpus_per_node=hardware.gpus_per_node, efficiency=hardware.efficiency, dtype=dtype, top=top,
                      optimizer=base.train.optimizer if base is not None else "adamw",
-                     ema=base is not None and base.train.ema_decay > 0, ramp=tuple(batch // seq_len for _, batch in ramp))
+                     ema=base is not None and base.train.ema_decay > 0,
+                     ramp=tuple(batch // seq_len for _, batch in ramp))
     if keep_layout:
         if base is None:
             raise PlanError("keeping a config's layout needs the config")

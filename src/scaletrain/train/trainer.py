@@ -401,7 +401,7 @@ class Trainer:
         if not same or against["devices"] != self.layout.world_size:
             problems.append(f"the plan is for {against['devices']} x {against['device']}, this runs on "
                             f"{self.layout.world_size} x {here}")
-        planned_layout = (self.plan["layout"].get("layout") or {})
+        planned_layout = self.plan["layout"].get("layout") or {}
         mine = PlanLayout.of(self.cfg, self.layout)
         if any(planned_layout.get(name, value) != value for name, value in mine.to_dict().items()):
             problems.append(f"the plan is for {against['layout']}, this runs {describe(mine)}")
