@@ -190,12 +190,16 @@ def _block_weights(cfg: Any, ep: int = 1) -> tuple[float, float]:
     return (cfg.n_layers - sparse) * dense + sparse * mixture, max(mixture, dense if sparse < cfg.n_layers else 0)
 
 
+# Schedules that run every micro-batch's forward before any backward: each rank holds them all.
+ALL_IN_FLIGHT = ("gpipe", "looped_bfs")
+
+
 def in_flight_microbatches(pp: int, microbatches: int, schedule: str = "1f1b", stages_per_rank: int = 1) -> float:
     """Micro-batches whose activations the first pipeline rank holds at its peak, each of its
     L/pp blocks (see the module's docstring); 1 without pipelining."""
     if pp == 1:
         return 1
-    if schedule in ("gpipe", "looped_bfs"):
+    if schedule in ALL_IN_FLIGHT:
         count = microbatches
     elif schedule == "dualpipev":
         count = pp + 1 / 2
@@ -209,7 +213,7 @@ def in_flight_microbatches(pp: int, microbatches: int, schedule: str = "1f1b", s
 def last_rank_microbatches(pp: int, microbatches: int, schedule: str = "1f1b", stages_per_rank: int = 1) -> float:
     """Micro-batches whose activations the last pipeline rank holds at its peak, each of its
     L/pp blocks, under the schedules that give it the last stage alone (not the V-shaped ones)."""
-    if schedule in ("gpipe", "looped_bfs"):
+    if schedule in ALL_IN_FLIGHT:
         return microbatches
     if schedule == "interleaved_zero_bubble":
         return in_flight_microbatches(pp, microbatches, schedule, stages_per_rank)
@@ -241,7 +245,7 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
         ranks = [(in_flight, 1, True, True, copy)]
     else:  # (GPipe and breadth-first looping keep every micro-batch's loss until its backward)
         last = last_rank_microbatches(pp, micro_steps, pp_schedule, pp_stages_per_rank)
-        losses = last if pp_schedule in ("gpipe", "looped_bfs") else 1
+        losses = last if pp_schedule in ALL_IN_FLIGHT else 1
         ranks = [(in_flight, 0, True, False, False), (last, losses, False, True, False)]
     if pp_schedule not in V_SHAPED and copy:
         ranks[-1] = (*ranks[-1][:2], False, True, True)

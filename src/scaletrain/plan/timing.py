@@ -39,10 +39,9 @@ projection and a pass through the head each), so they add the same time at any p
   with the gradients' norm) and (pp - 1) / 3 for DualPipeV (the DeepSeek-V3 report's bubble of
   DualPipe, (PP/2-1)(F&B+B-3W) with B the whole backward, 2024, table 2, with PP/2 = pp and
   the overlapped forward and backward F&B taking as long as both: torch runs them one after
-  the other). Each is the
-  makespan of torch's action lists for these schedules with F = B = W, which tests/test_plan.py
-  simulates. Activations between stages cost one send each way per micro-batch and stage (the
-  float32 residual stream), counted as exposed.
+  the other). Each is the makespan of torch's action lists for these schedules with F = B = W,
+  which tests/test_plan.py simulates. Activations between stages cost one send each way per
+  micro-batch and stage (the float32 residual stream), counted as exposed.
 - Expert parallelism (a mixture of experts, model/moe.py): per mixture block and micro-batch,
   the k routed copies of each token's bf16 activations go to their experts' ranks and back
   (GShard's dispatch and combine, Lepikhin et al. 2021), an all-to-all each way in the forward,
