@@ -250,7 +250,8 @@ def test_the_coordinate_check_across_depth(stdlib_data):
 
 
 def test_clipping_and_the_logged_norms_count_the_gradients_with_the_multipliers_written_out(stdlib_data, tmp_path):
-    """The trainer's gradient norm under width and depth muP is that of the model with muP's output
+    """The trainer's gradient norm (and each part's gradient and weight norm) under width and depth
+    muP is that of the model with muP's output
     multiplier 1 / m and the residual multiplier d^-alpha written out (the weights that fold them
     divided by them, the multipliers applied to their outputs), and clipping leaves each folded
     gradient 1 / s times the written-out model's clipped one: the same training."""
@@ -275,12 +276,18 @@ def test_clipping_and_the_logged_norms_count_the_gradients_with_the_multipliers_
     F.cross_entropy(written(inputs).flatten(0, 1), targets.flatten()).backward()
     trainer.loader.close()
 
-    by_part = trainer._norms_by_part(grads=True)
-    expected = {"embedding": written.tok_embeddings.weight.grad.norm().item(),
-                "head": torch.cat([written.norm.weight.grad, written.output.weight.grad.flatten()]).norm().item(),
-                **{f"layers.{name}": torch.cat([p.grad.flatten() for p in block.parameters()]).norm().item()
+    def written_norms(of):  # each part's norm in the written-out model
+        return {"embedding": of(written.tok_embeddings.weight).norm().item(),
+                "head": torch.cat([of(written.norm.weight), of(written.output.weight).flatten()]).norm().item(),
+                **{f"layers.{name}": torch.cat([of(p).flatten() for p in block.parameters()]).norm().item()
                    for name, block in written.layers.items()}}
-    assert by_part == pytest.approx(expected, rel=1e-4)
+
+    assert trainer._norms_by_part(grads=True) == pytest.approx(written_norms(lambda p: p.grad), rel=1e-4)
+    weight_norms = trainer._norms_by_part(grads=False)
+    assert weight_norms == pytest.approx(written_norms(lambda p: p.detach()), rel=1e-5)
+    folded_block = torch.cat([p.detach().flatten() for p in trainer.model.layers["0"].parameters()]).norm()
+    # (the folded weights' norms differ, by far more than the tolerance: the norms' ones dominate)
+    assert abs(weight_norms["layers.0"] / folded_block.item() - 1) > 1e-3
     folded_norm = torch.cat([p.grad.flatten() for p in trainer.model.parameters()]).norm().item()
     norm = trainer._clip_gradients(cfg.train.clip).item()
     written_norm = torch.nn.utils.clip_grad_norm_(written.parameters(), cfg.train.clip).item()

@@ -134,7 +134,7 @@ def folded_multiplier(name: str, width_mult: float = 1.0, depth_mult: float = 1.
     the routers (model.mup_base_dim), depth-wise muP's residual multiplier d^-alpha in the blocks'
     output projections (model.mup_base_layers, see depth_factors); 1 elsewhere. The gradient of
     the written-out weight is s times that of the folded one, which is what gradient clipping
-    and the logged gradient norms count (Trainer._grad_squares)."""
+    and the logged gradient norms count (Trainer._written_out_squares)."""
     name = name.replace("_orig_mod.", "")
     if width_mult != 1 and (name == "output.weight" or name.endswith("router.weight")):
         return 1 / width_mult

@@ -288,7 +288,7 @@ class Trainer:
                                          momentum=cfg.train.muon_momentum, width_mult=cfg.model.width_mult,
                                          depth_mult=cfg.model.depth_mult, depth_alpha=cfg.model.mup_depth_alpha,
                                          exclude=self.parallel.unstepped())
-        # muP's multipliers folded into weights, by parameter: what the gradient norms count (_grad_squares).
+        # muP's multipliers folded into weights, by parameter: what the norms count (_written_out_squares).
         self.folded = {id(p): s for name, p in self.model.named_parameters()
                        if (s := folded_multiplier(name, cfg.model.width_mult, cfg.model.depth_mult,
                                                   cfg.model.mup_depth_alpha)) != 1}
@@ -840,7 +840,7 @@ class Trainer:
                     loss.backward()
                 loss_sum += _local(loss.detach())
                 if look and micro == 0 and micro_steps > 1:  # (reduced over the data-parallel ranks already)
-                    first_sq = self._grad_squares([p for p in self.model.parameters() if p.grad is not None])
+                    first_sq = self._written_out_squares([p for p in self.model.parameters() if p.grad is not None])
                     first_sq = first_sq[0] * micro_steps ** 2  # the loss was divided by micro_steps
         after = self.loader.state_dict()  # the loader sized the step as training did (train.batch_ramp)
         if after["micro"] or after["step"] != self.step + 1:
@@ -997,36 +997,33 @@ class Trainer:
 
     def _norms_by_part(self, grads: bool) -> dict[str, float]:
         """The 2-norm of the gradients (or of the weights) of each part of the model (model_part),
-        over every rank: pipeline stages add theirs over the pp ranks."""
+        over every rank: pipeline stages add theirs over the pp ranks. Under muP, of the model
+        with its multipliers written out (_written_out_squares)."""
         names = self.model_parts
         position = {name: i for i, name in enumerate(names)}
         named = [(name, p) for name, p in self.model.named_parameters()
                  if (p.grad is not None or not grads) and self.parallel.counts(p)]
         parts = [position[model_part(name)] for name, _ in named]
-        if grads:
-            squares = self._grad_squares([p for _, p in named], parts, len(names))
-        else:
-            squares = (_squares([p for _, p in named], parts, len(names)) if named
-                       else torch.zeros(len(names), device=self.device))
-            if self.layout.pp > 1:
-                dist.all_reduce(squares, group=self.mesh["pp"].get_group())
+        squares = self._written_out_squares([p for _, p in named], parts, len(names), grads=grads)
         return {name: round(value, 6) for name, value in zip(names, squares.sqrt().tolist())}
 
-    def _grad_squares(self, params: list[torch.Tensor], parts: list[int] | None = None, count: int = 1) -> torch.Tensor:
-        """The squared 2-norms (count,) of the gradients of `params` over every rank, param i in
-        part parts[i] (see _squares; all in one by default), the second copy of anything held
-        twice left out, summed over the pipeline stages. Under muP they are the gradients with its
-        multipliers written out (optim.folded_multiplier): a weight holding a folded multiplier s
-        counts s times its gradient, so that clipping and the logged norms are those of the
-        parametrization whose factors carry over from the base width and depth."""
+    def _written_out_squares(self, params: list[torch.Tensor], parts: list[int] | None = None, count: int = 1,
+                             grads: bool = True) -> torch.Tensor:
+        """The squared 2-norms (count,) of the gradients (or with grads=False the weights) of
+        `params` over every rank, param i in part parts[i] (see _squares; all in one by default),
+        the second copy of anything held twice left out, summed over the pipeline stages. Under muP
+        they are those of the model with its multipliers written out (optim.folded_multiplier): a
+        weight holding a folded multiplier s counts s times its gradient, so that clipping and the
+        logged norms are those of the parametrization whose factors carry over from the base width
+        and depth, and 1 / s times itself, the weight that multiplier is applied to."""
         kept = [(p, part) for p, part in zip(params, parts or [0] * len(params), strict=True)
                 if self.parallel.counts(p)]
         params, parts = [p for p, _ in kept], [part for _, part in kept]
-        grads = [p.grad for p in params]
-        each = [self.folded.get(id(p), 1.0) for p in params]
+        tensors = [p.grad for p in params] if grads else params
+        each = [self.folded.get(id(p), 1.0) ** (1 if grads else -1) for p in params]
         multipliers = sorted(set(each)) or [1.0]
         if multipliers == [1.0]:
-            squares = _squares(grads, parts, count) if grads else torch.zeros(count, device=self.device)
+            squares = _squares(tensors, parts, count) if tensors else torch.zeros(count, device=self.device)
         else:  # (one part per (part, multiplier), weighted after the all-reduces)
             k = len(multipliers)
             index = [part * k + multipliers.index(s) for s, part in zip(each, parts)]
@@ -1034,7 +1031,7 @@ class Trainer:
             weights = self.folded_weights.get(key)
             if weights is None:
                 weights = self.folded_weights[key] = torch.tensor(multipliers, device=self.device).square()
-            squares = _squares(grads, index, count * k).view(count, k) @ weights
+            squares = _squares(tensors, index, count * k).view(count, k) @ weights
         if self.layout.pp > 1:
             dist.all_reduce(squares, group=self.mesh["pp"].get_group())
         return squares
@@ -1047,12 +1044,12 @@ class Trainer:
 
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Clip the norm of the gradient of the whole model to max_norm; returns the norm before
-        clipping (_grad_squares: over every rank, and under muP with its multipliers written out,
-        the same scaling of every gradient then being the same training). Sharded gradients
-        (DTensors) give the global norm of their dimensions; pipeline stages add up their squares
-        over the pp ranks."""
+        clipping (_written_out_squares: over every rank, and under muP with its multipliers
+        written out, the same scaling of every gradient then being the same training). Sharded
+        gradients (DTensors) give the global norm of their dimensions; pipeline stages add up their
+        squares over the pp ranks."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = self._grad_squares(params)[0].sqrt()
+        norm = self._written_out_squares(params)[0].sqrt()
         # Scaling by one number is the same on each shard as on the whole: scaling the local
         # shards skips DTensor's sharding propagation for a list of differently placed tensors,
         # which cost more than the rest of the step on a small tensor-parallel model.
