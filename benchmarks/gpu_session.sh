@@ -19,7 +19,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         || exit 1
     export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
-if ! python3 -c "import pydantic, ftfy, rensa" 2>"$out/imports.txt"; then
+if ! python3 -c "import pydantic, ftfy, rensa, xxhash" 2>"$out/imports.txt"; then
     echo "missing packages ($(tail -1 "$out/imports.txt")): run 'bash benchmarks/gpu_wheels.sh' here and carry .whl"
     exit 1
 fi
@@ -28,6 +28,8 @@ fi
 case "$what" in
     suite) timeout -s INT -k 20 "${2:-480}" python3 benchmarks/gpu_suite.py --out "$out/suite.json" 2>&1 | tee "$out/suite.log" ;;
     demo) timeout -s INT -k 20 "${2:-540}" python3 -m scaletrain.cli demo --device cuda --out /tmp/demo 2>&1 | tee "$out/demo.log"
-          cp /tmp/demo/demo.json /tmp/demo/sweep/results.csv /tmp/demo/sweep/law.json /tmp/demo/data/stats.json \
-             "$out/" 2>/dev/null ;;
+          # (results.csv and progress.json hold what the sweep finished should the demo be cut off)
+          cp /tmp/demo/demo.json /tmp/demo/sweep/results.csv /tmp/demo/sweep/progress.json /tmp/demo/sweep/law.json \
+             /tmp/demo/data/stats.json "$out/" 2>/dev/null
+          cp /tmp/demo/final/metrics.jsonl "$out/final-metrics.jsonl" 2>/dev/null ;;
 esac

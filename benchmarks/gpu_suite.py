@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.config import ConfigError, load_config
+from scaletrain.config import load_config
 from scaletrain.data import prepare
 from scaletrain.plan.hardware import device
 from scaletrain.plan.memory import training_memory
@@ -74,13 +74,16 @@ def measure(data: Path, runs: Path, name: str, overrides: list[str], steps: int,
     base = [f"data.path={data}", f"run.dir={runs}", f"run.name={name}", f"train.steps={steps}",
             "train.warmup_steps=5", "train.lr=3e-4", f"log.interval={log_every}", "eval.interval=0",
             f"checkpoint.interval={checkpoint_every}", "checkpoint.keep=1"]
-    cfg = load_config(None, [*base, *overrides])
-    seq, micro = cfg.data.seq_len, cfg.train.micro_batch
-    cfg = load_config(None, [*base, *overrides, f"train.global_batch_tokens={seq * micro}",
-                             f"model.max_seq_len={seq}"])
+    # The sequence and micro-batch as the overrides give them (the last of each wins), so that the
+    # one config loaded is whole: loaded without its max_seq_len and batch, a sequence of 2,048
+    # would be refused (above the default max_seq_len) before anything was measured.
+    given = dict(override.split("=", 1) for override in overrides)
+    seq, micro = int(given["data.seq_len"]), int(given["train.micro_batch"])
     fresh()
-    called = time.time()
     try:
+        cfg = load_config(None, [*base, *overrides, f"train.global_batch_tokens={seq * micro}",
+                                 f"model.max_seq_len={seq}"])
+        called = time.time()
         train(cfg)
     except Exception as e:  # (one run's failure is a row of the table, not the end of the suite)
         what = "out of memory" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
@@ -174,7 +177,7 @@ def _float8_available() -> bool:
         return False
     try:
         check_float8(torch.device("cuda"), tp=1)
-    except ConfigError:
+    except Exception:  # (a refusal, or a torchao built for another torch that fails to import)
         return False
     return True
 
@@ -240,13 +243,16 @@ def main() -> None:
             keep()
     if "ablations" in sections:
         shape = CONFIGS["llama-126m"][0]
-        variants = {"eager": ["train.compile=false"], "whole-batch loss": ["train.loss_chunk_tokens=0"],
-                    "synchronous checkpoint": ["checkpoint.async_save=false"], "loss read every step": ["log.interval=1"],
-                    "attention within documents": ["model.document_mask=true"], "Muon": ["train.optimizer=muon"]}
+        # float8 first, should the device's time run out; then those that reuse llama-126m's
+        # compiled blocks, then CUDA graphs (which drop every compiled graph after them), then those
+        # that compile their own or none.
+        variants = {"float8": ["train.float8=true"]} if _float8_available() and not args.tiny else {}
+        variants.update({"synchronous checkpoint": ["checkpoint.async_save=false"],
+                         "loss read every step": ["log.interval=1"], "whole-batch loss": ["train.loss_chunk_tokens=0"],
+                         "Muon": ["train.optimizer=muon"]})
         if not args.tiny:  # (tiny runs are not compiled: inductor on a CPU takes minutes)
             variants["CUDA graphs"] = ["train.compile_mode=reduce-overhead"]
-        if _float8_available() and not args.tiny:
-            variants["float8"] = ["train.float8=true"]
+        variants.update({"attention within documents": ["model.document_mask=true"], "eager": ["train.compile=false"]})
         report["ablations"] = {}
         for what, change in variants.items():
             overrides = [*shape, *BEST, *change, *(TINY if args.tiny else [])]
