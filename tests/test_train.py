@@ -219,6 +219,24 @@ def test_background_checkpoints_hold_the_state_of_their_step_and_resume_exactly(
     assert [got[s] for s in range(5, 9)] == [expected[s] for s in range(5, 9)]
 
 
+def test_one_stager_after_another_serves_every_background_save(tmp_path):
+    """The trainer's stager (page-locked on a GPU; pageable here, the same DefaultStager) copies the
+    state of each save in turn: torch 2.13's is kept from one save to the next, torch 2.11's lasts
+    one copy and failed the second save of every run with a KeyError until a new one was made."""
+    state = {"w": torch.arange(4.0)}
+    stager, used = None, []
+    for step in (1, 2, 3):
+        stager = checkpoint.ready_stager(stager, pinned=False)
+        used.append(stager)
+        state["w"] += 1
+        checkpoint.save_async(tmp_path, step, 0, state, keep=3, stager=stager).wait()
+        loaded = {"w": torch.zeros(4)}
+        checkpoint.load(checkpoint.checkpoint_dir(tmp_path, step), loaded)
+        assert torch.equal(loaded["w"], torch.arange(4.0) + step)
+    stager.close()
+    assert len({id(s) for s in used}) == (1 if checkpoint._stagers_reusable() else 3)
+
+
 def test_truncated_or_unmarked_newest_checkpoint_falls_back_to_the_previous(stdlib_data, tmp_path, caplog):
     run_dir = tmp_path / "run"
     cfg = tiny_config(stdlib_data, run_dir, "train.steps=9", "checkpoint.interval=3", "checkpoint.keep=3",

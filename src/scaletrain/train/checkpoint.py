@@ -20,6 +20,7 @@ batches that led to the divergence, as the rewound run did (see `record_rewind`)
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ import zlib
 import warnings
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -160,11 +162,11 @@ def save_async(root: Path, step: int, tokens: int, state: dict, keep: int, group
     refused = False
     try:
         future = start(stager)
-    except RuntimeError as e:
+    except Exception as e:  # (should the save itself be what fails, it fails again below, without the stager)
         if stager is None:
             raise
-        log.warning("checkpoint.async_save: copying the state to page-locked memory failed (%s); copying it to "
-                    "pageable memory instead", str(e).splitlines()[0][:200])
+        log.warning("checkpoint.async_save: copying the state to page-locked memory failed (%s: %s); copying it "
+                    "to pageable memory instead", type(e).__name__, (str(e).splitlines() or [""])[0][:200])
         stager.close()
         refused, future = True, start(None)
     if hasattr(future, "staging_completion"):  # an asynchronous stager: the copy must end before training goes on
@@ -175,16 +177,44 @@ def save_async(root: Path, step: int, tokens: int, state: dict, keep: int, group
     return saving
 
 
-def pinned_stager():
-    """A stager copying GPU state into page-locked host buffers, kept from one checkpoint to the
-    next (the copy runs at the link's full speed, and only the first save allocates); None where
-    this torch has no such stager. The caller closes it after the last save."""
+def pinned_stager(pinned: bool = True):
+    """A stager copying GPU state into page-locked host buffers (the copy runs at the link's full
+    speed); with pinned=False into pageable ones (what a CPU can test). None where this torch has no
+    such stager. The caller closes it after the last save; ready_stager says whether it serves the next."""
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:
         return None
-    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=True))
+    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=pinned))
+
+
+def ready_stager(stager=None, pinned: bool = True):
+    """The stager for the next background save: `stager` again where this torch's stager copies more
+    than once (torch 2.13's keeps its buffers from one save to the next, so only the first save
+    allocates them); else a new one, `stager` closed (torch 2.11's releases its buffers after each
+    copy and fails on the next: KeyError)."""
+    if stager is not None and _stagers_reusable():
+        return stager
+    if stager is not None:
+        stager.close()
+    return pinned_stager(pinned)
+
+
+@functools.cache
+def _stagers_reusable() -> bool:
+    """Whether this torch's DefaultStager stages a second time (tried once, on a CPU tensor)."""
+    probe = pinned_stager(pinned=False)
+    if probe is None:
+        return False
+    try:
+        for _ in range(2):
+            probe.stage({"probe": torch.zeros(1)})
+    except Exception:
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 def _prepare(root: Path, step: int) -> Path:
