@@ -548,10 +548,11 @@ def test_a_layout_that_cannot_split_the_model_or_batch_is_refused_with_the_const
                                        ["model.mtp_depth=3", "train.loss_chunk_tokens=50"]], ids=["tied", "chunked"])
 def test_a_zero_bubble_split_backward_gives_the_last_stage_the_gradients_of_one_backward(stdlib_data, tmp_path,
                                                                                        overrides):
-    """The zero-bubble schedules take a stage's gradients in two passes, the inputs' and then the
-    weights' (parallel/pipeline.py keeps torch's graph through the second: multi-token prediction's
-    depths chain their uses of the embedding); the chunked loss computes its gradients in the
-    forward pass, and is asked for them twice. The two passes give what one backward gives."""
+    """The zero-bubble schedules take a stage's gradients in two passes, torch's for the inputs and
+    then parallel/pipeline.py's for the weights (torch's own lost the graph, or on torch 2.11 counted
+    the embedding's gradient wrong, where multi-token prediction's depths chain their uses of it);
+    the chunked loss computes its gradients in the forward pass, and must be a graph torch 2.11's
+    inputs' pass can split. The two passes give what one backward gives, bit for bit."""
     import torch
     import torch.distributed.pipelining.stage as pipeline_stage
     from torch.distributed.pipelining._backward import stage_backward_input

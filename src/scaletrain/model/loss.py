@@ -189,8 +189,16 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         with torch.no_grad():
             total, _, _ = _chunks(flat_hidden.to(dtype), weight.to(dtype), flat_targets, chunk, gradients=False)
         return total / (flat_targets != IGNORE).sum().clamp(min=1)
-    with torch.autocast(device, enabled=False):
-        return _ChunkedLoss.apply(flat_hidden, weight, flat_targets, chunk, dtype, z_loss, tally)
+    with torch.autocast(device, enabled=False), torch.no_grad():
+        count = (flat_targets != IGNORE).sum().clamp(min=1)
+        total, grad_hidden, grad_weight = _chunks(flat_hidden.to(dtype), weight.to(dtype), flat_targets, chunk,
+                                                  gradients=True, z_loss=z_loss, tally=tally)
+    # Two nodes of the graph, one for the hidden states and one (worth 0) for the weight, joined by
+    # an addition: a zero-bubble schedule's weights' pass starts from the node where a weight's
+    # path meets the inputs', and torch 2.11 cannot start from a custom function (it reads its
+    # _input_metadata); from an addition it can.
+    return (_Precomputed.apply(flat_hidden, total / count, grad_hidden, count)
+            + _Precomputed.apply(weight, torch.zeros_like(total), grad_weight, count))
 
 
 def _chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
@@ -227,26 +235,20 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, c
     return total, grad_hidden, grad_weight
 
 
-class _ChunkedLoss(torch.autograd.Function):
+class _Precomputed(torch.autograd.Function):
+    """`value`, whose gradient with respect to x is `gradient` / count, both computed already (by
+    the chunked loss's forward pass)."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, dtype, z_loss, tally):
-        count = (targets != IGNORE).sum().clamp(min=1)
-        total, grad_hidden, grad_weight = _chunks(hidden.to(dtype), weight.to(dtype), targets, chunk, gradients=True,
-                                                  z_loss=z_loss, tally=tally)
-        ctx.save_for_backward(grad_hidden, count)
-        # (Kept on ctx, not saved: it is scaled in place, once, and a zero-bubble pipeline schedule
-        # calls this backward twice, for the hidden states' gradient and then the weight's.)
-        ctx.grad_weight, ctx.scaled = grad_weight, False
-        ctx.dtypes = (hidden.dtype, weight.dtype)
-        return total / count
+    def forward(ctx, x, value, gradient, count):
+        # (Kept on ctx, not saved: scaled in place, once — for the head's weight that is vocab x
+        # dim in float32, which a second copy would double.)
+        ctx.gradient, ctx.count, ctx.scaled, ctx.dtype = gradient, count, False, x.dtype
+        return value.clone()
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_hidden, count = ctx.saved_tensors
-        scale = grad_output / count
-        if not ctx.scaled:  # (the weight's gradient, vocab x dim in float32: no second copy)
-            ctx.grad_weight.mul_(scale)
+        if not ctx.scaled:
+            ctx.gradient.mul_(grad_output / ctx.count)
             ctx.scaled = True
-        hidden_dtype, weight_dtype = ctx.dtypes
-        return (grad_hidden.mul(scale.to(grad_hidden.dtype)).to(hidden_dtype),
-                ctx.grad_weight.to(weight_dtype), None, None, None, None, None)
+        return ctx.gradient.to(ctx.dtype), None, None, None

@@ -28,7 +28,6 @@ the first stage's alone.
 from __future__ import annotations
 
 import copy
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -36,6 +35,7 @@ import torch.distributed.pipelining._backward as split_backward
 import torch.distributed.pipelining.stage as pipeline_stage
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import _CustomReducer
 from torch.distributed.pipelining.schedules import get_schedule_class
@@ -144,15 +144,47 @@ def build_schedule(parts: list[nn.Module], ids: list[int], num_stages: int, sche
 
 
 def _mend_split_backward() -> None:
-    """A zero-bubble schedule splits a stage's backward pass in two: the gradients of its inputs
-    first, those of its weights later, each group of weights from the nodes where its part of the
-    graph meets the inputs'. torch 2.11-2.13 frees the graph behind each group as it goes, which
-    fails where one group's path runs through another's: on a last stage with multi-token
-    prediction's depths, the first depth's embedding lookup feeds the second depth's block, whose
-    weights then find their nodes freed ("Trying to backward through the graph a second time").
-    Keep the graph until every group has its gradients: it goes when the weights' pass ends,
-    holding no more until then than it held when the pass began."""
-    pipeline_stage.stage_backward_weight = partial(split_backward.stage_backward_weight, retain_graph=True)
+    """Zero-bubble schedules run torch's inputs' half of each split backward pass and this
+    project's weights' half (weights_pass): torch's own gave wrong or no gradients on a last stage
+    with multi-token prediction's depths (see there)."""
+    pipeline_stage.stage_backward_weight = weights_pass
+
+
+def weights_pass(weights, param_groups: list[dict]) -> tuple[torch.Tensor | None, ...]:
+    """The weights' half of a split backward pass, from what the inputs' half (torch's
+    stage_backward_input) left: for each group of weights, the graph nodes where its part of the
+    graph meets the inputs' (`intermediates`) and the gradients each received (`grads`). Each node
+    is given its gradients again and nothing else, so that a node below another of its group's is
+    not counted twice, and every output of a node counts, not its first alone (torch 2.11 did both,
+    and trained wrong gradients of the embedding under two or more multi-token prediction depths,
+    whose chained lookups make such groups). The graph is kept until every group is done: one
+    group's path can run through another's, which torch 2.11-2.13 had freed ("Trying to backward
+    through the graph a second time"); it goes when the pass ends, having held no more than it held
+    when the pass began."""
+    weights = list(weights)
+    position = {split_backward._get_grad_fn_or_grad_acc(weight): i for i, weight in enumerate(weights)}
+    for group in param_groups:
+        edges, given, hooks = [], [], []
+        for node, received in zip(group.pop("intermediates"), group.pop("grads", None) or []):
+            for i, grad in enumerate(received):
+                if grad is not None:
+                    edges.append(GradientEdge(node, i))
+                    given.append(grad)
+            hooks.append(node.register_prehook(lambda _grads, received=received: received))
+        try:
+            if edges:
+                found = torch.autograd.grad(edges, [GradientEdge(node, 0) for node in group["params"]],
+                                            grad_outputs=given, retain_graph=True)
+                for node, grad in zip(group["params"], found, strict=True):
+                    weight = weights[position[node]]
+                    if weight.grad is None:
+                        weight.grad = grad
+                    else:
+                        weight.grad += grad
+        finally:
+            for hook in hooks:
+                hook.remove()
+    return tuple(weight.grad for weight in weights)
 
 
 def _nothing(_merged, _output) -> None:
