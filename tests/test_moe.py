@@ -83,6 +83,23 @@ def test_the_grouped_gemm_computes_what_one_matmul_per_expert_does(monkeypatch, 
     assert nothing.grad.shape == (0, 32)
 
 
+@pytest.mark.parametrize("dtype, hidden, dim", [(torch.float32, 38, 32), (torch.bfloat16, 36, 32),
+                                                (torch.bfloat16, 64, 36)])
+def test_experts_of_widths_the_grouped_gemm_cannot_align_run_one_by_one(dtype, hidden, dim):
+    """The grouped GEMM takes strides of whole multiples of 16 bytes: other widths (an expert's
+    or the model's) run the per-expert loop instead of failing."""
+    from scaletrain.model import moe
+
+    counts = torch.tensor([3, 4])
+    x = torch.randn(7, dim, dtype=dtype, requires_grad=True)
+    weights = [torch.randn(2, hidden, dim), torch.randn(2, dim, hidden), torch.randn(2, hidden, dim)]
+    assert not moe._grouped(x, weights[0], dtype)
+    assert moe._grouped(x, torch.randn(2, 32, 32), dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        moe._run(x, counts, *weights).float().sum().backward()
+    assert x.grad.shape == (7, dim)
+
+
 def _grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
     """FlopCounterMode has no formula for the grouped GEMM the experts run as (torch 2.13): each
     row of a meets one expert's matrix, 2 FLOPs per multiply-add, forward and both gradients."""

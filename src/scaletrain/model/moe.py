@@ -99,7 +99,7 @@ def _run(x: torch.Tensor, counts: list[int] | torch.Tensor, w1: torch.Tensor, w2
         rows, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))  # as autocast would cast them
 
         def matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return _ContiguousGradient.apply(torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets))
+            return ContiguousGradient.apply(torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets))
         return matmul(F.silu(matmul(rows, w1)) * matmul(rows, w3), w2)
     if isinstance(counts, torch.Tensor):
         counts = counts.tolist()
@@ -116,19 +116,22 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 def _grouped(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether torch's grouped GEMM runs these experts: on CPUs (float32 and bf16, checked
     against the per-expert matmuls in tests), and in bf16 on CUDA devices of compute
-    capability 9 (Hopper) with widths it can align."""
+    capability 9 (Hopper); on either only where the widths (the model's and the experts') are
+    whole multiples of 16 bytes, the strides it takes ("strides should be multiple of 16 bytes")."""
     if not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:  # no rows: the loop (a grouped backward refuses
         return False                                            # the empty, expanded gradients they get)
+    if any(width * dtype.itemsize % 16 for width in w.shape[-2:]):
+        return False
     if x.device.type == "cpu":
         return dtype in (torch.float32, torch.bfloat16)
     return (x.device.type == "cuda" and torch.version.hip is None  # ROCm reports capability 9 too (MI200/MI300)
-            and dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] == 9
-            and w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0)
+            and dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] == 9)
 
 
-class _ContiguousGradient(torch.autograd.Function):
+class ContiguousGradient(torch.autograd.Function):
     """The identity; the gradient it passes back is made contiguous (the grouped GEMM's backward
-    refuses the expanded gradients that, e.g., a sum's backward produces)."""
+    refuses the expanded gradients that, e.g., a sum's backward produces; a pipeline stage's
+    links, the transposed ones of parallel/tensor.py's sequence-first projection)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
