@@ -14,13 +14,16 @@ expert, as expert parallelism splits them (parallel/expert.py, model/moe.py).
 
 from __future__ import annotations
 
+from functools import partial
+
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from scaletrain.model.moe import MoE
+from scaletrain.model.moe import ContiguousGradient, MoE
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -47,7 +50,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         parallelize_module(depth, tp_mesh, {"hidden_norm": SequenceParallel(), "embedding_norm": SequenceParallel(),
                                             "proj": SequenceParallel(use_local_output=True),
                                             "norm": SequenceParallel()})
+        depth.proj.forward = partial(_linear_on_sequence_shards, depth.proj)
         _parallelize_block(depth.block, tp_mesh)
+
+
+def _linear_on_sequence_shards(linear: nn.Linear, x: DTensor) -> DTensor:
+    """linear(x) for x (batch, seq, in) split along the sequence, computed with the sequence
+    first: a linear layer flattens its input's leading dimensions, which torch 2.11's DTensor
+    refuses where the second one is split ("Attempted to flatten multiple dimensions, with
+    dimension 1 being sharded") and allows where the first is. Its output, and the gradient it
+    passes back (to a pipeline stage's input, which torch sends as it is), are contiguous again."""
+    return F.linear(ContiguousGradient.apply(x).transpose(0, 1), linear.weight).transpose(0, 1).contiguous()
 
 
 def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh) -> None:
