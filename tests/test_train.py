@@ -631,6 +631,7 @@ def test_multiple_choice_tasks_score_each_choice_by_its_log_probability_after_th
     choice's loss per token; the scores are the choice's log-probability after the context, as a
     plain forward of the model over each unpadded (and, when too long, left-cut) text gives it."""
     from scaletrain.data.tokenizer import load_tokenizer
+    from scaletrain.train.tasks import load_task
 
     run_dir = tmp_path / "run"
     cfg = tiny_config(stdlib_data, run_dir, "train.steps=6", "eval.interval=3", f"eval.tasks=['{next_line_task}']",
@@ -647,20 +648,33 @@ def test_multiple_choice_tasks_score_each_choice_by_its_log_probability_after_th
     scores = trainer.task_scores(task)
     tokenizer, model = load_tokenizer(stdlib_data), trainer.model.eval()
     eos = tokenizer.token_to_id("<|endoftext|>")
-    expected = []
-    for line in next_line_task.read_text().splitlines()[:20]:
-        example = json.loads(line)
-        context = tokenizer.encode(example["context"], add_special_tokens=False).ids
-        for choice in example["choices"]:
-            whole = tokenizer.encode(example["context"] + choice, add_special_tokens=False).ids
-            shared = next((i for i, (a, b) in enumerate(zip(context, whole)) if a != b), min(len(context), len(whole)))
-            scored = len(whole) - min(shared, len(whole) - 1)
-            full = torch.tensor([eos, *whole][-65:])
-            with torch.no_grad():
-                logprobs = torch.log_softmax(model(full[None, :-1]), dim=-1)[0]
-            targets = full[1:]
-            expected.append(logprobs[torch.arange(len(targets)), targets][-scored:].sum().item())
+
+    def expected_scores(lines: list[str]) -> list[float]:
+        expected = []
+        for line in lines:
+            example = json.loads(line)
+            context = tokenizer.encode(example["context"], add_special_tokens=False).ids
+            for choice in example["choices"]:
+                whole = tokenizer.encode(example["context"] + choice, add_special_tokens=False).ids
+                shared = next((i for i, (a, b) in enumerate(zip(context, whole)) if a != b),
+                              min(len(context), len(whole)))
+                scored = len(whole) - min(shared, len(whole) - 1)
+                full = torch.tensor([eos, *whole][-65:])
+                with torch.no_grad():
+                    logprobs = torch.log_softmax(model(full[None, :-1]), dim=-1)[0]
+                targets = full[1:]
+                expected.append(logprobs[torch.arange(len(targets)), targets][-scored:].sum().item())
+        return expected
+
+    expected = expected_scores(next_line_task.read_text().splitlines()[:20])
     assert scores == pytest.approx(expected, abs=1e-4)
+    # Rows all shorter than the sequence (and than the 64 positions each batch is rounded up to).
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"context": "import", "choices": [" os", " sys"], "label": 0}\n'
+                     '{"context": "def f(x):\\n    return", "choices": [" x", " None"], "label": 0}\n')
+    short_task = load_task(short, tokenizer, eos, 64, 2)
+    assert short_task.inputs.shape[1] < 64
+    assert trainer.task_scores(short_task) == pytest.approx(expected_scores(short.read_text().splitlines()), abs=1e-4)
     right = [json.loads(line)["label"] for line in next_line_task.read_text().splitlines()[:20]]
     accuracy = sum(max(range(4), key=lambda c: expected[4 * i + c]) == label for i, label in enumerate(right)) / 20
     assert evals[1]["task_accuracy"]["next_line"] == pytest.approx(accuracy)
@@ -668,8 +682,6 @@ def test_multiple_choice_tasks_score_each_choice_by_its_log_probability_after_th
 
     # Tokenized as the data was: a tokenizer's post-processor adds no token to the rows.
     from tokenizers.processors import TemplateProcessing
-
-    from scaletrain.train.tasks import load_task
     with_bos = load_tokenizer(stdlib_data)
     with_bos.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", eos)])
     assert with_bos.encode("x = 1").ids[0] == eos

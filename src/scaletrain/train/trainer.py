@@ -1149,8 +1149,9 @@ class Trainer:
             length = min(-(-longest // unit) * unit, seq_len)
             x = np.zeros((rows, length), dtype=np.int64)
             y = np.full((rows, length), IGNORE, dtype=np.int64)
-            x[:len(chosen)] = task.inputs[chosen, :length]
-            y[:len(chosen)] = task.targets[chosen, :length]
+            width = min(length, task.inputs.shape[1])  # (rows shorter than the unit are as long as the longest)
+            x[:len(chosen), :width] = task.inputs[chosen, :width]
+            y[:len(chosen), :width] = task.targets[chosen, :width]
             inputs, targets, documents = self._batch(torch.from_numpy(x), torch.from_numpy(y))
             with self.autocast(loss_parallel=False):
                 if self.parallel.forward is None:
