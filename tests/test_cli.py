@@ -242,3 +242,14 @@ def test_a_run_directory_given_as_config_and_a_resume_past_the_runs_steps_are_re
         capsys.readouterr().err.split())
     assert main(["compare", str(trained_run), str(trained_run), "--out", str(tmp_path)]) == 2
     assert f"--out {str(tmp_path)!r} is a directory" in capsys.readouterr().err
+
+
+def test_overrides_may_follow_an_option_of_several_values():
+    """`eval RUN --tasks A.jsonl eval.tokens=512`: the override is an override, not a task file."""
+    from scaletrain.cli import parse_args
+
+    args = parse_args(["eval", "runs/a", "train.device=cpu", "--tasks", "a.jsonl", "dir/b=c.jsonl", "eval.tokens=512",
+                       "--step", "4", "data.seq_len=32"])
+    assert args.tasks == ["a.jsonl", "dir/b=c.jsonl"] and args.step == [4]
+    assert args.overrides == ["train.device=cpu", "eval.tokens=512", "data.seq_len=32"]
+    assert parse_args(["eval", "runs/a", "--tasks"]).tasks == []

@@ -1614,11 +1614,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line's arguments; `section.key=value` overrides may also follow its options."""
+    """The command line's arguments; `section.key=value` overrides may also follow its options,
+    those of several values included (`eval RUN --tasks A.jsonl eval.tokens=512`: argparse would
+    take the override for a task file)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    override = re.compile(r"[A-Za-z_]\w*(\.\w+)+=.*", re.S)
+    if hasattr(args, "overrides"):
+        for name, values in vars(args).items():
+            if name != "overrides" and isinstance(values, list) and all(isinstance(v, str) for v in values):
+                setattr(args, name, [v for v in values if not override.fullmatch(v)])
+                args.overrides = [*args.overrides, *(v for v in values if override.fullmatch(v))]
     if extra:
-        if hasattr(args, "overrides") and all(re.fullmatch(r"[A-Za-z_]\w*(\.\w+)+=.*", text, re.S) for text in extra):
+        if hasattr(args, "overrides") and all(override.fullmatch(text) for text in extra):
             args.overrides = [*args.overrides, *extra]
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
