@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.distributed.pipelining._backward as split_backward
 import torch.distributed.pipelining.stage as pipeline_stage
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.autograd.graph import GradientEdge
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import _CustomReducer
 from torch.distributed.pipelining.schedules import get_schedule_class
