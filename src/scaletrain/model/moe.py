@@ -129,9 +129,9 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 class ContiguousGradient(torch.autograd.Function):
-    """The identity; the gradient it passes back is made contiguous (the grouped GEMM's backward
-    refuses the expanded gradients that, e.g., a sum's backward produces; a pipeline stage's
-    links, the transposed ones of parallel/tensor.py's sequence-first projection)."""
+    """The identity; the gradient it passes back is made contiguous. The grouped GEMM's backward
+    refuses the expanded gradients that, e.g., a sum's backward produces; a pipeline stage's links
+    refuse the transposed ones of parallel/tensor.py's sequence-first projection."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:

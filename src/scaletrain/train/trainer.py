@@ -1149,7 +1149,7 @@ class Trainer:
             length = min(-(-longest // unit) * unit, seq_len)
             x = np.zeros((rows, length), dtype=np.int64)
             y = np.full((rows, length), IGNORE, dtype=np.int64)
-            width = min(length, task.inputs.shape[1])  # (rows shorter than the unit are as long as the longest)
+            width = min(length, task.inputs.shape[1])  # (a task's rows are only as wide as its longest)
             x[:len(chosen), :width] = task.inputs[chosen, :width]
             y[:len(chosen), :width] = task.targets[chosen, :width]
             inputs, targets, documents = self._batch(torch.from_numpy(x), torch.from_numpy(y))
