@@ -8,6 +8,10 @@
 #
 #     bash benchmarks/gpu_session.sh suite [seconds]   # benchmarks/gpu_suite.py, default 480 s
 #     bash benchmarks/gpu_session.sh demo [seconds]    # scaletrain demo --device cuda, default 540 s
+#
+# The demo bounds itself to 8 minutes (--minutes): it times the sweep's shapes on the GPU first
+# and scales its budgets down if the sweep and the final run would not fit; the timeout is the
+# backstop.
 set -u
 what=${1:-suite}
 case "$what" in suite|demo) ;; *) echo "usage: gpu_session.sh suite|demo [seconds]"; exit 2 ;; esac

@@ -213,12 +213,13 @@ def test_bad_paths_names_and_values_are_said_in_one_sentence(stdlib_data, tmp_pa
          "name the field that holds the text with --text-field"),
         (["tune", tiny, f"data.path={stdlib_data}", "model.mup_base_dim=32", "--out", str(tmp_path / "tune"),
           "--write-config", str(tmp_path)], f"--write-config {str(tmp_path)!r} is a directory"),
+        (["demo", "--out", str(tmp_path / "demo"), "--minutes", "-1"], "--minutes -1: give the minutes the demo may take"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv
         err = " ".join(capsys.readouterr().err.split())
         assert message in err and "Traceback" not in err, (argv, err)
-    assert not (tmp_path / "tune").exists()  # (refused before any proxy trained)
+    assert not (tmp_path / "tune").exists() and not (tmp_path / "demo").exists()  # (refused before any work)
 
 
 def test_a_run_directory_given_as_config_and_a_resume_past_the_runs_steps_are_refused(trained_run, tmp_path,

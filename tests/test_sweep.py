@@ -24,7 +24,7 @@ from scaletrain.report.run import other_data
 from scaletrain.scaling.fit import law_of
 from scaletrain.scaling.grid import deepseek_hyperparameters, family, plan_points, shapes_around
 from scaletrain.scaling.laws import ChinchillaLaw
-from scaletrain.sweep import Sweep, SweepSettings
+from scaletrain.sweep import Speed, Sweep, SweepSettings, makespan
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
 
@@ -153,6 +153,54 @@ def test_branching_saves_flops_and_records_both_counts(uninterrupted):
     assert 0.1 < saved["saved_fraction"] < 0.5 and saved["branched_flops"] < saved["separate_flops"]
 
 
+def test_a_speed_measured_at_a_few_sizes_times_every_size_and_jobs_share_workers():
+    speed = Speed(n=[1e4, 1e5], flops_per_s=[1e9, 4e9], overhead_s=[1.0, 3.0])
+    assert speed.rate(1e4) == pytest.approx(1e9) and speed.rate(1e5) == pytest.approx(4e9)
+    assert speed.rate(10 ** 4.5) == pytest.approx(2e9)  # between: in log-log
+    assert speed.rate(1e6) == pytest.approx(16e9) and speed.rate(1e3) == pytest.approx(0.25e9)  # beyond: the slope
+    assert speed.overhead(10 ** 4.5) == pytest.approx(2.0) and speed.overhead(1e7) == 3.0
+    # Beyond the sizes measured FLOP/s grows at most in proportion to N and never falls.
+    steep, falling = Speed([1e4, 1e5], [1e9, 1e11], [0, 0]), Speed([1e4, 1e5], [2e9, 1e9], [0, 0])
+    assert steep.rate(1e6) == pytest.approx(1e12) and steep.rate(1e3) == pytest.approx(1e8)
+    assert falling.rate(1e6) == pytest.approx(1e9) and falling.rate(1e3) == pytest.approx(2e9)
+    assert falling.rate(10 ** 4.5) == pytest.approx(2 ** 0.5 * 1e9)
+    assert makespan([3, 1, 1, 1], 2) == 3 and makespan([1, 1, 1], 2) == 2 and makespan([2, 2], 1) == 4
+
+
+def test_a_sweeps_predicted_time_is_the_flops_it_trains_at_the_rate_plus_a_cost_per_call(uninterrupted):
+    sweep, rows = uninterrupted
+    # Both budgets are centred on the prior law, as the prediction centres every budget.
+    assert {p.name for b in BUDGETS for p in sweep.prior_points(b)} == {row["name"] for row in rows}
+    flat = sweep.predicted_seconds(Speed([1e4], [1e9], [0.0]))
+    assert flat == pytest.approx(sweep.savings(rows)["branched_flops"] / 1e9)
+    calls, reached = len(rows), {}  # a branch per point, and a trunk extension where it is not there yet
+    for row in sorted(rows, key=lambda r: r["budget"]):
+        calls += row["branch_step"] > reached.get(row["shape"], 0)
+        reached[row["shape"]] = max(row["branch_step"], reached.get(row["shape"], 0))
+    assert sweep.predicted_seconds(Speed([1e4], [1e9], [2.0])) == pytest.approx(flat + 2.0 * calls)
+    assert flat / 2 <= sweep.predicted_seconds(Speed([1e4], [1e9], [0.0]), workers=2) < flat
+
+
+def test_the_demo_scales_every_budget_down_until_its_predicted_time_fits(uninterrupted, caplog):
+    from scaletrain.demo import DemoSettings, scale_to_time
+
+    sweep, _ = uninterrupted
+    settings = DemoSettings(budgets=tuple(BUDGETS), shapes=3, extrapolate=3.0, seq_len=64, min_steps=20,
+                            concurrency=1, min_scale=0.3)
+    speed = Speed([1e4, 1e5], [1e9, 4e9], [0.5, 0.5])
+    scale, whole = scale_to_time(sweep, settings, speed, speed, math.inf)
+    assert scale == 1 and whole["sweep_s"] == pytest.approx(sweep.predicted_seconds(speed))
+    final, _ = sweep.best_point(sweep.prior, 3.0 * max(BUDGETS))
+    assert whole["final_s"] == pytest.approx(speed.seconds(final, final.steps))
+    half = sum(whole.values()) / 2
+    scale, times = scale_to_time(sweep, settings, speed, speed, half)
+    assert 0.3 < scale < 1 and sum(times.values()) <= half
+    assert any(0.9 ** k == pytest.approx(scale) for k in range(12)) and "scaled by" in caplog.text
+    caplog.clear()
+    scale, times = scale_to_time(sweep, settings, speed, speed, 1.0)  # nothing fits: the smallest scale allowed
+    assert 0.3 <= scale < 0.3 / 0.9 and "still too slow" in caplog.text
+
+
 def test_fit_names_the_shape_to_train_and_writes_its_config(uninterrupted, tmp_path):
     sweep, _ = uninterrupted
     result = run_cli("fit", str(sweep.out), "--bootstrap", "5", "--predict", "2e11", "--predict", "1e9",
@@ -252,10 +300,19 @@ def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path, capl
 
     settings = DemoSettings(budgets=tuple(BUDGETS), shapes=3, extrapolate=3.0, seq_len=64, max_bytes=200_000,
                             val_fraction=0.05, eval_tokens=2048, bootstrap=5, device="cpu",
-                            concurrency=1, min_steps=20, seed=3)
+                            concurrency=2, min_steps=20, seed=3, time_limit_s=3600)
     stages = []
     report = run_demo(tmp_path, settings, progress=lambda stage, info: stages.append(stage))
-    assert stages[0] == "prepare" and stages.count("sweep") == 6 and stages[-1] == "train"
+    assert stages[:3] == ["prepare", "calibrate", "time"] and stages.count("sweep") == 6 and stages[-1] == "train"
+    # Timed here before the sweep: 3 shapes two at once, the final run's alone; within the hour, unscaled.
+    timing = report["time"]
+    assert timing["scale"] == 1 and report["budgets"] == BUDGETS == timing["budgets"]
+    assert len(timing["speed"]["together"]["n"]) == 3 and min(timing["speed"]["together"]["flops_per_s"]) > 0
+    assert timing["predicted"]["sweep_s"] > 0 and timing["predicted"]["final_s"] > 0
+    assert set(timing["actual"]) == {"prepare_s", "calibrate_s", "sweep_s", "fit_s", "final_s", "report_s", "total_s"}
+    stages_s = sum(v for k, v in timing["actual"].items() if k != "total_s")
+    assert stages_s == pytest.approx(timing["actual"]["total_s"], abs=0.1)  # every second in one stage
+    assert not (tmp_path / "calibration").exists()
     assert report["points"] == 6 and report["extrapolation"] == pytest.approx(3.0, rel=0.05)
     # No point is 500 steps long (fit_min_steps): approach 3 falls back to every point, and says so.
     assert report["law_min_steps"] == 0 and report["law_points"] == 6
@@ -274,7 +331,8 @@ def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path, capl
     printed = io.StringIO()  # the table `scaletrain demo` prints from this report
     Console(file=printed, width=200).print(demo_table(report, settings.concurrency, 12.0))
     assert f"{report['error']:+.2%}" in printed.getvalue() and "all 6 points" in printed.getvalue()
-    assert "sweep throughput (1 at once)" in printed.getvalue() and " FLOP/s over " in printed.getvalue()
+    assert "sweep throughput (2 at once)" in printed.getvalue() and " FLOP/s over " in printed.getvalue()
+    assert f"{timing['predicted']['sweep_s']:.0f} s / {timing['actual']['sweep_s']:.0f} s" in printed.getvalue()
     assert f"{data['final_epochs']:.2f} in the final run" in printed.getvalue()
     on_gpu = {**report, "throughput": {**speed, "sweep": {**speed["sweep"], "utilisation": 0.031}}}
     printed = io.StringIO()

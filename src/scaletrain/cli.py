@@ -1004,6 +1004,12 @@ def demo_table(report: dict, concurrency: int, seconds: float) -> Table:
         if run["seconds"]:
             table.add_row(what, f"{run['flops_per_s']:.3g} FLOP/s over {run['seconds']:.0f} s"
                           + (f", {run['utilisation']:.1%} of the bf16 peak" if run["utilisation"] is not None else ""))
+    timing = report.get("time", {})
+    if "predicted" in timing:  # (a time limit: the budgets were fitted to this machine's measured speed)
+        actual, predicted = timing["actual"], timing["predicted"]
+        table.add_row(f"time limit {timing['limit_s']:.0f} s: budgets scaled by", f"{timing['scale']:.2f}")
+        table.add_row("sweep time, predicted / actual", f"{predicted['sweep_s']:.0f} s / {actual['sweep_s']:.0f} s")
+        table.add_row("final run time, predicted / actual", f"{predicted['final_s']:.0f} s / {actual['final_s']:.0f} s")
     return table
 
 
@@ -1014,6 +1020,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     settings = DemoSettings.gpu() if args.device == "cuda" else DemoSettings(device="cpu")
     settings.seed = args.seed
+    if args.minutes is not None:
+        if not args.minutes >= 0:
+            raise UserError(f"--minutes {args.minutes:g}: give the minutes the demo may take, e.g. 10 (0: no limit)")
+        settings.time_limit_s = 60 * args.minutes or None
     logging.getLogger("scaletrain").setLevel(logging.WARNING)
     started = time.perf_counter()
 
@@ -1023,6 +1033,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
             console.print(f"sweep {info['done']}/{info['total']}: {info['name']} ({info['flops']:.3g} FLOPs{eta})")
         elif stage == "train":
             console.print(f"training the predicted optimum {info['name']}: N {info['n']:,}, {info['tokens']:,} tokens")
+        elif stage == "calibrate":
+            console.print("timing the sweep's shapes on this machine …")
+        elif stage == "time":
+            predicted = info["predicted"]
+            console.print(f"predicted: sweep {predicted['sweep_s']:.0f} s, final run {predicted['final_s']:.0f} s, of "
+                          f"{info['available_s']:.0f} s left; budgets x {info['scale']:.2f}: "
+                          f"{', '.join(f'{b:.3g}' for b in info['budgets'])} FLOPs")
         else:
             console.print(f"{stage} …")
 
@@ -1528,6 +1545,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the sweep's points and the final run (0)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda runs the larger version (budgets 3e14-3e15 FLOPs, final run 3e16)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="finish within this many minutes: time the sweep's shapes here, predict the sweep's and the "
+                        "final run's wall-clock, and scale every budget down until they fit (default 10; 8 with "
+                        "--device cuda; 0: no limit, the budgets as given)")
     p.set_defaults(func=cmd_demo)
 
     p = commands.add_parser("generate", help="sample text from a run's newest checkpoint")

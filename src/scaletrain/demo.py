@@ -9,11 +9,12 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from scaletrain.config import ConfigError
 from scaletrain.scaling.fit import Points, bootstrap_laws, fit_all, interval, law_of
-from scaletrain.sweep import Sweep, SweepSettings, peak_in_use
+from scaletrain.sweep import Speed, Sweep, SweepPlan, SweepSettings, measure_speed, peak_in_use, worker_pool
 
 log = logging.getLogger("scaletrain")
 
@@ -52,6 +53,16 @@ class DemoSettings:
     # "Scaling Data-Constrained Language Models"); beyond, the law would be fitted to, and
     # predict, runs of repeated data.
     max_epochs: float = 4.0
+    # Finish within this many seconds (None: no limit). After preparing the data, the demo times
+    # the sweep's shapes on this machine (sweep.measure_speed), predicts the sweep's and the final
+    # run's wall-clock, and scales every budget down by one factor (their ratios and the
+    # extrapolation kept) until the prediction fits in what is left, less reserve_s for the
+    # fit and the report; demo.json holds the prediction next to the times measured. (On the
+    # 2-core VM, 2026-12-06: the sweep predicted 214 s, took 222 s; the final run predicted 71 s,
+    # took 70 s; BENCHMARKS.md.)
+    time_limit_s: float | None = 600.0
+    reserve_s: float = 30.0
+    min_scale: float = 0.05  # budgets are scaled down at most this far
 
     @classmethod
     def gpu(cls) -> DemoSettings:
@@ -66,7 +77,7 @@ class DemoSettings:
         return cls(budgets=(3e14, 4.8e14, 7.5e14, 1.2e15, 1.9e15, 3e15), shapes=5, extrapolate=10.0,
                    seq_len=512, vocab_size=4096, sources=("builtin:python-stdlib", "builtin:python-packages"),
                    max_bytes=400_000_000, val_fraction=0.01, eval_tokens=262144, device="cuda", concurrency=4,
-                   micro_batch=32)
+                   micro_batch=32, time_limit_s=480.0)
 
 
 def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], None] | None = None) -> dict:
@@ -83,15 +94,42 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
 
     out = Path(out)
     data = out / "data"
+    started = mark = time.perf_counter()
+    seconds: dict[str, float] = {}  # of each stage, in demo.json
+
+    def lap(stage: str) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        seconds[stage], mark = now - mark, now
+
     say("prepare", data=str(data))
     prepare(list(settings.sources), data, vocab_size=settings.vocab_size, max_bytes=settings.max_bytes,
             val_fraction=settings.val_fraction)
     data_tokens = read_index(data)["splits"]["train"]["tokens"]
-    sweep = Sweep(out / "sweep", SweepSettings(data=str(data), budgets=list(settings.budgets), shapes=settings.shapes,
-                                               seq_len=settings.seq_len, eval_tokens=settings.eval_tokens,
-                                               min_steps=settings.min_steps, seed=settings.seed,
-                                               device=settings.device, micro_batch=settings.micro_batch))
-    rows = sweep.run(progress=lambda p: say("sweep", **p), concurrency=settings.concurrency)
+    lap("prepare_s")
+    sweep_settings = SweepSettings(data=str(data), budgets=list(settings.budgets), shapes=settings.shapes,
+                                   seq_len=settings.seq_len, eval_tokens=settings.eval_tokens,
+                                   min_steps=settings.min_steps, seed=settings.seed, device=settings.device,
+                                   micro_batch=settings.micro_batch)
+    pool = worker_pool(settings.concurrency, settings.device) if settings.concurrency > 1 else None
+    try:
+        timing = None
+        saved = out / "sweep" / "grid.json"
+        if saved.is_file():  # a demo run again: its sweep goes on at the budgets it began with
+            sweep_settings = replace(sweep_settings, budgets=json.loads(saved.read_text())["settings"]["budgets"])
+        elif settings.time_limit_s is not None:
+            say("calibrate")
+            left = settings.time_limit_s - (time.perf_counter() - started)
+            sweep_settings, timing = fit_to_time(settings, sweep_settings, out / "calibration", left, pool)
+            lap("calibrate_s")
+            say("time", **timing)
+        sweep = Sweep(out / "sweep", sweep_settings)
+        rows = sweep.run(progress=lambda p: say("sweep", **p), concurrency=settings.concurrency, pool=pool)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    lap("sweep_s")
+    budgets = sweep_settings.budgets
     finite = [r for r in rows if math.isfinite(r["loss"])]  # diverged points are recorded, not fitted
     if len(finite) < len(rows):
         log.warning("%d of the sweep's %d points diverged; they are left out of the fit", len(rows) - len(finite),
@@ -108,11 +146,12 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
         doc = fit_all(points, samples=settings.bootstrap)
     (sweep.out / "law.json").write_text(json.dumps(doc, indent=1) + "\n")
     law, boot = law_of(doc), bootstrap_laws(doc)
+    lap("fit_s")
 
     # The model the law asks for at the target budget, in the sweep's shape family, trained as
     # the sweep's points are: warmup-stable-decay with the learning rate, batch and warmup the
     # sweep gives that shape, so that only N and D differ from what the law was fitted on.
-    target = settings.extrapolate * max(settings.budgets)
+    target = settings.extrapolate * max(budgets)
     n_opt, _ = law.optimum(target)
     # Of the shapes that train at least min_steps there, as every sweep point does (a law fitted
     # on few points can ask for a model so large that the budget buys it a step or two), the one
@@ -127,24 +166,88 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
         log.warning("the data (%d training tokens) is repeated up to %.1f times in the sweep and %.1f times in the "
                     "final run: beyond about %g epochs the law describes repeated data; prepare more text",
                     data_tokens, epochs["sweep_max_epochs"], epochs["final_epochs"], settings.max_epochs)
-    started = time.perf_counter()
     result = train(cfg)
-    final_s = time.perf_counter() - started
+    lap("final_s")
     report = {
-        "budgets": list(settings.budgets), "points": len(rows), "law_points": doc["approach3"]["points"],
+        "budgets": list(budgets), "points": len(rows), "law_points": doc["approach3"]["points"],
         "law_min_steps": fit_min_steps, "target_flops": point.compute,
-        "extrapolation": point.compute / max(settings.budgets),
+        "extrapolation": point.compute / max(budgets),
         "n_opt": n_opt, "final": {"name": point.name, "n": point.n, "tokens": point.tokens},
         "predicted_loss": predicted, "predicted_interval": [low, high], "actual_loss": result.val_loss,
         "error": (result.val_loss - predicted) / predicted,
         "a": doc["approach3"]["a"], "b": doc["approach3"]["b"],
         "approach2_a": doc["approach2"].get("a"), "backtest": doc["backtest"], "sweep_savings": sweep.savings(rows),
-        "throughput": _throughput(settings, sweep, point.compute, final_s), "data": epochs,
+        "throughput": _throughput(settings, sweep, point.compute, seconds["final_s"]), "data": epochs,
     }
     # The final run's own report (loss and speed plots, events), against the law it was chosen by.
     report["report"] = run_report(out / "final", doc)["files"][-1]
+    lap("report_s")
+    report["time"] = {"limit_s": settings.time_limit_s, **(timing or {}),
+                      "actual": {**seconds, "total_s": time.perf_counter() - started}}
     (out / "demo.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def fit_to_time(settings: DemoSettings, sweep: SweepSettings, scratch: Path, seconds: float,
+                pool=None) -> tuple[SweepSettings, dict]:
+    """`sweep` with its budgets scaled to end within `seconds`, less what measuring takes and
+    settings.reserve_s (scale_to_time), at the speeds measured here: three of the sweep's shapes
+    (its smallest, middle and largest around the prior's optima) `concurrency` at once, as the
+    sweep runs them, and the final run's shape alone (sweep.measure_speed). Returns the settings
+    and what was measured and predicted."""
+    started = time.perf_counter()
+    plan = SweepPlan.on_data(sweep)
+    shapes = sorted({point.shape for budget in sweep.budgets for point in plan.prior_points(budget)}, key=plan.n_of)
+    together = measure_speed(plan, [shapes[0], shapes[len(shapes) // 2], shapes[-1]], scratch, settings.concurrency,
+                             pool)
+    if settings.concurrency > 1:
+        final, _ = plan.best_point(plan.prior, settings.extrapolate * max(sweep.budgets))
+        alone_at = measure_speed(plan, [final.shape], scratch)
+        alone = together.scaled(alone_at.rate(final.n) / together.rate(final.n), alone_at.overhead(final.n))
+    else:
+        alone = together
+    available = seconds - (time.perf_counter() - started) - settings.reserve_s
+    scale, predicted = scale_to_time(plan, settings, together, alone, available)
+    budgets = [b * scale for b in sweep.budgets]
+    return replace(sweep, budgets=budgets), {
+        "scale": scale, "budgets": budgets, "available_s": available, "predicted": predicted,
+        "speed": {"together": together.to_dict(), "alone": alone.to_dict(), "workers": settings.concurrency}}
+
+
+def scale_to_time(plan: SweepPlan, settings: DemoSettings, together: Speed, alone: Speed,
+                  available: float) -> tuple[float, dict]:
+    """(scale, predicted seconds of the sweep and the final run there): the largest of 1, 0.9,
+    0.81, ... (down to settings.min_scale) by which scaling every budget of `plan` (and so the
+    final run's, settings.extrapolate times the largest) brings the sweep at speed `together`
+    (settings.concurrency runs at once) and the final run at speed `alone` within `available`
+    seconds; the smallest scale, with a warning, where none does. The final run is timed at the
+    shape the prior law would choose; the fitted law's may differ."""
+    target = settings.extrapolate * max(plan.settings.budgets)
+
+    def predicted(scale: float) -> dict | None:
+        """None where the budgets are too small for the sweep's min_steps."""
+        scaled = SweepPlan(replace(plan.settings, budgets=[b * scale for b in plan.settings.budgets]),
+                           plan.vocab_size, plan.hyperparameters)
+        try:
+            final, _ = scaled.best_point(scaled.prior, target * scale)
+            return {"sweep_s": scaled.predicted_seconds(together, settings.concurrency),
+                    "final_s": alone.seconds(final, final.steps)}
+        except ConfigError:
+            return None
+
+    scales = [0.9 ** k for k in range(math.floor(math.log(settings.min_scale) / math.log(0.9)) + 1)]
+    feasible = [(scale, times) for scale in scales if (times := predicted(scale)) is not None]
+    if not feasible:
+        raise ConfigError(f"the demo's budgets scaled by {settings.min_scale:g} or more leave no shape "
+                          f"{plan.settings.min_steps} steps long; lower min_steps or raise the budgets")
+    scale, times = next(((scale, times) for scale, times in feasible if sum(times.values()) <= available),
+                        feasible[-1])
+    if scale < 1:
+        log.warning("at the speed measured here the sweep and the final run would take %.0f s, and %.0f s are left "
+                    "for them: every budget is scaled by %.2f (predicted %.0f s)%s", sum(feasible[0][1].values()),
+                    available, scale, sum(times.values()),
+                    "" if sum(times.values()) <= available else ", the least allowed, and still too slow")
+    return scale, times
 
 
 def _throughput(settings: DemoSettings, sweep: Sweep, final_flops: float, final_s: float) -> dict:

@@ -18,19 +18,23 @@ least `min_steps` optimizer steps there (`Sweep.fits`).
 from __future__ import annotations
 
 import csv
+import heapq
 import json
 import logging
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy
+
 from scaletrain.config import ConfigError, RunConfig, load_config, mix_toml
 from scaletrain.data.shards import read_indexes
+from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.scaling.fit import Points, fit_allocation
-from scaletrain.model.flops import train_flops_per_token
 from scaletrain.scaling.grid import (Point, Shape, deepseek_hyperparameters, family, plan_points, shapes_around,
                                     steps_for, warmup_steps)
 from scaletrain.scaling.hparams import EXTRAPOLATION_WARNING, HyperparameterLaw
@@ -64,64 +68,29 @@ class SweepSettings:
     hparams: dict | None = None
 
 
+class SweepPlan:
+    """A sweep's grid without its directory: which points each budget trains, for how many steps,
+    at which learning rate and batch. Arithmetic only, so that a sweep can be planned (and timed,
+    `predicted_seconds`) at other budgets before anything is trained. `hyperparameters(budget,
+    width)` -> (learning rate, tokens per step) is the rule the runs follow."""
 
-
-class Sweep:
-    """The sweep in directory `out`. `hyperparameters(budget, width)` -> (learning rate, tokens
-    per step) is the rule the runs follow (DeepSeek's by default, scaling.grid); with
-    concurrency > 1 the workers are spawned processes, which import it by name, so it must be a
-    module-level function, not a lambda or a closure. A measured law in settings.hparams takes its
-    place (and, unlike a function, is recorded in grid.json and so kept on resuming)."""
-
-    def __init__(self, out: Path, settings: SweepSettings,
+    def __init__(self, settings: SweepSettings, vocab_size: int,
                  hyperparameters: Callable[[float, int], tuple[float, float]] = deepseek_hyperparameters):
-        if settings.hparams is not None:
-            hyperparameters = HyperparameterLaw.from_dict(settings.hparams)
-            far = max(hyperparameters.extrapolation(b) or 1.0 for b in settings.budgets)
-            if far > EXTRAPOLATION_WARNING:
-                log.warning("the learning-rate and batch rule was measured at %s FLOPs; the sweep's budgets reach "
-                            "%.2gx beyond them, where it may not hold", hyperparameters.budgets, far)
-        self.out, self.settings, self.hyperparameters = Path(out), settings, hyperparameters
-        saved = self.out / "grid.json"
-        if saved.is_file():
-            # (a setting added since the sweep began has its default there)
-            before = asdict(SweepSettings(**json.loads(saved.read_text())["settings"]))
-            if before != asdict(settings):
-                changed = {k: (before.get(k), v) for k, v in asdict(settings).items() if before.get(k) != v}
-                raise ConfigError(f"sweep directory {str(self.out)!r} was started with other settings "
-                                  f"({', '.join(f'{k}: {a} then, {b} now' for k, (a, b) in changed.items())}); "
-                                  "rerun it with the same ones or choose a new --out")
-        root = Path(settings.data)
-        sources = {name: root / name for name in settings.mix} if settings.mix else {root.name: root}
-        try:
-            indexes = read_indexes(sources)
-        except Exception as e:
-            raise ConfigError(f"--data {settings.data!r}{' with --mix' if settings.mix else ''}: {e}") from None
-        if settings.mix is not None and not (settings.mix and all(0 < w < math.inf for w in settings.mix.values())):
-            raise ConfigError(f"--mix {settings.mix}: give each data directory's weight, positive (e.g. code=0.3,prose=0.7)")
-        self.vocab_size = -(-max(index["vocab_size"] for index in indexes.values()) // 64) * 64
+        self.settings, self.vocab_size, self.hyperparameters = settings, vocab_size, hyperparameters
         self.prior = preset(settings.prior)
         if not isinstance(self.prior, ChinchillaLaw):
             raise ConfigError(f"--prior {settings.prior!r} has no compute-optimal allocation to centre a grid on; "
                               "use epoch or hoffmann")
-        self.out.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({"settings": asdict(settings), "vocab_size": self.vocab_size}, indent=1) + "\n"
-        if not saved.is_file() or saved.read_text() != text:  # workers of a concurrent sweep open it too
-            temporary = saved.with_suffix(f".{os.getpid()}.tmp")
-            temporary.write_text(text)
-            temporary.replace(saved)
 
     @classmethod
-    def open(cls, out: Path) -> Sweep:
-        """The sweep that `out` holds, with the settings it was started with (and the default
-        hyperparameter rule unless it was started with a measured one: a swapped-in function is
-        code, not recorded in grid.json)."""
-        saved = Path(out) / "grid.json"
-        if not saved.is_file():
-            raise ConfigError(f"{str(out)!r} is not a sweep directory (no grid.json)")
-        return cls(out, SweepSettings(**json.loads(saved.read_text())["settings"]))
+    def on_data(cls, settings: SweepSettings,
+                hyperparameters: Callable[[float, int], tuple[float, float]] = deepseek_hyperparameters) -> SweepPlan:
+        return cls(settings, vocab_size_of(settings), hyperparameters)
 
     # -- the grid ------------------------------------------------------------------------------
+
+    def n_of(self, shape: Shape) -> int:
+        return param_counts(shape.model(self.vocab_size, self.settings.seq_len))["total"]
 
     def centre(self, budget: float, done: list[dict]) -> tuple[float, str]:
         """N_opt expected at budget: approach 2 on the finished smaller budgets once there are two,
@@ -161,6 +130,15 @@ class Sweep:
 
     def points_of(self, budget: float, done: list[dict]) -> list[Point]:
         n_opt, why = self.centre(budget, done)
+        log.info("budget %.3g FLOPs: shapes around N_opt %.3g (%s)", budget, n_opt, why)
+        return self._around(budget, n_opt)
+
+    def prior_points(self, budget: float) -> list[Point]:
+        """The points of `budget` centred on the prior law's optimum (as the first two budgets
+        are)."""
+        return self._around(budget, self.prior.optimum(budget)[0])
+
+    def _around(self, budget: float, n_opt: float) -> list[Point]:
         shapes = shapes_around(n_opt, self.settings.shapes, self.vocab_size, allowed=lambda s: self.fits(s, budget))
         if not shapes:
             smallest = family(self.vocab_size)[0][1]
@@ -169,7 +147,6 @@ class Sweep:
                               f"{self.settings.min_steps} steps (the narrowest shape, {smallest.name}, would train "
                               f"{steps:.0f}); raise it to at least {budget * self.settings.min_steps / steps:.2g} or "
                               "lower --min-steps")
-        log.info("budget %.3g FLOPs: shapes around N_opt %.3g (%s)", budget, n_opt, why)
         return plan_points(budget, shapes, self.vocab_size, self.settings.seq_len, self.hyperparameters,
                            micro_batch=self.settings.micro_batch)
 
@@ -210,6 +187,96 @@ class Sweep:
                                  f"train.decay_fraction={DECAY_FRACTION}", *overrides])
         return point, cfg
 
+    def shape_plan(self, shape: Shape) -> tuple[float, int, int]:
+        """(learning rate, sequences per step, warmup steps) of every run of `shape`. One trunk
+        serves all its budgets, so these cannot follow each budget's rule: they are the rule's
+        at the sweep's largest budget (the trunk's final length). The warmup is the shape's N
+        in tokens (Porian et al. 2024), at most min_steps / 2 steps, so that it ends before any
+        point's cooldown begins (no point is shorter than min_steps; its cooldown is its last
+        fifth)."""
+        s = self.settings
+        lr, batch_tokens = self.hyperparameters(max(s.budgets), shape.dim)
+        largest = plan_points(max(s.budgets), [shape], self.vocab_size, s.seq_len, lambda c, d: (lr, batch_tokens),
+                              micro_batch=s.micro_batch)[0]
+        warmup = warmup_steps(largest.n, largest.batch_seqs * s.seq_len, max(1, s.min_steps // 2))
+        return lr, largest.batch_seqs, warmup
+
+    def run_overrides(self, point: Point, lr: float, batch_seqs: int, warmup: int) -> list[str]:
+        return run_overrides(self.settings, self.vocab_size, point.shape, lr, batch_seqs, warmup, self.settings.mix)
+
+    def scheduled(self, point: Point) -> tuple[Point, int]:
+        """(point, branch step): the point at its shape's batch (shape_plan), in whole steps, and
+        the trunk step its cooldown branch starts from."""
+        lr, batch_seqs, warmup = self.shape_plan(point.shape)
+        s = self.settings
+        steps = max(1, round(steps_for(point.budget, point.flops_per_token, batch_seqs, s.seq_len)))
+        point = Point(point.shape, point.budget, point.n, point.flops_per_token, s.seq_len, batch_seqs, steps, lr)
+        return point, wsd_decay_start(steps, warmup, DECAY_FRACTION)
+
+    def predicted_seconds(self, speed: Speed, workers: int = 1) -> float:
+        """Wall-clock seconds the whole sweep would take from nothing at `speed` (measure_speed's,
+        of `workers` runs at once): budget after budget, each budget's points in order on
+        `workers` processes, each point one call of the trainer extending its shape's trunk to
+        the branch step (if it is not there yet) and one training the branch. Every budget is
+        centred on the prior law; a running sweep recentres from its third budget on, on
+        approach 2 of those before, so this is the time of a sweep near this one."""
+        trunk_at: dict[Shape, int] = {}
+        total = 0.0
+        for budget in sorted(self.settings.budgets):
+            seconds = []
+            for planned in self.prior_points(budget):
+                point, branch_at = self.scheduled(planned)
+                extend = branch_at - trunk_at.get(point.shape, 0)
+                trunk_at[point.shape] = max(branch_at, trunk_at.get(point.shape, 0))
+                seconds.append((speed.seconds(point, extend) if extend > 0 else 0.0)
+                               + speed.seconds(point, point.steps - branch_at))
+            total += makespan(seconds, workers)
+        return total
+
+
+class Sweep(SweepPlan):
+    """The sweep in directory `out`. `hyperparameters` is the rule the runs follow (DeepSeek's by
+    default, scaling.grid); with concurrency > 1 the workers are spawned processes, which import
+    it by name, so it must be a module-level function, not a lambda or a closure. A measured law
+    in settings.hparams takes its place (and, unlike a function, is recorded in grid.json and so
+    kept on resuming)."""
+
+    def __init__(self, out: Path, settings: SweepSettings,
+                 hyperparameters: Callable[[float, int], tuple[float, float]] = deepseek_hyperparameters):
+        if settings.hparams is not None:
+            hyperparameters = HyperparameterLaw.from_dict(settings.hparams)
+            far = max(hyperparameters.extrapolation(b) or 1.0 for b in settings.budgets)
+            if far > EXTRAPOLATION_WARNING:
+                log.warning("the learning-rate and batch rule was measured at %s FLOPs; the sweep's budgets reach "
+                            "%.2gx beyond them, where it may not hold", hyperparameters.budgets, far)
+        self.out = Path(out)
+        saved = self.out / "grid.json"
+        if saved.is_file():
+            # (a setting added since the sweep began has its default there)
+            before = asdict(SweepSettings(**json.loads(saved.read_text())["settings"]))
+            if before != asdict(settings):
+                changed = {k: (before.get(k), v) for k, v in asdict(settings).items() if before.get(k) != v}
+                raise ConfigError(f"sweep directory {str(self.out)!r} was started with other settings "
+                                  f"({', '.join(f'{k}: {a} then, {b} now' for k, (a, b) in changed.items())}); "
+                                  "rerun it with the same ones or choose a new --out")
+        super().__init__(settings, vocab_size_of(settings), hyperparameters)
+        self.out.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"settings": asdict(settings), "vocab_size": self.vocab_size}, indent=1) + "\n"
+        if not saved.is_file() or saved.read_text() != text:  # workers of a concurrent sweep open it too
+            temporary = saved.with_suffix(f".{os.getpid()}.tmp")
+            temporary.write_text(text)
+            temporary.replace(saved)
+
+    @classmethod
+    def open(cls, out: Path) -> Sweep:
+        """The sweep that `out` holds, with the settings it was started with (and the default
+        hyperparameter rule unless it was started with a measured one: a swapped-in function is
+        code, not recorded in grid.json)."""
+        saved = Path(out) / "grid.json"
+        if not saved.is_file():
+            raise ConfigError(f"{str(out)!r} is not a sweep directory (no grid.json)")
+        return cls(out, SweepSettings(**json.loads(saved.read_text())["settings"]))
+
     # -- running -------------------------------------------------------------------------------
 
     def results(self) -> list[dict]:
@@ -228,31 +295,15 @@ class Sweep:
                 writer.writeheader()
             writer.writerow(row)
 
-    def shape_plan(self, shape: Shape) -> tuple[float, int, int]:
-        """(learning rate, sequences per step, warmup steps) of every run of `shape`. One trunk
-        serves all its budgets, so these cannot follow each budget's rule: they are the rule's
-        at the sweep's largest budget (the trunk's final length). The warmup is the shape's N
-        in tokens (Porian et al. 2024), at most min_steps / 2 steps, so that it ends before any
-        point's cooldown begins (no point is shorter than min_steps; its cooldown is its last
-        fifth)."""
-        s = self.settings
-        lr, batch_tokens = self.hyperparameters(max(s.budgets), shape.dim)
-        largest = plan_points(max(s.budgets), [shape], self.vocab_size, s.seq_len, lambda c, d: (lr, batch_tokens),
-                              micro_batch=s.micro_batch)[0]
-        warmup = warmup_steps(largest.n, largest.batch_seqs * s.seq_len, max(1, s.min_steps // 2))
-        return lr, largest.batch_seqs, warmup
-
-    def run_overrides(self, point: Point, lr: float, batch_seqs: int, warmup: int) -> list[str]:
-        return run_overrides(self.settings, self.vocab_size, point.shape, lr, batch_seqs, warmup, self.settings.mix)
-
-    def run(self, progress: Callable[[dict], None] | None = None, concurrency: int = 1) -> list[dict]:
+    def run(self, progress: Callable[[dict], None] | None = None, concurrency: int = 1, pool=None) -> list[dict]:
         """Run every point not yet in results.csv; returns all rows. progress gets a dict of
         points done / total, FLOPs spent, achieved FLOP/s and an ETA after each point.
 
         concurrency > 1 trains that many points of a budget at once in worker processes (the
         points of one budget have distinct shapes, hence distinct trunks): tiny models leave a
         device mostly idle one at a time. With several GPUs, workers take them in turn. Budgets
-        still run one after another, since each is centred on the fit of those before it."""
+        still run one after another, since each is centred on the fit of those before it. `pool`:
+        worker_pool(concurrency, ...) to run them in, kept open (else one is made and closed)."""
         done = self.results()
         finished = {row["name"] for row in done}
         budgets = sorted(self.settings.budgets)
@@ -262,7 +313,11 @@ class Sweep:
         started = time.perf_counter()
         self.spent_here = 0.0
         nominal_here = 0.0  # the points' budgets done by this call: the ETA's unit of work
-        pool = worker_pool(concurrency, self.settings.device) if concurrency > 1 else None
+        own_pool = pool is None and concurrency > 1
+        if own_pool:
+            pool = worker_pool(concurrency, self.settings.device)
+        elif concurrency == 1:
+            pool = None
         try:
             for budget in budgets:
                 todo = [point for point in self.points_of(budget, done) if point.name not in finished]
@@ -288,7 +343,7 @@ class Sweep:
                                   "flops_per_s": self.spent_here / elapsed,
                                   "eta_s": elapsed / nominal_here * max(remaining, 0)})
         finally:
-            if pool is not None:
+            if own_pool:
                 pool.shutdown(cancel_futures=True)
         self.elapsed_s = time.perf_counter() - started
         return done
@@ -302,10 +357,9 @@ class Sweep:
         from scaletrain.train.trainer import TrainingDiverged
 
         s = self.settings
-        lr, batch_seqs, warmup = self.shape_plan(point.shape)
-        steps = max(1, round(steps_for(point.budget, point.flops_per_token, batch_seqs, s.seq_len)))
-        point = Point(point.shape, point.budget, point.n, point.flops_per_token, s.seq_len, batch_seqs, steps, lr)
-        branch_at = wsd_decay_start(steps, warmup, DECAY_FRACTION)
+        _, _, warmup = self.shape_plan(point.shape)
+        point, branch_at = self.scheduled(point)
+        lr, batch_seqs, steps = point.lr, point.batch_seqs, point.steps
         if branch_at >= steps:
             raise ConfigError(f"point {point.name} would train {steps} steps, no more than its warmup of {warmup}: "
                               "the budgets are too small for this shape's batch; raise the smallest budget or "
@@ -374,6 +428,20 @@ class Sweep:
                 "saved_fraction": 1 - branched / separate if separate else 0.0}
 
 
+def vocab_size_of(settings: SweepSettings) -> int:
+    """The sweep's vocabulary: its data's (the largest of a mixture's), rounded up to a multiple
+    of 64."""
+    root = Path(settings.data)
+    sources = {name: root / name for name in settings.mix} if settings.mix else {root.name: root}
+    try:
+        indexes = read_indexes(sources)
+    except Exception as e:
+        raise ConfigError(f"--data {settings.data!r}{' with --mix' if settings.mix else ''}: {e}") from None
+    if settings.mix is not None and not (settings.mix and all(0 < w < math.inf for w in settings.mix.values())):
+        raise ConfigError(f"--mix {settings.mix}: give each data directory's weight, positive (e.g. code=0.3,prose=0.7)")
+    return -(-max(index["vocab_size"] for index in indexes.values()) // 64) * 64
+
+
 def run_overrides(s, vocab_size: int, shape: Shape, lr: float, batch_seqs: int, warmup: int,
                   mix: dict[str, float] | None = None) -> list[str]:
     """The config overrides of one small run of `shape` on settings `s` (a sweep's or a mixture
@@ -395,6 +463,110 @@ def micro_batch_of(batch_seqs: int, s) -> int:
     or the largest that divides the step (12 sequences, micro-batches of at most 8: 4)."""
     largest = min(s.micro_batch, batch_seqs)
     return largest if batch_seqs % largest == 0 else math.gcd(batch_seqs, largest)
+
+
+# -- timing ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Speed:
+    """What training a shape family costs on this machine, measured (measure_speed) at a few
+    parameter counts n: the seconds a call of the trainer takes beyond its steps (building the
+    model and the loader, the first step's warm-up, the final evaluation and checkpoint), and
+    training FLOPs per second over its steps. In between, both are interpolated in log N;
+    beyond, FLOP/s follows the nearest segment's slope, taken between 0 (a fixed rate) and 1 (a
+    fixed time per step, as where kernel launches bound a tiny model), and the overhead is the
+    nearest one's."""
+
+    n: list[float]
+    flops_per_s: list[float]
+    overhead_s: list[float]
+
+    def rate(self, n: float) -> float:
+        logs, rates, x = [math.log(m) for m in self.n], [math.log(r) for r in self.flops_per_s], math.log(n)
+        if len(logs) == 1:
+            return self.flops_per_s[0]
+        if x <= logs[0]:
+            i, anchor = 1, 0
+        elif x >= logs[-1]:
+            i = anchor = len(logs) - 1
+        else:
+            i = next(k for k, m in enumerate(logs) if m >= x)
+            anchor = i - 1
+        slope = (rates[i] - rates[i - 1]) / (logs[i] - logs[i - 1])
+        if anchor != i - 1 or x < logs[0]:
+            slope = min(max(slope, 0.0), 1.0)
+        return math.exp(rates[anchor] + slope * (x - logs[anchor]))
+
+    def overhead(self, n: float) -> float:
+        return float(numpy.interp(math.log(n), [math.log(m) for m in self.n], self.overhead_s))
+
+    def seconds(self, point: Point, steps: int) -> float:
+        """A call of the trainer that trains `steps` steps of `point`."""
+        return self.overhead(point.n) + steps * point.batch_seqs * point.seq_len * point.flops_per_token / self.rate(point.n)
+
+    def scaled(self, factor: float, overhead_s: float) -> Speed:
+        return Speed(list(self.n), [r * factor for r in self.flops_per_s], [overhead_s] * len(self.n))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def makespan(seconds: list[float], workers: int) -> float:
+    """When the last of jobs of these lengths ends, each taken in order by the first of `workers`
+    processes to be free (as a process pool's map hands them out)."""
+    free = [0.0] * max(1, workers)
+    for length in seconds:
+        heapq.heapreplace(free, free[0] + length)
+    return max(free)
+
+
+def measure_speed(plan: SweepPlan, shapes: list[Shape], out: Path, workers: int = 1, pool=None,
+                  seconds: float = 2.0) -> Speed:
+    """Time `shapes` as the sweep trains them (each at its learning rate and batch, on the sweep's
+    data and device): for each, `workers` copies at once in `pool`'s processes (one in this
+    process when workers is 1), each for about `seconds` of steps, in out/ (removed after).
+    Smallest first, each run's length set by the rate of the one before; a short first round
+    of the smallest shape warms the processes up (CUDA, the allocator, the data loader)."""
+    if workers > 1 and pool is None:
+        raise ValueError("measuring several runs at once needs the pool they run in")
+    shapes = sorted(set(shapes), key=plan.n_of)
+    out = Path(out)
+    measured: list[tuple[float, float, float]] = []
+    rate = None
+    try:
+        for round_, shape in enumerate([shapes[0], *shapes]):
+            point, _ = plan.scheduled(plan_points(max(plan.settings.budgets), [shape], plan.vocab_size,
+                                                  plan.settings.seq_len, plan.hyperparameters,
+                                                  micro_batch=plan.settings.micro_batch)[0])
+            step_flops = point.batch_seqs * point.seq_len * point.flops_per_token
+            steps = 10 if rate is None else min(max(round(seconds * rate / step_flops), 20), 10_000)
+            start_at = time.time() + 0.5
+            jobs = [([*plan.run_overrides(point, point.lr, point.batch_seqs, 0), f"run.dir={out}",
+                      f"run.name={shape.name}-{round_}-{copy}", "train.schedule=constant", f"train.steps={steps}",
+                      "checkpoint.interval=0"], start_at) for copy in range(workers)]
+            timed = list(pool.map(_timed_run, jobs)) if workers > 1 else [_timed_run(jobs[0])]
+            step_s = sum(point.batch_seqs * point.seq_len / tokens_per_s for _, tokens_per_s in timed) / len(timed)
+            overhead = sum(wall - (steps - 1) * step_s for wall, _ in timed) / len(timed)
+            rate = step_flops / step_s
+            if round_ > 0:
+                measured.append((point.n, rate, max(overhead, 0.0)))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return Speed(*map(list, zip(*measured)))
+
+
+def _timed_run(job: tuple[list[str], float]) -> tuple[float, float]:
+    """(seconds, tokens per second over all but the first step) of one run of these overrides,
+    started at the wall-clock time given (so that concurrent copies overlap)."""
+    from scaletrain.train.trainer import train
+
+    overrides, start_at = job
+    cfg = load_config(None, overrides)
+    time.sleep(max(0.0, start_at - time.time()))
+    started = time.perf_counter()
+    result = train(cfg)
+    return time.perf_counter() - started, result.tokens_per_s
 
 
 def peak_in_use(device: str, workers: int = 1) -> tuple[str, float | None]:
