@@ -181,6 +181,19 @@ def test_a_sweeps_predicted_time_is_the_flops_it_trains_at_the_rate_plus_a_cost_
     assert flat / 2 <= sweep.predicted_seconds(Speed([1e4], [1e9], [0.0]), workers=2) < flat
 
 
+def test_a_sweeps_time_is_predicted_without_training_it(stdlib_data, tmp_path, capsys):
+    from scaletrain.cli import main
+
+    out = tmp_path / "never"
+    assert main(["sweep", "--data", str(stdlib_data), "--budgets", ",".join(map(str, BUDGETS)), "--shapes", "3",
+                 "--seq-len", "64", "--eval-tokens", "2048", "--min-steps", "20", "--predict-time",
+                 "--out", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "sweep plan: 6 points, 1 at once" in printed and "1e+10" in printed and "3e+10" in printed
+    assert "predicted: " in printed and "nothing trained" in printed
+    assert not out.exists() and not list(tmp_path.iterdir())  # (the timing runs were in a temporary directory)
+
+
 def test_the_demo_scales_every_budget_down_until_its_predicted_time_fits(uninterrupted, caplog):
     from scaletrain.demo import DemoSettings, scale_to_time
 

@@ -513,6 +513,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                              prior=args.prior, eval_tokens=args.eval_tokens, min_steps=args.min_steps, seed=args.seed,
                              device=args.device, optimizer=args.optimizer, mix=args.mix, hparams=_hparams(args.hparams))
     out_dir = Path(args.out) if args.out else Path("sweeps") / Path(args.data).name
+    if args.predict_time:
+        return _predict_sweep_time(settings, args.concurrency)
     try:
         sweep = Sweep(out_dir, settings)
     except ValueError as e:  # an unknown prior law
@@ -532,6 +534,45 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                   + _utilisation(rate, settings.device, args.concurrency))
     out.print(f"cooldown branches: {saved['branched_flops']:.3g} FLOPs instead of {saved['separate_flops']:.3g} for "
               f"separate runs ({saved['saved_fraction']:.0%} saved). Fit with: scaletrain fit {out_dir}")
+    return 0
+
+
+def _predict_sweep_time(settings, concurrency: int) -> int:
+    """`sweep --predict-time`: time three of the sweep's shapes here, print its points, FLOPs and
+    predicted wall-clock by budget; train nothing."""
+    import tempfile
+    from pathlib import Path
+
+    from scaletrain.sweep import SweepPlan, measure_speed, worker_pool
+
+    plan = SweepPlan.on_data(settings)
+    calls = plan.calls()
+    shapes = sorted({point.shape for points in calls.values() for point, _ in points}, key=plan.n_of)
+    console.print(f"timing {len({shapes[0], shapes[len(shapes) // 2], shapes[-1]})} of the sweep's shapes here, "
+                  f"{concurrency} at once …")
+    pool = worker_pool(concurrency, settings.device) if concurrency > 1 else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="scaletrain-timing-") as scratch:
+            speed = measure_speed(plan, [shapes[0], shapes[len(shapes) // 2], shapes[-1]], Path(scratch),
+                                  concurrency, pool)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    seconds = plan.budget_seconds(speed, concurrency)
+    table = Table(title=f"sweep plan: {sum(map(len, calls.values()))} points, {concurrency} at once, centred on the "
+                        f"prior law {settings.prior} (the sweep recentres from its third budget on)")
+    for column in ("budget", "points", "FLOPs trained", "predicted"):
+        table.add_column(column, justify="right")
+    flops = {budget: sum(sum(steps) * point.batch_seqs * point.seq_len * point.flops_per_token for point, steps in points)
+             for budget, points in calls.items()}
+    for budget, points in calls.items():
+        table.add_row(f"{budget:.3g}", ", ".join(point.shape.name for point, _ in points), f"{flops[budget]:.3g}",
+                      f"{seconds[budget]:.0f} s")
+    out.print(table)
+    total = sum(seconds.values())
+    out.print(f"predicted: {total:.0f} s ({total / 3600:.2f} h) for {sum(flops.values()):.3g} FLOPs (cooldown branches "
+              f"included), at {', '.join(f'{r:.3g}' for r in speed.flops_per_s)} FLOP/s per run measured for N = "
+              f"{', '.join(f'{n:,.0f}' for n in speed.n)}; nothing trained")
     return 0
 
 
@@ -1437,6 +1478,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "code=0.3,prose=0.7 (data.mix; what `scaletrain mixture` chose): the law of the data you will "
                         "train on")
     p.add_argument("--out", default=None, help="sweep directory (default sweeps/DATA_NAME)")
+    p.add_argument("--predict-time", action="store_true",
+                   help="train nothing: time three of the sweep's shapes here (about 2 s each, --concurrency at "
+                        "once) and print its points, FLOPs and predicted wall-clock by budget")
     p.set_defaults(func=cmd_sweep)
 
     p = commands.add_parser("mixture", help="choose a data mixture: small runs on sampled mixtures, a data mixing "

@@ -72,10 +72,17 @@ class SweepPlan:
     """A sweep's grid without its directory: which points each budget trains, for how many steps,
     at which learning rate and batch. Arithmetic only, so that a sweep can be planned (and timed,
     `predicted_seconds`) at other budgets before anything is trained. `hyperparameters(budget,
-    width)` -> (learning rate, tokens per step) is the rule the runs follow."""
+    width)` -> (learning rate, tokens per step) is the rule the runs follow, or the measured law
+    in settings.hparams."""
 
     def __init__(self, settings: SweepSettings, vocab_size: int,
                  hyperparameters: Callable[[float, int], tuple[float, float]] = deepseek_hyperparameters):
+        if settings.hparams is not None:
+            hyperparameters = HyperparameterLaw.from_dict(settings.hparams)
+            far = max(hyperparameters.extrapolation(b) or 1.0 for b in settings.budgets)
+            if far > EXTRAPOLATION_WARNING:
+                log.warning("the learning-rate and batch rule was measured at %s FLOPs; the sweep's budgets reach "
+                            "%.2gx beyond them, where it may not hold", hyperparameters.budgets, far)
         self.settings, self.vocab_size, self.hyperparameters = settings, vocab_size, hyperparameters
         self.prior = preset(settings.prior)
         if not isinstance(self.prior, ChinchillaLaw):
@@ -213,25 +220,34 @@ class SweepPlan:
         point = Point(point.shape, point.budget, point.n, point.flops_per_token, s.seq_len, batch_seqs, steps, lr)
         return point, wsd_decay_start(steps, warmup, DECAY_FRACTION)
 
-    def predicted_seconds(self, speed: Speed, workers: int = 1) -> float:
-        """Wall-clock seconds the whole sweep would take from nothing at `speed` (measure_speed's,
-        of `workers` runs at once): budget after budget, each budget's points in order on
-        `workers` processes, each point one call of the trainer extending its shape's trunk to
-        the branch step (if it is not there yet) and one training the branch. Every budget is
-        centred on the prior law; a running sweep recentres from its third budget on, on
-        approach 2 of those before, so this is the time of a sweep near this one."""
+    def calls(self) -> dict[float, list[tuple[Point, list[int]]]]:
+        """The trainer's calls a whole sweep would make from nothing, by budget: for each point
+        (at its shape's batch), the steps of each call — one extending the shape's trunk to the
+        branch step where it is not there yet, one training the branch. Every budget is centred
+        on the prior law; a running sweep recentres from its third budget on, on approach 2 of
+        those before, so these are the calls of a sweep near this one."""
         trunk_at: dict[Shape, int] = {}
-        total = 0.0
+        calls = {}
         for budget in sorted(self.settings.budgets):
-            seconds = []
+            calls[budget] = []
             for planned in self.prior_points(budget):
                 point, branch_at = self.scheduled(planned)
                 extend = branch_at - trunk_at.get(point.shape, 0)
                 trunk_at[point.shape] = max(branch_at, trunk_at.get(point.shape, 0))
-                seconds.append((speed.seconds(point, extend) if extend > 0 else 0.0)
-                               + speed.seconds(point, point.steps - branch_at))
-            total += makespan(seconds, workers)
-        return total
+                calls[budget].append((point, [extend] * (extend > 0) + [point.steps - branch_at]))
+        return calls
+
+    def predicted_seconds(self, speed: Speed, workers: int = 1) -> float:
+        """Wall-clock seconds the calls of a whole sweep (`calls`) would take at `speed`
+        (measure_speed's, of `workers` runs at once)."""
+        return sum(self.budget_seconds(speed, workers).values())
+
+    def budget_seconds(self, speed: Speed, workers: int = 1) -> dict[float, float]:
+        """predicted_seconds by budget: budget after budget, each budget's points handed in order
+        to `workers` processes."""
+        return {budget: makespan([sum(speed.seconds(point, steps) for steps in each) for point, each in points],
+                                 workers)
+                for budget, points in self.calls().items()}
 
 
 class Sweep(SweepPlan):
@@ -243,12 +259,6 @@ class Sweep(SweepPlan):
 
     def __init__(self, out: Path, settings: SweepSettings,
                  hyperparameters: Callable[[float, int], tuple[float, float]] = deepseek_hyperparameters):
-        if settings.hparams is not None:
-            hyperparameters = HyperparameterLaw.from_dict(settings.hparams)
-            far = max(hyperparameters.extrapolation(b) or 1.0 for b in settings.budgets)
-            if far > EXTRAPOLATION_WARNING:
-                log.warning("the learning-rate and batch rule was measured at %s FLOPs; the sweep's budgets reach "
-                            "%.2gx beyond them, where it may not hold", hyperparameters.budgets, far)
         self.out = Path(out)
         saved = self.out / "grid.json"
         if saved.is_file():
