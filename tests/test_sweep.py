@@ -314,9 +314,12 @@ def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path, capl
     settings = DemoSettings(budgets=tuple(BUDGETS), shapes=3, extrapolate=3.0, seq_len=64, max_bytes=200_000,
                             val_fraction=0.05, eval_tokens=2048, bootstrap=5, device="cpu",
                             concurrency=2, min_steps=20, seed=3, time_limit_s=3600)
-    stages = []
-    report = run_demo(tmp_path, settings, progress=lambda stage, info: stages.append(stage))
+    stages, etas = [], []
+    report = run_demo(tmp_path, settings, progress=lambda stage, info: (stages.append(stage),
+                                                                         etas.append(info.get("eta_s"))))
     assert stages[:3] == ["prepare", "calibrate", "time"] and stages.count("sweep") == 6 and stages[-1] == "train"
+    etas = [eta for stage, eta in zip(stages, etas) if stage == "sweep"]  # (in the seconds predicted per point)
+    assert all(eta > 0 for eta in etas[:-1]) and etas[-1] == 0
     # Timed here before the sweep: 3 shapes two at once, the final run's alone; within the hour, unscaled.
     timing = report["time"]
     assert timing["scale"] == 1 and report["budgets"] == BUDGETS == timing["budgets"]

@@ -124,7 +124,8 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
             lap("calibrate_s")
             say("time", **timing)
         sweep = Sweep(out / "sweep", sweep_settings)
-        rows = sweep.run(progress=lambda p: say("sweep", **p), concurrency=settings.concurrency, pool=pool)
+        rows = sweep.run(progress=lambda p: say("sweep", **p), concurrency=settings.concurrency, pool=pool,
+                         speed=None if timing is None else Speed(**timing["speed"]["together"]))
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)

@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -305,9 +306,13 @@ class Sweep(SweepPlan):
                 writer.writeheader()
             writer.writerow(row)
 
-    def run(self, progress: Callable[[dict], None] | None = None, concurrency: int = 1, pool=None) -> list[dict]:
+    def run(self, progress: Callable[[dict], None] | None = None, concurrency: int = 1, pool=None,
+            speed: Speed | None = None) -> list[dict]:
         """Run every point not yet in results.csv; returns all rows. progress gets a dict of
-        points done / total, FLOPs spent, achieved FLOP/s and an ETA after each point.
+        points done / total, FLOPs spent, achieved FLOP/s and an ETA after each point: what is
+        left, in the seconds `speed` (measure_speed's) predicts for each budget's points or
+        else in the points' budgets, at the rate this call has done such units (a branch costs
+        less than its budget, so FLOPs spent would overstate what is left by the share saved).
 
         concurrency > 1 trains that many points of a budget at once in worker processes (the
         points of one budget have distinct shapes, hence distinct trunks): tiny models leave a
@@ -322,7 +327,11 @@ class Sweep(SweepPlan):
         spent = sum(row["c"] for row in done)
         started = time.perf_counter()
         self.spent_here = 0.0
-        nominal_here = 0.0  # the points' budgets done by this call: the ETA's unit of work
+        if speed is not None:
+            unit = {b: seconds / max(planned[b], 1) for b, seconds in self.budget_seconds(speed, concurrency).items()}
+        else:
+            unit = {b: b for b in budgets}
+        units_here = 0.0
         own_pool = pool is None and concurrency > 1
         if own_pool:
             pool = worker_pool(concurrency, self.settings.device)
@@ -343,15 +352,13 @@ class Sweep(SweepPlan):
                     finished.add(row["name"])
                     spent += row["c"]
                     self.spent_here += cost
-                    nominal_here += row["budget"]
+                    units_here += unit[row["budget"]]
                     if progress:
-                        # Budgets left at the rate budgets were done (a branch costs less than its
-                        # budget, so FLOPs spent would overstate what is left by the share saved).
                         elapsed = time.perf_counter() - started
-                        remaining = sum(b * k for b, k in planned.items()) - sum(r["budget"] for r in done)
+                        finished_by_budget = Counter(r["budget"] for r in done)
+                        left = sum(unit[b] * max(k - finished_by_budget[b], 0) for b, k in planned.items())
                         progress({"done": len(done), "total": total, "flops": spent, "name": row["name"],
-                                  "flops_per_s": self.spent_here / elapsed,
-                                  "eta_s": elapsed / nominal_here * max(remaining, 0)})
+                                  "flops_per_s": self.spent_here / elapsed, "eta_s": elapsed / units_here * left})
         finally:
             if own_pool:
                 pool.shutdown(cancel_futures=True)
