@@ -117,6 +117,9 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
         saved = out / "sweep" / "grid.json"
         if saved.is_file():  # a demo run again: its sweep goes on at the budgets it began with
             sweep_settings = replace(sweep_settings, budgets=json.loads(saved.read_text())["settings"]["budgets"])
+            log.warning("the sweep in %s began with the budgets %s FLOPs; it goes on at those (no time limit is "
+                        "fitted to a sweep begun; another --out starts afresh)", saved.parent,
+                        ", ".join(f"{b:.3g}" for b in sweep_settings.budgets))
         elif settings.time_limit_s is not None:
             say("calibrate")
             left = settings.time_limit_s - (time.perf_counter() - started)
@@ -243,11 +246,15 @@ def scale_to_time(plan: SweepPlan, settings: DemoSettings, together: Speed, alon
                           f"{plan.settings.min_steps} steps long; lower min_steps or raise the budgets")
     scale, times = next(((scale, times) for scale, times in feasible if sum(times.values()) <= available),
                         feasible[-1])
-    if scale < 1:
+    if sum(times.values()) > available:
+        log.warning("the time limit cannot be kept: at the speed measured here the sweep and the final run would "
+                    "take %.0f s even with every budget scaled by %.2f, the least at which each budget still has a "
+                    "shape of %d steps (down to %g allowed), and %.0f s are left for them", sum(times.values()), scale,
+                    plan.settings.min_steps, settings.min_scale, available)
+    elif scale < 1:
         log.warning("at the speed measured here the sweep and the final run would take %.0f s, and %.0f s are left "
-                    "for them: every budget is scaled by %.2f (predicted %.0f s)%s", sum(feasible[0][1].values()),
-                    available, scale, sum(times.values()),
-                    "" if sum(times.values()) <= available else ", the least allowed, and still too slow")
+                    "for them: every budget is scaled by %.2f (predicted %.0f s)", sum(feasible[0][1].values()),
+                    available, scale, sum(times.values()))
     return scale, times
 
 

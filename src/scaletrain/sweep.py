@@ -245,7 +245,10 @@ class SweepPlan:
 
     def budget_seconds(self, speed: Speed, workers: int = 1) -> dict[float, float]:
         """predicted_seconds by budget: budget after budget, each budget's points handed in order
-        to `workers` processes."""
+        to `workers` processes. Every call costs what the timed runs cost, at the speed of
+        `workers` runs at once: the last points of a budget, with fewer beside them, run faster
+        on a device they share (the prediction errs long there), and a trunk's extension neither
+        evaluates nor starts fresh as a timed run does."""
         return {budget: makespan([sum(speed.seconds(point, steps) for steps in each) for point, each in points],
                                  workers)
                 for budget, points in self.calls().items()}
@@ -544,13 +547,15 @@ def measure_speed(plan: SweepPlan, shapes: list[Shape], out: Path, workers: int 
     data and device): for each, `workers` copies at once in `pool`'s processes (one in this
     process when workers is 1), each for about `seconds` of steps, in out/ (removed after).
     Smallest first, each run's length set by the rate of the one before; a short first round
-    of the smallest shape warms the processes up (CUDA, the allocator, the data loader)."""
+    of the smallest shape warms the processes up (CUDA, the allocator, the data loader). The
+    runs train at a learning rate too small to diverge: what a step costs does not depend on it."""
     if workers > 1 and pool is None:
         raise ValueError("measuring several runs at once needs the pool they run in")
     shapes = sorted(set(shapes), key=plan.n_of)
     out = Path(out)
     measured: list[tuple[float, float, float]] = []
     rate = None
+    shutil.rmtree(out, ignore_errors=True)  # (what a measurement killed on the spot left)
     try:
         for round_, shape in enumerate([shapes[0], *shapes]):
             point, _ = plan.scheduled(plan_points(max(plan.settings.budgets), [shape], plan.vocab_size,
@@ -559,12 +564,13 @@ def measure_speed(plan: SweepPlan, shapes: list[Shape], out: Path, workers: int 
             step_flops = point.batch_seqs * point.seq_len * point.flops_per_token
             steps = 10 if rate is None else min(max(round(seconds * rate / step_flops), 20), 10_000)
             start_at = time.time() + 0.5
-            jobs = [([*plan.run_overrides(point, point.lr, point.batch_seqs, 0), f"run.dir={out}",
+            jobs = [([*plan.run_overrides(point, 1e-6, point.batch_seqs, 0), f"run.dir={out}",
                       f"run.name={shape.name}-{round_}-{copy}", "train.schedule=constant", f"train.steps={steps}",
-                      "checkpoint.interval=0"], start_at) for copy in range(workers)]
+                      "checkpoint.interval=0", "checkpoint.resume=never"], start_at) for copy in range(workers)]
             timed = list(pool.map(_timed_run, jobs)) if workers > 1 else [_timed_run(jobs[0])]
+            # (tokens_per_s leaves the first step out: its warm-up is part of the overhead)
             step_s = sum(point.batch_seqs * point.seq_len / tokens_per_s for _, tokens_per_s in timed) / len(timed)
-            overhead = sum(wall - (steps - 1) * step_s for wall, _ in timed) / len(timed)
+            overhead = sum(wall - steps * step_s for wall, _ in timed) / len(timed)
             rate = step_flops / step_s
             if round_ > 0:
                 measured.append((point.n, rate, max(overhead, 0.0)))
@@ -583,7 +589,12 @@ def _timed_run(job: tuple[list[str], float]) -> tuple[float, float]:
     time.sleep(max(0.0, start_at - time.time()))
     started = time.perf_counter()
     result = train(cfg)
-    return time.perf_counter() - started, result.tokens_per_s
+    seconds = time.perf_counter() - started
+    import torch
+
+    if torch.cuda.is_available():  # (the memory this run cached is not the next one's)
+        torch.cuda.empty_cache()
+    return seconds, result.tokens_per_s
 
 
 def peak_in_use(device: str, workers: int = 1) -> tuple[str, float | None]:
