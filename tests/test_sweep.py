@@ -167,6 +167,12 @@ def test_a_speed_measured_at_a_few_sizes_times_every_size_and_jobs_share_workers
     assert falling.rate(1e6) == pytest.approx(1e9) and falling.rate(1e3) == pytest.approx(2e9)
     assert falling.rate(10 ** 4.5) == pytest.approx(2 ** 0.5 * 1e9)
     assert makespan([3, 1, 1, 1], 2) == 3 and makespan([1, 1, 1], 2) == 2 and makespan([2, 2], 1) == 4
+    # Jobs 4 s long four at once and 1 s alone (a device the workers share): the fifth runs alone,
+    # two at once take 2 s (between, linear in how many run); as long alone: as above.
+    assert makespan([4] * 5, 4, alone=[1] * 5) == pytest.approx(5) and makespan([4] * 5, 4) == 8
+    assert makespan([4] * 2, 4, alone=[1] * 2) == pytest.approx(2)
+    assert makespan([2, 2, 2], 2, alone=[1, 1, 1]) == pytest.approx(3)
+    assert makespan([3, 1, 1, 1], 2, alone=[3, 1, 1, 1]) == pytest.approx(3)
 
 
 def test_a_sweeps_predicted_time_is_the_flops_it_trains_at_the_rate_plus_a_cost_per_call(uninterrupted):
@@ -218,7 +224,7 @@ def test_the_demo_scales_every_budget_down_until_its_predicted_time_fits(uninter
 
     sweep, _ = uninterrupted
     settings = DemoSettings(budgets=tuple(BUDGETS), shapes=3, extrapolate=3.0, seq_len=64, min_steps=20,
-                            concurrency=1, min_scale=0.3)
+                            concurrency=1, min_scale=0.3, headroom=0.0)
     speed = Speed([1e4, 1e5], [1e9, 4e9], [0.5, 0.5])
     scale, whole = scale_to_time(sweep, settings, speed, speed, math.inf)
     assert scale == 1 and whole["sweep_s"] == pytest.approx(sweep.predicted_seconds(speed))
@@ -230,6 +236,9 @@ def test_the_demo_scales_every_budget_down_until_its_predicted_time_fits(uninter
     larger = SweepPlan(replace(sweep.settings, budgets=[b * scale / 0.9 for b in BUDGETS]), sweep.vocab_size)
     _, times = scale_to_time(larger, settings, speed, speed, math.inf)  # the next scale up would not have fitted
     assert sum(times.values()) > half
+    # Time for the whole, less a fifth kept free of the prediction: scaled down.
+    scale, times = scale_to_time(sweep, replace(settings, headroom=0.2), speed, speed, sum(whole.values()))
+    assert scale < 1 and sum(times.values()) <= 0.8 * sum(whole.values())
     caplog.clear()
     scale, times = scale_to_time(sweep, settings, speed, speed, 1.0)  # nothing fits: the smallest scale allowed
     assert 0.3 <= scale < 0.3 / 0.9 and "the time limit cannot be kept" in caplog.text

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import heapq
+import itertools
 import json
 import logging
 import math
@@ -238,19 +239,21 @@ class SweepPlan:
                 calls[budget].append((point, [extend] * (extend > 0) + [point.steps - branch_at]))
         return calls
 
-    def predicted_seconds(self, speed: Speed, workers: int = 1) -> float:
+    def predicted_seconds(self, speed: Speed, workers: int = 1, alone: Speed | None = None) -> float:
         """Wall-clock seconds the calls of a whole sweep (`calls`) would take at `speed`
-        (measure_speed's, of `workers` runs at once)."""
-        return sum(self.budget_seconds(speed, workers).values())
+        (measure_speed's, of `workers` runs at once; `alone`, of one)."""
+        return sum(self.budget_seconds(speed, workers, alone).values())
 
-    def budget_seconds(self, speed: Speed, workers: int = 1) -> dict[float, float]:
+    def budget_seconds(self, speed: Speed, workers: int = 1, alone: Speed | None = None) -> dict[float, float]:
         """predicted_seconds by budget: budget after budget, each budget's points handed in order
-        to `workers` processes. Every call costs what the timed runs cost, at the speed of
-        `workers` runs at once: the last points of a budget, with fewer beside them, run faster
-        on a device they share (the prediction errs long there), and a trunk's extension neither
-        evaluates nor starts fresh as a timed run does."""
-        return {budget: makespan([sum(speed.seconds(point, steps) for steps in each) for point, each in points],
-                                 workers)
+        to `workers` processes (makespan: at `speed` while `workers` run, faster towards `alone`
+        as a budget's last points run with fewer beside them; at `speed` throughout without
+        it). Every call costs what the timed runs cost: a trunk's extension neither evaluates
+        nor starts fresh as a timed run does."""
+        def lengths(at: Speed, points) -> list[float]:
+            return [sum(at.seconds(point, steps) for steps in each) for point, each in points]
+
+        return {budget: makespan(lengths(speed, points), workers, None if alone is None else lengths(alone, points))
                 for budget, points in self.calls().items()}
 
 
@@ -532,13 +535,34 @@ class Speed:
         return asdict(self)
 
 
-def makespan(seconds: list[float], workers: int) -> float:
-    """When the last of jobs of these lengths ends, each taken in order by the first of `workers`
-    processes to be free (as a process pool's map hands them out)."""
-    free = [0.0] * max(1, workers)
-    for length in seconds:
-        heapq.heapreplace(free, free[0] + length)
-    return max(free)
+def makespan(seconds: list[float], workers: int, alone: list[float] | None = None) -> float:
+    """When the last of these jobs ends, each taken in order by the first of `workers` processes
+    to be free (as a process pool's map hands them out). `seconds` are the jobs' lengths with
+    `workers` running at once; `alone`, if given, their lengths with none beside them, and with k
+    running a job goes at the pace interpolated linearly in k between the two. (On a device the
+    runs share, a step's time grows with the runs beside it, from flat where launches bound it
+    to in proportion where the device does: convex in k, so the chord errs long.)"""
+    if alone is None or workers == 1:
+        free = [0.0] * max(1, workers)
+        for length in seconds:
+            heapq.heapreplace(free, free[0] + length)
+        return max(free)
+    pending = iter([(a, t) for a, t in zip(alone, seconds) if max(a, t) > 0])
+    running: list[list[float]] = []  # [share of the job left, its length alone, with `workers` at once]
+    for job in itertools.islice(pending, workers):
+        running.append([1.0, *job])
+    now = 0.0
+    while running:
+        k = len(running)
+        lengths = [a + (t - a) * (k - 1) / (workers - 1) for _, a, t in running]
+        step = min(left * length for (left, _, _), length in zip(running, lengths))
+        now += step
+        for job, length in zip(running, lengths):
+            job[0] -= step / length
+        ended = sum(job[0] <= 1e-9 for job in running)
+        running = [job for job in running if job[0] > 1e-9]
+        running.extend([1.0, *job] for job in itertools.islice(pending, ended))
+    return now
 
 
 def measure_speed(plan: SweepPlan, shapes: list[Shape], out: Path, workers: int = 1, pool=None,
