@@ -215,6 +215,10 @@ def test_bad_paths_names_and_values_are_said_in_one_sentence(stdlib_data, tmp_pa
           "--write-config", str(tmp_path)], f"--write-config {str(tmp_path)!r} is a directory"),
         (["demo", "--out", str(tmp_path / "demo"), "--minutes", "-1"], "--minutes -1: give the minutes the demo may take"),
     ]
+    import torch
+
+    if not torch.cuda.is_available():  # (refused before its 400 MB of data are prepared)
+        cases.append((["demo", "--device", "cuda", "--out", str(tmp_path / "demo")], "no CUDA device is visible here"))
     for argv, message in cases:
         assert main(argv) == 2, argv
         err = " ".join(capsys.readouterr().err.split())

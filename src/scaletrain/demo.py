@@ -95,6 +95,12 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
         if progress:
             progress(stage, info)
 
+    if settings.device == "cuda":  # (before minutes of preparing its data)
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device is visible here; run the GPU demo on a machine with "
+                              "one, or leave --device out for the CPU demo")
     out = Path(out)
     data = out / "data"
     started = mark = time.perf_counter()
