@@ -213,7 +213,8 @@ def test_bad_paths_names_and_values_are_said_in_one_sentence(stdlib_data, tmp_pa
          "name the field that holds the text with --text-field"),
         (["tune", tiny, f"data.path={stdlib_data}", "model.mup_base_dim=32", "--out", str(tmp_path / "tune"),
           "--write-config", str(tmp_path)], f"--write-config {str(tmp_path)!r} is a directory"),
-        (["demo", "--out", str(tmp_path / "demo"), "--minutes", "-1"], "--minutes -1: give the minutes the demo may take"),
+        (["demo", "--out", str(tmp_path / "demo"), "--minutes", "-1"],
+         "--minutes -1: give the minutes the demo may take"),
     ]
     import torch
 

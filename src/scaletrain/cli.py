@@ -563,8 +563,7 @@ def _predict_sweep_time(settings, concurrency: int) -> int:
                         f"prior law {settings.prior} (the sweep recentres from its third budget on)")
     for column in ("budget", "points", "FLOPs trained", "predicted"):
         table.add_column(column, justify="right")
-    flops = {budget: sum(sum(steps) * point.batch_seqs * point.seq_len * point.flops_per_token for point, steps in points)
-             for budget, points in calls.items()}
+    flops = {budget: sum(sum(steps) * point.step_flops for point, steps in points) for budget, points in calls.items()}
     for budget, points in calls.items():
         table.add_row(f"{budget:.3g}", ", ".join(point.shape.name for point, _ in points), f"{flops[budget]:.3g}",
                       f"{seconds[budget]:.0f} s")

@@ -389,7 +389,6 @@ class Sweep(SweepPlan):
                               "lower --seq-len")
         trunk_dir = self.out / "trunks" / point.shape.name
         overrides = self.run_overrides(point, lr, batch_seqs, warmup)
-        flops_per_step = batch_seqs * s.seq_len * point.flops_per_token
         spent = 0.0
         loss = train_loss = math.nan
         diverged = _diverged_at(trunk_dir)
@@ -403,10 +402,10 @@ class Sweep(SweepPlan):
                                      "train.schedule=constant", f"train.steps={longest}", "checkpoint.interval=0"])
             try:
                 train(cfg, stop_at_step=branch_at)
-                spent += (branch_at - trunk_step) * flops_per_step
+                spent += (branch_at - trunk_step) * point.step_flops
             except TrainingDiverged as e:
                 diverged = max(e.step, trunk_step + 1)
-                spent += (diverged - trunk_step) * flops_per_step
+                spent += (diverged - trunk_step) * point.step_flops
                 (trunk_dir / DIVERGED).write_text(json.dumps({"step": diverged, "error": str(e)}) + "\n")
         if diverged is not None:
             log.warning("the trunk of shape %s diverged at step %d (%s); point %s and the shape's later points "
@@ -428,7 +427,7 @@ class Sweep(SweepPlan):
             except TrainingDiverged as e:
                 log.warning("point %s diverged (%s); it is recorded with a loss of nan and left out of fits",
                             point.name, e)
-            spent += (steps - branch_at) * flops_per_step
+            spent += (steps - branch_at) * point.step_flops
         row = {"name": point.name, "budget": point.budget, "shape": point.shape.name, "dim": point.shape.dim,
                "n_layers": point.shape.n_layers, "n": point.n, "d": point.tokens, "c": point.compute,
                "c_6nd": point.compute_6nd, "loss": loss, "train_loss": train_loss,
@@ -526,7 +525,7 @@ class Speed:
 
     def seconds(self, point: Point, steps: int) -> float:
         """A call of the trainer that trains `steps` steps of `point`."""
-        return self.overhead(point.n) + steps * point.batch_seqs * point.seq_len * point.flops_per_token / self.rate(point.n)
+        return self.overhead(point.n) + steps * point.step_flops / self.rate(point.n)
 
     def scaled(self, factor: float, overhead_s: float) -> Speed:
         return Speed(list(self.n), [r * factor for r in self.flops_per_s], [overhead_s] * len(self.n))
@@ -585,8 +584,7 @@ def measure_speed(plan: SweepPlan, shapes: list[Shape], out: Path, workers: int 
             point, _ = plan.scheduled(plan_points(max(plan.settings.budgets), [shape], plan.vocab_size,
                                                   plan.settings.seq_len, plan.hyperparameters,
                                                   micro_batch=plan.settings.micro_batch)[0])
-            step_flops = point.batch_seqs * point.seq_len * point.flops_per_token
-            steps = 10 if rate is None else min(max(round(seconds * rate / step_flops), 20), 10_000)
+            steps = 10 if rate is None else min(max(round(seconds * rate / point.step_flops), 20), 10_000)
             start_at = time.time() + 0.5
             jobs = [([*plan.run_overrides(point, 1e-6, point.batch_seqs, 0), f"run.dir={out}",
                       f"run.name={shape.name}-{round_}-{copy}", "train.schedule=constant", f"train.steps={steps}",
@@ -595,7 +593,7 @@ def measure_speed(plan: SweepPlan, shapes: list[Shape], out: Path, workers: int 
             # (tokens_per_s leaves the first step out: its warm-up is part of the overhead)
             step_s = sum(point.batch_seqs * point.seq_len / tokens_per_s for _, tokens_per_s in timed) / len(timed)
             overhead = sum(wall - steps * step_s for wall, _ in timed) / len(timed)
-            rate = step_flops / step_s
+            rate = point.step_flops / step_s
             if round_ > 0:
                 measured.append((point.n, rate, max(overhead, 0.0)))
     finally:

@@ -129,6 +129,11 @@ class Point:
         return self.steps * self.batch_seqs * self.seq_len
 
     @property
+    def step_flops(self) -> int:
+        """Training FLOPs of one optimizer step."""
+        return self.batch_seqs * self.seq_len * self.flops_per_token
+
+    @property
     def compute(self) -> float:
         """Exact training FLOPs of the point as run (whole steps)."""
         return float(self.tokens * self.flops_per_token)
