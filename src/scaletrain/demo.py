@@ -234,13 +234,14 @@ def scale_to_time(plan: SweepPlan, settings: DemoSettings, together: Speed, alon
     final run's, settings.extrapolate times the largest) brings the sweep at speed `together`
     (settings.concurrency runs at once, `alone` for a budget's last points) and the final run
     at speed `alone` within `available` seconds less settings.headroom of them; the smallest
-    scale, with a warning, where none does. The final run is timed at the
-    shape the prior law would choose; the fitted law's may differ."""
+    scale, with a warning, where none does. The final run is timed at the shape the prior law
+    would choose; the fitted law's may differ."""
     target = settings.extrapolate * max(plan.settings.budgets)
 
     def predicted(scale: float) -> dict | None:
         """None where the budgets are too small for the sweep's min_steps."""
-        scaled = SweepPlan(replace(plan.settings, budgets=[b * scale for b in plan.settings.budgets]),
+        # (the plan's rule as it is: a measured law in its settings, read again, would warn again)
+        scaled = SweepPlan(replace(plan.settings, budgets=[b * scale for b in plan.settings.budgets], hparams=None),
                            plan.vocab_size, plan.hyperparameters)
         try:
             final, _ = scaled.best_point(scaled.prior, target * scale)
