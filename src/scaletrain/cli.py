@@ -858,7 +858,7 @@ def _number(convert, what: str, ok, bound: str):
     return parse
 
 
-_flops = _number(float, "a number (e.g. 1e21)", lambda v: v > 0, "positive")
+_flops = _number(float, "a number (e.g. 1e21)", lambda v: 0 < v < float("inf"), "positive and finite")
 _count = _number(int, "a whole number", lambda v: v >= 1, "at least 1")
 _amount = _number(float, "a number", lambda v: 0 <= v < float("inf"), "zero or positive")
 _lr = _number(float, "a learning rate (e.g. 3e-3)", lambda v: 0 < v < float("inf"), "positive")
@@ -1061,7 +1061,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     settings = DemoSettings.gpu() if args.device == "cuda" else DemoSettings(device="cpu")
     settings.seed = args.seed
     if args.minutes is not None:
-        if not args.minutes >= 0:
+        if not 0 <= args.minutes < float("inf"):
             raise UserError(f"--minutes {args.minutes:g}: give the minutes the demo may take, e.g. 10 (0: no limit)")
         settings.time_limit_s = 60 * args.minutes or None
     logging.getLogger("scaletrain").setLevel(logging.WARNING)
