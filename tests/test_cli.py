@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+from contextlib import nullcontext
 
 import pytest
 
@@ -204,7 +206,7 @@ def test_bad_paths_names_and_values_are_said_in_one_sentence(stdlib_data, tmp_pa
     tiny = str(ROOT / "configs" / "tiny.toml")
     cases = [
         (["sweep", "--data", str(stdlib_data), "--budgets", "1e12", "--out", str(afile)],
-         f"{str(afile)!r} is a file, or lies under one, where a directory is needed"),
+         f"--out {str(afile)!r} is a file; give a directory for the sweep"),
         (["train", tiny, f"data.path={stdlib_data}", f"run.dir={afile}", "train.steps=1"], "is a file, or lies under one"),
         (["train", tiny, f"data.path={stdlib_data}[bold]v2"], f"{stdlib_data}[bold]v2' does not exist"),
         (["train", tiny, f"data.path={stdlib_data}", "run.name=../escape"], "must name one folder inside run.dir"),
@@ -248,6 +250,95 @@ def test_a_run_directory_given_as_config_and_a_resume_past_the_runs_steps_are_re
         capsys.readouterr().err.split())
     assert main(["compare", str(trained_run), str(trained_run), "--out", str(tmp_path)]) == 2
     assert f"--out {str(tmp_path)!r} is a directory" in capsys.readouterr().err
+
+
+def test_what_other_commands_wrote_is_not_written_over(trained_run, stdlib_data, tmp_path, capsys):
+    """An output directory that holds another command's output (a sweep into a run, data into a
+    sweep) and an output file that is a directory's own (a sweep's results.csv, a run's
+    metrics.jsonl) are refused before any work, and what was there is unchanged; so is an image
+    format Matplotlib cannot write, and a refused resume leaves no run directory behind."""
+    from scaletrain.cli import main
+    from scaletrain.outputs import kind_of
+
+    sweep = tmp_path / "sweep"
+    (sweep / "points").mkdir(parents=True)
+    (sweep / "grid.json").write_text(json.dumps({"settings": {"budgets": [1e12]}}))
+    (sweep / "results.csv").write_text("name,n,c,loss\n")
+    search = tmp_path / "search"
+    search.mkdir()
+    (search / "grid.json").write_text(json.dumps({"settings": {"lr_factors": [1.0]}}))
+    assert [kind_of(p) for p in (trained_run, stdlib_data, sweep, search, tmp_path)] == [
+        "run directory", "prepared data directory", "sweep", "hyperparameter search", None]
+    kept = {p: p.read_bytes() for d in (trained_run, sweep, stdlib_data) for p in d.iterdir() if p.is_file()}
+    tiny = str(ROOT / "configs" / "tiny.toml")
+    cases = [
+        (["eval", str(sweep), "--out", str(sweep / "results.csv")], "is a file of the sweep"),
+        (["eval", str(trained_run), "--out", str(trained_run / "metrics.jsonl")], "is a file of the run directory"),
+        (["sweep", "--data", str(stdlib_data), "--budgets", "1e10", "--out", str(trained_run)],
+         "is a run directory, not a sweep; give a new directory for the sweep"),
+        (["hparams", "--data", str(stdlib_data), "--budgets", "1e10,2e10", "--out", str(sweep)],
+         "is a sweep, not a hyperparameter search"),
+        (["sweep", "--data", str(stdlib_data), "--budgets", "1e10", "--out", str(search)],
+         "is a hyperparameter search, not a sweep"),
+        (["tune", tiny, f"data.path={stdlib_data}", "model.mup_base_dim=32", "--out", str(sweep)],
+         "is a sweep, not a tuning directory"),
+        (["demo", "--out", str(stdlib_data)], "is a prepared data directory, not a demo directory"),
+        (["data", "prepare", "builtin:python-stdlib", "--out", str(trained_run), "--max-bytes", "10k"],
+         "is a run directory; give a new directory to prepare the data into"),
+        (["data", "stats", str(stdlib_data), "--plot", str(tmp_path / "lengths.txt")],
+         "a .txt file cannot be written here; give a name ending in one of"),
+        (["compare", str(trained_run), str(trained_run), "--out", str(tmp_path / "runs.csv")], "a .csv file cannot"),
+        (["train", tiny, f"data.path={stdlib_data}", f"run.dir={tmp_path}", "run.name=fresh",
+          f"checkpoint.resume={tmp_path / 'nowhere'}"], "is not a directory; give a checkpoint directory"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert message in err and "Traceback" not in err, (argv, err)
+    assert {p: p.read_bytes() for p in kept} == kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["search", "sweep"]
+
+
+def test_values_out_of_range_are_refused_before_any_work(trained_run, stdlib_data, tmp_path, capsys):
+    """Numbers no command can use (negative ones written any way argparse reads, a temperature
+    that is not a number, a vocabulary beyond a tokenizer's ids, true for a number, a plan with
+    no time for a model, more workers than the cores feed), options that contradict each other
+    and a data path that is a file: each one sentence, nothing written."""
+    from scaletrain.cli import main
+
+    tiny = str(ROOT / "configs" / "tiny.toml")
+    cases = [
+        (["demo", "--out", str(tmp_path / "demo"), "--minutes", "-1e3"], "--minutes -1000: give the minutes"),
+        (["fit", str(tmp_path), "--drop-highest", "-1"], "argument --drop-highest: '-1' must be 0 or more"),
+        (["generate", str(trained_run), "--prompt", "def", "--temperature", "nan"], "temperature must be ≥ 0 and finite"),
+        (["data", "prepare", "builtin:python-stdlib", "--out", str(tmp_path / "d"), "--vocab-size", "10000000000"],
+         "vocab_size 10,000,000,000 is beyond what a tokenizer is trained to"),
+        (["data", "prepare", "builtin:python-stdlib", "--out", str(tmp_path / "d"), "--vocab-size", "600",
+          "--tokenizer", str(stdlib_data)], "with --tokenizer the given one's vocabulary is used: drop one of them"),
+        (["train", tiny, f"data.path={stdlib_data}", "model.dim=true"],
+         "model.dim = true: this key takes a whole number, not true or false"),
+        (["train", tiny, f"data.path={stdlib_data / 'index.json'}"],
+         f"is a file, not a prepared data directory; give its folder {str(stdlib_data)!r}"),
+        (["train", tiny, f"data.path={stdlib_data}", f"run.dir={tmp_path}", "model.dim=1048576", "model.n_heads=4"],
+         "parameters take"),
+        (["plan", "--hours", "1e-7"], "no model the law sizes finishes in 1e-07 hours"),
+        (["plan", "--compute", "1e20", "--unique-tokens", "1"], "--unique-tokens 1 are too few for --compute 1e+20"),
+        (["sweep", "--data", str(stdlib_data), "--budgets", "1e10", "--concurrency", str(4 * (os.cpu_count() or 1) + 1),
+          "--out", str(tmp_path / "s")], "each worker process needs a share of this machine's"),
+        (["sweep", "--data", str(stdlib_data), "--budgets", "1e25", "--predict-time"],
+         "days even at the 4e+10 FLOP/s peak of cpu" if os.cpu_count() == 2 else "days even at the"),
+        (["mixture", "--data", str(tmp_path), "--budget", "1e10", "--runs", "0"], "--runs 0: give the number of"),
+        (["hparams", "--data", str(stdlib_data), "--budgets", "1e10,2e10", "--check", "1e9", "--out", str(tmp_path / "h")],
+         "--check 1e+09: check the law beyond the budgets it is measured at"),
+        (["launch", "slurm", tiny, "--nodes", "1", "--gpus-per-node", "1", "--image", "my:image"],
+         "--image names the container a Kubernetes job runs"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) if "argument" in message or "worker process" in message else nullcontext():
+            assert main(argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert message in err and "Traceback" not in err, (argv, err)
+    assert not list(tmp_path.iterdir())
 
 
 def test_overrides_may_follow_an_option_of_several_values():

@@ -72,8 +72,9 @@ def test_a_cooldown_is_refused_off_the_stable_stretch_or_without_its_checkpoint(
     cosine = tmp_path / "cosine"
     train(tiny_config(stdlib_data, cosine, "train.steps=8", "train.warmup_steps=2", "eval.interval=0",
                       "checkpoint.interval=4"))
-    with pytest.raises(ConfigError, match=r"learning rate after step 4 is .*, not its peak .*cosine schedule.*"
-                                          r"stable stretch of a 'wsd' or 'constant' schedule"):
+    with pytest.raises(ConfigError, match=r"trains a 'cosine' schedule, whose learning rate decays from its warmup "
+                                          r"on \(0\.00\d+ before step 4, of its peak train\.lr = 0\.003\); a cooldown "
+                                          r"branches from the stable stretch of a 'wsd' or 'constant' schedule"):
         cooldown_config(cosine, 4, 2)
     with pytest.raises(ConfigError, match="has no complete checkpoint of step 5; it has 4, 8"):
         cooldown_config(cosine, 5, 2)
@@ -97,3 +98,25 @@ def test_a_cooldown_is_refused_off_the_stable_stretch_or_without_its_checkpoint(
     result = run_cli("cooldown", str(constant), "--step", "8", "--steps", "2", "--nproc", "2")
     assert result.returncode == 0, result.stderr[-2000:]
     assert read_metrics(tmp_path / "constant-cooldown-8", "end")[-1]["complete"]
+    # What is there is not written over: the run itself, another branch, a branch of other steps, a
+    # foreign file of the branch's name; options are checked before anything is written.
+    done = tmp_path / "constant-cooldown-8"
+    before = {p: p.read_bytes() for p in (done / "branch.json", done / "config.toml", tmp_path / "constant-cooldown-8.toml")}
+    with pytest.raises(ConfigError, match="'constant' is the run's own name"):
+        cooldown_config(constant, 8, 2, name="constant")
+    with pytest.raises(ConfigError, match="holds this run's branch from step 8 over 2 steps; give --steps 2 to resume"):
+        cooldown_config(constant, 8, 3)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "branch.json").write_text(json.dumps({"of": "/runs/other", "step": 3, "steps": 1}))
+    with pytest.raises(ConfigError, match="already holds a branch of '/runs/other' from step 3; give --name a new name"):
+        cooldown_config(constant, 8, 2, name="elsewhere")
+    with pytest.raises(ConfigError, match="already holds files of another run"):
+        cooldown_config(constant, 8, 2, name="cosine")
+    (tmp_path / "notes.toml").write_text("my notes\n")
+    with pytest.raises(ConfigError, match="notes.toml' exists and is not a config of run 'notes'"):
+        cooldown_config(constant, 8, 2, name="notes")
+    result = run_cli("cooldown", str(constant), "--step", "8", "--steps", "2", "--name", "fresh", "--stop-at-step", "0")
+    assert result.returncode == 2 and "--stop-at-step 0 must be a step number" in result.stderr
+    assert not (tmp_path / "fresh").exists() and not (tmp_path / "fresh.toml").exists()
+    assert {p: p.read_bytes() for p in before} == before and (tmp_path / "notes.toml").read_text() == "my notes\n"
+    assert cooldown_config(constant, 8, 2).checkpoint.resume == "auto"  # the same branch again resumes its own

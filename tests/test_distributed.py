@@ -493,19 +493,23 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_the_cli_resumes_with_t
     assert_parity(run_dir, reference_long)
 
 
+@pytest.mark.parametrize("nproc", [2, 1])
 def test_a_hung_rank_is_ended_by_its_watchdog_and_torchrun_restarts_the_job_from_its_checkpoint(
-        stdlib_data, reference, tmp_path):
-    """Rank 1 stops making progress after step 2 (tests/inject_hang: the first attempt only). Its
-    watchdog (train.hang_timeout_s = 3) prints the stacks and exits with status 75 (rank 0, stuck in
-    the step's collective, does too), torchrun starts both again (--max-restarts 1), and they
-    resume from step 2's checkpoint to the losses of one process."""
+        stdlib_data, reference, tmp_path, nproc):
+    """Rank 1 (of 2; or the one process, which --max-restarts alone also starts through torchrun)
+    stops making progress after step 2 (tests/inject_hang: the first attempt only). Its watchdog
+    (train.hang_timeout_s = 3) prints the stacks and exits with status 75 (rank 0, stuck in the
+    step's collective, does too), torchrun starts them again (--max-restarts 1), and they resume
+    from step 2's checkpoint to the losses of one process."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "COLUMNS": "200", "SCALETRAIN_TEST_HANG_RANK": "1", "SCALETRAIN_TEST_HANG_AFTER_STEP": "2",
+    env = {**os.environ, "COLUMNS": "200", "SCALETRAIN_TEST_HANG_RANK": str(nproc - 1),
+           "SCALETRAIN_TEST_HANG_AFTER_STEP": "2",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "inject_hang"), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(
         [sys.executable, "-m", "scaletrain.cli", "train", "configs/tiny.toml", f"data.path={stdlib_data}",
-         f"run.dir={tmp_path}", "run.name=run", *STEPS, "parallel.dp_shard=2", "train.hang_timeout_s=3",
-         "--nproc=2", "--max-restarts=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+         f"run.dir={tmp_path}", "run.name=run", *STEPS, f"parallel.dp_shard={nproc}", "train.hang_timeout_s=3",
+         *(["--nproc=2"] if nproc == 2 else []), "--max-restarts=1"], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "no step, evaluation or checkpoint finished in" in result.stderr
     assert "in train_step" in result.stderr  # rank 1's stack, where it hung

@@ -1,5 +1,7 @@
 """metrics.jsonl reads as one history across resumes, restarts and torn writes."""
 
+import json
+
 from scaletrain.train.metrics import MetricsLog, read_metrics
 
 
@@ -52,3 +54,23 @@ def test_superseded_records_are_kept_on_request_but_an_earlier_run_is_not(tmp_pa
     assert [r["kind"] for r in read_metrics(tmp_path)] == ["start", "rewind"]  # the rewind went back past it all
     assert [r["kind"] for r in read_metrics(tmp_path, superseded=True)] == [
         "start", "train", "hang", "resume", "rewind"]
+
+
+def test_a_record_of_the_wrong_shape_is_left_out_with_a_warning(tmp_path, caplog):
+    """A line edited by hand (or written by something else) that parses but is not a record as
+    MetricsLog writes them is left out, once said, instead of failing report and compare."""
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.write("start", 0, 0)
+    for step in (1, 2, 3):
+        log.write("train", step, step * 10, loss=float(step))
+    log.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        for bad in ({"kind": "train", "step": "4", "tokens": 40, "loss": 4.0}, {"step": 5, "tokens": 50},
+                    {"kind": "train", "step": 6, "tokens": 60, "loss": [6.0]}, {"kind": "train", "step": 7, "tokens": None},
+                    {"kind": "train", "step": 8, "tokens": 80, "step_s": "1s"}, [1, 2]):
+            f.write(json.dumps(bad) + "\n")
+    with caplog.at_level("WARNING", logger="scaletrain"):
+        assert [r["step"] for r in read_metrics(tmp_path, "train")] == [1, 2, 3]
+        read_metrics(tmp_path)
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
+        "6 line(s) are not records this project writes (a field missing or of another type); they were left out"]

@@ -16,6 +16,7 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from scaletrain.errors import Stopped, UserError
+from scaletrain.outputs import check_output_dir, check_output_file, plot_suffixes
 
 # Piped output (CI logs, files) gets wide lines instead of Rich's 80-column default.
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
@@ -49,10 +50,13 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     from scaletrain.data import prepare
     from scaletrain.data.prepare import DEFAULT_CHUNK_BYTES
 
+    if args.tokenizer is not None and args.vocab_size is not None:
+        raise UserError("--vocab-size sizes the tokenizer that prepare trains; with --tokenizer the given one's "
+                        "vocabulary is used: drop one of them")
     start = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
-        result = prepare(args.sources, args.out, args.vocab_size, max_bytes=args.max_bytes,
+        result = prepare(args.sources, args.out, args.vocab_size or 8192, max_bytes=args.max_bytes,
                          text_field=args.text_field, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                          seed=args.seed, workers=args.workers, progress=progress, filters=args.filters,
                          dedup=not args.no_dedup, minhash=(args.minhash_bands, args.minhash_rows, args.minhash_ngram),
@@ -83,6 +87,8 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 def cmd_data_stats(args: argparse.Namespace) -> int:
     from scaletrain.data.stats import describe, plot_lengths
 
+    plot = args.plot or f"{args.data_dir.rstrip('/')}/lengths.png"
+    check_output_file(plot, "--plot", plot_suffixes())
     summary = describe(args.data_dir, top=args.top)
     table = Table(title=f"data: {summary['data_dir']}")
     table.add_column("")
@@ -104,7 +110,7 @@ def cmd_data_stats(args: argparse.Namespace) -> int:
     for entry in summary["top_tokens"]:
         tokens.add_row(str(entry["id"]), repr(entry["token"]), f"{entry['share']:.2%}")
     out.print(tokens)
-    plot = plot_lengths(args.data_dir, args.plot or f"{args.data_dir.rstrip('/')}/lengths.png")
+    plot = plot_lengths(args.data_dir, plot)
     out.print(f"document-length histogram: {plot}")
     return 0
 
@@ -116,14 +122,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from scaletrain.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # a bad config is refused before torch loads
-    if args.stop_at_step is not None and args.stop_at_step < 1:
-        raise UserError(f"--stop-at-step {args.stop_at_step} must be a step number ≥ 1")
-    if args.max_restarts < 0:
-        raise UserError(f"--max-restarts {args.max_restarts} must be ≥ 0")
+    _check_train_options(args)
     from scaletrain.train.metrics import process_started
     from scaletrain.train.trainer import TrainingDiverged, train
 
-    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+    if (args.nproc > 1 or args.max_restarts) and "WORLD_SIZE" not in os.environ:  # (one process restarted too)
         from scaletrain.parallel.layout import check_layout, resolve_layout
         from scaletrain.train.trainer import resolve
 
@@ -158,11 +161,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_train_options(args: argparse.Namespace) -> None:
+    """The options of train and cooldown that no config checks."""
+    if args.stop_at_step is not None and args.stop_at_step < 1:
+        raise UserError(f"--stop-at-step {args.stop_at_step} must be a step number ≥ 1")
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts {args.max_restarts} must be ≥ 0")
+
+
 def cmd_cooldown(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from scaletrain.cooldown import cooldown_config, mark_branch
 
+    _check_train_options(args)  # (before the branch's files are written)
     cfg = cooldown_config(args.run_dir, args.step, args.steps, args.decay_shape, args.name, args.overrides)
     path = Path(cfg.run.dir) / f"{cfg.run.name}.toml"
     mark_branch(cfg, args.run_dir, args.step, args.steps)  # (for the run's report)
@@ -215,12 +227,16 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from scaletrain.launch import k8s_manifest, slurm_script
 
     cfg = load_config(args.config, args.overrides)
+    check_output_file(args.out, "--out")
+    if args.image is not None and args.launcher == "slurm":
+        raise UserError("--image names the container a Kubernetes job runs; a Slurm script runs the scaletrain "
+                        "installed on the nodes: drop --image, or write a k8s manifest")
     if args.launcher == "slurm":
         text = slurm_script(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node, grace_s=args.grace,
                             max_restarts=args.max_restarts)
     else:
-        text = k8s_manifest(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node, args.image,
-                            grace_s=args.grace, max_restarts=args.max_restarts)
+        text = k8s_manifest(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node,
+                            args.image or "scaletrain:latest", grace_s=args.grace, max_restarts=args.max_restarts)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
@@ -313,6 +329,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             model, tokens, sizing = size(law, args.compute, vocab, seq_len, args.inference_tokens or 0.0,
                                          args.unique_tokens, boot)
             n = param_counts(model)["total"]
+            smallest = param_counts(model_for(1, vocab, seq_len))["total"] == n
+            if tokens < n and args.unique_tokens and not smallest:  # (repeating the few tokens wants a huge model)
+                raise UserError(f"--unique-tokens {args.unique_tokens:.3g} are too few for --compute {args.compute:.3g}: "
+                                f"the data-constrained optimum is a model of {n:,} parameters on {tokens:,} tokens, "
+                                "under one a parameter; give more unique tokens or less compute")
             if tokens < n:  # (the law wants a model below the smallest shape: it would get under a token a parameter)
                 enough = 20 * n * train_flops_per_token(model, seq_len)
                 raise UserError(f"--compute {args.compute:.3g} FLOPs is too little for the smallest model the planner "
@@ -600,13 +621,15 @@ def cmd_mixture(args: argparse.Namespace) -> int:
         sources = [name.strip() for name in args.sources.split(",") if name.strip()]
     else:
         sources = sources_under(root, args.target_data)
-    settings = MixtureSettings(data=args.data, sources=sources, budget=args.budget, runs=args.runs,
+    if args.runs is not None and args.runs < 1:
+        raise UserError(f"--runs {args.runs}: give the number of proxies to train (at least 2 x sources + 1), or leave "
+                        "it out for the default")
+    settings = MixtureSettings(data=args.data, sources=sources, budget=args.budget, runs=args.runs or 0,
                                seq_len=args.seq_len, prior=args.prior, eval_tokens=args.eval_tokens,
                                min_steps=args.min_steps, seed=args.seed, device=args.device, optimizer=args.optimizer,
                                target_data=args.target_data, hparams=_hparams(args.hparams))
     out_dir = Path(args.out) if args.out else Path("mixtures") / root.name
-    search = MixtureSearch(out_dir, settings)
-    search.target_weights(args.target)  # (a --target naming no validation source is refused before training)
+    search = MixtureSearch(out_dir, settings, target=args.target)  # (a bad --target is refused before training)
     point = search.point
     out.print(f"{settings.runs} proxies of {point.shape.name} ({point.n:,} parameters), {point.steps} steps of "
               f"{point.batch_seqs} x {settings.seq_len} tokens each ({settings.budget:.3g} FLOPs), on mixtures of "
@@ -665,7 +688,7 @@ def _small_runs(p: argparse.ArgumentParser, run: str, runs: str, sizing: str, mi
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
                    help=f"train.optimizer of every {run} (adamw): measure with the optimizer you will train with")
-    p.add_argument("--concurrency", type=_count, default=1,
+    p.add_argument("--concurrency", type=_workers, default=1,
                    help=f"{runs} trained at once, in worker processes (GPUs taken in turn)")
     if hparams:
         p.add_argument("--hparams", default=None, metavar="FILE",
@@ -714,6 +737,10 @@ def cmd_hparams(args: argparse.Namespace) -> int:
                               eval_tokens=args.eval_tokens, min_steps=args.min_steps, seed=args.seed,
                               device=args.device, optimizer=args.optimizer, mix=args.mix)
     out_dir = Path(args.out) if args.out else Path("hparams") / Path(args.data).name
+    for budget in args.check or []:  # (before the grid trains: not after)
+        if budget <= max(settings.budgets):
+            raise UserError(f"--check {budget:.3g}: check the law beyond the budgets it is measured at (above "
+                            f"{max(settings.budgets):.3g}); within them the grid's runs already tell")
     search = HparamSearch(out_dir, settings)
     for budget in settings.budgets:
         at = [p for p in search.points.values() if p.budget == budget]
@@ -776,9 +803,6 @@ def _check_hparams(search, law, budget: float, concurrency: int) -> None:
 
     from scaletrain.hparams import CheckSettings, HparamCheck
 
-    if budget <= max(search.settings.budgets):
-        raise UserError(f"--check {budget:.3g}: check the law beyond the budgets it was measured at (above "
-                        f"{max(search.settings.budgets):.3g}); within them the grid's runs already tell")
     check = HparamCheck(search.out / "check", CheckSettings(search.settings, law.to_dict(), budget))
     with _searching(f"check {budget:.3g}", 2, len([r for r in check.results() if r["budget"] == budget])) as show:
         rows = check.run(progress=show, concurrency=concurrency)
@@ -811,7 +835,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     proxy = proxy_data(cfg)["model"]  # a config muP cannot narrow is refused before anything trains
     lrs = args.lrs or list(DEFAULT_LRS)
-    _writable_file(args.write_config, "--write-config")  # (before training: not after it)
+    check_output_file(args.write_config, "--write-config")  # (before training: not after it)
     out_dir = Path(args.out) if args.out else Path("runs") / f"{cfg.run.name}-tune"
     shape = f"width {proxy['dim']}, {proxy['n_layers']} blocks"
     at_once = f", {args.concurrency} at a time" if args.concurrency > 1 else ""
@@ -860,6 +884,13 @@ def _number(convert, what: str, ok, bound: str):
 
 _flops = _number(float, "a number (e.g. 1e21)", lambda v: 0 < v < float("inf"), "positive and finite")
 _count = _number(int, "a whole number", lambda v: v >= 1, "at least 1")
+_how_many = _number(int, "a whole number", lambda v: v >= 0, "0 or more")
+# Worker processes at once: each needs a share of the cores to feed its device (a GPU sweep runs
+# about 4 a GPU); more than 4 a core only thrash.
+_CORES = os.cpu_count() or 1
+_workers = _number(int, "a whole number", lambda v: 1 <= v <= 4 * _CORES,
+                   f"between 1 and {4 * _CORES} (each worker process needs a share of this machine's {_CORES} CPU "
+                   "cores)")
 _amount = _number(float, "a number", lambda v: 0 <= v < float("inf"), "zero or positive")
 _lr = _number(float, "a learning rate (e.g. 3e-3)", lambda v: 0 < v < float("inf"), "positive")
 
@@ -1114,6 +1145,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if args.every and args.step:
         raise UserError("give --step K (one or more) or --all, not both")
+    check_output_file(args.out, "--out", makes_folder=True)
     if is_sweep(Path(args.run_dir)):
         return _eval_sweep(args)
     if args.metric != "loss":
@@ -1270,9 +1302,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from scaletrain.report.compare import compare_runs
 
-    _writable_file(args.out, "--out")
+    check_output_file(args.out, "--out")
     if not os.path.splitext(args.out)[1]:
         args.out += ".png"  # (what matplotlib writes for a name without a suffix)
+    check_output_file(args.out, "--out", plot_suffixes())
     rows = compare_runs(args.run_dirs, args.out, x=args.x)
     # Runs on other mixtures weigh their validation loss differently: their sources compare.
     sources = sorted({name for row in rows for name in (row["val_loss_by_source"] or {})})
@@ -1335,7 +1368,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("sources", nargs="+", metavar="SRC",
                    help="directories, globs or files of text, .jsonl, .parquet; or builtin:python-stdlib")
     p.add_argument("--out", required=True, help="data directory to write")
-    p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (default 8192)")
+    p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size (default 8192; not with --tokenizer)")
     p.add_argument("--max-bytes", type=_bytes, default=None, help="stop reading after this much text (e.g. 50M)")
     p.add_argument("--text-field", default="text", help="field of .jsonl / column of .parquet holding the text")
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
@@ -1371,8 +1404,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-at-step", type=int, default=None,
                    help="end this invocation after step K (with a checkpoint) without changing the schedule")
     p.add_argument("--max-restarts", type=int, default=0,
-                   help="with --nproc: times torchrun starts every process again after one fails or hangs "
-                        "(train.hang_timeout_s); they resume from the newest checkpoint (0)")
+                   help="times torchrun starts every process (one without --nproc) again after one fails or "
+                        "hangs (train.hang_timeout_s); they resume from the newest checkpoint (0)")
     p.set_defaults(func=cmd_train)
 
     p = commands.add_parser("cooldown", help="branch a learning-rate decay off a checkpoint of a run's stable stretch",
@@ -1387,7 +1420,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="the branch's run.name (default RUN-cooldown-K)")
     p.add_argument("--nproc", type=_count, default=1, help="processes to start on this node (through torchrun)")
     p.add_argument("--stop-at-step", type=int, default=None, help="end this invocation after step K (with a checkpoint)")
-    p.add_argument("--max-restarts", type=int, default=0, help="with --nproc: times torchrun starts the processes again")
+    p.add_argument("--max-restarts", type=int, default=0, help="times torchrun starts the processes (one without --nproc) again after a failure")
     p.set_defaults(func=cmd_cooldown)
 
     p = commands.add_parser("launch", help="write a Slurm script or Kubernetes manifest that trains on many nodes")
@@ -1396,7 +1429,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
     p.add_argument("--nodes", type=int, required=True, help="machines")
     p.add_argument("--gpus-per-node", type=int, required=True, help="processes (GPUs) per machine")
-    p.add_argument("--image", default="scaletrain:latest", help="k8s: container image with scaletrain installed")
+    p.add_argument("--image", default=None, help="k8s: container image with scaletrain installed (scaletrain:latest)")
     p.add_argument("--out", default=None, help="file to write (default: print)")
     p.add_argument("--grace", type=int, default=180,
                    help="seconds between SIGTERM (time limit near, preemption) and the kill: enough for a step or "
@@ -1493,7 +1526,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sources", default=None, help="the data directories under --data to mix, comma-separated "
                                                    "(default: every one but --target-data's)")
     p.add_argument("--budget", required=True, type=_flops, help="training FLOPs of each proxy run, e.g. 1e15")
-    p.add_argument("--runs", type=int, default=0,
+    p.add_argument("--runs", type=int, default=None,
                    help="proxies (default max(8, 4 x sources): about twice the law's numbers per validation source)")
     p.add_argument("--target", type=_weights, default=None,
                    help="the loss to minimise, as weights of the validation losses (the sources' and --target-data's "
@@ -1550,7 +1583,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lrs", type=lambda text: [_lr(part) for part in text.split(",")], default=None,
                    help="learning rates to try, comma-separated (default: 2^-11 to 2^-5, a factor of 2 apart)")
     p.add_argument("--out", default=None, help="directory of the proxy runs and tune.json (runs/NAME-tune)")
-    p.add_argument("--concurrency", type=_count, default=1,
+    p.add_argument("--concurrency", type=_workers, default=1,
                    help="proxies trained at once, in worker processes (GPUs taken in turn)")
     p.add_argument("--write-config", default=None, metavar="FILE",
                    help="write the config with train.lr set to the best rate")
@@ -1561,7 +1594,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(approaches 1 and 2) with bootstrap intervals; write law.json and plots.")
     p.add_argument("sweep_dir", nargs="?", default=None, help="a sweep directory (its results.csv)")
     p.add_argument("--points", default=None, help="a CSV of points instead: columns n, c (or d), loss[, budget]")
-    p.add_argument("--drop-highest", type=int, default=0, help="leave out this many points of highest loss")
+    p.add_argument("--drop-highest", type=_how_many, default=0, help="leave out this many points of highest loss")
     p.add_argument("--min-steps", type=int, default=0,
                    help="fit approach 3 only to points of at least this many optimizer steps (0: all); the demo "
                         "fits at 500 (twice its sweep's --min-steps): short runs are early in training and bend "
@@ -1677,12 +1710,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _negative_values(argv: list[str]) -> list[str]:
+    """`--option -1e12` as `--option=-1e12`: argparse takes a word starting with '-' for an option
+    unless it reads as a plain number (-1, -0.5), so `--minutes -1e3` or `--budgets -inf` got
+    "expected one argument" instead of the option's own check saying what would do."""
+    joined: list[str] = []
+    for word in argv:
+        if joined and joined[-1].startswith("--") and "=" not in joined[-1] and word.startswith("-"):
+            try:
+                float(word.split(",")[0])
+            except ValueError:
+                pass
+            else:
+                joined[-1] = f"{joined[-1]}={word}"
+                continue
+        joined.append(word)
+    return joined
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line's arguments; `section.key=value` overrides may also follow its options,
     those of several values included (`eval RUN --tasks A.jsonl eval.tokens=512`: argparse would
     take the override for a task file)."""
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(_negative_values(sys.argv[1:] if argv is None else list(argv)))
     override = re.compile(r"[A-Za-z_]\w*(\.\w+)+=.*", re.S)
     if hasattr(args, "overrides"):
         for name, values in vars(args).items():
@@ -1695,21 +1746,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args
-
-
-def _writable_file(path: str | None, flag: str) -> None:
-    """Refuse, before any work, an output file that cannot be written: a directory, or under a
-    folder that does not exist."""
-    if path is None:
-        return
-    from pathlib import Path
-
-    target = Path(path)
-    if target.is_dir():
-        raise UserError(f"{flag} {path!r} is a directory; give the path of a file to write")
-    if not target.parent.is_dir():
-        raise UserError(f"{flag} {path!r}: its folder {str(target.parent)!r} does not exist; create it or give "
-                        "another path")
 
 
 def _error(message: str) -> None:

@@ -14,7 +14,7 @@ import math
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -23,6 +23,29 @@ from scaletrain.errors import UserError
 
 class ConfigError(UserError, ValueError):
     """A config that cannot be run; the message says which key is wrong and what would be right."""
+
+
+def _admits_bool(annotation: Any) -> bool:
+    """Whether a field of this type takes true/false (pydantic's lax mode reads true as 1 elsewhere)."""
+    if annotation is bool or annotation is Any:
+        return True
+    return any(_admits_bool(arg) for arg in get_args(annotation))
+
+
+def _kind_of(annotation: Any) -> str:
+    """A field's type in words: "a whole number", "a number or 'auto'"."""
+    words = {int: "a whole number", float: "a number", str: "text", type(None): ""}
+    if annotation in words:
+        return words[annotation]
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _kind_of(get_args(annotation)[0])
+    if origin in (dict, list, tuple):
+        return {dict: "a table, e.g. {key = 1}", list: "a list, e.g. [1, 2]", tuple: "a list, e.g. [1, 2]"}[origin]
+    if origin is Literal:
+        return ("one of " if len(get_args(annotation)) > 1 else "") + ", ".join(map(repr, get_args(annotation)))
+    kinds = [_kind_of(arg) for arg in get_args(annotation)]
+    return " or ".join(dict.fromkeys(k for k in kinds if k)) or "another kind of value"
 
 
 class _Section(BaseModel):
@@ -520,6 +543,19 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, data: Any) -> Any:
+        """`model.dim = true` is a mistake, not the 1 that pydantic would read."""
+        for section, values in data.items() if isinstance(data, dict) else ():
+            kind = cls.model_fields.get(section)
+            fields = getattr(kind.annotation, "model_fields", {}) if kind is not None else {}
+            for name, value in values.items() if isinstance(values, dict) else ():
+                if isinstance(value, bool) and name in fields and not _admits_bool(fields[name].annotation):
+                    raise ValueError(f"{section}.{name} = {str(value).lower()}: this key takes "
+                                     f"{_kind_of(fields[name].annotation)}, not true or false")
+        return data
 
     @model_validator(mode="after")
     def _check_run(self) -> RunConfig:

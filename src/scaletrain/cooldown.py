@@ -16,12 +16,13 @@ from the start with that schedule. The sweep's cooldown branches (sweep.py) are 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from scaletrain.config import ConfigError, RunConfig, load_config, run_config_file, validate_config
 from scaletrain.data.shards import read_index
 from scaletrain.train.checkpoint import check_complete, complete_checkpoints, step_of
-from scaletrain.train.schedule import DECAY_SHAPES, lr_at
+from scaletrain.train.schedule import DECAY_SHAPES, lr_at, wsd_decay_start
 
 
 def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str | None = None,
@@ -46,11 +47,22 @@ def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str
     schedule = dict(lr=train.lr, warmup_steps=train.warmup_steps, schedule=train.schedule,
                     min_lr_ratio=train.min_lr_ratio, decay_fraction=train.decay_fraction,
                     decay_shape=train.decay_shape)
-    at = lr_at(step, cfg.total_steps, **schedule)  # the rate of the update after the checkpoint
-    if step < train.warmup_steps or at != train.lr:
-        raise ConfigError(f"the run's learning rate after step {step} is {at:.3g}, not its peak train.lr = "
-                          f"{train.lr:g} ({train.schedule} schedule{', in its warmup' if step < train.warmup_steps else ''})"
-                          "; a cooldown branches from the stable stretch of a 'wsd' or 'constant' schedule")
+    # The branch is exact when every update the run made up to its checkpoint was at the peak
+    # rate, as the branch's own WSD schedule makes them (warmup aside).
+    if step < train.warmup_steps:
+        raise ConfigError(f"step {step} of {str(run_dir)!r} is in its warmup (train.warmup_steps = "
+                          f"{train.warmup_steps}); a cooldown branches from the stable stretch after it")
+    last = lr_at(step - 1, cfg.total_steps, **schedule) if step else train.lr  # the checkpoint's last update
+    stable = math.isclose(last, train.lr, rel_tol=1e-9)  # (the warmup's last rate is lr * w / w)
+    if not stable and train.schedule == "wsd":
+        decay = wsd_decay_start(cfg.total_steps, train.warmup_steps, train.decay_fraction)
+        raise ConfigError(f"step {step} of {str(run_dir)!r} is in its decay, which began after step {decay} (its "
+                          f"learning rate before step {step} was {last:.6g}, below its peak train.lr = {train.lr:g}); "
+                          f"branch from a checkpoint of step {decay} or earlier")
+    if not stable:
+        raise ConfigError(f"{str(run_dir)!r} trains a {train.schedule!r} schedule, whose learning rate decays from "
+                          f"its warmup on ({last:.6g} before step {step}, of its peak train.lr = {train.lr:g}); a "
+                          "cooldown branches from the stable stretch of a 'wsd' or 'constant' schedule")
     if decay_shape is not None and decay_shape not in DECAY_SHAPES:
         raise ConfigError(f"decay shape {decay_shape!r} is not one of {', '.join(DECAY_SHAPES)}")
     data = cfg.model_dump()
@@ -68,9 +80,43 @@ def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str
                               f"overrides of {', '.join(f'model.{k}' for k in changed)}")
         for path in branch.data.sources.values():  # (before the branch's config is written)
             read_index(path)
+    _check_target(branch, run_dir, step, steps)
     if complete_checkpoints(branch.run_dir / "checkpoints"):  # a branch stopped and run again: from its own newest
         branch = branch.model_copy(update={"checkpoint": branch.checkpoint.model_copy(update={"resume": "auto"})})
     return branch
+
+
+def _check_target(branch: RunConfig, run_dir: Path, step: int, steps: int) -> None:
+    """Refuse, before anything is written, a branch whose directory or config file holds what is
+    not this branch's: the run itself, another run or branch, or a file of another run's config.
+    The same branch run again (same run, step and steps) resumes."""
+    target, name = branch.run_dir, branch.run.name
+    if target.resolve() == run_dir.resolve():
+        raise ConfigError(f"--name {name!r} is the run's own name: the branch would write into {str(run_dir)!r}; "
+                          "give the branch a name of its own")
+    mine = {"of": str(run_dir.resolve()), "step": step, "steps": steps}
+    try:
+        origin = json.loads((target / BRANCH_FILE).read_text())
+    except (OSError, ValueError):
+        origin = None
+    if isinstance(origin, dict) and origin.get("of") == mine["of"] and origin.get("step") == step:
+        if origin.get("steps") != steps:
+            raise ConfigError(f"{str(target)!r} holds this run's branch from step {step} over {origin.get('steps')} "
+                              f"steps; give --steps {origin.get('steps')} to resume it, or --name for a new branch")
+        return
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        held = (f"a branch of {origin.get('of')!r} from step {origin.get('step')}" if isinstance(origin, dict)
+                else "files of another run" if target.is_dir() else "a file")
+        raise ConfigError(f"{str(target)!r} already holds {held}; give --name a new name for this branch")
+    path = Path(branch.run.dir) / f"{name}.toml"
+    if path.exists():
+        try:
+            same = load_config(path).run.name == name
+        except (ConfigError, OSError, ValueError):
+            same = False
+        if not same:
+            raise ConfigError(f"{str(path)!r} exists and is not a config of run {name!r}; give --name a new name for "
+                              "this branch, or move that file")
 
 
 def _as_overrides(cfg: RunConfig) -> list[str]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from scaletrain.config import ConfigError
+from scaletrain.outputs import check_output_dir
 from scaletrain.scaling.fit import Points, bootstrap_laws, fit_all, interval, law_of
 from scaletrain.sweep import Speed, Sweep, SweepPlan, SweepSettings, measure_speed, peak_in_use, worker_pool
 
@@ -102,6 +103,7 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
             raise ConfigError("--device cuda: no CUDA device is visible here; run the GPU demo on a machine with "
                               "one, or leave --device out for the CPU demo")
     out = Path(out)
+    check_output_dir(out, "demo directory")
     data = out / "data"
     started = mark = time.perf_counter()
     seconds: dict[str, float] = {}  # of each stage, in demo.json

@@ -71,7 +71,7 @@ def chosen_checkpoints(run_dir: Path, steps: list[int] | None = None, every: boo
     complete = checkpoint.complete_checkpoints(root)
     if not steps:
         if not complete:
-            raise checkpoint.CheckpointError(f"run directory {str(run_dir)!r} has no complete checkpoint yet")
+            raise checkpoint.no_complete_checkpoint(run_dir)
         return complete[::-1] if every else complete[:1]
     have = {checkpoint.step_of(path): path for path in complete}
     missing = [step for step in steps if step not in have]

@@ -33,7 +33,7 @@ def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None
     state = {section: model.state_dict()}  # reads only the model's entries of the checkpoint (or their average's)
     if step is None:
         if not checkpoint.complete_checkpoints(root):
-            raise checkpoint.CheckpointError(f"run directory {str(run_dir)!r} has no complete checkpoint yet")
+            raise checkpoint.no_complete_checkpoint(run_dir)
         path = checkpoint.load_newest(root, state)  # past a damaged newest one, with a warning
     else:
         path = checkpoint.checkpoint_dir(root, step)
@@ -59,8 +59,8 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, t
     from scaletrain.data.tokenizer import eos_id as find_eos, load_tokenizer
     from scaletrain.model.sample import generate
 
-    if temperature < 0 or (top_k is not None and top_k < 1) or max_new_tokens < 1:  # before loading anything
-        raise GenerateError(f"temperature must be ≥ 0 (0 is greedy), top_k ≥ 1 or unset, max_new_tokens ≥ 1; "
+    if not 0 <= temperature < float("inf") or (top_k is not None and top_k < 1) or max_new_tokens < 1:  # before loading anything
+        raise GenerateError(f"temperature must be ≥ 0 and finite (0 is greedy), top_k ≥ 1 or unset, max_new_tokens ≥ 1; "
                             f"got {temperature}, {top_k}, {max_new_tokens}")
     model, cfg, _ = load_model(run_dir)
     tokenizer = load_tokenizer(Path(run_dir) / "tokenizer.json")

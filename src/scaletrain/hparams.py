@@ -83,6 +83,7 @@ def load_law(path: str | Path) -> HyperparameterLaw:
 class HparamSearch(ProxyRuns):
     """The hyperparameter search in directory `out` (see the module's docstring)."""
 
+    kind = "hyperparameter search"
     text_columns = ("name", "shape")
 
     def __init__(self, out: Path, settings: HparamSettings):

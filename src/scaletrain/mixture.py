@@ -121,7 +121,10 @@ class Choice:
 class MixtureSearch(ProxyRuns):
     """The mixture search in directory `out` (see the module's docstring)."""
 
-    def __init__(self, out: Path, settings: MixtureSettings):
+    kind = "mixture search"
+
+    def __init__(self, out: Path, settings: MixtureSettings, target: dict[str, float] | None = None):
+        """`target`, when given, is checked (target_weights) before the directory is written."""
         super().__init__(out, settings)
         root = Path(settings.data)
         if not root.is_dir():
@@ -164,6 +167,7 @@ class MixtureSearch(ProxyRuns):
             raise ConfigError(f"--budget {settings.budget:.3g} trains the proxy ({shape.name}) for only "
                               f"{self.point.steps} steps, fewer than {settings.min_steps}: a loss after so few updates "
                               "says little about the data; raise the budget or lower --seq-len")
+        self.target_weights(target)  # (before mixtures.json: a refused command writes nothing)
         self.mixtures = self._planned()
 
     def _planned(self) -> list[dict[str, float]]:

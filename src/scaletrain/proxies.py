@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from scaletrain.outputs import check_output_dir
+
 log = logging.getLogger("scaletrain")
 
 
@@ -25,9 +27,12 @@ class ProxyRuns:
     alone: worker processes build it again from those."""
 
     text_columns: tuple[str, ...] = ("name",)
+    kind: str | None = None  # what its directory is (outputs.KINDS): another command's is refused
 
     def __init__(self, out: Path, settings):
         self.out, self.settings = Path(out), settings
+        if self.kind:
+            check_output_dir(self.out, self.kind)
 
     def keys(self) -> list:
         raise NotImplementedError

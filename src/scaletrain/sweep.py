@@ -28,7 +28,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy
@@ -36,6 +36,7 @@ import numpy
 from scaletrain.config import ConfigError, RunConfig, load_config, mix_toml
 from scaletrain.data.shards import read_indexes
 from scaletrain.model.flops import param_counts, train_flops_per_token
+from scaletrain.outputs import check_output_dir
 from scaletrain.scaling.fit import Points, fit_allocation
 from scaletrain.scaling.grid import (Point, Shape, deepseek_hyperparameters, family, plan_points, shapes_around,
                                     steps_for, warmup_steps)
@@ -267,6 +268,7 @@ class Sweep(SweepPlan):
     def __init__(self, out: Path, settings: SweepSettings,
                  hyperparameters: Callable[[float, int], tuple[float, float]] = deepseek_hyperparameters):
         self.out = Path(out)
+        check_output_dir(self.out, "sweep")
         saved = self.out / "grid.json"
         if saved.is_file():
             # (a setting added since the sweep began has its default there)
@@ -564,6 +566,56 @@ def makespan(seconds: list[float], workers: int, alone: list[float] | None = Non
     return now
 
 
+# A timing step has at most TIMED_MICRO_BATCHES micro-batches (a large budget's batch of millions
+# of tokens would make each step minutes long, and the FLOP/s hardly change past a few of them),
+# fewer where its 20 steps would take over TIMED_ROUND_S; a shape whose single micro-batch takes
+# over TIMED_ROUND_S / 3 is not timed at all.
+TIMED_MICRO_BATCHES, TIMED_ROUND_S = 64, 60.0
+
+
+# A sweep that would take longer than this even at its devices' peak is refused before it is timed.
+UNTIMEABLE_DAYS = 30.0
+
+
+def _check_timeable(plan: SweepPlan, workers: int) -> None:
+    """ConfigError when the sweep's FLOPs would take over UNTIMEABLE_DAYS at the peak of the
+    devices it runs on (a GPU's listed bf16 peak; 2e10 FLOP/s a CPU core, 5x what this
+    project's 2-core test machine trains at in float32): timing its shapes would itself take hours."""
+    name, peak = peak_in_use(plan.settings.device, workers)
+    if name == "cpu":
+        peak = 2e10 * (os.cpu_count() or 1)
+    total = sum(p.step_flops * sum(steps) for calls in plan.calls().values() for p, steps in calls)
+    if peak and total / peak > UNTIMEABLE_DAYS * 86400:
+        raise ConfigError(f"the sweep trains {total:.3g} FLOPs: over {total / peak / 86400:,.0f} days even at the "
+                          f"{peak:.3g} FLOP/s peak of {name}{' x ' + str(workers) if name != 'cpu' and workers > 1 else ''}"
+                          "; lower --budgets, or plan it for the devices that will train it (`scaletrain plan`)")
+
+
+def _timed_steps(point: Point, plan: SweepPlan, rate: float | None, seconds: float, warmup: bool) -> tuple[Point, int]:
+    """The point as timed (its batch cut to a few micro-batches) and the steps to time it for:
+    about `seconds` at the FLOP/s `rate` measured so far, at least 20 (3 for a shape whose step
+    is cut to one micro-batch); 3 of one micro-batch for the warm-up round. ConfigError for a shape too slow to time."""
+    micro = micro_batch_of(point.batch_seqs, plan.settings)
+    most = min(point.batch_seqs // micro, 1 if warmup else TIMED_MICRO_BATCHES)
+    if warmup or rate is None:
+        return replace(point, batch_seqs=most * micro), 3
+    micro_s = micro * point.seq_len * point.flops_per_token / rate
+    least_steps = 20
+    count = min(most, int(TIMED_ROUND_S / (least_steps * micro_s)))
+    if count < 1:
+        count, least_steps = 1, 3
+        if least_steps * micro_s > TIMED_ROUND_S:
+            total = sum(p.step_flops * sum(steps) for calls in plan.calls().values() for p, steps in calls)
+            raise ConfigError(f"a step of {point.shape.name} ({point.n:,} parameters) at this sweep's largest budget "
+                            f"would take about {micro_s * point.batch_seqs / micro:,.0f} s on "
+                            f"{peak_in_use(plan.settings.device)[0]} "
+                            f"({rate:.3g} FLOP/s measured on a smaller shape): the sweep's {total:.3g} FLOPs would "
+                            f"take about {total / rate / 86400:,.3g} days; lower --budgets, or time the sweep on the "
+                            "devices that will train it")
+    point = replace(point, batch_seqs=count * micro)
+    return point, min(max(round(seconds * rate / point.step_flops), least_steps), 10_000)
+
+
 def measure_speed(plan: SweepPlan, shapes: list[Shape], out: Path, workers: int = 1, pool=None,
                   seconds: float = 2.0) -> Speed:
     """Time `shapes` as the sweep trains them (each at its learning rate and batch, on the sweep's
@@ -574,6 +626,7 @@ def measure_speed(plan: SweepPlan, shapes: list[Shape], out: Path, workers: int 
     runs train at a learning rate too small to diverge: what a step costs does not depend on it."""
     if workers > 1 and pool is None:
         raise ValueError("measuring several runs at once needs the pool they run in")
+    _check_timeable(plan, workers)
     shapes = sorted(set(shapes), key=plan.n_of)
     out = Path(out)
     measured: list[tuple[float, float, float]] = []
@@ -584,7 +637,7 @@ def measure_speed(plan: SweepPlan, shapes: list[Shape], out: Path, workers: int 
             point, _ = plan.scheduled(plan_points(max(plan.settings.budgets), [shape], plan.vocab_size,
                                                   plan.settings.seq_len, plan.hyperparameters,
                                                   micro_batch=plan.settings.micro_batch)[0])
-            steps = 10 if rate is None else min(max(round(seconds * rate / point.step_flops), 20), 10_000)
+            point, steps = _timed_steps(point, plan, rate, seconds, warmup=round_ == 0)
             start_at = time.time() + 0.5
             jobs = [([*plan.run_overrides(point, 1e-6, point.batch_seqs, 0), f"run.dir={out}",
                       f"run.name={shape.name}-{round_}-{copy}", "train.schedule=constant", f"train.steps={steps}",

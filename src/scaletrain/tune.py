@@ -85,6 +85,8 @@ class TuneSettings:
 class Tuning(ProxyRuns):
     """One proxy run per learning rate (proxies.ProxyRuns: results.csv, resume, worker processes)."""
 
+    kind = "tuning directory"
+
     def keys(self) -> list[float]:
         return sorted(set(self.settings.lrs))
 

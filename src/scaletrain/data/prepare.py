@@ -40,6 +40,8 @@ import ftfy
 import numpy as np
 import tokenizers
 
+from scaletrain.outputs import kind_of
+
 from .curate import REASONS as FILTER_REASONS
 from .curate import FilterConfig, curate, document_kind, load_filters
 from .dedup import DedupIndex, Decontaminator, MinHasher, exact_key
@@ -154,6 +156,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
         raise DataError(f"no documents to prepare ({reasons}); give sources that contain text" + "".join(hints))
 
     work = out / "work"
+    replaced = _replaced(out)
     if not _same_work(work, key):
         _clear(out)
         work.mkdir(parents=True)
@@ -180,6 +183,9 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     })
     shutil.rmtree(work, ignore_errors=True)
+    if replaced:
+        warnings = [*warnings, f"{out} held data prepared from other sources or options ({replaced}); it was "
+                               "replaced, and runs that trained on it read the new data if resumed"]
     return PrepareResult(out, False, result_stats, warnings, resumed)
 
 
@@ -676,6 +682,9 @@ def _check_out(out: Path, sources: list[str], files) -> None:
     """Refuse an out that the sources would read back on the next run."""
     if out.exists() and not out.is_dir():
         raise DataError(f"output {str(out)!r} is a file; give a directory to prepare the data into")
+    found = kind_of(out)
+    if found not in (None, "prepared data directory"):
+        raise DataError(f"output {str(out)!r} is a {found}; give a new directory to prepare the data into")
     resolved = out.resolve()
     for source in sources:
         directory = Path(os.path.expanduser(source))
@@ -714,6 +723,15 @@ def _same_work(work: Path, key: str) -> bool:
         return (work / "key").read_text() == key
     except OSError:
         return False
+
+
+def _replaced(out: Path) -> str | None:
+    """What the finished prepare in out was (its vocabulary and when it was made), when there is one."""
+    try:
+        manifest = json.loads((out / "manifest.json").read_text())
+        return f"vocabulary {manifest['options']['vocab_size']}, made {manifest['created']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _is_complete(out: Path, key: str) -> bool:

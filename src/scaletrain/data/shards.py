@@ -94,6 +94,10 @@ class DataError(UserError, ValueError):
 
 def read_index(data_dir: str | Path) -> dict:
     path = Path(data_dir) / "index.json"
+    if Path(data_dir).exists() and not Path(data_dir).is_dir():
+        hint = (f"; give its folder {str(Path(data_dir).parent)!r}" if Path(data_dir).name in ("index.json", "manifest.json")
+                else "; give the directory `scaletrain data prepare` wrote (it holds index.json and shards/)")
+        raise DataError(f"data directory {str(data_dir)!r} is a file, not a prepared data directory{hint}")
     if not Path(data_dir).is_dir():
         raise DataError(f"data directory {str(data_dir)!r} does not exist; create it with `scaletrain data prepare`")
     if not path.is_file():

@@ -20,6 +20,9 @@ EOS_TOKEN = "<|endoftext|>"  # id 0 in the tokenizers we train; appended after e
 # End-of-text tokens of tokenizers people commonly bring (GPT-2/NeoX, Llama 2, Llama 3, Gemma).
 KNOWN_EOS_TOKENS = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
 MIN_VOCAB_SIZE = 256 + 1  # every byte, plus EOS_TOKEN
+# 16x the largest vocabulary of a released model we know of (Gemma 3's 262,144); the tokenizers
+# library aborts the process (not an exception) on sizes beyond its 32-bit ids.
+MAX_VOCAB_SIZE = 1 << 22
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -42,6 +45,9 @@ def check_vocab_size(vocab_size: int) -> None:
     if vocab_size < MIN_VOCAB_SIZE:
         raise DataError(f"vocab_size {vocab_size} is too small for byte-level BPE; it must be at least "
                         f"{MIN_VOCAB_SIZE} (256 byte tokens plus {EOS_TOKEN})")
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise DataError(f"vocab_size {vocab_size:,} is beyond what a tokenizer is trained to; give at most "
+                        f"{MAX_VOCAB_SIZE:,} (released models use 32,000-262,144)")
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -300,13 +300,22 @@ def plan_for_time(law: ChinchillaLaw, hours: float, hardware: Hardware, vocab: i
 
     def plan_at(compute: float) -> dict:
         model, tokens, sizing = size(law, compute, vocab, seq_len, inference_tokens, unique_tokens, bootstrap)
+        if tokens < seq_len:  # (too little compute to train on: the search went below any model)
+            raise PlanError(f"{compute:.3g} FLOPs train the law's model on {tokens} tokens, less than a sequence")
         return make_plan(model, tokens, seq_len, hardware, batch_tokens=batch_tokens, sizing=sizing, **plan_args)
 
     compute = 0.4 * hardware.device.peak["bf16"] * hardware.count * hours * 3600
     below: tuple[float, dict] | None = None  # the largest budget known to fit, and its plan
     above: float | None = None  # the smallest known not to
     for _ in range(60):
-        plan = plan_at(compute)
+        try:
+            plan = plan_at(compute)
+        except PlanError:
+            if below is not None or above is None:
+                raise
+            raise PlanError(f"no model the law sizes finishes in {hours:g} hours on these devices (the smallest budget "
+                            f"tried that trains at all, {above:.3g} FLOPs, takes {above_wall:.3g} hours); allow more "
+                            "hours") from None
         wall = plan["run"]["wall_hours"]
         if wall <= hours:
             if below is None or compute > below[0]:
@@ -315,6 +324,7 @@ def plan_for_time(law: ChinchillaLaw, hours: float, hardware: Hardware, vocab: i
                 break
         else:
             above = compute if above is None else min(above, compute)
+            above_wall = wall
         if below is not None and above is not None:
             if above / below[0] < 1.001:
                 break

@@ -381,6 +381,23 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for p in all_checkpoints(root) if check_complete(p) is None]
 
 
+def no_complete_checkpoint(run_dir: Path) -> CheckpointError:
+    """The error of a run directory without a complete checkpoint, saying why: none saved yet,
+    saves that never finished, or checkpoints damaged since (the newest's problem named)."""
+    found = all_checkpoints(Path(run_dir) / "checkpoints")
+    where = f"run directory {str(run_dir)!r}"
+    if not found:
+        return CheckpointError(f"{where} has no checkpoint yet; train it past its first save (checkpoint.interval)")
+    committed = [p for p in found if (p / MARKER).is_file()]
+    steps = ", ".join(str(step_of(p)) for p in (committed or found))
+    if not committed:
+        return CheckpointError(f"{where} has no complete checkpoint: its saves of steps {steps} never finished; train "
+                               "it again to save one")
+    return CheckpointError(f"{where} has no complete checkpoint: those of steps {steps} are damaged (step "
+                           f"{step_of(committed[0])}: {check_complete(committed[0])}); train it again from the "
+                           "start, or restore them from a copy")
+
+
 def with_earlier(path: Path, count: int) -> list[Path]:
     """The complete checkpoint `path` and the count - 1 complete ones of its run just before it,
     oldest first (what an average of `count` checkpoints ending at `path` takes); CheckpointError

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import time
@@ -25,6 +26,8 @@ from pathlib import Path
 import torch
 
 from scaletrain.config import ConfigError
+
+log = logging.getLogger("scaletrain")
 
 # The records whose numbers go to TensorBoard and W&B, as "kind/key" (and "kind/key/name" for a
 # dict of numbers, such as eval's loss_by_source).
@@ -210,14 +213,40 @@ def read_metrics(run_dir: str | Path, kind: str | None = None, superseded: bool 
     them if `superseded`: every event of this run, e.g. a hang past the step resumed from)."""
     path = Path(run_dir) / "metrics.jsonl"
     records: list[dict] = []
+    damaged = 0
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:  # blank, or torn by a crash
+            continue
+        if not _sound(record):  # (edited by hand, or written by something else)
+            damaged += 1
             continue
         if record["kind"] == "start":  # a new run in this directory: the earlier one's records go
             records = []
         elif record["kind"] in ("resume", "rewind") and not superseded:
             records = [r for r in records if r["step"] <= record["step"]]
         records.append(record)
+    if damaged and str(path) not in _warned:
+        _warned.add(str(path))
+        log.warning("%s: %d line(s) are not records this project writes (a field missing or of another type); "
+                    "they were left out", path, damaged)
     return [r for r in records if kind is None or r["kind"] == kind]
+
+
+_warned: set[str] = set()  # (one warning per file and process: a report reads a file many times)
+# The fields that, where a record has them, are numbers (or null): those every record has,
+# and those of the others' that reports do arithmetic with.
+_NUMBERS = {"time", "loss", "lr", "grad_norm", "mfu", "mfu_causal", "train_loss", "val_loss", "bits_per_byte",
+            "tokens_per_s", "flops_per_token", "total_steps", "ema_loss"}
+
+
+def _sound(record) -> bool:
+    """A record as MetricsLog writes it: kind, whole-number step and tokens, numbers where numbers go."""
+    if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
+        return False
+    if not all(type(record.get(key)) is int for key in ("step", "tokens")):
+        return False
+    return all(value is None or type(value) in (int, float)
+               for key, value in record.items()
+               if key in _NUMBERS or key.endswith(("_s", "_ms", "_gb")) or key.startswith("noise_"))

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import resource
 import shutil
@@ -248,6 +249,7 @@ class Trainer:
         if cfg.parallel.recompute == "auto":
             self.cfg = cfg = self._choose_recompute(cfg)
         self.total_steps = cfg.total_steps
+        self._check_fits()
         self._check_run_dir()
         self.tasks = self._load_tasks()  # a task file that cannot be read is refused before anything starts
         if self.device.type == "cuda":
@@ -457,6 +459,25 @@ class Trainer:
                 log.warning("source %r would be repeated %.1f times over this run (more than 4 epochs, where repeated "
                             "tokens stop being nearly as useful as new ones); add data or lower its weight",
                             source.name, epochs)
+
+    def _check_fits(self) -> None:
+        """Refuse, in one sentence, a model whose float32 weights alone (every process builds the
+        whole model before sharding it) exceed its device's memory: torch would fail deep in the
+        allocator, or the machine swap for minutes first."""
+        n = param_counts(self.cfg.model)["total"]
+        if self.device.type == "cuda":
+            what, total = torch.cuda.get_device_name(self.device), torch.cuda.mem_get_info(self.device)[1]
+            needed = 4 * n
+        else:
+            try:
+                total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            except (ValueError, OSError, AttributeError):
+                return
+            processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # (on one host, each builds it)
+            what, needed = "this machine" + (f" ({processes} processes)" if processes > 1 else ""), 4 * n * processes
+        if needed > total:
+            raise ConfigError(f"the model's {n:,} parameters take {needed / 1e9:,.1f} GB in float32 to build, more than "
+                              f"the {total / 1e9:,.1f} GB of {what}; choose a smaller model (model.dim, model.n_layers)")
 
     def _check_run_dir(self) -> None:
         """A run directory holds one run: refuse to continue it with another model, data or seed."""
@@ -1249,8 +1270,8 @@ class Trainer:
 
     def fit(self, stop_at_step: int | None = None) -> TrainResult:
         cfg = self.cfg
+        resumed_from = self.resume()  # (first: a resume refused leaves no run directory behind)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        resumed_from = self.resume()
         params = param_counts(cfg.model)
         ramp = "".join(f"{batch:,} tokens until {until:,}, then " for batch, until in cfg.train.batch_ramp)
         log.info("%s: %s parameters (%s non-embedding), %.3g FLOPs per token; %d steps of %s%s tokens on %s (%s)",

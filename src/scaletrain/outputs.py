@@ -1,0 +1,90 @@
+"""What the directories that scaletrain writes are, told by their files; and the refusal of an
+output that would write over another command's.
+
+Every command that writes a directory (a prepared data directory, a run, a sweep, a search) or
+a file (an evaluation, a plot, a launch script) is given its path by the user, and a path typed
+wrong is one that already holds something else: a sweep's results, a run's metrics, data runs
+train on. Those are checked here before any work, so that a refused command loses nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from scaletrain.errors import UserError
+
+def _grid_settings(path: Path) -> dict:
+    try:
+        return json.loads((path / "grid.json").read_text()).get("settings", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+# (kind, what tells it, the files it owns), in the order they are told apart: a run directory
+# holds a tokenizer.json as data does; a sweep and a hyperparameter search each hold a grid.json.
+KINDS = (
+    ("prepared data directory", lambda p: (p / "index.json").is_file() or (p / "manifest.json").is_file()
+     or (p / "work" / "key").is_file(), ("manifest.json", "index.json", "stats.json", "tokenizer.json")),
+    ("run directory", lambda p: (p / "config.toml").is_file(),
+     ("config.toml", "metrics.jsonl", "heartbeat.json", "stats.json", "tokenizer.json", "branch.json", "wandb_id")),
+    ("mixture search", lambda p: (p / "mixtures.json").is_file(), ("mixtures.json", "results.csv", "mixture.json")),
+    ("tuning directory", lambda p: (p / "tune.json").is_file(), ("tune.json", "results.csv")),
+    ("demo directory", lambda p: (p / "demo.json").is_file() or (p / "sweep" / "grid.json").is_file()
+     and (p / "data").is_dir(), ("demo.json",)),
+    ("hyperparameter search", lambda p: (p / "grid.json").is_file() and "lr_factors" in _grid_settings(p),
+     ("grid.json", "results.csv", "hparams.json")),
+    ("sweep", lambda p: (p / "grid.json").is_file(), ("grid.json", "results.csv", "law.json")),
+    ("Hugging Face model directory", lambda p: (p / "config.json").is_file() and any(p.glob("*.safetensors")),
+     ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+      "model.safetensors.index.json")),
+)
+
+
+def kind_of(path: str | Path) -> str | None:
+    """What the directory `path` is, by the files in it; None for a new, empty or other one."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    return next((kind for kind, tells, _ in KINDS if tells(path)), None)
+
+
+def check_output_dir(path: str | Path, kind: str, flag: str = "--out") -> None:
+    """Refuse, before any work, an output directory that holds another command's output than a
+    `kind` (one of KINDS's): a sweep into a run, data into a sweep."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {str(path)!r} is a file; give a directory for the {kind}")
+    found = kind_of(path)
+    if found is not None and found != kind:
+        raise UserError(f"{flag} {str(path)!r} is a {found}, not a {kind}; give a new directory for the {kind}")
+
+
+def check_output_file(path: str | Path | None, flag: str, suffixes: tuple[str, ...] = (),
+                      makes_folder: bool = False) -> None:
+    """Refuse, before any work, an output file that cannot be written (a directory, or under a
+    folder that does not exist, unless the command `makes_folder`), that is one of a directory's
+    own files (a sweep's results.csv, a run's metrics.jsonl), or whose suffix is not one of
+    `suffixes` (when given)."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise UserError(f"{flag} {str(path)!r} is a directory; give the path of a file to write")
+    if not target.parent.is_dir() and not (makes_folder and not target.parent.exists()):
+        raise UserError(f"{flag} {str(path)!r}: its folder {str(target.parent)!r} does not exist; create it or give "
+                        "another path")
+    found = kind_of(target.parent)
+    owned = next((own for kind, _, own in KINDS if kind == found), ())
+    if target.name in owned:
+        raise UserError(f"{flag} {str(path)!r} is a file of the {found} {str(target.parent)!r}, its own; give "
+                        "another file name")
+    if suffixes and target.suffix.lower().removeprefix(".") not in suffixes:
+        raise UserError(f"{flag} {str(path)!r}: a {target.suffix or 'name without a suffix'} file cannot be written "
+                        f"here; give a name ending in one of {', '.join('.' + s for s in suffixes)}")
+
+
+def plot_suffixes() -> tuple[str, ...]:
+    """The image formats Matplotlib writes."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return tuple(sorted(FigureCanvasBase.get_supported_filetypes()))
