@@ -567,8 +567,8 @@ def makespan(seconds: list[float], workers: int, alone: list[float] | None = Non
 
 
 # A timing step has at most TIMED_MICRO_BATCHES micro-batches (a large budget's batch of millions
-# of tokens would make each step minutes long, and the FLOP/s hardly change past a few of them),
-# fewer where its 20 steps would take over TIMED_ROUND_S; a shape whose single micro-batch takes
+# of tokens would make each step minutes long, and the FLOP/s hardly change past a few dozen),
+# fewer where its round would take over TIMED_ROUND_S; a shape whose single micro-batch takes
 # over TIMED_ROUND_S / 3 is not timed at all.
 TIMED_MICRO_BATCHES, TIMED_ROUND_S = 64, 60.0
 
@@ -591,29 +591,32 @@ def _check_timeable(plan: SweepPlan, workers: int) -> None:
                           "; lower --budgets, or plan it for the devices that will train it (`scaletrain plan`)")
 
 
-def _timed_steps(point: Point, plan: SweepPlan, rate: float | None, seconds: float, warmup: bool) -> tuple[Point, int]:
-    """The point as timed (its batch cut to a few micro-batches) and the steps to time it for:
-    about `seconds` at the FLOP/s `rate` measured so far, at least 20 (3 for a shape whose step
-    is cut to one micro-batch); 3 of one micro-batch for the warm-up round. ConfigError for a shape too slow to time."""
+def _timed_steps(point: Point, plan: SweepPlan, rate: float | None, seconds: float, stage: str) -> tuple[Point, int]:
+    """The point as timed in a round of `stage` and its steps. "probe": 3 steps of one
+    micro-batch, a first rate; "warmup": 10 steps (CUDA, the allocator, threads and the loader
+    warmed as the timed rounds run); "timed": about `seconds` at the FLOP/s `rate` measured so
+    far, at least 20 steps. A step has at most TIMED_MICRO_BATCHES micro-batches, fewer where
+    its round would pass TIMED_ROUND_S (3 steps of one micro-batch at the least); ConfigError
+    for a shape too slow for even that."""
     micro = micro_batch_of(point.batch_seqs, plan.settings)
-    most = min(point.batch_seqs // micro, 1 if warmup else TIMED_MICRO_BATCHES)
-    if warmup or rate is None:
-        return replace(point, batch_seqs=most * micro), 3
+    if stage == "probe" or rate is None:
+        return replace(point, batch_seqs=micro), 3
     micro_s = micro * point.seq_len * point.flops_per_token / rate
-    least_steps = 20
-    count = min(most, int(TIMED_ROUND_S / (least_steps * micro_s)))
+    least = 10 if stage == "warmup" else 20
+    count = min(point.batch_seqs // micro, TIMED_MICRO_BATCHES, int(TIMED_ROUND_S / (least * micro_s)))
     if count < 1:
-        count, least_steps = 1, 3
-        if least_steps * micro_s > TIMED_ROUND_S:
+        count, least = 1, 3
+        if least * micro_s > TIMED_ROUND_S:
             total = sum(p.step_flops * sum(steps) for calls in plan.calls().values() for p, steps in calls)
             raise ConfigError(f"a step of {point.shape.name} ({point.n:,} parameters) at this sweep's largest budget "
-                            f"would take about {micro_s * point.batch_seqs / micro:,.0f} s on "
-                            f"{peak_in_use(plan.settings.device)[0]} "
-                            f"({rate:.3g} FLOP/s measured on a smaller shape): the sweep's {total:.3g} FLOPs would "
-                            f"take about {total / rate / 86400:,.3g} days; lower --budgets, or time the sweep on the "
-                            "devices that will train it")
+                              f"would take about {micro_s * point.batch_seqs / micro:,.0f} s on "
+                              f"{peak_in_use(plan.settings.device)[0]} ({rate:.3g} FLOP/s measured on a smaller "
+                              f"shape): the sweep's {total:.3g} FLOPs would take about {total / rate / 86400:,.3g} days; "
+                              "lower --budgets, or time the sweep on the devices that will train it")
     point = replace(point, batch_seqs=count * micro)
-    return point, min(max(round(seconds * rate / point.step_flops), least_steps), 10_000)
+    if stage == "warmup":
+        return point, least
+    return point, min(max(round(seconds * rate / point.step_flops), least), 10_000)
 
 
 def measure_speed(plan: SweepPlan, shapes: list[Shape], out: Path, workers: int = 1, pool=None,
@@ -621,9 +624,11 @@ def measure_speed(plan: SweepPlan, shapes: list[Shape], out: Path, workers: int 
     """Time `shapes` as the sweep trains them (each at its learning rate and batch, on the sweep's
     data and device): for each, `workers` copies at once in `pool`'s processes (one in this
     process when workers is 1), each for about `seconds` of steps, in out/ (removed after).
-    Smallest first, each run's length set by the rate of the one before; a short first round
-    of the smallest shape warms the processes up (CUDA, the allocator, the data loader). The
-    runs train at a learning rate too small to diverge: what a step costs does not depend on it."""
+    Smallest first, each run's length set by the rate of the one before; two first rounds of
+    the smallest shape, a probe of one micro-batch and a warm-up (_timed_steps), get a first rate
+    and warm the processes up (CUDA, the allocator, the data loader) without risking a step of
+    minutes. The runs train at a learning rate too small to diverge: what a step costs does not
+    depend on it."""
     if workers > 1 and pool is None:
         raise ValueError("measuring several runs at once needs the pool they run in")
     _check_timeable(plan, workers)
@@ -633,11 +638,12 @@ def measure_speed(plan: SweepPlan, shapes: list[Shape], out: Path, workers: int 
     rate = None
     shutil.rmtree(out, ignore_errors=True)  # (what a measurement killed on the spot left)
     try:
-        for round_, shape in enumerate([shapes[0], *shapes]):
+        stages = [("probe", shapes[0]), ("warmup", shapes[0]), *(("timed", shape) for shape in shapes)]
+        for round_, (stage, shape) in enumerate(stages):
             point, _ = plan.scheduled(plan_points(max(plan.settings.budgets), [shape], plan.vocab_size,
                                                   plan.settings.seq_len, plan.hyperparameters,
                                                   micro_batch=plan.settings.micro_batch)[0])
-            point, steps = _timed_steps(point, plan, rate, seconds, warmup=round_ == 0)
+            point, steps = _timed_steps(point, plan, rate, seconds, stage)
             start_at = time.time() + 0.5
             jobs = [([*plan.run_overrides(point, 1e-6, point.batch_seqs, 0), f"run.dir={out}",
                       f"run.name={shape.name}-{round_}-{copy}", "train.schedule=constant", f"train.steps={steps}",
@@ -647,7 +653,7 @@ def measure_speed(plan: SweepPlan, shapes: list[Shape], out: Path, workers: int 
             step_s = sum(point.batch_seqs * point.seq_len / tokens_per_s for _, tokens_per_s in timed) / len(timed)
             overhead = sum(wall - steps * step_s for wall, _ in timed) / len(timed)
             rate = point.step_flops / step_s
-            if round_ > 0:
+            if stage == "timed":
                 measured.append((point.n, rate, max(overhead, 0.0)))
     finally:
         shutil.rmtree(out, ignore_errors=True)
