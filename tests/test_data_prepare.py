@@ -102,7 +102,7 @@ def test_changing_an_option_or_a_file_prepares_again(tmp_path):
     prepare([str(tmp_path / "corpus")], out, VOCAB)
     again = prepare([str(tmp_path / "corpus")], out, VOCAB, seed=1)
     assert not again.reused
-    assert any(f"{out} held data prepared from other sources or options (vocabulary {VOCAB}, made " in warning
+    assert any(f"{out} held a finished prepare that differs from this one (vocabulary {VOCAB}, made " in warning
                and "it was replaced" in warning for warning in again.warnings)
     (tmp_path / "corpus" / "a.txt").write_text("changed content")
     result = prepare([str(tmp_path / "corpus")], out, VOCAB, seed=1)

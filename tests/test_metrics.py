@@ -65,12 +65,14 @@ def test_a_record_of_the_wrong_shape_is_left_out_with_a_warning(tmp_path, caplog
         log.write("train", step, step * 10, loss=float(step))
     log.close()
     with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "plan_check", "step": 3, "tokens": 30,  # (sound: its numbers are dicts)
+                            "mfu": {"planned": 0.5, "measured": 0.4, "ratio": 0.8}}) + "\n")
         for bad in ({"kind": "train", "step": "4", "tokens": 40, "loss": 4.0}, {"step": 5, "tokens": 50},
                     {"kind": "train", "step": 6, "tokens": 60, "loss": [6.0]}, {"kind": "train", "step": 7, "tokens": None},
                     {"kind": "train", "step": 8, "tokens": 80, "step_s": "1s"}, [1, 2]):
             f.write(json.dumps(bad) + "\n")
     with caplog.at_level("WARNING", logger="scaletrain"):
         assert [r["step"] for r in read_metrics(tmp_path, "train")] == [1, 2, 3]
-        read_metrics(tmp_path)
+        assert [r["kind"] for r in read_metrics(tmp_path)][-1] == "plan_check"
     assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
         "6 line(s) are not records this project writes (a field missing or of another type); they were left out"]

@@ -56,7 +56,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
-        result = prepare(args.sources, args.out, args.vocab_size or 8192, max_bytes=args.max_bytes,
+        result = prepare(args.sources, args.out, 8192 if args.vocab_size is None else args.vocab_size, max_bytes=args.max_bytes,
                          text_field=args.text_field, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                          seed=args.seed, workers=args.workers, progress=progress, filters=args.filters,
                          dedup=not args.no_dedup, minhash=(args.minhash_bands, args.minhash_rows, args.minhash_ngram),
@@ -87,8 +87,10 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 def cmd_data_stats(args: argparse.Namespace) -> int:
     from scaletrain.data.stats import describe, plot_lengths
 
-    plot = args.plot or f"{args.data_dir.rstrip('/')}/lengths.png"
-    check_output_file(plot, "--plot", plot_suffixes())
+    plot = args.plot
+    if plot is not None:
+        plot += "" if os.path.splitext(plot)[1] else ".png"  # (as Matplotlib names it)
+        check_output_file(plot, "--plot", plot_suffixes())
     summary = describe(args.data_dir, top=args.top)
     table = Table(title=f"data: {summary['data_dir']}")
     table.add_column("")
@@ -110,7 +112,7 @@ def cmd_data_stats(args: argparse.Namespace) -> int:
     for entry in summary["top_tokens"]:
         tokens.add_row(str(entry["id"]), repr(entry["token"]), f"{entry['share']:.2%}")
     out.print(tokens)
-    plot = plot_lengths(args.data_dir, plot)
+    plot = plot_lengths(args.data_dir, plot or f"{args.data_dir.rstrip('/')}/lengths.png")
     out.print(f"document-length histogram: {plot}")
     return 0
 
@@ -973,12 +975,11 @@ def cmd_fit(args: argparse.Namespace) -> int:
         out.print(table)
     sweep = None  # a sweep directory names the shape of its family to train at each budget
     if args.predict and out_dir is not None and args.sweep_dir and (Path(args.sweep_dir) / "grid.json").is_file():
-        from scaletrain.config import ConfigError
         from scaletrain.sweep import Sweep
 
         try:
             sweep = Sweep.open(Path(args.sweep_dir))
-        except ConfigError as e:
+        except UserError as e:
             out.print(f"(no shape of the sweep's family named: {e})")
     predictions = []
     for compute in args.predict or []:

@@ -217,7 +217,7 @@ def fit_to_time(settings: DemoSettings, sweep: SweepSettings, scratch: Path, sec
                              pool)
     if settings.concurrency > 1:
         final, _ = plan.best_point(plan.prior, settings.extrapolate * max(sweep.budgets))
-        alone_at = measure_speed(plan, [final.shape], scratch)
+        alone_at = measure_speed(plan, [final.shape], scratch, check=False)
         alone = together.scaled(alone_at.rate(final.n) / together.rate(final.n), alone_at.overhead(final.n))
     else:
         alone = together

@@ -25,12 +25,13 @@ def _grid_settings(path: Path) -> dict:
 KINDS = (
     ("prepared data directory", lambda p: (p / "index.json").is_file() or (p / "manifest.json").is_file()
      or (p / "work" / "key").is_file(), ("manifest.json", "index.json", "stats.json", "tokenizer.json")),
-    ("run directory", lambda p: (p / "config.toml").is_file(),
+    ("run directory", lambda p: (p / "config.toml").is_file() and ((p / "metrics.jsonl").is_file()
+                                                                  or (p / "checkpoints").is_dir()),
      ("config.toml", "metrics.jsonl", "heartbeat.json", "stats.json", "tokenizer.json", "branch.json", "wandb_id")),
     ("mixture search", lambda p: (p / "mixtures.json").is_file(), ("mixtures.json", "results.csv", "mixture.json")),
     ("tuning directory", lambda p: (p / "tune.json").is_file(), ("tune.json", "results.csv")),
     ("demo directory", lambda p: (p / "demo.json").is_file() or (p / "sweep" / "grid.json").is_file()
-     and (p / "data").is_dir(), ("demo.json",)),
+     and (p / "data" / "index.json").is_file(), ("demo.json",)),
     ("hyperparameter search", lambda p: (p / "grid.json").is_file() and "lr_factors" in _grid_settings(p),
      ("grid.json", "results.csv", "hparams.json")),
     ("sweep", lambda p: (p / "grid.json").is_file(), ("grid.json", "results.csv", "law.json")),

@@ -184,8 +184,9 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     })
     shutil.rmtree(work, ignore_errors=True)
     if replaced:
-        warnings = [*warnings, f"{out} held data prepared from other sources or options ({replaced}); it was "
-                               "replaced, and runs that trained on it read the new data if resumed"]
+        warnings = [*warnings, f"{out} held a finished prepare that differs from this one ({replaced}: other "
+                               "sources or options, other library versions, or damaged files); it was replaced, and "
+                               "runs that trained on it read the new data if resumed"]
     return PrepareResult(out, False, result_stats, warnings, resumed)
 
 

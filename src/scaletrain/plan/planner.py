@@ -311,11 +311,12 @@ def plan_for_time(law: ChinchillaLaw, hours: float, hardware: Hardware, vocab: i
         try:
             plan = plan_at(compute)
         except PlanError:
-            if below is not None or above is None:
+            if below is not None:
                 raise
-            raise PlanError(f"no model the law sizes finishes in {hours:g} hours on these devices (the smallest budget "
-                            f"tried that trains at all, {above:.3g} FLOPs, takes {above_wall:.3g} hours); allow more "
-                            "hours") from None
+            tried = (f"the smallest budget tried that trains at all, {above:.3g} FLOPs, takes {above_wall:.3g} hours"
+                     if above is not None else f"{compute:.3g} FLOPs, what they hold, train no model")
+            raise PlanError(f"no model the law sizes finishes in {hours:g} hours on these devices ({tried}); allow "
+                            "more hours") from None
         wall = plan["run"]["wall_hours"]
         if wall <= hours:
             if below is None or compute > below[0]:

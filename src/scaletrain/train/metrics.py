@@ -241,12 +241,17 @@ _NUMBERS = {"time", "loss", "lr", "grad_norm", "mfu", "mfu_causal", "train_loss"
             "tokens_per_s", "flops_per_token", "total_steps", "ema_loss"}
 
 
+_NUMBERED = ("start", "train", "eval", "checkpoint", "resume", "rewind", "end", "memory", "hang")
+
+
 def _sound(record) -> bool:
     """A record as MetricsLog writes it: kind, whole-number step and tokens, numbers where numbers go."""
     if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
         return False
     if not all(type(record.get(key)) is int for key in ("step", "tokens")):
         return False
+    if record["kind"] not in _NUMBERED:  # (a plan_check's speeds are {planned, measured, ratio})
+        return True
     return all(value is None or type(value) in (int, float)
                for key, value in record.items()
                if key in _NUMBERS or key.endswith(("_s", "_ms", "_gb")) or key.startswith("noise_"))
