@@ -586,7 +586,7 @@ def _predict_sweep_time(settings, concurrency: int) -> int:
                         f"prior law {settings.prior} (the sweep recentres from its third budget on)")
     for column in ("budget", "points", "FLOPs trained", "predicted"):
         table.add_column(column, justify="right")
-    flops = {budget: sum(sum(steps) * point.step_flops for point, steps in points) for budget, points in calls.items()}
+    flops = plan.budget_flops()
     for budget, points in calls.items():
         table.add_row(f"{budget:.3g}", ", ".join(point.shape.name for point, _ in points), f"{flops[budget]:.3g}",
                       f"{seconds[budget]:.0f} s")

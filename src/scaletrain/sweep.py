@@ -240,6 +240,11 @@ class SweepPlan:
                 calls[budget].append((point, [extend] * (extend > 0) + [point.steps - branch_at]))
         return calls
 
+    def budget_flops(self) -> dict[float, float]:
+        """The training FLOPs of each budget's calls (`calls`): trunk extensions and branches."""
+        return {budget: sum(sum(steps) * point.step_flops for point, steps in points)
+                for budget, points in self.calls().items()}
+
     def predicted_seconds(self, speed: Speed, workers: int = 1, alone: Speed | None = None) -> float:
         """Wall-clock seconds the calls of a whole sweep (`calls`) would take at `speed`
         (measure_speed's, of `workers` runs at once; `alone`, of one)."""
@@ -584,7 +589,7 @@ def _check_timeable(plan: SweepPlan, workers: int) -> None:
     name, peak = peak_in_use(plan.settings.device, workers)
     if name == "cpu":
         peak = 2e10 * (os.cpu_count() or 1)
-    total = sum(p.step_flops * sum(steps) for calls in plan.calls().values() for p, steps in calls)
+    total = sum(plan.budget_flops().values())
     if peak and total / peak > UNTIMEABLE_DAYS * 86400:
         raise ConfigError(f"the sweep trains {total:.3g} FLOPs: over {total / peak / 86400:,.0f} days even at the "
                           f"{peak:.3g} FLOP/s peak of {name}{' x ' + str(workers) if name != 'cpu' and workers > 1 else ''}"
@@ -607,7 +612,7 @@ def _timed_steps(point: Point, plan: SweepPlan, rate: float | None, seconds: flo
     if count < 1:
         count, least = 1, 3
         if least * micro_s > TIMED_ROUND_S:
-            total = sum(p.step_flops * sum(steps) for calls in plan.calls().values() for p, steps in calls)
+            total = sum(plan.budget_flops().values())
             raise ConfigError(f"a step of {point.shape.name} ({point.n:,} parameters) at this sweep's largest budget "
                               f"would take about {micro_s * point.batch_seqs / micro:,.0f} s on "
                               f"{peak_in_use(plan.settings.device)[0]} ({rate:.3g} FLOP/s measured on a smaller "
