@@ -267,8 +267,11 @@ def test_what_other_commands_wrote_is_not_written_over(trained_run, stdlib_data,
     search = tmp_path / "search"
     search.mkdir()
     (search / "grid.json").write_text(json.dumps({"settings": {"lr_factors": [1.0]}}))
-    assert [kind_of(p) for p in (trained_run, stdlib_data, sweep, search, tmp_path)] == [
-        "run directory", "prepared data directory", "sweep", "hyperparameter search", None]
+    other = tmp_path / "other"  # (a grid.json of other contents: not a sweep's, nothing to refuse)
+    other.mkdir()
+    (other / "grid.json").write_text(json.dumps({"rows": 3}))
+    assert [kind_of(p) for p in (trained_run, stdlib_data, sweep, search, other, tmp_path)] == [
+        "run directory", "prepared data directory", "sweep", "hyperparameter search", None, None]
     kept = {p: p.read_bytes() for d in (trained_run, sweep, stdlib_data) for p in d.iterdir() if p.is_file()}
     tiny = str(ROOT / "configs" / "tiny.toml")
     cases = [
@@ -296,7 +299,7 @@ def test_what_other_commands_wrote_is_not_written_over(trained_run, stdlib_data,
         err = " ".join(capsys.readouterr().err.split())
         assert message in err and "Traceback" not in err, (argv, err)
     assert {p: p.read_bytes() for p in kept} == kept
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["search", "sweep"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "search", "sweep"]
 
 
 def test_values_out_of_range_are_refused_before_any_work(trained_run, stdlib_data, tmp_path, capsys):

@@ -188,6 +188,29 @@ def test_a_search_interrupted_between_and_inside_runs_resumes_to_the_same_result
         HparamSearch(tmp_path / "resumed", settings(stdlib_data, seq_len=32))
 
 
+def test_the_eta_weighs_the_runs_left_by_their_flops(stdlib_data, tmp_path, monkeypatch):
+    """The grid trains its smallest budget first: the runs left take what those done took per
+    FLOP, not per run (which would put a 10x larger budget's runs at the small ones' pace)."""
+    import scaletrain.proxies as proxies
+
+    search = HparamSearch(tmp_path / "eta", settings(stdlib_data, budgets=[3e9, 3e10]))
+    clock = [0.0]
+    monkeypatch.setattr(proxies.time, "perf_counter", lambda: clock[0])
+
+    def run_one(name, train):  # (no training: one second per 1e9 FLOPs on a clock of its own)
+        clock[0] += search.points[name].compute / 1e9
+        return {"name": name, "c": search.points[name].compute}
+
+    monkeypatch.setattr(search, "_run_one", run_one)
+    seen = []
+    search.run(progress=seen.append)
+    total = sum(point.compute for point in search.points.values()) / 1e9
+    assert [shown["name"] for shown in seen] == list(search.points)
+    assert seen[-1]["eta_s"] == pytest.approx(0.0, abs=1e-9)
+    first = search.points[seen[0]["name"]].compute / 1e9
+    assert seen[0]["eta_s"] == pytest.approx(total - first)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"budgets": [1e10]}, "a law of the compute needs at least two budgets"),
     ({"lr_factors": [1, 2]}, "--lrs 1,2: give at least 3 distinct positive factors"),

@@ -21,7 +21,8 @@ def _grid_settings(path: Path) -> dict:
 
 
 # (kind, what tells it, the files it owns), in the order they are told apart: a run directory
-# holds a tokenizer.json as data does; a sweep and a hyperparameter search each hold a grid.json.
+# holds a tokenizer.json as data does; a sweep and a hyperparameter search each hold a grid.json
+# (of settings with budgets: a grid.json of other contents is not theirs).
 KINDS = (
     ("prepared data directory", lambda p: (p / "index.json").is_file() or (p / "manifest.json").is_file()
      or (p / "work" / "key").is_file(), ("manifest.json", "index.json", "stats.json", "tokenizer.json")),
@@ -34,7 +35,7 @@ KINDS = (
      and (p / "data" / "index.json").is_file(), ("demo.json",)),
     ("hyperparameter search", lambda p: (p / "grid.json").is_file() and "lr_factors" in _grid_settings(p),
      ("grid.json", "results.csv", "hparams.json")),
-    ("sweep", lambda p: (p / "grid.json").is_file(), ("grid.json", "results.csv", "law.json")),
+    ("sweep", lambda p: "budgets" in _grid_settings(p), ("grid.json", "results.csv", "law.json")),
     ("Hugging Face model directory", lambda p: (p / "config.json").is_file() and any(p.glob("*.safetensors")),
      ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
       "model.safetensors.index.json")),
