@@ -170,6 +170,9 @@ class HparamSearch(ProxyRuns):
         return ["name", "budget", "shape", "n", "lr", "batch_seqs", "batch_tokens", "steps", "tokens", "c", "loss",
                 "train_loss"]
 
+    def cost_of(self, name: str) -> float:
+        return self.points[name].compute
+
     def run_config(self, name: str):
         return run_config(self.settings, self.vocab_size, self.points[name], self.out / "runs" / name)
 

@@ -46,6 +46,11 @@ class ProxyRuns:
     def _run_one(self, key, train) -> dict:
         raise NotImplementedError
 
+    def cost_of(self, key) -> float:
+        """What the run of `key` costs relative to the others (its FLOPs where they differ), for
+        the ETA: the runs left cost what those done here cost, in proportion."""
+        return 1.0
+
     def results(self) -> list[dict]:
         path = self.out / "results.csv"
         if not path.is_file():
@@ -65,7 +70,9 @@ class ProxyRuns:
 
     def run(self, progress: Callable[[dict], None] | None = None, concurrency: int = 1) -> list[dict]:
         """Train every run not yet in results.csv; returns all rows, in the plan's order. progress
-        gets a dict of runs done / total, FLOPs spent and an ETA after each run."""
+        gets a dict of runs done / total, FLOPs spent and an ETA after each run: the runs left at
+        the pace of those done here, each weighed by cost_of (a search of several budgets trains
+        its smallest first)."""
         from scaletrain.sweep import worker_pool
 
         keys = self.keys()
@@ -73,7 +80,8 @@ class ProxyRuns:
         done = [row for row in self.results() if row["name"] in planned]  # (not those of a plan narrowed since)
         finished = {row["name"] for row in done}
         todo = [key for key in keys if self.name_of(key) not in finished]
-        started, trained_here = time.perf_counter(), 0
+        started, cost_here = time.perf_counter(), 0.0
+        cost_left = sum(map(self.cost_of, todo))
         pool = worker_pool(concurrency, self.settings.device) if concurrency > 1 and len(todo) > 1 else None
         try:
             if pool is None:
@@ -81,15 +89,16 @@ class ProxyRuns:
                 rows = (self._run_one(key, train) for key in todo)
             else:
                 rows = pool.map(_run_in_worker, [(type(self), self.out, self.settings, key) for key in todo])
-            for row in rows:
+            for key, row in zip(todo, rows):  # (rows come in the order of todo, from a pool too)
                 self._record(row)
                 done.append(row)
-                trained_here += 1
+                cost = self.cost_of(key)
+                cost_here, cost_left = cost_here + cost, cost_left - cost
                 if progress:
                     elapsed = time.perf_counter() - started
                     progress({"done": len(done), "total": len(keys), "name": row["name"],
                               "flops": sum(r["c"] for r in done),
-                              "eta_s": elapsed / trained_here * (len(keys) - len(done))})
+                              "eta_s": elapsed / cost_here * max(cost_left, 0.0) if cost_here > 0 else None})
         finally:
             if pool is not None:
                 pool.shutdown(cancel_futures=True)
