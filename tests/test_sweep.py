@@ -77,6 +77,10 @@ def test_no_point_shorter_than_min_steps_is_planned(stdlib_data, tmp_path):
     assert sweep.planned() == {1e11: len(small), 1e12: 5}
     with pytest.raises(ValueError, match=r"budget 1e\+09 FLOPs is too small .* raise it to at least"):
         sweep.points_of(1e9, [])
+    # a sweep with such a budget is refused before it writes its directory: rerun with others, it starts
+    with pytest.raises(ValueError, match=r"budget 1e\+09 FLOPs is too small"):
+        Sweep(tmp_path / "refused", SweepSettings(data=str(stdlib_data), budgets=[1e9, 1e12], seq_len=128))
+    assert not (tmp_path / "refused").exists()
 
 
 def test_a_muon_sweep_trains_every_point_and_its_final_run_with_muon_and_older_sweeps_still_open(stdlib_data,

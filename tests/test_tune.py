@@ -92,3 +92,7 @@ def test_tune_trains_each_rate_once_resumes_and_writes_the_tuned_config(stdlib_d
     assert other.returncode != 0 and "holds a tuning of another config" in other.stderr
     refused = run_cli("tune", str(TINY), f"data.path={stdlib_data}", "--out", str(tmp_path / "x"))
     assert refused.returncode != 0 and "set model.mup_base_dim" in refused.stderr
+    no_data = run_cli(*[a.replace(f"data.path={stdlib_data}", f"data.path={tmp_path / 'nowhere'}") for a in args[:-4]],
+                      "--out", str(tmp_path / "y"))
+    assert no_data.returncode == 2 and "does not exist; create it with `scaletrain data prepare`" in no_data.stderr
+    assert not (tmp_path / "y").exists()  # (refused before tune.json is written)

@@ -284,6 +284,8 @@ class Sweep(SweepPlan):
                                   f"({', '.join(f'{k}: {a} then, {b} now' for k, (a, b) in changed.items())}); "
                                   "rerun it with the same ones or choose a new --out")
         super().__init__(settings, vocab_size_of(settings), hyperparameters)
+        for budget in settings.budgets:  # (a budget too small for any point is refused before grid.json is written)
+            self.prior_points(budget)
         self.out.mkdir(parents=True, exist_ok=True)
         text = json.dumps({"settings": asdict(settings), "vocab_size": self.vocab_size}, indent=1) + "\n"
         if not saved.is_file() or saved.read_text() != text:  # workers of a concurrent sweep open it too

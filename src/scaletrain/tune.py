@@ -121,7 +121,11 @@ def tune(cfg: RunConfig, out: str | Path, lrs=DEFAULT_LRS, progress=None, steps:
         proxy["train"].pop("tokens", None)
         proxy["train"]["steps"] = steps
     # What makes two tunings the same: the proxy's every setting but the rate.
-    identity = validate_config(proxy, source="the proxy").model_dump(mode="json", exclude_none=True)  # (as JSON reads back)
+    from scaletrain.data.shards import read_indexes
+
+    checked = validate_config(proxy, source="the proxy")
+    read_indexes(checked.data.sources)  # (data that is not there is refused before tune.json is written)
+    identity = checked.model_dump(mode="json", exclude_none=True)  # (as JSON reads back)
     identity["train"].pop("lr")
     record = out / "tune.json"
     if record.is_file() and json.loads(record.read_text())["proxy"] != identity:
