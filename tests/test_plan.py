@@ -431,7 +431,13 @@ def test_the_cli_prints_the_plan_for_people_and_writes_its_config(tmp_path, caps
         assert row in text, row
     cfg = load_config(config)
     assert resolve_layout(cfg.parallel, 32).world_size == 32 and cfg.train.schedule == "wsd"
-    # A given config is planned as it is: its model, tokens and batch kept, the layout chosen.
+    assert cfg.run.name == "run"  # (named after its file: `scaletrain train run.toml` trains runs/run)
+    # A given config is planned as it is: its model, tokens and batch kept, the layout chosen; the
+    # config written for it trains a run of its own name, not the planned config's (whose
+    # checkpoints it would resume under other settings).
+    assert main(["plan", str(config), "--gpus", "16", "--write-config", str(tmp_path / "run-16.toml")]) == 0
+    assert load_config(tmp_path / "run-16.toml").run.name == "run-16"
+    capsys.readouterr()
     assert main(["plan", str(config), "--gpus", "16", "--json"]) == 0
     replanned = json.loads(capsys.readouterr().out)
     assert replanned["model"]["n"] == param_counts(cfg.model)["total"]

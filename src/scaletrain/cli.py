@@ -284,6 +284,7 @@ def _hardware(args: argparse.Namespace):
 def cmd_plan(args: argparse.Namespace) -> int:
     import dataclasses
     import json
+    from pathlib import Path
 
     from scaletrain.config import load_config
     from scaletrain.plan.planner import Sizing, make_plan, model_for, plan_for_time, size, vocab_of
@@ -345,7 +346,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             model, tokens = model_for(args.params, vocab, seq_len), int(args.tokens)
     if law is not None and sizing is None:  # a given model: the law only predicts its loss
         sizing = Sizing("given", law=law, bootstrap=boot)
-    common = dict(data_path=data_path, name=args.name, top=args.top)
+    # The written config's run is named after its file (runs/30b.toml trains runs/30b), not after
+    # the planned config's run, whose checkpoints it would resume with the plan's other settings.
+    name = args.name or (Path(args.write_config).stem if args.write_config else None)
+    common = dict(data_path=data_path, name=name, top=args.top)
     if args.hparams is not None:
         from scaletrain.hparams import load_law
 
@@ -358,7 +362,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          keep_layout=args.keep_layout, **common)
     if args.write_config:
         import tomllib
-        from pathlib import Path
 
         from scaletrain.config import validate_config
 
@@ -1478,7 +1481,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the learning-rate and batch rule of a run sized here (a config keeps its own): a hparams.json of "
                         "`scaletrain hparams` (default DeepSeek LLM's)")
     p.add_argument("--data", default=None, help="prepared data directory for the written config (and its vocabulary)")
-    p.add_argument("--name", default="planned", help="run name in the written config")
+    p.add_argument("--name", default=None,
+                   help="run.name of the written config (default: the --write-config file's name without .toml)")
     p.add_argument("--price", type=_amount, default=None, help="price of a device-hour, for the cost")
     p.add_argument("--pue", type=_flops, default=1.2, help="power usage effectiveness of the data centre (1.2)")
     p.add_argument("--watts", type=_amount, default=None, help="power per device (default: its maximum board power)")

@@ -155,7 +155,7 @@ def predicted_loss(sizing: Sizing, n: int, tokens: int) -> dict | None:
 
 def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware, *, batch_tokens: int | None = None,
               base: RunConfig | None = None, sizing: Sizing | None = None, data_path: str = "data/corpus",
-              name: str = "planned", top: int = 5, hyperparameters: HyperparameterLaw = DEEPSEEK,
+              name: str | None = None, top: int = 5, hyperparameters: HyperparameterLaw = DEEPSEEK,
               keep_layout: bool = False) -> dict:
     """The whole plan as a JSON-able dict (the keys of DESIGN.md's plan contract), with the config
     to train it under "config" (TOML). `batch_tokens` fixes the global batch; otherwise the
@@ -342,10 +342,11 @@ def plan_for_time(law: ChinchillaLaw, hours: float, hardware: Hardware, vocab: i
 
 
 def planned_config(plan: dict, hardware: Hardware, base: RunConfig | None = None, data_path: str = "data/corpus",
-                   name: str = "planned") -> RunConfig:
-    """The RunConfig that trains the plan, checked as train checks it before starting."""
+                   name: str | None = None) -> RunConfig:
+    """The RunConfig that trains the plan, checked as train checks it before starting; its
+    run.name is `name` if given, else the base config's (or "planned")."""
     data = base.model_dump(exclude_none=True) if base is not None else {
-        "run": {"name": name},
+        "run": {"name": "planned"},
         "model": {key: plan["model"][key] for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                                                       "vocab_size")}
         | {"max_seq_len": plan["model"]["seq_len"], "rope_theta": 500000.0 if plan["model"]["seq_len"] >= 4096
@@ -354,6 +355,8 @@ def planned_config(plan: dict, hardware: Hardware, base: RunConfig | None = None
         "train": {"lr": plan["hyperparameters"]["lr"], "warmup_steps": plan["hyperparameters"]["warmup_steps"],
                   "schedule": "wsd", "decay_fraction": 0.2, "compile": True, "rewinds": 3},
     }
+    if name is not None:
+        data.setdefault("run", {})["name"] = name
     lay, run = plan["layout"]["layout"], plan["run"]
     train = data.setdefault("train", {})
     train.pop("steps", None)
