@@ -136,9 +136,16 @@ def test_training_documents_sharing_a_13_gram_with_the_validation_split_are_drop
     out = tmp_path / "data"
     result = prepare([str(corpus)], out, vocab_size=300, val_fraction=0.3, workers=1)
     val, train = decoded(out, "val"), decoded(out, "train")
-    assert val and result.stats["documents"]["dropped"]["val_overlap"] >= 1
+    dropped = result.stats["documents"]["dropped"]["val_overlap"]
+    assert val and dropped >= 1
     overlap = Decontaminator(val, whole_short_texts=False)
     assert not any(overlap.contaminated(text) for text in train)
+    # over a tenth of the corpus lost to it is said, with the switch that keeps them
+    read = result.stats["documents"]["read"]
+    assert dropped > 0.1 * read and any("--no-val-overlap keeps them" in w for w in result.warnings)
+    kept = prepare([str(corpus)], tmp_path / "kept", vocab_size=300, val_fraction=0.3, workers=1, val_overlap=False)
+    assert kept.stats["documents"]["dropped"]["val_overlap"] == 0
+    assert kept.stats["documents"]["train"] == result.stats["documents"]["train"] + dropped
 
 
 def test_decontaminate_drops_training_documents_that_contain_evaluation_text(corpus, curated, tmp_path):
@@ -239,3 +246,8 @@ def test_a_jsonl_record_with_a_path_is_curated_as_what_its_path_says(tmp_path):
     result = prepare([str(tmp_path / "mixed.jsonl")], tmp_path / "data", vocab_size=300, val_fraction=0.0,
                      workers=1, dedup=False)
     assert result.stats["documents"]["kept"] == 1  # the record without a path is prose, and fails prose rules
+    # --kind code: every record is curated as code, kept whole
+    as_code = prepare([str(tmp_path / "mixed.jsonl")], tmp_path / "code", vocab_size=300, val_fraction=0.0,
+                      workers=1, dedup=False, kind="code")
+    assert as_code.stats["documents"]["kept"] == 2
+    assert as_code.stats["bytes"]["curated"] >= 0.99 * sum(len(r["text"].encode()) for r in records)

@@ -61,7 +61,8 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
                          seed=args.seed, workers=args.workers, progress=progress, filters=args.filters,
                          dedup=not args.no_dedup, minhash=(args.minhash_bands, args.minhash_rows, args.minhash_ngram),
                          decontaminate=args.decontaminate, keep_rejects=args.keep_rejects,
-                         chunk_bytes=args.chunk_bytes or DEFAULT_CHUNK_BYTES)
+                         chunk_bytes=args.chunk_bytes or DEFAULT_CHUNK_BYTES, kind=args.kind,
+                         val_overlap=not args.no_val_overlap)
     if result.resumed_chunks:
         console.print(f"resumed an interrupted prepare: {result.resumed_chunks} chunks were already curated")
     for warning in result.warnings:
@@ -75,7 +76,9 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     for reason, count in sorted(docs.get("dropped", {}).items(), key=lambda kv: -kv[1]):
         if count:
             table.add_row(f"  dropped: {reason}", f"{count:,}")
-    table.add_row("bytes kept", f"{stats['bytes']['kept']:,}")
+    table.add_row("bytes read", f"{stats['bytes']['read']:,}")
+    # (after curation: a kept document's lines that the filters removed are not counted)
+    table.add_row("bytes kept", f"{stats['bytes'].get('curated', stats['bytes']['kept']):,}")
     table.add_row("train tokens", f"{stats['tokens']['train']:,}")
     table.add_row("validation tokens", f"{stats['tokens']['val']:,}")
     table.add_row("vocabulary", f"{stats['vocab_size']:,}")
@@ -1382,6 +1385,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--filters", default="default",
                    help="curation: 'default' (normalise, quality and repetition filters), 'none', or a TOML file")
     p.add_argument("--no-dedup", action="store_true", help="keep exact and near duplicates")
+    p.add_argument("--no-val-overlap", action="store_true",
+                   help="keep training documents that share a 13-gram with a validation document (by default they "
+                        "go, so that the validation loss is not measured on text trained on)")
+    p.add_argument("--kind", choices=("auto", "code", "prose"), default="auto",
+                   help="curate every document as code or as prose; auto (the default) tells each by its file name: "
+                        "a .jsonl record or .parquet row by its path or filename field, prose without one")
     p.add_argument("--minhash-bands", type=int, default=14, help="MinHash LSH bands (FineWeb: 14)")
     p.add_argument("--minhash-rows", type=int, default=8, help="MinHash rows per band (FineWeb: 8)")
     p.add_argument("--minhash-ngram", type=int, default=5, help="word n-grams MinHash compares (5)")

@@ -84,6 +84,8 @@ class _Settings:
     ngram: int
     seed: int
     decontaminate: list[str] = field(default_factory=list)  # evaluation texts
+    kind: str = "auto"  # "code" or "prose" for every document; "auto": by each one's file name
+    val_overlap: bool = True  # drop training documents sharing a 13-gram with a validation one (with curate)
 
 
 def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: int | None = None,
@@ -91,7 +93,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
             seed: int = 0, workers: int | None = None, progress: Progress | None = None,
             filters: str | Path = "default", dedup: bool = True, minhash: tuple[int, int, int] = (14, 8, 5),
             decontaminate: list[str | Path] = (), keep_rejects: bool = False,
-            chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> PrepareResult:
+            chunk_bytes: int = DEFAULT_CHUNK_BYTES, kind: str = "auto", val_overlap: bool = True) -> PrepareResult:
     """Curate and tokenize sources into the data directory out, or reuse what out holds if it
     was prepared identically; resume an interrupted prepare of the same arguments.
 
@@ -106,9 +108,17 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     dedup / minhash: exact and near-duplicate removal; MinHash (bands, rows, word n-gram).
     decontaminate: files of evaluation text; training documents sharing a 13-gram with them go.
     keep_rejects: write every dropped document to out/rejects/REASON.jsonl.
+    kind: "code" or "prose" curates every document by that kind's rules; "auto" tells each by its
+        file name (a .jsonl record or .parquet row by its path or filename field; without one,
+        prose): a .jsonl of source files without paths wants "code".
+    val_overlap: drop training documents that share a 13-gram with a validation document (a
+        corpus whose files share long boilerplate, licence headers, loses many to it; a warning
+        says when over a tenth go).
     progress: a rich Progress to which the passes add their tasks.
     """
     sources, out = [str(source) for source in sources], Path(out)
+    if kind not in ("auto", "code", "prose"):
+        raise DataError(f"kind {kind!r}: give auto (each document by its file name), code or prose")
     _check_options(vocab_size, max_bytes, val_fraction, seed, workers, tokenizer, chunk_bytes)
     filter_config = load_filters(filters)
     dedup = dedup and str(filters) != "none"
@@ -140,7 +150,9 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
                "decontaminate": [hashlib.sha256(t.encode()).hexdigest() for t in eval_texts],
                "keep_rejects": keep_rejects, "curate": str(filters) != "none",
                "tokenizer": None if given is None else
-               {"path": str(tokenizer_path), "sha256": hashlib.sha256(tokenizer_bytes).hexdigest()}}
+               {"path": str(tokenizer_path), "sha256": hashlib.sha256(tokenizer_bytes).hexdigest()},
+               # (only where not the default, so that the directories prepared before keep their key)
+               **({"kind": kind} if kind != "auto" else {}), **({} if val_overlap else {"val_overlap": False})}
     content_sha256 = stats.content.hexdigest()
     key = _key(options, content_sha256)
     if _is_complete(out, key):
@@ -163,7 +175,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
         (work / "key").write_text(key)
     (out / "manifest.json").unlink(missing_ok=True)  # incomplete until the very end
     settings = _Settings(filter_config, str(filters) != "none", dedup, *minhash, seed=seed,
-                         decontaminate=eval_texts)
+                         decontaminate=eval_texts, kind=kind, val_overlap=val_overlap)
 
     # One set of worker processes for passes 1 and 3, started before this process trains the
     # tokenizer: forking after the tokenizers library has run its threads is unsafe.
@@ -232,12 +244,13 @@ def _run_passes(pool, files, text_field, max_bytes, stats: ReadStats, settings: 
 
     # Pass 3: decontaminate against the validation split, tokenize, write shards (per chunk).
     val_file = work / "val_texts.pkl"
-    if settings.curate and not val_file.is_file():
+    overlap_check = settings.curate and settings.val_overlap
+    if overlap_check and not val_file.is_file():
         with open(f"{val_file}.tmp", "wb") as f:
             pickle.dump([text for text, val in _curated_documents(work, chunks, overrides) if val], f)
         os.replace(f"{val_file}.tmp", val_file)
     task = _add_task(progress, "tokenizing", curated["bytes_kept"])
-    job = _TokenizeJob(str(out), vocab_size, str(val_file) if settings.curate else None,
+    job = _TokenizeJob(str(out), vocab_size, str(val_file) if overlap_check else None,
                        str(out) if keep_rejects else None)
     written = _tokenize_chunks(pool, work, chunks, overrides, job, lambda n: _advance(progress, task, n))
     _finish_task(progress, task, curated["bytes_kept"])
@@ -267,6 +280,11 @@ def _run_passes(pool, files, text_field, max_bytes, stats: ReadStats, settings: 
     result_stats["tokens"] = {"train": splits["train"]["tokens"], "val": splits["val"]["tokens"]}
     result_stats["vocab_size"], result_stats["eos_id"] = vocab_size, eos
     result_stats["tokenizer"] = {"trained": given is None, "learned_vocab_size": tokenizer_vocab_size(tok)}
+    read = result_stats["documents"]["read"]
+    if read and dropped["val_overlap"] > 0.1 * read:
+        warnings.append(f"{dropped['val_overlap']:,} of the {read:,} documents read ({dropped['val_overlap'] / read:.0%}) "
+                        "were dropped for sharing a 13-gram with a validation document: boilerplate the files share "
+                        "(licence headers, generated code) counts too; --no-val-overlap keeps them")
     result_stats["warnings"] = warnings
     _write_json(out / "stats.json", result_stats)
     return result_stats, warnings, sum(1 for chunk in chunks if chunk.get("resumed"))
@@ -352,7 +370,8 @@ def _curate_batch(batch: list[tuple[str, int, str]]) -> list[tuple]:
     settings, hasher, contamination = _WORKER["settings"], _WORKER["hasher"], _WORKER["contamination"]
     results = []
     for text, _, name in batch:
-        curated, reason = curate(text, document_kind(name), settings.filters)
+        curated, reason = curate(text, document_kind(name) if settings.kind == "auto" else settings.kind,
+                                 settings.filters)
         if curated is not None and contamination is not None and contamination.contaminated(curated):
             curated, reason = None, "decontaminated"
         if curated is None:
