@@ -349,12 +349,11 @@ def set_balance_weight(model: nn.Module, weight: float) -> None:
             m.balance_weight = weight
 
 
-def balance_tally(model: nn.Module) -> tuple[torch.Tensor, int] | None:
+def balance_tally(model: nn.Module) -> tuple[torch.Tensor, int]:
     """(the sum of the balancing losses whose backward ran since the last tally, how many) over
-    `model`'s mixture blocks, and start again; None for a dense model."""
+    `model`'s mixture blocks, and start again; (0, 0) without any (a dense model, or a pipeline
+    stage of a mixture's dense first blocks, whose rank still takes part in the mean over ranks)."""
     blocks = [m for m in model.modules() if isinstance(m, MoE)]
-    if not blocks:
-        return None
     values = [m.balance_sum for m in blocks if m.balance_sum is not None]
     total = torch.stack(values).sum() if values else torch.zeros(())
     count = sum(m.balance_count for m in blocks)

@@ -917,7 +917,7 @@ class Trainer:
             self.norms = {"grad_norm_by_part": part_norms, "weight_norm_by_part": self._norms_by_part(grads=False)}
         loss_value = global_loss.item()
         self._check(loss_value)
-        self.moe_balance = self._mean_balance(balance) if balance is not None else None
+        self.moe_balance = self._mean_balance(balance) if balance is not None else None  # (every rank: all-reduced)
         self.moe_max_load = max_load.max().item() if max_load is not None else None
         z_mean = self._tally_mean(self.z_tally)
         self.z_loss_value = None if z_mean is None else cfg.z_loss * z_mean
@@ -1078,15 +1078,16 @@ class Trainer:
         torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))  # as clip_grads_with_norm_
         return norm
 
-    def _mean_balance(self, tally: tuple[torch.Tensor, int]) -> float:
+    def _mean_balance(self, tally: tuple[torch.Tensor, int]) -> float | None:
         """The balancing loss per mixture block and micro-batch over every rank (pipeline stages
-        hold different blocks, or none): one all-reduce of (sum, count)."""
+        hold different blocks, or none: each rank takes part): one all-reduce of (sum, count).
+        None if no rank counted any."""
         total, count = tally
         both = torch.stack([total.to(self.device, torch.float32), torch.tensor(float(count), device=self.device)])
         if dist.is_initialized():
             dist.all_reduce(both)
         total, count = both.tolist()
-        return total / count
+        return total / count if count else None
 
     def _tally_mean(self, tally: Tally | None) -> float | None:
         """The mean of what `tally` summed over the step just taken, over the global batch (one
@@ -1404,7 +1405,7 @@ class Trainer:
                         **({"z_loss": self.z_loss_value} if self.z_tally is not None else {}),
                         **({"mtp_loss": self.mtp_loss_value} if self.mtp_tally is not None else {}),
                         **(self.noise or {}), **(self.norms or {}),
-                        **({"moe_balance": round(self.moe_balance, 5)} if self.cfg.model.moe else {}),
+                        **({"moe_balance": round(self.moe_balance, 5)} if self.moe_balance is not None else {}),
                         **({"moe_max_load": round(self.moe_max_load, 4)} if self.moe_max_load is not None else {}))
                     log.info("step %d/%d  loss %.4f  lr %.2e  grad %.3f  %.0f tok/s%s", self.step, self.total_steps,
                              train_loss, self.lr, grad_norm, last_speed,
