@@ -61,6 +61,15 @@ def test_resume_is_bit_exact_with_grad_accumulation_and_eval(stdlib_data, tmp_pa
     noise = [{r["step"]: r["noise_scale"] for r in read_metrics(run, "train")} for run in (whole, split)]
     assert all(noise[1][step] == noise[0][step] for step in range(k + 1, 13))
     assert len(losses(whole, "eval")) == 3
+    # Logged every 3 steps, so that the stop's step is looked at only because it stops: the
+    # noise scale takes in the steps a run that never stopped looks at, not the stop's.
+    logged = [*common, "log.interval=3"]
+    train(tiny_config(stdlib_data, tmp_path / "whole-3", *logged))
+    train(tiny_config(stdlib_data, tmp_path / "split-3", *logged), stop_at_step=7)
+    train(tiny_config(stdlib_data, tmp_path / "split-3", *logged))
+    noise = [{r["step"]: (r["loss"], r.get("noise_scale"), r.get("noise_trace")) for r in read_metrics(run, "train")}
+             for run in (tmp_path / "whole-3", tmp_path / "split-3")]
+    assert all(noise[1][step] == noise[0][step] for step in (9, 12))
 
 
 @pytest.mark.parametrize("setting, package", [("log.tensorboard=true", "tensorboard"),

@@ -14,9 +14,9 @@ if (os.environ.get("SCALETRAIN_TEST_HANG_RANK") == os.environ.get("RANK")
     _train_step = trainer.Trainer.train_step
     _after = int(os.environ["SCALETRAIN_TEST_HANG_AFTER_STEP"])
 
-    def train_step(self, look=True):
+    def train_step(self, *args, **kwargs):
         if self.step == _after:
             time.sleep(3600)
-        return _train_step(self, look)
+        return _train_step(self, *args, **kwargs)
 
     trainer.Trainer.train_step = train_step

@@ -816,9 +816,10 @@ class Trainer:
             stack.enter_context(vocabulary_split_loss())
         return stack
 
-    def train_step(self, look: bool = True) -> tuple[float | None, float | None, float]:
+    def train_step(self, look: bool = True, estimate_noise: bool = True) -> tuple[float | None, float | None, float]:
         """One optimizer step over the global batch; returns (loss, grad norm, seconds waiting
-        for data), the loss and norm only when `look` (None otherwise).
+        for data), the loss and norm only when `look` (None otherwise); a looked-at step updates
+        the gradient noise scale's estimate unless told not to (`estimate_noise`).
 
         Reading a value on the host waits for the device to finish the step, and the device then
         idles while the host queues the next one; so a step is only looked at when asked (the
@@ -860,7 +861,7 @@ class Trainer:
                     loss = self.model(inputs, targets, documents=documents) / micro_steps
                     loss.backward()
                 loss_sum += _local(loss.detach())
-                if look and micro == 0 and micro_steps > 1:  # (reduced over the data-parallel ranks already)
+                if look and estimate_noise and micro == 0 and micro_steps > 1:  # (reduced over the data-parallel ranks already)
                     first_sq = self._written_out_squares([p for p in self.model.parameters() if p.grad is not None])
                     first_sq = first_sq[0] * micro_steps ** 2  # the loss was divided by micro_steps
         after = self.loader.state_dict()  # the loader sized the step as training did (train.batch_ramp)
@@ -1338,11 +1339,14 @@ class Trainer:
                 stopped_by = signals.stop_before_next_step()  # then this step is the last
                 # Loss and norm reach the host only at the steps that use them (train_step).
                 coming = self.step + 1
-                look = stopped_by is not None or coming in (self.total_steps, stop_at_step) or self._save_due(coming) \
+                scheduled = coming == self.total_steps or self._save_due(coming) \
                     or any(interval and coming % interval == 0 for interval in (cfg.log.interval, cfg.eval.interval))
+                # A stop looks at its step too (nothing unchecked is saved); the noise scale takes in
+                # the scheduled looks only, which a resumed run shares with one that never stopped.
+                look = scheduled or stopped_by is not None or coming == stop_at_step
                 try:
                     with profiler.step(coming):
-                        train_loss, grad_norm, wait = self.train_step(look=look)
+                        train_loss, grad_norm, wait = self.train_step(look=look, estimate_noise=scheduled)
                 except TrainingDiverged as e:
                     t_rewind = time.perf_counter()
                     try:
