@@ -506,7 +506,14 @@ def test_plan_refuses_bad_input_in_one_sentence(tmp_path, capsys):
         (["plan", "--compute", "1e3"], "--compute 1e+03 FLOPs is too little for the smallest model"),
         # A file where a file cannot be written: the path in a sentence, not a traceback.
         (["plan", "--compute", "1e21", "--write-config", str(tmp_path)], f"{str(tmp_path)!r} is a directory"),
+        # A law whose N_opt grows as C^0.9 (a tiny sweep's) asks for a trillion parameters on a few tokens: not
+        # taken for a budget below the smallest model.
+        (["plan", "--compute", "1e21", "--law", str(tmp_path / "steep.json")],
+         "the law sizes a model of 33,096,044,969,984 parameters on 4,974,216 tokens, under one a parameter (its "
+         "N_opt grows as C^0.9): too far from where it was measured"),
     ]
+    (tmp_path / "steep.json").write_text(json.dumps({"approach3": {
+        name: {"value": value} for name, value in dict(E=2.0, A=100.0, B=1e4, alpha=0.1, beta=0.9).items()}}))
     for i, (text, message) in enumerate([('{"memory_gb": -1}', "memory_gb = -1 must be a positive number"),
                                          ('{"peak_tflops": 400}', "must map dtypes to TFLOP/s"),
                                          ('{"watts": "500"}', "watts = '500' must be a positive number"),

@@ -275,6 +275,19 @@ def test_fit_names_the_shape_to_train_and_writes_its_config(uninterrupted, tmp_p
     assert other_data(mixed, cfg.data.path, {"a": 0.5, "b": 0.5}) is not None
     with pytest.raises(ValueError, match="is not a sweep directory"):
         Sweep.open(tmp_path)
+    # planned from the law: a run far beyond the points it was fitted to, or of another vocabulary, is said to be
+    fitted = doc["approach3"]["range"]
+    assert fitted["compute"][1] <= 1.1 * max(BUDGETS) and fitted["n"][0] < fitted["n"][1]
+    far = run_cli("plan", "--law", str(tmp_path / "law.json"), "--params", "1e8", "--tokens", "2e9", "--vocab", "32768",
+                  "--json")
+    assert far.returncode == 0, far.stderr
+    warnings = json.loads(far.stdout)["law_warnings"]
+    assert len(warnings) == 2 and "x beyond: its sizes and loss are extrapolated" in warnings[0]
+    assert "this run's is 32,768, so its loss is not on the law's scale" in warnings[1]
+    assert "x beyond" in " ".join(far.stderr.split())
+    near = run_cli("plan", "--law", str(tmp_path / "law.json"), "--params", str(int(fitted["n"][1])), "--tokens",
+                   str(int(fitted["d"][1])), "--data", sweep.settings.data, "--seq-len", "64", "--json")
+    assert near.returncode == 0 and json.loads(near.stdout)["law_warnings"] == [], near.stderr
 
 
 def test_a_sweeps_points_are_evaluated_again_on_other_data_for_a_law_of_it(uninterrupted, short_documents,

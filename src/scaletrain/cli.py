@@ -305,8 +305,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if (args.inference_tokens or args.unique_tokens) and not sized:
         raise UserError("--inference-tokens and --unique-tokens size the model for a budget; add --compute C or "
                         "--hours H")
-    law, boot = (_law_file(args.law)[1:] if args.law else (_chinchilla_preset(args.preset or "epoch"), [])) \
-        if (sized or args.law or args.preset) else (None, [])
+    law_doc, law, boot = (_law_file(args.law) if args.law else (None, _chinchilla_preset(args.preset or "epoch"), [])) \
+        if (sized or args.law or args.preset) else (None, None, [])
     if (args.params is None) != (args.tokens is None) and args.config is None:
         raise UserError("--params and --tokens go together: the model's parameter count and its training tokens")
     base, sizing = None, None
@@ -340,6 +340,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 raise UserError(f"--unique-tokens {args.unique_tokens:.3g} are too few for --compute {args.compute:.3g}: "
                                 f"the data-constrained optimum is a model of {n:,} parameters on {tokens:,} tokens, "
                                 "under one a parameter; give more unique tokens or less compute")
+            if tokens < n and not smallest:  # (a law whose N grows faster than C: a = 0.9 of a tiny sweep, say)
+                raise UserError(f"--compute {args.compute:.3g}: the law sizes a model of {n:,} parameters on {tokens:,} "
+                                f"tokens, under one a parameter (its N_opt grows as C^{law.exponents[0]:.3g}): too far "
+                                "from where it was measured to plan with; plan nearer its budgets, or with a law fitted "
+                                "on larger ones")
             if tokens < n:  # (the law wants a model below the smallest shape: it would get under a token a parameter)
                 enough = 20 * n * train_flops_per_token(model, seq_len)
                 raise UserError(f"--compute {args.compute:.3g} FLOPs is too little for the smallest model the planner "
@@ -363,6 +368,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         plan = make_plan(model, tokens, seq_len, hardware, batch_tokens=batch, base=base, sizing=sizing,
                          keep_layout=args.keep_layout, **common)
+    if law_doc is not None:
+        plan["law_warnings"] = _law_warnings(law_doc, plan)
+        for warning in plan["law_warnings"]:
+            console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     if args.write_config:
         import tomllib
 
@@ -389,6 +398,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   f"--gpus-per-node {hardware.gpus_per_node}` (or `launch k8s ... --image IMAGE`) writes the job "
                   "for it")
     return 0
+
+
+def _law_warnings(doc: dict, plan: dict) -> list[str]:
+    """What to know before trusting a fitted law's sizes and loss for this plan: a run far beyond
+    the runs the law was fitted to, and a vocabulary other than its data's (a loss is per token
+    of a tokenizer: another vocabulary's losses are not on its scale)."""
+    from scaletrain.plan.planner import vocab_of
+    from scaletrain.scaling.hparams import EXTRAPOLATION_WARNING
+
+    warnings = []
+    fitted = doc.get("approach3", {}).get("range")
+    if fitted:
+        n, d = plan["model"]["n"], plan["tokens"]
+        far = max(plan["compute"] / fitted["compute"][1], n / fitted["n"][1], d / fitted["d"][1])
+        if far > EXTRAPOLATION_WARNING:
+            warnings.append(f"the law was fitted to runs of up to {fitted['compute'][1]:.3g} FLOPs, "
+                            f"{fitted['n'][1]:,.0f} parameters and {fitted['d'][1]:,.0f} tokens; this run "
+                            f"({plan['compute']:.3g} FLOPs, {n:,} parameters, {d:,} tokens) is {far:,.3g}x beyond: its "
+                            "sizes and loss are extrapolated (fit larger budgets, or check on a smaller run first)")
+    data = (doc.get("data") or {}).get("path")
+    vocab = vocab_of(data) if data else None
+    if vocab is not None and vocab != plan["model"]["vocab_size"]:
+        warnings.append(f"the law was measured on {data!r}, tokenized with a vocabulary of {vocab:,}; this run's is "
+                        f"{plan['model']['vocab_size']:,}, so its loss is not on the law's scale (plan with --data "
+                        "of the same tokenizer, or fit the law on this run's)")
+    return warnings
 
 
 def _law_file(path: str) -> tuple[dict, object, list]:

@@ -426,6 +426,9 @@ def fit_all(points: Points, samples: int = 200, seed: int = 0, law_min_steps: in
                for name in ("E", "A", "B", "alpha", "beta")},
             "a": _summary([s.exponents[0] for s in boot], a),
             "b": _summary([s.exponents[1] for s in boot], b),
+            # (where the law was measured: a prediction far beyond it is said to be extrapolated)
+            "range": {name: [float(values.min()), float(values.max())]
+                      for name, values in (("compute", fitted.c), ("n", fitted.n), ("d", fitted.d))},
         },
         "bootstrap": [[s.E, s.A, s.B, s.alpha, s.beta] for s in boot],
         "backtest": backtest(fitted),
