@@ -81,13 +81,16 @@ def test_generate_prints_a_sample_from_the_newest_checkpoint(trained_run):
     assert sample.rstrip("\n") or sample.count("\n") > 1, result.stdout  # something was generated
 
 
-def test_generate_reports_bad_requests_in_one_line(tmp_path, trained_run):
+def test_generate_reports_bad_requests_in_one_line(tmp_path, trained_run, caplog):
     assert_one_line_error(run_cli("generate", str(tmp_path)), "not a run directory")
     # The others in this process (every UserError reaches the command line as the one above did).
     with pytest.raises(UserError, match="temperature must be"):
         generate_text(trained_run, "", temperature=-1)
     with pytest.raises(UserError, match="shorten the prompt"):
         generate_text(trained_run, "x = 1\n" * 100)
+    with caplog.at_level("WARNING", logger="scaletrain"):  # (the context ends a long request: said, not silent)
+        generate_text(trained_run, "x = 1\n" * 10, max_new_tokens=10_000, temperature=0)
+    assert "the model's context is 64 tokens (model.max_seq_len) and the prompt takes" in caplog.text
     # A checkpoint given where its run is asked for: the run and --step to give instead.
     with pytest.raises(UserError, match=r"is a checkpoint of the run .*tiny'; give the run directory, with --step 6"):
         generate_text(trained_run / "checkpoints" / "step_0000006", "")
@@ -353,3 +356,16 @@ def test_overrides_may_follow_an_option_of_several_values():
     assert args.tasks == ["a.jsonl", "dir/b=c.jsonl"] and args.step == [4]
     assert args.overrides == ["train.device=cpu", "eval.tokens=512", "data.seq_len=32"]
     assert parse_args(["eval", "runs/a", "--tasks"]).tasks == []
+
+
+def test_version_names_scaletrain_and_what_it_runs_on(capsys):
+    from importlib.metadata import version
+
+    import torch
+
+    from scaletrain.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith(f"scaletrain {version('scaletrain')} (torch {torch.__version__}, Python ")

@@ -396,6 +396,20 @@ def test_a_validation_split_too_small_is_refused_before_training(stdlib_data, tm
                             "data.seq_len=50000", "train.global_batch_tokens=200000", "train.micro_batch=4"))
 
 
+def test_a_run_that_ends_above_the_uniform_loss_says_so(stdlib_data, tmp_path, caplog):
+    """No NaN, no spike judged (off by default): a rate far too high without clipping drives the loss
+    above ln(vocabulary) and keeps it there; the run ends, and says it learned nothing."""
+    with caplog.at_level("WARNING", logger="scaletrain"):
+        result = train(tiny_config(stdlib_data, tmp_path / "high", "train.lr=5", "train.clip=0", "train.steps=8",
+                                   "eval.interval=0", "checkpoint.interval=0"))
+    assert result.train_loss > math.log(512) + 0.5
+    assert "above 6.238 = ln(vocabulary), the loss of predicting every token alike" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="scaletrain"):
+        train(tiny_config(stdlib_data, tmp_path / "fine", "train.steps=8", "eval.interval=0", "checkpoint.interval=0"))
+    assert "ln(vocabulary)" not in caplog.text
+
+
 def test_divergence_stops_at_the_step_and_keeps_the_last_good_checkpoint(stdlib_data, tmp_path):
     run_dir = tmp_path / "run"
     cfg = tiny_config(stdlib_data, run_dir, "train.steps=30", "train.lr=1e4", "train.warmup_steps=0",

@@ -41,6 +41,20 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 12000000, 12M, 1.5G)") from None
 
 
+def _versions() -> str:
+    """scaletrain's version and those of what it runs on (for a bug report, a benchmark's record)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (f"scaletrain {of('scaletrain')} (torch {of('torch')}, Python {sys.version.split()[0]}, "
+            f"{sys.platform})")
+
+
 # -- data prepare ---------------------------------------------------------------------------
 
 
@@ -1400,6 +1414,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="scaletrain", description="Pre-train language models by plan.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=_versions())
     commands = parser.add_subparsers(dest="command", required=True)
 
     data = commands.add_parser("data", help="prepare text into token shards").add_subparsers(dest="data_command",

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from scaletrain.config import load_config, run_config_file
 from scaletrain.errors import UserError
+
+log = logging.getLogger("scaletrain")
 
 
 class GenerateError(UserError, ValueError):
@@ -71,6 +74,9 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, t
     if room < 1:
         raise GenerateError(f"the prompt is {len(ids)} tokens and the model's context model.max_seq_len is "
                             f"{cfg.model.max_seq_len}; shorten the prompt")
+    if max_new_tokens > room:  # (the positions the model was trained on end there)
+        log.warning("the model's context is %d tokens (model.max_seq_len) and the prompt takes %d: at most %d new "
+                    "tokens, not %d", cfg.model.max_seq_len, len(ids), room, max_new_tokens)
     generator = torch.Generator().manual_seed(seed)
     new = generate(model, torch.tensor([ids]), min(max_new_tokens, room), temperature=temperature, top_k=top_k,
                    use_cache=use_cache, generator=generator, eos_id=eos_id)

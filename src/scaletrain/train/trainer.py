@@ -1475,6 +1475,11 @@ class Trainer:
             train_loss = next((r["loss"] for r in reversed(read_metrics(self.run_dir, "train"))), None)
             val_loss = next((r["loss"] for r in reversed(read_metrics(self.run_dir, "eval"))), None)
         speed = run_tokens / run_time if run_time else last_speed
+        uniform = math.log(self.cfg.model.vocab_size)  # the loss of predicting every token alike
+        if self.step == self.total_steps and train_loss is not None and train_loss > uniform + 0.5 and self.is_main:
+            log.warning("the run ended at a train loss of %.4g, above %.4g = ln(vocabulary), the loss of predicting "
+                        "every token alike: it diverged or learned nothing (lower train.lr, set train.clip, or turn "
+                        "on train.spike_sigmas to rewind a spike)", train_loss, uniform)
         return TrainResult(self.run_dir, self.step, self.total_steps, self.tokens, train_loss, val_loss, speed,
                            resumed_from)
 
