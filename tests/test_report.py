@@ -55,7 +55,7 @@ def test_report_writes_plots_and_html_and_compares_the_final_loss_with_the_law(s
     # Where the wall-clock of the two invocations went (report/goodput.py; the arithmetic is tested below).
     summary = run_report(run_dir)
     assert summary["time"]["invocations"] == 2 and wall_line(summary["time"]) in result.stdout
-    assert "goodput over 2 invocation(s)" in result.stdout
+    assert "goodput over 2 invocations" in result.stdout
     for name in ("loss.png", "speed.png", "tasks.png", "batch.png", "progress.png", "norms.png"):
         assert (run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (run_dir / "report.html").read_text()

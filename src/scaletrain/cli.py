@@ -897,7 +897,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     shape = f"width {proxy['dim']}, {proxy['n_layers']} blocks"
     at_once = f", {args.concurrency} at a time" if args.concurrency > 1 else ""
     console.print(f"tuning the learning rate of {cfg.run.name} (width {cfg.model.dim}, {cfg.model.n_layers} blocks) "
-                  f"on its proxy of {shape}, {len(set(lrs))} rates{at_once}, in {out_dir}", highlight=False)
+                  f"on its proxy of {shape}, {len(set(lrs))} rate{'s' * (len(set(lrs)) != 1)}{at_once}, in {out_dir}", highlight=False)
     with _searching("rates", len(set(lrs)), len(tuned_rates(out_dir) & set(lrs))) as show:
         doc = tune(cfg, out_dir, lrs, progress=show, steps=args.steps, concurrency=args.concurrency)
     table = Table(title=f"proxy of {shape}: validation loss by learning rate")
@@ -1323,7 +1323,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     if summary["noise"] is not None:
         table.add_row("gradient noise scale (tokens)", noise_line(summary["noise"]))
     if summary["time"] is not None:
-        table.add_row(f"goodput over {summary['time']['invocations']} invocation(s)", wall_line(summary["time"]))
+        invocations = summary["time"]["invocations"]
+        table.add_row(f"goodput over {invocations} invocation{'s' * (invocations != 1)}", wall_line(summary["time"]))
     for name, task in summary["tasks"].items():
         table.add_row(f"{name} accuracy (per character; right choice's loss)",
                       f"{task['accuracy']:.1%} ({task['accuracy_norm']:.1%}; {task['nll']:.4f})")
@@ -1345,7 +1346,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             if entry["planned"] is not None:
                 table.add_row(f"planned {label} on {against['devices']} x {against['device']}",
                               format(entry["planned"], form)
-                              + (f" (measured {entry['ratio']:.2f}x)" if entry["ratio"] is not None else ""))
+                              + (f" (measured {entry['ratio']:.3g}x)" if entry["ratio"] is not None else ""))
     for kind in ("resume", "rewind", "hang", "diverged"):
         count = sum(e["kind"] == kind for e in summary["events"])
         if count:

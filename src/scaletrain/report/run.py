@@ -379,7 +379,7 @@ def _html(cfg, summary: dict, plots: list[Path]) -> str:
             entry = plan[key]
             rows.append((f"planned {label} ({plan['devices']} x {plan['device']}, {plan['layout']})",
                          number(entry["planned"], form)
-                         + (f"; measured {entry['ratio']:.2f}x of it" if entry["ratio"] is not None else "")))
+                         + (f"; measured {entry['ratio']:.3g}x of it" if entry["ratio"] is not None else "")))
     prediction = summary.get("prediction")
     if prediction is not None:
         low, high = prediction.get("interval", (None, None))
