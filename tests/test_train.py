@@ -903,24 +903,32 @@ def test_a_divergence_rewinds_to_the_checkpoint_skips_the_batches_since_and_resu
     end = read_metrics(whole, "end")[-1]
     assert end["tokens_by_source"] == {"stdlib": (12 + 4) * 512}  # the skipped batches were read, never trained
 
-    monkeypatch.setattr(Trainer, "_clip_gradients", nan_norm_once_after(6))
-    split = tmp_path / "split"
-    train(tiny_config(stdlib_data, split, *common), stop_at_step=10)
-    assert max(losses(split)) == 10
-    train(tiny_config(stdlib_data, split, *common))
-    got = losses(split)
-    assert got.pop(10)  # the stop logs its own step too
-    assert got == losses(whole)
+    # Stopped after the rewind (10); between the checkpoint and the divergence (5: the stop's own
+    # checkpoint is not one the schedule saved, so the rewind still goes back to step 4); at the
+    # diverged step itself (7: the stop's look finds it a step before the schedule's would, and the
+    # batches up to that look, step 8's, are skipped as well): the same losses as never stopping.
+    for stop in (10, 5, 7):
+        monkeypatch.setattr(Trainer, "_clip_gradients", nan_norm_once_after(6))
+        split = tmp_path / f"split-{stop}"
+        train(tiny_config(stdlib_data, split, *common), stop_at_step=stop)
+        monkeypatch.setattr(Trainer, "_clip_gradients", nan_norm_once_after(6 if stop < 7 else -1))
+        train(tiny_config(stdlib_data, split, *common))
+        got = losses(split)
+        if stop != 5:  # (step 5's record, of a history the rewind left, is superseded)
+            assert got.pop(stop)  # the stop logs its own step too
+        assert got == losses(whole), stop
+        [rewound] = read_metrics(split, "rewind")
+        assert (rewound["checkpoint"][-4:], rewound["diverged_at"], rewound["skipped_steps"]) == ("0004", 7, 4), stop
 
     # A crash after the rewind, before the next checkpoint: the run resumes from step 4's
     # checkpoint past the skipped batches, as the rewound run went on, not into them again.
     monkeypatch.setattr(Trainer, "_clip_gradients", nan_norm_once_after(6))
     real_save = Trainer.save
 
-    def crash_at_8(self):
+    def crash_at_8(self, *args, **kwargs):
         if self.step == 8:
             raise RuntimeError("the node went away")
-        return real_save(self)
+        return real_save(self, *args, **kwargs)
     monkeypatch.setattr(Trainer, "save", crash_at_8)
     crashed = tmp_path / "crashed"
     with pytest.raises(RuntimeError, match="the node went away"):
@@ -1053,10 +1061,10 @@ def test_a_crashed_invocations_training_past_its_last_record_counts_as_redone_by
     monkeypatch.setattr(Heartbeat, "EVERY", 0.0)
     real_step = Trainer.train_step
 
-    def dies_in_step_7(self, look=True):
+    def dies_in_step_7(self, *args, **kwargs):
         if self.step == 6:
             raise RuntimeError("the node went away")
-        return real_step(self, look)
+        return real_step(self, *args, **kwargs)
     monkeypatch.setattr(Trainer, "train_step", dies_in_step_7)
     common = ["train.steps=8", "checkpoint.interval=4", "eval.interval=0", "log.interval=4"]
     run_dir = tmp_path / "run"

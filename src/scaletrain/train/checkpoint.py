@@ -91,13 +91,15 @@ def _gather(value, group=None) -> list:
     return values
 
 
-def save(root: Path, step: int, tokens: int, state: dict, keep: int, keep_every: int = 0) -> Path:
+def save(root: Path, step: int, tokens: int, state: dict, keep: int, keep_every: int = 0,
+         scheduled: bool = True) -> Path:
     """Write `state` as checkpoint `step`, mark it complete, point `latest` at it, and keep the
     `keep` newest complete checkpoints up to this step and those of steps that are multiples of
-    `keep_every` (when not 0); older ones are deleted."""
+    `keep_every` (when not 0); older ones are deleted. A checkpoint not `scheduled` (a stop's,
+    between the run's checkpoint steps) serves a resume and nothing else (see _commit)."""
     path = _prepare(root, step)
     dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
-    _commit(root, path, step, tokens, (keep, keep_every))
+    _commit(root, path, step, tokens, (keep, keep_every), scheduled=scheduled)
     return path
 
 
@@ -110,8 +112,9 @@ class AsyncSave:
     training thread would otherwise spend at the commit."""
 
     def __init__(self, root: Path, path: Path, step: int, tokens: int, keep: tuple[int, int], future,
-                 group=None) -> None:
+                 group=None, scheduled: bool = True) -> None:
         self.root, self.path, self.step, self.tokens, self.keep = root, path, step, tokens, keep
+        self.scheduled = scheduled
         self._future, self._committed = _background().submit(self._written, future, group), False
 
     def _written(self, future, group) -> dict:
@@ -125,7 +128,7 @@ class AsyncSave:
 
     def wait(self) -> Path:
         if not self._committed:
-            _commit(self.root, self.path, self.step, self.tokens, self.keep, self._future.result())
+            _commit(self.root, self.path, self.step, self.tokens, self.keep, self._future.result(), self.scheduled)
             self._committed = True
         return self.path
 
@@ -144,7 +147,7 @@ def _background():
 
 
 def save_async(root: Path, step: int, tokens: int, state: dict, keep: int, group=None, stager=None,
-               keep_every: int = 0) -> AsyncSave:
+               keep_every: int = 0, scheduled: bool = True) -> AsyncSave:
     """Start writing `state` as checkpoint `step` and return once it has been copied to host
     memory, so that training can go on changing the live tensors. Under torch.distributed,
     `group` must be a process group of its own (gloo): DCP's background collectives on the
@@ -172,7 +175,7 @@ def save_async(root: Path, step: int, tokens: int, state: dict, keep: int, group
     if hasattr(future, "staging_completion"):  # an asynchronous stager: the copy must end before training goes on
         future.staging_completion.result()
         future = future.upload_completion
-    saving = AsyncSave(root, path, step, tokens, (keep, keep_every), future, group)
+    saving = AsyncSave(root, path, step, tokens, (keep, keep_every), future, group, scheduled)
     saving.stager_refused = refused
     return saving
 
@@ -254,18 +257,25 @@ def _file_table(path: Path, group=None) -> dict[str, list[int]]:
     return dict(sorted(item for part in parts for item in part.items()))
 
 
-def _commit(root: Path, path: Path, step: int, tokens: int, keep: tuple[int, int], files: dict | None = None) -> None:
+def _commit(root: Path, path: Path, step: int, tokens: int, keep: tuple[int, int], files: dict | None = None,
+            scheduled: bool = True) -> None:
     """Mark `path` complete (one process writes) and prune older checkpoints but the newest and
     those kept for good, `keep` = (how many newest, multiple of the steps kept; 0: none). Every rank
-    calls it (the checksums are shared) unless `files`, its _file_table, was already taken."""
+    calls it (the checksums are shared) unless `files`, its _file_table, was already taken.
+
+    A checkpoint not `scheduled` (a stop's) takes no place among the `keep` newest and is pruned
+    once a newer one is committed, so that the run keeps the checkpoints a run that never stopped
+    keeps, which a rewind goes back to (scheduled ones only: the same in both)."""
     files = files if files is not None else _file_table(path)
     if not _is_main():
         return
-    _write_atomic(path / MARKER, json.dumps({"step": step, "tokens": tokens, "files": files}, indent=1))
+    _write_atomic(path / MARKER, json.dumps({"step": step, "tokens": tokens, "files": files,
+                                             **({} if scheduled else {"scheduled": False})}, indent=1))
     _write_atomic(root / "latest", path.name + "\n")
     newest, every = keep
     older = [p for p in complete_checkpoints(root) if step_of(p) < step]
-    for old in [p for p in older[newest - 1:] if not (every and step_of(p) % every == 0)]:
+    kept = [p for p in older if is_scheduled(p)][:newest - 1 if scheduled else newest]
+    for old in [p for p in older if p not in kept and not (every and step_of(p) % every == 0)]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -326,6 +336,15 @@ def bytes_on_disk(root: Path) -> int:
 def marker(path: Path) -> dict:
     """What the COMMITTED marker of a complete checkpoint records: step, tokens, files."""
     return json.loads((path / MARKER).read_bytes())
+
+
+def is_scheduled(path: Path) -> bool:
+    """Whether a complete checkpoint was saved at one of its run's checkpoint steps, not only
+    because the run stopped there (a stop's serves its resume; a rewind goes back to scheduled ones)."""
+    try:
+        return marker(path).get("scheduled", True)
+    except (OSError, ValueError):
+        return True
 
 
 def step_of(path: Path) -> int:
@@ -458,9 +477,10 @@ def load(path: Path, state: dict, optional: tuple[str, ...] = ()) -> None:
         raise CheckpointError(f"checkpoint {path} could not be read ({type(e).__name__}: {cause})") from e
 
 
-def load_newest(root: Path, state: dict, optional: tuple[str, ...] = (), at_most: int | None = None) -> Path | None:
+def load_newest(root: Path, state: dict, optional: tuple[str, ...] = (), at_most: int | None = None,
+                scheduled_only: bool = False) -> Path | None:
     """Load the newest checkpoint under root that is complete and intact (of step `at_most` or
-    earlier, if given); None if root holds none.
+    earlier, if given; a scheduled one, if `scheduled_only`); None if root holds none.
 
     Incomplete or damaged newer checkpoints are reported and skipped, so a crash during a save,
     or a damaged file, costs one checkpoint interval and nothing else. An intact checkpoint that
@@ -473,6 +493,8 @@ def load_newest(root: Path, state: dict, optional: tuple[str, ...] = (), at_most
     problems = []
     for path in all_checkpoints(root):
         if at_most is not None and step_of(path) > at_most:
+            continue
+        if scheduled_only and check_complete(path) is None and not is_scheduled(path):
             continue
         try:
             load(path, state, optional)

@@ -740,7 +740,8 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.step)
         return self.step
 
-    def rewind(self, diverged_at: int, spike: bool = False) -> tuple[Path, int, list[str]] | None:
+    def rewind(self, diverged_at: int, spike: bool = False,
+               through: int | None = None) -> tuple[Path, int, list[str]] | None:
         """After a divergence: back to the model, optimizer, RNG and step of the newest intact
         checkpoint from before it, with the data where it got to, so that the batches read since that checkpoint (those
         that led to the divergence) are skipped (Chowdhery et al. 2022, "PaLM", section 5.1, who
@@ -749,18 +750,24 @@ class Trainer:
         checkpoint resumes past those batches too. A NaN gradient's update was never applied, but
         the update that made a spike's loss was the step before's: for a `spike` the checkpoint
         must be older than that step. Newer checkpoints (which hold it) are discarded once the
-        older one has loaded. Returns the
+        older one has loaded. The checkpoint is one the schedule saved, not a stop's, and with
+        `through` the batches of the steps up to that one are skipped too (a look only a stop made
+        found the divergence earlier than the schedule's would have): so that a stopped and resumed
+        run rewinds as one that never stopped. Returns the
         checkpoint, the steps of batches skipped and the checkpoints discarded, or None when there
         is no checkpoint to go back to (nothing changed then). Every rank calls it (they diverge at
         the same step)."""
         good = diverged_at - 2 if spike else diverged_at - 1
         if not self._checkpoint_at_or_before(good):
             return None
+        for index in range(self.step, through or self.step):
+            for _ in range(self.micro_steps(index)):
+                self.loader.next_batch()
         position = self.loader.state_dict()  # after the last batch handed out, not the read-ahead ones
         self.loader.close()
         self.loader = self._new_loader()
         state = self.state()
-        path = checkpoint.load_newest(self.ckpt_root, state, self.optional(), at_most=good)
+        path = checkpoint.load_newest(self.ckpt_root, state, self.optional(), at_most=good, scheduled_only=True)
         discarded = checkpoint.discard_after(self.ckpt_root, checkpoint.step_of(path))  # once it has loaded
         self.load_state(state)
         self._load_loader(position)
@@ -778,14 +785,16 @@ class Trainer:
         self.finish_saving(wait=True)
         if dist.is_initialized():
             dist.barrier()  # rank 0 has committed (and pruned) what it was saving: all ranks list alike
-        return any(checkpoint.step_of(p) <= step for p in checkpoint.complete_checkpoints(self.ckpt_root))
+        return any(checkpoint.step_of(p) <= step and checkpoint.is_scheduled(p)
+                   for p in checkpoint.complete_checkpoints(self.ckpt_root))
 
-    def save(self) -> Path:
+    def save(self, scheduled: bool = True) -> Path:
         """Checkpoint the current step; returns its path. With checkpoint.async_save the writing
-        goes on in the background (see finish_saving); the previous one is finished first."""
+        goes on in the background (see finish_saving); the previous one is finished first. Not
+        `scheduled`: a stop's, between the run's checkpoint steps (checkpoint.save)."""
         if not self.cfg.checkpoint.async_save:
             return checkpoint.save(self.ckpt_root, self.step, self.tokens, self.state(), self.cfg.checkpoint.keep,
-                                   self.cfg.checkpoint.keep_every)
+                                   self.cfg.checkpoint.keep_every, scheduled)
         self.finish_saving(wait=True)
         if dist.is_initialized() and self.checkpoint_group is None:
             self.checkpoint_group = dist.new_group(backend="gloo")  # see checkpoint.save_async
@@ -793,7 +802,7 @@ class Trainer:
             self.stager = checkpoint.ready_stager(self.stager)
         self.pending = checkpoint.save_async(self.ckpt_root, self.step, self.tokens, self.state(),
                                              self.cfg.checkpoint.keep, self.checkpoint_group, self.stager or None,
-                                             self.cfg.checkpoint.keep_every)
+                                             self.cfg.checkpoint.keep_every, scheduled)
         if self.pending.stager_refused:
             self.stager = False  # (closed; DCP's pageable copies from now on, not made again)
         return self.pending.path
@@ -1239,6 +1248,16 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------
 
+    def _scheduled_look(self, step: int) -> bool:
+        """Whether the loop looks at `step` (reads its loss and norm on the host) by its schedule:
+        the last step, one it checkpoints, logs or evaluates at; a stop looks at its step besides."""
+        cfg = self.cfg
+        return step == self.total_steps or self._save_due(step) \
+            or any(interval and step % interval == 0 for interval in (cfg.log.interval, cfg.eval.interval))
+
+    def _next_scheduled_look(self, after: int) -> int:
+        return next(k for k in range(after + 1, self.total_steps + 1) if self._scheduled_look(k))
+
     def _save_due(self, step: int) -> bool:
         """Whether a checkpoint is due after step `step` (the end's aside): at a multiple of
         checkpoint.interval, or with "auto" at the step chosen (_auto_interval) and at every multiple
@@ -1339,8 +1358,7 @@ class Trainer:
                 stopped_by = signals.stop_before_next_step()  # then this step is the last
                 # Loss and norm reach the host only at the steps that use them (train_step).
                 coming = self.step + 1
-                scheduled = coming == self.total_steps or self._save_due(coming) \
-                    or any(interval and coming % interval == 0 for interval in (cfg.log.interval, cfg.eval.interval))
+                scheduled = self._scheduled_look(coming)
                 # A stop looks at its step too (nothing unchecked is saved); the noise scale takes in
                 # the scheduled looks only, which a resumed run shares with one that never stopped.
                 look = scheduled or stopped_by is not None or coming == stop_at_step
@@ -1350,7 +1368,12 @@ class Trainer:
                 except TrainingDiverged as e:
                     t_rewind = time.perf_counter()
                     try:
-                        rewound = self.rewind(e.step, spike=isinstance(e, LossSpike)) if self.rewinds_left else None
+                        # Found at a look only a stop made: the batches of the steps up to the next look
+                        # the schedule makes, where a run that never stopped finds it, are skipped too.
+                        through = (self._next_scheduled_look(coming)
+                                   if not scheduled and self.optimizer.defaults.get("fused") else None)
+                        rewound = (self.rewind(e.step, spike=isinstance(e, LossSpike), through=through)
+                                   if self.rewinds_left else None)
                     except checkpoint.CheckpointError as failed:  # no checkpoint could be loaded
                         raise e from failed
                     if rewound is None:
@@ -1422,9 +1445,10 @@ class Trainer:
                         metrics.write("plan_check", self.step, self.tokens,
                                       **self.check_against_plan(last_speed, record["mfu"], record["mem_gb"]))
                 self.finish_saving(wait=False)
-                if self._save_due(self.step) or last:
+                due = self._save_due(self.step) or self.step == self.total_steps
+                if due or last:
                     t_save = time.perf_counter()
-                    path = saved = self.save()
+                    path = saved = self.save(scheduled=due)
                     # What training waited for: the whole save, or its copy to host memory.
                     blocking = time.perf_counter() - t_save
                     auto = (self._auto_interval(blocking, since_save_time / since_save_steps if since_save_steps
