@@ -62,6 +62,7 @@ def test_prepare_writes_a_data_dir_whose_tokens_decode_to_the_documents_in_order
     assert decoded_documents(out, "train") == documents
     assert json.loads((out / "stats.json").read_text()) == result.stats
     assert result.stats["documents"]["kept"] == len(documents)
+    assert any(w.startswith("the validation split is empty (--val-fraction 0)") for w in result.warnings)
 
 
 def test_validation_split_is_by_document_nonempty_and_disjoint_and_stats_count_the_index(tmp_path):

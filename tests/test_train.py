@@ -122,6 +122,7 @@ def test_metrics_records_carry_the_documented_fields(stdlib_data, tmp_path):
         assert r["mfu"] is None  # no peak FLOP/s is known for a CPU
         assert r["tokens_per_s"] > 0 and r["mem_gb"] > 0
     assert [r["step"] for r in read_metrics(run_dir, "eval")] == [2, 4]
+    assert all(r["measured_tokens"] == 1024 for r in read_metrics(run_dir, "eval"))  # (tiny.toml's eval.tokens)
     assert (run_dir / "config.toml").is_file() and (run_dir / "tokenizer.json").is_file()
     resolved = (run_dir / "config.toml").read_text()
     assert "vocab_size = 512" in resolved  # filled in from the tokenizer
@@ -390,10 +391,17 @@ def test_resuming_on_other_data_is_refused(stdlib_data, tmp_path):
         train(tiny_config(same_tokenizer, tmp_path / "run", "train.steps=4", "eval.interval=0"))
 
 
-def test_a_validation_split_too_small_is_refused_before_training(stdlib_data, tmp_path):
+def test_a_validation_split_too_small_is_refused_before_training(stdlib_data, tmp_path, caplog):
     with pytest.raises(ConfigError, match="'val' split"):
         Trainer(tiny_config(stdlib_data, tmp_path / "run", "data.seq_len=64", "model.max_seq_len=100000",
                             "data.seq_len=50000", "train.global_batch_tokens=200000", "train.micro_batch=4"))
+    # Smaller than eval.tokens asks, but a window or more: said at the start, and each eval record
+    # says what it measured.
+    with caplog.at_level("WARNING", logger="scaletrain"):
+        train(tiny_config(stdlib_data, tmp_path / "short", "train.steps=2", "eval.interval=0", "eval.tokens=100000000"))
+    [record] = read_metrics(tmp_path / "short", "eval")
+    assert 64 <= record["measured_tokens"] < 100_000_000
+    assert f"eval.tokens = 100000000, but the validation split of {stdlib_data} holds " in caplog.text
 
 
 def test_a_run_that_ends_above_the_uniform_loss_says_so(stdlib_data, tmp_path, caplog):

@@ -280,6 +280,10 @@ def _run_passes(pool, files, text_field, max_bytes, stats: ReadStats, settings: 
     result_stats["tokens"] = {"train": splits["train"]["tokens"], "val": splits["val"]["tokens"]}
     result_stats["vocab_size"], result_stats["eos_id"] = vocab_size, eos
     result_stats["tokenizer"] = {"trained": given is None, "learned_vocab_size": tokenizer_vocab_size(tok)}
+    if not splits["val"]["tokens"]:
+        warnings.append("the validation split is empty (" + ("--val-fraction 0" if val_fraction == 0 else
+                        "a single document kept") + "): train measures its validation loss on it and refuses a run "
+                        "on this data; prepare with a --val-fraction above 0 and two documents or more")
     read = result_stats["documents"]["read"]
     if read and dropped["val_overlap"] > 0.1 * read:
         warnings.append(f"{dropped['val_overlap']:,} of the {read:,} documents read ({dropped['val_overlap'] / read:.0%}) "

@@ -307,6 +307,11 @@ class Trainer:
                 next(eval_batches(path, cfg.data.seq_len, cfg.eval.tokens, cfg.train.micro_batch))
             except DataError as e:
                 raise ConfigError(f"data.path = {cfg.data.path!r}: {e}") from None
+            held = (read_index(path)["splits"]["val"]["tokens"] - 1) // cfg.data.seq_len * cfg.data.seq_len
+            if held < cfg.eval.tokens - cfg.data.seq_len and self.is_main:  # (it measures whole windows)
+                log.warning("eval.tokens = %d, but the validation split of %s holds %d in windows of %d: each "
+                            "evaluation measures those (eval records say how many: measured_tokens); prepare with a larger "
+                            "--val-fraction for more", cfg.eval.tokens, path, held, cfg.data.seq_len)
         self._warn_repeated_data()
         if cfg.train.warmup_steps >= self.total_steps:
             log.warning("train.warmup_steps = %d is not below the run's %d steps: the learning rate never reaches "
@@ -1135,7 +1140,7 @@ class Trainer:
         text their tokens stand for (the ends of documents are predicted, and count, but hold no
         byte), which compares across tokenizers."""
         self.model.eval()
-        by_source, bits = {}, {}
+        by_source, bits, measured = {}, {}, 0
         for name, path in self.cfg.data.sources.items():
             total, count, text_bytes = 0.0, 0, 0
             for inputs, targets in eval_batches(path, self.cfg.data.seq_len, self.cfg.eval.tokens,
@@ -1154,9 +1159,11 @@ class Trainer:
                     if self.token_bytes is not None:
                         text_bytes += self.token_bytes[targets[targets != IGNORE]].sum().item()
             total, count, text_bytes = _sum_over_ranks([total, count, text_bytes])
+            measured += int(count)
             by_source[name] = total / count
             bits[name] = total / math.log(2) / text_bytes if text_bytes else None
         self.model.train()
+        self.eval_tokens = measured  # (the tokens predicted over every source, for the eval record)
         return by_source, (bits if self.token_bytes is not None else None)
 
     @torch.no_grad()
@@ -1230,7 +1237,7 @@ class Trainer:
                 averaged, _ = self.evaluate()
             beat()
         return {"loss": sum(weights[name] * loss for name, loss in by_source.items()),
-                "loss_by_source": by_source,
+                "loss_by_source": by_source, "measured_tokens": self.eval_tokens,
                 **({"ema_loss": sum(weights[name] * loss for name, loss in averaged.items())} if averaged else {}),
                 **({"bits_per_byte": sum(weights[name] * value for name, value in bits.items()),
                     "bits_per_byte_by_source": bits} if bits and None not in bits.values() else {}),
