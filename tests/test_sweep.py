@@ -414,6 +414,12 @@ def test_the_demo_loop_predicts_and_checks_a_run_beyond_its_sweep(tmp_path, capl
     assert saved["report"] == str(tmp_path / "final" / "report.html")
     assert json.loads((tmp_path / "sweep" / "grid.json").read_text())["settings"]["seed"] == 3
     assert tomllib.loads((tmp_path / "final" / "config.toml").read_text())["run"]["seed"] == 3
+    fitted = json.loads((tmp_path / "sweep" / "law.json").read_text())["approach3"]["range"]
+    assert report["n_extrapolation"] == pytest.approx(report["final"]["n"] / fitted["n"][1])
+    # Run again (as after an interruption): what was measured and predicted before the sweep is kept.
+    again = run_demo(tmp_path, settings)
+    assert again["time"]["predicted"] == timing["predicted"] and again["time"]["speed"] == timing["speed"]
+    assert again["actual_loss"] == report["actual_loss"]
 
 
 def explosive(budget: float, width: int) -> tuple[float, float]:

@@ -19,6 +19,10 @@ from scaletrain.sweep import Speed, Sweep, SweepPlan, SweepSettings, measure_spe
 
 log = logging.getLogger("scaletrain")
 
+# A final model this many times the parameters of the largest one approach 3 was fitted to is said
+# to be extrapolated in N too (a demo scaled down to 3 minutes chose 5x and missed by +20%).
+N_EXTRAPOLATION_WARNING = 4.0
+
 
 @dataclass
 class DemoSettings:
@@ -125,16 +129,19 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
     pool = worker_pool(settings.concurrency, settings.device) if settings.concurrency > 1 else None
     try:
         timing = None
-        saved = out / "sweep" / "grid.json"
+        saved, timed = out / "sweep" / "grid.json", out / "timing.json"
         if saved.is_file():  # a demo run again: its sweep goes on at the budgets it began with
             sweep_settings = replace(sweep_settings, budgets=json.loads(saved.read_text())["settings"]["budgets"])
             log.warning("the sweep in %s began with the budgets %s FLOPs; it goes on at those (no time limit is "
                         "fitted to a sweep begun; another --out starts afresh)", saved.parent,
                         ", ".join(f"{b:.3g}" for b in sweep_settings.budgets))
+            if timed.is_file():  # (what was measured and predicted when it began, for demo.json)
+                timing = json.loads(timed.read_text())
         elif settings.time_limit_s is not None:
             say("calibrate")
             left = settings.time_limit_s - (time.perf_counter() - started)
             sweep_settings, timing = fit_to_time(settings, sweep_settings, out / "calibration", left, pool)
+            timed.write_text(json.dumps(timing, indent=1) + "\n")
             lap("calibrate_s")
             say("time", **timing)
         sweep = Sweep(out / "sweep", sweep_settings)
@@ -174,6 +181,12 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
     point, cfg = sweep.best_run(law, target, [f"run.dir={out}", "run.name=final", "checkpoint.interval=0"])
     predicted = law.loss(point.n, point.tokens)
     low, high = interval([sample.loss(point.n, point.tokens) for sample in boot])
+    beyond = point.n / doc["approach3"]["range"]["n"][1]  # (in N as well as in C: the law saw no model so large)
+    if beyond > N_EXTRAPOLATION_WARNING:
+        log.warning("the law chose %s, %.1fx the parameters of the largest model it was fitted to (%s points of at "
+                    "least %d steps): its loss is extrapolated in N as well as in compute, and is less sure than its "
+                    "interval says; more budgets, or a longer time limit, fit it on larger models", point.name,
+                    beyond, doc["approach3"]["points"], fit_min_steps)
     say("train", name=point.name, n=point.n, tokens=point.tokens)
     epochs = {"train_tokens": data_tokens, "sweep_max_epochs": max(r["d"] for r in rows) / data_tokens,
               "final_epochs": point.tokens / data_tokens}
@@ -186,7 +199,7 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
     report = {
         "budgets": list(budgets), "points": len(rows), "law_points": doc["approach3"]["points"],
         "law_min_steps": fit_min_steps, "target_flops": point.compute,
-        "extrapolation": point.compute / max(budgets),
+        "extrapolation": point.compute / max(budgets), "n_extrapolation": beyond,
         "n_opt": n_opt, "final": {"name": point.name, "n": point.n, "tokens": point.tokens},
         "predicted_loss": predicted, "predicted_interval": [low, high], "actual_loss": result.val_loss,
         "error": (result.val_loss - predicted) / predicted,
