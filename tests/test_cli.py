@@ -153,6 +153,19 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
     assert container["command"][:4] == ["torchrun", "--nnodes=2", "--nproc-per-node=8", "--max-restarts=3"]
     assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 600
     assert {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "590"} in container["env"]
+    assert "volumes" not in job["spec"]["template"]["spec"] and "are lost with it" in " ".join(result.stderr.split())
+    # A shared claim: every pod works in it, so the config's data and runs/ outlive the pods.
+    result = run_cli("launch", "k8s", "configs/llama-1b.toml", "--nodes", "2", "--gpus-per-node", "8",
+                     "--volume", "train-work:/mnt/work")
+    assert result.returncode == 0 and "are lost with it" not in result.stderr, result.stderr
+    pod = json.loads(result.stdout)["items"][1]["spec"]["template"]["spec"]
+    assert pod["volumes"] == [{"name": "work", "persistentVolumeClaim": {"claimName": "train-work"}}]
+    assert pod["containers"][0]["workingDir"] == "/mnt/work"
+    assert pod["containers"][0]["volumeMounts"] == [{"name": "work", "mountPath": "/mnt/work"}]
+    for bad in ("", ":/mnt", "claim:relative"):
+        refused = run_cli("launch", "k8s", "configs/llama-1b.toml", "--nodes", "2", "--gpus-per-node", "8",
+                          "--volume", bad)
+        assert refused.returncode == 2 and "give a PersistentVolumeClaim's name" in refused.stderr, bad
 
 
 def test_k8s_names_are_dns_labels_whatever_the_run_name():
@@ -337,7 +350,7 @@ def test_values_out_of_range_are_refused_before_any_work(trained_run, stdlib_dat
         (["hparams", "--data", str(stdlib_data), "--budgets", "1e10,2e10", "--check", "1e9", "--out", str(tmp_path / "h")],
          "--check 1e+09: check the law beyond the budgets it is measured at"),
         (["launch", "slurm", tiny, "--nodes", "1", "--gpus-per-node", "1", "--image", "my:image"],
-         "--image names the container a Kubernetes job runs"),
+         "--image and --volume describe the containers of a Kubernetes job"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) if "argument" in message or "worker process" in message else nullcontext():

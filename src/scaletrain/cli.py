@@ -247,15 +247,21 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     check_output_file(args.out, "--out")
-    if args.image is not None and args.launcher == "slurm":
-        raise UserError("--image names the container a Kubernetes job runs; a Slurm script runs the scaletrain "
-                        "installed on the nodes: drop --image, or write a k8s manifest")
+    if (args.image is not None or args.volume is not None) and args.launcher == "slurm":
+        raise UserError("--image and --volume describe the containers of a Kubernetes job; a Slurm script runs the "
+                        "scaletrain installed on the nodes, in their shared filesystem: drop them, or write a k8s "
+                        "manifest")
     if args.launcher == "slurm":
         text = slurm_script(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node, grace_s=args.grace,
                             max_restarts=args.max_restarts)
     else:
         text = k8s_manifest(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node,
-                            args.image or "scaletrain:latest", grace_s=args.grace, max_restarts=args.max_restarts)
+                            args.image or "scaletrain:latest", grace_s=args.grace, max_restarts=args.max_restarts,
+                            volume=args.volume)
+        if args.volume is None:
+            console.print("[yellow]warning:[/] no --volume: the run's checkpoints are written in each pod's own "
+                          "filesystem and are lost with it; give a PersistentVolumeClaim that holds the data and "
+                          "runs/ (--volume CLAIM)", highlight=False, soft_wrap=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
@@ -1023,8 +1029,13 @@ def cmd_fit(args: argparse.Namespace) -> int:
             if "skipped" in fit:
                 table.add_row(approach.replace("approach", "approach "), "skipped: " + fit["skipped"])
             else:
+                used = (f" ({fit['budgets']} of the {doc['budgets']} budgets: the others lack a profile)"
+                        if fit["budgets"] < doc["budgets"] else "")
                 for name in ("a", "b"):
-                    table.add_row(f"{approach.replace('approach', 'approach ')} {name}", _interval(fit[name]))
+                    table.add_row(f"{approach.replace('approach', 'approach ')} {name}{used if name == 'a' else ''}",
+                                  _interval(fit[name]))
+                if abs(fit["a"]["value"]) < 1e-6:  # (the envelope's lowest points are all one size)
+                    table.add_row("", "every budget's lowest point is the same model: this says nothing of N_opt")
         if doc["backtest"]:
             table.add_row("backtest: approach 3 without the largest budgets", _backtest(doc["backtest"]))
         out.print(table)
@@ -1494,6 +1505,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, required=True, help="machines")
     p.add_argument("--gpus-per-node", type=int, required=True, help="processes (GPUs) per machine")
     p.add_argument("--image", default=None, help="k8s: container image with scaletrain installed (scaletrain:latest)")
+    p.add_argument("--volume", default=None, metavar="CLAIM[:PATH]",
+                   help="k8s: a PersistentVolumeClaim every pod mounts at PATH (/workspace), their working directory: "
+                        "where the config's data and runs/ lie, so that checkpoints outlive the pods")
     p.add_argument("--out", default=None, help="file to write (default: print)")
     p.add_argument("--grace", type=int, default=180,
                    help="seconds between SIGTERM (time limit near, preemption) and the kill: enough for a step or "

@@ -90,10 +90,19 @@ def slurm_script(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
 
 
 def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, gpus_per_node: int,
-                 image: str, grace_s: int = GRACE_S, max_restarts: int = MAX_RESTARTS) -> str:
+                 image: str, grace_s: int = GRACE_S, max_restarts: int = MAX_RESTARTS, volume: str | None = None) -> str:
     """A Kubernetes headless Service and Indexed Job (one pod per node) as a JSON List, which
-    `kubectl apply -f` takes like YAML. Pod 0 hosts the rendezvous."""
+    `kubectl apply -f` takes like YAML. Pod 0 hosts the rendezvous. `volume`, "CLAIM" or
+    "CLAIM:PATH", mounts that PersistentVolumeClaim (shared by every pod: ReadWriteMany) at PATH
+    (/workspace), the pods' working directory, where the config's relative paths (data, runs)
+    then lie: without one, checkpoints are written in each container's own filesystem and go
+    with the pod, and a job run again starts from nothing."""
     check_layout(cfg, nodes, gpus_per_node)
+    claim, _, mount = (volume or "").partition(":")
+    if volume is not None and (not claim or (mount and not mount.startswith("/"))):
+        raise ConfigError(f"--volume {volume!r}: give a PersistentVolumeClaim's name, optionally with where to mount "
+                          "it, e.g. scaletrain-work or scaletrain-work:/workspace")
+    mount = mount or "/workspace"
     # A DNS label (Service and Job names): lower-case letters, digits and '-', starting with a
     # letter, at most 63 characters (with room for the pods' "-N" suffixes).
     name = "".join(c if c.isalnum() else "-" for c in cfg.run.name.lower()).strip("-") or "scaletrain"
@@ -124,7 +133,10 @@ def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
                                 {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(_shutdown_timeout(grace_s))}],
                         "resources": {"limits": {"nvidia.com/gpu": gpus_per_node}},
                         "ports": [{"containerPort": RDZV_PORT}],
+                        **({"workingDir": mount, "volumeMounts": [{"name": "work", "mountPath": mount}]}
+                           if claim else {}),
                     }],
+                    **({"volumes": [{"name": "work", "persistentVolumeClaim": {"claimName": claim}}]} if claim else {}),
                 },
             },
         },
