@@ -246,6 +246,20 @@ def test_fit_command_writes_the_law_and_plots_and_predicts(tmp_path):
     assert "N_opt" in result.stdout
 
 
+def test_fit_says_when_an_approach_used_fewer_budgets_than_the_points_have(tmp_path, capsys):
+    from scaletrain.cli import main
+
+    points = isoflop_points(TRUTH, budgets=(1e18, 1e19, 1e20), shapes=5)
+    n_opt, _ = TRUTH.optimum(1e21)  # a fourth budget of two sizes: no parabola has a minimum inside
+    rows = [*zip(points.n, points.d, points.c, points.loss),
+            *((n, 1e21 / (6 * n), 1e21, TRUTH.loss(n, 1e21 / (6 * n))) for n in (n_opt / 2, n_opt * 2))]
+    (tmp_path / "points.csv").write_text("n,d,c,loss\n" + "".join(",".join(map(str, r)) + "\n" for r in rows))
+    assert main(["fit", "--points", str(tmp_path / "points.csv"), "--bootstrap", "5", "--out", str(tmp_path)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "approach 2 a (3 of the 4 budgets: the others lack a profile)" in text
+    assert json.loads((tmp_path / "law.json").read_text())["approach2"]["budgets"] == 3
+
+
 @pytest.mark.parametrize("args, words", [
     (["--points", "nope.csv"], "no points file"),
     (["--points", "{bad}"], "has no column for loss"),

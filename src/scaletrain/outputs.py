@@ -32,7 +32,7 @@ KINDS = (
     ("mixture search", lambda p: (p / "mixtures.json").is_file(), ("mixtures.json", "results.csv", "mixture.json")),
     ("tuning directory", lambda p: (p / "tune.json").is_file(), ("tune.json", "results.csv")),
     ("demo directory", lambda p: (p / "demo.json").is_file() or (p / "sweep" / "grid.json").is_file()
-     and (p / "data" / "index.json").is_file(), ("demo.json",)),
+     and (p / "data" / "index.json").is_file(), ("demo.json", "timing.json")),
     ("hyperparameter search", lambda p: (p / "grid.json").is_file() and "lr_factors" in _grid_settings(p),
      ("grid.json", "results.csv", "hparams.json")),
     ("sweep", lambda p: "budgets" in _grid_settings(p), ("grid.json", "results.csv", "law.json")),
