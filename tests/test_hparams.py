@@ -60,6 +60,13 @@ def test_an_optimum_beyond_the_grid_is_not_extrapolated_and_the_edge_is_named():
     assert optimum.lr == pytest.approx(0.01) and optimum.batch_tokens == pytest.approx(1000)
     with pytest.raises(ValueError, match="every run at budget 1e\\+10 diverged; lower the learning rates"):
         budget_optimum(1e10, lrs, batches, np.full(len(lrs), math.nan))
+    # Three rates, the middle one worst (noise: a search run of hparams measured 4.0223, 4.0537, 4.0236): the
+    # ends are not one near-optimal stretch, whose centre would be the worst rate; the best run's rate it is.
+    optimum = budget_optimum(3e10, [0.0076, 0.0153, 0.0306], [4096] * 3, [4.0223, 4.0537, 4.0236])
+    assert optimum.method == "near-optimal" and optimum.near == [0] and optimum.lr == pytest.approx(0.0076)
+    assert optimum.edges == ["lr low"]
+    joined = budget_optimum(3e10, [0.0076, 0.0153, 0.0306], [4096] * 3, [4.0223, 4.0230, 4.0236])
+    assert joined.near == [0, 1, 2] and joined.lr == pytest.approx(0.0153, rel=0.01)
 
 
 def noisy_runs(law, budgets, noise, seed=0):

@@ -16,7 +16,9 @@ since the best rate grows with the batch — fitted by least squares to the runs
 that budget's lowest loss (at least its six lowest), minimised; when the grid has fewer than
 three levels of either, the surface is not convex, or its minimum lies more than one grid step
 beyond the grid, the optimum is instead the centre (in log) of the near-optimal runs, those
-within `near` of the lowest loss (DeepSeek's 0.25%, widened by default for small runs' noise).
+within `near` of the lowest loss (DeepSeek's 0.25%, widened by default for small runs' noise)
+and joined to the best run on the grid through such runs: a near-optimal run beyond a worse one
+is noise, and the centre of the two would be the worse run's rate.
 The law is then a least-squares line through the budgets' optima in log-log — leaving out of
 each line the budgets whose best run sits on the grid's edge in that hyperparameter, where the
 optimum is only a bound, as long as two budgets remain — and its intervals come from refitting to
@@ -146,7 +148,7 @@ def budget_optimum(budget: float, lrs, batch_tokens, losses, band: float = BAND,
     edges = [f"{what} {end}" for what, values in (("lr", x), ("batch", y))
              for end, bound in (("low", values.min()), ("high", values.max()))
              if len(np.unique(values)) > 1 and np.isclose(values[best], bound)]
-    close = np.flatnonzero(finite & (losses <= lowest * (1 + near)))
+    close = _joined(best, x, y, finite & (losses <= lowest * (1 + near)))
     found = None
     levels = min(len(np.unique(x[finite])), len(np.unique(y[finite])))
     if levels >= 3 and finite.sum() >= 6:
@@ -168,6 +170,21 @@ def budget_optimum(budget: float, lrs, batch_tokens, losses, band: float = BAND,
         return BudgetOptimum(budget, math.exp(xm), math.exp(ym), value, "surface", best, close.tolist(), edges)
     return BudgetOptimum(budget, float(np.exp(x[close].mean())), float(np.exp(y[close].mean())), float(lowest),
                          "near-optimal", best, close.tolist(), edges)
+
+
+def _joined(best: int, x: np.ndarray, y: np.ndarray, near: np.ndarray) -> np.ndarray:
+    """The indices of the runs in `near` joined to run `best` through neighbours on the grid (the
+    next level of one hyperparameter at the same level of the other) that are all in `near`."""
+    levels = [np.searchsorted(np.unique(v), v) for v in (x, y)]
+    found, frontier = {best}, [best]
+    while frontier:
+        i = frontier.pop()
+        for j in np.flatnonzero(near):
+            steps = [abs(int(level[j]) - int(level[i])) for level in levels]
+            if j not in found and sorted(steps) == [0, 1]:
+                found.add(int(j))
+                frontier.append(int(j))
+    return np.array(sorted(found))
 
 
 def _line(log_c: np.ndarray, log_v: np.ndarray) -> tuple[float, float]:
