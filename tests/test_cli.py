@@ -72,6 +72,12 @@ def test_train_reports_a_bad_config_in_one_line(stdlib_data, tmp_path):
     assert_one_line_error(result, "train.global_batch_tokens", "multiple of 192")
     result = run_cli("train", "configs/tiny.toml", f"data.path={tmp_path / 'none'}", fresh=True)  # (likewise)
     assert_one_line_error(result, "data.path", "scaletrain data prepare")
+    from scaletrain.config import ConfigError, load_config
+
+    # From another working directory: the config of that name that comes with scaletrain is named.
+    with pytest.raises(ConfigError, match=f"the one of that name that comes with scaletrain is "
+                                          f"'{ROOT / 'configs' / 'tiny.toml'}'"):
+        load_config(tmp_path / "configs" / "tiny.toml")
 
 
 def test_generate_prints_a_sample_from_the_newest_checkpoint(trained_run):

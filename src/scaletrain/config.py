@@ -707,7 +707,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
                 else "pass a TOML file such as configs/tiny.toml"
             raise ConfigError(f"config file {str(path)!r} is a directory; {hint}")
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; pass a TOML file such as configs/tiny.toml")
+            # The configs that come with scaletrain lie in its source checkout's configs/, which a
+            # path relative to another working directory misses.
+            shipped = Path(__file__).resolve().parents[2] / "configs" / path.name
+            hint = (f"the one of that name that comes with scaletrain is {str(shipped)!r}" if shipped.is_file()
+                    else "pass a TOML file such as configs/tiny.toml (in scaletrain's source checkout)")
+            raise ConfigError(f"config file {str(path)!r} does not exist in {str(Path.cwd())!r}; {hint}")
         try:
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
