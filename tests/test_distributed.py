@@ -127,6 +127,7 @@ def assert_parity(run_dir, reference, tolerance=1e-5):
         if "ema_loss" in expected:
             assert abs(got["ema_loss"] - expected["ema_loss"]) <= tolerance, got["step"]
         assert got.get("task_accuracy") == expected.get("task_accuracy")
+        assert got["measured_tokens"] == expected["measured_tokens"]  # (not once per tensor-parallel rank)
         for name, nll in expected.get("task_nll", {}).items():
             assert abs(got["task_nll"][name] - nll) <= tolerance, (name, got["task_nll"][name], nll)
 

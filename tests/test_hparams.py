@@ -67,6 +67,10 @@ def test_an_optimum_beyond_the_grid_is_not_extrapolated_and_the_edge_is_named():
     assert optimum.edges == ["lr low"]
     joined = budget_optimum(3e10, [0.0076, 0.0153, 0.0306], [4096] * 3, [4.0223, 4.0230, 4.0236])
     assert joined.near == [0, 1, 2] and joined.lr == pytest.approx(0.0153, rel=0.01)
+    # A diagonal neighbour joins too: the best rate grows with the batch.
+    lrs, batches = [0.004, 0.008, 0.016] * 2, [2048] * 3 + [4096] * 3
+    diagonal = budget_optimum(3e10, lrs, batches, [3.0, 3.1, 3.1, 3.1, 3.0003, 3.1])
+    assert diagonal.near == [0, 4] and diagonal.lr == pytest.approx(math.sqrt(0.004 * 0.008))
 
 
 def noisy_runs(law, budgets, noise, seed=0):

@@ -509,7 +509,7 @@ def test_plan_refuses_bad_input_in_one_sentence(tmp_path, capsys):
         # A law whose N_opt grows as C^0.9 (a tiny sweep's) asks for a trillion parameters on a few tokens: not
         # taken for a budget below the smallest model.
         (["plan", "--compute", "1e21", "--law", str(tmp_path / "steep.json")],
-         "the law sizes a model of 33,096,044,969,984 parameters on 4,974,216 tokens, under one a parameter (its "
+         "the law sizes a model of 33,096,044,969,984 parameters on 4,974,216 tokens, under one token per parameter (its "
          "N_opt grows as C^0.9): too far from where it was measured"),
     ]
     (tmp_path / "steep.json").write_text(json.dumps({"approach3": {

@@ -150,6 +150,15 @@ def test_checkpoints_are_committed_pointed_to_and_pruned(stdlib_data, tmp_path):
                       "checkpoint.keep_every=4", "checkpoint.async_save=true", "eval.interval=0"))
     assert [p.name for p in checkpoint.all_checkpoints(kept / "checkpoints")] == ["step_0000010", "step_0000008",
                                                                                  "step_0000004"]
+    # A stop's checkpoint (step 3, between the scheduled ones) is kept while checkpoint.keep has room beside
+    # them, and never in place of one: the run keeps the scheduled checkpoints a run that never stopped keeps.
+    for keep, names in ((3, ["step_0000008", "step_0000004", "step_0000003"]), (2, ["step_0000008", "step_0000004"])):
+        stopped = tmp_path / f"stopped-{keep}"
+        common = ["train.steps=8", "checkpoint.interval=4", f"checkpoint.keep={keep}", "eval.interval=0"]
+        train(tiny_config(stdlib_data, stopped, *common), stop_at_step=3)
+        assert not checkpoint.is_scheduled(stopped / "checkpoints" / "step_0000003")
+        train(tiny_config(stdlib_data, stopped, *common))
+        assert [p.name for p in checkpoint.all_checkpoints(stopped / "checkpoints")] == names, keep
 
 
 def test_an_automatic_interval_is_youngs_from_what_the_run_measures(stdlib_data, tmp_path):

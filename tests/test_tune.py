@@ -73,6 +73,7 @@ def test_tune_trains_each_rate_once_resumes_and_writes_the_tuned_config(stdlib_d
         assert by_lr[lr]["val_loss"] == evals[-1]["loss"]
     tuned = load_config(written)
     assert (tuned.model.dim, tuned.model.mup_base_dim, tuned.train.lr) == (128, 64, doc["best_lr"])
+    assert tuned.run.name == "tuned"  # (its own run, named after the file, not the tuned config's)
     assert tuned.train.steps == load_config(TINY).train.steps  # the run's length, not the proxies'
     assert tuned.train.batch_ramp == [(256, 512)]
     assert "diverged" in first.stdout and "← best" in first.stdout

@@ -92,7 +92,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
             table.add_row(f"  dropped: {reason}", f"{count:,}")
     table.add_row("bytes read", f"{stats['bytes']['read']:,}")
     # (after curation: a kept document's lines that the filters removed are not counted)
-    table.add_row("bytes kept", f"{stats['bytes'].get('curated', stats['bytes']['kept']):,}")
+    table.add_row("bytes kept (after curation)", f"{stats['bytes'].get('curated', stats['bytes']['kept']):,}")
     table.add_row("train tokens", f"{stats['tokens']['train']:,}")
     table.add_row("validation tokens", f"{stats['tokens']['val']:,}")
     table.add_row("vocabulary", f"{stats['vocab_size']:,}")
@@ -359,16 +359,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
             if tokens < n and args.unique_tokens and not smallest:  # (repeating the few tokens wants a huge model)
                 raise UserError(f"--unique-tokens {args.unique_tokens:.3g} are too few for --compute {args.compute:.3g}: "
                                 f"the data-constrained optimum is a model of {n:,} parameters on {tokens:,} tokens, "
-                                "under one a parameter; give more unique tokens or less compute")
+                                "under one token per parameter; give more unique tokens or less compute")
             if tokens < n and not smallest:  # (a law whose N grows faster than C: a = 0.9 of a tiny sweep, say)
                 raise UserError(f"--compute {args.compute:.3g}: the law sizes a model of {n:,} parameters on {tokens:,} "
-                                f"tokens, under one a parameter (its N_opt grows as C^{law.exponents[0]:.3g}): too far "
-                                "from where it was measured to plan with; plan nearer its budgets, or with a law fitted "
-                                "on larger ones")
+                                f"tokens, under one token per parameter (its N_opt grows as C^{law.exponents[0]:.3g}): "
+                                "too far from where it was measured to plan with; plan nearer its budgets, or with a law "
+                                "fitted on larger ones")
             if tokens < n:  # (the law wants a model below the smallest shape: it would get under a token a parameter)
                 enough = 20 * n * train_flops_per_token(model, seq_len)
                 raise UserError(f"--compute {args.compute:.3g} FLOPs is too little for the smallest model the planner "
-                                f"builds ({n:,} parameters at a vocabulary of {vocab:,}: {tokens:,} tokens, under one a "
+                                f"builds ({n:,} parameters at a vocabulary of {vocab:,}: {tokens:,} tokens, under one token per "
                                 f"parameter); plan about {enough:.1g} FLOPs or more, or a smaller --vocab")
         elif args.params is not None:
             model, tokens = model_for(args.params, vocab, seq_len), int(args.tokens)
@@ -922,7 +922,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         out.print(f"a parabola in log(lr) through the best and its neighbours is lowest at {doc['fitted_lr']:.4g}",
                   highlight=False)
     if args.write_config:
-        tuned = cfg.model_copy(update={"train": cfg.train.model_copy(update={"lr": doc["best_lr"]})})
+        # (a run of its own, named after the file: the tuned config must not resume the tuned one's run)
+        tuned = cfg.model_copy(update={"train": cfg.train.model_copy(update={"lr": doc["best_lr"]}),
+                                       "run": cfg.run.model_copy(update={"name": Path(args.write_config).stem})})
         Path(args.write_config).write_text(tuned.to_toml())
         out.print(f"wrote {args.write_config} (train.lr = {doc['best_lr']:.4g}); train it with: scaletrain train "
                   f"{args.write_config}", highlight=False)
@@ -1507,7 +1509,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", default=None, help="k8s: container image with scaletrain installed (scaletrain:latest)")
     p.add_argument("--volume", default=None, metavar="CLAIM[:PATH]",
                    help="k8s: a PersistentVolumeClaim every pod mounts at PATH (/workspace), their working directory: "
-                        "where the config's data and runs/ lie, so that checkpoints outlive the pods")
+                        "where the config's data and runs/ lie, so that checkpoints outlive the pods (and where a "
+                        "relative CONFIG path is read from)")
     p.add_argument("--out", default=None, help="file to write (default: print)")
     p.add_argument("--grace", type=int, default=180,
                    help="seconds between SIGTERM (time limit near, preemption) and the kill: enough for a step or "

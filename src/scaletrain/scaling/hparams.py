@@ -174,14 +174,14 @@ def budget_optimum(budget: float, lrs, batch_tokens, losses, band: float = BAND,
 
 def _joined(best: int, x: np.ndarray, y: np.ndarray, near: np.ndarray) -> np.ndarray:
     """The indices of the runs in `near` joined to run `best` through neighbours on the grid (the
-    next level of one hyperparameter at the same level of the other) that are all in `near`."""
+    next level of either hyperparameter or both) that are all in `near`."""
     levels = [np.searchsorted(np.unique(v), v) for v in (x, y)]
     found, frontier = {best}, [best]
     while frontier:
         i = frontier.pop()
         for j in np.flatnonzero(near):
             steps = [abs(int(level[j]) - int(level[i])) for level in levels]
-            if j not in found and sorted(steps) == [0, 1]:
+            if j not in found and max(steps) == 1:  # (diagonally too: the best rate grows with the batch)
                 found.add(int(j))
                 frontier.append(int(j))
     return np.array(sorted(found))

@@ -263,9 +263,9 @@ def _commit(root: Path, path: Path, step: int, tokens: int, keep: tuple[int, int
     those kept for good, `keep` = (how many newest, multiple of the steps kept; 0: none). Every rank
     calls it (the checksums are shared) unless `files`, its _file_table, was already taken.
 
-    A checkpoint not `scheduled` (a stop's) takes no place among the `keep` newest and is pruned
-    once a newer one is committed, so that the run keeps the checkpoints a run that never stopped
-    keeps, which a rewind goes back to (scheduled ones only: the same in both)."""
+    A checkpoint not `scheduled` (a stop's) takes no scheduled one's place among the `keep` newest:
+    it is kept while `keep` has room beside them, so that the run keeps every checkpoint a run that
+    never stopped keeps, which a rewind goes back to (scheduled ones only: the same in both)."""
     files = files if files is not None else _file_table(path)
     if not _is_main():
         return
@@ -275,6 +275,7 @@ def _commit(root: Path, path: Path, step: int, tokens: int, keep: tuple[int, int
     newest, every = keep
     older = [p for p in complete_checkpoints(root) if step_of(p) < step]
     kept = [p for p in older if is_scheduled(p)][:newest - 1 if scheduled else newest]
+    kept += [p for p in older if not is_scheduled(p)][:max(newest - 1 - len(kept), 0)]
     for old in [p for p in older if p not in kept and not (every and step_of(p) % every == 0)]:
         shutil.rmtree(old, ignore_errors=True)
 

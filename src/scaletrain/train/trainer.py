@@ -793,6 +793,9 @@ class Trainer:
         return any(checkpoint.step_of(p) <= step and checkpoint.is_scheduled(p)
                    for p in checkpoint.complete_checkpoints(self.ckpt_root))
 
+    def _any_checkpoint_at_or_before(self, step: int) -> bool:
+        return any(checkpoint.step_of(p) <= step for p in checkpoint.complete_checkpoints(self.ckpt_root))
+
     def save(self, scheduled: bool = True) -> Path:
         """Checkpoint the current step; returns its path. With checkpoint.async_save the writing
         goes on in the background (see finish_saving); the previous one is finished first. Not
@@ -973,6 +976,8 @@ class Trainer:
         if self.rewinds_left and self._checkpoint_at_or_before(int(step) - 2):
             raise LossSpike(f"a loss spike at {what}", int(step))
         log.warning("a loss spike at %s; logged only (%s)", what, "no train.rewinds left" if not self.rewinds_left
+                    else f"no checkpoint from before step {int(step) - 1} to go back to, but a stop's, which a "
+                         "rewind does not take" if self._any_checkpoint_at_or_before(int(step) - 2)
                     else f"no checkpoint from before step {int(step) - 1} to go back to")
         self.spikes.append({"step": int(step), "loss": spiked, "mean": mean, "std": std})
 
@@ -1159,7 +1164,7 @@ class Trainer:
                     if self.token_bytes is not None:
                         text_bytes += self.token_bytes[targets[targets != IGNORE]].sum().item()
             total, count, text_bytes = _sum_over_ranks([total, count, text_bytes])
-            measured += int(count)
+            measured += int(count) // self.layout.tp  # (the ranks of a tensor-parallel group count alike)
             by_source[name] = total / count
             bits[name] = total / math.log(2) / text_bytes if text_bytes else None
         self.model.train()
