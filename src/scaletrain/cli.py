@@ -41,6 +41,14 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 12000000, 12M, 1.5G)") from None
 
 
+class _Version(argparse.Action):
+    """--version, looked up only when asked (reading the packages' metadata takes ~0.1 s)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stdout.write(_versions() + "\n")
+        parser.exit()
+
+
 def _versions() -> str:
     """scaletrain's version and those of what it runs on (for a bug report, a benchmark's record)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -1428,7 +1436,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="scaletrain", description="Pre-train language models by plan.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--version", action="version", version=_versions())
+    parser.add_argument("--version", action=_Version, nargs=0, help="show scaletrain's version and torch's, and exit")
     commands = parser.add_subparsers(dest="command", required=True)
 
     data = commands.add_parser("data", help="prepare text into token shards").add_subparsers(dest="data_command",

@@ -96,7 +96,8 @@ def save(root: Path, step: int, tokens: int, state: dict, keep: int, keep_every:
     """Write `state` as checkpoint `step`, mark it complete, point `latest` at it, and keep the
     `keep` newest complete checkpoints up to this step and those of steps that are multiples of
     `keep_every` (when not 0); older ones are deleted. A checkpoint not `scheduled` (a stop's,
-    between the run's checkpoint steps) serves a resume and nothing else (see _commit)."""
+    between the run's checkpoint steps) serves its resume but is no rewind's target, and takes no
+    scheduled one's place among the `keep` (see _commit)."""
     path = _prepare(root, step)
     dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     _commit(root, path, step, tokens, (keep, keep_every), scheduled=scheduled)

@@ -784,17 +784,15 @@ class Trainer:
         checkpoint.record_rewind(path, position, diverged_at, skipped)
         return path, skipped, discarded
 
-    def _checkpoint_at_or_before(self, step: int) -> bool:
-        """Whether an intact checkpoint of `step` or earlier exists, as every rank sees it (each
-        calls this: the one being written is finished first)."""
+    def _checkpoint_at_or_before(self, step: int, scheduled: bool = True) -> bool:
+        """Whether an intact checkpoint of `step` or earlier exists (one the schedule saved, unless
+        not `scheduled`: a stop's too), as every rank sees it (each calls this: the one being
+        written is finished first)."""
         self.finish_saving(wait=True)
         if dist.is_initialized():
             dist.barrier()  # rank 0 has committed (and pruned) what it was saving: all ranks list alike
-        return any(checkpoint.step_of(p) <= step and checkpoint.is_scheduled(p)
+        return any(checkpoint.step_of(p) <= step and (checkpoint.is_scheduled(p) or not scheduled)
                    for p in checkpoint.complete_checkpoints(self.ckpt_root))
-
-    def _any_checkpoint_at_or_before(self, step: int) -> bool:
-        return any(checkpoint.step_of(p) <= step for p in checkpoint.complete_checkpoints(self.ckpt_root))
 
     def save(self, scheduled: bool = True) -> Path:
         """Checkpoint the current step; returns its path. With checkpoint.async_save the writing
@@ -977,7 +975,7 @@ class Trainer:
             raise LossSpike(f"a loss spike at {what}", int(step))
         log.warning("a loss spike at %s; logged only (%s)", what, "no train.rewinds left" if not self.rewinds_left
                     else f"no checkpoint from before step {int(step) - 1} to go back to, but a stop's, which a "
-                         "rewind does not take" if self._any_checkpoint_at_or_before(int(step) - 2)
+                         "rewind does not take" if self._checkpoint_at_or_before(int(step) - 2, scheduled=False)
                     else f"no checkpoint from before step {int(step) - 1} to go back to")
         self.spikes.append({"step": int(step), "loss": spiked, "mean": mean, "std": std})
 
