@@ -438,6 +438,12 @@ def test_the_cli_prints_the_plan_for_people_and_writes_its_config(tmp_path, caps
     assert main(["plan", str(config), "--gpus", "16", "--write-config", str(tmp_path / "run-16.toml")]) == 0
     assert load_config(tmp_path / "run-16.toml").run.name == "run-16"
     capsys.readouterr()
+    # A fixed interval the config sets is replaced by Young's for the plan's batch and step time, and said so.
+    assert main(["plan", str(config), "checkpoint.interval=200", "--gpus", "16", "--write-config",
+                 str(tmp_path / "fixed.toml")]) == 0
+    said = " ".join(capsys.readouterr().err.split())
+    assert load_config(tmp_path / "fixed.toml").checkpoint.interval == "auto"
+    assert 'checkpoint.interval = "auto"' in said and "not at the config's 200 steps" in said
     assert main(["plan", str(config), "--gpus", "16", "--json"]) == 0
     replanned = json.loads(capsys.readouterr().out)
     assert replanned["model"]["n"] == param_counts(cfg.model)["total"]

@@ -405,6 +405,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         from scaletrain.config import validate_config
 
+        interval = base.checkpoint.interval if base is not None else "auto"
+        if interval != "auto" and "interval" in base.checkpoint.model_fields_set:
+            run = plan["run"]
+            every = (f"about every {run['checkpoint_interval_steps']:,} steps" if run["checkpoint_interval_steps"]
+                     < run["steps"] else f"only at the end of the {run['steps']:,} steps")
+            console.print(f"[yellow]warning:[/] the written config saves at checkpoint.interval = \"auto\" (Young's "
+                          f"optimum: {every} at the predicted {run['step_s']:.3g} s a step), not at the config's "
+                          f"{interval:,} steps, which were chosen for "
+                          "another batch and step time; set a fixed interval again in the written file where you want "
+                          "one (a rewind across a stop matches an uninterrupted run only with a fixed interval)",
+                          highlight=False, soft_wrap=True)
+
         # The config names its plan (log.plan): the run checks its speed and memory against it early.
         plan_path = Path(args.write_config).with_suffix(".plan.json")
         config = tomllib.loads(plan["config"])
