@@ -68,7 +68,7 @@ def test_a_cooldown_branch_trains_what_that_schedule_trains_from_the_start(stdli
     assert "cooldown from step 8 (run-cooldown-8)" in (run_dir / "report.html").read_text()
 
 
-def test_a_cooldown_is_refused_off_the_stable_stretch_or_without_its_checkpoint(stdlib_data, tmp_path):
+def test_a_cooldown_is_refused_off_the_stable_stretch_or_without_its_checkpoint(stdlib_data, tmp_path, caplog):
     cosine = tmp_path / "cosine"
     train(tiny_config(stdlib_data, cosine, "train.steps=8", "train.warmup_steps=2", "eval.interval=0",
                       "checkpoint.interval=4"))
@@ -94,6 +94,10 @@ def test_a_cooldown_is_refused_off_the_stable_stretch_or_without_its_checkpoint(
     branch = cooldown_config(constant, 8, 4, name="annealed", overrides=["train.min_lr_ratio=0"])
     assert (branch.run.name, branch.train.steps, branch.train.min_lr_ratio) == ("annealed", 12, 0.0)
     assert branch.checkpoint.resume.endswith("step_0000008")
+    caplog.clear()  # a decay longer than the run it branches from is trained, and said to be unusual
+    assert cooldown_config(constant, 8, 40, name="long").train.steps == 48
+    assert "a cooldown of 40 steps is longer than the 8 steps it branches from: its decay is 83%" in caplog.text
+    assert "give --steps about 2 for that" in caplog.text
     # On two processes (the one process's checkpoint resharded over them).
     result = run_cli("cooldown", str(constant), "--step", "8", "--steps", "2", "--nproc", "2")
     assert result.returncode == 0, result.stderr[-2000:]

@@ -16,6 +16,7 @@ from the start with that schedule. The sweep's cooldown branches (sweep.py) are 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from scaletrain.data.shards import read_index
 from scaletrain.train.checkpoint import check_complete, complete_checkpoints, step_of
 from scaletrain.train.schedule import DECAY_SHAPES, lr_at, wsd_decay_start
 
+log = logging.getLogger("scaletrain")
 
 def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str | None = None,
                     name: str | None = None, overrides: list[str] = ()) -> RunConfig:
@@ -63,6 +65,11 @@ def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str
         raise ConfigError(f"{str(run_dir)!r} trains a {train.schedule!r} schedule, whose learning rate decays from "
                           f"its warmup on ({last:.6g} before step {step}, of its peak train.lr = {train.lr:g}); a "
                           "cooldown branches from the stable stretch of a 'wsd' or 'constant' schedule")
+    if steps > step:  # (trained as asked: a long anneal is a choice, but rarely the intended one)
+        log.warning("a cooldown of %d steps is longer than the %d steps it branches from: its decay is %.0f%% of the "
+                    "branch's steps, where 10-20%% of a run's steps match a cosine schedule of that length (Hägele et "
+                    "al. 2024); give --steps about %d for that", steps, step, 100 * steps / (step + steps),
+                    max(1, round(step * 0.2 / 0.8)))
     if decay_shape is not None and decay_shape not in DECAY_SHAPES:
         raise ConfigError(f"decay shape {decay_shape!r} is not one of {', '.join(DECAY_SHAPES)}")
     data = cfg.model_dump()
