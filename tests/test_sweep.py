@@ -268,6 +268,7 @@ def test_fit_names_the_shape_to_train_and_writes_its_config(uninterrupted, tmp_p
     assert (cfg.model.dim, cfg.model.n_layers, cfg.train.steps) == (point.shape.dim, point.shape.n_layers, point.steps)
     assert (cfg.train.lr, cfg.train.warmup_steps, cfg.train.schedule) == (point.lr, warmup, "wsd")
     assert cfg.train.global_batch_tokens == point.batch_seqs * 64 and cfg.data.path == sweep.settings.data
+    assert cfg.eval.interval == -(-point.steps // 10)  # (the sweep's points: at the end only)
     # the law says what data it is of; a report holds a run on other data against it with a note
     assert doc["data"] == {"path": str(Path(sweep.settings.data).resolve()), "mix": None}
     assert other_data(doc["data"], cfg.data.path, None) is None

@@ -1112,7 +1112,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
 def _shape_to_train(sweep, law, compute: float, out_dir) -> dict:
     """The shape of the sweep's family that `law` predicts lowest at `compute`, trained as the
     sweep trains it; writes its config beside law.json and says how to train it."""
-    from scaletrain.config import ConfigError
+    from scaletrain.config import ConfigError, validate_config
 
     name = f"{sweep.out.name}-C{compute:.4g}".replace("+", "")
     try:
@@ -1120,6 +1120,10 @@ def _shape_to_train(sweep, law, compute: float, out_dir) -> dict:
     except ConfigError as e:
         out.print(f"  in the sweep's shape family: none ({e})")
         return {"skipped": str(e)}
+    # Trained on its own, it is evaluated ten times along the way (the sweep's points, only at the end).
+    data = cfg.model_dump(exclude_none=True)
+    data["eval"]["interval"] = max(1, -(-point.steps // 10))
+    cfg = validate_config(data, source="the fitted shape's config")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"train-{point.name}.toml"
     path.write_text(cfg.to_toml())
