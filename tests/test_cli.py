@@ -160,11 +160,14 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
     assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 600
     assert {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "590"} in container["env"]
     assert "volumes" not in job["spec"]["template"]["spec"] and "are lost with it" in " ".join(result.stderr.split())
+    assert job["spec"]["backoffLimit"] == 0  # (a replaced pod would have none of the run's checkpoints)
     # A shared claim: every pod works in it, so the config's data and runs/ outlive the pods.
     result = run_cli("launch", "k8s", "configs/llama-1b.toml", "--nodes", "2", "--gpus-per-node", "8",
                      "--volume", "train-work:/mnt/work")
     assert result.returncode == 0 and "are lost with it" not in result.stderr, result.stderr
-    pod = json.loads(result.stdout)["items"][1]["spec"]["template"]["spec"]
+    job = json.loads(result.stdout)["items"][1]
+    assert job["spec"]["backoffLimit"] == 3 * 2  # failed pods replaced: they resume from the claim
+    pod = job["spec"]["template"]["spec"]
     assert pod["volumes"] == [{"name": "work", "persistentVolumeClaim": {"claimName": "train-work"}}]
     assert pod["containers"][0]["workingDir"] == "/mnt/work"
     assert pod["containers"][0]["volumeMounts"] == [{"name": "work", "mountPath": "/mnt/work"}]

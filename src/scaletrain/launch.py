@@ -120,7 +120,12 @@ def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
     job = {
         "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
         "spec": {
-            "completionMode": "Indexed", "completions": nodes, "parallelism": nodes, "backoffLimit": 0,
+            # With the shared claim, a failed pod (its node lost, or its torchrun out of restarts) is
+            # replaced under the same name and the job resumes from the claim's checkpoints; up to
+            # max_restarts times a pod (a lost rendezvous host fails every pod). Without it, a
+            # replaced pod would find none of its checkpoints: the job fails instead.
+            "completionMode": "Indexed", "completions": nodes, "parallelism": nodes,
+            "backoffLimit": max_restarts * nodes if claim else 0,
             "template": {
                 "metadata": {"labels": {"job-name": name}},
                 "spec": {

@@ -112,8 +112,8 @@ def plot_fit(points: Points, doc: dict, out: Path) -> list[Path]:
 def plot_mixture(law, choice, shares: np.ndarray, losses: np.ndarray, path: Path) -> Path:
     """mixture.png of a mixture search (scaletrain.mixture): each proxy's measured target loss
     against the law's prediction; beside it, for two sources the target loss along the first
-    one's share (law and proxies, the choice marked), for more each chosen share with the
-    interval of the bootstrap refits' optima."""
+    one's share (law and proxies, the choice marked; the law over the shares measured and
+    chosen), for more each chosen share with the interval of the bootstrap refits' optima."""
     names = law.sources
     weights = np.array([choice.target[n] for n in law.validation])
     measured, predicted = losses @ weights, law.target(shares, weights)
@@ -125,11 +125,15 @@ def plot_mixture(law, choice, shares: np.ndarray, losses: np.ndarray, path: Path
     left.set(xlabel="law's target loss", ylabel="measured target loss",
              title="proxies" + (f" (leave-one-out error {choice.loo_error:.2%})" if choice.loo_error is not None else ""))
     if len(names) == 2:
-        grid = np.linspace(0, 1, 201)
+        # The law drawn where it was fitted (the proxies' shares, and the choice with its interval),
+        # not out to shares of 0 and 1, where its extrapolation would set the scale of the plot.
+        chosen = choice.shares[names[0]]
+        span = [*shares[:, 0], chosen, *choice.shares_interval[names[0]]]
+        pad = 0.05 * (max(span) - min(span) or 1.0)
+        grid = np.linspace(max(0.0, min(span) - pad), min(1.0, max(span) + pad), 201)
         curve = law.target(np.stack([grid, 1 - grid], axis=1), weights)
         right.plot(grid, curve, color="C0", label="law")
         right.scatter(shares[:, 0], measured, s=16, color="C0", label="proxies")
-        chosen = choice.shares[names[0]]
         right.axvline(chosen, color="C3", lw=1, label=f"chosen {chosen:.3f}")
         right.axvspan(*choice.shares_interval[names[0]], color="C3", alpha=0.15, lw=0)
         right.set(xlabel=f"share of {names[0]} (the rest {names[1]})", ylabel="target loss",
