@@ -1,8 +1,10 @@
 """One prepared pass on a GPU machine: scaletrain's training throughput on the configs of issue 6's
 reference table, with real data through the real loader, metrics on and checkpoints (in the
-background) at an interval; then ablations of the means (compiled blocks, chunked loss,
-background checkpoints, CUDA graphs, float8 where torchao and a Hopper-class GPU are present,
-attention within documents, Muon) on the ~126M config, and whether stop-and-resume is still exact on CUDA. Prints one table and one JSON object
+background) at an interval; the table's references measured again in the same process as bare
+loops (benchmarks/plain_loops.py: nanoGPT's GPT-2 recipe and a plain compiled Llama); whether
+stop-and-resume is still exact on CUDA; then ablations of the means (compiled blocks, chunked
+loss, background checkpoints, CUDA graphs, float8 where torchao and a Hopper-class GPU are
+present, attention within documents, Muon) on the ~126M config. Prints one table and one JSON object
 (also written to --out).
 
     PYTHONPATH=src python benchmarks/gpu_suite.py --out results.json [--only configs,ablations,resume]
@@ -36,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from plain_loops import baselines
 from scaletrain.config import load_config
 from scaletrain.data import prepare
 from scaletrain.plan.hardware import device
@@ -184,27 +187,36 @@ def _float8_available() -> bool:
 
 def table(report: dict) -> str:
     lines = [f"{'run':<38} {'tokens/s':>10} {'step ms':>9} {'MFU':>7} {'MFU causal':>10} {'peak GB':>8} {'planned':>8} "
-             f"{'data wait':>9} {'ckpt block s':>13} {'cold start s':>12}  reference"]
-    for name, row in {**report.get("configs", {}), **report.get("ablations", {})}.items():
+             f"{'data wait':>9} {'ckpt block s':>13} {'cold start s':>12}  against the same-run plain loop; issue 6's "
+             "reference"]
+    plain = report.get("baselines", {})
+    rows = {**report.get("configs", {}), **{f"plain loop: {name}": row for name, row in plain.items()},
+            **report.get("ablations", {})}
+
+    def figure(value, form: str, width: int) -> str:
+        return f"{'-' if value is None else format(value, form):>{width}}"
+
+    for name, row in rows.items():
         if "error" in row:
             lines.append(f"{name:<38} {row['error']}")
             continue
-        ref = row.get("reference")
-        against = (f"{ref['tokens_per_s']:,.0f} tok/s, {ref['mfu']:.1%}: x{row['tokens_per_s'] / ref['tokens_per_s']:.2f}"
-                   if ref else "")
-        mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
-        causal = "-" if row["mfu_causal"] is None else f"{row['mfu_causal']:.1%}"
-        block = ",".join(f"{b:.2f}" for b in row["checkpoint_blocking_s"]) or "-"
-        lines.append(f"{name:<38} {row['tokens_per_s']:>10,} {row['step_ms']:>9.1f} {mfu:>7} {causal:>10} "
-                     f"{row['peak_mem_gb']:>8.1f} {row['predicted_peak_gb']:>8.1f} {row['data_wait_share']:>9.2%} {block:>13} "
-                     f"{row['cold_start_s']:>12.1f}  {against}")
+        ref, same = row.get("reference"), plain.get(name, {})
+        against = (f"x{row['tokens_per_s'] / same['tokens_per_s']:.2f}; " if "tokens_per_s" in same else "") + (
+            f"{ref['tokens_per_s']:,.0f} tok/s, {ref['mfu']:.1%}: x{row['tokens_per_s'] / ref['tokens_per_s']:.2f}"
+            if ref else "")
+        block = ",".join(f"{b:.2f}" for b in row.get("checkpoint_blocking_s", [])) or "-"
+        lines.append(f"{name:<38} {row['tokens_per_s']:>10,} {row['step_ms']:>9.1f} {figure(row['mfu'], '.1%', 7)} "
+                     f"{figure(row['mfu_causal'], '.1%', 10)} {figure(row['peak_mem_gb'], '.1f', 8)} "
+                     f"{figure(row.get('predicted_peak_gb'), '.1f', 8)} {figure(row.get('data_wait_share'), '.2%', 9)} "
+                     f"{block:>13} {row['cold_start_s']:>12.1f}  {against}")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
-    parser.add_argument("--only", default="configs,ablations,resume", help="comma-separated sections to run")
+    parser.add_argument("--only", default="configs,baselines,resume,ablations",
+                        help="comma-separated sections to run, in this order")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="which of the configs to run")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps not timed (compilation happens in them)")
@@ -241,6 +253,15 @@ def main() -> None:
             row = measure(data, runs, name, overrides, args.steps, args.warmup, every, args.log_every)
             report["configs"][name] = {**row, "settings": BEST, "reference": None if args.tiny else reference}
             keep()
+    if "baselines" in sections:  # the references, measured here: the same device, torch and day
+        report["baselines"] = baselines(args.configs.split(","), args.steps, args.warmup, args.tiny)
+        keep()
+    if "resume" in sections:
+        try:
+            report["resume"] = resume_exactness(data, runs, ["train.device=cpu"] if args.tiny else [])
+        except Exception as e:
+            report["resume"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        keep()
     if "ablations" in sections:
         shape = CONFIGS["llama-126m"][0]
         # float8 first, should the device's time run out; then those that reuse llama-126m's
@@ -263,11 +284,6 @@ def main() -> None:
             if what == "CUDA graphs":
                 torch._dynamo.reset()  # (and its graphs' memory pool, which the next run's peak would count)
             keep()
-    if "resume" in sections:
-        try:
-            report["resume"] = resume_exactness(data, runs, ["train.device=cpu"] if args.tiny else [])
-        except Exception as e:
-            report["resume"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     print(table(report))
     text = json.dumps(report, indent=1)
     print(text)

@@ -1,6 +1,7 @@
 """The benchmarks run and print the JSON they promise (their numbers are recorded in BENCHMARKS.md, not tested)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -39,6 +40,12 @@ def test_gpu_suite_runs_its_configs_ablations_and_resume_check_on_tiny_shapes(tm
         assert row["mfu"] is None  # no peak is known for a CPU
     assert report["resume"]["bit_exact"] and report["resume"]["repeatable"]
     assert "llama-126m" in result.stdout.splitlines()[1]  # the table comes before the JSON
+    # The reference measured in the same process, as a bare loop: a row of its own, and the ratio.
+    plain = report["baselines"]["llama-126m"]
+    assert plain["timed_steps"] == 2 and plain["tokens_per_s"] > 0 and math.isfinite(plain["final_loss"])
+    ratio = report["configs"]["llama-126m"]["tokens_per_s"] / plain["tokens_per_s"]
+    assert f"x{ratio:.2f}; " in result.stdout.splitlines()[1]
+    assert any(line.startswith("plain loop: llama-126m") for line in result.stdout.splitlines())
     runs = tmp_path / "work" / "runs"  # each measured run's checkpoints removed once measured
     assert (runs / "llama-126m" / "metrics.jsonl").exists() and not list(runs.glob("llama-126m/checkpoints/step_*"))
     assert not list(runs.glob("ablation-*/checkpoints/step_*"))
