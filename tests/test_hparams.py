@@ -222,6 +222,30 @@ def test_the_eta_weighs_the_runs_left_by_their_flops(stdlib_data, tmp_path, monk
     assert seen[0]["eta_s"] == pytest.approx(total - first)
 
 
+def test_the_time_of_the_runs_left_is_predicted_from_their_shapes_timed_here(searched, stdlib_data, tmp_path):
+    from scaletrain.sweep import Speed, makespan
+
+    search = HparamSearch(tmp_path / "begun", settings(stdlib_data))
+    first = search.keys()[0]
+    search._record(search._run_one(first, train))  # one run done: the rest are predicted
+    predicted = search.predict_seconds(tmp_path / "timing")
+    left = [search.points[name] for name in search.keys()[1:]]
+    speed = Speed(**predicted["speed"])
+    assert predicted["runs"] == len(left) and predicted["flops"] == pytest.approx(sum(p.compute for p in left))
+    assert sorted(speed.n) == sorted({p.n for p in left}) and all(rate > 0 for rate in speed.flops_per_s)
+    assert predicted["seconds"] == pytest.approx(makespan([speed.seconds(p, p.steps) for p in left], 1))
+    assert not (tmp_path / "timing").exists() and [r["name"] for r in search.results()] == [first]
+    assert searched[0].predict_seconds(tmp_path / "timing")["runs"] == 0
+    # The command trains nothing and writes no search directory that does not exist yet.
+    result = run_cli("hparams", "--data", str(stdlib_data), "--budgets", "3e9,1e10", "--lrs", "0.5,1,2", "--batches",
+                     "0.5,1", "--seq-len", "64", "--eval-tokens", "2048", "--min-steps", "30", "--device", "cpu",
+                     "--out", str(tmp_path / "new"), "--predict-time")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert f"for the {len(search.keys())} runs left of {len(search.keys())}" in text and "nothing trained" in text
+    assert not (tmp_path / "new").exists() and "step 1/" not in result.stderr  # (the timing runs' logs kept quiet)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"budgets": [1e10]}, "a law of the compute needs at least two budgets"),
     ({"lr_factors": [1, 2]}, "--lrs 1,2: give at least 3 distinct positive factors"),

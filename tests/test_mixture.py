@@ -197,6 +197,13 @@ def test_the_command_fits_a_finished_search_and_bad_input_is_refused(searched, m
     doc = json.loads((search.out / "mixture.json").read_text())
     assert doc["choice"]["target"] == {"project": 0.25, "stdlib": 0.75} and doc["check"] is None
     assert set(doc["law"]["validation"]) == {"project", "stdlib"} and (search.out / "mixture.png").is_file()
+    # --predict-time: of the runs left (none here); of all, timed on a mixture, without writing --out
+    result = run_cli(*args, "--predict-time")
+    assert result.returncode == 0 and "has trained every run; nothing left to time" in result.stdout, result.stderr
+    result = run_cli(*args[:-1], str(tmp_path / "new"), "--predict-time")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "for the 6 runs left of 6, 6e+10 FLOPs, 1 at once" in text and not (tmp_path / "new").exists()
     result = run_cli(*args, "--target", "stdlib")
     assert result.returncode != 0 and "'stdlib' is not NAME=WEIGHT (e.g. code=1,prose=3)" in result.stderr
     # A target naming no validation source is refused before any proxy trains (a new directory stays empty).

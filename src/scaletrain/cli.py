@@ -654,6 +654,7 @@ def _predict_sweep_time(settings, concurrency: int) -> int:
     shapes = sorted({point.shape for points in calls.values() for point, _ in points}, key=plan.n_of)
     console.print(f"timing {len({shapes[0], shapes[len(shapes) // 2], shapes[-1]})} of the sweep's shapes here, "
                   f"{concurrency} at once …")
+    logging.getLogger("scaletrain").setLevel(logging.WARNING)  # (the timing runs' own logs)
     pool = worker_pool(concurrency, settings.device) if concurrency > 1 else None
     try:
         with tempfile.TemporaryDirectory(prefix="scaletrain-timing-") as scratch:
@@ -712,11 +713,14 @@ def cmd_mixture(args: argparse.Namespace) -> int:
                                min_steps=args.min_steps, seed=args.seed, device=args.device, optimizer=args.optimizer,
                                target_data=args.target_data, hparams=_hparams(args.hparams))
     out_dir = Path(args.out) if args.out else Path("mixtures") / root.name
-    search = MixtureSearch(out_dir, settings, target=args.target)  # (a bad --target is refused before training)
-    point = search.point
-    out.print(f"{settings.runs} proxies of {point.shape.name} ({point.n:,} parameters), {point.steps} steps of "
-              f"{point.batch_seqs} x {settings.seq_len} tokens each ({settings.budget:.3g} FLOPs), on mixtures of "
-              f"{', '.join(sources)}")
+    with _search_dir(out_dir, args.predict_time) as where:
+        search = MixtureSearch(where, settings, target=args.target)  # (a bad --target is refused before training)
+        point = search.point
+        out.print(f"{settings.runs} proxies of {point.shape.name} ({point.n:,} parameters), {point.steps} steps of "
+                  f"{point.batch_seqs} x {settings.seq_len} tokens each ({settings.budget:.3g} FLOPs), on mixtures of "
+                  f"{', '.join(sources)}")
+        if args.predict_time:
+            return _predict_search_time(search, "mixture search", args.concurrency)
     with _searching("mixtures", settings.runs, len(search.results())) as show:
         rows = search.run(progress=show, concurrency=args.concurrency)
     law, choice = search.choose(rows, target=args.target, tokens=args.tokens)
@@ -780,6 +784,49 @@ def _small_runs(p: argparse.ArgumentParser, run: str, runs: str, sizing: str, mi
 
 
 @contextlib.contextmanager
+def _search_dir(out_dir, predicting: bool):
+    """Where a search is built: its directory, or with --predict-time, where nothing is to be
+    written, the directory if it holds the search begun (its runs left are timed) and otherwise
+    a temporary one (all of them)."""
+    import tempfile
+    from pathlib import Path
+
+    if not predicting or Path(out_dir).exists():
+        yield Path(out_dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="scaletrain-search-") as scratch:
+        yield Path(scratch) / "search"
+
+
+def _predict_search_time(search, what: str, concurrency: int) -> int:
+    """A search's --predict-time: time the shapes of its runs left here, print their FLOPs and
+    predicted wall-clock; train nothing."""
+    import tempfile
+    from pathlib import Path
+
+    from scaletrain.sweep import worker_pool
+
+    console.print(f"timing the {what}'s shapes here, {concurrency} at once …")
+    logging.getLogger("scaletrain").setLevel(logging.WARNING)  # (the timing runs' own logs)
+    pool = worker_pool(concurrency, search.settings.device) if concurrency > 1 else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="scaletrain-timing-") as scratch:
+            predicted = search.predict_seconds(Path(scratch), concurrency, pool)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    if not predicted["runs"]:
+        out.print(f"the {what} in {search.out} has trained every run; nothing left to time")
+        return 0
+    speed, seconds = predicted["speed"], predicted["seconds"]
+    out.print(f"predicted: {seconds:.0f} s ({seconds / 3600:.2f} h) for the {predicted['runs']} runs left of "
+              f"{len(search.keys())}, {predicted['flops']:.3g} FLOPs, {concurrency} at once, at "
+              f"{', '.join(f'{r:.3g}' for r in speed['flops_per_s'])} FLOP/s per run measured for N = "
+              f"{', '.join(f'{n:,.0f}' for n in speed['n'])}; nothing trained", highlight=False)
+    return 0
+
+
+@contextlib.contextmanager
 def _searching(description: str, total: int, done: int):
     """A progress bar for a search by small runs (a sweep's too): yields the progress callback of
     their run()."""
@@ -824,13 +871,16 @@ def cmd_hparams(args: argparse.Namespace) -> int:
         if budget <= max(settings.budgets):
             raise UserError(f"--check {budget:.3g}: check the law beyond the budgets it is measured at (above "
                             f"{max(settings.budgets):.3g}); within them the grid's runs already tell")
-    search = HparamSearch(out_dir, settings)
-    for budget in settings.budgets:
-        at = [p for p in search.points.values() if p.budget == budget]
-        out.print(f"budget {budget:.3g}: {at[0].shape.name} ({at[0].n:,} parameters), learning rates "
-                  f"{', '.join(f'{lr:.3g}' for lr in sorted({p.lr for p in at}))} x batches of "
-                  f"{', '.join(str(b) for b in sorted({p.batch_seqs for p in at}))} x {settings.seq_len} tokens",
-                  highlight=False)
+    with _search_dir(out_dir, args.predict_time) as where:
+        search = HparamSearch(where, settings)
+        for budget in settings.budgets:
+            at = [p for p in search.points.values() if p.budget == budget]
+            out.print(f"budget {budget:.3g}: {at[0].shape.name} ({at[0].n:,} parameters), learning rates "
+                      f"{', '.join(f'{lr:.3g}' for lr in sorted({p.lr for p in at}))} x batches of "
+                      f"{', '.join(str(b) for b in sorted({p.batch_seqs for p in at}))} x {settings.seq_len} tokens",
+                      highlight=False)
+        if args.predict_time:
+            return _predict_search_time(search, "hyperparameter search", args.concurrency)
     with _searching("hparams", len(search.points), len(search.planned_results())) as show:
         rows = search.run(progress=show, concurrency=args.concurrency)
     law, optima, boot = search.fit(rows, samples=args.bootstrap)
@@ -1647,6 +1697,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="train one more proxy on the chosen mixture and set its target loss against the prediction")
     p.add_argument("--out", default=None, help="search directory (default mixtures/DATA_NAME)")
+    p.add_argument("--predict-time", action="store_true",
+                   help="train nothing: time the proxy here (about 2 s, --concurrency at once) and print the search's "
+                        "FLOPs and predicted wall-clock (of the runs left, where --out holds a search begun)")
     p.set_defaults(func=cmd_mixture)
 
     p = commands.add_parser("hparams", help="measure the learning-rate and batch rule: a grid of small runs per "
@@ -1674,6 +1727,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train every run on this mixture of the data directories under --data (as sweep --mix)")
     p.add_argument("--bootstrap", type=_count, default=200, help="bootstrap resamples for the intervals (200)")
     p.add_argument("--out", default=None, help="search directory (default hparams/DATA_NAME)")
+    p.add_argument("--predict-time", action="store_true",
+                   help="train nothing: time three of the grid's shapes here (about 2 s each, --concurrency at once) "
+                        "and print its FLOPs and predicted wall-clock (of the runs left, where --out holds a search "
+                        "begun)")
     p.set_defaults(func=cmd_hparams)
 
     p = commands.add_parser("tune", help="find the learning rate of a muP config on its small proxy",

@@ -173,6 +173,12 @@ class HparamSearch(ProxyRuns):
     def cost_of(self, name: str) -> float:
         return self.points[name].compute
 
+    def point_of(self, name: str) -> Point:
+        return self.points[name]
+
+    def mix_of(self, name: str) -> dict[str, float] | None:
+        return self.settings.mix
+
     def run_config(self, name: str):
         return run_config(self.settings, self.vocab_size, self.points[name], self.out / "runs" / name)
 

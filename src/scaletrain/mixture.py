@@ -212,6 +212,12 @@ class MixtureSearch(ProxyRuns):
         return ["name", *(f"share_{n}" for n in self.settings.sources), *(f"loss_{n}" for n in self.validation),
                 "loss", "train_loss", "steps", "tokens", "c"]
 
+    def point_of(self, index: int) -> Point:
+        return self.point
+
+    def mix_of(self, index: int) -> dict[str, float]:
+        return self.mixtures[index]
+
     def run_config(self, index: int):
         return proxy_config(self.settings, self.vocab_size, self.point, self.mixtures[index],
                             self.out / "runs" / self.name_of(index))

@@ -51,6 +51,45 @@ class ProxyRuns:
         the ETA: the runs left cost what those done here cost, in proportion."""
         return 1.0
 
+    def point_of(self, key):
+        """The scaling.grid.Point that the run of `key` trains (its shape, steps and batch), for
+        predict_seconds; None where the search cannot say."""
+        return None
+
+    def mix_of(self, key) -> dict[str, float] | None:
+        """The mixture the run of `key` trains on (run_overrides' `mix`), None for one directory."""
+        return None
+
+    def todo(self) -> list:
+        """The keys of the runs not yet in results.csv."""
+        finished = {row["name"] for row in self.results()}
+        return [key for key in self.keys() if self.name_of(key) not in finished]
+
+    def predict_seconds(self, scratch: Path, concurrency: int = 1, pool=None) -> dict:
+        """Time the shapes of the runs left here (the smallest, the middlemost and the largest; as
+        sweep.time_points does, `concurrency` at once in `pool`), in `scratch` (removed after),
+        and predict their wall-clock, `concurrency` at once: {"runs", "flops", "seconds",
+        "speed"}. Nothing is trained for the search itself."""
+        from scaletrain.sweep import _check_timeable, makespan, time_points
+
+        todo = self.todo()
+        points = [self.point_of(key) for key in todo]
+        if not todo:
+            return {"runs": 0, "flops": 0.0, "seconds": 0.0, "speed": None}
+        total = sum(point.compute for point in points)
+        _check_timeable(total, self.settings.device, concurrency, f"the {self.kind}")
+        largest = {}  # each shape at the largest step it trains: what the timing rounds cap
+        for point in points:
+            if point.shape not in largest or point.step_flops > largest[point.shape].step_flops:
+                largest[point.shape] = point
+        shapes = sorted(largest.values(), key=lambda point: point.n)
+        chosen = sorted({id(p): p for p in (shapes[0], shapes[len(shapes) // 2], shapes[-1])}.values(),
+                        key=lambda point: point.n)
+        speed = time_points(self.settings, self.vocab_size, chosen, scratch, concurrency, pool, total=total,
+                            mix=self.mix_of(todo[0]))
+        seconds = makespan([speed.seconds(point, point.steps) for point in points], concurrency)
+        return {"runs": len(todo), "flops": total, "seconds": seconds, "speed": speed.to_dict()}
+
     def results(self) -> list[dict]:
         path = self.out / "results.csv"
         if not path.is_file():
@@ -78,8 +117,7 @@ class ProxyRuns:
         keys = self.keys()
         planned = {self.name_of(key) for key in keys}
         done = [row for row in self.results() if row["name"] in planned]  # (not those of a plan narrowed since)
-        finished = {row["name"] for row in done}
-        todo = [key for key in keys if self.name_of(key) not in finished]
+        todo = self.todo()
         started, cost_here = time.perf_counter(), 0.0
         cost_left = sum(map(self.cost_of, todo))
         pool = worker_pool(concurrency, self.settings.device) if concurrency > 1 and len(todo) > 1 else None

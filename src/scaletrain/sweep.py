@@ -584,28 +584,28 @@ TIMED_MICRO_BATCHES, TIMED_ROUND_S = 64, 60.0
 UNTIMEABLE_DAYS = 30.0
 
 
-def _check_timeable(plan: SweepPlan, workers: int) -> None:
-    """ConfigError when the sweep's FLOPs would take over UNTIMEABLE_DAYS at the peak of the
-    devices it runs on (a GPU's listed bf16 peak; 2e10 FLOP/s a CPU core, 5x what this
+def _check_timeable(total: float, device: str, workers: int, what: str = "the sweep") -> None:
+    """ConfigError when `total` FLOPs (what a search trains) would take over UNTIMEABLE_DAYS at the
+    peak of the devices it runs on (a GPU's listed bf16 peak; 2e10 FLOP/s a CPU core, 5x what this
     project's 2-core test machine trains at in float32): timing its shapes would itself take hours."""
-    name, peak = peak_in_use(plan.settings.device, workers)
+    name, peak = peak_in_use(device, workers)
     if name == "cpu":
         peak = 2e10 * (os.cpu_count() or 1)
-    total = sum(plan.budget_flops().values())
     if peak and total / peak > UNTIMEABLE_DAYS * 86400:
-        raise ConfigError(f"the sweep trains {total:.3g} FLOPs: over {total / peak / 86400:,.0f} days even at the "
+        raise ConfigError(f"{what} trains {total:.3g} FLOPs: over {total / peak / 86400:,.0f} days even at the "
                           f"{peak:.3g} FLOP/s peak of {name}{' x ' + str(workers) if name != 'cpu' and workers > 1 else ''}"
                           "; lower --budgets, or plan it for the devices that will train it (`scaletrain plan`)")
 
 
-def _timed_steps(point: Point, plan: SweepPlan, rate: float | None, seconds: float, stage: str) -> tuple[Point, int]:
+def _timed_steps(point: Point, settings, rate: float | None, seconds: float, stage: str,
+                 total: float) -> tuple[Point, int]:
     """The point as timed in a round of `stage` and its steps. "probe": 3 steps of one
     micro-batch, a first rate; "warmup": 10 steps (CUDA, the allocator, threads and the loader
     warmed as the timed rounds run); "timed": about `seconds` at the FLOP/s `rate` measured so
     far, at least 20 steps. A step has at most TIMED_MICRO_BATCHES micro-batches, fewer where
     its round would pass TIMED_ROUND_S (3 steps of one micro-batch at the least); ConfigError
-    for a shape too slow for even that."""
-    micro = micro_batch_of(point.batch_seqs, plan.settings)
+    for a shape too slow for even that (of a search training `total` FLOPs)."""
+    micro = micro_batch_of(point.batch_seqs, settings)
     if stage == "probe" or rate is None:
         return replace(point, batch_seqs=micro), 3
     micro_s = micro * point.seq_len * point.flops_per_token / rate
@@ -614,12 +614,11 @@ def _timed_steps(point: Point, plan: SweepPlan, rate: float | None, seconds: flo
     if count < 1:
         count, least = 1, 3
         if least * micro_s > TIMED_ROUND_S:
-            total = sum(plan.budget_flops().values())
-            raise ConfigError(f"a step of {point.shape.name} ({point.n:,} parameters) at this sweep's largest budget "
+            raise ConfigError(f"a step of {point.shape.name} ({point.n:,} parameters) at this search's largest budget "
                               f"would take about {micro_s * point.batch_seqs / micro:,.0f} s on "
-                              f"{peak_in_use(plan.settings.device)[0]} ({rate:.3g} FLOP/s measured on a smaller "
-                              f"shape): the sweep's {total:.3g} FLOPs would take about {total / rate / 86400:,.3g} days; "
-                              "lower --budgets, or time the sweep on the devices that will train it")
+                              f"{peak_in_use(settings.device)[0]} ({rate:.3g} FLOP/s measured on a smaller "
+                              f"shape): its {total:.3g} FLOPs would take about {total / rate / 86400:,.3g} days; "
+                              "lower --budgets, or time it on the devices that will train it")
     point = replace(point, batch_seqs=count * micro)
     if stage == "warmup":
         return point, least
@@ -629,33 +628,43 @@ def _timed_steps(point: Point, plan: SweepPlan, rate: float | None, seconds: flo
 def measure_speed(plan: SweepPlan, shapes: list[Shape], out: Path, workers: int = 1, pool=None,
                   seconds: float = 2.0, check: bool = True) -> Speed:
     """Time `shapes` as the sweep trains them (each at its learning rate and batch, on the sweep's
-    data and device): for each, `workers` copies at once in `pool`'s processes (one in this
-    process when workers is 1), each for about `seconds` of steps, in out/ (removed after).
-    Smallest first, each run's length set by the rate of the one before; two first rounds of
-    the smallest shape, a probe of one micro-batch and a warm-up (_timed_steps), get a first rate
-    and warm the processes up (CUDA, the allocator, the data loader) without risking a step of
-    minutes. The runs train at a learning rate too small to diverge: what a step costs does not
-    depend on it."""
+    data and device): time_points of each shape's point at the sweep's largest budget, at the
+    batch its trunk trains."""
+    total = sum(plan.budget_flops().values())
+    if check:  # (off where the sweep's workers were checked already: its final shape timed alone)
+        _check_timeable(total, plan.settings.device, workers)
+    points = [plan.scheduled(plan_points(max(plan.settings.budgets), [shape], plan.vocab_size, plan.settings.seq_len,
+                                         plan.hyperparameters, micro_batch=plan.settings.micro_batch)[0])[0]
+              for shape in sorted(set(shapes), key=plan.n_of)]
+    return time_points(plan.settings, plan.vocab_size, points, out, workers, pool, seconds, total, plan.settings.mix)
+
+
+def time_points(settings, vocab_size: int, points: list[Point], out: Path, workers: int = 1, pool=None,
+                seconds: float = 2.0, total: float = 0.0, mix: dict[str, float] | None = None) -> Speed:
+    """Time `points` (of distinct shapes, smallest first) as a search by small runs trains them
+    (run_overrides of `settings`: its data, on the mixture `mix` if given, and device): for each,
+    `workers` copies at once in `pool`'s processes (one in this process when workers is 1), each
+    for about `seconds` of steps, in out/ (removed after). Smallest first, each run's length set
+    by the rate of the one before; two first rounds of the smallest shape, a probe of one
+    micro-batch and a warm-up (_timed_steps), get a first rate and warm the processes up (CUDA,
+    the allocator, the data loader) without risking a step of minutes. The runs train at a
+    learning rate too small to diverge: what a step costs does not depend on it. `total`: the
+    FLOPs of the whole search, for the refusal of a shape too slow to time."""
     if workers > 1 and pool is None:
         raise ValueError("measuring several runs at once needs the pool they run in")
-    if check:  # (off where the sweep's workers were checked already: its final shape timed alone)
-        _check_timeable(plan, workers)
-    shapes = sorted(set(shapes), key=plan.n_of)
     out = Path(out)
     measured: list[tuple[float, float, float]] = []
     rate = None
     shutil.rmtree(out, ignore_errors=True)  # (what a measurement killed on the spot left)
     try:
-        stages = [("probe", shapes[0]), ("warmup", shapes[0]), *(("timed", shape) for shape in shapes)]
-        for round_, (stage, shape) in enumerate(stages):
-            point, _ = plan.scheduled(plan_points(max(plan.settings.budgets), [shape], plan.vocab_size,
-                                                  plan.settings.seq_len, plan.hyperparameters,
-                                                  micro_batch=plan.settings.micro_batch)[0])
-            point, steps = _timed_steps(point, plan, rate, seconds, stage)
+        stages = [("probe", points[0]), ("warmup", points[0]), *(("timed", point) for point in points)]
+        for round_, (stage, at) in enumerate(stages):
+            point, steps = _timed_steps(at, settings, rate, seconds, stage, total)
             start_at = time.time() + 0.5
-            jobs = [([*plan.run_overrides(point, 1e-6, point.batch_seqs, 0), f"run.dir={out}",
-                      f"run.name={shape.name}-{round_}-{copy}", "train.schedule=constant", f"train.steps={steps}",
-                      "checkpoint.interval=0", "checkpoint.resume=never"], start_at) for copy in range(workers)]
+            jobs = [([*run_overrides(settings, vocab_size, point.shape, 1e-6, point.batch_seqs, 0, mix),
+                      f"run.dir={out}", f"run.name={point.shape.name}-{round_}-{copy}", "train.schedule=constant",
+                      f"train.steps={steps}", "checkpoint.interval=0", "checkpoint.resume=never"], start_at)
+                    for copy in range(workers)]
             timed = list(pool.map(_timed_run, jobs)) if workers > 1 else [_timed_run(jobs[0])]
             # (tokens_per_s leaves the first step out: its warm-up is part of the overhead)
             step_s = sum(point.batch_seqs * point.seq_len / tokens_per_s for _, tokens_per_s in timed) / len(timed)
