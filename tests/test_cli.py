@@ -56,6 +56,11 @@ def test_data_prepare_writes_a_data_directory_then_reuses_it(tmp_path):
     assert stats["documents"]["kept"] == len(list(corpus.iterdir()))
     again = run_cli(*args)
     assert again.returncode == 0 and "reused" in again.stdout
+    # Other options into the same directory: refused in one line, then replaced when asked.
+    assert_one_line_error(run_cli(*args, "--seed", "1"), "holds a finished prepare of other sources or options")
+    assert json.loads((out / "stats.json").read_text()) == stats
+    replaced = run_cli(*args, "--seed", "1", "--overwrite")
+    assert replaced.returncode == 0 and "it was replaced" in " ".join(replaced.stderr.split()), replaced.stderr
 
 
 def test_data_prepare_reports_bad_input_in_one_line(tmp_path):

@@ -101,12 +101,18 @@ def test_changing_an_option_or_a_file_prepares_again(tmp_path):
     write_corpus(tmp_path / "corpus")
     out = tmp_path / "data"
     prepare([str(tmp_path / "corpus")], out, VOCAB)
-    again = prepare([str(tmp_path / "corpus")], out, VOCAB, seed=1)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    # A finished prepare is not replaced by one of other options unless asked (a typo would lose it).
+    with pytest.raises(DataError, match=f"holds a finished prepare of other sources or options \\(vocabulary {VOCAB}, "
+                                        "made .*\\); give another output directory, or --overwrite to replace it"):
+        prepare([str(tmp_path / "corpus")], out, VOCAB, seed=1)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    again = prepare([str(tmp_path / "corpus")], out, VOCAB, seed=1, overwrite=True)
     assert not again.reused
     assert any(f"{out} held a finished prepare that differs from this one (vocabulary {VOCAB}, made " in warning
                and "it was replaced" in warning for warning in again.warnings)
     (tmp_path / "corpus" / "a.txt").write_text("changed content")
-    result = prepare([str(tmp_path / "corpus")], out, VOCAB, seed=1)
+    result = prepare([str(tmp_path / "corpus")], out, VOCAB, seed=1, overwrite=True)
     assert not result.reused
     assert "changed content" in decoded_documents(out, "train") + decoded_documents(out, "val")
 

@@ -84,7 +84,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
                          dedup=not args.no_dedup, minhash=(args.minhash_bands, args.minhash_rows, args.minhash_ngram),
                          decontaminate=args.decontaminate, keep_rejects=args.keep_rejects,
                          chunk_bytes=args.chunk_bytes or DEFAULT_CHUNK_BYTES, kind=args.kind,
-                         val_overlap=not args.no_val_overlap)
+                         val_overlap=not args.no_val_overlap, overwrite=args.overwrite)
     if result.resumed_chunks:
         console.print(f"resumed an interrupted prepare: {result.resumed_chunks} chunks were already curated")
     for warning in result.warnings:
@@ -1523,6 +1523,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--filters", default="default",
                    help="curation: 'default' (normalise, quality and repetition filters), 'none', or a TOML file")
     p.add_argument("--no-dedup", action="store_true", help="keep exact and near duplicates")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a finished prepare of other sources or options in --out (refused without it: runs "
+                        "trained on it could no longer resume)")
     p.add_argument("--no-val-overlap", action="store_true",
                    help="keep training documents that share a 13-gram with a validation document (by default they "
                         "go, so that the validation loss is not measured on text trained on)")

@@ -119,7 +119,7 @@ def run_demo(out: Path, settings: DemoSettings, progress: Callable[[str, dict], 
 
     say("prepare", data=str(data))
     prepare(list(settings.sources), data, vocab_size=settings.vocab_size, max_bytes=settings.max_bytes,
-            val_fraction=settings.val_fraction)
+            val_fraction=settings.val_fraction, overwrite=True)  # (the demo's own: other versions prepare anew)
     data_tokens = read_index(data)["splits"]["train"]["tokens"]
     lap("prepare_s")
     sweep_settings = SweepSettings(data=str(data), budgets=list(settings.budgets), shapes=settings.shapes,

@@ -93,7 +93,8 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
             seed: int = 0, workers: int | None = None, progress: Progress | None = None,
             filters: str | Path = "default", dedup: bool = True, minhash: tuple[int, int, int] = (14, 8, 5),
             decontaminate: list[str | Path] = (), keep_rejects: bool = False,
-            chunk_bytes: int = DEFAULT_CHUNK_BYTES, kind: str = "auto", val_overlap: bool = True) -> PrepareResult:
+            chunk_bytes: int = DEFAULT_CHUNK_BYTES, kind: str = "auto", val_overlap: bool = True,
+            overwrite: bool = False) -> PrepareResult:
     """Curate and tokenize sources into the data directory out, or reuse what out holds if it
     was prepared identically; resume an interrupted prepare of the same arguments.
 
@@ -114,6 +115,8 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     val_overlap: drop training documents that share a 13-gram with a validation document (a
         corpus whose files share long boilerplate, licence headers, loses many to it; a warning
         says when over a tenth go).
+    overwrite: replace a finished prepare in out of other sources or options (refused otherwise:
+        it may have taken hours, and runs trained on it could no longer resume).
     progress: a rich Progress to which the passes add their tasks.
     """
     sources, out = [str(source) for source in sources], Path(out)
@@ -169,6 +172,10 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
 
     work = out / "work"
     replaced = _replaced(out)
+    if replaced and not overwrite and _finished_key(out) != key:
+        raise DataError(f"{str(out)!r} holds a finished prepare of other sources or options ({replaced}); give "
+                        "another output directory, or --overwrite to replace it (runs trained on it would then no longer "
+                        "resume)")
     if not _same_work(work, key):
         _clear(out)
         work.mkdir(parents=True)
@@ -198,7 +205,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     if replaced:
         warnings = [*warnings, f"{out} held a finished prepare that differs from this one ({replaced}: other "
                                "sources or options, other library versions, or damaged files); it was replaced, and "
-                               "runs that trained on it read the new data if resumed"]
+                               "runs that trained on it no longer resume"]
     return PrepareResult(out, False, result_stats, warnings, resumed)
 
 
@@ -755,6 +762,14 @@ def _replaced(out: Path) -> str | None:
         manifest = json.loads((out / "manifest.json").read_text())
         return f"vocabulary {manifest['options']['vocab_size']}, made {manifest['created']}"
     except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _finished_key(out: Path) -> str | None:
+    """The key of the finished prepare in out (its manifest's), if any."""
+    try:
+        return json.loads((out / "manifest.json").read_text()).get("key")
+    except (OSError, ValueError, AttributeError):
         return None
 
 
