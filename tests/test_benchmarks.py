@@ -43,12 +43,34 @@ def test_gpu_suite_runs_its_configs_ablations_and_resume_check_on_tiny_shapes(tm
     # The reference measured in the same process, as a bare loop: a row of its own, and the ratio.
     plain = report["baselines"]["llama-126m"]
     assert plain["timed_steps"] == 2 and plain["tokens_per_s"] > 0 and math.isfinite(plain["final_loss"])
-    ratio = report["configs"]["llama-126m"]["tokens_per_s"] / plain["tokens_per_s"]
+    ratio = report["configs"]["llama-126m"]["mean_tokens_per_s"] / plain["mean_tokens_per_s"]
     assert f"x{ratio:.2f}; " in result.stdout.splitlines()[1]
     assert any(line.startswith("plain loop: llama-126m") for line in result.stdout.splitlines())
     runs = tmp_path / "work" / "runs"  # each measured run's checkpoints removed once measured
     assert (runs / "llama-126m" / "metrics.jsonl").exists() and not list(runs.glob("llama-126m/checkpoints/step_*"))
     assert not list(runs.glob("ablation-*/checkpoints/step_*"))
+
+
+def test_the_plain_gpt2_loop_trains_and_counts_its_flops_as_the_trainer_counts_the_suites_gpt2(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_suite
+    import plain_loops
+
+    from scaletrain.config import load_config
+    from scaletrain.model.flops import train_flops_per_token
+
+    result = run_script("benchmarks/plain_loops.py", "--tiny", "--names", "gpt2-124m", "--steps", "3", "--warmup", "1",
+                        timeout=300)
+    assert result.returncode == 0, result.stderr
+    row = json.loads(result.stdout)["gpt2-124m"]
+    assert row["timed_steps"] == 2 and row["tokens_per_s"] > 0 and math.isfinite(row["final_loss"])
+    shape, seqs, seq_len = plain_loops.GPT2_SHAPES["gpt2-124m"]
+    model = plain_loops.GPT2(**shape, seq_len=seq_len)
+    assert sum(p.numel() for p in model.parameters()) == 124_475_904  # nanoGPT's count of its 124M config
+    suites = load_config(None, [*gpu_suite.CONFIGS["gpt2-124m"][0], "train.steps=1", f"model.max_seq_len={seq_len}",
+                                f"data.seq_len={seq_len}"]).model
+    for causal in (False, True):
+        assert model.flops_per_token(seq_len, causal) == train_flops_per_token(suites, seq_len, causal)
 
 
 def test_loss_chunk_benchmark_prints_both_variants_with_the_same_loss():

@@ -171,7 +171,9 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
                      "--volume", "train-work:/mnt/work")
     assert result.returncode == 0 and "are lost with it" not in result.stderr, result.stderr
     job = json.loads(result.stdout)["items"][1]
-    assert job["spec"]["backoffLimit"] == 3 * 2  # failed pods replaced: they resume from the claim
+    # failed pods replaced, each index up to --max-restarts times: they resume from the claim
+    assert (job["spec"]["backoffLimitPerIndex"], job["spec"]["maxFailedIndexes"]) == (3, 0)
+    assert "backoffLimit" not in job["spec"]
     pod = job["spec"]["template"]["spec"]
     assert pod["volumes"] == [{"name": "work", "persistentVolumeClaim": {"claimName": "train-work"}}]
     assert pod["containers"][0]["workingDir"] == "/mnt/work"
@@ -323,6 +325,20 @@ def test_what_other_commands_wrote_is_not_written_over(trained_run, stdlib_data,
         (["compare", str(trained_run), str(trained_run), "--out", str(tmp_path / "runs.csv")], "a .csv file cannot"),
         (["train", tiny, f"data.path={stdlib_data}", f"run.dir={tmp_path}", "run.name=fresh",
           f"checkpoint.resume={tmp_path / 'nowhere'}"], "is not a directory; give a checkpoint directory"),
+        # training into another command's directory, a run's own config, the config read, a sweep's
+        # law replaced by a fit of other points, a file of another kind
+        (["train", tiny, f"data.path={stdlib_data}", f"run.dir={tmp_path}", "run.name=sweep"],
+         "(run.dir/run.name) is a sweep, which training would write into; choose another run.name or run.dir"),
+        (["train", tiny, f"data.path={stdlib_data}", f"run.dir={stdlib_data.parent}", f"run.name={stdlib_data.name}"],
+         "is a prepared data directory, which training would write into"),
+        (["plan", "--compute", "1e21", "--write-config", str(trained_run / "config.toml")],
+         "is a file of the run directory"),
+        (["plan", tiny, "--vocab", "512", "--write-config", tiny], "is the config given, which it would write over"),
+        (["fit", "--points", str(sweep / "results.csv")], "is a sweep, whose own law.json a fit of these points"),
+        (["fit", str(sweep), "--out", str(trained_run)], "is a run directory; give --out a directory of its own"),
+        (["eval", str(trained_run), "--out", str(tmp_path / "evals.toml")], "a .toml file cannot be written here"),
+        (["launch", "slurm", tiny, "--nodes", "1", "--gpus-per-node", "1", "--out", str(tmp_path / "job.toml")],
+         "a .toml file cannot be written here; give a name ending in one of .sh, .sbatch, .slurm"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

@@ -236,14 +236,22 @@ def test_the_time_of_the_runs_left_is_predicted_from_their_shapes_timed_here(sea
     assert predicted["seconds"] == pytest.approx(makespan([speed.seconds(p, p.steps) for p in left], 1))
     assert not (tmp_path / "timing").exists() and [r["name"] for r in search.results()] == [first]
     assert searched[0].predict_seconds(tmp_path / "timing")["runs"] == 0
-    # The command trains nothing and writes no search directory that does not exist yet.
-    result = run_cli("hparams", "--data", str(stdlib_data), "--budgets", "3e9,1e10", "--lrs", "0.5,1,2", "--batches",
-                     "0.5,1", "--seq-len", "64", "--eval-tokens", "2048", "--min-steps", "30", "--device", "cpu",
-                     "--out", str(tmp_path / "new"), "--predict-time")
+    # The command trains nothing and writes nothing: not into a directory of its name, nor into a
+    # search begun (whose grid, changed here, it would otherwise write over).
+    (tmp_path / "new").mkdir()
+    args = ["hparams", "--data", str(stdlib_data), "--budgets", "3e9,1e10", "--lrs", "0.5,1,2", "--batches", "0.5,1",
+            "--seq-len", "64", "--eval-tokens", "2048", "--min-steps", "30", "--device", "cpu", "--predict-time"]
+    result = run_cli(*args, "--out", str(tmp_path / "new"), "--concurrency", "2")
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
-    assert f"for the {len(search.keys())} runs left of {len(search.keys())}" in text and "nothing trained" in text
-    assert not (tmp_path / "new").exists() and "step 1/" not in result.stderr  # (the timing runs' logs kept quiet)
+    assert f"for the {len(search.keys())} runs left of {len(search.keys())}" in text and "2 at once" in text
+    assert not list((tmp_path / "new").iterdir()) and "step 1/" not in result.stderr  # (timing runs' logs kept quiet)
+    grid = (search.out / "grid.json").read_text()
+    result = run_cli(*args[:6], "0.5,1,2,4", *args[7:], "--out", str(search.out))
+    assert result.returncode == 0, result.stderr
+    wider = len(search.keys()) * 4 // 3  # (a fourth rate for each budget and batch; the run done among them)
+    assert f"for the {wider - 1} runs left of {wider}" in " ".join(result.stdout.split())
+    assert (search.out / "grid.json").read_text() == grid
 
 
 @pytest.mark.parametrize("change, message", [

@@ -443,7 +443,7 @@ def test_the_cli_prints_the_plan_for_people_and_writes_its_config(tmp_path, caps
                  str(tmp_path / "fixed.toml")]) == 0
     said = " ".join(capsys.readouterr().err.split())
     assert load_config(tmp_path / "fixed.toml").checkpoint.interval == "auto"
-    assert 'checkpoint.interval = "auto"' in said and "not at the config's 200 steps" in said
+    assert 'checkpoint.interval = "auto"' in said and "not every 200 steps as the config did" in said
     assert main(["plan", str(config), "--gpus", "16", "--json"]) == 0
     replanned = json.loads(capsys.readouterr().out)
     assert replanned["model"]["n"] == param_counts(cfg.model)["total"]

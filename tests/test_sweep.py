@@ -248,8 +248,11 @@ def test_the_demo_scales_every_budget_down_until_its_predicted_time_fits(uninter
     least = sum(scale_to_time(smallest, replace(settings, min_scale=1.0), speed, speed, math.inf)[1].values())
     scale, times = scale_to_time(sweep, settings, speed, speed, 0.7 * least)  # nothing fits: the smallest scale allowed
     assert 0.3 <= scale < 0.3 / 0.9 and "the time limit cannot be kept" in caplog.text
-    with pytest.raises(ConfigError, match=r"over twice the 1 s the time limit leaves them; give --minutes \d+ or more"):
+    with pytest.raises(ConfigError, match=r"over twice the 1 s the time limit leaves them \(less 0% kept free\); "
+                                          r"give --minutes \d+ or more"):
         scale_to_time(sweep, settings, speed, speed, 1.0)  # far too little: refused, not run for many times the limit
+    with pytest.raises(ConfigError, match=r"and the time limit has passed already; give --minutes"):
+        scale_to_time(sweep, settings, speed, speed, -5.0)
 
 
 def test_fit_names_the_shape_to_train_and_writes_its_config(uninterrupted, tmp_path):

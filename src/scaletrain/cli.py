@@ -249,12 +249,26 @@ def _num(value: float | None) -> str:
 # -- launch -------------------------------------------------------------------------------
 
 
+def _check_written_config(path: str | None, flag: str, source: str | None) -> None:
+    """Refuse, before any work, a config to write that cannot be (check_output_file's reasons,
+    a name not ending in .toml) or that is the config read (`source`), which it would replace."""
+    from pathlib import Path
+
+    check_output_file(path, flag, ("toml",))
+    if path is not None and source is not None and Path(path).resolve() == Path(source).resolve():
+        raise UserError(f"{flag} {path!r} is the config given, which it would write over; give another file name")
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from scaletrain.config import load_config
     from scaletrain.launch import k8s_manifest, slurm_script
 
     cfg = load_config(args.config, args.overrides)
-    check_output_file(args.out, "--out")
+    check_output_file(args.out, "--out", ("sh", "sbatch", "slurm") if args.launcher == "slurm" else ("json", "yaml", "yml"))
+    if args.out is not None and Path(args.out).resolve() == Path(args.config).resolve():
+        raise UserError(f"--out {args.out!r} is the config given, which it would write over; give another file name")
     if (args.image is not None or args.volume is not None) and args.launcher == "slurm":
         raise UserError("--image and --volume describe the containers of a Kubernetes job; a Slurm script runs the "
                         "scaletrain installed on the nodes, in their shared filesystem: drop them, or write a k8s "
@@ -323,6 +337,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     hardware = _hardware(args)
     modes = [args.config is not None, args.compute is not None, args.hours is not None, args.params is not None]
+    if sum(modes) > 1:
+        raise UserError("give one of a config FILE, --compute C, --hours H or --params N with --tokens D: they are "
+                        "ways of saying what to plan, not settings of one plan")
+    _check_written_config(args.write_config, "--write-config", args.config)
     if sum(modes) != 1:
         raise UserError("say what to plan: a config FILE (a run as configured), --compute C or --hours H (a budget "
                         "of FLOPs or of wall-clock on the devices, sized by --law or --preset), or --params N with "
@@ -410,12 +428,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             run = plan["run"]
             every = (f"about every {run['checkpoint_interval_steps']:,} steps" if run["checkpoint_interval_steps"]
                      < run["steps"] else f"only at the end of the {run['steps']:,} steps")
+            mine = f"every {interval:,} steps" if interval else "only at the end"
             console.print(f"[yellow]warning:[/] the written config saves at checkpoint.interval = \"auto\" (Young's "
-                          f"optimum: {every} at the predicted {run['step_s']:.3g} s a step), not at the config's "
-                          f"{interval:,} steps, which were chosen for "
-                          "another batch and step time; set a fixed interval again in the written file where you want "
-                          "one (a rewind across a stop matches an uninterrupted run only with a fixed interval)",
-                          highlight=False, soft_wrap=True)
+                          f"optimum: {every} at the predicted {run['step_s']:.3g} s a step on these devices and their "
+                          f"failure rate), not {mine} as the config did; set a fixed interval again in the written file "
+                          "where you want one (a rewind across a stop matches an uninterrupted run only with a fixed "
+                          "interval)", highlight=False, soft_wrap=True)
 
         # The config names its plan (log.plan): the run checks its speed and memory against it early.
         plan_path = Path(args.write_config).with_suffix(".plan.json")
@@ -713,14 +731,14 @@ def cmd_mixture(args: argparse.Namespace) -> int:
                                min_steps=args.min_steps, seed=args.seed, device=args.device, optimizer=args.optimizer,
                                target_data=args.target_data, hparams=_hparams(args.hparams))
     out_dir = Path(args.out) if args.out else Path("mixtures") / root.name
-    with _search_dir(out_dir, args.predict_time) as where:
+    with _search_dir(out_dir, args.predict_time, MixtureSearch.kind) as where:
         search = MixtureSearch(where, settings, target=args.target)  # (a bad --target is refused before training)
         point = search.point
         out.print(f"{settings.runs} proxies of {point.shape.name} ({point.n:,} parameters), {point.steps} steps of "
                   f"{point.batch_seqs} x {settings.seq_len} tokens each ({settings.budget:.3g} FLOPs), on mixtures of "
                   f"{', '.join(sources)}")
         if args.predict_time:
-            return _predict_search_time(search, "mixture search", args.concurrency)
+            return _predict_search_time(search, "mixture search", args.concurrency, out_dir)
     with _searching("mixtures", settings.runs, len(search.results())) as show:
         rows = search.run(progress=show, concurrency=args.concurrency)
     law, choice = search.choose(rows, target=args.target, tokens=args.tokens)
@@ -784,43 +802,55 @@ def _small_runs(p: argparse.ArgumentParser, run: str, runs: str, sizing: str, mi
 
 
 @contextlib.contextmanager
-def _search_dir(out_dir, predicting: bool):
-    """Where a search is built: its directory, or with --predict-time, where nothing is to be
-    written, the directory if it holds the search begun (its runs left are timed) and otherwise
-    a temporary one (all of them)."""
+def _search_dir(out_dir, predicting: bool, kind: str):
+    """Where a search (of outputs.KINDS's `kind`) is built: its directory; with --predict-time,
+    where nothing is to be written, a temporary copy of what the directory holds of such a search
+    begun (its runs left are timed; settings it would refuse are refused), or an empty one."""
+    import shutil
     import tempfile
     from pathlib import Path
 
-    if not predicting or Path(out_dir).exists():
+    from scaletrain.outputs import check_output_dir, kind_of
+
+    if not predicting:
         yield Path(out_dir)
         return
+    check_output_dir(out_dir, kind)
     with tempfile.TemporaryDirectory(prefix="scaletrain-search-") as scratch:
-        yield Path(scratch) / "search"
+        copy = Path(scratch) / "search"
+        copy.mkdir()
+        if kind_of(out_dir) == kind:  # (its plan and results: no run's directory is needed)
+            for path in Path(out_dir).iterdir():
+                if path.is_file() and path.suffix in (".json", ".csv"):
+                    shutil.copy2(path, copy / path.name)
+        yield copy
 
 
-def _predict_search_time(search, what: str, concurrency: int) -> int:
+def _predict_search_time(search, what: str, concurrency: int, where) -> int:
     """A search's --predict-time: time the shapes of its runs left here, print their FLOPs and
-    predicted wall-clock; train nothing."""
+    predicted wall-clock; train nothing. `where`: the search's own directory."""
     import tempfile
     from pathlib import Path
 
     from scaletrain.sweep import worker_pool
 
-    console.print(f"timing the {what}'s shapes here, {concurrency} at once …")
+    left = len(search.todo())
+    if not left:
+        out.print(f"the {what} in {where} has trained every run; nothing left to time")
+        return 0
+    workers = min(concurrency, left)  # (as run() trains them: no more at once than there are)
+    console.print(f"timing the {what}'s shapes here, {workers} at once …")
     logging.getLogger("scaletrain").setLevel(logging.WARNING)  # (the timing runs' own logs)
-    pool = worker_pool(concurrency, search.settings.device) if concurrency > 1 else None
+    pool = worker_pool(workers, search.settings.device) if workers > 1 else None
     try:
         with tempfile.TemporaryDirectory(prefix="scaletrain-timing-") as scratch:
-            predicted = search.predict_seconds(Path(scratch), concurrency, pool)
+            predicted = search.predict_seconds(Path(scratch), workers, pool)
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-    if not predicted["runs"]:
-        out.print(f"the {what} in {search.out} has trained every run; nothing left to time")
-        return 0
     speed, seconds = predicted["speed"], predicted["seconds"]
     out.print(f"predicted: {seconds:.0f} s ({seconds / 3600:.2f} h) for the {predicted['runs']} runs left of "
-              f"{len(search.keys())}, {predicted['flops']:.3g} FLOPs, {concurrency} at once, at "
+              f"{len(search.keys())}, {predicted['flops']:.3g} FLOPs, {workers} at once, at "
               f"{', '.join(f'{r:.3g}' for r in speed['flops_per_s'])} FLOP/s per run measured for N = "
               f"{', '.join(f'{n:,.0f}' for n in speed['n'])}; nothing trained", highlight=False)
     return 0
@@ -871,7 +901,7 @@ def cmd_hparams(args: argparse.Namespace) -> int:
         if budget <= max(settings.budgets):
             raise UserError(f"--check {budget:.3g}: check the law beyond the budgets it is measured at (above "
                             f"{max(settings.budgets):.3g}); within them the grid's runs already tell")
-    with _search_dir(out_dir, args.predict_time) as where:
+    with _search_dir(out_dir, args.predict_time, HparamSearch.kind) as where:
         search = HparamSearch(where, settings)
         for budget in settings.budgets:
             at = [p for p in search.points.values() if p.budget == budget]
@@ -880,7 +910,7 @@ def cmd_hparams(args: argparse.Namespace) -> int:
                       f"{', '.join(str(b) for b in sorted({p.batch_seqs for p in at}))} x {settings.seq_len} tokens",
                       highlight=False)
         if args.predict_time:
-            return _predict_search_time(search, "hyperparameter search", args.concurrency)
+            return _predict_search_time(search, "hyperparameter search", args.concurrency, out_dir)
     with _searching("hparams", len(search.points), len(search.planned_results())) as show:
         rows = search.run(progress=show, concurrency=args.concurrency)
     law, optima, boot = search.fit(rows, samples=args.bootstrap)
@@ -968,7 +998,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     proxy = proxy_data(cfg)["model"]  # a config muP cannot narrow is refused before anything trains
     lrs = args.lrs or list(DEFAULT_LRS)
-    check_output_file(args.write_config, "--write-config")  # (before training: not after it)
+    _check_written_config(args.write_config, "--write-config", args.config)  # (before training: not after it)
     out_dir = Path(args.out) if args.out else Path("runs") / f"{cfg.run.name}-tune"
     shape = f"width {proxy['dim']}, {proxy['n_layers']} blocks"
     at_once = f", {args.concurrency} at a time" if args.concurrency > 1 else ""
@@ -1056,6 +1086,24 @@ def _backtest(rows: list[dict]) -> str:
     return ", ".join(f"{row['extrapolation']:.1f}x: {row['error']:+.1%}" for row in rows)
 
 
+def _check_fit_out(out_dir, given: bool, points: str | None) -> None:
+    """Refuse, before fitting, a directory for law.json and the plots that is a file, another
+    command's output (a run, data), or — for --points — a sweep, whose own law this fit of other
+    points would replace."""
+    from scaletrain.outputs import kind_of
+
+    flag = "--out" if given else f"--points {points!r}: its folder"
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{flag} {str(out_dir)!r} is a file; give a directory for law.json and the plots")
+    found = kind_of(out_dir)
+    if found not in (None, "sweep"):
+        raise UserError(f"{flag} {str(out_dir)!r} is a {found}; give --out a directory of its own for law.json and "
+                        "the plots")
+    if found == "sweep" and points is not None:
+        raise UserError(f"{flag} {str(out_dir)!r} is a sweep, whose own law.json a fit of these points would "
+                        "replace; give --out a directory of its own for them")
+
+
 def cmd_fit(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
@@ -1069,6 +1117,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
         if args.sweep_dir is not None or args.points is not None:
             raise UserError(f"--preset {args.preset} predicts from a published law, not from fitted points; drop the "
                             "sweep directory and --points, or drop --preset")
+        if args.out is not None:
+            raise UserError(f"--preset {args.preset} writes nothing (--out takes a fitted law and its plots); drop --out")
         law = _chinchilla_preset(args.preset)
         doc, boot, out_dir = {"source": law.source}, [], None
         out.print(f"published law {args.preset}: {law.source}")
@@ -1076,6 +1126,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
         if (args.sweep_dir is None) == (args.points is None):
             raise UserError("give a sweep directory or --points CSV (or --preset NAME to predict from a published law)")
         points_path = Path(args.points) if args.points else Path(args.sweep_dir) / "results.csv"
+        out_dir = Path(args.out) if args.out else points_path.parent
+        _check_fit_out(out_dir, args.out is not None, args.points)  # (before the fit and its bootstrap)
         try:
             points = fitting.read_points(points_path, drop_highest=args.drop_highest)
             doc = fitting.fit_all(points, samples=args.bootstrap, law_min_steps=args.min_steps)
@@ -1087,7 +1139,6 @@ def cmd_fit(args: argparse.Namespace) -> int:
             swept = json.loads(grid.read_text())["settings"]
             doc["data"] = {"path": str(Path(swept["data"]).resolve()), "mix": swept.get("mix")}
         law, boot = fitting.law_of(doc), fitting.bootstrap_laws(doc)
-        out_dir = Path(args.out) if args.out else points_path.parent
         fitted = doc["approach3"]["points"]
         table = Table(title=f"scaling law from {len(points)} points, {doc['budgets']} budgets "
                             f"(95% bootstrap intervals, {len(boot)} resamples)"
@@ -1293,6 +1344,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return _eval_sweep(args)
     if args.metric != "loss":
         raise UserError("--metric chooses what a sweep's points are fitted to; give a sweep directory, or drop it")
+    check_output_file(args.out, "--out", ("jsonl", "json"), makes_folder=True)  # (a JSON line per checkpoint)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         weights_to_evaluate(Path(args.run_dir), args.step, args.every, args.average, args.ema)  # one line, not N
         return _torchrun(args, ["eval", args.run_dir, *args.overrides, *(f"--step={step}" for step in args.step or []),
@@ -1332,6 +1384,7 @@ def _eval_sweep(args: argparse.Namespace) -> int:
     if not args.out:
         raise UserError(f"{args.run_dir!r} is a sweep: give --out FILE.csv for its points, to fit with `scaletrain "
                         "fit --points FILE.csv`")
+    check_output_file(args.out, "--out", ("csv",), makes_folder=True)
     rows = evaluate_sweep(args.run_dir, args.out, data=args.data, tasks=args.tasks, overrides=args.overrides,
                           metric=args.metric)
     table = Table(title=f"sweep {args.run_dir} on {args.data or 'its own data'}: {args.metric}")
@@ -1701,7 +1754,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train one more proxy on the chosen mixture and set its target loss against the prediction")
     p.add_argument("--out", default=None, help="search directory (default mixtures/DATA_NAME)")
     p.add_argument("--predict-time", action="store_true",
-                   help="train nothing: time the proxy here (about 2 s, --concurrency at once) and print the search's "
+                   help="train nothing: time the proxy here (a few seconds, --concurrency at once) and print the search's "
                         "FLOPs and predicted wall-clock (of the runs left, where --out holds a search begun)")
     p.set_defaults(func=cmd_mixture)
 
@@ -1731,7 +1784,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap", type=_count, default=200, help="bootstrap resamples for the intervals (200)")
     p.add_argument("--out", default=None, help="search directory (default hparams/DATA_NAME)")
     p.add_argument("--predict-time", action="store_true",
-                   help="train nothing: time three of the grid's shapes here (about 2 s each, --concurrency at once) "
+                   help="train nothing: time three of the grid's shapes here (a few seconds each, --concurrency at once) "
                         "and print its FLOPs and predicted wall-clock (of the runs left, where --out holds a search "
                         "begun)")
     p.set_defaults(func=cmd_hparams)

@@ -27,6 +27,7 @@ from scaletrain.train.schedule import DECAY_SHAPES, lr_at, wsd_decay_start
 
 log = logging.getLogger("scaletrain")
 
+
 def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str | None = None,
                     name: str | None = None, overrides: list[str] = ()) -> RunConfig:
     """The config of a branch of the run in `run_dir` that decays its learning rate over `steps`
@@ -65,11 +66,6 @@ def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str
         raise ConfigError(f"{str(run_dir)!r} trains a {train.schedule!r} schedule, whose learning rate decays from "
                           f"its warmup on ({last:.6g} before step {step}, of its peak train.lr = {train.lr:g}); a "
                           "cooldown branches from the stable stretch of a 'wsd' or 'constant' schedule")
-    if steps > step:  # (trained as asked: a long anneal is a choice, but rarely the intended one)
-        log.warning("a cooldown of %d steps is longer than the %d steps it branches from: its decay is %.0f%% of the "
-                    "branch's steps, where 10-20%% of a run's steps match a cosine schedule of that length (Hägele et "
-                    "al. 2024); give --steps about %d for that", steps, step, 100 * steps / (step + steps),
-                    max(1, round(step * 0.2 / 0.8)))
     if decay_shape is not None and decay_shape not in DECAY_SHAPES:
         raise ConfigError(f"decay shape {decay_shape!r} is not one of {', '.join(DECAY_SHAPES)}")
     data = cfg.model_dump()
@@ -88,6 +84,11 @@ def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str
         for path in branch.data.sources.values():  # (before the branch's config is written)
             read_index(path)
     _check_target(branch, run_dir, step, steps)
+    if steps > step:  # (trained as asked: a long anneal is a choice, but rarely the intended one)
+        log.warning("a cooldown of %d steps is longer than the %d steps it branches from: its decay is %.0f%% of the "
+                    "branch's steps, where 10-20%% of a run's steps match a cosine schedule of that length (Hägele et "
+                    "al. 2024); give --steps about %d for that", steps, step, 100 * steps / (step + steps),
+                    max(1, round(step * 0.2 / 0.8)))
     if complete_checkpoints(branch.run_dir / "checkpoints"):  # a branch stopped and run again: from its own newest
         branch = branch.model_copy(update={"checkpoint": branch.checkpoint.model_copy(update={"resume": "auto"})})
     return branch

@@ -249,7 +249,8 @@ def scale_to_time(plan: SweepPlan, settings: DemoSettings, together: Speed, alon
     final run's, settings.extrapolate times the largest) brings the sweep at speed `together`
     (settings.concurrency runs at once, `alone` for a budget's last points) and the final run
     at speed `alone` within `available` seconds less settings.headroom of them; the smallest
-    scale, with a warning, where none does, and ConfigError where it would take over twice them. The final run is timed at the shape the prior law
+    scale, with a warning, where none does, and ConfigError where it would take over twice
+    that. The final run is timed at the shape the prior law
     would choose; the fitted law's may differ."""
     target = settings.extrapolate * max(plan.settings.budgets)
 
@@ -275,10 +276,12 @@ def scale_to_time(plan: SweepPlan, settings: DemoSettings, together: Speed, alon
                         feasible[-1])
     if sum(times.values()) > 2 * usable:  # (over twice the limit: a typo, or a machine far slower than the budgets)
         limit = (settings.time_limit_s or available) - available + sum(times.values()) / (1 - settings.headroom)
+        left = (f"over twice the {usable:.0f} s the time limit leaves them (less {settings.headroom:.0%} kept free)"
+                if usable > 0 else "and the time limit has passed already")
         raise ConfigError(f"at the speed measured here the sweep and the final run would take {sum(times.values()):.0f} "
-                          f"s even with every budget scaled by {scale:.2f}, the least at which each budget still has a "
-                          f"shape of {plan.settings.min_steps} steps, over twice the {available:.0f} s the time limit "
-                          f"leaves them; give --minutes {math.ceil(limit / 60)} or more (0: no limit)")
+                          f"s even with every budget scaled by {scale:.2f} (the least allowed, {settings.min_scale:g}, "
+                          f"or the least at which each budget still has a shape of {plan.settings.min_steps} steps), "
+                          f"{left}; give --minutes {math.ceil(limit / 60)} or more (0: no limit)")
     if sum(times.values()) > usable:
         log.warning("the time limit cannot be kept: at the speed measured here the sweep and the final run would "
                     "take %.0f s even with every budget scaled by %.2f, the least at which each budget still has a "

@@ -120,12 +120,16 @@ def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
     job = {
         "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
         "spec": {
-            # With the shared claim, a failed pod (its node lost, or its torchrun out of restarts) is
-            # replaced under the same name and the job resumes from the claim's checkpoints; up to
-            # max_restarts times a pod (a lost rendezvous host fails every pod). Without it, a
-            # replaced pod would find none of its checkpoints: the job fails instead.
+            # With the shared claim, a failed pod (its torchrun out of restarts, its node lost) is
+            # replaced under the same hostname and the job resumes from the claim's checkpoints, up
+            # to max_restarts times an index (Kubernetes >= 1.29), the job failing with the first
+            # index past that; a pod evicted or preempted (DisruptionTarget) counts against none.
+            # Without the claim a replaced pod would find none of its checkpoints: the job fails.
             "completionMode": "Indexed", "completions": nodes, "parallelism": nodes,
-            "backoffLimit": max_restarts * nodes if claim else 0,
+            **({"backoffLimitPerIndex": max_restarts, "maxFailedIndexes": 0,
+                "podFailurePolicy": {"rules": [{"action": "Ignore",
+                                                "onPodConditions": [{"type": "DisruptionTarget"}]}]}}
+               if claim else {"backoffLimit": 0}),
             "template": {
                 "metadata": {"labels": {"job-name": name}},
                 "spec": {

@@ -53,8 +53,8 @@ class ProxyRuns:
 
     def point_of(self, key):
         """The scaling.grid.Point that the run of `key` trains (its shape, steps and batch), for
-        predict_seconds; None where the search cannot say."""
-        return None
+        predict_seconds."""
+        raise NotImplementedError(f"a {type(self).__name__} does not predict its time")
 
     def mix_of(self, key) -> dict[str, float] | None:
         """The mixture the run of `key` trains on (run_overrides' `mix`), None for one directory."""

@@ -42,6 +42,7 @@ from scaletrain.model.moe import balance_tally, forget_counts, set_balance_weigh
 from scaletrain.plan.memory import choose_recompute
 from scaletrain.plan.search import describe
 from scaletrain.plan.timing import PlanLayout
+from scaletrain.outputs import kind_of
 from scaletrain.train import checkpoint, noise
 from scaletrain.train.float8 import check_float8, convert_to_float8
 from scaletrain.train.init_from import init_source, starts_fresh
@@ -485,7 +486,12 @@ class Trainer:
                               f"the {total / 1e9:,.1f} GB of {what}; choose a smaller model (model.dim, model.n_layers)")
 
     def _check_run_dir(self) -> None:
-        """A run directory holds one run: refuse to continue it with another model, data or seed."""
+        """A run directory holds one run: refuse another command's output (data, a sweep: training
+        would write into it), and to continue a run with another model, data or seed."""
+        found = kind_of(self.run_dir)
+        if found not in (None, "run directory"):
+            raise ConfigError(f"run directory {str(self.run_dir)!r} (run.dir/run.name) is a {found}, which training "
+                              "would write into; choose another run.name or run.dir")
         if not checkpoint.committed_checkpoints(self.ckpt_root):
             return
         if self.cfg.checkpoint.resume == "never":
