@@ -339,6 +339,9 @@ def test_what_other_commands_wrote_is_not_written_over(trained_run, stdlib_data,
         (["eval", str(trained_run), "--out", str(tmp_path / "evals.toml")], "a .toml file cannot be written here"),
         (["launch", "slurm", tiny, "--nodes", "1", "--gpus-per-node", "1", "--out", str(tmp_path / "job.toml")],
          "a .toml file cannot be written here; give a name ending in one of .sh, .sbatch, .slurm"),
+        # a run resumed with another shape on two processes: one line before torchrun, not one a rank
+        (["train", str(trained_run / "config.toml"), "model.dim=128", "--nproc", "2"],
+         "holds checkpoints of a different run (model.dim 64 then, 128 now"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

@@ -57,7 +57,11 @@ def test_resolved_config_round_trips_through_toml():
     (["train.steps=10", "eval.tasks=['a/test.jsonl', 'b/test.jsonl']"], ["more than one task 'test'"]),
     (["train.steps=10", "checkpoint.interval=300", "checkpoint.keep_every=1000"],
      ["checkpoint.keep_every = 1000 is not a multiple of checkpoint.interval = 300"]),
-    (["train.steps=10", "checkpoint.interval=often"], ["checkpoint.interval", "valid integer", "should be 'auto'"]),
+    (["train.steps=10", "checkpoint.interval=often"], ["checkpoint.interval = 'often'", "valid integer", "or be 'auto'"]),
+    (["train.steps=10", "checkpoint.init_from=runs/a", "checkpoint.resume=runs/b/checkpoints/step_0000004"],
+     ["continues a run from its checkpoint, and checkpoint.init_from = 'runs/a' starts a new run from one"]),
+    (["train.steps=10", "checkpoint.interval=-1"],  # (one key, not pydantic's tags of the union's members)
+     ["checkpoint.interval = -1: Input should be greater than or equal to 0, or be 'auto'"]),
     (["train.steps=10", "checkpoint.interval=auto", "checkpoint.failures_per_device_hour=-1"],
      ["checkpoint.failures_per_device_hour", "greater than or equal to 0"]),
     (["train.steps=10", "train.batch_ramp=[[4096, 100], [8192, 50]]"],

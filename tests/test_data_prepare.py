@@ -333,3 +333,14 @@ def test_token_bytes_of_a_sentencepiece_style_tokenizer_count_its_spaces_and_byt
     counts = token_bytes(tokenizer, 300)
     assert counts[ids].sum() == len(text.encode()) + 1
     assert counts[tokenizer.token_to_id("</s>")] == 0 and counts[tokenizer.token_to_id("<0x0A>")] == 1
+
+
+def test_a_vocabulary_larger_than_the_text_can_fill_is_the_tokenizers(tmp_path):
+    """The data's vocabulary is what the tokenizer learned, not what was asked: a model built on it
+    gets no embedding rows that no token can reach."""
+    write_corpus(tmp_path / "corpus")
+    result = prepare([str(tmp_path / "corpus")], tmp_path / "data", 5000)
+    learned = Tokenizer.from_file(str(tmp_path / "data" / "tokenizer.json")).get_vocab_size()
+    assert learned < 5000 and read_index(tmp_path / "data")["vocab_size"] == learned
+    assert any(f"learned {learned:,} of the 5,000 ids asked for" in warning and f"vocabulary is {learned:,}" in warning
+               for warning in result.warnings)

@@ -165,6 +165,18 @@ def test_a_missing_data_directory_is_refused(tmp_path):
         TokenLoader(tmp_path / "nope", 16, 1, 1)
 
 
+def test_a_damaged_index_is_refused_in_one_sentence(data_dir, tmp_path):
+    import json
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(data_dir, damaged)
+    index = json.loads((damaged / "index.json").read_text())
+    (damaged / "index.json").write_text(json.dumps({**index, "dtype": "float99"}))
+    with pytest.raises(DataError, match="is damaged \\(its dtype 'float99'.*; prepare the data directory again"):
+        TokenLoader(damaged, 16, 1, 1)
+
+
 @pytest.fixture
 def two_sources(tmp_path):
     """Source 'low' holds ids 1..999, source 'high' ids 2000..2999: every row tells where it came from."""

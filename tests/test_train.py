@@ -498,6 +498,12 @@ def test_resume_from_an_explicit_checkpoint_path(stdlib_data, tmp_path):
     # A complete newer checkpoint is a history: going back to step 2 over it is refused.
     with pytest.raises(ConfigError, match="older than checkpoints already in .*step_0000004, step_0000003.*new run.name"):
         Trainer(cfg).resume()
+    # A checkpoint of another model: said in the run's words, not torch's size mismatch.
+    other = tiny_config(stdlib_data, tmp_path / "third", "train.steps=4", "model.dim=32", "model.n_heads=2",
+                        "model.n_kv_heads=1", f"checkpoint.resume={first / 'checkpoints' / 'step_0000002'}")
+    with pytest.raises(ConfigError, match=r"step_0000002' is of another run \(model.dim 64 then, 32 now.*; resume it "
+                                          r"with that run's settings, or start from its weights with checkpoint.init_from"):
+        Trainer(other).resume()
 
 
 @pytest.fixture(scope="module")

@@ -83,7 +83,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
                          seed=args.seed, workers=args.workers, progress=progress, filters=args.filters,
                          dedup=not args.no_dedup, minhash=(args.minhash_bands, args.minhash_rows, args.minhash_ngram),
                          decontaminate=args.decontaminate, keep_rejects=args.keep_rejects,
-                         chunk_bytes=args.chunk_bytes or DEFAULT_CHUNK_BYTES, kind=args.kind,
+                         chunk_bytes=DEFAULT_CHUNK_BYTES if args.chunk_bytes is None else args.chunk_bytes, kind=args.kind,
                          val_overlap=not args.no_val_overlap, overwrite=args.overwrite)
     if result.resumed_chunks:
         console.print(f"resumed an interrupted prepare: {result.resumed_chunks} chunks were already curated")
@@ -155,13 +155,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if (args.nproc > 1 or args.max_restarts) and "WORLD_SIZE" not in os.environ:  # (one process restarted too)
         from scaletrain.parallel.layout import check_layout, resolve_layout
-        from scaletrain.train.trainer import resolve
+        from scaletrain.train.trainer import check_run_dir, resolve
 
         resolved = resolve(cfg)  # a layout that cannot work is one line here, not N tracebacks there
         check_layout(resolve_layout(resolved.parallel, args.nproc), resolved)
         from scaletrain.train.init_from import init_source
 
         init_source(resolved)  # a model or checkpoint that does not fit the run, likewise
+        check_run_dir(resolved, warn=False)  # and a run directory it cannot resume (another shape, data)
         return _torchrun(args, ["train", args.config, *args.overrides,
                                 *([f"--stop-at-step={args.stop_at_step}"] if args.stop_at_step is not None else [])])
     try:
@@ -789,7 +790,7 @@ def _small_runs(p: argparse.ArgumentParser, run: str, runs: str, sizing: str, mi
     p.add_argument("--prior", default="epoch", choices=["epoch", "hoffmann"], help=f"published law that {sizing}")
     p.add_argument("--eval-tokens", type=_count, default=16384, help=f"validation tokens of each source per {run} (16384)")
     p.add_argument("--min-steps", type=int, default=min_steps, help=min_steps_help)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_how_many, default=0)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
                    help=f"train.optimizer of every {run} (adamw): measure with the optimizer you will train with")
@@ -1058,6 +1059,7 @@ _workers = _number(int, "a whole number", lambda v: 1 <= v <= 4 * _CORES,
                    "cores)")
 _amount = _number(float, "a number", lambda v: 0 <= v < float("inf"), "zero or positive")
 _lr = _number(float, "a learning rate (e.g. 3e-3)", lambda v: 0 < v < float("inf"), "positive")
+_pue = _number(float, "a number", lambda v: 1 <= v < float("inf"), "at least 1 (the devices' own power is 1)")
 
 
 def _chinchilla_preset(name: str):
@@ -1571,7 +1573,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default="text", help="field of .jsonl / column of .parquet holding the text")
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
     p.add_argument("--val-fraction", type=float, default=0.005, help="fraction of documents held out (0.005)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the validation split")
+    p.add_argument("--seed", type=_how_many, default=0, help="seed of the validation split")
     p.add_argument("--workers", type=int, default=None, help="processes that curate and tokenize (default: all cores)")
     p.add_argument("--filters", default="default",
                    help="curation: 'default' (normalise, quality and repetition filters), 'none', or a TOML file")
@@ -1597,7 +1599,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = data.add_parser("stats", help="summarise a prepared data directory and plot its document lengths")
     p.add_argument("data_dir", help="a directory written by `scaletrain data prepare`")
-    p.add_argument("--top", type=int, default=20, help="how many of the most frequent tokens to list")
+    p.add_argument("--top", type=_count, default=20, help="how many of the most frequent tokens to list")
     p.add_argument("--plot", default=None, help="where to write the length histogram (default DIR/lengths.png)")
     p.set_defaults(func=cmd_data_stats)
 
@@ -1691,7 +1693,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None,
                    help="run.name of the written config (default: the --write-config file's name without .toml)")
     p.add_argument("--price", type=_amount, default=None, help="price of a device-hour, for the cost")
-    p.add_argument("--pue", type=_flops, default=1.2, help="power usage effectiveness of the data centre (1.2)")
+    p.add_argument("--pue", type=_pue, default=1.2, help="power usage effectiveness of the data centre (1.2)")
     p.add_argument("--watts", type=_amount, default=None, help="power per device (default: its maximum board power)")
     p.add_argument("--failure-rate", type=_amount, default=LLAMA3_FAILURES_PER_DEVICE_HOUR,
                    help="failures per device-hour (default: Llama 3's, one per ~50,700; 0: none)")
@@ -1837,7 +1839,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "predict the optimum at a budget beyond the sweep, train it and print "
                                         "predicted against actual loss.")
     p.add_argument("--out", default="demo", help="directory for data, sweep and runs (default demo/)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sweep's points and the final run (0)")
+    p.add_argument("--seed", type=_how_many, default=0, help="seed of the sweep's points and the final run (0)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda runs the larger version (budgets 3e14-3e15 FLOPs, final run 3e16)")
     p.add_argument("--minutes", type=float, default=None,

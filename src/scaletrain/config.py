@@ -479,6 +479,13 @@ class CheckpointConfig(_Section):
     """With init_from naming a scaletrain checkpoint: also take its optimizer state (AdamW's moments, Muon's momentum; the same train.optimizer), so that the next stage continues without the jolt of fresh moments; false: start the optimizer afresh (then warm the learning rate up again)."""
 
     @model_validator(mode="after")
+    def _check_one_start(self) -> CheckpointConfig:
+        if self.init_from is not None and self.resume not in ("auto", "never"):
+            raise ValueError(f"checkpoint.resume = {self.resume!r} continues a run from its checkpoint, and "
+                             f"checkpoint.init_from = {self.init_from!r} starts a new run from one: give only one")
+        return self
+
+    @model_validator(mode="after")
     def _check_keep_every(self) -> CheckpointConfig:
         if self.interval == "auto":  # (which also saves at every multiple of keep_every)
             return self
@@ -746,11 +753,23 @@ def validate_config(data: dict[str, Any], source: str = "config") -> RunConfig:
         raise ConfigError(_describe(e, source)) from None
 
 
+_UNION_TAGS = {"int", "str", "float", "bool", "list", "dict", "none"}
+
+
 def _describe(error: ValidationError, source: str) -> str:
     lines = []
+    unions: dict[str, int] = {}  # key -> its line, for the other members of a union (interval: int | "auto")
     for item in error.errors():
-        key = ".".join(str(p) for p in item["loc"])
+        # (a union's members appear in loc as tags: constrained-int, literal['auto']; the key is without them)
+        parts = [p for p in item["loc"] if not isinstance(p, str) or (p.isidentifier() and p not in _UNION_TAGS)]
+        tagged = len(parts) < len(item["loc"])
+        key = ".".join(str(p) for p in parts)
         msg = item["msg"].removeprefix("Value error, ")
+        if tagged and key in unions:
+            lines[unions[key]] += ", or " + msg.removeprefix("Input should ")
+            continue
+        if tagged:
+            unions[key] = len(lines)
         if item["type"] == "extra_forbidden":
             section = item["loc"][0] if len(item["loc"]) > 1 else None
             valid = _valid_keys(section)

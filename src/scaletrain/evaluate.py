@@ -33,7 +33,11 @@ TRAIN = {"device": "auto", "compile": False, "float8": False}
 
 def run_config_data(run_dir: Path) -> dict:
     """The TOML data of the config a run directory was trained with."""
-    return tomllib.loads(run_config_file(run_dir).read_text())
+    path = run_config_file(run_dir)
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
 
 
 def weights_to_evaluate(source: Path, steps: list[int] | None = None, every: bool = False,

@@ -241,9 +241,10 @@ def _run_passes(pool, files, text_field, max_bytes, stats: ReadStats, settings: 
         shutil.copyfile(tokenizer_file, out / "tokenizer.json")
         tok = load_tokenizer(out / "tokenizer.json")
         learned = tokenizer_vocab_size(tok)
-        if learned < vocab_size:
-            warnings.append(f"the tokenizer learned {learned} of the {vocab_size} ids asked for: the text has "
-                            f"too few distinct byte pairs to merge; the data keeps vocab_size {vocab_size}")
+        if learned < vocab_size:  # (the data's vocabulary is what the tokenizer has: a model needs no more rows)
+            warnings.append(f"the tokenizer learned {learned:,} of the {vocab_size:,} ids asked for: the text has "
+                            f"too few distinct byte pairs to merge; the data's vocabulary is {learned:,}")
+            vocab_size = learned
     else:
         (out / "tokenizer.json").write_bytes(tokenizer_bytes)
         tok = given

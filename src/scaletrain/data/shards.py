@@ -110,8 +110,11 @@ def read_index(data_dir: str | Path) -> dict:
     if index.get("version") != INDEX_VERSION:
         raise DataError(f"{path} has version {index.get('version')!r}, this scaletrain reads {INDEX_VERSION}; "
                         "prepare the data directory again")
+    if index.get("dtype") not in ("uint16", "uint32") or not isinstance(index.get("vocab_size"), int) \
+            or not isinstance(index.get("splits"), dict):
+        raise DataError(f"{path} is damaged (its dtype {index.get('dtype')!r}, vocab_size {index.get('vocab_size')!r} "
+                        "or splits are not what data prepare writes); prepare the data directory again")
     return index
-
 
 
 def read_indexes(sources: dict[str, Path]) -> dict[str, dict]:
@@ -126,6 +129,7 @@ def read_indexes(sources: dict[str, Path]) -> dict[str, dict]:
         raise DataError(f"the data directories {', '.join(map(str, sources.values()))} have different tokenizers; "
                         "prepare them with one (`data prepare --tokenizer DIR/tokenizer.json`)")
     return indexes
+
 
 @dataclass
 class TokenSplit:

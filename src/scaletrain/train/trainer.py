@@ -486,40 +486,7 @@ class Trainer:
                               f"the {total / 1e9:,.1f} GB of {what}; choose a smaller model (model.dim, model.n_layers)")
 
     def _check_run_dir(self) -> None:
-        """A run directory holds one run: refuse another command's output (data, a sweep: training
-        would write into it), and to continue a run with another model, data or seed."""
-        found = kind_of(self.run_dir)
-        if found not in (None, "run directory"):
-            raise ConfigError(f"run directory {str(self.run_dir)!r} (run.dir/run.name) is a {found}, which training "
-                              "would write into; choose another run.name or run.dir")
-        if not checkpoint.committed_checkpoints(self.ckpt_root):
-            return
-        if self.cfg.checkpoint.resume == "never":
-            raise ConfigError(f"run directory {str(self.run_dir)!r} already holds checkpoints and checkpoint.resume "
-                              "= 'never'; choose a new run.name, delete them, or resume with checkpoint.resume = 'auto'")
-        saved_tokenizer = self.run_dir / "tokenizer.json"
-        data_tokenizer = next(iter(self.cfg.data.sources.values())) / "tokenizer.json"
-        if (saved_tokenizer.is_file() and data_tokenizer.is_file()
-                and saved_tokenizer.read_bytes() != data_tokenizer.read_bytes()):
-            raise ConfigError(f"data.path = {self.cfg.data.path!r} has another tokenizer than the run in "
-                              f"{str(self.run_dir)!r} was trained with; resume on the run's own data, "
-                              "or choose a new run.name")
-        saved = self.run_dir / "config.toml"
-        if not saved.is_file():
-            return
-        before, now = _flatten(load_config(saved).model_dump()), _flatten(self.cfg.model_dump())
-        changed = {key: (before.get(key), now.get(key)) for key in sorted(set(before) | set(now))
-                   if before.get(key) != now.get(key)}
-        fixed = [key for key in changed
-                 if key.startswith("model.") or key in ("data.seq_len", "run.seed", "train.optimizer")]
-        if fixed:
-            diffs = ", ".join(f"{key} {changed[key][0]} then, {changed[key][1]} now" for key in fixed)
-            raise ConfigError(f"run directory {str(self.run_dir)!r} holds checkpoints of a different run ({diffs}); "
-                              "choose a new run.name to start a new run")
-        others = [key for key in changed if not key.startswith(("run.", "checkpoint.resume"))]
-        if others:
-            log.warning("resuming %s with changed settings: %s", self.run_dir,
-                        ", ".join(f"{key} {changed[key][0]} -> {changed[key][1]}" for key in others))
+        check_run_dir(self.cfg)
 
     # -- state ------------------------------------------------------------------------------
 
@@ -730,6 +697,10 @@ class Trainer:
                 hint = " (a run directory: its newest is resumed with 'auto')" if (path / "checkpoints").is_dir() else ""
                 raise ConfigError(f"checkpoint.resume = {choice!r} is not a checkpoint directory{hint}; give one "
                                   "(…/checkpoints/step_NNNNNNN), 'auto' or 'never'")
+            saved = path.parent.parent / "config.toml"  # (the run the checkpoint is of, where it lies in one)
+            if path.parent.name == "checkpoints" and saved.is_file() and (fixed := _changes(saved, self.cfg)[1]):
+                raise ConfigError(f"checkpoint.resume = {choice!r} is of another run ({fixed}); resume it with that "
+                                  "run's settings, or start from its weights with checkpoint.init_from")
             checkpoint.load(path, state, self.optional())
             # A leftover of an interrupted save is no history (the next save of its step replaces it).
             newer = [p.name for p in checkpoint.complete_checkpoints(self.ckpt_root)
@@ -1572,6 +1543,54 @@ def _sum_over_ranks(values: list[float]) -> list[float]:
 
 def _flatten(config: dict) -> dict:
     return {f"{section}.{key}": value for section, values in config.items() for key, value in values.items()}
+
+
+def _changes(saved: Path, cfg: RunConfig) -> tuple[dict, str]:
+    """What `cfg` changes of the config a run saved ({key: (then, now)}), and of that, what a
+    resume cannot take (the model, data.seq_len, run.seed, train.optimizer: its checkpoints'
+    shapes and data order), said as "key A then, B now, ..." ("" for nothing)."""
+    before, now = _flatten(load_config(saved).model_dump()), _flatten(cfg.model_dump())
+    changed = {key: (before.get(key), now.get(key)) for key in sorted(set(before) | set(now))
+               if before.get(key) != now.get(key)}
+    fixed = [key for key in changed
+             if key.startswith("model.") or key in ("data.seq_len", "run.seed", "train.optimizer")]
+    return changed, ", ".join(f"{key} {changed[key][0]} then, {changed[key][1]} now" for key in fixed)
+
+
+def check_run_dir(cfg: RunConfig, warn: bool = True) -> None:
+    """A run directory holds one run: refuse another command's output (data, a sweep: training
+    would write into it), and to continue a run with another model, data or seed (`cfg`
+    resolved; `warn`: log the settings a resume changes). ConfigError in one sentence; train
+    --nproc asks before it starts any process."""
+    run_dir = cfg.run_dir
+    ckpt_root = run_dir / "checkpoints"
+    found = kind_of(run_dir)
+    if found not in (None, "run directory"):
+        raise ConfigError(f"run directory {str(run_dir)!r} (run.dir/run.name) is a {found}, which training "
+                          "would write into; choose another run.name or run.dir")
+    if not checkpoint.committed_checkpoints(ckpt_root):
+        return
+    if cfg.checkpoint.resume == "never":
+        raise ConfigError(f"run directory {str(run_dir)!r} already holds checkpoints and checkpoint.resume "
+                          "= 'never'; choose a new run.name, delete them, or resume with checkpoint.resume = 'auto'")
+    saved_tokenizer = run_dir / "tokenizer.json"
+    data_tokenizer = next(iter(cfg.data.sources.values())) / "tokenizer.json"
+    if (saved_tokenizer.is_file() and data_tokenizer.is_file()
+            and saved_tokenizer.read_bytes() != data_tokenizer.read_bytes()):
+        raise ConfigError(f"data.path = {cfg.data.path!r} has another tokenizer than the run in "
+                          f"{str(run_dir)!r} was trained with; resume on the run's own data, "
+                          "or choose a new run.name")
+    saved = run_dir / "config.toml"
+    if not saved.is_file():
+        return
+    changed, fixed = _changes(saved, cfg)
+    if fixed:
+        raise ConfigError(f"run directory {str(run_dir)!r} holds checkpoints of a different run ({fixed}); "
+                          "choose a new run.name to start a new run")
+    others = [key for key in changed if not key.startswith(("run.", "checkpoint.resume"))]
+    if others and warn:
+        log.warning("resuming %s with changed settings: %s", run_dir,
+                    ", ".join(f"{key} {changed[key][0]} -> {changed[key][1]}" for key in others))
 
 
 def train(cfg: RunConfig, stop_at_step: int | None = None, launched: float | None = None) -> TrainResult:
