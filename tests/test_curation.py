@@ -20,7 +20,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest import ROOT, run_cli
-from scaletrain.data import prepare
+from scaletrain.data import DataError, prepare
 from scaletrain.data.dedup import Decontaminator, DedupIndex, MinHasher, exact_key
 from scaletrain.data.shards import open_split
 
@@ -189,6 +189,13 @@ def test_bad_inputs_are_counted_drops_never_a_crash(tmp_path):
     assert dropped["gopher_quality:too_few_words"] >= 1  # the enormous line is one "word"
     assert dropped["code:max_line_length"] == 1  # the minified script
     assert stats["documents"]["kept"] >= 3
+
+
+def test_a_prepare_whose_curation_keeps_nothing_leaves_nothing(tmp_path):
+    (tmp_path / "short.jsonl").write_text('{"text": "x"}\n{"text": "y y"}\n')
+    with pytest.raises(DataError, match="curation removed every document .*too_few_words.*; loosen the filters"):
+        prepare([str(tmp_path / "short.jsonl")], tmp_path / "data", vocab_size=300, workers=1)
+    assert not (tmp_path / "data").exists()  # (it made it: nothing to resume, nothing to keep)
 
 
 def test_an_interrupted_prepare_resumes_from_its_finished_chunks(tmp_path):

@@ -175,6 +175,11 @@ def test_a_damaged_index_is_refused_in_one_sentence(data_dir, tmp_path):
     (damaged / "index.json").write_text(json.dumps({**index, "dtype": "float99"}))
     with pytest.raises(DataError, match="is damaged \\(its dtype 'float99'.*; prepare the data directory again"):
         TokenLoader(damaged, 16, 1, 1)
+    (damaged / "index.json").unlink()  # (and what an interrupted prepare leaves)
+    (damaged / "work").mkdir()
+    (damaged / "work" / "key").write_text("0" * 64)
+    with pytest.raises(DataError, match="holds a prepare that did not finish; run the same `scaletrain data prepare` "):
+        TokenLoader(damaged, 16, 1, 1)
 
 
 @pytest.fixture

@@ -63,6 +63,10 @@ OUTPUT_FILES = ("manifest.json", "index.json", "stats.json", "tokenizer.json")
 PIPELINE_REASONS = ("decontaminated", "exact_duplicate", "near_duplicate", "val_overlap")
 
 
+class _NothingKept(DataError):
+    """Curation kept no document: the prepare has nothing to resume."""
+
+
 @dataclass
 class PrepareResult:
     out: Path
@@ -171,6 +175,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
         raise DataError(f"no documents to prepare ({reasons}); give sources that contain text" + "".join(hints))
 
     work = out / "work"
+    created = not out.exists()  # (what a prepare that keeps nothing leaves: nothing, if it made out)
     replaced = _replaced(out)
     if replaced and not overwrite and _finished_key(out) != key:
         raise DataError(f"{str(out)!r} holds a finished prepare of other sources or options ({replaced}); give "
@@ -186,10 +191,15 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
 
     # One set of worker processes for passes 1 and 3, started before this process trains the
     # tokenizer: forking after the tokenizers library has run its threads is unsafe.
-    with _pool(workers, settings) as pool:
-        result_stats, warnings, resumed = _run_passes(
-            pool, files, text_field, max_bytes, stats, settings, chunk_bytes, val_fraction, seed, work, out,
-            keep_rejects, given, vocab_size, progress, content_sha256, tokenizer_bytes if given else None)
+    try:
+        with _pool(workers, settings) as pool:
+            result_stats, warnings, resumed = _run_passes(
+                pool, files, text_field, max_bytes, stats, settings, chunk_bytes, val_fraction, seed, work, out,
+                keep_rejects, given, vocab_size, progress, content_sha256, tokenizer_bytes if given else None)
+    except _NothingKept:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
 
     # Last, so that a directory without a manifest is never taken for a complete one.
     _write_json(out / "manifest.json", {
@@ -223,7 +233,7 @@ def _run_passes(pool, files, text_field, max_bytes, stats: ReadStats, settings: 
         raise DataError("the sources changed while they were being prepared; prepare again once they are stable")
     curated = _merge_counts(chunks)
     if curated["kept"] == 0:
-        raise DataError(f"curation removed every document ({_reason_summary(curated['dropped'])}); "
+        raise _NothingKept(f"curation removed every document ({_reason_summary(curated['dropped'])}); "
                         "loosen the filters (--filters FILE.toml, or --filters none)")
     overrides = _split_overrides(chunks, val_fraction)
 

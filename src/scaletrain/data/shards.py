@@ -100,6 +100,9 @@ def read_index(data_dir: str | Path) -> dict:
         raise DataError(f"data directory {str(data_dir)!r} is a file, not a prepared data directory{hint}")
     if not Path(data_dir).is_dir():
         raise DataError(f"data directory {str(data_dir)!r} does not exist; create it with `scaletrain data prepare`")
+    if not path.is_file() and (Path(data_dir) / "work" / "key").is_file():
+        raise DataError(f"{str(data_dir)!r} holds a prepare that did not finish; run the same `scaletrain data "
+                        "prepare` command again to finish it (it resumes)")
     if not path.is_file():
         raise DataError(f"{str(data_dir)!r} has no index.json, so it is not a prepared data directory; "
                         "create it with `scaletrain data prepare`")
