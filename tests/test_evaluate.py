@@ -149,7 +149,8 @@ def test_requests_that_cannot_be_served_are_refused_in_one_sentence(evaluated_ru
     (retokenized / "tokenizer.json").write_text(json.dumps(tokenizer))
     with pytest.raises(ConfigError, match="another tokenizer than the run .*--tokenizer"):
         next(evaluate_run(evaluated_run, data=str(retokenized)))
-    with pytest.raises(ConfigError, match="holds another model: .*model.dim"):
+    with pytest.raises(ConfigError, match=r"model.dim = 32: the checkpoints of .* hold the model of its config "
+                                          r"\(model.dim = 64\); drop the override"):
         next(evaluate_run(evaluated_run, overrides=["model.dim=32"]))
     with pytest.raises(ConfigError, match="eval.tokenz"):
         next(evaluate_run(evaluated_run, overrides=["eval.tokenz=5"]))

@@ -167,6 +167,20 @@ def _vanished(paths: list[Path]) -> bool:
     return bool(gone.item())
 
 
+def _check_shape(run_dir: Path, cfg) -> None:
+    """Refuse overrides of the shape of the model a run's checkpoints hold, in those words (the
+    weights' loading would blame a checkpoint.init_from nobody gave)."""
+    from scaletrain.train.init_from import SHAPES
+
+    before = config_from(run_config_data(run_dir)).model
+    changed = [key for key in SHAPES if getattr(before, key) != getattr(cfg.model, key)]
+    if changed:
+        raise ConfigError(f"{', '.join(f'model.{key} = {getattr(cfg.model, key)}' for key in changed)}: the "
+                          f"checkpoints of {str(run_dir)!r} hold the model of its config "
+                          f"({', '.join(f'model.{key} = {getattr(before, key)}' for key in changed)}); drop the "
+                          "override")
+
+
 def evaluate_run(source: str | Path, steps: list[int] | None = None, every: bool = False, data: str | None = None,
                  tasks: list[str] | None = None, overrides: list[str] = (), average: int = 1,
                  ema: bool = False) -> Iterator[dict]:
@@ -185,6 +199,8 @@ def evaluate_run(source: str | Path, steps: list[int] | None = None, every: bool
     hugging_face = is_hf_model(source)
     with tempfile.TemporaryDirectory(prefix="scaletrain-eval-") as scratch:
         cfg = evaluation_config(source, groups[0][-1], data, tasks, list(overrides), world()[2], Path(scratch))
+        if not hugging_face:
+            _check_shape(source, cfg)
         try:
             trainer = Trainer(cfg)  # (a Hugging Face model's weights load here)
             for paths in groups:
