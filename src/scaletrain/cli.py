@@ -150,6 +150,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)  # a bad config is refused before torch loads
     _check_train_options(args)
+    if args.stop_at_step is not None and args.stop_at_step >= cfg.total_steps and "WORLD_SIZE" not in os.environ:
+        console.print(f"[yellow]warning:[/] --stop-at-step {args.stop_at_step} is not before the run's last step "
+                      f"({cfg.total_steps:,}): it trains to its end", highlight=False, soft_wrap=True)
     from scaletrain.train.metrics import process_started
     from scaletrain.train.trainer import TrainingDiverged, train
 

@@ -239,6 +239,8 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
         raise ExportError(f"average {average}: average at least 1 checkpoint (1: the checkpoint on its own)")
     if max_shard_bytes < 1:
         raise ExportError(f"the largest shard must be at least 1 byte, got {max_shard_bytes}")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{str(out)!r} is a file; give the path of a new directory for the Hugging Face model")
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise ExportError(f"{str(out)!r} already exists and is not an empty directory; give a new path "
                           "(an export never overwrites files)")

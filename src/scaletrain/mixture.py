@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from scaletrain.config import ConfigError, load_config, mix_toml
-from scaletrain.data.shards import DataError, read_indexes
+from scaletrain.data.shards import DataError, read_index, read_indexes
 from scaletrain.scaling.grid import Point, deepseek_hyperparameters, plan_points, shapes_around, warmup_steps
 from scaletrain.scaling.hparams import HyperparameterLaw
 from scaletrain.scaling.laws import ChinchillaLaw, preset
@@ -145,6 +145,11 @@ class MixtureSearch(ProxyRuns):
                                   "is data none of the proxies trains on (rename its directory if it is another)")
             self.validation.append(name)
             checked = {**checked, name: Path(settings.target_data)}
+        if settings.target_data is not None:
+            try:
+                read_index(settings.target_data)
+            except DataError as e:
+                raise ConfigError(f"--target-data {settings.target_data!r}: {e}") from None
         try:
             indexes = read_indexes(checked)
         except DataError as e:

@@ -485,6 +485,9 @@ def read_points(path, drop_highest: int = 0) -> Points:
                          f"name them {', '.join(COLUMNS[k][0] if k in COLUMNS else 'c' for k in missing)}")
 
     def number(row: dict, line: int, name: str) -> float:
+        if row[name] is None:  # (csv fills the columns a short row lacks with None)
+            raise ValueError(f"{str(path)!r} line {line} has fewer values than the header's {len(header)} columns "
+                             f"(none for {name}); give every row a value for each column")
         try:
             return float(row[name])
         except (TypeError, ValueError):
