@@ -270,7 +270,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from scaletrain.launch import k8s_manifest, slurm_script
 
     cfg = load_config(args.config, args.overrides)
-    check_output_file(args.out, "--out", ("sh", "sbatch", "slurm") if args.launcher == "slurm" else ("json", "yaml", "yml"))
+    suffixes = ("sh", "sbatch", "slurm") if args.launcher == "slurm" else ("json", "yaml", "yml")
+    check_output_file(args.out, "--out", suffixes)
     if args.out is not None and Path(args.out).resolve() == Path(args.config).resolve():
         raise UserError(f"--out {args.out!r} is the config given, which it would write over; give another file name")
     if (args.image is not None or args.volume is not None) and args.launcher == "slurm":
