@@ -39,6 +39,12 @@ def proxy_data(cfg: RunConfig) -> dict:
         raise ConfigError("tune transfers the learning rate under muP: set model.mup_base_dim to the width to tune "
                           f"at (e.g. {max(m.head_dim, m.dim // 4)}, a multiple of the head width {m.head_dim}), "
                           f"model.mup_base_layers to the depth (e.g. {max(1, m.n_layers // 4)}), or both")
+    width, depth = m.mup_base_dim or m.dim, m.mup_base_layers or m.n_layers
+    if width > m.dim or depth > m.n_layers or (width, depth) == (m.dim, m.n_layers):
+        raise ConfigError(f"model.mup_base_dim = {m.mup_base_dim} and model.mup_base_layers = {m.mup_base_layers} "
+                          f"make a proxy of width {width} and {depth} blocks, not smaller than the model (width "
+                          f"{m.dim}, {m.n_layers} blocks) in every way and smaller in one; tune trains a small proxy: "
+                          "set them below the model's")
     data = cfg.model_dump(exclude_none=True)
     model = data["model"]
     if m.mup_base_dim is not None:
