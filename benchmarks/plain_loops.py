@@ -168,7 +168,6 @@ def baselines(names: list[str], steps: int, warmup: int, tiny: bool = False) -> 
                 what = "plain Llama: scaletrain's model, whole-model compile, whole-batch loss, fused AdamW"
             out[name] = {"what": what, "sequences": seqs, "seq_len": seq_len,
                          **measure(model, flops, seqs, seq_len, vocab, steps, warmup, device, compile)}
-            model = None
         except Exception as e:  # (out of memory, a compile failure: a row of its own)
             what = "out of memory" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
             out[name] = {"error": f"{what}: {str(e)[:300]}"}

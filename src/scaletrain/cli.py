@@ -253,27 +253,25 @@ def _num(value: float | None) -> str:
 # -- launch -------------------------------------------------------------------------------
 
 
-def _check_written_config(path: str | None, flag: str, source: str | None) -> None:
-    """Refuse, before any work, a config to write that cannot be (check_output_file's reasons,
-    a name not ending in .toml) or that is the config read (`source`), which it would replace."""
+def _check_written_config(path: str | None, flag: str, source: str | None,
+                          suffixes: tuple[str, ...] = ("toml",)) -> None:
+    """Refuse, before any work, a file written from a config that cannot be (check_output_file's
+    reasons, a name not ending in one of `suffixes`) or that is the config read (`source`),
+    which it would replace."""
     from pathlib import Path
 
-    check_output_file(path, flag, ("toml",))
+    check_output_file(path, flag, suffixes)
     if path is not None and source is not None and Path(path).resolve() == Path(source).resolve():
         raise UserError(f"{flag} {path!r} is the config given, which it would write over; give another file name")
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from scaletrain.config import load_config
     from scaletrain.launch import k8s_manifest, slurm_script
 
     cfg = load_config(args.config, args.overrides)
-    suffixes = ("sh", "sbatch", "slurm") if args.launcher == "slurm" else ("json", "yaml", "yml")
-    check_output_file(args.out, "--out", suffixes)
-    if args.out is not None and Path(args.out).resolve() == Path(args.config).resolve():
-        raise UserError(f"--out {args.out!r} is the config given, which it would write over; give another file name")
+    _check_written_config(args.out, "--out", args.config,
+                          ("sh", "sbatch", "slurm") if args.launcher == "slurm" else ("json", "yaml", "yml"))
     if (args.image is not None or args.volume is not None) and args.launcher == "slurm":
         raise UserError("--image and --volume describe the containers of a Kubernetes job; a Slurm script runs the "
                         "scaletrain installed on the nodes, in their shared filesystem: drop them, or write a k8s "
