@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from contextlib import nullcontext
 
@@ -394,13 +395,18 @@ def test_values_out_of_range_are_refused_before_any_work(trained_run, stdlib_dat
 
 
 def test_what_the_probe_found_is_named_in_one_sentence(trained_run, mixture_root, tmp_path, capsys):
-    """A points row shorter than its header, an export onto a file, a missing target domain and
-    --stop-at-step past a run's end: each said as what it is."""
+    """A points row shorter than its header, an export onto a file or of a run without its
+    tokenizer, a missing target domain and --stop-at-step past a run's end: each said as what it is."""
     from scaletrain.cli import main
 
     (tmp_path / "short.csv").write_text("n,c,loss\n1e6,1e15\n2e6,2e15,3\n")
     (tmp_path / "afile").write_text("mine")
+    untokenized = tmp_path / "run"
+    shutil.copytree(trained_run, untokenized)
+    (untokenized / "tokenizer.json").unlink()
     cases = [
+        (["export", str(untokenized), "--out", str(tmp_path / "hf")], "has no tokenizer.json (training copies it "
+                                                                      "there from its data, "),
         (["fit", "--points", str(tmp_path / "short.csv")], "line 2 has fewer values than the header's 3 columns "
                                                           "(none for loss)"),
         (["export", str(trained_run), "--out", str(tmp_path / "afile")], "is a file; give the path of a new directory"),
@@ -411,7 +417,7 @@ def test_what_the_probe_found_is_named_in_one_sentence(trained_run, mixture_root
         assert main(argv) == 2, argv
         err = " ".join(capsys.readouterr().err.split())
         assert message in err and "Traceback" not in err, (argv, err)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "short.csv"] and (tmp_path / "afile").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "run", "short.csv"] and (tmp_path / "afile").read_text() == "mine"
     # (said before the config's data is even looked at: here there is none, and nothing trains)
     assert main(["train", str(ROOT / "configs" / "tiny.toml"), f"data.path={tmp_path / 'none'}", f"run.dir={tmp_path}",
                  "--stop-at-step", "1000"]) == 2

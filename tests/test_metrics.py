@@ -57,8 +57,9 @@ def test_superseded_records_are_kept_on_request_but_an_earlier_run_is_not(tmp_pa
 
 
 def test_a_record_of_the_wrong_shape_is_left_out_with_a_warning(tmp_path, caplog):
-    """A line edited by hand (or written by something else) that parses but is not a record as
-    MetricsLog writes them is left out, once said, instead of failing report and compare."""
+    """A line edited by hand (or written by something else) that is not a record as MetricsLog
+    writes them is left out, once said, instead of failing report and compare; a record torn by a
+    crash is left out without a word."""
     log = MetricsLog(tmp_path / "metrics.jsonl")
     log.write("start", 0, 0)
     for step in (1, 2, 3):
@@ -71,8 +72,11 @@ def test_a_record_of_the_wrong_shape_is_left_out_with_a_warning(tmp_path, caplog
                     {"kind": "train", "step": 6, "tokens": 60, "loss": [6.0]}, {"kind": "train", "step": 7, "tokens": None},
                     {"kind": "train", "step": 8, "tokens": 80, "step_s": "1s"}, [1, 2]):
             f.write(json.dumps(bad) + "\n")
+        f.write('{"kind": "train", "step": 9, "tok\n')  # a record torn by a crash: not said
+        f.write("ok 3 steps done\n")  # (not JSON, nor a torn record)
     with caplog.at_level("WARNING", logger="scaletrain"):
         assert [r["step"] for r in read_metrics(tmp_path, "train")] == [1, 2, 3]
         assert [r["kind"] for r in read_metrics(tmp_path)][-1] == "plan_check"
     assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
-        "6 line(s) are not records this project writes (a field missing or of another type); they were left out"]
+        "7 line(s) are not records this project writes (not JSON, a field missing or of another type); they were "
+        "left out"]

@@ -538,6 +538,18 @@ def test_plan_refuses_bad_input_in_one_sentence(tmp_path, capsys):
         assert stop.value.code == 2 and argv[0] in capsys.readouterr().err
 
 
+def test_tokens_below_one_batch_are_planned_as_one_step_and_said(capsys):
+    assert main(["plan", "--params", "1e8", "--tokens", "1e3", "--json"]) == 0
+    said = capsys.readouterr()
+    plan = json.loads(said.out)
+    assert plan["run"]["steps"] == 1 and plan["tokens"] == plan["hyperparameters"]["global_batch_tokens"] == 32768
+    assert ("--tokens 1e+03 is less than one step's batch of 32,768 tokens: planned as that one step"
+            in " ".join(said.err.split()))
+    assert main(["plan", "--params", "1e8", "--tokens", "1e5", "--json"]) == 0
+    said = capsys.readouterr()
+    assert json.loads(said.out)["run"]["steps"] == 4 and "warning" not in said.err
+
+
 def test_a_planned_config_trains_and_reports_against_its_plan(stdlib_data, tmp_path, capsys):
     """Plan a tiny model for a 'device' described in a file, write its config, train it (on the
     CPU), and report the run against the plan. (Planned multi-device layouts pass train's own

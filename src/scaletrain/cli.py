@@ -417,6 +417,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         plan = make_plan(model, tokens, seq_len, hardware, batch_tokens=batch, base=base, sizing=sizing,
                          keep_layout=args.keep_layout, **common)
+    if args.params is not None and tokens < plan["hyperparameters"]["global_batch_tokens"]:  # (whole steps)
+        console.print(f"[yellow]warning:[/] --tokens {args.tokens:.3g} is less than one step's batch of "
+                      f"{plan['hyperparameters']['global_batch_tokens']:,} tokens: planned as that one step",
+                      highlight=False, soft_wrap=True)
     if law_doc is not None:
         plan["law_warnings"] = _law_warnings(law_doc, plan)
         for warning in plan["law_warnings"]:

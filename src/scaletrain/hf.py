@@ -251,8 +251,9 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
             raise ExportError(f"{str(run_dir)!r} is a mixture of experts no Hugging Face architecture computes "
                               f"({problem})")
     if (Path(run_dir) / "config.toml").is_file() and not tokenizer_json.is_file():
-        raise ConfigError(f"run directory {str(run_dir)!r} has no tokenizer.json; it is copied there when "
-                          "training starts, so this run never trained")
+        source = next(iter(load_config(Path(run_dir) / "config.toml").data.sources.values())) / "tokenizer.json"
+        raise ConfigError(f"run directory {str(run_dir)!r} has no tokenizer.json (training copies it there from "
+                          f"its data, {str(source)!r}); copy the tokenizer the run trained with into it")
 
     import torch
     from safetensors.torch import save_file

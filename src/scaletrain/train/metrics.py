@@ -217,7 +217,8 @@ def read_metrics(run_dir: str | Path, kind: str | None = None, superseded: bool 
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:  # blank, or torn by a crash
+        except json.JSONDecodeError:  # blank, or a record torn by a crash (ended by the next invocation); else not ours
+            damaged += bool(line.strip()) and not line.startswith('{"kind": ')
             continue
         if not _sound(record):  # (edited by hand, or written by something else)
             damaged += 1
@@ -229,7 +230,7 @@ def read_metrics(run_dir: str | Path, kind: str | None = None, superseded: bool 
         records.append(record)
     if damaged and str(path) not in _warned:
         _warned.add(str(path))
-        log.warning("%s: %d line(s) are not records this project writes (a field missing or of another type); "
+        log.warning("%s: %d line(s) are not records this project writes (not JSON, a field missing or of another type); "
                     "they were left out", path, damaged)
     return [r for r in records if kind is None or r["kind"] == kind]
 
