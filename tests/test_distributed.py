@@ -604,3 +604,20 @@ def test_nproc_with_a_layout_that_does_not_fit_is_one_line_before_any_process_st
                      "parallel.dp_shard=3", "--nproc=2")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "1 x 1 x 3 x 1 x 1 = 3, but 2 processes" in result.stderr
+
+
+def test_a_refusal_found_by_the_processes_is_one_line_and_not_restarted(stdlib_data, tmp_path):
+    """A run whose every checkpoint is damaged is found out only by the processes torchrun starts
+    (each loads the checkpoint): said in one line, once, not answered by starting them again
+    (--max-restarts 2) to be refused again, and the checkpoint is left as it was."""
+    common = ["configs/tiny.toml", f"data.path={stdlib_data}", f"run.dir={tmp_path}", "run.name=run",
+              "checkpoint.interval=2", "eval.interval=0"]
+    assert run_cli("train", *common, "train.steps=2").returncode == 0
+    damaged = tmp_path / "run" / "checkpoints" / "step_0000002" / "__0_0.distcp"
+    damaged.write_bytes(b"cut")
+    result = run_cli("train", *common, "train.steps=4", "--nproc=2", "--max-restarts=2")
+    err = " ".join(result.stderr.split())
+    assert result.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert err.count("error: none of the 1 checkpoints in") == 1 and "move them aside to start the run again" in err
+    assert err.count("skipping checkpoint") == 2  # (a rank each, started once)
+    assert damaged.read_bytes() == b"cut"

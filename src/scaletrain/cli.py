@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.logging import RichHandler
@@ -201,8 +205,6 @@ def _check_train_options(args: argparse.Namespace) -> None:
 
 
 def cmd_cooldown(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from scaletrain.cooldown import cooldown_config, mark_branch
 
     _check_train_options(args)  # (before the branch's files are written)
@@ -223,9 +225,13 @@ def _torchrun(args: argparse.Namespace, command_args: list[str]) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
                f"--max-restarts={getattr(args, 'max_restarts', 0)}", "-m", "scaletrain.cli",
                *(["--verbose"] if args.verbose else []), *command_args]
+    # A worker's refusal (bad input found only once it runs: a run whose checkpoints are all
+    # damaged, say) comes back through a file instead of as a failure, which torchrun would answer
+    # by starting every process again, --max-restarts times, to be refused again (see _refused).
+    refusal = Path(tempfile.mkdtemp(prefix="scaletrain-")) / "refusal"
     # Restarted workers must not read stale addresses from the store torchrun shares across
     # attempts (pytorch issues #135712, #167288).
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", REFUSAL_FILE: str(refusal)}
     child = subprocess.Popen(command, env=env)
     # A scheduler's SIGTERM or SIGUSR1 to this process is passed on as SIGTERM (torchrun hands
     # that to the workers, which stop after a step with a checkpoint; SIGUSR1 would end torchrun
@@ -238,12 +244,45 @@ def _torchrun(args: argparse.Namespace, command_args: list[str]) -> int:
 
     previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGUSR1)}
     try:
-        code = child.wait()
+        refused_at = None
+        while True:
+            try:
+                code = child.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if refused_at is None and refusal.exists():
+                    refused_at = time.monotonic()
+                # Ranks that did not refuse may wait on one that did: stopped after a grace.
+                if refused_at is not None and time.monotonic() - refused_at > REFUSAL_GRACE_S:
+                    child.send_signal(signal.SIGTERM)
+                    refused_at = math.inf
+        if refusal.exists():
+            _error(refusal.read_text())
+            return 2
         # torchrun ends with 1 after stopping its workers on a signal; say which signal, as the workers do.
         return 128 + received[0] if received and code else code
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        shutil.rmtree(refusal.parent, ignore_errors=True)
+
+
+REFUSAL_FILE = "SCALETRAIN_REFUSAL_FILE"  # (set for the workers of _torchrun)
+REFUSAL_GRACE_S = 10.0
+
+
+def _refused(message: str) -> int:
+    """Say why a command refused its input, in one line; in a worker of _torchrun, hand the line
+    to the process that started torchrun (the first to refuse is said) and end without failing."""
+    path = os.environ.get(REFUSAL_FILE)
+    if path is None:
+        _error(message)
+        return 2
+    if not os.path.exists(path):  # (written whole, then moved into place: never read half-written)
+        mine = f"{path}.{os.getpid()}"
+        Path(mine).write_text(message)
+        os.replace(mine, path)
+    return 0
 
 
 def _num(value: float | None) -> str:
@@ -258,7 +297,6 @@ def _check_written_config(path: str | None, flag: str, source: str | None,
     """Refuse, before any work, a file written from a config that cannot be (check_output_file's
     reasons, a name not ending in one of `suffixes`) or that is the config read (`source`),
     which it would replace."""
-    from pathlib import Path
 
     check_output_file(path, flag, suffixes)
     if path is not None and source is not None and Path(path).resolve() == Path(source).resolve():
@@ -302,7 +340,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def _hardware(args: argparse.Namespace):
     import json
-    from pathlib import Path
 
     from scaletrain.plan.cost import Prices, Reliability
     from scaletrain.plan.hardware import device, device_from_dict
@@ -332,7 +369,6 @@ def _hardware(args: argparse.Namespace):
 def cmd_plan(args: argparse.Namespace) -> int:
     import dataclasses
     import json
-    from pathlib import Path
 
     from scaletrain.config import load_config
     from scaletrain.plan.planner import Sizing, make_plan, model_for, plan_for_time, size, vocab_of
@@ -494,7 +530,6 @@ def _law_warnings(doc: dict, plan: dict) -> list[str]:
 def _law_file(path: str) -> tuple[dict, object, list]:
     """(the law.json document, its approach-3 law, its bootstrap laws), or a UserError in one line."""
     import json
-    from pathlib import Path
 
     from scaletrain.scaling.fit import bootstrap_laws, law_of
 
@@ -633,8 +668,6 @@ def _utilisation(flops_per_s: float | None, device: str, workers: int) -> str:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from scaletrain.sweep import Sweep, SweepSettings
 
     budgets = sorted(set(args.budgets))
@@ -669,8 +702,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def _predict_sweep_time(settings, concurrency: int) -> int:
     """`sweep --predict-time`: time three of the sweep's shapes here, print its points, FLOPs and
     predicted wall-clock by budget; train nothing."""
-    import tempfile
-    from pathlib import Path
 
     from scaletrain.sweep import SweepPlan, measure_speed, worker_pool
 
@@ -721,8 +752,6 @@ def _weights(text: str) -> dict[str, float]:
 
 
 def cmd_mixture(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from scaletrain.mixture import MAX_EPOCHS, MixtureSearch, MixtureSettings, sources_under
 
     root = Path(args.data)
@@ -813,11 +842,7 @@ def _search_dir(out_dir, predicting: bool, kind: str):
     """Where a search (of outputs.KINDS's `kind`) is built: its directory; with --predict-time,
     where nothing is to be written, a temporary copy of what the directory holds of such a search
     begun (its runs left are timed; settings it would refuse are refused), or an empty one."""
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    from scaletrain.outputs import check_output_dir, kind_of
+    from scaletrain.outputs import kind_of
 
     if not predicting:
         yield Path(out_dir)
@@ -836,8 +861,6 @@ def _search_dir(out_dir, predicting: bool, kind: str):
 def _predict_search_time(search, what: str, concurrency: int, where) -> int:
     """A search's --predict-time: time the shapes of its runs left here, print their FLOPs and
     predicted wall-clock; train nothing. `where`: the search's own directory."""
-    import tempfile
-    from pathlib import Path
 
     from scaletrain.sweep import worker_pool
 
@@ -892,10 +915,6 @@ def _hparams(path: str | None) -> dict | None:
 
 
 def cmd_hparams(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    import math
-
     from scaletrain.hparams import HparamSearch, HparamSettings
     from scaletrain.scaling.hparams import EXTRAPOLATION_WARNING
 
@@ -969,7 +988,6 @@ def cmd_hparams(args: argparse.Namespace) -> int:
 
 def _check_hparams(search, law, budget: float, concurrency: int) -> None:
     """hparams --check: the measured law against DeepSeek's rule at `budget`, a run each."""
-    import math
 
     from scaletrain.hparams import CheckSettings, HparamCheck
 
@@ -997,8 +1015,6 @@ def _check_hparams(search, law, budget: float, concurrency: int) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from scaletrain.config import load_config
     from scaletrain.tune import DEFAULT_LRS, proxy_data, tune, tuned_rates
 
@@ -1114,7 +1130,6 @@ def _check_fit_out(out_dir, given: bool, points: str | None) -> None:
 
 def cmd_fit(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from scaletrain.scaling import fit as fitting
     from scaletrain.scaling.optimal import data_constrained_optimal, inference_optimal, predict
@@ -1287,8 +1302,6 @@ def demo_table(report: dict, concurrency: int, seconds: float) -> Table:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from scaletrain.demo import DemoSettings, run_demo
 
     settings = DemoSettings.gpu() if args.device == "cuda" else DemoSettings(device="cpu")
@@ -1341,7 +1354,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from scaletrain.evaluate import evaluate_run, is_sweep, weights_to_evaluate
 
@@ -2002,13 +2014,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        _error(str(e))
-        return 2
+        return _refused(str(e))
     except OSError as e:  # a path given that cannot be used as asked: said in a sentence, not a traceback
         if e.filename is None:
             raise
-        _error(_path_problem(e))
-        return 2
+        return _refused(_path_problem(e))
     except Stopped as e:
         if int(os.environ.get("RANK", 0)) == 0:  # every rank stops alike: one says so
             console.print(str(e), highlight=False, soft_wrap=True)
