@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -245,6 +246,7 @@ def test_the_time_of_the_runs_left_is_predicted_from_their_shapes_timed_here(sea
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
     assert f"for the {len(search.keys())} runs left of {len(search.keys())}" in text and "2 at once" in text
+    assert re.search(r"2 at once \(its \d+\.\d s of starting worker processes included\)", text)
     assert not list((tmp_path / "new").iterdir()) and "step 1/" not in result.stderr  # (timing runs' logs kept quiet)
     grid = (search.out / "grid.json").read_text()
     result = run_cli(*args[:6], "0.5,1,2,4", *args[7:], "--out", str(search.out))

@@ -702,8 +702,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def _predict_sweep_time(settings, concurrency: int) -> int:
     """`sweep --predict-time`: time three of the sweep's shapes here, print its points, FLOPs and
     predicted wall-clock by budget; train nothing."""
-
-    from scaletrain.sweep import SweepPlan, measure_speed, worker_pool
+    from scaletrain.sweep import SweepPlan, measure_speed
 
     plan = SweepPlan.on_data(settings)
     calls = plan.calls()
@@ -711,7 +710,7 @@ def _predict_sweep_time(settings, concurrency: int) -> int:
     console.print(f"timing {len({shapes[0], shapes[len(shapes) // 2], shapes[-1]})} of the sweep's shapes here, "
                   f"{concurrency} at once …")
     logging.getLogger("scaletrain").setLevel(logging.WARNING)  # (the timing runs' own logs)
-    pool = worker_pool(concurrency, settings.device) if concurrency > 1 else None
+    pool, start_s = _started_pool(concurrency, settings.device)
     try:
         with tempfile.TemporaryDirectory(prefix="scaletrain-timing-") as scratch:
             speed = measure_speed(plan, [shapes[0], shapes[len(shapes) // 2], shapes[-1]], Path(scratch),
@@ -729,9 +728,9 @@ def _predict_sweep_time(settings, concurrency: int) -> int:
         table.add_row(f"{budget:.3g}", ", ".join(point.shape.name for point, _ in points), f"{flops[budget]:.3g}",
                       f"{seconds[budget]:.0f} s")
     out.print(table)
-    total = sum(seconds.values())
+    total = sum(seconds.values()) + start_s
     out.print(f"predicted: {total:.0f} s ({total / 3600:.2f} h) for {sum(flops.values()):.3g} FLOPs (cooldown branches "
-              f"included), at {', '.join(f'{r:.3g}' for r in speed.flops_per_s)} FLOP/s per run measured for N = "
+              f"included){_started(start_s)}, at {', '.join(f'{r:.3g}' for r in speed.flops_per_s)} FLOP/s per run measured for N = "
               f"{', '.join(f'{n:,.0f}' for n in speed.n)}; nothing trained")
     return 0
 
@@ -861,9 +860,6 @@ def _search_dir(out_dir, predicting: bool, kind: str):
 def _predict_search_time(search, what: str, concurrency: int, where) -> int:
     """A search's --predict-time: time the shapes of its runs left here, print their FLOPs and
     predicted wall-clock; train nothing. `where`: the search's own directory."""
-
-    from scaletrain.sweep import worker_pool
-
     left = len(search.todo())
     if not left:
         out.print(f"the {what} in {where} has trained every run; nothing left to time")
@@ -871,19 +867,37 @@ def _predict_search_time(search, what: str, concurrency: int, where) -> int:
     workers = min(concurrency, left)  # (as run() trains them: no more at once than there are)
     console.print(f"timing the {what}'s shapes here, {workers} at once …")
     logging.getLogger("scaletrain").setLevel(logging.WARNING)  # (the timing runs' own logs)
-    pool = worker_pool(workers, search.settings.device) if workers > 1 else None
+    pool, start_s = _started_pool(workers, search.settings.device)
     try:
         with tempfile.TemporaryDirectory(prefix="scaletrain-timing-") as scratch:
             predicted = search.predict_seconds(Path(scratch), workers, pool)
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-    speed, seconds = predicted["speed"], predicted["seconds"]
+    speed, seconds = predicted["speed"], predicted["seconds"] + start_s
     out.print(f"predicted: {seconds:.0f} s ({seconds / 3600:.2f} h) for the {predicted['runs']} runs left of "
-              f"{len(search.keys())}, {predicted['flops']:.3g} FLOPs, {workers} at once, at "
+              f"{len(search.keys())}, {predicted['flops']:.3g} FLOPs, {workers} at once{_started(start_s)}, at "
               f"{', '.join(f'{r:.3g}' for r in speed['flops_per_s'])} FLOP/s per run measured for N = "
               f"{', '.join(f'{n:,.0f}' for n in speed['n'])}; nothing trained", highlight=False)
     return 0
+
+
+def _started_pool(workers: int, device: str):
+    """(sweep.worker_pool of `workers` processes, started as a search starts its own before its
+    first run: the processes up, the trainer imported; the seconds that took), or (None, 0.0)
+    for one worker, which trains in the search's own process."""
+    from scaletrain.sweep import worker_pool
+
+    if workers < 2:
+        return None, 0.0
+    started = time.perf_counter()
+    pool = worker_pool(workers, device)
+    list(pool.map(abs, range(workers)))
+    return pool, time.perf_counter() - started
+
+
+def _started(seconds: float) -> str:
+    return f" (its {seconds:.1f} s of starting worker processes included)" if seconds else ""
 
 
 @contextlib.contextmanager
