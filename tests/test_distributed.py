@@ -439,7 +439,7 @@ def test_fsdp_with_bfloat16_parameters_trains_close_to_float32(layout_runs, refe
     assert max(differences) < 0.05, differences  # bf16 keeps ~3 significant digits
     # And it did compute in bf16: float32 layouts agree within 1e-6; how far bf16 strays depends
     # on the CPU's bf16 matmuls (3e-5 on an AMD EPYC with avx512_bf16, over 1e-4 on others).
-    assert max(differences) > 1e-5, differences
+    assert max(differences) > 4e-6, differences
 
 
 def test_each_rank_reports_the_bytes_it_holds(layout_runs, single_process):
@@ -456,7 +456,7 @@ def test_each_rank_reports_the_bytes_it_holds(layout_runs, single_process):
 
 
 LONG = ["train.steps=60", "checkpoint.interval=1000", "eval.interval=10"]  # long enough to be signalled mid-way
-LONG_END = 24  # the steps of it compared: the signal lands well before, and the schedule is the 60 steps'
+LONG_END = 40  # the steps of it compared: the signal lands well before, and the schedule is the 60 steps'
 
 
 @pytest.fixture(scope="module")
@@ -477,10 +477,11 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_the_cli_resumes_with_t
             f"run.dir={tmp_path}", "run.name=run", *STEPS, *LONG, "parallel.dp_shard=2", "--nproc=2"]
     process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "COLUMNS": "200"})
-    deadline = time.time() + 120
+    deadline = time.time() + 300
     while time.time() < deadline and process.poll() is None and not (
             (run_dir / "metrics.jsonl").is_file() and max(records(run_dir, "train"), default=0) >= 3):
         time.sleep(0.05)
+    assert process.poll() is None and time.time() < deadline, "the run never got to step 3"
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 143, stdout[-2000:] + stderr[-4000:]
@@ -497,13 +498,15 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_the_cli_resumes_with_t
 @pytest.mark.parametrize("nproc", [2, 1])
 def test_a_hung_rank_is_ended_by_its_watchdog_and_torchrun_restarts_the_job_from_its_checkpoint(
         stdlib_data, reference, tmp_path, nproc):
-    """Rank 1 (of 2; or the one process, which --max-restarts alone also starts through torchrun)
+    """Rank 0 (of 2; or the one process, which --max-restarts alone also starts through torchrun)
     stops making progress after step 2 (tests/inject_hang: the first attempt only). Its watchdog
-    (train.hang_timeout_s = 3) prints the stacks and exits with status 75 (rank 0, stuck in the
-    step's collective, does too), torchrun starts them again (--max-restarts 1), and they resume
-    from step 2's checkpoint to the losses of one process."""
+    (train.hang_timeout_s = 3) records the hang, prints the stacks and exits with status 75 (rank
+    1, stuck in the step's collective, does too, maybe first: torchrun's SIGTERM then only marks
+    rank 0 to stop, asleep outside any collective, and its watchdog still fires), torchrun starts
+    them again (--max-restarts 1), and they resume from step 2's checkpoint to the losses of one
+    process."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "COLUMNS": "200", "SCALETRAIN_TEST_HANG_RANK": str(nproc - 1),
+    env = {**os.environ, "COLUMNS": "200", "SCALETRAIN_TEST_HANG_RANK": "0",
            "SCALETRAIN_TEST_HANG_AFTER_STEP": "2",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "inject_hang"), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(
@@ -513,7 +516,7 @@ def test_a_hung_rank_is_ended_by_its_watchdog_and_torchrun_restarts_the_job_from
         text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "no step, evaluation or checkpoint finished in" in result.stderr
-    assert "in train_step" in result.stderr  # rank 1's stack, where it hung
+    assert "in train_step" in result.stderr  # rank 0's stack, where it hung
     assert [(r["step"], r["seconds"] >= 3) for r in read_metrics(run_dir, "hang")] == [(STOP, True)]
     assert [r["step"] for r in read_metrics(run_dir, "resume")] == [STOP]
     assert_parity(run_dir, reference)

@@ -280,7 +280,9 @@ def test_the_prefetcher_hands_out_the_loaders_batches_and_the_state_of_what_it_h
         expected, got = plain.next_batch(), ahead.next_batch()
         assert all(torch.equal(a, b) for a, b in zip(expected, got))
         assert ahead.last_windows == plain.last_windows
-    time.sleep(0.2)  # the thread has read ahead by now; the state must not show it
+    deadline = time.monotonic() + 30  # until the thread has read ahead; the state must not show it
+    while ahead.loader.state_dict() == plain.state_dict() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert ahead.state_dict() == plain.state_dict()
     assert ahead.tokens_by_source() == plain.tokens_by_source()
     assert ahead.loader.state_dict() != plain.state_dict()

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -185,7 +186,9 @@ def test_an_automatic_interval_is_youngs_from_what_the_run_measures(stdlib_data,
                                                                                                abs=1e-4)
             assert record["interval_steps"] == math.ceil(young / record["measured_step_s"])
     assert {25, 50} <= {r["step"] for r in records}
-    assert len(records) > 4  # (at the default failure rate this run would save at step 6 and at the end)
+    # (At the default failure rate this run would save at step 6 and at the end; here Young's interval is
+    # a few steps, unless a save blocks on this machine for as long as ten steps or more.)
+    assert len(records) > 4 or min(r["interval_steps"] for r in records[:-1]) >= 10
     split = tmp_path / "split"
     train(tiny_config(stdlib_data, split, *common), stop_at_step=30)
     train(tiny_config(stdlib_data, split, *common))
@@ -867,7 +870,8 @@ def test_a_signal_stops_after_the_next_step_with_a_checkpoint_and_the_run_resume
     assert {event.step for event in events.Scalars("train/tokens_per_s")} == set(range(1, 101))
     runs = sorted((stopped / "wandb").glob("offline-run-*"))
     run_id = (stopped / "wandb_id").read_text().strip()
-    assert len(runs) == 2 and all(run.name.endswith(run_id) for run in runs)  # one W&B run, resumed
+    # One W&B run, resumed (wandb suffixes the second directory with -1 when both start in one second).
+    assert len(runs) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", run.name) for run in runs)
     assert all(b"train/loss" in next(run.glob("*.wandb")).read_bytes() for run in runs)
     trace = json.loads((stopped / "profile" / "steps_2-3_rank0.json").read_text())
     names = {event.get("name") for event in trace["traceEvents"]}
@@ -889,6 +893,7 @@ def write():  # a save that takes 3 s, three times the hang timeout, and then st
             f.write(bytes(1000))
             f.flush()
             time.sleep(0.1)
+    print(f"written after {time.monotonic() - start:.2f} s", flush=True)
 
 start = time.monotonic()
 dog = Watchdog(1.0, on_hang=lambda quiet: print(f"ended after {time.monotonic() - start:.2f} s, {quiet:.2f} s since "
@@ -907,7 +912,10 @@ def test_the_watchdog_lets_a_long_save_run_while_it_writes_and_ends_a_silent_pro
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 75, result.stderr[-3000:]
     ended = float(result.stdout.split("ended after ")[1].split()[0])
-    assert 3.0 < ended < 6.0, result.stdout
+    written = float(result.stdout.split("written after ")[1].split()[0])
+    # (a timeout after the last look that saw bytes grow, which is up to a look, 0.25 s, before the
+    # last byte; whatever the machine's speed)
+    assert written > 3.0 and 0.5 <= ended - written < 2.5, result.stdout
     assert float(result.stdout.split(", ")[1].split()[0]) > 3.0  # the hang reported from the last beat
     assert "a checkpoint is still being written: not a hang" in result.stderr
 
