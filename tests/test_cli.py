@@ -447,3 +447,33 @@ def test_version_names_scaletrain_and_what_it_runs_on(capsys):
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.startswith(f"scaletrain {version('scaletrain')} (torch {torch.__version__}, Python ")
+
+
+def test_a_worker_hands_a_lasting_refusal_to_the_command_that_started_torchrun(tmp_path, monkeypatch, capsys):
+    """Under `train --nproc` (cli._torchrun sets the file): a refusal the same input would meet
+    again goes to the file and the worker ends without failing (no restart); one that may not
+    happen again (an error raised from another, an errno trying again may mend) fails the worker
+    as before, for torchrun to restart; with the file's folder gone, it is said here."""
+    import errno
+
+    from scaletrain.cli import REFUSAL_FILE, _refused, main
+
+    refusal = tmp_path / "refusal"
+    monkeypatch.setenv(REFUSAL_FILE, str(refusal))
+    assert _refused("a passing trouble", lasting=False) == 2 and not refusal.exists()
+    assert "a passing trouble" in capsys.readouterr().err
+    assert _refused("the input is bad") == 0 and refusal.read_text() == "the input is bad"
+    assert capsys.readouterr().err == "" and sorted(p.name for p in tmp_path.iterdir()) == ["refusal"]
+    monkeypatch.setenv(REFUSAL_FILE, str(tmp_path / "gone" / "refusal"))
+    assert _refused("said here") == 2 and "said here" in capsys.readouterr().err
+    # Through main: a data directory that is not there lasts; a full disk may not.
+    monkeypatch.setenv(REFUSAL_FILE, str(refusal))
+    refusal.unlink()
+    assert main(["data", "stats", str(tmp_path / "nowhere")]) == 0 and "does not exist" in refusal.read_text()
+    refusal.unlink()
+
+    def full(args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))
+    monkeypatch.setattr("scaletrain.cli.cmd_data_stats", full)
+    assert main(["data", "stats", str(tmp_path / "nowhere")]) == 2 and not refusal.exists()
+    assert "No space left on device" in capsys.readouterr().err

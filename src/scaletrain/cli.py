@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -228,61 +229,68 @@ def _torchrun(args: argparse.Namespace, command_args: list[str]) -> int:
     # A worker's refusal (bad input found only once it runs: a run whose checkpoints are all
     # damaged, say) comes back through a file instead of as a failure, which torchrun would answer
     # by starting every process again, --max-restarts times, to be refused again (see _refused).
-    refusal = Path(tempfile.mkdtemp(prefix="scaletrain-")) / "refusal"
-    # Restarted workers must not read stale addresses from the store torchrun shares across
-    # attempts (pytorch issues #135712, #167288).
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", REFUSAL_FILE: str(refusal)}
-    child = subprocess.Popen(command, env=env)
-    # A scheduler's SIGTERM or SIGUSR1 to this process is passed on as SIGTERM (torchrun hands
-    # that to the workers, which stop after a step with a checkpoint; SIGUSR1 would end torchrun
-    # alone) instead of ending this process with torchrun still running.
-    received = []
+    with tempfile.TemporaryDirectory(prefix="scaletrain-") as scratch:
+        refusal = Path(scratch) / "refusal"
+        # Restarted workers must not read stale addresses from the store torchrun shares across
+        # attempts (pytorch issues #135712, #167288).
+        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", REFUSAL_FILE: str(refusal)}
+        child = subprocess.Popen(command, env=env)
+        # A scheduler's SIGTERM or SIGUSR1 to this process is passed on as SIGTERM (torchrun hands
+        # that to the workers, which stop after a step with a checkpoint; SIGUSR1 would end torchrun
+        # alone) instead of ending this process with torchrun still running.
+        received = []
 
-    def forward(signum, frame):
-        received.append(signum)
-        child.send_signal(signal.SIGTERM)
+        def forward(signum, frame):
+            received.append(signum)
+            child.send_signal(signal.SIGTERM)
 
-    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        refused_at = None
-        while True:
-            try:
-                code = child.wait(timeout=0.2)
-                break
-            except subprocess.TimeoutExpired:
-                if refused_at is None and refusal.exists():
-                    refused_at = time.monotonic()
-                # Ranks that did not refuse may wait on one that did: stopped after a grace.
-                if refused_at is not None and time.monotonic() - refused_at > REFUSAL_GRACE_S:
-                    child.send_signal(signal.SIGTERM)
-                    refused_at = math.inf
+        previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+        try:
+            refused_at = None
+            while True:
+                try:
+                    code = child.wait(timeout=0.2)
+                    break
+                except subprocess.TimeoutExpired:
+                    if refused_at is None and refusal.exists():
+                        refused_at = time.monotonic()
+                    # Ranks that did not refuse may wait on one that did: stopped after a grace.
+                    if refused_at is not None and time.monotonic() - refused_at > REFUSAL_GRACE_S:
+                        child.send_signal(signal.SIGTERM)
+                        refused_at = math.inf
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         if refusal.exists():
             _error(refusal.read_text())
             return 2
-        # torchrun ends with 1 after stopping its workers on a signal; say which signal, as the workers do.
-        return 128 + received[0] if received and code else code
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        shutil.rmtree(refusal.parent, ignore_errors=True)
+    # torchrun ends with 1 after stopping its workers on a signal; say which signal, as the workers do.
+    return 128 + received[0] if received and code else code
 
 
 REFUSAL_FILE = "SCALETRAIN_REFUSAL_FILE"  # (set for the workers of _torchrun)
 REFUSAL_GRACE_S = 10.0
+# The errors of a path that trying again will not mend (others, such as a full disk or a
+# filesystem that went away, torchrun's restarts may outlast).
+LASTING_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.EROFS}
 
 
-def _refused(message: str) -> int:
-    """Say why a command refused its input, in one line; in a worker of _torchrun, hand the line
-    to the process that started torchrun (the first to refuse is said) and end without failing."""
+def _refused(message: str, lasting: bool = True) -> int:
+    """Say why a command refused its input, in one line. In a worker of _torchrun, where the
+    refusal is `lasting` (the same input would be refused again), hand the line to the process
+    that started torchrun instead (one of those refusing is said) and end without failing: a
+    failure would have torchrun start every process again."""
     path = os.environ.get(REFUSAL_FILE)
-    if path is None:
-        _error(message)
-        return 2
-    if not os.path.exists(path):  # (written whole, then moved into place: never read half-written)
+    if path is not None and lasting:
         mine = f"{path}.{os.getpid()}"
-        Path(mine).write_text(message)
-        os.replace(mine, path)
-    return 0
+        try:  # (written whole, then moved into place: never read half-written)
+            Path(mine).write_text(message)
+            os.replace(mine, path)
+            return 0
+        except OSError:  # (the command that started torchrun is gone, and its folder with it)
+            pass
+    _error(message)
+    return 2
 
 
 def _num(value: float | None) -> str:
@@ -2027,12 +2035,12 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     try:
         return args.func(args)
-    except UserError as e:
-        return _refused(str(e))
+    except UserError as e:  # (one raised from another error may not happen again: a peer lost mid-load, say)
+        return _refused(str(e), lasting=e.__cause__ is None)
     except OSError as e:  # a path given that cannot be used as asked: said in a sentence, not a traceback
         if e.filename is None:
             raise
-        return _refused(_path_problem(e))
+        return _refused(_path_problem(e), lasting=e.errno in LASTING_ERRNOS)
     except Stopped as e:
         if int(os.environ.get("RANK", 0)) == 0:  # every rank stops alike: one says so
             console.print(str(e), highlight=False, soft_wrap=True)
