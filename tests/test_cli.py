@@ -477,3 +477,29 @@ def test_a_worker_hands_a_lasting_refusal_to_the_command_that_started_torchrun(t
     monkeypatch.setattr("scaletrain.cli.cmd_data_stats", full)
     assert main(["data", "stats", str(tmp_path / "nowhere")]) == 2 and not refusal.exists()
     assert "No space left on device" in capsys.readouterr().err
+
+
+def test_eval_out_is_replaced_only_by_an_eval_that_measured_something(trained_run, tmp_path, capsys):
+    """`eval --out FILE`: a refusal leaves FILE as it was (it was emptied first) and makes no folder;
+    a task file read, or a file that is not an eval's output, is not written over."""
+    from scaletrain.cli import main
+
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_text(json.dumps({"step": 4, "checkpoint": "x", "loss": 5.0}) + "\n")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "a document"}\n')
+    cases = [
+        (["--step", "999", "--out", str(earlier)], "no complete checkpoint of step 999"),
+        (["--step", "999", "--out", str(tmp_path / "new" / "sub" / "x.jsonl")], "no complete checkpoint of step 999"),
+        (["--tasks", str(corpus), "--out", str(corpus)], "is one of the --tasks files; give the results another name"),
+        (["--out", str(corpus)], "exists and is not the output of an eval (a JSON line per checkpoint)"),
+    ]
+    for argv, message in cases:
+        assert main(["eval", str(trained_run), *argv]) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert message in err and "Traceback" not in err, (argv, err)
+    assert json.loads(earlier.read_text())["loss"] == 5.0 and corpus.read_text() == '{"text": "a document"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "earlier.jsonl"]
+    assert main(["eval", str(trained_run), "--out", str(earlier)]) == 0  # (an earlier eval's: replaced)
+    [record] = [json.loads(line) for line in earlier.read_text().splitlines()]
+    assert record["checkpoint"] != "x" and record["loss"] > 0

@@ -1387,6 +1387,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.metric != "loss":
         raise UserError("--metric chooses what a sweep's points are fitted to; give a sweep directory, or drop it")
     check_output_file(args.out, "--out", ("jsonl", "json"), makes_folder=True)  # (a JSON line per checkpoint)
+    _check_eval_out(args.out, args.tasks)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         weights_to_evaluate(Path(args.run_dir), args.step, args.every, args.average, args.ema)  # one line, not N
         return _torchrun(args, ["eval", args.run_dir, *args.overrides, *(f"--step={step}" for step in args.step or []),
@@ -1395,15 +1396,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                 *(["--tasks", *args.tasks] if args.tasks is not None else []),
                                 *(["--out", args.out] if args.out else [])])
     main_rank = int(os.environ.get("RANK", 0)) == 0
-    if args.out and main_rank:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("")
     records = []
     for record in evaluate_run(args.run_dir, steps=args.step, every=args.every, data=args.data, tasks=args.tasks,
                                overrides=args.overrides, average=args.average, ema=args.ema):
         records.append(record)
         if args.out and main_rank:  # as each is measured: a long sweep over checkpoints keeps what it did
-            with open(args.out, "a") as f:
+            if len(records) == 1:  # (replaced once there is something to write: a refusal leaves it as it was)
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            with open(args.out, "w" if len(records) == 1 else "a") as f:
                 f.write(json.dumps(record) + "\n")
     if not main_rank:
         return 0
@@ -1414,6 +1414,26 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.out:
         out.print(f"wrote {args.out}", highlight=False)
     return 0
+
+
+def _check_eval_out(path: str | None, tasks: list[str] | None) -> None:
+    """Refuse an `eval --out` that would replace what is not an earlier eval's output: one of the
+    task files read, or a file whose first line is not an eval record."""
+    import json
+
+    if not path or not Path(path).is_file():
+        return
+    if any(Path(task).resolve() == Path(path).resolve() for task in tasks or []):
+        raise UserError(f"--out {path!r} is one of the --tasks files; give the results another name")
+    with open(path, errors="replace") as f:
+        first = f.readline()
+    try:
+        record = json.loads(first) if first.strip() else {}
+    except json.JSONDecodeError:
+        record = None
+    if record != {} and not (isinstance(record, dict) and {"step", "checkpoint"} <= record.keys()):
+        raise UserError(f"--out {path!r} exists and is not the output of an eval (a JSON line per checkpoint); "
+                        "give a new file name, or remove it")
 
 
 def _eval_sweep(args: argparse.Namespace) -> int:
