@@ -33,7 +33,10 @@ def test_resolved_config_round_trips_through_toml():
     (["train.steps=10", "bogus.x=1"], ["bogus", "unknown key", "model, data, train"]),
     (["train.steps=10", "train.lr=-1"], ["train.lr = -1", "greater than 0"]),
     (["trainsteps10"], ["section.key=value"]),
-    (["train.steps=10", "data.mix={a = inf, b = 1}"], ["data.mix weights must be positive finite"]),
+    (["train.steps=10", "data.mix={a = inf, b = 1}"], ["data.mix.a = inf: Input should be a finite number"]),
+    (["train.steps=10", "data.mix={a = 0, b = 1}"], ["data.mix weights must be positive finite"]),
+    (["train.steps=10", "train.lr=inf"], ["train.lr = inf: Input should be a finite number"]),  # (not trained)
+    (["train.steps=10", "model.rope_theta=nan"], ["model.rope_theta = nan: Input should be a finite number"]),
     (["train.steps=10", "model.rope_scaling={factor = 8}"], ["model.rope_scaling", "high_freq_factor, low_freq_factor"]),
     (["train.steps=10", 'model.rope_scaling={type = "yarn", factor = 4}'],
      ["factor, original_max_seq_len (and may give attention_factor, beta_fast, beta_slow) for YaRN scaling",
@@ -46,6 +49,9 @@ def test_resolved_config_round_trips_through_toml():
      ["beta_fast 1.0 must exceed beta_slow 1.0"]),
     (["train.steps=10", "log.profile_steps=[5, 3]"], ["log.profile_steps = [5, 3]", "[first, last]", "e.g. [10, 12]"]),
     (["train.steps=10", "model.rope_scaling={factor = nan, low_freq_factor = 1, high_freq_factor = 4, "
+                        "original_max_seq_len = 8192}"], ["model.rope_scaling.factor = nan: Input should be a finite "
+                                                          "number"]),
+    (["train.steps=10", "model.rope_scaling={factor = -8, low_freq_factor = 1, high_freq_factor = 4, "
                         "original_max_seq_len = 8192}"], ["model.rope_scaling", "must give positive"]),
     (["train.steps=10", "model.rope_scaling={factor = 8, low_freq_factor = 1, high_freq_factor = 4, "
                         "original_max_seq_len = 8192.5}"], ["original_max_seq_len 8192.5", "whole number"]),
