@@ -363,7 +363,10 @@ def test_values_out_of_range_are_refused_before_any_work(trained_run, stdlib_dat
     cases = [
         (["demo", "--out", str(tmp_path / "demo"), "--minutes", "-1e3"], "--minutes -1000: give the minutes"),
         (["fit", str(tmp_path), "--drop-highest", "-1"], "argument --drop-highest: '-1' must be 0 or more"),
-        (["generate", str(trained_run), "--prompt", "def", "--temperature", "nan"], "temperature must be ≥ 0 and finite"),
+        (["generate", str(trained_run), "--prompt", "def", "--temperature", "nan"],
+         "argument --temperature: 'nan' must be 0 (greedy) or more, and finite"),
+        (["generate", str(trained_run), "--seed", "99999999999999999999"],
+         "argument --seed: '99999999999999999999' must be from 0 to 2^63 - 1"),
         (["data", "prepare", "builtin:python-stdlib", "--out", str(tmp_path / "d"), "--vocab-size", "10000000000"],
          "vocab_size 10,000,000,000 is beyond what a tokenizer is trained to"),
         (["data", "prepare", "builtin:python-stdlib", "--out", str(tmp_path / "d"), "--vocab-size", "600",

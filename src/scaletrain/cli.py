@@ -832,7 +832,7 @@ def _small_runs(p: argparse.ArgumentParser, run: str, runs: str, sizing: str, mi
     p.add_argument("--prior", default="epoch", choices=["epoch", "hoffmann"], help=f"published law that {sizing}")
     p.add_argument("--eval-tokens", type=_count, default=16384, help=f"validation tokens of each source per {run} (16384)")
     p.add_argument("--min-steps", type=int, default=min_steps, help=min_steps_help)
-    p.add_argument("--seed", type=_how_many, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
                    help=f"train.optimizer of every {run} (adamw): measure with the optimizer you will train with")
@@ -1095,6 +1095,8 @@ def _number(convert, what: str, ok, bound: str):
 _flops = _number(float, "a number (e.g. 1e21)", lambda v: 0 < v < float("inf"), "positive and finite")
 _count = _number(int, "a whole number", lambda v: v >= 1, "at least 1")
 _how_many = _number(int, "a whole number", lambda v: v >= 0, "0 or more")
+_seed = _number(int, "a whole number", lambda v: 0 <= v < 2**63, "from 0 to 2^63 - 1")
+_temperature = _number(float, "a number", lambda v: 0 <= v < float("inf"), "0 (greedy) or more, and finite")
 # Worker processes at once: each needs a share of the cores to feed its device (a GPU sweep runs
 # about 4 a GPU); more than 4 a core only thrash.
 _CORES = os.cpu_count() or 1
@@ -1633,7 +1635,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default="text", help="field of .jsonl / column of .parquet holding the text")
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
     p.add_argument("--val-fraction", type=float, default=0.005, help="fraction of documents held out (0.005)")
-    p.add_argument("--seed", type=_how_many, default=0, help="seed of the validation split")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the validation split")
     p.add_argument("--workers", type=int, default=None, help="processes that curate and tokenize (default: all cores)")
     p.add_argument("--filters", default="default",
                    help="curation: 'default' (normalise, quality and repetition filters), 'none', or a TOML file")
@@ -1899,7 +1901,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "predict the optimum at a budget beyond the sweep, train it and print "
                                         "predicted against actual loss.")
     p.add_argument("--out", default="demo", help="directory for data, sweep and runs (default demo/)")
-    p.add_argument("--seed", type=_how_many, default=0, help="seed of the sweep's points and the final run (0)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the sweep's points and the final run (0)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda runs the larger version (budgets 3e14-3e15 FLOPs, final run 3e16)")
     p.add_argument("--minutes", type=float, default=None,
@@ -1911,10 +1913,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("generate", help="sample text from a run's newest checkpoint")
     p.add_argument("run_dir", help="run directory, e.g. runs/demo")
     p.add_argument("--prompt", default="", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0 for all")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=_count, default=200)
+    p.add_argument("--temperature", type=_temperature, default=0.8, help="0 is greedy")
+    p.add_argument("--top-k", type=_how_many, default=50, help="sample among the k likeliest tokens; 0 for all")
+    p.add_argument("--seed", type=_seed, default=0)
     p.set_defaults(func=cmd_generate)
 
     p = commands.add_parser("eval", help="validation loss and tasks of a run's checkpoints, on its data or other",

@@ -60,7 +60,7 @@ class RunSection(_Section):
     """Name of the run; the run directory is `dir/name`."""
     dir: str = "runs"
     """Parent directory of run directories."""
-    seed: int = Field(default=0, ge=0)
+    seed: int = Field(default=0, ge=0, lt=2**63)
     """Seeds the model initialisation and the data order."""
 
     @model_validator(mode="after")
