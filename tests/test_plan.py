@@ -521,6 +521,16 @@ def test_plan_refuses_bad_input_in_one_sentence(tmp_path, capsys):
     ]
     (tmp_path / "steep.json").write_text(json.dumps({"approach3": {
         name: {"value": value} for name, value in dict(E=2.0, A=100.0, B=1e4, alpha=0.1, beta=0.9).items()}}))
+    # A law's numbers that no fit writes (edited by hand): named, not a traceback or a nan loss.
+    for i, (name, value) in enumerate((("alpha", "x"), ("alpha", -1e308), ("beta", float("nan")), ("E", float("inf")))):
+        law = dict(E=2.0, A=100.0, B=1e4, alpha=0.3, beta=0.3) | {name: value}
+        (tmp_path / f"sweep{i}").mkdir()
+        (tmp_path / f"sweep{i}" / "law.json").write_text(json.dumps({"approach3": {
+            key: {"value": number} for key, number in law.items()}}))
+        cases.append((["plan", "--compute", "1e21", "--law", str(tmp_path / f"sweep{i}" / "law.json")],
+                      f"(ValueError: approach3.{name} is {value!r}, not a finite number"))
+    cases.append((["plan", "--compute", "1e21", "--law", str(tmp_path / "sweep0")],
+                  f"is a directory; give the law.json in it ({str(tmp_path / 'sweep0' / 'law.json')!r})"))
     for i, (text, message) in enumerate([('{"memory_gb": -1}', "memory_gb = -1 must be a positive number"),
                                          ('{"peak_tflops": 400}', "must map dtypes to TFLOP/s"),
                                          ('{"watts": "500"}', "watts = '500' must be a positive number"),

@@ -542,6 +542,9 @@ def _law_file(path: str) -> tuple[dict, object, list]:
     from scaletrain.scaling.fit import bootstrap_laws, law_of
 
     file = Path(path)
+    if file.is_dir():
+        inside = f" ({str(file / 'law.json')!r})" if (file / "law.json").is_file() else ""
+        raise UserError(f"--law {path!r} is a directory; give the law.json in it{inside} written by `scaletrain fit`")
     if not file.is_file():
         raise UserError(f"--law {path!r} does not exist; give a law.json written by `scaletrain fit`")
     try:

@@ -407,7 +407,8 @@ def against_plan(plan: dict, n: int, summary: dict) -> dict:
         planned_n, device = plan["model"]["n"], plan["hardware"]["device"]["name"]
         step, memory = plan["step"], plan["memory"]
     except (KeyError, TypeError) as e:
-        raise ConfigError(f"the plan lacks {e}; give the JSON `scaletrain plan --json` prints (or the .plan.json "
+        what = f"lacks {e}" if isinstance(e, KeyError) else "is not a plan (a JSON object of model, hardware, step, ...)"
+        raise ConfigError(f"the plan {what}; give the JSON `scaletrain plan --json` prints (or the .plan.json "
                           "that --write-config writes beside the config)") from None
     if planned_n != n:
         raise ConfigError(f"the plan is for a model of {planned_n:,} parameters, this run's has {n:,}; give the "

@@ -447,15 +447,31 @@ def fit_all(points: Points, samples: int = 200, seed: int = 0, law_min_steps: in
     return doc
 
 
+LAW_PARAMETERS = ("E", "A", "B", "alpha", "beta")
+
+
+def _checked(values: dict, where: str) -> dict:
+    """The law's parameters, or a ValueError naming the first that no fit writes: E, A and B finite
+    numbers of 0 or more (a bootstrap resample's A or B may underflow to 0), alpha and beta finite
+    and above 0."""
+    for name, value in values.items():
+        exponent = name in ("alpha", "beta")
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or value < 0 or (value == 0 and exponent)):
+            raise ValueError(f"{where}{name} is {value!r}, not a finite number {'above 0' if exponent else 'of 0 or more'}")
+    return values
+
+
 def law_of(doc: dict) -> ChinchillaLaw:
-    """The approach-3 law of a law.json document."""
+    """The approach-3 law of a law.json document (ValueError for numbers no fit writes)."""
     fit = doc["approach3"]
-    return ChinchillaLaw(**{name: fit[name]["value"] for name in ("E", "A", "B", "alpha", "beta")},
-                         source=doc.get("source", "law.json"))
+    values = _checked({name: fit[name]["value"] for name in LAW_PARAMETERS}, "approach3.")
+    return ChinchillaLaw(**values, source=doc.get("source", "law.json"))
 
 
 def bootstrap_laws(doc: dict) -> list[ChinchillaLaw]:
-    return [ChinchillaLaw(*row, source="bootstrap") for row in doc.get("bootstrap", [])]
+    return [ChinchillaLaw(**_checked(dict(zip(LAW_PARAMETERS, row, strict=True)), f"bootstrap row {i}: "),
+                          source="bootstrap") for i, row in enumerate(doc.get("bootstrap", []))]
 
 
 # Column names accepted for each quantity (ours first; then Epoch AI's Chinchilla extraction).
