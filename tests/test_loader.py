@@ -175,6 +175,11 @@ def test_a_damaged_index_is_refused_in_one_sentence(data_dir, tmp_path):
     (damaged / "index.json").write_text(json.dumps({**index, "dtype": "float99"}))
     with pytest.raises(DataError, match="is damaged \\(its dtype 'float99'.*; prepare the data directory again"):
         TokenLoader(damaged, 16, 1, 1)
+    for vocab_size, eos_id in ((-1, 0), (0, 0), (70_000, 0), (5000, 5000)):  # (what data stats would size by)
+        (damaged / "index.json").write_text(json.dumps({**index, "vocab_size": vocab_size, "eos_id": eos_id}))
+        with pytest.raises(DataError, match=f"is damaged \\(vocab_size {vocab_size} with end-of-document id {eos_id} "
+                                            "in uint16, where data prepare writes 1 to 65,536 tokens"):
+            TokenLoader(damaged, 16, 1, 1)
     (damaged / "index.json").unlink()  # (and what an interrupted prepare leaves)
     (damaged / "work").mkdir()
     (damaged / "work" / "key").write_text("0" * 64)
@@ -304,3 +309,23 @@ def test_an_error_in_the_prefetch_thread_is_raised_to_the_consumer(data_dir):
     ahead = Prefetcher(Broken(data_dir, 16, 8, 2))
     with pytest.raises(DataError, match="shard 3 is unreadable"):
         ahead.next_batch()
+
+
+def test_an_index_whose_vocabulary_its_tokenizer_passes_is_refused(stdlib_data, tmp_path):
+    """index.json's vocab_size below the ids of the directory's tokenizer (edited, or of another
+    prepare) would fail in the model's embedding after the run directory is made: refused first."""
+    import json
+    import shutil
+
+    from scaletrain.data.shards import read_indexes
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(stdlib_data, damaged)
+    index = json.loads((damaged / "index.json").read_text())
+    assert read_indexes({"a": damaged})["a"]["vocab_size"] == 512
+    (damaged / "index.json").write_text(json.dumps({**index, "vocab_size": 10}))
+    with pytest.raises(DataError, match="index.json says vocab_size 10, but its tokenizer gives ids up to 511"):
+        read_indexes({"a": damaged})
+    (damaged / "tokenizer.json").write_text('{"version": "1.0", "mod')
+    with pytest.raises(DataError, match="tokenizer.json' is not a tokenizer"):
+        read_indexes({"a": damaged})

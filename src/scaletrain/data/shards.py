@@ -117,6 +117,12 @@ def read_index(data_dir: str | Path) -> dict:
             or not isinstance(index.get("splits"), dict):
         raise DataError(f"{path} is damaged (its dtype {index.get('dtype')!r}, vocab_size {index.get('vocab_size')!r} "
                         "or splits are not what data prepare writes); prepare the data directory again")
+    ids = 2 ** (16 if index["dtype"] == "uint16" else 32)  # (the token ids its dtype holds)
+    if not 0 < index["vocab_size"] <= ids or not (isinstance(index.get("eos_id"), int)
+                                                   and 0 <= index["eos_id"] < index["vocab_size"]):
+        raise DataError(f"{path} is damaged (vocab_size {index['vocab_size']!r} with end-of-document id "
+                        f"{index.get('eos_id')!r} in {index['dtype']}, where data prepare writes 1 to {ids:,} tokens "
+                        "and an id below them); prepare the data directory again")
     return index
 
 
@@ -131,6 +137,22 @@ def read_indexes(sources: dict[str, Path]) -> dict[str, dict]:
     if len(set(tokenizers.values())) > 1:
         raise DataError(f"the data directories {', '.join(map(str, sources.values()))} have different tokenizers; "
                         "prepare them with one (`data prepare --tokenizer DIR/tokenizer.json`)")
+    text = next(iter(tokenizers.values()), None)
+    if text is not None:  # (ids its tokenizer gives past the index's vocab_size would fail in the embedding)
+        from tokenizers import Tokenizer
+
+        from scaletrain.data.tokenizer import vocab_size
+
+        try:
+            ids = vocab_size(Tokenizer.from_str(text.decode()))
+        except Exception as e:  # (a tokenizer.json edited or cut)
+            raise DataError(f"{str(Path(next(iter(sources.values()))) / 'tokenizer.json')!r} is not a tokenizer "
+                            f"({type(e).__name__}); prepare the data directory again") from None
+        small = {name: index["vocab_size"] for name, index in indexes.items() if index["vocab_size"] < ids}
+        if small:
+            name = next(iter(small))
+            raise DataError(f"{sources[name]}/index.json says vocab_size {small[name]:,}, but its tokenizer gives ids up "
+                            f"to {ids - 1:,}; it is damaged: prepare the data directory again")
     return indexes
 
 
