@@ -428,6 +428,36 @@ def test_what_the_probe_found_is_named_in_one_sentence(trained_run, mixture_root
         capsys.readouterr().err.split())
 
 
+def test_a_search_directory_damaged_since_is_refused_in_one_line(stdlib_data, tmp_path, capsys):
+    """A sweep's grid.json, a tuning's tune.json or a results.csv row edited or cut short since
+    the command wrote them: one line naming the file (and line), and the files left as they are."""
+    from scaletrain.cli import main
+
+    sweep, tuning, rows = tmp_path / "sweep", tmp_path / "tune", tmp_path / "rows"
+    for directory, name, text in ((sweep, "grid.json", '{"settings": {"budgets": [1e10, 3e10'), (tuning, "tune.json", "{")):
+        directory.mkdir()
+        (directory / name).write_text(text)
+    tiny = str(ROOT / "configs" / "tiny.toml")
+    sweep_args = ["--data", str(stdlib_data), "--budgets", "1e10,3e10", "--seq-len", "64", "--min-steps", "20"]
+    cases = [
+        (["sweep", *sweep_args, "--out", str(sweep)], f"{str(sweep / 'grid.json')!r} is damaged (not the JSON"),
+        (["tune", tiny, f"data.path={stdlib_data}", "model.mup_base_dim=32", "--out", str(tuning)],
+         f"{str(tuning / 'tune.json')!r} is damaged (not the JSON scaletrain wrote there); give another --out"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert message in err and "Traceback" not in err, (argv, err)
+    assert (tuning / "tune.json").read_text() == "{" and sorted(p.name for p in sweep.iterdir()) == ["grid.json"]
+    from scaletrain.outputs import read_rows
+
+    rows.mkdir()
+    (rows / "results.csv").write_text("name,lr,val_loss\na,0.01,3.5\nb,0.02,\n")
+    with pytest.raises(UserError, match="results.csv' line 3 is damaged"):
+        read_rows(rows / "results.csv", ("name",))
+    assert read_rows(rows / "results.csv", ("name", "val_loss"))[1] == {"name": "b", "lr": 0.02, "val_loss": ""}
+
+
 def test_overrides_may_follow_an_option_of_several_values():
     """`eval RUN --tasks A.jsonl eval.tokens=512`: the override is an override, not a task file."""
     from scaletrain.cli import parse_args

@@ -33,6 +33,7 @@ import numpy as np
 from scaletrain.config import ConfigError, load_config
 from scaletrain.data.shards import read_indexes
 from scaletrain.model.flops import param_counts, train_flops_per_token
+from scaletrain.outputs import read_own
 from scaletrain.proxies import ProxyRuns, train_proxy
 from scaletrain.scaling.fit import interval
 from scaletrain.scaling.grid import Point, shapes_around, steps_for, warmup_steps
@@ -109,7 +110,7 @@ class HparamSearch(ProxyRuns):
         saved = self.out / "grid.json"
         text = json.dumps({"settings": asdict(s)}, indent=1) + "\n"
         if saved.is_file():
-            before = json.loads(saved.read_text())["settings"]
+            before = read_own(saved, "settings")["settings"]
             changed = [f"{k}: {before.get(k)} then, {v} now" for k, v in asdict(s).items()
                        if before.get(k) != v and k not in GRID]
             if changed:

@@ -37,6 +37,7 @@ import numpy as np
 
 from scaletrain.config import ConfigError, load_config, mix_toml
 from scaletrain.data.shards import DataError, read_index, read_indexes
+from scaletrain.outputs import read_own
 from scaletrain.scaling.grid import Point, deepseek_hyperparameters, plan_points, shapes_around, warmup_steps
 from scaletrain.scaling.hparams import HyperparameterLaw
 from scaletrain.scaling.laws import ChinchillaLaw, preset
@@ -180,7 +181,7 @@ class MixtureSearch(ProxyRuns):
         a directory started with other settings is refused."""
         s, saved = self.settings, self.out / "mixtures.json"
         if saved.is_file():
-            doc = json.loads(saved.read_text())
+            doc = read_own(saved, "settings")
             if doc["settings"] != asdict(s):
                 changed = [f"{k}: {doc['settings'].get(k)} then, {v} now" for k, v in asdict(s).items()
                            if doc["settings"].get(k) != v]

@@ -13,6 +13,37 @@ from pathlib import Path
 
 from scaletrain.errors import UserError
 
+
+def read_own(path: str | Path, key: str) -> dict:
+    """The JSON object a command wrote into its output directory and reads back when it goes on
+    (a search's grid.json, a tuning's tune.json), which holds `key`; a UserError in one line
+    where it was damaged since (edited, cut short by a full disk): refused, nothing lost."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        if isinstance(doc, dict) and key in doc:
+            return doc
+    except (ValueError, UnicodeDecodeError):  # (JSONDecodeError is a ValueError)
+        pass
+    raise UserError(f"{str(path)!r} is damaged (not the JSON scaletrain wrote there); give another --out, or "
+                    "remove the directory to start again")
+
+
+def read_rows(path: str | Path, text_columns: tuple[str, ...]) -> list[dict]:
+    """The rows of a results.csv that a command wrote into its output directory, numbers as floats
+    (but `text_columns`); a UserError in one line naming the line damaged since."""
+    import csv
+
+    rows = []
+    with Path(path).open(newline="") as f:
+        for line, row in enumerate(csv.DictReader(f), start=2):
+            try:
+                rows.append({k: (v if k in text_columns else float(v)) for k, v in row.items()})
+            except (TypeError, ValueError):  # (a value missing, or not a number)
+                raise UserError(f"{str(path)!r} line {line} is damaged (not the row scaletrain wrote there); give "
+                                "another --out, or remove the directory to start again") from None
+    return rows
+
+
 def _grid_settings(path: Path) -> dict:
     try:
         return json.loads((path / "grid.json").read_text()).get("settings", {})

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from scaletrain.outputs import check_output_dir
+from scaletrain.outputs import check_output_dir, read_rows
 
 log = logging.getLogger("scaletrain")
 
@@ -94,9 +94,7 @@ class ProxyRuns:
         path = self.out / "results.csv"
         if not path.is_file():
             return []
-        with path.open(newline="") as f:
-            return [{k: (v if k in self.text_columns else float(v)) for k, v in row.items()}
-                    for row in csv.DictReader(f)]
+        return read_rows(path, self.text_columns)
 
     def _record(self, row: dict) -> None:
         path = self.out / "results.csv"

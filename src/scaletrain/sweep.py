@@ -36,7 +36,7 @@ import numpy
 from scaletrain.config import ConfigError, RunConfig, load_config, mix_toml
 from scaletrain.data.shards import read_indexes
 from scaletrain.model.flops import param_counts, train_flops_per_token
-from scaletrain.outputs import check_output_dir
+from scaletrain.outputs import check_output_dir, read_own, read_rows
 from scaletrain.scaling.fit import Points, fit_allocation
 from scaletrain.scaling.grid import (Point, Shape, deepseek_hyperparameters, family, plan_points, shapes_around,
                                     steps_for, warmup_steps)
@@ -277,7 +277,7 @@ class Sweep(SweepPlan):
         saved = self.out / "grid.json"
         if saved.is_file():
             # (a setting added since the sweep began has its default there)
-            before = asdict(SweepSettings(**json.loads(saved.read_text())["settings"]))
+            before = asdict(SweepSettings(**read_own(saved, "settings")["settings"]))
             if before != asdict(settings):
                 changed = {k: (before.get(k), v) for k, v in asdict(settings).items() if before.get(k) != v}
                 raise ConfigError(f"sweep directory {str(self.out)!r} was started with other settings "
@@ -301,7 +301,7 @@ class Sweep(SweepPlan):
         saved = Path(out) / "grid.json"
         if not saved.is_file():
             raise ConfigError(f"{str(out)!r} is not a sweep directory (no grid.json)")
-        return cls(out, SweepSettings(**json.loads(saved.read_text())["settings"]))
+        return cls(out, SweepSettings(**read_own(saved, "settings")["settings"]))
 
     # -- running -------------------------------------------------------------------------------
 
@@ -309,8 +309,7 @@ class Sweep(SweepPlan):
         path = self.out / "results.csv"
         if not path.is_file():
             return []
-        with path.open(newline="") as f:
-            return [{k: (v if k in ("name", "shape") else float(v)) for k, v in row.items()} for row in csv.DictReader(f)]
+        return read_rows(path, ("name", "shape"))
 
     def _record(self, row: dict) -> None:
         path = self.out / "results.csv"

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.config import ConfigError, RunConfig, validate_config
+from scaletrain.outputs import read_own
 from scaletrain.proxies import ProxyRuns, train_proxy
 
 
@@ -134,7 +135,7 @@ def tune(cfg: RunConfig, out: str | Path, lrs=DEFAULT_LRS, progress=None, steps:
     identity = checked.model_dump(mode="json", exclude_none=True)  # (as JSON reads back)
     identity["train"].pop("lr")
     record = out / "tune.json"
-    if record.is_file() and json.loads(record.read_text())["proxy"] != identity:
+    if record.is_file() and read_own(record, "proxy")["proxy"] != identity:
         raise ConfigError(f"{out} holds a tuning of another config (its proxy differs); give another --out, or "
                           "the config and overrides it was tuned with")
     out.mkdir(parents=True, exist_ok=True)
