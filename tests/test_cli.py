@@ -407,7 +407,16 @@ def test_what_the_probe_found_is_named_in_one_sentence(trained_run, mixture_root
     untokenized = tmp_path / "run"
     shutil.copytree(trained_run, untokenized)
     (untokenized / "tokenizer.json").unlink()
+    edited = tmp_path / "edited"  # (config.toml's model no longer the checkpoints')
+    shutil.copytree(trained_run, edited)
+    config = (edited / "config.toml").read_text()
+    assert config.count("dim = 64\n") == 1
+    (edited / "config.toml").write_text(config.replace("dim = 64\n", "dim = 128\n"))
     cases = [
+        (["generate", str(edited)], f"the newest checkpoint of {str(edited)!r} holds another model: its "
+                                    "tok_embeddings.weight is 512x64, this model's 512x128"),
+        (["export", str(edited), "--out", str(tmp_path / "hf"), "--step", "6"],
+         "must be the one its checkpoints hold"),
         (["export", str(untokenized), "--out", str(tmp_path / "hf")], "has no tokenizer.json (training copies it "
                                                                       "there from its data, "),
         (["fit", "--points", str(tmp_path / "short.csv")], "line 2 has fewer values than the header's 3 columns "
@@ -420,7 +429,7 @@ def test_what_the_probe_found_is_named_in_one_sentence(trained_run, mixture_root
         assert main(argv) == 2, argv
         err = " ".join(capsys.readouterr().err.split())
         assert message in err and "Traceback" not in err, (argv, err)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "run", "short.csv"] and (tmp_path / "afile").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "edited", "run", "short.csv"] and (tmp_path / "afile").read_text() == "mine"
     # (said before the config's data is even looked at: here there is none, and nothing trains)
     assert main(["train", str(ROOT / "configs" / "tiny.toml"), f"data.path={tmp_path / 'none'}", f"run.dir={tmp_path}",
                  "--stop-at-step", "1000"]) == 2

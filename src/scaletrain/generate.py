@@ -26,6 +26,7 @@ def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None
     checkpoints' moving averages), and that checkpoint's step."""
     from scaletrain.model.llama import Transformer
     from scaletrain.train import checkpoint
+    from scaletrain.train.init_from import check_weights
 
     run_dir = Path(run_dir)
     config = run_config_file(run_dir)
@@ -34,9 +35,13 @@ def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None
     model = Transformer(cfg.model)
     section = "ema" if ema else "model"
     state = {section: model.state_dict()}  # reads only the model's entries of the checkpoint (or their average's)
+    # (config.toml edited since: named here, not DCP's size mismatch)
+    remedy = f"the model of {str(config)!r} must be the one its checkpoints hold"
     if step is None:
         if not checkpoint.complete_checkpoints(root):
             raise checkpoint.no_complete_checkpoint(run_dir)
+        check_weights(checkpoint.complete_checkpoints(root)[0], cfg, None, f"the newest checkpoint of {str(run_dir)!r}",
+                      remedy)
         path = checkpoint.load_newest(root, state)  # past a damaged newest one, with a warning
     else:
         path = checkpoint.checkpoint_dir(root, step)
@@ -44,6 +49,7 @@ def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None
             have = ", ".join(str(checkpoint.step_of(p)) for p in checkpoint.committed_checkpoints(root)) or "none"
             raise checkpoint.CheckpointError(f"run directory {str(run_dir)!r} has no checkpoint of step {step}; "
                                              f"it has steps: {have}")
+        check_weights(path, cfg, None, f"checkpoint {str(path)!r}", remedy)
         checkpoint.load(path, state)
     if average > 1:
         total = {name: value.clone() for name, value in state[section].items()}

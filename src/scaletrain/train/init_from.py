@@ -101,7 +101,7 @@ def init_source(cfg: RunConfig) -> InitSource | None:
                           f"{', '.join('unset' if now[key] is None else toml_value(now[key]) for key in differ)}: its "
                           "weights hold muP's multipliers folded in and their learning rates follow from them, so a "
                           "next stage keeps its parametrization; set it as that run had it")
-    _check_weights(path, cfg, source_cfg, given)
+    check_weights(path, cfg, source_cfg, f"checkpoint.init_from = {given!r}", "model.* must describe the model it holds")
     return InitSource("checkpoint", path)
 
 
@@ -134,7 +134,10 @@ def model_shapes(cfg: RunConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(value.shape) for name, value in model.state_dict().items()}
 
 
-def _check_weights(path: Path, cfg: RunConfig, source_cfg: RunConfig | None, given: str) -> None:
+def check_weights(path: Path, cfg: RunConfig, source_cfg: RunConfig | None, subject: str, remedy: str) -> None:
+    """ConfigError, before any tensor is read, where checkpoint `path` holds a model of other
+    shapes than `cfg`'s (`source_cfg`: the config of the run it is of, whose differences are named):
+    "{subject} holds another model: ...; {remedy}"."""
     from scaletrain.train.checkpoint import saved_shapes
 
     saved = saved_shapes(path)
@@ -156,8 +159,7 @@ def _check_weights(path: Path, cfg: RunConfig, source_cfg: RunConfig | None, giv
         if differ:
             hint = f"; its run had {', '.join(differ)}"
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    raise ConfigError(f"checkpoint.init_from = {given!r} holds another model: {problems[0]}{more}{hint}; "
-                      "model.* must describe the model it holds")
+    raise ConfigError(f"{subject} holds another model: {problems[0]}{more}{hint}; {remedy}")
 
 
 def _dims(shape) -> str:
