@@ -138,7 +138,7 @@ def test_data_stats_prints_the_summary_and_writes_a_histogram(stdlib_data, tmp_p
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_command(tmp_path):
+def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_command(tmp_path, capsys):
     script = tmp_path / "job.sbatch"
     result = run_cli("launch", "slurm", "configs/llama-1b.toml", "train.lr=1e-4", "--nodes", "4",
                      "--gpus-per-node", "8", "--out", str(script))
@@ -179,17 +179,23 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
     assert pod["volumes"] == [{"name": "work", "persistentVolumeClaim": {"claimName": "train-work"}}]
     assert pod["containers"][0]["workingDir"] == "/mnt/work"
     assert pod["containers"][0]["volumeMounts"] == [{"name": "work", "mountPath": "/mnt/work"}]
-    for bad in ("", ":/mnt", "claim:relative"):
-        refused = run_cli("launch", "k8s", "configs/llama-1b.toml", "--nodes", "2", "--gpus-per-node", "8",
-                          "--volume", bad)
-        assert refused.returncode == 2 and "give a PersistentVolumeClaim's name" in refused.stderr, bad
+    from scaletrain.cli import main
+
+    for bad in ("", ":/mnt", "claim:relative", "Bad_Claim:/w", "c:/w:/x"):  # (what Kubernetes would refuse)
+        assert main(["launch", "k8s", str(ROOT / "configs" / "llama-1b.toml"), "--nodes", "2", "--gpus-per-node", "8",
+                     "--volume", bad]) == 2, bad
+        assert "give a PersistentVolumeClaim's name" in " ".join(capsys.readouterr().err.split()), bad
+    assert main(["launch", "k8s", str(ROOT / "configs" / "llama-1b.toml"), "--nodes", "2", "--gpus-per-node", "8",
+                 "--image", ""]) == 2
+    assert "--image is empty; give the container image" in capsys.readouterr().err
 
 
 def test_k8s_names_are_dns_labels_whatever_the_run_name():
     from scaletrain.config import load_config
     from scaletrain.launch import k8s_manifest
 
-    for run_name, expected in [("1b", "run-1b"), ("My_Run.v2", "my-run-v2"), ("x" * 80, "x" * 56)]:
+    for run_name, expected in [("1b", "run-1b"), ("My_Run.v2", "my-run-v2"), ("x" * 80, "x" * 56),
+                               ("Weird Name_ü", "weird-name")]:
         cfg = load_config(ROOT / "configs" / "llama-1b.toml", [f"run.name={run_name}"])
         service, job = json.loads(k8s_manifest(cfg, "configs/llama-1b.toml", [], 2, 8, "image:1"))["items"]
         assert service["metadata"]["name"] == job["metadata"]["name"] == expected

@@ -326,9 +326,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         text = slurm_script(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node, grace_s=args.grace,
                             max_restarts=args.max_restarts)
     else:
-        text = k8s_manifest(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node,
-                            args.image or "scaletrain:latest", grace_s=args.grace, max_restarts=args.max_restarts,
-                            volume=args.volume)
+        image = "scaletrain:latest" if args.image is None else args.image
+        text = k8s_manifest(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node, image,
+                            grace_s=args.grace, max_restarts=args.max_restarts, volume=args.volume)
         if args.volume is None:
             console.print("[yellow]warning:[/] no --volume: the run's checkpoints are written in each pod's own "
                           "filesystem and are lost with it; give a PersistentVolumeClaim that holds the data and "

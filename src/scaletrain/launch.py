@@ -13,6 +13,7 @@ after one fails or hangs (train/resilience.py's watchdog ends a hung one), and t
 from __future__ import annotations
 
 import json
+import re
 import shlex
 
 from scaletrain.config import ConfigError, RunConfig
@@ -99,13 +100,18 @@ def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
     with the pod, and a job run again starts from nothing."""
     check_layout(cfg, nodes, gpus_per_node)
     claim, _, mount = (volume or "").partition(":")
-    if volume is not None and (not claim or (mount and not mount.startswith("/"))):
-        raise ConfigError(f"--volume {volume!r}: give a PersistentVolumeClaim's name, optionally with where to mount "
-                          "it, e.g. scaletrain-work or scaletrain-work:/workspace")
+    # (a claim's name is a DNS subdomain; a mount path an absolute path without ':', as Kubernetes takes them)
+    if volume is not None and (not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", claim)
+                               or (mount and (not mount.startswith("/") or ":" in mount))):
+        raise ConfigError(f"--volume {volume!r}: give a PersistentVolumeClaim's name (lower-case letters, digits, "
+                          "'-' and '.'), optionally with the absolute path to mount it at, e.g. scaletrain-work or "
+                          "scaletrain-work:/workspace")
+    if not image.strip():
+        raise ConfigError("--image is empty; give the container image the pods run, e.g. registry/scaletrain:1.0")
     mount = mount or "/workspace"
     # A DNS label (Service and Job names): lower-case letters, digits and '-', starting with a
     # letter, at most 63 characters (with room for the pods' "-N" suffixes).
-    name = "".join(c if c.isalnum() else "-" for c in cfg.run.name.lower()).strip("-") or "scaletrain"
+    name = "".join(c if c.isascii() and c.isalnum() else "-" for c in cfg.run.name.lower()).strip("-") or "scaletrain"
     if not name[0].isalpha():
         name = f"run-{name}"
     name = name[:56].rstrip("-")
