@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 
@@ -93,6 +94,10 @@ def test_tune_trains_each_rate_once_resumes_and_writes_the_tuned_config(stdlib_d
         assert load_config(out / f"lr_{lr:g}" / "config.toml").train.lr == lr
     other = run_cli(*[a.replace("train.warmup_steps=1", "train.warmup_steps=2") for a in args])
     assert other.returncode != 0 and "holds a tuning of another config" in other.stderr
+    shutil.copytree(out, tmp_path / "copied")  # a tuning moved or copied is the same tuning: nothing to train
+    copied = run_cli(*[str(tmp_path / "copied") if a == str(out) else a for a in args[:-2]])
+    assert copied.returncode == 0 and "3/3" in copied.stderr, copied.stderr
+    assert (tmp_path / "copied" / "results.csv").read_text() == (out / "results.csv").read_text()
     refused = run_cli("tune", str(TINY), f"data.path={stdlib_data}", "--out", str(tmp_path / "x"))
     assert refused.returncode != 0 and "set model.mup_base_dim" in refused.stderr
     no_data = run_cli(*[a.replace(f"data.path={stdlib_data}", f"data.path={tmp_path / 'nowhere'}") for a in args[:-4]],

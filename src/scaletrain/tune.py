@@ -134,8 +134,12 @@ def tune(cfg: RunConfig, out: str | Path, lrs=DEFAULT_LRS, progress=None, steps:
     read_indexes(checked.data.sources)  # (data that is not there is refused before tune.json is written)
     identity = checked.model_dump(mode="json", exclude_none=True)  # (as JSON reads back)
     identity["train"].pop("lr")
+    identity["run"].pop("dir")  # (where the directory is: a tuning moved or copied is the same tuning)
     record = out / "tune.json"
-    if record.is_file() and read_own(record, "proxy")["proxy"] != identity:
+    saved = read_own(record, "proxy")["proxy"] if record.is_file() else None
+    if isinstance(saved, dict) and isinstance(saved.get("run"), dict):
+        saved["run"].pop("dir", None)  # (written with it before)
+    if saved is not None and saved != identity:
         raise ConfigError(f"{out} holds a tuning of another config (its proxy differs); give another --out, or "
                           "the config and overrides it was tuned with")
     out.mkdir(parents=True, exist_ok=True)
