@@ -403,7 +403,7 @@ def test_values_out_of_range_are_refused_before_any_work(trained_run, stdlib_dat
     assert not list(tmp_path.iterdir())
 
 
-def test_what_the_probe_found_is_named_in_one_sentence(trained_run, mixture_root, tmp_path, capsys):
+def test_what_the_probe_found_is_named_in_one_sentence(trained_run, mixture_root, stdlib_data, tmp_path, capsys):
     """A points row shorter than its header, an export onto a file or of a run without its
     tokenizer, a missing target domain and --stop-at-step past a run's end: each said as what it is."""
     from scaletrain.cli import main
@@ -425,6 +425,10 @@ def test_what_the_probe_found_is_named_in_one_sentence(trained_run, mixture_root
          "must be the one its checkpoints hold"),
         (["export", str(untokenized), "--out", str(tmp_path / "hf")], "has no tokenizer.json (training copies it "
                                                                       "there from its data, "),
+        (["compare", str(trained_run), "--out", ""], "--out is empty; give the path of a file to write"),
+        (["data", "stats", str(stdlib_data), "--plot", " "], "--plot is empty; give the path of a file to write"),
+        (["eval", str(trained_run), "--out", str(tmp_path / "results")],
+         "a file whose name has no suffix cannot be written here; give a name ending in one of .jsonl, .json"),
         (["fit", "--points", str(tmp_path / "short.csv")], "line 2 has fewer values than the header's 3 columns "
                                                           "(none for loss)"),
         (["export", str(trained_run), "--out", str(tmp_path / "afile")], "is a file; give the path of a new directory"),

@@ -119,6 +119,7 @@ def cmd_data_stats(args: argparse.Namespace) -> int:
 
     plot = args.plot
     if plot is not None:
+        check_output_file(plot, "--plot")
         plot += "" if os.path.splitext(plot)[1] else ".png"  # (as Matplotlib names it)
         check_output_file(plot, "--plot", plot_suffixes())
     summary = describe(args.data_dir, top=args.top)

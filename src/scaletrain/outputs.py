@@ -100,6 +100,8 @@ def check_output_file(path: str | Path | None, flag: str, suffixes: tuple[str, .
     `suffixes` (when given)."""
     if path is None:
         return
+    if not str(path).strip():
+        raise UserError(f"{flag} is empty; give the path of a file to write")
     target = Path(path)
     if target.is_dir():
         raise UserError(f"{flag} {str(path)!r} is a directory; give the path of a file to write")
@@ -112,8 +114,9 @@ def check_output_file(path: str | Path | None, flag: str, suffixes: tuple[str, .
         raise UserError(f"{flag} {str(path)!r} is a file of the {found} {str(target.parent)!r}, its own; give "
                         "another file name")
     if suffixes and target.suffix.lower().removeprefix(".") not in suffixes:
-        raise UserError(f"{flag} {str(path)!r}: a {target.suffix or 'name without a suffix'} file cannot be written "
-                        f"here; give a name ending in one of {', '.join('.' + s for s in suffixes)}")
+        what = f"a {target.suffix} file" if target.suffix else "a file whose name has no suffix"
+        raise UserError(f"{flag} {str(path)!r}: {what} cannot be written here; give a name ending in one of "
+                        f"{', '.join('.' + s for s in suffixes)}")
 
 
 def plot_suffixes() -> tuple[str, ...]:
