@@ -423,6 +423,8 @@ def test_what_the_probe_found_is_named_in_one_sentence(trained_run, mixture_root
                                     "tok_embeddings.weight is 512x64, this model's 512x128"),
         (["export", str(edited), "--out", str(tmp_path / "hf"), "--step", "6"],
          "must be the one its checkpoints hold"),
+        (["eval", str(edited)], f"checkpoint {str(edited / 'checkpoints' / 'step_0000006')!r} holds another model: "
+                                "its tok_embeddings.weight is 512x64, this model's 512x128"),
         (["export", str(untokenized), "--out", str(tmp_path / "hf")], "has no tokenizer.json (training copies it "
                                                                       "there from its data, "),
         (["compare", str(trained_run), "--out", ""], "--out is empty; give the path of a file to write"),

@@ -167,10 +167,11 @@ def _vanished(paths: list[Path]) -> bool:
     return bool(gone.item())
 
 
-def _check_shape(run_dir: Path, cfg) -> None:
-    """Refuse overrides of the shape of the model a run's checkpoints hold, in those words (the
-    weights' loading would blame a checkpoint.init_from nobody gave)."""
-    from scaletrain.train.init_from import SHAPES
+def _check_shape(run_dir: Path, cfg, first: Path) -> None:
+    """Refuse overrides of the shape of the model a run's checkpoints hold, and a config.toml
+    edited since to another model than its checkpoint `first`'s, in those words (the weights'
+    loading would blame a checkpoint.init_from nobody gave)."""
+    from scaletrain.train.init_from import SHAPES, check_weights
 
     before = config_from(run_config_data(run_dir)).model
     changed = [key for key in SHAPES if getattr(before, key) != getattr(cfg.model, key)]
@@ -179,6 +180,8 @@ def _check_shape(run_dir: Path, cfg) -> None:
                           f"checkpoints of {str(run_dir)!r} hold the model of its config "
                           f"({', '.join(f'model.{key} = {getattr(before, key)}' for key in changed)}); drop the "
                           "override")
+    check_weights(first, cfg, None, f"checkpoint {str(first)!r}",
+                  f"the model of {str(run_dir / 'config.toml')!r} must be the one its checkpoints hold")
 
 
 def evaluate_run(source: str | Path, steps: list[int] | None = None, every: bool = False, data: str | None = None,
@@ -200,7 +203,7 @@ def evaluate_run(source: str | Path, steps: list[int] | None = None, every: bool
     with tempfile.TemporaryDirectory(prefix="scaletrain-eval-") as scratch:
         cfg = evaluation_config(source, groups[0][-1], data, tasks, list(overrides), world()[2], Path(scratch))
         if not hugging_face:
-            _check_shape(source, cfg)
+            _check_shape(source, cfg, groups[0][-1])
         try:
             trainer = Trainer(cfg)  # (a Hugging Face model's weights load here)
             for paths in groups:
