@@ -742,8 +742,8 @@ def _predict_sweep_time(settings, concurrency: int) -> int:
     out.print(table)
     total = sum(seconds.values()) + start_s
     out.print(f"predicted: {total:.0f} s ({total / 3600:.2f} h) for {sum(flops.values()):.3g} FLOPs (cooldown branches "
-              f"included){_started(start_s)}, at {', '.join(f'{r:.3g}' for r in speed.flops_per_s)} FLOP/s per run measured for N = "
-              f"{', '.join(f'{n:,.0f}' for n in speed.n)}; nothing trained")
+              f"included){_started(start_s)}, at {', '.join(f'{r:.3g}' for r in speed.flops_per_s)} FLOP/s per run "
+              f"measured for N = {', '.join(f'{n:,.0f}' for n in speed.n)}; nothing trained")
     return 0
 
 

@@ -458,7 +458,8 @@ def _checked(values: dict, where: str) -> dict:
         exponent = name in ("alpha", "beta")
         if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
                 or value < 0 or (value == 0 and exponent)):
-            raise ValueError(f"{where}{name} is {value!r}, not a finite number {'above 0' if exponent else 'of 0 or more'}")
+            bound = "above 0" if exponent else "of 0 or more"
+            raise ValueError(f"{where}{name} is {value!r}, not a finite number {bound}")
     return values
 
 
