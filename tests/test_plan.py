@@ -548,6 +548,12 @@ def test_plan_refuses_bad_input_in_one_sentence(tmp_path, capsys):
         assert stop.value.code == 2 and argv[0] in capsys.readouterr().err
 
 
+def test_the_written_configs_command_quotes_its_path(tmp_path, capsys):
+    written = tmp_path / "my plan ü.toml"  # (a path with a space: the command printed must still run as shown)
+    assert main(["plan", "--params", "1e8", "--tokens", "1e9", "--write-config", str(written)]) == 0
+    assert f"scaletrain train '{written}' --nproc 8" in " ".join(capsys.readouterr().out.split())
+
+
 def test_tokens_below_one_batch_are_planned_as_one_step_and_said(capsys):
     assert main(["plan", "--params", "1e8", "--tokens", "1e3", "--json"]) == 0
     said = capsys.readouterr()

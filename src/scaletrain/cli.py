@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -502,9 +503,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         out.print(table)
     if args.write_config:
         nodes = plan["hardware"]["nodes"]
-        out.print(f"wrote {args.write_config}: train it with `scaletrain train {args.write_config} --nproc "
-                  f"{hardware.count}`" if nodes == 1 else
-                  f"wrote {args.write_config}: `scaletrain launch slurm {args.write_config} --nodes {nodes} "
+        out.print(f"wrote {args.write_config}: train it with `scaletrain train {shlex.quote(args.write_config)} "
+                  f"--nproc {hardware.count}`" if nodes == 1 else
+                  f"wrote {args.write_config}: `scaletrain launch slurm {shlex.quote(args.write_config)} --nodes {nodes} "
                   f"--gpus-per-node {hardware.gpus_per_node}` (or `launch k8s ... --image IMAGE`) writes the job "
                   "for it")
     return 0
@@ -1007,7 +1008,8 @@ def cmd_hparams(args: argparse.Namespace) -> int:
                      if p["extrapolation"] > EXTRAPOLATION_WARNING else ""), highlight=False)
     for budget in sorted(set(args.check or [])):
         _check_hparams(search, law, budget, args.concurrency)
-    out.print(f"wrote {path}; use it: scaletrain sweep --data {args.data} --budgets ... --hparams {path} "
+    out.print(f"wrote {path}; use it: scaletrain sweep --data {shlex.quote(args.data)} --budgets ... --hparams "
+              f"{shlex.quote(str(path))} "
               f"(also mixture and plan --hparams)", highlight=False)
     return 0
 
@@ -1076,7 +1078,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                                        "run": cfg.run.model_copy(update={"name": Path(args.write_config).stem})})
         Path(args.write_config).write_text(tuned.to_toml())
         out.print(f"wrote {args.write_config} (train.lr = {doc['best_lr']:.4g}); train it with: scaletrain train "
-                  f"{args.write_config}", highlight=False)
+                  f"{shlex.quote(args.write_config)}", highlight=False)
     return 0
 
 
@@ -1282,7 +1284,7 @@ def _shape_to_train(sweep, law, compute: float, out_dir) -> dict:
     loss = law.loss(point.n, point.tokens)
     out.print(f"  in the sweep's shape family: {point.shape.name} (N {point.n:,}, D {point.tokens:,}: {point.steps:,} "
               f"steps of {point.batch_seqs} sequences, lr {point.lr:.3g}), loss {loss:.4f}")
-    out.print(f"  train it with: scaletrain train {path}", soft_wrap=True, highlight=False)
+    out.print(f"  train it with: scaletrain train {shlex.quote(str(path))}", soft_wrap=True, highlight=False)
     return {"name": point.shape.name, "n": point.n, "d": point.tokens, "steps": point.steps,
             "batch_seqs": point.batch_seqs, "lr": point.lr, "loss": loss, "config": str(path)}
 
@@ -1462,7 +1464,8 @@ def _eval_sweep(args: argparse.Namespace) -> int:
         table.add_row(row["name"], f"{float(row['n']):,.0f}", f"{float(row['c']):.3g}",
                       f"{float(row['sweep_loss']):.4f}", f"{float(row['loss']):.4f}")
     out.print(table)
-    out.print(f"wrote {args.out}: fit a law to it with `scaletrain fit --points {args.out}`", highlight=False)
+    out.print(f"wrote {args.out}: fit a law to it with `scaletrain fit --points {shlex.quote(args.out)}`",
+              highlight=False)
     return 0
 
 
