@@ -369,6 +369,8 @@ def test_values_out_of_range_are_refused_before_any_work(trained_run, stdlib_dat
     cases = [
         (["demo", "--out", str(tmp_path / "demo"), "--minutes", "-1e3"], "--minutes -1000: give the minutes"),
         (["fit", str(tmp_path), "--drop-highest", "-1"], "argument --drop-highest: '-1' must be 0 or more"),
+        (["tune", tiny, "model.mup_base_dim=32", "--lrs", "0.001,0.01,0.001"],
+         "argument --lrs: 0.001 is given twice in --lrs; give each once"),
         (["generate", str(trained_run), "--prompt", "def", "--temperature", "nan"],
          "argument --temperature: 'nan' must be 0 (greedy) or more, and finite"),
         (["generate", str(trained_run), "--seed", "99999999999999999999"],
@@ -428,6 +430,8 @@ def test_what_the_probe_found_is_named_in_one_sentence(trained_run, mixture_root
         (["export", str(untokenized), "--out", str(tmp_path / "hf")], "has no tokenizer.json (training copies it "
                                                                       "there from its data, "),
         (["compare", str(trained_run), "--out", ""], "--out is empty; give the path of a file to write"),
+        (["compare", str(trained_run), str(trained_run) + "/", "--out", str(tmp_path / "c.png")],
+         f"{trained_run} is given twice in the run directories; give each once"),
         (["data", "stats", str(stdlib_data), "--plot", " "], "--plot is empty; give the path of a file to write"),
         (["eval", str(trained_run), "--out", str(tmp_path / "results")],
          "a file whose name has no suffix cannot be written here; give a name ending in one of .jsonl, .json"),
@@ -554,6 +558,7 @@ def test_eval_out_is_replaced_only_by_an_eval_that_measured_something(trained_ru
         assert message in err and "Traceback" not in err, (argv, err)
     assert json.loads(earlier.read_text())["loss"] == 5.0 and corpus.read_text() == '{"text": "a document"}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "earlier.jsonl"]
-    assert main(["eval", str(trained_run), "--out", str(earlier)]) == 0  # (an earlier eval's: replaced)
+    # (an earlier eval's: replaced; a step given twice evaluated once)
+    assert main(["eval", str(trained_run), "--step", "6", "--step", "6", "--out", str(earlier)]) == 0
     [record] = [json.loads(line) for line in earlier.read_text().splitlines()]
     assert record["checkpoint"] != "x" and record["loss"] > 0

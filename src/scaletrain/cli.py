@@ -1101,6 +1101,14 @@ def _number(convert, what: str, ok, bound: str):
 _flops = _number(float, "a number (e.g. 1e21)", lambda v: 0 < v < float("inf"), "positive and finite")
 _count = _number(int, "a whole number", lambda v: v >= 1, "at least 1")
 _how_many = _number(int, "a whole number", lambda v: v >= 0, "0 or more")
+def _distinct(values: list, what: str, error: type[Exception] = argparse.ArgumentTypeError) -> list:
+    """`values`, or an `error` in one line naming the first given twice (argparse's, for a type)."""
+    twice = next((value for i, value in enumerate(values) if value in values[:i]), None)
+    if twice is not None:
+        raise error(f"{twice} is given twice in {what}; give each once")
+    return values
+
+
 _seed = _number(int, "a whole number", lambda v: 0 <= v < 2**63, "from 0 to 2^63 - 1")
 _temperature = _number(float, "a number", lambda v: 0 <= v < float("inf"), "0 (greedy) or more, and finite")
 # Worker processes at once: each needs a share of the cores to feed its device (a GPU sweep runs
@@ -1389,6 +1397,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if args.every and args.step:
         raise UserError("give --step K (one or more) or --all, not both")
+    args.step = sorted(set(args.step)) if args.step else args.step  # (a step given twice is evaluated once)
     check_output_file(args.out, "--out", makes_folder=True)
     if is_sweep(Path(args.run_dir)):
         return _eval_sweep(args)
@@ -1574,6 +1583,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if not os.path.splitext(args.out)[1]:
         args.out += ".png"  # (what matplotlib writes for a name without a suffix)
     check_output_file(args.out, "--out", plot_suffixes())
+    _distinct([str(Path(run).resolve()) for run in args.run_dirs], "the run directories", UserError)
     rows = compare_runs(args.run_dirs, args.out, x=args.x)
     # Runs on other mixtures weigh their validation loss differently: their sources compare.
     sources = sorted({name for row in rows for name in (row["val_loss_by_source"] or {})})
@@ -1870,7 +1880,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override config values (of the proxies and of the config --write-config writes)")
     p.add_argument("--steps", type=_count, default=None,
                    help="train each proxy this many steps (default: the run's length); the written config keeps its own")
-    p.add_argument("--lrs", type=lambda text: [_lr(part) for part in text.split(",")], default=None,
+    p.add_argument("--lrs", type=lambda text: _distinct([_lr(part) for part in text.split(",")], "--lrs"), default=None,
                    help="learning rates to try, comma-separated (default: 2^-11 to 2^-5, a factor of 2 apart)")
     p.add_argument("--out", default=None, help="directory of the proxy runs and tune.json (runs/NAME-tune)")
     p.add_argument("--concurrency", type=_workers, default=1,
