@@ -744,6 +744,9 @@ def test_multiple_choice_tasks_score_each_choice_by_its_log_probability_after_th
     bad.write_text('{"context": "a", "choices": ["b", "c"], "label": 1}\n{"context": "a", "choices": ["b"], "label": 0}\n')
     with pytest.raises(ConfigError, match=r"line 2 of .*bad.jsonl' is not an example; each line must be "):
         Trainer(tiny_config(stdlib_data, tmp_path / "other", "train.steps=2", f"eval.tasks=['{bad}']"))
+    bad.write_text('{"context": "a", "choices": ["b", "c"], "label": true}\n')  # (JSON's true is not the index 1)
+    with pytest.raises(ConfigError, match=r"line 1 of .*bad.jsonl' is not an example"):
+        Trainer(tiny_config(stdlib_data, tmp_path / "other", "train.steps=2", f"eval.tasks=['{bad}']"))
 
 
 def test_compiled_blocks_train_the_same_losses(stdlib_data, tmp_path):

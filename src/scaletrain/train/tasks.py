@@ -72,7 +72,7 @@ def load_task(path: str | Path, tokenizer, eos_id: int, seq_len: int, limit: int
             context, choices, label = item["context"], item["choices"], item["label"]
             if not (isinstance(context, str) and isinstance(choices, list) and len(choices) >= 2
                     and all(isinstance(c, str) and c for c in choices)
-                    and isinstance(label, int) and 0 <= label < len(choices)):
+                    and isinstance(label, int) and not isinstance(label, bool) and 0 <= label < len(choices)):
                 raise ValueError
         except (ValueError, KeyError, TypeError):
             raise ConfigError(f"eval.tasks: line {number} of {str(path)!r} is not an example; each line must be "
