@@ -13,6 +13,7 @@ memory-mapped .npy costs nothing until it is used.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -126,6 +127,17 @@ def read_index(data_dir: str | Path) -> dict:
     return index
 
 
+@functools.lru_cache(maxsize=4)
+def _tokenizer_ids(text: bytes) -> int:
+    """How many ids the tokenizer of this tokenizer.json gives (parsed once a process: a search
+    reads its data's indexes at every run's start)."""
+    from tokenizers import Tokenizer
+
+    from scaletrain.data.tokenizer import vocab_size
+
+    return vocab_size(Tokenizer.from_str(text.decode()))
+
+
 def read_indexes(sources: dict[str, Path]) -> dict[str, dict]:
     """The index of each named data directory, checked to share one tokenizer (the directories of
     a mixture must: the model sees one vocabulary)."""
@@ -139,12 +151,8 @@ def read_indexes(sources: dict[str, Path]) -> dict[str, dict]:
                         "prepare them with one (`data prepare --tokenizer DIR/tokenizer.json`)")
     text = next(iter(tokenizers.values()), None)
     if text is not None:  # (ids its tokenizer gives past the index's vocab_size would fail in the embedding)
-        from tokenizers import Tokenizer
-
-        from scaletrain.data.tokenizer import vocab_size
-
         try:
-            ids = vocab_size(Tokenizer.from_str(text.decode()))
+            ids = _tokenizer_ids(text)
         except Exception as e:  # (a tokenizer.json edited or cut)
             raise DataError(f"{str(Path(next(iter(sources.values()))) / 'tokenizer.json')!r} is not a tokenizer "
                             f"({type(e).__name__}); prepare the data directory again") from None
