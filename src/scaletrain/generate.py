@@ -38,10 +38,10 @@ def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None
     # (config.toml edited since: named here, not DCP's size mismatch)
     remedy = f"the model of {str(config)!r} must be the one its checkpoints hold"
     if step is None:
-        if not checkpoint.complete_checkpoints(root):
+        complete = checkpoint.complete_checkpoints(root)
+        if not complete:
             raise checkpoint.no_complete_checkpoint(run_dir)
-        check_weights(checkpoint.complete_checkpoints(root)[0], cfg, None, f"the newest checkpoint of {str(run_dir)!r}",
-                      remedy)
+        check_weights(complete[0], cfg, None, f"the newest checkpoint of {str(run_dir)!r}", remedy)
         path = checkpoint.load_newest(root, state)  # past a damaged newest one, with a warning
     else:
         path = checkpoint.checkpoint_dir(root, step)
