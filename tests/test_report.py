@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 
@@ -25,8 +26,10 @@ def test_report_writes_plots_and_html_and_compares_the_final_loss_with_the_law(s
     cfg = tiny_config(stdlib_data, run_dir, "train.steps=6", "eval.interval=3", "checkpoint.interval=3",
                       f"eval.tasks=['{next_line_task}']", "eval.task_examples=8", "log.norms=true")
     train(cfg, stop_at_step=3)
-    with open(run_dir / "metrics.jsonl", "a") as f:  # an attempt that got to step 5 and hung there
-        f.write(json.dumps({"kind": "hang", "step": 5, "tokens": 2560, "time": time.time(), "seconds": 900.0}) + "\n")
+    with open(run_dir / "metrics.jsonl", "a") as f:  # an attempt that got to step 5 and hung there: both ranks saw it
+        for rank, seconds in ((1, 900.0), (0, 905.5)):
+            f.write(json.dumps({"kind": "hang", "step": 5, "tokens": 2560, "time": time.time(), "seconds": seconds,
+                                "rank": rank}) + "\n")
     train(cfg)  # resumes from step 3: the hang's step is gone over again, the hang stays an event
     law = tmp_path / "law.json"
     law.write_text(json.dumps({"approach3": {k: {"value": v} for k, v in LAW.to_dict().items() if k != "source"},
@@ -42,7 +45,7 @@ def test_report_writes_plots_and_html_and_compares_the_final_loss_with_the_law(s
                 if '"kind": "eval"' in line][-1]["loss"]
     assert f"{predicted:.4f} [{low:.4f}, {high:.4f}]" in result.stdout
     assert f"{(val_loss - predicted) / predicted:+.2%}" in result.stdout
-    assert "resume events" in result.stdout and "hang events" in result.stdout
+    assert re.search(r"resume events\W+1\b", result.stdout) and re.search(r"hang events\W+1\b", result.stdout)
     last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if '"kind": "eval"' in line][-1]
     assert f"{last['task_accuracy']['next_line']:.1%} ({last['task_accuracy_norm']['next_line']:.1%}; " \
@@ -61,7 +64,25 @@ def test_report_writes_plots_and_html_and_compares_the_final_loss_with_the_law(s
     page = (run_dir / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 6  # self-contained
     assert "goodput: the share of the wall-clock that trained kept steps (2 invocations, 0 rewinds)" in page
-    assert "<td>resume</td>" in page and "<td>hang</td>" in page and "<td>end</td>" in page and "[model]" in page
+    assert "<td>resume</td>" in page and "<td>end</td>" in page and "[model]" in page
+    assert page.count("<td>hang</td><td>seconds 905.5, ranks [0, 1]</td>") == 1
+
+
+def test_the_hangs_every_rank_recorded_are_one_event_an_invocation():
+    """Each rank whose watchdog fired records the hang: one event of the ranks, the longest
+    silence; the same step hung again after a restart is another event; older records name no rank."""
+    from scaletrain.report.run import _events
+
+    def record(kind, step, **values):
+        return {"kind": kind, "step": step, "tokens": 0, "time": 0.0, **values}
+
+    every = [record("start", 0), record("hang", 5, seconds=900.0, rank=1), record("hang", 5, seconds=905.5, rank=0),
+             record("resume", 4), record("hang", 5, seconds=901.0, rank=0), record("resume", 4),
+             record("hang", 5, seconds=3.0)]
+    assert [e for e in _events(every) if e["kind"] == "hang"] == [
+        {"kind": "hang", "step": 5, "seconds": 905.5, "ranks": [0, 1]},
+        {"kind": "hang", "step": 5, "seconds": 901.0, "ranks": [0]},
+        {"kind": "hang", "step": 5, "seconds": 3.0, "ranks": None}]
 
 
 def test_report_refuses_what_is_not_a_run_or_a_law_in_one_line(stdlib_data, tmp_path):

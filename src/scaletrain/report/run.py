@@ -35,7 +35,8 @@ from scaletrain.train.metrics import read_metrics  # noqa: E402
 
 # Events worth a line in the report, with what each record says beyond its step.
 EVENTS = {"start": (), "resume": (), "checkpoint": ("blocking_s",), "rewind": ("cause", "diverged_at", "skipped_steps"),
-          "spike": ("loss", "mean", "std"), "hang": ("seconds",), "diverged": ("message",), "end": ("complete", "stopped_by")}
+          "spike": ("loss", "mean", "std"), "hang": ("seconds", "rank"), "diverged": ("message",),
+          "end": ("complete", "stopped_by")}
 
 
 def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict | None = None) -> dict:
@@ -77,8 +78,7 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
         # Where the wall-clock went, over every invocation (report/goodput.py).
         "time": account(every, records),
         # Every event that happened, also those of steps a resume or rewind went back over.
-        "events": [{"kind": r["kind"], "step": r["step"], **{k: r.get(k) for k in EVENTS[r["kind"]]}}
-                   for r in every if r["kind"] in EVENTS],
+        "events": _events(every),
     }
     law = prediction = None
     if plan_doc is not None:
@@ -131,6 +131,27 @@ def other_data(law_data: dict | None, path: str, mix: dict[str, float] | None) -
 
     return (f"the law was measured on {said(law_data['path'], swept_mix)}, this run trains on "
             f"{said(path, mix)}: its prediction is of other data")
+
+
+def _events(every: list[dict]) -> list[dict]:
+    """The records of EVENTS, in order, with what each says beyond its step. Each rank whose
+    watchdog fired records a hang: those of one invocation and step are one event, the longest
+    silence, with `ranks` (sorted; absent from records written before ranks were)."""
+    events, hangs, invocation = [], {}, 0
+    for r in every:
+        invocation += r["kind"] in ("start", "resume")  # (each invocation after the first resumes)
+        if r["kind"] not in EVENTS:
+            continue
+        event = {"kind": r["kind"], "step": r["step"], **{k: r.get(k) for k in EVENTS[r["kind"]]}}
+        if r["kind"] == "hang":
+            rank = event.pop("rank")
+            first = hangs.setdefault((invocation, r["step"]), event)
+            first["ranks"] = sorted(set(first.get("ranks") or ()) | ({rank} if rank is not None else set())) or None
+            if first is not event:
+                first["seconds"] = max(first["seconds"] or 0, event["seconds"] or 0)
+                continue
+        events.append(event)
+    return events
 
 
 def read_run(run_dir: Path):

@@ -1334,8 +1334,9 @@ class Trainer:
         # A gloo group of its own for the stop vote (resilience.py), as for background saves.
         signals = StopSignals(dist.new_group(backend="gloo") if dist.is_initialized() else None)
         signals.install()
-        watchdog = Watchdog(cfg.train.hang_timeout_s, on_hang=lambda quiet: metrics.write(
-            "hang", self.step, self.tokens, seconds=round(quiet, 1)),
+        # Every rank records its own hang (with its rank): a hung rank's exit may end rank 0 first.
+        watchdog = Watchdog(cfg.train.hang_timeout_s, on_hang=lambda quiet: metrics.write_from_any_rank(
+            "hang", self.step, self.tokens, seconds=round(quiet, 1), rank=self.rank),
             progress=lambda: checkpoint.bytes_on_disk(self.ckpt_root))
         finished = False
         try:
