@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from contextlib import nullcontext
 
 import pytest
@@ -144,7 +145,7 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
                      "--gpus-per-node", "8", "--out", str(script))
     assert result.returncode == 0, result.stderr
     text = script.read_text()
-    for words in ["#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "torchrun --nnodes=4 --nproc-per-node=8 --max-restarts=3",
+    for words in ["#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "srun python3 -m scaletrain.torchrun --nnodes=4 --nproc-per-node=8 --max-restarts=3",
                   "--rdzv-backend=c10d", "-m scaletrain.cli train configs/llama-1b.toml train.lr=1e-4",
                   # SIGTERM 180 s before the time limit; torchrun lets the workers save; preempted jobs requeue
                   "#SBATCH --signal=TERM@180", "#SBATCH --requeue", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=170"]:
@@ -162,7 +163,8 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
     assert service["metadata"]["name"] == "llama-1b"
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
-    assert container["command"][:4] == ["torchrun", "--nnodes=2", "--nproc-per-node=8", "--max-restarts=3"]
+    assert container["command"][:6] == ["python3", "-m", "scaletrain.torchrun", "--nnodes=2", "--nproc-per-node=8",
+                                        "--max-restarts=3"]
     assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 600
     assert {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "590"} in container["env"]
     assert "volumes" not in job["spec"]["template"]["spec"] and "are lost with it" in " ".join(result.stderr.split())
@@ -175,6 +177,9 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
     # failed pods replaced, each index up to --max-restarts times: they resume from the claim
     assert (job["spec"]["backoffLimitPerIndex"], job["spec"]["maxFailedIndexes"]) == (3, 0)
     assert "backoffLimit" not in job["spec"]
+    # but not after a refusal of the run's input (scaletrain.torchrun's status 2), which would be met again
+    assert {"action": "FailJob", "onExitCodes": {"containerName": "train", "operator": "In", "values": [2]}} \
+        in job["spec"]["podFailurePolicy"]["rules"]
     pod = job["spec"]["template"]["spec"]
     assert pod["volumes"] == [{"name": "work", "persistentVolumeClaim": {"claimName": "train-work"}}]
     assert pod["containers"][0]["workingDir"] == "/mnt/work"
@@ -209,7 +214,7 @@ def test_launch_refuses_a_batch_that_does_not_split_over_its_ranks():
     small = cfg.model_copy(update={"train": cfg.train.model_copy(update={"global_batch_tokens": 8 * cfg.data.seq_len})})
     with pytest.raises(ConfigError, match="do not split into 16 data-parallel ranks"):
         slurm_script(small, "configs/llama-1b.toml", [], 2, 8)
-    assert "srun torchrun" in slurm_script(cfg, "configs/llama-1b.toml", [], 2, 8)
+    assert "srun python3 -m scaletrain.torchrun" in slurm_script(cfg, "configs/llama-1b.toml", [], 2, 8)
 
 
 def test_launch_refuses_a_layout_the_processes_do_not_fit(tmp_path):
@@ -508,19 +513,24 @@ def test_version_names_scaletrain_and_what_it_runs_on(capsys):
 
 
 def test_a_worker_hands_a_lasting_refusal_to_the_command_that_started_torchrun(tmp_path, monkeypatch, capsys):
-    """Under `train --nproc` (cli._torchrun sets the file): a refusal the same input would meet
-    again goes to the file and the worker ends without failing (no restart); one that may not
-    happen again (an error raised from another, an errno trying again may mend) fails the worker
-    as before, for torchrun to restart; with the file's folder gone, it is said here."""
+    """Under `train --nproc` (scaletrain.torchrun.run sets the file): a refusal the same input would
+    meet again goes to the file and the worker waits to be stopped, without failing (no restart);
+    one that may not happen again (an error raised from another, an errno trying again may mend)
+    fails the worker as before, for torchrun to restart; with the file's folder gone, it is said
+    here. A command line argparse refuses is handed over too."""
     import errno
 
-    from scaletrain.cli import REFUSAL_FILE, _refused, main
+    from scaletrain.cli import _refused, main
+    from scaletrain.torchrun import REFUSAL_FILE
 
     refusal = tmp_path / "refusal"
     monkeypatch.setenv(REFUSAL_FILE, str(refusal))
+    monkeypatch.setattr("scaletrain.torchrun.REFUSAL_WAIT_S", 0.3)  # (nothing here stops this process)
     assert _refused("a passing trouble", lasting=False) == 2 and not refusal.exists()
     assert "a passing trouble" in capsys.readouterr().err
+    started = time.monotonic()
     assert _refused("the input is bad") == 0 and refusal.read_text() == "the input is bad"
+    assert time.monotonic() - started >= 0.3  # it waited to be stopped
     assert capsys.readouterr().err == "" and sorted(p.name for p in tmp_path.iterdir()) == ["refusal"]
     monkeypatch.setenv(REFUSAL_FILE, str(tmp_path / "gone" / "refusal"))
     assert _refused("said here") == 2 and "said here" in capsys.readouterr().err
@@ -528,6 +538,9 @@ def test_a_worker_hands_a_lasting_refusal_to_the_command_that_started_torchrun(t
     monkeypatch.setenv(REFUSAL_FILE, str(refusal))
     refusal.unlink()
     assert main(["data", "stats", str(tmp_path / "nowhere")]) == 0 and "does not exist" in refusal.read_text()
+    refusal.unlink()
+    assert main(["data", "stats", "--no-such-option"]) == 0 and "command line was refused" in refusal.read_text()
+    assert "the following arguments are required: data_dir" in capsys.readouterr().err
     refusal.unlink()
 
     def full(args):

@@ -466,19 +466,21 @@ def reference_long(stdlib_data, tmp_path_factory):
     return run_dir
 
 
-def test_sigterm_stops_every_rank_after_the_same_step_and_the_cli_resumes_with_the_losses_of_one_process(
+def test_a_stop_signal_stops_every_rank_after_the_same_step_and_the_cli_resumes_with_the_losses_of_one_process(
         stdlib_data, reference_long, tmp_path):
-    """`scaletrain train --nproc 2` (FSDP) sent SIGTERM mid-run, as a scheduler preempts a job:
-    the command passes it to torchrun, which passes it to the workers; they agree on a step,
-    save it and end with status 143. The same command then finishes the run with the losses of
-    one process that was never stopped."""
+    """`scaletrain train --nproc 2` (FSDP) sent SIGUSR1 mid-run, as a scheduler warns of a
+    job's time limit, then SIGTERM to all of its processes, as Slurm signals a job step: the
+    command (torchrun, in it) sends SIGTERM to the workers once and waits for them (torchrun
+    alone would die of SIGUSR1, and ended in a traceback on a second signal, its workers
+    unwaited); they agree on a step, save it and the command ends with status 128 + SIGUSR1.
+    The same command then finishes the run with the losses of one process that was never stopped."""
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "scaletrain.cli", "train", "configs/tiny.toml", f"data.path={stdlib_data}",
             f"run.dir={tmp_path}", "run.name=run", *STEPS, *LONG, "parallel.dp_shard=2", "--nproc=2"]
     for attempt in (1, 2):  # (again from nothing if the launch failed for a transient reason)
         shutil.rmtree(run_dir, ignore_errors=True)
         process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   env={**os.environ, "COLUMNS": "200"})
+                                   env={**os.environ, "COLUMNS": "200"}, start_new_session=True)
         deadline = time.time() + 300
         while time.time() < deadline and process.poll() is None and not (
                 (run_dir / "metrics.jsonl").is_file() and max(records(run_dir, "train"), default=0) >= 3):
@@ -490,9 +492,11 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_the_cli_resumes_with_t
             break
         print("retrying the launch, which failed for a transient reason:\n" + stderr[-2000:])
     assert process.poll() is None and time.time() < deadline, "the run never got to step 3"
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signal.SIGUSR1)
+    time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGTERM)  # (the command, its workers: its own process group)
     stdout, stderr = process.communicate(timeout=120)
-    assert process.returncode == 143, stdout[-2000:] + stderr[-4000:]
+    assert process.returncode == 128 + signal.SIGUSR1 and "Traceback" not in stderr, stdout[-2000:] + stderr[-4000:]
     stop = checkpoint.step_of(checkpoint.complete_checkpoints(run_dir / "checkpoints")[0])
     assert 3 < stop < LONG_END
     assert f"stopped by SIGTERM after step {stop} with a checkpoint" in stdout + stderr
@@ -621,18 +625,37 @@ def test_nproc_with_a_layout_that_does_not_fit_is_one_line_before_any_process_st
     assert "1 x 1 x 3 x 1 x 1 = 3, but 2 processes" in result.stderr
 
 
-def test_a_refusal_found_by_the_processes_is_one_line_and_not_restarted(stdlib_data, tmp_path):
+def test_one_rank_refusing_while_its_peer_waits_on_it_ends_the_job_once_in_one_line(tmp_path):
+    """The refusing rank waits to be stopped (torchrun.hand_over): had it ended, its peer's
+    collective would have failed and torchrun (--max-restarts 2) started both again."""
+    attempts = tmp_path / "attempts"
+    result = subprocess.run([sys.executable, "-m", "scaletrain.torchrun", "--standalone", "--nproc-per-node=2",
+                             "--max-restarts=2", str(ROOT / "tests" / "refuse_one_rank.py"), str(attempts)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "error: rank 1 refused its input" in result.stderr
+    assert sorted(attempts.read_text().split()) == ["0", "1"]  # started once
+
+
+@pytest.mark.parametrize("how", ["--nproc", "job file"])
+def test_a_refusal_found_by_the_processes_is_one_line_and_not_restarted(stdlib_data, tmp_path, how):
     """A run whose every checkpoint is damaged is found out only by the processes torchrun starts
     (each loads the checkpoint): said in one line, once, not answered by starting them again
-    (--max-restarts 2) to be refused again, and the checkpoint is left as it was."""
+    (--max-restarts 2) to be refused again, and the checkpoint is left as it was. Through
+    `train --nproc`, and through scaletrain.torchrun as launch's job files run it (status 2)."""
     common = ["configs/tiny.toml", f"data.path={stdlib_data}", f"run.dir={tmp_path}", "run.name=run",
               "checkpoint.interval=2", "eval.interval=0"]
     assert run_cli("train", *common, "train.steps=2").returncode == 0
     damaged = tmp_path / "run" / "checkpoints" / "step_0000002" / "__0_0.distcp"
     damaged.write_bytes(b"cut")
-    result = run_cli("train", *common, "train.steps=4", "--nproc=2", "--max-restarts=2")
+    if how == "--nproc":
+        result = run_cli("train", *common, "train.steps=4", "--nproc=2", "--max-restarts=2")
+    else:
+        result = subprocess.run([sys.executable, "-m", "scaletrain.torchrun", "--standalone", "--nproc-per-node=2",
+                                 "--max-restarts=2", "-m", "scaletrain.cli", "train", *common, "train.steps=4"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=240)
     err = " ".join(result.stderr.split())
     assert result.returncode == 2 and "Traceback" not in err, err[-3000:]
     assert err.count("error: none of the 1 checkpoints in") == 1 and "move them aside to start the run again" in err
-    assert err.count("skipping checkpoint") == 2  # (a rank each, started once)
+    assert err.count("skipping checkpoint") in (1, 2)  # (a rank each, started once; one may be stopped first)
     assert damaged.read_bytes() == b"cut"

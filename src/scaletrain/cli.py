@@ -11,7 +11,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -23,6 +22,7 @@ from rich.table import Table
 
 from scaletrain.errors import Stopped, UserError
 from scaletrain.outputs import check_output_dir, check_output_file, plot_suffixes
+from scaletrain import torchrun
 
 # Piped output (CI logs, files) gets wide lines instead of Rich's 80-column default.
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
@@ -222,75 +222,29 @@ def cmd_cooldown(args: argparse.Namespace) -> int:
 
 
 def _torchrun(args: argparse.Namespace, command_args: list[str]) -> int:
-    """Start `args.nproc` processes of `scaletrain COMMAND_ARGS` on this node through torchrun."""
-    import subprocess
-
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               f"--max-restarts={getattr(args, 'max_restarts', 0)}", "-m", "scaletrain.cli",
-               *(["--verbose"] if args.verbose else []), *command_args]
-    # A worker's refusal (bad input found only once it runs: a run whose checkpoints are all
-    # damaged, say) comes back through a file instead of as a failure, which torchrun would answer
-    # by starting every process again, --max-restarts times, to be refused again (see _refused).
-    with tempfile.TemporaryDirectory(prefix="scaletrain-") as scratch:
-        refusal = Path(scratch) / "refusal"
-        # Restarted workers must not read stale addresses from the store torchrun shares across
-        # attempts (pytorch issues #135712, #167288).
-        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", REFUSAL_FILE: str(refusal)}
-        child = subprocess.Popen(command, env=env)
-        # A scheduler's SIGTERM or SIGUSR1 to this process is passed on as SIGTERM (torchrun hands
-        # that to the workers, which stop after a step with a checkpoint; SIGUSR1 would end torchrun
-        # alone) instead of ending this process with torchrun still running.
-        received = []
-
-        def forward(signum, frame):
-            received.append(signum)
-            child.send_signal(signal.SIGTERM)
-
-        previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGUSR1)}
-        try:
-            refused_at = None
-            while True:
-                try:
-                    code = child.wait(timeout=0.2)
-                    break
-                except subprocess.TimeoutExpired:
-                    if refused_at is None and refusal.exists():
-                        refused_at = time.monotonic()
-                    # Ranks that did not refuse may wait on one that did: stopped after a grace.
-                    if refused_at is not None and time.monotonic() - refused_at > REFUSAL_GRACE_S:
-                        child.send_signal(signal.SIGTERM)
-                        refused_at = math.inf
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-        if refusal.exists():
-            _error(refusal.read_text())
-            return 2
-    # torchrun ends with 1 after stopping its workers on a signal; say which signal, as the workers do.
-    return 128 + received[0] if received and code else code
+    """Run `args.nproc` processes of `scaletrain COMMAND_ARGS` on this node through torchrun, in
+    this process (scaletrain/torchrun.py: a stop signal answered once, a worker's refusal said
+    in one line instead of answered by restarts)."""
+    code, refused = torchrun.run(["--standalone", f"--nproc-per-node={args.nproc}",
+                                  f"--max-restarts={getattr(args, 'max_restarts', 0)}", "-m", "scaletrain.cli",
+                                  *(["--verbose"] if args.verbose else []), *command_args])
+    if refused is not None:
+        _error(refused)
+    return code
 
 
-REFUSAL_FILE = "SCALETRAIN_REFUSAL_FILE"  # (set for the workers of _torchrun)
-REFUSAL_GRACE_S = 10.0
 # The errors of a path that trying again will not mend (others, such as a full disk or a
 # filesystem that went away, torchrun's restarts may outlast).
 LASTING_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.EROFS}
 
 
 def _refused(message: str, lasting: bool = True) -> int:
-    """Say why a command refused its input, in one line. In a worker of _torchrun, where the
-    refusal is `lasting` (the same input would be refused again), hand the line to the process
-    that started torchrun instead (one of those refusing is said) and end without failing: a
-    failure would have torchrun start every process again."""
-    path = os.environ.get(REFUSAL_FILE)
-    if path is not None and lasting:
-        mine = f"{path}.{os.getpid()}"
-        try:  # (written whole, then moved into place: never read half-written)
-            Path(mine).write_text(message)
-            os.replace(mine, path)
-            return 0
-        except OSError:  # (the command that started torchrun is gone, and its folder with it)
-            pass
+    """Say why a command refused its input, in one line. In a worker of scaletrain.torchrun, where
+    the refusal is `lasting` (the same input would be refused again), hand the line to the process
+    that runs torchrun instead (torchrun.hand_over: one of those refusing is said), which stops
+    every worker: a failure would have torchrun start them all again."""
+    if lasting and torchrun.hand_over(message):
+        return 0
     _error(message)
     return 2
 
@@ -2070,7 +2024,12 @@ def _path_problem(e: OSError) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:  # (argparse has said why: a worker of torchrun is not started again for it)
+        if e.code == 2 and torchrun.hand_over("the command line was refused (argparse's message above)"):
+            return 0
+        raise
     _setup_logging(args.verbose)
     try:
         return args.func(args)

@@ -1,6 +1,8 @@
 """Job files that run `scaletrain train` on many nodes: a Slurm batch script and a Kubernetes
 manifest. Each starts torchrun once per node with a c10d rendezvous on the first node, so the
-training command is the same one `--nproc` runs on a single node.
+training command is the same one `--nproc` runs on a single node; torchrun runs as `--nproc`
+runs it (scaletrain/torchrun.py), so that a stop signal is answered once and a refusal the
+workers find (bad input) ends the job with status 2 in one line instead of being restarted.
 
 Both give a stopping job time to save: the workers end a step or two after SIGTERM with a
 checkpoint (train/resilience.py), so the job asks for SIGTERM `grace_s` seconds before it is
@@ -26,6 +28,8 @@ GRACE_S = 180
 # Times torchrun starts every worker again after one fails or hangs (train/resilience.py's
 # watchdog); each start resumes from the newest checkpoint.
 MAX_RESTARTS = 3
+TORCHRUN = ["python3", "-m", "scaletrain.torchrun"]
+REFUSED_STATUS = 2  # (scaletrain.torchrun's, when the workers refused their input)
 
 
 def _train_args(config: str, overrides: list[str]) -> list[str]:
@@ -62,7 +66,7 @@ def slurm_script(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
     """An sbatch script: one task per node, each running torchrun over that node's GPUs."""
     check_layout(cfg, nodes, gpus_per_node)
     _check_restarts(max_restarts)
-    torchrun = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", f"--max-restarts={max_restarts}",
+    torchrun = [*TORCHRUN, f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", f"--max-restarts={max_restarts}",
                 "--rdzv-backend=c10d",
                 f'--rdzv-endpoint="$head":{RDZV_PORT}', '--rdzv-id="$SLURM_JOB_ID"',
                 *(shlex.quote(a) for a in _train_args(config, overrides))]
@@ -81,8 +85,6 @@ def slurm_script(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
         "set -euo pipefail",
         "# The first node hosts the rendezvous; every node runs torchrun once.",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "# Restarted workers must not read stale addresses from torchrun's shared store.",
-        "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
         f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={_shutdown_timeout(grace_s)}",
         f"mkdir -p {shlex.quote(f'{cfg.run.dir}/{cfg.run.name}')}",
         "srun " + " ".join(torchrun),
@@ -116,7 +118,7 @@ def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
         name = f"run-{name}"
     name = name[:56].rstrip("-")
     _check_restarts(max_restarts)
-    command = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", f"--max-restarts={max_restarts}",
+    command = [*TORCHRUN, f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", f"--max-restarts={max_restarts}",
                "--rdzv-backend=c10d",
                f"--rdzv-endpoint={name}-0.{name}:{RDZV_PORT}", f"--rdzv-id={name}",
                *_train_args(config, overrides)]
@@ -129,12 +131,15 @@ def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
             # With the shared claim, a failed pod (its torchrun out of restarts, its node lost) is
             # replaced under the same hostname and the job resumes from the claim's checkpoints, up
             # to max_restarts times an index (Kubernetes >= 1.29), the job failing with the first
-            # index past that; a pod evicted or preempted (DisruptionTarget) counts against none.
+            # index past that; a pod evicted or preempted (DisruptionTarget) counts against none,
+            # and a refusal of the run's input (status 2) fails the job at once: it would be met again.
             # Without the claim a replaced pod would find none of its checkpoints: the job fails.
             "completionMode": "Indexed", "completions": nodes, "parallelism": nodes,
             **({"backoffLimitPerIndex": max_restarts, "maxFailedIndexes": 0,
-                "podFailurePolicy": {"rules": [{"action": "Ignore",
-                                                "onPodConditions": [{"type": "DisruptionTarget"}]}]}}
+                "podFailurePolicy": {"rules": [
+                    {"action": "FailJob",
+                     "onExitCodes": {"containerName": "train", "operator": "In", "values": [REFUSED_STATUS]}},
+                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]}}
                if claim else {"backoffLimit": 0}),
             "template": {
                 "metadata": {"labels": {"job-name": name}},
@@ -144,8 +149,7 @@ def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
                     "terminationGracePeriodSeconds": grace_s,
                     "containers": [{
                         "name": "train", "image": image, "command": command,
-                        "env": [{"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},
-                                {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(_shutdown_timeout(grace_s))}],
+                        "env": [{"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(_shutdown_timeout(grace_s))}],
                         "resources": {"limits": {"nvidia.com/gpu": gpus_per_node}},
                         "ports": [{"containerPort": RDZV_PORT}],
                         **({"workingDir": mount, "volumeMounts": [{"name": "work", "mountPath": mount}]}
