@@ -235,6 +235,9 @@ def test_the_time_of_the_runs_left_is_predicted_from_their_shapes_timed_here(sea
     assert predicted["runs"] == len(left) and predicted["flops"] == pytest.approx(sum(p.compute for p in left))
     assert sorted(speed.n) == sorted({p.n for p in left}) and all(rate > 0 for rate in speed.flops_per_s)
     assert predicted["seconds"] == pytest.approx(makespan([speed.seconds(p, p.steps) for p in left], 1))
+    # runs of several batches: what a micro-batch costs whatever its sequences was timed too
+    assert len({p.batch_seqs for p in left}) > 1 and len(speed.timed_seqs) == len(speed.n)
+    assert speed.micro_batch == search.settings.micro_batch and min(speed.step_fixed_s, speed.micro_batch_s) >= 0
     assert not (tmp_path / "timing").exists() and [r["name"] for r in search.results()] == [first]
     assert searched[0].predict_seconds(tmp_path / "timing")["runs"] == 0
     # The command trains nothing and writes nothing: not into a directory of its name, nor into a

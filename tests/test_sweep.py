@@ -15,6 +15,7 @@ import time
 import tomllib
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -26,7 +27,7 @@ from scaletrain.report.run import other_data
 from scaletrain.scaling.fit import law_of
 from scaletrain.scaling.grid import deepseek_hyperparameters, family, plan_points, shapes_around
 from scaletrain.scaling.laws import ChinchillaLaw
-from scaletrain.sweep import Speed, Sweep, SweepPlan, SweepSettings, makespan
+from scaletrain.sweep import Speed, Sweep, SweepPlan, SweepSettings, _fixed_costs, makespan
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
 
@@ -171,6 +172,20 @@ def test_a_speed_measured_at_a_few_sizes_times_every_size_and_jobs_share_workers
     assert falling.rate(1e6) == pytest.approx(1e9) and falling.rate(1e3) == pytest.approx(2e9)
     assert falling.rate(10 ** 4.5) == pytest.approx(2 ** 0.5 * 1e9)
     assert makespan([3, 1, 1, 1], 2) == 3 and makespan([1, 1, 1], 2) == 2 and makespan([2, 2], 1) == 4
+    # Fixed costs: timed at 16 sequences a step in micro-batches of 8 (4e9 FLOPs: 4 s at 1e9 FLOP/s:
+    # 1 s a step, 2 x 0.5 s a micro-batch, 2 s for the 16 sequences), a step of 4 sequences (one
+    # micro-batch) takes 1 + 0.5 + 4 x 0.125 s, of 8 1 + 0.5 + 1 s, of 64 (8 micro-batches) 1 + 4 + 8 s;
+    # and the costs are what time_points' rounds of one micro-batch of 8 and of 4 would tell.
+    point = SimpleNamespace(n=1e4, batch_seqs=4, step_flops=1e9)
+    fixed = Speed([1e4], [1e9], [0.0], timed_seqs=[16], micro_batch=8, step_fixed_s=1.0, micro_batch_s=0.5)
+    assert fixed.seconds(point, 10) == pytest.approx(10 * 2.0)
+    assert Speed([1e4], [1e9], [0.0]).seconds(point, 10) == pytest.approx(10 * 1.0)  # none measured: in proportion
+    for batch, seconds in [(8, 2.5), (16, 4.0), (64, 13.0)]:
+        assert fixed.seconds(SimpleNamespace(n=1e4, batch_seqs=batch, step_flops=batch / 4 * 1e9), 1) == \
+            pytest.approx(seconds), batch
+    assert fixed.scaled(2.0, 0.0).seconds(point, 10) == pytest.approx(10 * 2.0 / 2)
+    assert _fixed_costs({8: 2.5, 4: 2.0}, 16, 8, 4.0) == pytest.approx((1.0, 0.5))
+    assert _fixed_costs({8: 2.5, 4: 2.0}, 8, 8, 2.5) == pytest.approx((0.0, 1.5))  # one micro-batch: all the micro-batch's
     # Jobs 4 s long four at once and 1 s alone (a device the workers share): the fifth runs alone,
     # two at once take 2 s (between, linear in how many run); as long alone: as above.
     assert makespan([4] * 5, 4, alone=[1] * 5) == pytest.approx(5) and makespan([4] * 5, 4) == 8

@@ -845,7 +845,10 @@ def _predict_search_time(search, what: str, concurrency: int, where) -> int:
     out.print(f"predicted: {seconds:.0f} s ({seconds / 3600:.2f} h) for the {predicted['runs']} runs left of "
               f"{len(search.keys())}, {predicted['flops']:.3g} FLOPs, {workers} at once{_started(start_s)}, at "
               f"{', '.join(f'{r:.3g}' for r in speed['flops_per_s'])} FLOP/s per run measured for N = "
-              f"{', '.join(f'{n:,.0f}' for n in speed['n'])}; nothing trained", highlight=False)
+              f"{', '.join(f'{n:,.0f}' for n in speed['n'])}"
+              + (f"; {speed['step_fixed_s'] * 1e3:.3g} ms a step whatever its batch and "
+                 f"{speed['micro_batch_s'] * 1e3:.3g} ms a micro-batch whatever its sequences" if speed.get("timed_seqs")
+                 else "") + "; nothing trained", highlight=False)
     return 0
 
 

@@ -85,8 +85,11 @@ class ProxyRuns:
         shapes = sorted(largest.values(), key=lambda point: point.n)
         chosen = sorted({id(p): p for p in (shapes[0], shapes[len(shapes) // 2], shapes[-1])}.values(),
                         key=lambda point: point.n)
+        # Runs of other batches than their shape's largest (hparams' batch factors) pay a step's
+        # and a micro-batch's fixed costs more or less often for their FLOPs: timed too.
+        other_batches = {p.batch_seqs for p in points} != {p.batch_seqs for p in largest.values()}
         speed = time_points(self.settings, self.vocab_size, chosen, scratch, concurrency, pool, total=total,
-                            mix=self.mix_of(todo[0]))
+                            mix=self.mix_of(todo[0]), fixed=other_batches)
         seconds = makespan([speed.seconds(point, point.steps) for point in points], concurrency)
         return {"runs": len(todo), "flops": total, "seconds": seconds, "speed": speed.to_dict()}
 

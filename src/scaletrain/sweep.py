@@ -491,7 +491,11 @@ def run_overrides(s, vocab_size: int, shape: Shape, lr: float, batch_seqs: int, 
 def micro_batch_of(batch_seqs: int, s) -> int:
     """Sequences a micro-batch of a step of batch_seqs: s.micro_batch, or all of a smaller step,
     or the largest that divides the step (12 sequences, micro-batches of at most 8: 4)."""
-    largest = min(s.micro_batch, batch_seqs)
+    return _micro_batch(batch_seqs, s.micro_batch)
+
+
+def _micro_batch(batch_seqs: int, micro_batch: int) -> int:
+    largest = min(micro_batch, batch_seqs)
     return largest if batch_seqs % largest == 0 else math.gcd(batch_seqs, largest)
 
 
@@ -506,11 +510,23 @@ class Speed:
     training FLOPs per second over its steps. In between, both are interpolated in log N;
     beyond, FLOP/s follows the nearest segment's slope, taken between 0 (a fixed rate) and 1 (a
     fixed time per step, as where kernel launches bound a tiny model), and the overhead is the
-    nearest one's."""
+    nearest one's.
+
+    A step of another batch than the one timed (`timed_seqs`, sequences a step at each n, in
+    micro-batches of at most `micro_batch`) costs `step_fixed_s` whatever its batch (the
+    optimizer's step, the clipping, the loss brought to the host), `micro_batch_s` a micro-batch
+    whatever its sequences (its kernels' launches) and the rest of the step timed in proportion
+    to its sequences: a step of a quarter of the batch timed takes more than a quarter of its
+    time (hparams' batch factors). Measured where asked (time_points `fixed`), 0 otherwise:
+    every step is then in proportion to its FLOPs."""
 
     n: list[float]
     flops_per_s: list[float]
     overhead_s: list[float]
+    timed_seqs: list[int] | None = None
+    micro_batch: int | None = None
+    step_fixed_s: float = 0.0
+    micro_batch_s: float = 0.0
 
     def rate(self, n: float) -> float:
         logs, rates, x = [math.log(m) for m in self.n], [math.log(r) for r in self.flops_per_s], math.log(n)
@@ -533,10 +549,21 @@ class Speed:
 
     def seconds(self, point: Point, steps: int) -> float:
         """A call of the trainer that trains `steps` steps of `point`."""
-        return self.overhead(point.n) + steps * point.step_flops / self.rate(point.n)
+        step = point.step_flops / self.rate(point.n)
+        if (self.step_fixed_s or self.micro_batch_s) and self.timed_seqs and self.micro_batch:
+            timed = self.timed_seqs[int(numpy.argmin([abs(math.log(point.n / m)) for m in self.n]))]
+            timed_s, micro_batches = step * timed / point.batch_seqs, timed // _micro_batch(timed, self.micro_batch)
+            # (of the step timed, at most all)
+            scale = min(1.0, timed_s / (self.step_fixed_s + micro_batches * self.micro_batch_s))
+            per_step, per_micro_batch = self.step_fixed_s * scale, self.micro_batch_s * scale
+            each = (timed_s - per_step - micro_batches * per_micro_batch) / timed
+            step = (per_step + point.batch_seqs // _micro_batch(point.batch_seqs, self.micro_batch) * per_micro_batch
+                    + point.batch_seqs * each)
+        return self.overhead(point.n) + steps * step
 
     def scaled(self, factor: float, overhead_s: float) -> Speed:
-        return Speed(list(self.n), [r * factor for r in self.flops_per_s], [overhead_s] * len(self.n))
+        return Speed(list(self.n), [r * factor for r in self.flops_per_s], [overhead_s] * len(self.n),
+                     self.timed_seqs, self.micro_batch, self.step_fixed_s / factor, self.micro_batch_s / factor)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -601,9 +628,11 @@ def _timed_steps(point: Point, settings, rate: float | None, seconds: float, sta
     """The point as timed in a round of `stage` and its steps. "probe": 3 steps of one
     micro-batch, a first rate; "warmup": 10 steps (CUDA, the allocator, threads and the loader
     warmed as the timed rounds run); "timed": about `seconds` at the FLOP/s `rate` measured so
-    far, at least 20 steps. A step has at most TIMED_MICRO_BATCHES micro-batches, fewer where
-    its round would pass TIMED_ROUND_S (3 steps of one micro-batch at the least); ConfigError
-    for a shape too slow for even that (of a search training `total` FLOPs)."""
+    far, at least 20 steps ("one": as many, of one micro-batch; "half": of one micro-batch of
+    half its sequences, at least one). A step has at most
+    TIMED_MICRO_BATCHES micro-batches, fewer where its round would pass TIMED_ROUND_S (3 steps
+    of one micro-batch at the least); ConfigError for a shape too slow for even that (of a
+    search training `total` FLOPs)."""
     micro = micro_batch_of(point.batch_seqs, settings)
     if stage == "probe" or rate is None:
         return replace(point, batch_seqs=micro), 3
@@ -618,7 +647,7 @@ def _timed_steps(point: Point, settings, rate: float | None, seconds: float, sta
                               f"{peak_in_use(settings.device)[0]} ({rate:.3g} FLOP/s measured on a smaller "
                               f"shape): its {total:.3g} FLOPs would take about {total / rate / 86400:,.3g} days; "
                               "lower --budgets, or time it on the devices that will train it")
-    point = replace(point, batch_seqs=count * micro)
+    point = replace(point, batch_seqs={"one": micro, "half": max(1, micro // 2)}.get(stage, count * micro))
     if stage == "warmup":
         return point, least
     return point, min(max(round(seconds * rate / point.step_flops), least), 10_000)
@@ -639,7 +668,8 @@ def measure_speed(plan: SweepPlan, shapes: list[Shape], out: Path, workers: int 
 
 
 def time_points(settings, vocab_size: int, points: list[Point], out: Path, workers: int = 1, pool=None,
-                seconds: float = 2.0, total: float = 0.0, mix: dict[str, float] | None = None) -> Speed:
+                seconds: float = 2.0, total: float = 0.0, mix: dict[str, float] | None = None,
+                fixed: bool = False) -> Speed:
     """Time `points` (of distinct shapes, smallest first) as a search by small runs trains them
     (run_overrides of `settings`: its data, on the mixture `mix` if given, and device): for each,
     `workers` copies at once in `pool`'s processes (one in this process when workers is 1), each
@@ -648,15 +678,20 @@ def time_points(settings, vocab_size: int, points: list[Point], out: Path, worke
     micro-batch and a warm-up (_timed_steps), get a first rate and warm the processes up (CUDA,
     the allocator, the data loader) without risking a step of minutes. The runs train at a
     learning rate too small to diverge: what a step costs does not depend on it. `total`: the
-    FLOPs of the whole search, for the refusal of a shape too slow to time."""
+    FLOPs of the whole search, for the refusal of a shape too slow to time. `fixed`: also time
+    the smallest shape at one micro-batch a step and at one of half its sequences, for what a
+    step costs whatever its batch and a micro-batch whatever its sequences (Speed.step_fixed_s,
+    micro_batch_s; a search whose runs train other batches than those timed)."""
     if workers > 1 and pool is None:
         raise ValueError("measuring several runs at once needs the pool they run in")
     out = Path(out)
-    measured: list[tuple[float, float, float]] = []
-    rate = None
+    measured: list[tuple[float, float, float, int]] = []
+    rate, alone, fixed_s = None, {}, (0.0, 0.0)  # alone: a micro-batch's step time, by sequences
     shutil.rmtree(out, ignore_errors=True)  # (what a measurement killed on the spot left)
     try:
-        stages = [("probe", points[0]), ("warmup", points[0]), *(("timed", point) for point in points)]
+        stages = [("probe", points[0]), ("warmup", points[0]), *([("half", points[0]), ("one", points[0])] if fixed
+                                                                 else []),
+                  *(("timed", point) for point in points)]
         for round_, (stage, at) in enumerate(stages):
             point, steps = _timed_steps(at, settings, rate, seconds, stage, total)
             start_at = time.time() + 0.5
@@ -668,12 +703,35 @@ def time_points(settings, vocab_size: int, points: list[Point], out: Path, worke
             # (tokens_per_s leaves the first step out: its warm-up is part of the overhead)
             step_s = sum(point.batch_seqs * point.seq_len / tokens_per_s for _, tokens_per_s in timed) / len(timed)
             overhead = sum(wall - steps * step_s for wall, _ in timed) / len(timed)
+            if stage in ("half", "one"):  # (their rates, of one micro-batch, are not the timed rounds')
+                alone[point.batch_seqs] = step_s
+                continue
             rate = point.step_flops / step_s
             if stage == "timed":
-                measured.append((point.n, rate, max(overhead, 0.0)))
+                if alone and not measured:
+                    fixed_s = _fixed_costs(alone, point.batch_seqs, micro_batch_of(point.batch_seqs, settings), step_s)
+                measured.append((point.n, rate, max(overhead, 0.0), point.batch_seqs))
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    return Speed(*map(list, zip(*measured)))
+    n, rates, overheads, batches = map(list, zip(*measured))
+    return Speed(n, rates, overheads, batches if fixed else None, settings.micro_batch if fixed else None, *fixed_s)
+
+
+def _fixed_costs(alone: dict[int, float], batch: int, micro: int, step_s: float) -> tuple[float, float]:
+    """(seconds a step costs whatever its batch, a micro-batch whatever its sequences) from the
+    step times of one micro-batch by its sequences (`alone`: micro and half of it) and of the
+    timed step (`batch` sequences in micro-batches of `micro`, step_s): a step of k micro-batches
+    of m sequences takes per_step + k (per_micro_batch + m x each)."""
+    one, micro_batches = alone[micro], batch // micro
+    if micro_batches < 2:  # (one micro-batch: what is the step's and what the micro-batch's is not told apart)
+        per_micro_batch_and_more, per_step = one, 0.0
+    else:
+        per_micro_batch_and_more = max((step_s - one) / (micro_batches - 1), 0.0)  # (rounds vary)
+        per_step = one - per_micro_batch_and_more
+    half = min(alone)
+    each = (one - alone[half]) / (micro - half) if half < micro else per_micro_batch_and_more / micro
+    each = min(max(each, 0.0), per_micro_batch_and_more / micro)
+    return max(per_step, 0.0), max(per_micro_batch_and_more - micro * each, 0.0)
 
 
 def _timed_run(job: tuple[list[str], float]) -> tuple[float, float]:
