@@ -335,6 +335,9 @@ def test_what_other_commands_wrote_is_not_written_over(trained_run, stdlib_data,
         (["data", "stats", str(stdlib_data), "--plot", str(tmp_path / "lengths.txt")],
          "a .txt file cannot be written here; give a name ending in one of"),
         (["compare", str(trained_run), str(trained_run), "--out", str(tmp_path / "runs.csv")], "a .csv file cannot"),
+        (["compare", str(trained_run), str(sweep), "--out", str(trained_run / "loss.png")],
+         "is a file of the run directory"),  # (report's plot)
+        (["compare", str(trained_run), str(sweep), "--out", str(sweep / "isoflop.png")], "is a file of the sweep"),
         (["train", tiny, f"data.path={stdlib_data}", f"run.dir={tmp_path}", "run.name=fresh",
           f"checkpoint.resume={tmp_path / 'nowhere'}"], "is not a directory; give a checkpoint directory"),
         # training into another command's directory, a run's own config, the config read, a sweep's

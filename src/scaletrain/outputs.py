@@ -54,19 +54,25 @@ def _grid_settings(path: Path) -> dict:
 # (kind, what tells it, the files it owns), in the order they are told apart: a run directory
 # holds a tokenizer.json as data does; a sweep and a hyperparameter search each hold a grid.json
 # (of settings with budgets: a grid.json of other contents is not theirs).
+# What `report` writes into a run directory and `fit` into a sweep (written again by them, but
+# not to be written over by another command's --out).
+REPORT_FILES = ("loss.png", "speed.png", "tasks.png", "batch.png", "progress.png", "norms.png", "report.html")
+FIT_FILES = ("isoflop.png", "optimal.png", "contours.png", "residuals.png")
 KINDS = (
     ("prepared data directory", lambda p: (p / "index.json").is_file() or (p / "manifest.json").is_file()
      or (p / "work" / "key").is_file(), ("manifest.json", "index.json", "stats.json", "tokenizer.json")),
     ("run directory", lambda p: (p / "config.toml").is_file() and ((p / "metrics.jsonl").is_file()
                                                                   or (p / "checkpoints").is_dir()),
-     ("config.toml", "metrics.jsonl", "heartbeat.json", "stats.json", "tokenizer.json", "branch.json", "wandb_id")),
-    ("mixture search", lambda p: (p / "mixtures.json").is_file(), ("mixtures.json", "results.csv", "mixture.json")),
+     ("config.toml", "metrics.jsonl", "heartbeat.json", "stats.json", "tokenizer.json", "branch.json", "wandb_id",
+      *REPORT_FILES)),
+    ("mixture search", lambda p: (p / "mixtures.json").is_file(),
+     ("mixtures.json", "results.csv", "mixture.json", "mixture.png")),
     ("tuning directory", lambda p: (p / "tune.json").is_file(), ("tune.json", "results.csv")),
     ("demo directory", lambda p: (p / "demo.json").is_file() or (p / "sweep" / "grid.json").is_file()
      and (p / "data" / "index.json").is_file(), ("demo.json", "timing.json")),
     ("hyperparameter search", lambda p: (p / "grid.json").is_file() and "lr_factors" in _grid_settings(p),
-     ("grid.json", "results.csv", "hparams.json")),
-    ("sweep", lambda p: "budgets" in _grid_settings(p), ("grid.json", "results.csv", "law.json")),
+     ("grid.json", "results.csv", "hparams.json", "hparams.png")),
+    ("sweep", lambda p: "budgets" in _grid_settings(p), ("grid.json", "results.csv", "law.json", *FIT_FILES)),
     ("Hugging Face model directory", lambda p: (p / "config.json").is_file() and any(p.glob("*.safetensors")),
      ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
       "model.safetensors.index.json")),
