@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
+from scaletrain import torchrun
 from scaletrain.errors import Stopped, UserError
 from scaletrain.outputs import check_output_dir, check_output_file, plot_suffixes
-from scaletrain import torchrun
 
 # Piped output (CI logs, files) gets wide lines instead of Rich's 80-column default.
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)

@@ -136,7 +136,7 @@ def other_data(law_data: dict | None, path: str, mix: dict[str, float] | None) -
 def _events(every: list[dict]) -> list[dict]:
     """The records of EVENTS, in order, with what each says beyond its step. Each rank whose
     watchdog fired records a hang: those of one invocation and step are one event, the longest
-    silence, with `ranks` (sorted; absent from records written before ranks were)."""
+    silence, with `ranks` (sorted; None where the records name none, as those before ranks did)."""
     events, hangs, invocation = [], {}, 0
     for r in every:
         invocation += r["kind"] in ("start", "resume")  # (each invocation after the first resumes)
