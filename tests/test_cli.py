@@ -146,6 +146,8 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
     assert result.returncode == 0, result.stderr
     text = script.read_text()
     for words in ["#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "srun python3 -m scaletrain.torchrun --nnodes=4 --nproc-per-node=8 --max-restarts=3",
+                  # a refusal on one node ends the step on every node: the others would wait on it
+                  "export SCALETRAIN_END_STEP_ON_REFUSAL=1",
                   "--rdzv-backend=c10d", "-m scaletrain.cli train configs/llama-1b.toml train.lr=1e-4",
                   # SIGTERM 180 s before the time limit; torchrun lets the workers save; preempted jobs requeue
                   "#SBATCH --signal=TERM@180", "#SBATCH --requeue", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=170"]:

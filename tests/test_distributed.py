@@ -659,3 +659,36 @@ def test_a_refusal_found_by_the_processes_is_one_line_and_not_restarted(stdlib_d
     assert err.count("error: none of the 1 checkpoints in") == 1 and "move them aside to start the run again" in err
     assert err.count("skipping checkpoint") in (1, 2)  # (a rank each, started once; one may be stopped first)
     assert damaged.read_bytes() == b"cut"
+
+
+def test_a_slurm_job_whose_one_node_refuses_ends_its_step_not_left_to_its_timeouts(stdlib_data, tmp_path):
+    """launch's batch script, run by stand-ins for Slurm (tests/fake_slurm.py) on two "nodes" of
+    one process each, each in its own folder: the data is missing on the second. Its process
+    refuses and waits to be stopped while the first node's waits on it in a collective (900 s):
+    the second node ends the job step on both, and the job ends in seconds with the refusal said
+    once."""
+    from fake_slurm import end_tasks, install
+    from zygote import _free_port
+
+    install(tmp_path / "bin")
+    data = "the data"  # (relative: a node's own; with a space)
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node0" / data).symlink_to(stdlib_data)
+    (tmp_path / "node1").mkdir()
+    script = tmp_path / "job.sh"
+    result = run_cli("launch", "slurm", str(ROOT / "configs" / "tiny.toml"), f"data.path={data}",
+                     f"run.dir={tmp_path / 'runs'}", "--nodes", "2", "--gpus-per-node", "1", "--out", str(script))
+    assert result.returncode == 0, result.stderr
+    script.write_text(script.read_text().replace(":29500", f":{_free_port()}"))
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_NNODES": "2", "SLURM_TASKS_FILE": str(tmp_path / "tasks")}
+    started = time.monotonic()
+    try:
+        result = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=240)
+    finally:
+        end_tasks(tmp_path / "tasks", kill_wait_s=5)  # (nothing left behind, whatever happened)
+    err = " ".join(result.stderr.split())
+    assert result.returncode != 0 and (tmp_path / "tasks.scancel").read_text() == "--signal=KILL 7.0", err[-3000:]
+    assert err.count("error: data.path: data directory 'the data' does not exist") == 1, err[-3000:]
+    assert "Traceback" not in err and time.monotonic() - started < 120

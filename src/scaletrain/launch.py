@@ -2,7 +2,9 @@
 manifest. Each starts torchrun once per node with a c10d rendezvous on the first node, so the
 training command is the same one `--nproc` runs on a single node; torchrun runs as `--nproc`
 runs it (scaletrain/torchrun.py), so that a stop signal is answered once and a refusal the
-workers find (bad input) ends the job with status 2 in one line instead of being restarted.
+workers find (bad input) ends the job with status 2 in one line instead of being restarted:
+where the workers of one node refuse and those of another do not (a path missing on one node),
+the Job fails at once (Kubernetes) or the node ends the job step (Slurm), not waiting on timeouts.
 
 Both give a stopping job time to save: the workers end a step or two after SIGTERM with a
 checkpoint (train/resilience.py), so the job asks for SIGTERM `grace_s` seconds before it is
@@ -21,6 +23,7 @@ import shlex
 from scaletrain.config import ConfigError, RunConfig
 from scaletrain.parallel.layout import check_layout as check_mesh
 from scaletrain.parallel.layout import resolve_layout
+from scaletrain.torchrun import END_STEP_ON_REFUSAL
 
 RDZV_PORT = 29500
 # Seconds between SIGTERM and the kill: the step or two the ranks take to agree, and a checkpoint.
@@ -86,6 +89,9 @@ def slurm_script(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
         "# The first node hosts the rendezvous; every node runs torchrun once.",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={_shutdown_timeout(grace_s)}",
+        "# A node whose processes refuse the run's input (a path missing on that node, say) ends the",
+        "# step on every node, whose processes would wait on it until their timeouts: the job fails.",
+        f"export {END_STEP_ON_REFUSAL}=1",
         f"mkdir -p {shlex.quote(f'{cfg.run.dir}/{cfg.run.name}')}",
         "srun " + " ".join(torchrun),
         "",

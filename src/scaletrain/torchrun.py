@@ -15,7 +15,8 @@
   lasting refusal over (hand_over, from cli._refused): it writes the line to the file named by
   REFUSAL_FILE and waits to be stopped, neither failing nor ending (its peers' collectives
   would fail at once, and torchrun restart them all). Seeing the file, run() stops every
-  worker and returns the line for the caller to say (exit status 2).
+  worker and returns the line for the caller to say (exit status 2). In launch's Slurm script
+  the node then ends the job step on every node (end_step): the others would wait on it.
 
 Workers that restart must not read stale addresses from the store torchrun shares across
 attempts (pytorch issues #135712, #167288): TORCH_DISABLE_SHARE_RDZV_TCP_STORE is set for them."""
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -32,6 +34,8 @@ from pathlib import Path
 
 REFUSAL_FILE = "SCALETRAIN_REFUSAL_FILE"  # (set for the workers)
 REFUSAL_WAIT_S = 120.0  # the longest a refusing worker waits to be stopped (its torchrun gone, say)
+# Set (to 1) by launch's Slurm script: a refusal ends the job step on every node (end_step).
+END_STEP_ON_REFUSAL = "SCALETRAIN_END_STEP_ON_REFUSAL"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # What torchrun answers by stopping its workers: its own list, and SIGUSR1.
 HANDLED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -141,8 +145,25 @@ def hand_over(message: str) -> bool:
     return True
 
 
+def end_step() -> None:
+    """In a Slurm job step (launch's script sets END_STEP_ON_REFUSAL), after this node's workers
+    refused their input: SIGKILL to the step's processes on every node. Where only this node
+    refuses (a path missing here), the others would wait on it in a collective until it timed out
+    (train.hang_timeout_s + 60 s), then in their restart's rendezvous; they have nothing to save
+    (a checkpoint takes every rank). The step then fails, and with it the job, which is not
+    requeued (a failed job is not)."""
+    if os.environ.get(END_STEP_ON_REFUSAL) != "1" or "SLURM_STEP_ID" not in os.environ:
+        return
+    step = f"{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"
+    try:
+        subprocess.run(["scancel", "--signal=KILL", step], timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"scancel of job step {step} failed ({e}); the other nodes end at their timeouts", file=sys.stderr)
+
+
 if __name__ == "__main__":
     status, refused = run(sys.argv[1:])
     if refused is not None:
-        print(f"error: {refused}", file=sys.stderr)
+        print(f"error: {refused}", file=sys.stderr, flush=True)
+        end_step()
     sys.exit(status)
