@@ -7,6 +7,7 @@ a few go through `scaletrain train --nproc`, as a user runs it."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -505,6 +506,109 @@ def test_a_stop_signal_stops_every_rank_after_the_same_step_and_the_cli_resumes_
     launch(stdlib_data, run_dir, 2, *LONG, "parallel.dp_shard=2", f"--stop-at-step={LONG_END}")
     assert [r["step"] for r in read_metrics(run_dir, "resume")] == [stop]
     assert_parity(run_dir, reference_long)
+
+
+def _wait_for_exit(pid: int, timeout_s: float) -> int | None:
+    """The exit status of child `pid` once it ends within `timeout_s` seconds, else None (and its
+    process group is killed: nothing left behind)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        ended, status = os.waitpid(pid, os.WNOHANG)
+        if ended:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+@pytest.mark.parametrize("how", ["1 process", "2 processes", "nohup, 2 processes"])
+def test_a_terminal_closed_under_a_run_stops_it_with_a_checkpoint_unless_under_nohup(stdlib_data, tmp_path, how):
+    """`scaletrain train` in a terminal (a pseudo-terminal here), which then hangs up, as a lost
+    SSH session's does: the run stops a step or two later with a checkpoint of that step
+    (status 128 + SIGHUP), where SIGHUP used to end it, and the workers of `--nproc`, with the
+    work since the last checkpoint (none here before step 1000). Its output, which the closed
+    terminal can no longer take, goes nowhere; the run's records are whole. Under `nohup` the
+    run goes on to its end (torch's torchrun ended its workers all the same)."""
+    import pty
+    import select
+
+    run_dir, nohup = tmp_path / "run", how.startswith("nohup")
+    steps = 40 if nohup else 1000
+    command = [*(["nohup"] if nohup else []), sys.executable, "-m", "scaletrain.cli", "train",
+               str(ROOT / "configs" / "tiny.toml"), f"data.path={stdlib_data}", f"run.dir={tmp_path}", "run.name=run",
+               f"train.steps={steps}", "checkpoint.interval=1000", "eval.interval=0",
+               *(["--nproc=2"] if how.endswith("2 processes") else [])]
+    for attempt in (1, 2):  # (again from nothing if the launch failed for a transient reason)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        pid, terminal = pty.fork()
+        if pid == 0:  # (the command, with the terminal as its controlling terminal; nohup.out here)
+            os.chdir(tmp_path)
+            os.execvp(command[0], command)
+        output, deadline, status, reading = b"", time.time() + 120, None, True
+        while time.time() < deadline and not (
+                (run_dir / "metrics.jsonl").is_file() and max(records(run_dir, "train"), default=0) >= 3):
+            ended, wait_status = os.waitpid(pid, os.WNOHANG)
+            if ended:
+                status = os.waitstatus_to_exitcode(wait_status)
+                break
+            if not reading:
+                time.sleep(0.1)
+            elif select.select([terminal], [], [], 0.1)[0]:  # (read, lest the command wait on a full terminal)
+                try:
+                    output += os.read(terminal, 1 << 16)
+                except OSError:  # (no process holds the terminal any more: nohup let it go)
+                    reading = False
+        running = status is None and time.time() < deadline
+        os.close(terminal)  # the terminal hangs up: SIGHUP to the command
+        if status is None:
+            status = _wait_for_exit(pid, 120)
+        text = output.decode(errors="replace") + (
+            (tmp_path / "nohup.out").read_text(errors="replace") if nohup else "")
+        if running or attempt == 2 or not any(word in text for word in TRANSIENT):
+            break
+        print("retrying the launch, which failed for a transient reason:\n" + text[-2000:])
+    assert running, f"the run never got to step 3 (status {status}): {text[-3000:]}"
+    end = read_metrics(run_dir, "end")[-1]
+    if nohup:
+        assert status == 0 and end["complete"] and end["step"] == steps, (status, text[-3000:])
+        return
+    assert status == 128 + signal.SIGHUP, (status, text[-3000:])
+    assert end["stopped_by"] == "SIGHUP" and 3 <= end["step"] < steps
+    assert [checkpoint.step_of(p) for p in checkpoint.complete_checkpoints(run_dir / "checkpoints")] == [end["step"]]
+    assert max(records(run_dir, "train")) == end["step"]
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_run_whose_output_reader_is_gone_stops_with_a_checkpoint(stdlib_data, tmp_path, nproc):
+    """`ssh host scaletrain train ...` with no terminal, the session lost (or `| tee run.log`,
+    tee ended): the reader of the run's output is gone, and no SIGHUP comes. The next line fails
+    with EPIPE, on which Rich ended the process; it is a hang-up: the run stops a step or two
+    later with a checkpoint of that step, status 128 + SIGHUP. With `--nproc 2` rank 0 finds it
+    and tells the command's torchrun, which stops both (torchrun --max-restarts 2 would have
+    restarted a rank that stopped alone)."""
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "scaletrain.cli", "train", "configs/tiny.toml",
+                                f"data.path={stdlib_data}", f"run.dir={tmp_path}", "run.name=run", "train.steps=1000",
+                                "checkpoint.interval=1000", "eval.interval=0", "log.interval=1",
+                                *([f"--nproc={nproc}", "--max-restarts=2"] if nproc > 1 else [])],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and process.poll() is None and not (
+                (run_dir / "metrics.jsonl").is_file() and max(records(run_dir, "train"), default=0) >= 3):
+            time.sleep(0.05)
+        assert process.poll() is None, process.stdout.read().decode(errors="replace")[-3000:]
+        process.stdout.close()  # the reader is gone
+        status = process.wait(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    ends = read_metrics(run_dir, "end")
+    assert status == 128 + signal.SIGHUP and len(ends) == 1, (status, ends)  # (started once)
+    assert ends[0]["stopped_by"] == "SIGHUP" and 3 < ends[0]["step"] < 1000
+    assert [checkpoint.step_of(p) for p in checkpoint.complete_checkpoints(run_dir / "checkpoints")] == [ends[0]["step"]]
 
 
 @pytest.mark.parametrize("nproc", [2, 1])

@@ -880,6 +880,28 @@ def test_a_signal_stops_after_the_next_step_with_a_checkpoint_and_the_run_resume
     assert {"step 2", "step 3"} <= names and "step 4" not in names and "aten::mm" in names
 
 
+def test_stop_signals_leave_a_signal_the_process_ignores_ignored_and_restore_the_others():
+    """SIGHUP under `nohup` stays ignored (the run goes on when its terminal closes); the stop
+    signals the process answers are recorded, and the previous handlers are back afterwards."""
+    from scaletrain.train.resilience import StopSignals
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        stops = StopSignals()
+        stops.install()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert stops.stop_before_next_step() is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stops.stop_before_next_step() == signal.SIGUSR1
+        stops.uninstall(finished=True)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
 WATCHED_SAVE = """
 import sys, threading, time
 from pathlib import Path

@@ -16,15 +16,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
 from scaletrain import torchrun
 from scaletrain.errors import Stopped, UserError
+from scaletrain.hangup import Console
 from scaletrain.outputs import check_output_dir, check_output_file, plot_suffixes
 
 # Piped output (CI logs, files) gets wide lines instead of Rich's 80-column default.
+# (a reader gone, a broken pipe, is a hang-up: a run stops on it with a checkpoint; hangup.py)
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 out = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -2044,7 +2045,8 @@ def main(argv: list[str] | None = None) -> int:
         return _refused(_path_problem(e), lasting=e.errno in LASTING_ERRNOS)
     except Stopped as e:
         if int(os.environ.get("RANK", 0)) == 0:  # every rank stops alike: one says so
-            console.print(str(e), highlight=False, soft_wrap=True)
+            with contextlib.suppress(OSError):  # (stopped by a hang-up: to a terminal that is gone)
+                console.print(str(e), highlight=False, soft_wrap=True)
         return e.code
     except KeyboardInterrupt:
         console.print("interrupted")

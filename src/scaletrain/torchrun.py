@@ -5,10 +5,14 @@
   stop after a step with a checkpoint (train/resilience.py), and waits for them. It answers
   every signal so, and a second one during that wait raises out of it: torchrun ended in a
   traceback and its workers went unwaited, killed with a Slurm job step (Slurm signals every
-  process of a step) before their checkpoint was written. Here the SIGTERMs (and SIGUSR1s)
-  after the first are ignored. SIGINT (Ctrl-C) still ends everything at once.
+  process of a step) before their checkpoint was written. Here the stop signals (SIGTERM,
+  SIGUSR1, SIGHUP) after the first are ignored. SIGINT (Ctrl-C) still ends everything at once.
 - **SIGUSR1 stops as SIGTERM does** (Slurm's `--signal=USR1@...`; torchrun would die of it and
-  leave its workers behind).
+  leave its workers behind), **and so does SIGHUP** (the terminal closed, an SSH session lost:
+  torchrun passed it on, and the workers died of it without a checkpoint). It is passed on as
+  SIGHUP, for the workers to stop writing to the terminal as this process does
+  (scaletrain/hangup.py): a write to a hung-up terminal fails. Under `nohup`, which
+  ignores SIGHUP, it stays ignored, here and in the workers (torchrun answered it).
 - **A refusal comes back as one line.** Bad input found only once the workers run (a run whose
   every checkpoint is damaged, say) fails them, and torchrun answers a failure by starting
   every worker again, --max-restarts times, to be refused again. A worker instead hands its
@@ -34,9 +38,11 @@ from pathlib import Path
 
 REFUSAL_FILE = "SCALETRAIN_REFUSAL_FILE"  # (set for the workers)
 REFUSAL_WAIT_S = 120.0  # the longest a refusing worker waits to be stopped (its torchrun gone, say)
+# The process id of run()'s process, for its workers (hangup.Console: a reader gone is told to it).
+AGENT_PID = "SCALETRAIN_AGENT_PID"
 # Set (to 1) by launch's Slurm script: a refusal ends the job step on every node (end_step).
 END_STEP_ON_REFUSAL = "SCALETRAIN_END_STEP_ON_REFUSAL"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 # What torchrun answers by stopping its workers: its own list, and SIGUSR1.
 HANDLED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
@@ -51,24 +57,33 @@ def run(torchrun_args: list[str]) -> tuple[int, str | None]:
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from scaletrain import hangup
+
     received: list[int] = []
     running = [True]  # (a signal after torchrun returned, the watcher's or a user's, ends nothing)
     raise_signal = api._terminate_process_handler  # (torch's: raises SignalException in the main thread)
+    lost = hangup.streams()
+    # A signal this process ignores stays ignored, by it and by the workers that inherit that:
+    # SIGHUP under `nohup`, which torch's torchrun answers by ending its workers all the same.
+    handled = [name for name in HANDLED.split(",") if signal.getsignal(signal.Signals[name]) is not signal.SIG_IGN]
 
     def answer(signum, frame):
         stopping = any(s in STOP_SIGNALS for s in received)
         received.append(signum)
+        if signum == signal.SIGHUP:
+            hangup.detach(lost)  # (whenever it comes: what this process says next would fail)
         if not running[0]:
             return
         if signum in STOP_SIGNALS:
             if stopping:
                 return  # (the workers are saving: torchrun waits for them)
-            signum = signal.SIGTERM  # (what the workers stop on, whichever came)
+            if signum != signal.SIGHUP:
+                signum = signal.SIGTERM  # (what the workers stop on, whichever came)
         raise_signal(signum, frame)
 
     with tempfile.TemporaryDirectory(prefix="scaletrain-") as scratch:
         refusal = Path(scratch) / "refusal"
-        env = {REFUSAL_FILE: str(refusal), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        env = {REFUSAL_FILE: str(refusal), AGENT_PID: str(os.getpid()), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         # (and what torchrun sets in its own process: restored as they were)
         saved_env = {key: os.environ.get(key) for key in (*env, "OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE")}
         saved_handlers = {signum: signal.getsignal(signum) for signum in (*STOP_SIGNALS, signal.SIGINT,
@@ -91,10 +106,11 @@ def run(torchrun_args: list[str]) -> tuple[int, str | None]:
                 # during the rendezvous at once, also where the rendezvous blocks in C++, which
                 # holds off a handler written in Python).
                 for signum in STOP_SIGNALS:
-                    signal.signal(signum, answer)
+                    if signum.name in handled:
+                        signal.signal(signum, answer)
             watcher.start()
             try:
-                torchrun.main([f"--signals-to-handle={HANDLED}", *torchrun_args])
+                torchrun.main([f"--signals-to-handle={','.join(handled)}", *torchrun_args])
                 code = 0
             except api.SignalException:
                 code = 128 + received[0] if received else 1

@@ -4,8 +4,11 @@ the work since the last checkpoint, not the rest of the job's allocation.
 **Signals.** Schedulers announce the end of a job with a signal and kill it a grace period later: Slurm
 sends SIGTERM on preemption (and, with `--signal=TERM@T`, T seconds before the time limit),
 Kubernetes SIGTERM before SIGKILL (30 s by default), torchrun forwards SIGTERM to its workers
-and kills them 30 s later (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, torch ≥ 2.13). `StopSignals` turns SIGTERM and SIGUSR1 into a request: the loop
-ends a step later with a checkpoint, and `train()` raises `StoppedBySignal`. Ctrl-C (SIGINT)
+and kills them 30 s later (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, torch ≥ 2.13). `StopSignals` turns SIGTERM, SIGUSR1 and
+SIGHUP into a request: the loop ends a step later with a checkpoint, and `train()` raises
+`StoppedBySignal`. SIGHUP is a terminal closed under a run (an SSH session lost), which would
+otherwise end it with the work since the last checkpoint; the process's output then goes
+nowhere (scaletrain/hangup.py), as writing to the closed terminal would fail. Ctrl-C (SIGINT)
 still interrupts at once: a terminal sends it to torchrun and to every worker, and torchrun
 sends it again, so a "second Ctrl-C aborts" rule could not tell a user's second press.
 
@@ -53,11 +56,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from scaletrain import hangup
 from scaletrain.errors import Stopped
 
 log = logging.getLogger("scaletrain")
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 HANG_EXIT_STATUS = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, worth a retry
 
 
@@ -100,8 +104,10 @@ class StoppedBySignal(Stopped):
 
 
 class StopSignals:
-    """Between install() and uninstall(): SIGTERM and SIGUSR1 are recorded instead of ending
-    the process, and `stop_before_next_step()` says, the same on every rank, when to stop.
+    """Between install() and uninstall(): SIGTERM, SIGUSR1 and SIGHUP are recorded instead of
+    ending the process (SIGHUP also detaches it from its terminal, which is gone), and
+    `stop_before_next_step()` says, the same on every rank, when to stop. A signal the process
+    ignores stays ignored (SIGHUP under `nohup`: the run goes on when its terminal closes).
 
     Handlers can only be installed from the main thread; when training runs in another thread,
     signals keep their previous meaning and this never asks to stop."""
@@ -110,13 +116,16 @@ class StopSignals:
         self.group = group  # a gloo group used for nothing else; None in one process
         self.received: int | None = None  # the first signal this process got
         self._previous: dict[int, object] = {}
+        self._lost: tuple[int, ...] = ()  # (the standard streams a hang-up takes: hangup.streams)
         self._vote: torch.Tensor | None = None
         self._work = None
 
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():
+            self._lost = hangup.streams()
             for signum in SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+                if signal.getsignal(signum) is not signal.SIG_IGN:  # (`nohup` ignores SIGHUP: kept so)
+                    self._previous[signum] = signal.signal(signum, self._handle)
 
     def uninstall(self, finished: bool) -> None:
         """Restore the previous handlers. `finished`: the loop ended normally on every rank, so
@@ -130,6 +139,8 @@ class StopSignals:
         self._work = None
 
     def _handle(self, signum: int, frame) -> None:
+        if signum == signal.SIGHUP:
+            hangup.detach(self._lost)
         if self.received is None:
             self.received = signum
 
