@@ -133,11 +133,19 @@ def test_metrics_records_carry_the_documented_fields(stdlib_data, tmp_path):
     assert "vocab_size = 512" in resolved  # filled in from the tokenizer
 
 
-def test_training_lowers_the_loss(stdlib_data, tmp_path):
+def test_training_lowers_the_loss_and_says_the_time_left(stdlib_data, tmp_path, caplog):
     run_dir = tmp_path / "run"
-    train(tiny_config(stdlib_data, run_dir, "train.steps=30", "eval.interval=0"))
+    with caplog.at_level(logging.INFO, logger="scaletrain"):
+        train(tiny_config(stdlib_data, run_dir, "train.steps=30", "eval.interval=0"))
     values = losses(run_dir)
     assert sum(list(values.values())[-5:]) / 5 < values[1] - 0.5
+    # The time left, at the pace of the steps since the first (which pays one-off costs): from the
+    # second step on, and not at the last.
+    lines = [r.getMessage() for r in caplog.records if " tok/s" in r.getMessage()]
+    assert [line.split()[1] for line in lines] == [f"{step}/30" for step in range(1, 31)]
+    left = [float(re.search(r"  ([\d.]+) s left$", line).group(1)) for line in lines[1:-1]]
+    assert all(seconds >= 0 for seconds in left) and left[0] > left[-1]
+    assert not lines[0].endswith("left") and not lines[-1].endswith("left")
 
 
 def test_checkpoints_are_committed_pointed_to_and_pruned(stdlib_data, tmp_path):

@@ -521,7 +521,7 @@ class EvalConfig(_Section):
 
 class LogConfig(_Section):
     interval: int = Field(default=10, ge=1)
-    """Write a train record to metrics.jsonl and a console line every this many steps."""
+    """Write a train record to metrics.jsonl and a console line every this many steps (loss, learning rate, gradient norm, tokens/s, MFU where the device's peak is known, and the time left to the invocation's end, at the pace of its tokens since its first step or the last rewind, evaluations and checkpoints included)."""
     tensorboard: bool = False
     """Also write the numbers of the train, eval and checkpoint records as TensorBoard scalars, into the run directory's tensorboard/ (`tensorboard --logdir RUN_DIR`); needs `pip install 'scaletrain[tensorboard]'`."""
     wandb_project: str | None = Field(default=None, min_length=1)

@@ -42,6 +42,7 @@ from scaletrain.model.moe import balance_tally, forget_counts, set_balance_weigh
 from scaletrain.plan.memory import choose_recompute
 from scaletrain.plan.search import describe
 from scaletrain.plan.timing import PlanLayout
+from scaletrain.report.goodput import duration
 from scaletrain.outputs import kind_of
 from scaletrain.train import checkpoint, noise
 from scaletrain.train.float8 import check_float8, convert_to_float8
@@ -1339,6 +1340,13 @@ class Trainer:
             "hang", self.step, self.tokens, seconds=round(quiet, 1), rank=self.rank),
             progress=lambda: checkpoint.bytes_on_disk(self.ckpt_root))
         finished = False
+        # The tokens to this invocation's end, and (tokens, time) after its first step, which pays
+        # one-off costs, or the first since a rewind: the time left said with each logged step is
+        # at the pace of the tokens since then (a batch ramp's steps grow), evaluations and
+        # checkpoints included.
+        end_tokens = cfg.tokens_before(self.total_steps if stop_at_step is None
+                                       else min(stop_at_step, self.total_steps))
+        steady: tuple[int, float] | None = None
         try:
             while (self.step < self.total_steps and (stop_at_step is None or self.step < stop_at_step)
                    and stopped_by is None):
@@ -1368,6 +1376,7 @@ class Trainer:
                         raise
                     saved, skipped, discarded = rewound
                     self.rewinds_left -= 1
+                    steady = None  # (the steps trained again would slow the pace said)
                     # The steps trained since the last train or checkpoint record (the diverged one's
                     # included) are trained again (lost_s); going back took seconds.
                     metrics.write("rewind", self.step, self.tokens, diverged_at=e.step, checkpoint=str(saved),
@@ -1383,6 +1392,8 @@ class Trainer:
                     continue
                 watchdog.beat()  # the first beat arms it
                 heartbeat.beat(self.step)
+                if steady is None:
+                    steady = (self.tokens, time.perf_counter())
                 for spike in self.spikes:  # (those with no rewind left: the run went on)
                     metrics.write("spike", spike["step"], self.cfg.tokens_before(spike["step"]),
                                   **{k: round(v, 6) for k, v in spike.items() if k != "step"})
@@ -1422,9 +1433,13 @@ class Trainer:
                         **(self.noise or {}), **(self.norms or {}),
                         **({"moe_balance": round(self.moe_balance, 5)} if self.moe_balance is not None else {}),
                         **({"moe_max_load": round(self.moe_max_load, 4)} if self.moe_max_load is not None else {}))
-                    log.info("step %d/%d  loss %.4f  lr %.2e  grad %.3f  %.0f tok/s%s", self.step, self.total_steps,
+                    left = ""
+                    if self.tokens > steady[0] and self.tokens < end_tokens and stopped_by is None:
+                        per_token = (time.perf_counter() - steady[1]) / (self.tokens - steady[0])
+                        left = f"  {duration(per_token * (end_tokens - self.tokens))} left"
+                    log.info("step %d/%d  loss %.4f  lr %.2e  grad %.3f  %.0f tok/s%s%s", self.step, self.total_steps,
                              train_loss, self.lr, grad_norm, last_speed,
-                             f"  mfu {record['mfu']:.1%}" if record["mfu"] is not None else "")
+                             f"  mfu {record['mfu']:.1%}" if record["mfu"] is not None else "", left)
                     window_tokens, window_steps, window_time, window_wait = 0, 0, 0.0, 0.0
                     unrecorded = 0.0
                     if (self.plan is not None and not plan_checked and self.step >= PLAN_CHECK_STEP
