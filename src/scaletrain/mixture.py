@@ -138,6 +138,7 @@ class MixtureSearch(ProxyRuns):
             raise ConfigError(f"a mixture search needs at least two sources, got {settings.sources}; name them with "
                               "--sources a,b,... (data directories under --data)")
         self.validation = list(settings.sources)
+        self._fits: dict[tuple, object] = {}  # (choose's fits, which no target or run length changes)
         checked = {name: root / name for name in settings.sources}
         if settings.target_data is not None:
             name = Path(settings.target_data).name
@@ -286,35 +287,58 @@ class MixtureSearch(ProxyRuns):
         weights = np.array([target.get(n, 0.0) for n in validation])
         return weights / weights.sum()
 
+    def _law(self, shares: np.ndarray, losses: np.ndarray) -> MixingLaw:
+        """The law fitted to these runs. It, and _spread's fits, depend on the runs alone, not on
+        the target or the run's length: choose() asked again for another (a user weighing
+        targets) fits them once."""
+        key = (shares.tobytes(), losses.tobytes())
+        if key not in self._fits:
+            try:
+                self._fits[key] = fit_mixing_law(self.settings.sources, self.validation, shares, losses)
+            except ValueError as e:
+                raise ConfigError(f"{e}; run the search to the end (rerun the same command)") from None
+        return self._fits[key]
+
+    def _spread(self, law: MixingLaw, shares: np.ndarray, losses: np.ndarray,
+                samples: int) -> tuple[list[MixingLaw], np.ndarray]:
+        """The law (`_law`'s for these runs) refitted to `samples` bootstrap resamples of them, and
+        each run's losses as the law fitted to the others predicts them (leave_one_out; nan where
+        a run's loss is not finite)."""
+        key = (shares.tobytes(), losses.tobytes(), samples)
+        if key not in self._fits:
+            boot = bootstrap_mixing_laws(law, shares, losses, samples=samples, seed=self.settings.seed)
+            finite = np.all(np.isfinite(losses), axis=1)
+            unseen = np.full(losses.shape, np.nan)
+            unseen[finite] = leave_one_out(law, shares[finite], losses[finite])
+            self._fits[key] = boot, unseen
+        return self._fits[key]
+
     def choose(self, rows: list[dict], target: dict[str, float] | None = None, tokens: float | None = None,
                samples: int = 100) -> tuple[MixingLaw, Choice]:
         """Fit the law to the finished proxies and choose the mixture for `target` (validation
         source -> weight; default the target data's loss if there is one, else every source's
         alike) and a planned run of `tokens` tokens (each source then capped at MAX_EPOCHS repeats;
         default no cap)."""
-        names, validation = self.settings.sources, self.validation
+        names = self.settings.sources
         weights = self.target_weights(target)
         shares, losses = self.arrays(rows)
-        try:
-            law = fit_mixing_law(names, validation, shares, losses)
-        except ValueError as e:
-            raise ConfigError(f"{e}; run the search to the end (rerun the same command)") from None
+        law = self._law(shares, losses)
         lower, upper = share_bounds(np.array([self.unique_tokens[n] for n in names]), tokens, MAX_EPOCHS, MIN_SHARE)
         try:
             best = best_mixture(law, weights, lower, upper)
         except ValueError as e:
             raise ConfigError(f"--tokens {tokens:.3g}: {e}") from None
-        boot = bootstrap_mixing_laws(law, shares, losses, samples=samples, seed=self.settings.seed)
+        boot, unseen = self._spread(law, shares, losses, samples)
         predicted = np.array([b.target(best, weights) for b in boot])
         optima = np.array([best_mixture(b, weights, lower, upper) for b in boot])
         measured = losses @ weights
         finite = np.isfinite(measured)
-        missed = np.abs(leave_one_out(law, shares[finite], losses[finite]) @ weights / measured[finite] - 1)
+        missed = np.abs(unseen[finite] @ weights / measured[finite] - 1)
         missed = missed[np.isfinite(missed)]  # (nan where the others were too few to fit)
         k = int(np.nanargmin(np.where(finite, measured, np.nan)))
         natural = np.array([self.unique_tokens[n] for n in names], dtype=float)
         choice = Choice(shares=dict(zip(names, best.round(4).tolist())),
-                        target=dict(zip(validation, weights.tolist())),
+                        target=dict(zip(self.validation, weights.tolist())),
                         predicted=float(law.target(best, weights)),
                         interval=tuple(np.percentile(predicted, [2.5, 97.5]).tolist()),
                         shares_interval={n: tuple(np.percentile(optima[:, j], [2.5, 97.5]).round(4).tolist())
