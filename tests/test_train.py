@@ -139,8 +139,8 @@ def test_training_lowers_the_loss_and_says_the_time_left(stdlib_data, tmp_path, 
         train(tiny_config(stdlib_data, run_dir, "train.steps=30", "eval.interval=0"))
     values = losses(run_dir)
     assert sum(list(values.values())[-5:]) / 5 < values[1] - 0.5
-    # The time left, at the pace of the steps since the first (which pays one-off costs): from the
-    # second step on, and not at the last.
+    # The time left, at the pace of the tokens since the first step (which pays one-off costs): from
+    # the second step on, and not at the last.
     lines = [r.getMessage() for r in caplog.records if " tok/s" in r.getMessage()]
     assert [line.split()[1] for line in lines] == [f"{step}/30" for step in range(1, 31)]
     left = [float(re.search(r"  ([\d.]+) s left$", line).group(1)) for line in lines[1:-1]]
@@ -894,18 +894,19 @@ def test_stop_signals_leave_a_signal_the_process_ignores_ignored_and_restore_the
     from scaletrain.train.resilience import StopSignals
 
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         stops = StopSignals()
         stops.install()
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
-        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+        assert all(signal.getsignal(signum) != handler for signum, handler in before.items())
         os.kill(os.getpid(), signal.SIGHUP)
         assert stops.stop_before_next_step() is None
         os.kill(os.getpid(), signal.SIGUSR1)
         assert stops.stop_before_next_step() == signal.SIGUSR1
         stops.uninstall(finished=True)
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+        assert {signum: signal.getsignal(signum) for signum in before} == before
     finally:
         signal.signal(signal.SIGHUP, previous)
 
