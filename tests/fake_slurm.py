@@ -5,8 +5,9 @@
   called (a node's own filesystem, where a path may be missing), as step 0 of the job, the others
   once the first listens on the rendezvous's port (it hosts the rendezvous); it records
   its own process id in SLURM_TASKS_FILE (its tasks' processes are its descendants: it adopts
-  those orphaned, as slurmstepd holds a step's processes) and ends with the highest status
-  (128 + N for a signal N), as srun does.
+  those orphaned, as slurmstepd holds a step's processes), kills what is left of a task once its
+  own process has ended (as slurmstepd does), and ends with the highest status (128 + N for a
+  signal N), as srun does.
 - scancel --signal=SIG JOB.STEP sends SIG to every process of the step; without --signal it
   does as Slurm does to a cancelled job: SIGTERM, and SIGKILL to what is left after
   KILL_WAIT_S. It records its arguments (SLURM_TASKS_FILE + ".scancel").
@@ -61,7 +62,21 @@ def srun(command: list[str]) -> int:
         tasks.append(subprocess.Popen(command, cwd=f"node{node}", env=env))
         if node == 0 and endpoint:  # (the first node hosts the rendezvous, as on Slurm the first host does)
             _wait_for(endpoint.rsplit(":", 1)[1], tasks[0])
-    return max(code if code >= 0 else 128 - code for code in (task.wait() for task in tasks))
+    # As slurmstepd: once a task's own process has ended, what is left of it is killed.
+    left = {task.pid: set() for task in tasks}
+    while any(task.poll() is None for task in tasks) or any(left.values()):
+        for task in tasks:
+            if task.poll() is None:
+                left[task.pid] = _descendants(task.pid)
+            elif left[task.pid]:
+                for pid in left[task.pid]:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                left[task.pid] = set()
+        time.sleep(0.1)
+    return max(code if code >= 0 else 128 - code for code in (task.returncode for task in tasks))
 
 
 def scancel(args: list[str]) -> int:

@@ -796,3 +796,39 @@ def test_a_slurm_job_whose_one_node_refuses_ends_its_step_not_left_to_its_timeou
     assert result.returncode != 0 and (tmp_path / "tasks.scancel").read_text() == "--signal=KILL 7.0", err[-3000:]
     assert err.count("error: data.path: data directory 'the data' does not exist") == 1, err[-3000:]
     assert "Traceback" not in err and time.monotonic() - started < 120
+
+
+def test_a_slurm_job_stopped_by_its_signal_saves_a_checkpoint_and_ends_with_its_status(stdlib_data, tmp_path):
+    """launch's batch script under the stand-ins for Slurm, one node: SIGTERM to every process of
+    the step at step 3 or later, as Slurm sends it (`--signal=TERM@180`, a preemption): the
+    step's command, torchrun, waits for its worker, which stops with a checkpoint. (A shell
+    wrapped around the command died of the SIGTERM, and the step's end then killed torchrun and
+    its worker before they saved.)"""
+    from fake_slurm import end_tasks, install
+    from zygote import _free_port
+
+    install(tmp_path / "bin")
+    (tmp_path / "node0").mkdir()
+    script, run_dir = tmp_path / "job.sh", tmp_path / "runs" / "run"
+    result = run_cli("launch", "slurm", str(ROOT / "configs" / "tiny.toml"), f"data.path={stdlib_data}",
+                     f"run.dir={tmp_path / 'runs'}", "run.name=run", "train.steps=1000", "checkpoint.interval=1000",
+                     "eval.interval=0", "--nodes", "1", "--gpus-per-node", "1", "--out", str(script))
+    assert result.returncode == 0, result.stderr
+    script.write_text(script.read_text().replace(":29500", f":{_free_port()}"))
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "node0", "SLURM_NNODES": "1", "SLURM_TASKS_FILE": str(tmp_path / "tasks")}
+    job = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and job.poll() is None and not (
+                (run_dir / "metrics.jsonl").is_file() and max(records(run_dir, "train"), default=0) >= 3):
+            time.sleep(0.05)
+        assert job.poll() is None, job.stdout.read()[-3000:]
+        subprocess.run([str(tmp_path / "bin" / "scancel"), "--signal=TERM", "7.0"], env=env, check=True)
+        output, _ = job.communicate(timeout=120)
+    finally:
+        end_tasks(tmp_path / "tasks", kill_wait_s=5)  # (nothing left behind, whatever happened)
+    end = read_metrics(run_dir, "end")[-1]
+    assert job.returncode == 128 + signal.SIGTERM and end["stopped_by"] == "SIGTERM", output[-3000:]
+    assert [checkpoint.step_of(p) for p in checkpoint.complete_checkpoints(run_dir / "checkpoints")] == [end["step"]]
