@@ -765,27 +765,38 @@ def test_a_refusal_found_by_the_processes_is_one_line_and_not_restarted(stdlib_d
     assert damaged.read_bytes() == b"cut"
 
 
+def _slurm_job(tmp_path: Path, nodes: int, *overrides: str) -> tuple[Path, dict]:
+    """launch's batch script for `nodes` one-process nodes of configs/tiny.toml with `overrides`,
+    its rendezvous on a free port, and the environment that runs it under the stand-ins for
+    Slurm (tests/fake_slurm.py) as job 7, each node in its folder nodeN (made here)."""
+    from fake_slurm import install
+    from zygote import _free_port
+
+    install(tmp_path / "bin")
+    for node in range(nodes):
+        (tmp_path / f"node{node}").mkdir()
+    script = tmp_path / "job.sh"
+    result = run_cli("launch", "slurm", str(ROOT / "configs" / "tiny.toml"), *overrides,
+                     f"run.dir={tmp_path / 'runs'}", "--nodes", str(nodes), "--gpus-per-node", "1", "--out", str(script))
+    assert result.returncode == 0, result.stderr
+    script.write_text(script.read_text().replace(":29500", f":{_free_port()}"))
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": f"node[0-{nodes - 1}]", "SLURM_NNODES": str(nodes),
+           "SLURM_TASKS_FILE": str(tmp_path / "tasks")}
+    return script, env
+
+
 def test_a_slurm_job_whose_one_node_refuses_ends_its_step_not_left_to_its_timeouts(stdlib_data, tmp_path):
     """launch's batch script, run by stand-ins for Slurm (tests/fake_slurm.py) on two "nodes" of
     one process each, each in its own folder: the data is missing on the second. Its process
     refuses and waits to be stopped while the first node's waits on it in a collective (900 s):
     the second node ends the job step on both, and the job ends in seconds with the refusal said
     once."""
-    from fake_slurm import end_tasks, install
-    from zygote import _free_port
+    from fake_slurm import end_tasks
 
-    install(tmp_path / "bin")
     data = "the data"  # (relative: a node's own; with a space)
-    (tmp_path / "node0").mkdir()
+    script, env = _slurm_job(tmp_path, 2, f"data.path={data}")
     (tmp_path / "node0" / data).symlink_to(stdlib_data)
-    (tmp_path / "node1").mkdir()
-    script = tmp_path / "job.sh"
-    result = run_cli("launch", "slurm", str(ROOT / "configs" / "tiny.toml"), f"data.path={data}",
-                     f"run.dir={tmp_path / 'runs'}", "--nodes", "2", "--gpus-per-node", "1", "--out", str(script))
-    assert result.returncode == 0, result.stderr
-    script.write_text(script.read_text().replace(":29500", f":{_free_port()}"))
-    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "7",
-           "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_NNODES": "2", "SLURM_TASKS_FILE": str(tmp_path / "tasks")}
     started = time.monotonic()
     try:
         result = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -804,19 +815,11 @@ def test_a_slurm_job_stopped_by_its_signal_saves_a_checkpoint_and_ends_with_its_
     step's command, torchrun, waits for its worker, which stops with a checkpoint. (A shell
     wrapped around the command died of the SIGTERM, and the step's end then killed torchrun and
     its worker before they saved.)"""
-    from fake_slurm import end_tasks, install
-    from zygote import _free_port
+    from fake_slurm import end_tasks
 
-    install(tmp_path / "bin")
-    (tmp_path / "node0").mkdir()
-    script, run_dir = tmp_path / "job.sh", tmp_path / "runs" / "run"
-    result = run_cli("launch", "slurm", str(ROOT / "configs" / "tiny.toml"), f"data.path={stdlib_data}",
-                     f"run.dir={tmp_path / 'runs'}", "run.name=run", "train.steps=1000", "checkpoint.interval=1000",
-                     "eval.interval=0", "--nodes", "1", "--gpus-per-node", "1", "--out", str(script))
-    assert result.returncode == 0, result.stderr
-    script.write_text(script.read_text().replace(":29500", f":{_free_port()}"))
-    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "7",
-           "SLURM_JOB_NODELIST": "node0", "SLURM_NNODES": "1", "SLURM_TASKS_FILE": str(tmp_path / "tasks")}
+    run_dir = tmp_path / "runs" / "run"
+    script, env = _slurm_job(tmp_path, 1, f"data.path={stdlib_data}", "run.name=run", "train.steps=1000",
+                             "checkpoint.interval=1000", "eval.interval=0")
     job = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     try:
