@@ -193,7 +193,8 @@ def test_a_run_starts_from_an_exported_model_and_trains_on(runs, stdlib_data, tm
     Trainer(new).loader.close()
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "yarn_rope", "linear_rope", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "yarn_rope", "linear_rope", "mistral", "qwen3", "qwen3_moe",
+                                  "mixtral"])
 def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, kind):
     from scaletrain.config import ModelConfig
     from scaletrain.hf import hf_config, load_hf_weights, model_settings
@@ -215,6 +216,9 @@ def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, k
     elif kind == "linear_rope":
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, tie_word_embeddings=False, rope_scaling={
             "rope_type": "linear", "rope_theta": 1e4, "factor": 3.0}))
+    elif kind == "mistral":  # a window spanning the whole context
+        hf = transformers.MistralForCausalLM(transformers.MistralConfig(**shape, tie_word_embeddings=False,
+                                                                        sliding_window=128))
     elif kind == "qwen3":
         hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, head_dim=16, tie_word_embeddings=True))
     elif kind == "qwen3_moe":  # a dense first block, then 4 experts of width 32, 2 per token
@@ -325,6 +329,14 @@ def test_a_model_of_another_shape_or_kind_is_refused_with_the_settings_to_use(ru
                                                       "norm_topk_prob": True}))
     with pytest.raises(ConfigError, match="model.moe_experts is 0, the model's is 4.*model.moe_dense_layers=1"):
         Trainer(tiny_config(stdlib_data, tmp_path / "run", "train.steps=2", f"checkpoint.init_from={tmp_path}"))
+    mistral = {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+               "max_position_embeddings": 128}
+    for window in (64, "absent"):  # MistralConfig's default window: 4,096 tokens
+        (tmp_path / "config.json").write_text(json.dumps({**mistral, "max_position_embeddings": 8192}
+                                                         if window == "absent" else {**mistral, "sliding_window": window}))
+        with pytest.raises(ConfigError, match=f"sliding-window attention over {4096 if window == 'absent' else 64} "
+                                              f"tokens of its {8192 if window == 'absent' else 128} .a window that spans"):
+            model_settings(tmp_path)
     qwen3 = {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
     (tmp_path / "config.json").write_text(json.dumps(qwen3))  # no head_dim: Qwen3's default 128, not 64 / 4
     with pytest.raises(ConfigError, match="head_dim 128 x 4 heads, not its hidden_size 64"):

@@ -1899,8 +1899,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "per byte, each source's in a mixture, eval.tasks) for a run's newest "
                                         "checkpoint, the checkpoints of --step, or every kept one (--all): on the "
                                         "run's data or other data prepared with its tokenizer, with other tasks or "
-                                        "at another sequence length. Or for a Hugging Face model (Llama, Qwen3 and "
-                                        "their mixtures of experts) on --data prepared with its tokenizer: a "
+                                        "at another sequence length. Or for a Hugging Face model (Llama, Mistral, Qwen3 "
+                                        "and their mixtures of experts) on --data prepared with its tokenizer: a "
                                         "baseline. Nothing in the run directory changes.")
     p.add_argument("run_dir", metavar="RUN_OR_MODEL_DIR",
                    help="run directory, e.g. runs/demo; a Hugging Face model directory (with --data); or a sweep "

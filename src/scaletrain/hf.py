@@ -16,10 +16,12 @@ expert: those models are refused in one sentence. Expert weights are written one
 time, as the published checkpoints of both are. Nothing is written to `out` until every file
 is ready: the files go to a sibling directory that is renamed to `out` last.
 
-The other way, `model_settings(hf_dir)` reads a Llama, Qwen3, Qwen3-MoE or Mixtral config.json
-as model.* settings and `load_hf_weights(hf_dir, cfg)` its safetensors as our state dict
+The other way, `model_settings(hf_dir)` reads a Llama, Mistral, Qwen3, Qwen3-MoE or Mixtral
+config.json as model.* settings (Mistral is Llama with the same weight names, and a sliding
+window that changes nothing when it spans every position the model takes) and `load_hf_weights(hf_dir, cfg)` its safetensors as our state dict
 (`checkpoint.init_from`: continued pre-training from a published or exported model), refusing
-what the decoder of `model/llama.py` does not compute (biases, dynamic rotary scaling, sliding windows,
+what the decoder of `model/llama.py` does not compute (biases, dynamic rotary scaling, sliding windows
+shorter than the context,
 another activation, dense blocks between expert blocks).
 """
 
@@ -391,6 +393,10 @@ _SETTINGS = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_
              "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings"}
 
 
+_CONTEXT = {"llama": 2048, "mistral": 131072, "qwen3": 32768, "qwen3_moe": 32768, "mixtral": 131072}
+"""max_position_embeddings of the transformers config classes, where a config.json leaves it out."""
+
+
 def _hf_config(hf_dir: Path) -> dict:
     path = Path(hf_dir) / "config.json"
     try:
@@ -406,8 +412,8 @@ def model_settings(hf_dir: str | Path) -> dict:
     hf = _hf_config(Path(hf_dir))
     kind = hf.get("model_type")
     problems = []
-    if kind not in ("llama", "qwen3", "qwen3_moe", "mixtral"):
-        problems.append(f"model_type {kind!r} (supported: llama, qwen3, qwen3_moe, mixtral)")
+    if kind not in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral"):
+        problems.append(f"model_type {kind!r} (supported: llama, mistral, qwen3, qwen3_moe, mixtral)")
     # Unset keys take the transformers config classes' defaults (Qwen3-MoE: 128 experts, 8 a
     # token; Mixtral: 8, 2).
     experts = (hf.get("num_experts", hf.get("num_local_experts", 128 if kind == "qwen3_moe" else 8))
@@ -447,6 +453,11 @@ def model_settings(hf_dir: str | Path) -> dict:
         problems.append(f"partial_rotary_factor {rope['partial_rotary_factor']} (every dimension rotates)")
     if hf.get("use_sliding_window"):
         problems.append("sliding-window attention")
+    if kind == "mistral":  # MistralConfig's defaults: a window of 4,096 tokens in a context of 131,072
+        window, context = hf.get("sliding_window", 4096), hf.get("max_position_embeddings", _CONTEXT[kind])
+        if window is not None and window < context:
+            problems.append(f"sliding-window attention over {window} tokens of its {context} (a window that spans the "
+                            "context, or none as in Mistral 7B v0.2 on, computes what causal attention does)")
     if problems:
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} holds a model scaletrain's decoder does not "
                           f"compute: {'; '.join(problems)}")
@@ -458,7 +469,7 @@ def model_settings(hf_dir: str | Path) -> dict:
     settings = {ours: hf[theirs] for ours, theirs in _SETTINGS.items() if theirs in hf}
     settings.setdefault("tie_embeddings", False)  # transformers' default for these architectures
     settings["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    settings["max_seq_len"] = hf.get("max_position_embeddings", 2048)
+    settings["max_seq_len"] = hf.get("max_position_embeddings", _CONTEXT.get(kind, 2048))
     if rope_type != "default":
         settings["rope_scaling"] = _our_rope_scaling(rope_type, rope, settings["max_seq_len"])
     settings["qk_norm"] = kind in ("qwen3", "qwen3_moe")
