@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from scaletrain.config import ModelConfig
 from scaletrain.model import flops
 from scaletrain.model.llama import Transformer
-from scaletrain.plan.hardware import PEAK_FLOPS, identify, peak_flops
+from scaletrain.plan.hardware import PEAK_FLOPS, device, identify, peak_flops
 
 SHAPES = {
     "mha": {},
@@ -86,9 +86,9 @@ def test_flops_module_imports_without_torch():
         ("NVIDIA H200", "H200"),
         ("NVIDIA H200 NVL", "H200 NVL"),
         ("NVIDIA A100-SXM4-80GB", "A100"),
-        ("NVIDIA A100-SXM4-40GB", "A100"),
-        ("NVIDIA A100-PCIE-40GB", "A100"),
-        ("NVIDIA A100 80GB PCIe", "A100"),
+        ("NVIDIA A100-SXM4-40GB", "A100 40GB"),
+        ("NVIDIA A100-PCIE-40GB", "A100 40GB PCIe"),
+        ("NVIDIA A100 80GB PCIe", "A100 PCIe"),
         ("NVIDIA A10G", "A10G"),
         ("NVIDIA A10", "A10"),
         ("NVIDIA L4", "L4"),
@@ -102,6 +102,17 @@ def test_flops_module_imports_without_torch():
 def test_device_names_as_torch_reports_them_are_identified(device_name, canonical):
     assert identify(device_name) == canonical
     assert identify(device_name.lower()) == canonical
+    assert device(device_name).name == canonical  # the planner's card: memory, bandwidths and power as well
+
+
+def test_the_a100s_share_their_peaks_and_differ_in_memory_and_board():
+    cards = {name: device(name) for name in ("NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB", "NVIDIA A100 80GB PCIe",
+                                             "NVIDIA A100-PCIE-40GB")}
+    assert {card.peak["bf16"] for card in cards.values()} == {312e12}
+    assert {name: card.memory / 1e9 for name, card in cards.items()} == {
+        "NVIDIA A100-SXM4-80GB": 80, "NVIDIA A100-SXM4-40GB": 40, "NVIDIA A100 80GB PCIe": 80, "NVIDIA A100-PCIE-40GB": 40}
+    assert cards["NVIDIA A100 80GB PCIe"].intra_node < cards["NVIDIA A100-SXM4-80GB"].intra_node  # PCIe, not NVLink
+    assert peak_flops("NVIDIA A100-PCIE-40GB", "bf16") == 312e12
 
 
 def test_peak_flops_lookup_by_dtype_and_unknown_devices():

@@ -1710,8 +1710,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--params", type=_flops, default=None, metavar="N", help="plan a model of about N parameters")
     p.add_argument("--tokens", type=_flops, default=None, metavar="D", help="with --params: training tokens")
     p.add_argument("--gpu", default="H100 SXM", help="device from the catalog (default 'H100 SXM'): "
-                   "H100 SXM, H100 PCIe, H100 NVL, H200, H200 NVL, A100, A100 40GB, L4, L40S, A10, A10G, RTX 4090, "
-                   "B200, GB200, MI300X")
+                   "H100 SXM, H100 PCIe, H100 NVL, H200, H200 NVL, A100, A100 40GB, A100 PCIe, A100 40GB PCIe, L4, "
+                   "L40S, A10, A10G, RTX 4090, B200, GB200, MI300X; or the name torch gives it, e.g. 'NVIDIA "
+                   "A100-SXM4-40GB'")
     p.add_argument("--gpus", type=_count, default=8, help="devices to plan for (8)")
     p.add_argument("--gpus-per-node", type=_count, default=None, help="devices per node (the device's usual: 8)")
     p.add_argument("--hardware", default=None, help="a JSON file of device figures replacing the catalog's "

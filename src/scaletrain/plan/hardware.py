@@ -63,6 +63,9 @@ _RULES: list[tuple[str, str]] = [
     (r"h100.*pcie", "H100 PCIe"),
     (r"h100.*nvl", "H100 NVL"),
     (r"h100", "H100 SXM"),
+    (r"a100(?:.*40\s*gb.*pcie|.*pcie.*40\s*gb)", "A100 40GB PCIe"),  # "NVIDIA A100-PCIE-40GB"
+    (r"a100.*pcie", "A100 PCIe"),  # "NVIDIA A100 80GB PCIe"
+    (r"a100.*40\s*gb", "A100 40GB"),  # "NVIDIA A100-SXM4-40GB"
     (r"a100", "A100"),
     (r"\ba10g\b", "A10G"),
     (r"\ba10\b", "A10"),
@@ -80,8 +83,12 @@ _DTYPE_ALIASES = {
 }
 
 
+# Catalog devices whose peak FLOP/s are another's (the same chip with other memory or board).
+_PEAK_OF = {"A100 40GB": "A100", "A100 PCIe": "A100", "A100 40GB PCIe": "A100"}
+
+
 def identify(device_name: str) -> str | None:
-    """The canonical name (a key of PEAK_FLOPS) of a device name, or None if unknown."""
+    """The canonical name (a key of DEVICES) of a device name, or None if unknown."""
     name = device_name.lower()
     for pattern, canonical in _RULES:
         # A model number stands alone: "h100" is not in "h1000" nor "gh200" in "h200".
@@ -100,7 +107,7 @@ def peak_flops(device_name: str, dtype: str) -> float | None:
     canonical = identify(device_name)
     if canonical is None:
         return None
-    return PEAK_FLOPS[canonical][_DTYPE_ALIASES[key]]
+    return PEAK_FLOPS[_PEAK_OF.get(canonical, canonical)][_DTYPE_ALIASES[key]]
 
 
 # -- what the planner needs to know of a device ------------------------------------------------
@@ -143,6 +150,8 @@ _SPECS: dict[str, tuple[float, float, float, float]] = {
     "H200 NVL": (141, 4800, PCIE5 / G, 600),    # NVLink bridge joins 2 or 4 cards only
     "A100": (80, 2039, 600 / 2, 400),           # 80 GB SXM; NVLink 3 600 GB/s
     "A100 40GB": (40, 1555, 600 / 2, 400),      # 40 GB SXM
+    "A100 PCIe": (80, 1935, PCIE4 / G, 300),    # 80 GB PCIe (an NVLink bridge joins pairs only)
+    "A100 40GB PCIe": (40, 1555, PCIE4 / G, 250),
     "L4": (24, 300, PCIE4 / G, 72),             # GDDR6, PCIe Gen4
     "L40S": (48, 864, PCIE4 / G, 350),          # GDDR6, PCIe Gen4
     "A10": (24, 600, PCIE4 / G, 150),
@@ -156,7 +165,7 @@ _SPECS: dict[str, tuple[float, float, float, float]] = {
 
 def _device(name: str) -> Device:
     memory, bandwidth, link, watts = _SPECS[name]
-    peaks = PEAK_FLOPS["A100" if name == "A100 40GB" else name]
+    peaks = PEAK_FLOPS[_PEAK_OF.get(name, name)]
     return Device(name, dict(peaks), memory * G, bandwidth * G, link * G, INTER_NODE, watts,
                   gpus_per_node=72 if name == "GB200" else 8)
 
