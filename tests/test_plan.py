@@ -293,6 +293,17 @@ def test_batch_stays_near_the_rule_and_a_given_config_keeps_its_settings(tmp_pat
     plan = make_plan(model, int(2e9), 4096, Hardware(H100, 256, 8))
     rule = plan["hyperparameters"]["rule_batch_tokens"]
     assert plan["hyperparameters"]["global_batch_tokens"] <= max(2 * rule, 256 * 4096)  # one sequence a rank at most
+    # More devices than the rule's batch has sequences: tensor parallelism keeps it within 2x (plain FSDP
+    # over every device, of one sequence each, would be faster per token at 8x the batch); where nothing
+    # keeps it, the smallest batch any layout trains.
+    two_b = model_for(2e9, 32768, 4096)
+    wide = make_plan(two_b, int(8e10), 4096, Hardware(H100, 4096, 8))
+    rule = wide["hyperparameters"]["rule_batch_tokens"]
+    assert rule < 4096 * 4096 / 4 and wide["hyperparameters"]["global_batch_tokens"] <= 2 * rule
+    fastest = search(two_b, 4096, 4096, 4096, H100)[0]  # (a target of one sequence a device: nothing left out)
+    assert fastest.time.tokens_per_s > wide["step"]["tokens_per_s"]
+    widest = make_plan(two_b, int(8e10), 4096, Hardware(H100, 65536, 8))
+    assert widest["hyperparameters"]["global_batch_tokens"] == 65536 // 8 * 4096  # dp 8,192 x tp 8: the least
     config = tmp_path / "mine.toml"
     config.write_text(plan["config"].replace("async_save = true", "async_save = false")
                       .replace("hang_timeout_s = 900.0", "hang_timeout_s = 0.0"))
@@ -558,12 +569,15 @@ def test_tokens_below_one_batch_are_planned_as_one_step_and_said(capsys):
     assert main(["plan", "--params", "1e8", "--tokens", "1e3", "--json"]) == 0
     said = capsys.readouterr()
     plan = json.loads(said.out)
-    assert plan["run"]["steps"] == 1 and plan["tokens"] == plan["hyperparameters"]["global_batch_tokens"] == 32768
-    assert ("--tokens 1e+03 is less than one step's batch of 32,768 tokens: planned as that one step"
+    # (4 sequences of 4,096 on 8 devices: dp 4 x tp 2, the least batch any layout trains, the rule's being below one)
+    assert plan["run"]["steps"] == 1 and plan["tokens"] == plan["hyperparameters"]["global_batch_tokens"] == 16384
+    assert ("--tokens 1e+03 is less than one step's batch of 16,384 tokens: planned as that one step"
             in " ".join(said.err.split()))
+    assert "the batch is 7.68x the rule's 2,132 tokens: no layout of 8 devices keeps it within 2x" in " ".join(
+        said.err.split())
     assert main(["plan", "--params", "1e8", "--tokens", "1e5", "--json"]) == 0
     said = capsys.readouterr()
-    assert json.loads(said.out)["run"]["steps"] == 4 and "warning" not in said.err
+    assert json.loads(said.out)["run"]["steps"] == 7 and "one step's batch" not in said.err
 
 
 def test_a_planned_config_trains_and_reports_against_its_plan(stdlib_data, tmp_path, capsys):

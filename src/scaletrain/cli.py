@@ -337,6 +337,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from scaletrain.config import load_config
     from scaletrain.plan.planner import Sizing, make_plan, model_for, plan_for_time, size, vocab_of
+    from scaletrain.plan.search import MAX_BATCH_GROWTH
     from scaletrain.model.flops import param_counts, train_flops_per_token
 
     hardware = _hardware(args)
@@ -422,6 +423,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         console.print(f"[yellow]warning:[/] --tokens {args.tokens:.3g} is less than one step's batch of "
                       f"{plan['hyperparameters']['global_batch_tokens']:,} tokens: planned as that one step",
                       highlight=False, soft_wrap=True)
+    rule = plan["hyperparameters"].get("rule_batch_tokens")
+    if rule and batch is None and plan["hyperparameters"]["global_batch_tokens"] > MAX_BATCH_GROWTH * rule:
+        lay = plan["layout"]["layout"]
+        ranks = lay["dp_replicate"] * lay["dp_shard"]
+        console.print(f"[yellow]warning:[/] the batch is {plan['hyperparameters']['global_batch_tokens'] / rule:.3g}x the "
+                      f"rule's {rule:,.0f} tokens: no layout of {hardware.count:,} devices keeps it within "
+                      f"{MAX_BATCH_GROWTH:g}x (this one's {ranks:,} data-parallel ranks take a sequence each at least), and "
+                      "a batch beyond the rule's takes more tokens to reach its loss; plan fewer devices or a larger "
+                      "budget", highlight=False, soft_wrap=True)
     if law_doc is not None:
         plan["law_warnings"] = _law_warnings(law_doc, plan)
         for warning in plan["law_warnings"]:
