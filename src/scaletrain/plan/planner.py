@@ -43,17 +43,24 @@ ASPECT = 128  # width / depth
 def model_for(n: float, vocab: int, seq_len: int) -> ModelConfig:
     """The family's shape whose parameter count (all of them) is nearest n (see the module's
     docstring)."""
-    best = None
+    return nearest_shapes([n], vocab, seq_len)[0]
+
+
+def nearest_shapes(ns: list[float], vocab: int, seq_len: int) -> list[ModelConfig]:
+    """model_for of each of ns, the family walked once."""
+    best: list[tuple[float, ModelConfig] | None] = [None] * len(ns)
     for dim in _widths():
         aim = dim / ASPECT
         for layers in range(max(1, math.floor(aim / 1.5)), math.ceil(aim * 1.5) + 1):
             cfg = _shape(dim, layers, vocab, seq_len)
-            miss = abs(math.log(param_counts(cfg)["total"] / n)) + 0.01 * abs(math.log(layers / aim))
-            if best is None or miss < best[0]:
-                best = (miss, cfg)
-        if vocab * dim > 2 * n:  # wider still only grows the embedding
+            total = param_counts(cfg)["total"]
+            for i, n in enumerate(ns):
+                miss = abs(math.log(total / n)) + 0.01 * abs(math.log(layers / aim))
+                if best[i] is None or miss < best[i][0]:
+                    best[i] = (miss, cfg)
+        if vocab * dim > 2 * max(ns):  # wider still only grows the embedding
             break
-    return best[1]
+    return [cfg for _, cfg in best]
 
 
 def _shape(dim: int, layers: int, vocab: int, seq_len: int) -> ModelConfig:
@@ -107,9 +114,16 @@ def size(law: ChinchillaLaw, compute: float, vocab: int, seq_len: int, inference
          unique_tokens: float | None = None, bootstrap: list[ChinchillaLaw] = ()) -> tuple[ModelConfig, int, Sizing]:
     """The model and tokens a law chooses for `compute` FLOPs: compute-optimal; or, with
     inference tokens, Sardana et al.'s smaller model reaching the same loss; or, with a limit on
-    unique tokens, Muennighoff et al.'s data-constrained optimum."""
-    from scaletrain.scaling.optimal import compute_optimal, data_constrained_optimal, inference_optimal, \
-        tokens_for_loss
+    unique tokens, Muennighoff et al.'s data-constrained optimum.
+
+    The law's optimum assumes C = 6ND; the run spends its budget at the exact FLOPs per token
+    (attention's 12·L·d·T included), which buy fewer tokens, the more so for small models on long
+    sequences. So the shape trained is the family's of least predicted loss at the tokens it
+    buys (L(N, C / F(N)); data-constrained, with repeats), among the shapes nearest the law's N
+    times 4^(-1..1): at 1e20 FLOPs and sequences of 4,096, Epoch's law wants 0.84B parameters
+    by 6ND, and the family's 0.65B is predicted 0.01 lower once attention is counted."""
+    from scaletrain.scaling.optimal import compute_optimal, data_constrained_loss, data_constrained_optimal, \
+        inference_optimal, tokens_for_loss
 
     if inference_tokens and unique_tokens:
         raise PlanError("give inference tokens or unique tokens, not both: the planner sizes for one constraint")
@@ -124,7 +138,14 @@ def size(law: ChinchillaLaw, compute: float, vocab: int, seq_len: int, inference
         sizing.kind = "data-constrained"
     else:
         choice = compute_optimal(law, compute)
-    model = model_for(choice.n, vocab, seq_len)
+    if sizing.kind == "inference-aware":
+        model = model_for(choice.n, vocab, seq_len)
+    else:
+        def loss(shape: ModelConfig) -> float:
+            n, tokens = param_counts(shape)["total"], compute / train_flops_per_token(shape, seq_len)
+            return data_constrained_loss(law, n, tokens, unique_tokens) if unique_tokens else law.loss(n, tokens)
+
+        model = min(nearest_shapes([choice.n * 2 ** (k / 4) for k in range(-8, 9)], vocab, seq_len), key=loss)
     n = param_counts(model)["total"]
     if sizing.kind == "inference-aware":  # the tokens that bring this shape to the target loss
         tokens = tokens_for_loss(law, n, sizing.notes["target_loss"])
