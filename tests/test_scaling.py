@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_cli
-from scaletrain.scaling.fit import (Points, backtest, bootstrap_laws, bootstrap_parametric, budget_minima,
-                                   envelope_minima, fit_all, fit_allocation, fit_parametric, interval, law_of,
-                                   read_points)
+from scaletrain.scaling.fit import (LAW_PARAMETERS, Points, backtest, bootstrap_laws, bootstrap_parametric,
+                                   budget_minima, envelope_minima, fit_all, fit_allocation, fit_parametric, interval,
+                                   law_of, read_points)
 from scaletrain.scaling.laws import ChinchillaLaw, KaplanLaw, preset
 from scaletrain.scaling.optimal import (R_STAR_D, compute_optimal, data_constrained_loss, data_constrained_optimal,
                                         effective_data, inference_optimal, predict)
@@ -173,6 +173,33 @@ def test_data_constrained_sizing():
     assert scarce.loss <= data_constrained_loss(law, free.n, free.d, free.d / 10)  # better than ignoring the limit
 
 
+def test_data_used_up_long_before_the_compute_is_refused_not_answered_with_the_searchs_edge():
+    with pytest.raises(ValueError, match="1 unique tokens are too few for 1e.21 FLOPs"):
+        data_constrained_optimal(preset("epoch"), 1e21, unique_tokens=1)
+
+
+def test_points_and_laws_no_fit_writes_are_refused_and_repeated_points_said(tmp_path, caplog):
+    rows = "n,c,loss,budget\n1e6,1e12,3.0,1e12\n2e6,1e12,3.1,1e12\n"
+    for row, words in [("4e6,inf,3.2,1e12", "line 4, column c: inf is not a positive count"),
+                       ("4e6,1e12,3.2,nan", "line 4, column budget: nan is not a positive count"),
+                       ("4e6,1e12,3.2,-5", "line 4, column budget: -5 is not a positive count")]:
+        (tmp_path / "points.csv").write_text(rows + row + "\n")
+        with pytest.raises(ValueError, match=words):
+            read_points(tmp_path / "points.csv")
+    (tmp_path / "points.csv").write_text(rows + "1e6,1e12,3.0,1e12\n")
+    assert len(read_points(tmp_path / "points.csv").n) == 3
+    assert "1 of its points repeat another's N, D and loss" in caplog.text
+    law = {name: {"value": value} for name, value in zip(LAW_PARAMETERS, (1.7, 400.0, 1500.0, 0.34, 0.37))}
+    spans = {"compute": [1e12, 1e15], "n": [1e6, 1e8], "d": [1e6, 1e9]}
+    assert law_of({"approach3": {**law, "range": spans}, "data": {"path": "data/x", "mix": None}}).E == 1.7
+    for doc, words in [({"approach3": {**law, "range": {**spans, "compute": [1]}}}, r"range.compute is \[1\]"),
+                       ({"approach3": {**law, "range": "x"}}, "approach3.range.compute is None"),
+                       ({"approach3": {**law, "range": {**spans, "n": [0, 0]}}}, r"range.n is \[0, 0\], not the"),
+                       ({"approach3": law, "data": "data/x"}, "data is 'data/x', not the sweep's data directory")]:
+        with pytest.raises(ValueError, match=words):
+            law_of(doc)
+
+
 def test_parameters_beyond_the_optimum_for_the_data_decay_like_repeated_data():
     """With A = B and α = β = 1/2 the compute-optimal N for D tokens is D itself, so with U
     unique tokens a model of 3U parameters has R_N = 2 excess "repetitions" of parameters:
@@ -267,6 +294,7 @@ def test_fit_says_when_an_approach_used_fewer_budgets_than_the_points_have(tmp_p
     (["--preset", "kaplan", "--predict", "1e21"], "has no E + A/N"),
     (["--preset", "epoch", "--points", "x.csv", "--predict", "1e21"], "not from fitted points"),
     (["--preset", "epoch", "--inference-tokens", "1e12"], "add --predict C"),
+    (["--preset", "epoch", "--predict", "1e21", "--unique-tokens", "1"], "1 unique tokens are too few for 1e+21 FLOPs"),
 ])
 def test_fit_command_refuses_bad_input_in_one_line(tmp_path, args, words):
     bad = tmp_path / "bad.csv"

@@ -1209,7 +1209,10 @@ def cmd_fit(args: argparse.Namespace) -> int:
                                         "compute_optimal_lifetime_flops": reference.lifetime_flops,
                                         "saved_fraction": 1 - best.lifetime_flops / reference.lifetime_flops}
         if args.unique_tokens:
-            best = data_constrained_optimal(law, compute, args.unique_tokens)
+            try:
+                best = data_constrained_optimal(law, compute, args.unique_tokens)
+            except ValueError as e:
+                raise UserError(f"--unique-tokens: {e}") from None
             entry["data_constrained"] = {"n": best.n, "d": best.d, "epochs": best.d / args.unique_tokens,
                                          "loss": best.loss}
         predictions.append(entry)

@@ -134,7 +134,10 @@ def size(law: ChinchillaLaw, compute: float, vocab: int, seq_len: int, inference
         sizing.notes = {"compute_optimal_n": reference.n, "target_loss": reference.loss,
                         "lifetime_flops_saved": reference.lifetime_flops - choice.lifetime_flops}
     elif unique_tokens:
-        choice = data_constrained_optimal(law, compute, unique_tokens)
+        try:
+            choice = data_constrained_optimal(law, compute, unique_tokens)
+        except ValueError as e:
+            raise PlanError(f"--unique-tokens: {e}") from None
         sizing.kind = "data-constrained"
     else:
         choice = compute_optimal(law, compute)

@@ -464,9 +464,23 @@ def _checked(values: dict, where: str) -> dict:
 
 
 def law_of(doc: dict) -> ChinchillaLaw:
-    """The approach-3 law of a law.json document (ValueError for numbers no fit writes)."""
+    """The approach-3 law of a law.json document (ValueError for numbers no fit writes, in the law
+    or in what the plan and report read beside it: the range it was fitted over, its data)."""
     fit = doc["approach3"]
     values = _checked({name: fit[name]["value"] for name in LAW_PARAMETERS}, "approach3.")
+    fitted = fit.get("range")
+    if fitted is not None:
+        for name in ("compute", "n", "d"):
+            span = fitted[name] if isinstance(fitted, dict) and name in fitted else None
+            if not (isinstance(span, list) and len(span) == 2
+                    and all(not isinstance(x, bool) and isinstance(x, (int, float)) and 0 < x < math.inf for x in span)
+                    and span[0] <= span[1]):
+                raise ValueError(f"approach3.range.{name} is {span!r}, not the [least, most] positive {name} of the "
+                                 "points fitted")
+    data = doc.get("data")
+    if data is not None and not (isinstance(data, dict) and isinstance(data.get("path"), str)
+                                 and isinstance(data.get("mix"), dict | None)):
+        raise ValueError(f"data is {data!r}, not the sweep's data directory as {{\"path\": ..., \"mix\": ...}}")
     return ChinchillaLaw(**values, source=doc.get("source", "law.json"))
 
 
@@ -515,11 +529,11 @@ def read_points(path, drop_highest: int = 0) -> Points:
                                                          for line, row in enumerate(rows, start=2)])
 
     n, d, c, loss, budget, steps = (column(key) for key in ("n", "d", "c", "loss", "budget", "steps"))
-    for name, values in (("n", n), ("d", d), ("c", c)):
-        bad = np.flatnonzero(~(values > 0)) if values is not None else []
+    for name, values in (("n", n), ("d", d), ("c", c), ("budget", budget)):
+        bad = np.flatnonzero(~((values > 0) & np.isfinite(values))) if values is not None else []
         if len(bad):
             raise ValueError(f"{str(path)!r} line {bad[0] + 2}, column {found[name]}: {values[bad[0]]:g} is not a "
-                             "positive count; give parameters, tokens and FLOPs above zero")
+                             "positive count; give parameters, tokens, FLOPs and budgets above zero and finite")
     d = c / (6 * n) if d is None else d
     c = 6 * n * d if c is None else c
     kept = np.isfinite(loss)  # a sweep records diverged points with a loss of nan
@@ -528,6 +542,11 @@ def read_points(path, drop_highest: int = 0) -> Points:
                     path, int((~kept).sum()), len(kept))
     points = Points(n[kept], d[kept], c[kept], loss[kept], None if budget is None else budget[kept],
                     None if steps is None else steps[kept])
+    rows_seen = np.stack([points.n, points.d, points.loss], axis=1)
+    repeated = len(rows_seen) - len(np.unique(rows_seen, axis=0))
+    if repeated:  # (the bootstrap would count each copy as another run's evidence)
+        log.warning("%s: %d of its points repeat another's N, D and loss; each copy is fitted as a run of its own "
+                    "(drop the copies if one run was recorded twice)", path, repeated)
     if drop_highest:
         points = points.take(np.argsort(points.loss)[:len(points) - drop_highest])
     return points

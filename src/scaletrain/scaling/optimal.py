@@ -104,8 +104,13 @@ def data_constrained_optimal(law: ChinchillaLaw, compute: float, unique_tokens: 
         return data_constrained_loss(law, n, compute / (6 * n), unique_tokens)
 
     n_opt, _ = law.optimum(compute)
-    result = minimize_scalar(loss, bounds=(math.log(n_opt) - 8, math.log(n_opt) + 8), method="bounded",
-                             options={"xatol": 1e-10})
+    low, high = math.log(n_opt) - 8, math.log(n_opt) + 8
+    result = minimize_scalar(loss, bounds=(low, high), method="bounded", options={"xatol": 1e-10})
+    if result.x > high - 1e-3:  # (the loss still falls at e^8 N_opt: the data is used up, not the compute)
+        raise ValueError(f"{unique_tokens:.3g} unique tokens are too few for {compute:.3g} FLOPs: repeated, they stop "
+                         "teaching anything long before the budget is spent, and the data-constrained loss keeps "
+                         f"falling only as the model grows past {math.exp(high):.3g} parameters (e^8 times the "
+                         "compute-optimal size); give more unique tokens or less compute")
     n = math.exp(result.x)
     return Choice(n, compute / (6 * n), float(result.fun), compute)
 
