@@ -469,6 +469,13 @@ def test_the_cli_prints_the_plan_for_people_and_writes_its_config(tmp_path, caps
     assert replanned["model"]["n"] == param_counts(cfg.model)["total"]
     assert replanned["hyperparameters"]["global_batch_tokens"] == cfg.train.global_batch_tokens
     assert replanned["tokens"] == cfg.total_steps * cfg.train.global_batch_tokens
+    # The sizings say what they are sized against: an inference-aware run trains past its budget.
+    assert main(["plan", "--compute", "1e21", "--inference-tokens", "1e13"]) == 0
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "the loss of the compute-optimal model of 1e+21 FLOPs (2.78B), reached by a smaller one trained" in text
+    assert main(["plan", "--compute", "1e21", "--unique-tokens", "5e9"]) == 0
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "epochs; past about 4, each repeat teaches less" in text
 
 
 def test_keep_layout_plans_the_configs_own_layout_beside_the_searchs_best(tmp_path, capsys):
@@ -587,6 +594,9 @@ def test_tokens_below_one_batch_are_planned_as_one_step_and_said(capsys):
     assert main(["plan", "--params", "1e8", "--tokens", "1e5", "--json"]) == 0
     said = capsys.readouterr()
     assert json.loads(said.out)["run"]["steps"] == 7 and "one step's batch" not in said.err
+    assert main(["plan", "--params", "1", "--tokens", "1e9", "--json"]) == 0  # (below the family's least)
+    assert ("--params 1: the nearest shape the planner builds has 8,601,984 parameters (at a vocabulary of 32,768); "
+            "planned with it" in " ".join(capsys.readouterr().err.split()))
 
 
 def test_a_planned_config_trains_and_reports_against_its_plan(stdlib_data, tmp_path, capsys):

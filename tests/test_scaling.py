@@ -294,6 +294,7 @@ def test_fit_says_when_an_approach_used_fewer_budgets_than_the_points_have(tmp_p
     (["--preset", "kaplan", "--predict", "1e21"], "has no E + A/N"),
     (["--preset", "epoch", "--points", "x.csv", "--predict", "1e21"], "not from fitted points"),
     (["--preset", "epoch", "--inference-tokens", "1e12"], "add --predict C"),
+    (["--points", "{bad}", "--min-steps", "-1"], "argument --min-steps: '-1' must be 0 or more"),
     (["--preset", "epoch", "--predict", "1e21", "--unique-tokens", "1"], "1 unique tokens are too few for 1e+21 FLOPs"),
 ])
 def test_fit_command_refuses_bad_input_in_one_line(tmp_path, args, words):

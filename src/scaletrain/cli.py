@@ -403,6 +403,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                 f"parameter); plan about {enough:.1g} FLOPs or more, or a smaller --vocab")
         elif args.params is not None:
             model, tokens = model_for(args.params, vocab, seq_len), int(args.tokens)
+            n = param_counts(model)["total"]
+            if not 2 / 3 <= n / args.params <= 1.5:  # (beyond the family's ends)
+                console.print(f"[yellow]warning:[/] --params {args.params:.3g}: the nearest shape the planner builds has "
+                              f"{n:,} parameters (at a vocabulary of {vocab:,}); planned with it", highlight=False,
+                              soft_wrap=True)
     if law is not None and sizing is None:  # a given model: the law only predicts its loss
         sizing = Sizing("given", law=law, bootstrap=boot)
     # The written config's run is named after its file (runs/30b.toml trains runs/30b), not after
@@ -553,15 +558,19 @@ def plan_tables(plan: dict) -> list[Table]:
     what.add_row("compute", f"{plan['compute']:.4g} FLOPs (6ND: {plan['compute_6nd']:.4g}"
                             + (", N active" if "moe_experts" in m else "") + ")")
     sizing = plan["sizing"]
-    if sizing["kind"] != "given":
+    if sizing["kind"] == "inference-aware":  # (its training spends more than the budget it is sized against)
+        text = (f"inference-aware for {sizing['inference_tokens']:.3g} inference tokens: the loss of the compute-optimal "
+                f"model of {sizing['budget']:.3g} FLOPs ({sizing['compute_optimal_n'] / 1e9:.3g}B), reached by a smaller "
+                f"one trained on more tokens, at {sizing['lifetime_flops_saved']:.3g} FLOPs less lifetime compute")
+        if sizing.get("hours"):
+            text += f"; trained in {sizing['hours']:g} hours on these devices"
+        what.add_row("sizing", text)
+    elif sizing["kind"] != "given":
         text = f"{sizing['kind']} for {sizing['budget']:.3g} FLOPs"
-        if sizing["kind"] == "inference-aware":
-            text += (f" and {sizing['inference_tokens']:.3g} inference tokens: lifetime compute "
-                     f"{sizing['lifetime_flops_saved']:.3g} FLOPs below the compute-optimal model's "
-                     f"({sizing['compute_optimal_n'] / 1e9:.3g}B)")
-        elif sizing["kind"] == "data-constrained":
+        if sizing["kind"] == "data-constrained":
             epochs = plan["tokens"] / sizing["unique_tokens"]
-            text += f" with {sizing['unique_tokens']:.3g} unique tokens ({epochs:.1f} epochs)"
+            text += (f" with {sizing['unique_tokens']:.3g} unique tokens ({epochs:.1f} epochs"
+                     + ("; past about 4, each repeat teaches less: Muennighoff et al. 2023" if epochs > 4 else "") + ")")
         if sizing.get("hours"):
             text += f": the budget these devices spend in {sizing['hours']:g} hours"
         what.add_row("sizing", text)
@@ -801,7 +810,7 @@ def _small_runs(p: argparse.ArgumentParser, run: str, runs: str, sizing: str, mi
     p.add_argument("--seq-len", type=_count, default=128, help="training sequence length (128)")
     p.add_argument("--prior", default="epoch", choices=["epoch", "hoffmann"], help=f"published law that {sizing}")
     p.add_argument("--eval-tokens", type=_count, default=16384, help=f"validation tokens of each source per {run} (16384)")
-    p.add_argument("--min-steps", type=int, default=min_steps, help=min_steps_help)
+    p.add_argument("--min-steps", type=_how_many, default=min_steps, help=min_steps_help)
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
@@ -1867,7 +1876,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("sweep_dir", nargs="?", default=None, help="a sweep directory (its results.csv)")
     p.add_argument("--points", default=None, help="a CSV of points instead: columns n, c (or d), loss[, budget]")
     p.add_argument("--drop-highest", type=_how_many, default=0, help="leave out this many points of highest loss")
-    p.add_argument("--min-steps", type=int, default=0,
+    p.add_argument("--min-steps", type=_how_many, default=0,
                    help="fit approach 3 only to points of at least this many optimizer steps (0: all); the demo "
                         "fits at 500 (twice its sweep's --min-steps): short runs are early in training and bend "
                         "the law")
