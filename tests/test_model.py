@@ -133,6 +133,17 @@ def test_sampling_is_reproducible_with_a_generator_and_respects_top_k_and_eos():
     first_in_row0 = int((rows[0] == eos).nonzero()[0, 0])
     assert (rows[0, first_in_row0:] == eos).all()
 
+    # Only the tokenizer's ids, where the embedding has rows beyond them: here the output head's rows
+    # from 200 on are made the likeliest, and are never drawn.
+    with torch.no_grad():
+        model.output.weight[200:] = model.output.weight[:56] * 50
+    assert (generate(model, prompt, 12, temperature=1.0, generator=torch.Generator().manual_seed(3)) >= 200).any()
+    kept = generate(model, prompt, 12, temperature=1.0, generator=torch.Generator().manual_seed(3), vocab=200)
+    assert (kept < 200).all() and (generate(model, prompt, 12, temperature=0, vocab=200) < 200).all()
+    # A temperature too small to divide by is greedy, not a softmax of infinities.
+    assert torch.equal(generate(model, prompt, 12, temperature=1e-39, generator=torch.Generator().manual_seed(4)),
+                       generate(model, prompt, 12, temperature=0))
+
 
 def test_output_projections_get_the_scaled_init_and_tied_weights_are_one_tensor():
     cfg = tiny(dim=256, n_layers=4, n_heads=4, init_std=0.02)

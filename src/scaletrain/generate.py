@@ -65,7 +65,7 @@ def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None
 def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
                   top_k: int | None = 50, seed: int = 0, use_cache: bool = True) -> str:
     """Continue `prompt` with the run's newest checkpoint; temperature 0 is greedy."""
-    from scaletrain.data.tokenizer import eos_id as find_eos, load_tokenizer
+    from scaletrain.data.tokenizer import eos_id as find_eos, load_tokenizer, vocab_size
     from scaletrain.model.sample import generate
 
     if not 0 <= temperature < float("inf") or (top_k is not None and top_k < 1) or max_new_tokens < 1:  # before loading anything
@@ -85,5 +85,5 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, t
                     "tokens, not %d", cfg.model.max_seq_len, len(ids), room, max_new_tokens)
     generator = torch.Generator().manual_seed(seed)
     new = generate(model, torch.tensor([ids]), min(max_new_tokens, room), temperature=temperature, top_k=top_k,
-                   use_cache=use_cache, generator=generator, eos_id=eos_id)
+                   use_cache=use_cache, generator=generator, eos_id=eos_id, vocab=vocab_size(tokenizer))
     return tokenizer.decode(ids + new[0].tolist())

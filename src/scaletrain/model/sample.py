@@ -17,13 +17,16 @@ def generate(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
     eos_id: int | None = None,
+    vocab: int | None = None,
 ) -> torch.Tensor:
     """The new tokens (batch, n_new), n_new <= max_new_tokens, sampled one at a time.
 
     temperature 0 is greedy (argmax); otherwise logits / temperature, restricted to the
     top_k most likely tokens when top_k is given, are sampled with `generator` (on the
     model's device). With `eos_id`, a sequence that has produced it keeps producing it,
-    and generation stops once every sequence has.
+    and generation stops once every sequence has. With `vocab`, only ids below it are produced:
+    the tokenizer's ids, where the embedding has rows beyond them (model.vocab_size rounds the
+    tokenizer's size up to a multiple of 64), which decode to nothing.
 
     With the cache, the prompt is processed once (prefill) and each step feeds one token;
     the whole sequence, prompt included, stops at model.cfg.max_seq_len tokens. Without it,
@@ -55,7 +58,7 @@ def generate(
             logits = model(sequence[:, -max_seq_len:])
         else:
             logits = model(unseen, cache=cache, start_pos=sequence.shape[1] - unseen.shape[1])
-        token = _pick(logits[:, -1], temperature, top_k, generator)  # (batch,)
+        token = _pick(logits[:, -1, :vocab], temperature, top_k, generator)  # (batch,)
         if eos_id is not None:
             token = torch.where(finished, eos_id, token)
             finished |= token == eos_id
@@ -73,7 +76,8 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator
     """One token per row of logits (batch, vocab)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = logits.float()  # (less its largest before the division: a tiny temperature overflows nothing, it is greedy)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
         kth_largest = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (batch, 1)
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
