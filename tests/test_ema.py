@@ -56,7 +56,11 @@ def test_evaluations_measure_the_average_as_eval_and_export_take_it(stdlib_data,
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     average = load_model(ema_run, ema=True)[0]
     assert torch.equal(exported["model.embed_tokens.weight"], average.tok_embeddings.weight.detach())
-    assert "moving average of the run's (decay 0.5 a step)" in (tmp_path / "hf" / "README.md").read_text()
+    card = " ".join((tmp_path / "hf" / "README.md").read_text().split())
+    assert "moving average of the run's, decay 0.5 a step" in card
+    assert f"| validation loss of the moving average at step 4 ({records[4]['tokens']:,} tokens) | " \
+           f"{records[4]['ema_loss']:.4f} |" in card  # the exported weights' loss, not the run's own
+    assert f"{records[4]['loss']:.4f}" not in card
     with pytest.raises(ConfigError, match=r"Hugging Face model, one set of weights.*moving average \(--ema\)"):
         weights_to_evaluate(tmp_path / "hf", ema=True)  # (an export keeps no average of its own)
     # Both kinds of averaging: the mean of the last two checkpoints' moving averages.
@@ -75,6 +79,8 @@ def test_evaluations_measure_the_average_as_eval_and_export_take_it(stdlib_data,
     assert torch.equal(exported["model.embed_tokens.weight"], mean["tok_embeddings.weight"])
     assert ("the mean of the moving averages of the run's weights (decay 0.5 a step) held by that checkpoint and the 1 "
             "before it") in " ".join((tmp_path / "both" / "README.md").read_text().split())
+    assert "not of the mean exported (`scaletrain eval --average 2 --ema` measures it)" in " ".join(
+        (tmp_path / "both" / "README.md").read_text().split())
     memory = read_metrics(ema_run, "memory")[0]["bytes_by_rank"][0]
     assert memory["ema"] == memory["parameters"]  # float32, as the weights
     report = run_cli("report", str(ema_run))

@@ -346,13 +346,13 @@ def _model_card(run_dir: Path, cfg, step: int, params: int, dtype: str, average:
 
     evals = [r for r in read_metrics(run_dir, "eval") if r["step"] <= step] if (run_dir / "metrics.jsonl").is_file() else []
     m = cfg.model
-    decay = f"(decay {cfg.train.ema_decay:g} a step)"
+    decay = f"decay {cfg.train.ema_decay:g} a step"
     weights = ""  # what the exported weights are, where not the checkpoint's own
     if average > 1:
-        weights = (f"the mean of the moving averages of the run's weights {decay} held by that checkpoint" if ema
+        weights = (f"the mean of the moving averages of the run's weights ({decay}) held by that checkpoint" if ema
                    else "the mean of that checkpoint's") + f" and the {average - 1} before it"
     elif ema:
-        weights = f"the moving average of the run's {decay}"
+        weights = f"the moving average of the run's, {decay}"
     lines = [
         f"# {cfg.run.name}",
         "",
@@ -374,9 +374,16 @@ def _model_card(run_dir: Path, cfg, step: int, params: int, dtype: str, average:
     if m.mup_base_layers:
         lines.append(f"| trained under depth-wise muP (CompleteP, alpha {m.mup_depth_alpha:g}), base depth | "
                      f"{m.mup_base_layers} (the residual multiplier is in wo's and w2's weights: a plain model) |")
-    if evals:
+    if evals:  # the loss of the weights exported, as training measured it
         last = evals[-1]
-        lines.append(f"| validation loss at step {last['step']:,} ({last['tokens']:,} tokens) | {last['loss']:.4f} |")
+        where = f"at step {last['step']:,} ({last['tokens']:,} tokens)"
+        if average > 1:  # (no evaluation measured a mean of checkpoints)
+            lines.append(f"| validation loss of the run's own weights {where}; not of the mean exported (`scaletrain "
+                         f"eval --average {average}{' --ema' if ema else ''}` measures it) | {last['loss']:.4f} |")
+        elif ema and "ema_loss" in last:
+            lines.append(f"| validation loss of the moving average {where} | {last['ema_loss']:.4f} |")
+        elif not ema:
+            lines.append(f"| validation loss {where} | {last['loss']:.4f} |")
     lines += ["", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
               "model = AutoModelForCausalLM.from_pretrained(PATH)",
               "tokenizer = AutoTokenizer.from_pretrained(PATH)", "```", ""]
