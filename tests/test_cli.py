@@ -250,6 +250,11 @@ def test_bad_paths_names_and_values_are_said_in_one_sentence(stdlib_data, tmp_pa
     (tmp_path / "bad.csv").write_text("n,c,loss\n1e6,1e12,3.0\n2e6,abc,3.1\n")
     (tmp_path / "nofield.jsonl").write_text('{"body": "some text"}\n')
     tiny = str(ROOT / "configs" / "tiny.toml")
+    (tmp_path / "utf16.toml").write_bytes("[train]\n".encode("utf-16"))
+    for damaged, file, text in (("tokenizer", "tokenizer.json", "garbage"), ("stats", "stats.json", '{"documents": 5}')):
+        shutil.copytree(stdlib_data, tmp_path / damaged, ignore=shutil.ignore_patterns("shards"))
+        (tmp_path / damaged / "shards").symlink_to(stdlib_data / "shards")
+        (tmp_path / damaged / file).write_text(text)
     cases = [
         (["sweep", "--data", str(stdlib_data), "--budgets", "1e12", "--out", str(afile)],
          f"--out {str(afile)!r} is a file; give a directory for the sweep"),
@@ -263,6 +268,9 @@ def test_bad_paths_names_and_values_are_said_in_one_sentence(stdlib_data, tmp_pa
           "--write-config", str(tmp_path)], f"--write-config {str(tmp_path)!r} is a directory"),
         (["demo", "--out", str(tmp_path / "demo"), "--minutes", "-1"],
          "--minutes -1: give the minutes the demo may take"),
+        (["train", str(tmp_path / "utf16.toml")], "utf16.toml' is not UTF-8 text, as TOML is (invalid start byte at byte 0)"),
+        (["data", "stats", str(tmp_path / "tokenizer")], "tokenizer.json is not a Hugging Face tokenizer.json"),
+        (["data", "stats", str(tmp_path / "stats")], "stats.json is not the stats.json `data prepare` writes"),
     ]
     import torch
 

@@ -722,9 +722,15 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
                     else "pass a TOML file such as configs/tiny.toml (in scaletrain's source checkout)")
             raise ConfigError(f"config file {str(path)!r} does not exist in {str(Path.cwd())!r}; {hint}")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:  # (TOML is UTF-8)
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text, as TOML is ({e.reason} at byte "
+                              f"{e.start}); save it as UTF-8") from None
+        except OSError as e:
+            raise ConfigError(f"config file {str(path)!r} cannot be read ({e.strerror}); give a readable TOML "
+                              "file") from None
     return config_from(data, overrides, source=str(path) if path else "config")
 
 

@@ -49,11 +49,15 @@ def describe(data_dir: str | Path, top: int = 20) -> dict:
     stats_path = data_dir / "stats.json"
     try:
         prepared = json.loads(stats_path.read_text()) if stats_path.is_file() else {}
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{stats_path} is not valid JSON ({e}); prepare the data directory again") from None
-    documents = prepared.get("documents", {})
-    dropped = {reason: n for reason, n in documents.get("dropped", {}).items() if n}
-    read = documents.get("read", 0)
+    documents = prepared.get("documents", {}) if isinstance(prepared, dict) else None
+    dropped = documents.get("dropped", {}) if isinstance(documents, dict) else None
+    read = documents.get("read", 0) if isinstance(documents, dict) else None
+    if not (isinstance(dropped, dict) and all(isinstance(n, int) for n in dropped.values()) and isinstance(read, int)):
+        raise DataError(f"{stats_path} is not the stats.json `data prepare` writes (documents read and dropped by "
+                        "reason); prepare the data directory again")
+    dropped = {reason: n for reason, n in dropped.items() if n}
     duplicates = sum(n for reason, n in dropped.items() if "duplicate" in reason)
     lengths = document_lengths(data_dir, "train")
     counts, counted = token_counts(data_dir)
@@ -78,9 +82,9 @@ def _tokenizer(data_dir: Path):
     path = data_dir / "tokenizer.json"
     if not path.is_file():
         return str
-    from tokenizers import Tokenizer
+    from scaletrain.data.tokenizer import load_tokenizer
 
-    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer = load_tokenizer(path)  # (a damaged one refused in a sentence)
     return lambda i: tokenizer.decode([i], skip_special_tokens=False)
 
 
