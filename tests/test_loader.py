@@ -187,6 +187,27 @@ def test_a_damaged_index_is_refused_in_one_sentence(data_dir, tmp_path):
         TokenLoader(damaged, 16, 1, 1)
 
 
+def test_a_shard_holding_ids_beyond_its_tokenizer_is_refused_when_read(data_dir, tmp_path):
+    import shutil
+
+    from scaletrain.data.stats import token_counts
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(data_dir, damaged)
+    shard = sorted((damaged / "shards").glob("train_*.bin"))[-1]
+    tokens = np.memmap(shard, dtype=np.uint16, mode="r+")
+    tokens[::7] = 60_000  # (an id of the dtype, not of the tokenizer's 5,000)
+    tokens.flush()
+    loader = TokenLoader(damaged, 16, 8, 8)
+    with pytest.raises(DataError, match=f"shard {shard} holds token id 60000, beyond the 5000 ids of its tokenizer: "
+                                        "the file is damaged; prepare the data directory again"):
+        for _ in range(30):  # (until a window of the damaged shard is drawn)
+            loader.next_batch()
+    with pytest.raises(DataError, match="holds token id 60000"):
+        token_counts(damaged)
+    TokenLoader(data_dir, 16, 8, 8).next_batch()  # (the undamaged data reads)
+
+
 @pytest.fixture
 def two_sources(tmp_path):
     """Source 'low' holds ids 1..999, source 'high' ids 2000..2999: every row tells where it came from."""

@@ -188,9 +188,18 @@ class TokenSplit:
             offset = start + filled - int(self.starts[i])
             take = min(length - filled, len(self.shards[i]) - offset)
             out[filled:filled + take] = self.shards[i][offset:offset + take]
+            check_ids(out[filled:filled + take], self.vocab_size, self.shards[i])
             filled += take
             i += 1
         return out
+
+
+def check_ids(tokens: np.ndarray, vocab_size: int, shard: np.memmap) -> None:
+    """DataError when a shard's tokens hold an id the tokenizer does not have: a damaged file, which
+    would otherwise index past the embedding (an IndexError on a CPU, a device-side assert on a GPU)."""
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise DataError(f"shard {shard.filename} holds token id {int(tokens.max())}, beyond the {vocab_size} ids of "
+                        "its tokenizer: the file is damaged; prepare the data directory again")
 
 
 def document_offsets(data_dir: str | Path, shard: dict) -> np.ndarray:

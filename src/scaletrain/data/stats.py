@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scaletrain.data.shards import DataError, document_offsets, open_split, read_index
+from scaletrain.data.shards import DataError, check_ids, document_offsets, open_split, read_index
 
 PERCENTILES = (5, 25, 50, 75, 95, 99)
 
@@ -36,7 +36,8 @@ def token_counts(data_dir: Path, max_tokens: int = 50_000_000) -> tuple[np.ndarr
         take = min(len(tokens), max(1, max_tokens * len(tokens) // total))
         stride = max(1, len(tokens) // take)
         sample = np.asarray(tokens[::stride][:take])
-        counts += np.bincount(sample, minlength=len(counts))[: len(counts)]
+        check_ids(sample, split.vocab_size, tokens)
+        counts += np.bincount(sample, minlength=len(counts))
         counted += len(sample)
     return counts, counted
 
