@@ -4,6 +4,7 @@ Hugging Face models (checkpoint.init_from), compared with transformers' own forw
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -158,7 +159,9 @@ def test_bad_exports_are_refused_in_one_sentence_and_write_nothing(runs, tmp_pat
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
-def test_a_damaged_newest_checkpoint_is_passed_over_and_a_damaged_chosen_one_refused(runs, tmp_path):
+def test_a_damaged_newest_checkpoint_is_passed_over_and_a_damaged_chosen_one_refused(runs, tmp_path, caplog):
+    from scaletrain.evaluate import chosen_checkpoints
+
     run_dir = tmp_path / "llama"
     shutil.copytree(runs / "llama", run_dir)
     newest = run_dir / "checkpoints" / "step_0000006"
@@ -168,6 +171,14 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_a_damaged_chosen_one_ref
     with pytest.raises(UserError, match="step_0000006 is not usable: file .* does not match the checksum"):
         export_hf(run_dir, tmp_path / "hf6", step=6)
     assert not (tmp_path / "hf6").exists()
+    # Cut short (which the sizes in its marker tell without reading it): eval passes over it, saying so.
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING, logger="scaletrain"):
+        assert chosen_checkpoints(run_dir) == [run_dir / "checkpoints" / "step_0000003"]
+    assert f"checkpoint {newest} is damaged (file {damaged.name} is 100 bytes" in caplog.text and "passed over" in caplog.text
+    with pytest.raises(UserError, match=f"checkpoint {str(newest)!r} is damaged: file {damaged.name} is 100 bytes.*; its "
+                                        "run's complete checkpoints are of steps: 3"):
+        chosen_checkpoints(run_dir, [6])
 
 
 def test_a_run_starts_from_an_exported_model_and_trains_on(runs, stdlib_data, tmp_path):

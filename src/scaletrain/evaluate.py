@@ -72,7 +72,7 @@ def chosen_checkpoints(run_dir: Path, steps: list[int] | None = None, every: boo
     from scaletrain.train import checkpoint
 
     root = run_dir / "checkpoints"
-    complete = checkpoint.complete_checkpoints(root)
+    complete = checkpoint.complete_checkpoints(root, say_damaged=True)
     if not steps:
         if not complete:
             raise checkpoint.no_complete_checkpoint(run_dir)
@@ -81,6 +81,10 @@ def chosen_checkpoints(run_dir: Path, steps: list[int] | None = None, every: boo
     missing = [step for step in steps if step not in have]
     if missing:
         listed = ", ".join(str(step) for step in sorted(have)) or "none"
+        damaged = checkpoint.checkpoint_dir(root, missing[0])
+        if (damaged / checkpoint.MARKER).is_file():  # (saved, and damaged since: say how)
+            raise checkpoint.CheckpointError(f"checkpoint {str(damaged)!r} is damaged: {checkpoint.check_complete(damaged)}"
+                                             f"; its run's complete checkpoints are of steps: {listed}")
         raise checkpoint.CheckpointError(f"run directory {str(run_dir)!r} has no complete checkpoint of step "
                                          f"{missing[0]}; its complete checkpoints are of steps: {listed}")
     return [have[step] for step in steps]

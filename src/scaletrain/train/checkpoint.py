@@ -398,8 +398,23 @@ def all_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=step_of, reverse=True)
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
-    return [p for p in all_checkpoints(root) if check_complete(p) is None]
+def complete_checkpoints(root: Path, say_damaged: bool = False) -> list[Path]:
+    """The complete checkpoints under root, newest first. `say_damaged`: warn (once a process) of
+    each one whose save finished and that is damaged since, which a reader of checkpoints chosen by
+    their order (the newest, an average's earlier ones) passes over; a save still being written
+    (a run in progress) is not said."""
+    complete = []
+    for path in all_checkpoints(root):
+        problem = check_complete(path)
+        if problem is None:
+            complete.append(path)
+        elif say_damaged and (path / MARKER).is_file() and path not in _SAID_DAMAGED:
+            _SAID_DAMAGED.add(path)
+            log.warning("checkpoint %s is damaged (%s): passed over", path, problem)
+    return complete
+
+
+_SAID_DAMAGED: set[Path] = set()
 
 
 def no_complete_checkpoint(run_dir: Path) -> CheckpointError:
@@ -423,7 +438,7 @@ def with_earlier(path: Path, count: int) -> list[Path]:
     """The complete checkpoint `path` and the count - 1 complete ones of its run just before it,
     oldest first (what an average of `count` checkpoints ending at `path` takes); CheckpointError
     when fewer are kept."""
-    earlier = [p for p in complete_checkpoints(path.parent) if step_of(p) < step_of(path)][:count - 1]
+    earlier = [p for p in complete_checkpoints(path.parent, say_damaged=True) if step_of(p) < step_of(path)][:count - 1]
     if len(earlier) < count - 1:
         raise CheckpointError(f"an average of {count} checkpoints ending at step {step_of(path)} needs {count - 1} "
                               f"complete checkpoints before it in {path.parent}, which keeps {len(earlier)}; average "

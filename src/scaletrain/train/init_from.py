@@ -71,7 +71,7 @@ def init_source(cfg: RunConfig) -> InitSource | None:
         check_tokenizer(path, data_tokenizer, given)
         return InitSource("hf", path)
     if (path / "checkpoints").is_dir():  # a run directory: its newest complete checkpoint
-        found = checkpoint.complete_checkpoints(path / "checkpoints")
+        found = checkpoint.complete_checkpoints(path / "checkpoints", say_damaged=True)
         if not found:
             raise ConfigError(f"checkpoint.init_from = {given!r} is a run directory without a complete checkpoint; "
                               "give one that has trained past its first checkpoint, or one of its checkpoints")
