@@ -157,6 +157,12 @@ def test_decontaminate_drops_training_documents_that_contain_evaluation_text(cor
     result = prepare([str(corpus)], out, vocab_size=400, val_fraction=0.1, workers=1, decontaminate=[evaluation])
     assert result.stats["documents"]["dropped"]["decontaminated"] == 1
     assert target not in decoded(out, "train") + decoded(out, "val")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "binary.txt").write_bytes(b"\x00\x01" * 100)
+    for bad, words in (("empty.jsonl", "holds no evaluation text"), ("binary.txt", "is binary, not text")):
+        with pytest.raises(DataError, match=f"decontamination file .*{bad}' {words}"):
+            prepare([str(corpus)], tmp_path / "refused", vocab_size=400, workers=1, decontaminate=[tmp_path / bad])
+    assert not (tmp_path / "refused").exists()  # (before any work)
 
 
 def test_output_is_identical_on_one_or_two_workers(corpus, tmp_path):

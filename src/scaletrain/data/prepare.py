@@ -46,7 +46,7 @@ from .curate import REASONS as FILTER_REASONS
 from .curate import FilterConfig, curate, document_kind, load_filters
 from .dedup import DedupIndex, Decontaminator, MinHasher, exact_key
 from .shards import DataError, ShardWriter, document_offsets, read_index, write_index
-from .sources import ReadStats, list_files, read_documents
+from .sources import BINARY_SNIFF_BYTES, ReadStats, list_files, read_documents
 from .tokenizer import check_vocab_size, eos_id, load_tokenizer, train_tokenizer
 from .tokenizer import vocab_size as tokenizer_vocab_size
 
@@ -691,7 +691,11 @@ def _read_eval(path: str | Path) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"decontamination file {str(path)!r} does not exist; give files of evaluation text")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    raw = path.read_bytes()
+    if b"\0" in raw[:BINARY_SNIFF_BYTES]:  # (what the sources' reader calls binary)
+        raise DataError(f"decontamination file {str(path)!r} is binary, not text; give files of evaluation text "
+                        "(.jsonl records, or paragraphs)")
+    text = raw.decode("utf-8", errors="replace")
     if path.suffix.lower() == ".jsonl":
         examples = []
         for line in text.splitlines():
@@ -700,8 +704,13 @@ def _read_eval(path: str | Path) -> list[str]:
             except json.JSONDecodeError:
                 record = line
             examples.append(record.get("text", line) if isinstance(record, dict) else line)
-        return [e if isinstance(e, str) else json.dumps(e) for e in examples if e]
-    return [p for p in text.split("\n\n") if p.strip()]
+        examples = [e if isinstance(e, str) else json.dumps(e) for e in examples if e]
+    else:
+        examples = [p for p in text.split("\n\n") if p.strip()]
+    if not examples:  # (a file given to protect nothing is a mistake worth a word)
+        raise DataError(f"decontamination file {str(path)!r} holds no evaluation text; give files of evaluation text "
+                        "(.jsonl records, or paragraphs)")
+    return examples
 
 
 def _check_options(vocab_size: int, max_bytes: int | None, val_fraction: float, seed: int,
