@@ -647,7 +647,7 @@ def test_a_next_stage_may_switch_the_experts_routing_biases_on_or_off(stdlib_dat
 
 
 def test_a_batch_ramp_trains_its_small_batches_first_and_resumes_and_rewinds_exactly(stdlib_data, tmp_path,
-                                                                                     monkeypatch):
+                                                                                     monkeypatch, caplog):
     """train.batch_ramp = [[256, 768]]: steps of 256 tokens (one micro-batch of 4) until 768
     tokens are trained, then of 512 (two). The first steps are those of a run whose batch is 256
     throughout, to the bit; the records count each step's tokens, the data its sequences; stopped
@@ -683,6 +683,11 @@ def test_a_batch_ramp_trains_its_small_batches_first_and_resumes_and_rewinds_exa
     state = final.loader.state_dict()  # the batch sizes follow training's steps, the draws the data's
     final.loader.close()
     assert (state["step"], state["draws"], state["micro"], state["consumed"]) == (5, 6, 0, (1792 + 256) // 64)
+    # A ramp the run ends inside of never trains the global batch: said.
+    with caplog.at_level(logging.WARNING, logger="scaletrain"):
+        Trainer(tiny_config(stdlib_data, tmp_path / "short", "train.steps=2", "train.batch_ramp=[[256, 768]]")).loader.close()
+    assert "train.batch_ramp reaches 768 tokens, beyond the run's 512: train.global_batch_tokens = 512 is never " \
+           "trained" in caplog.text
 
 
 def test_multiple_choice_tasks_score_each_choice_by_its_log_probability_after_the_context(

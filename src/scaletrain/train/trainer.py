@@ -318,6 +318,10 @@ class Trainer:
         if cfg.train.warmup_steps >= self.total_steps:
             log.warning("train.warmup_steps = %d is not below the run's %d steps: the learning rate never reaches "
                         "train.lr = %g", cfg.train.warmup_steps, self.total_steps, cfg.train.lr)
+        if cfg.train.batch_ramp and cfg.batch_schedule()[-1][1] != cfg.train.global_batch_tokens:
+            log.warning("train.batch_ramp reaches %d tokens, beyond the run's %d: train.global_batch_tokens = %d is "
+                        "never trained", cfg.train.batch_ramp[-1][1], cfg.total_tokens,
+                        cfg.train.global_batch_tokens)
         self.step = 0
         self.tokens = 0
         self.held_bytes: dict[str, int] | None = None
@@ -536,7 +540,7 @@ class Trainer:
                    if value.is_floating_point()}
         missing = [name for name in weights if name not in loaded]
         if loading and missing:
-            log.warning("the checkpoint holds no moving average of %d of the weights (train.ema_decay was 0 when "
+            log.warning("the checkpoint holds no moving average of %d of the weight tensors (train.ema_decay was 0 when "
                         "it was saved): it begins from them now", len(missing))
         self.ema = {**loaded, **{name: weights[name].detach().clone() for name in missing}}
         with torch.no_grad():  # (a DTensor's local part taken with autograd on is a view it guards)
