@@ -691,7 +691,7 @@ def test_a_batch_ramp_trains_its_small_batches_first_and_resumes_and_rewinds_exa
 
 
 def test_multiple_choice_tasks_score_each_choice_by_its_log_probability_after_the_context(
-        stdlib_data, next_line_task, tmp_path):
+        stdlib_data, next_line_task, tmp_path, caplog):
     """eval.tasks: each evaluation logs a task's accuracy, length-normalised accuracy and the right
     choice's loss per token; the scores are the choice's log-probability after the context, as a
     plain forward of the model over each unpadded (and, when too long, left-cut) text gives it."""
@@ -739,6 +739,10 @@ def test_multiple_choice_tasks_score_each_choice_by_its_log_probability_after_th
                      '{"context": "def f(x):\\n    return", "choices": [" x", " None"], "label": 0}\n')
     short_task = load_task(short, tokenizer, eos, 64, 2)
     assert short_task.inputs.shape[1] < 64
+    with caplog.at_level(logging.WARNING, logger="scaletrain"):  # a choice longer than the sequence: said
+        cut = load_task(short, tokenizer, eos, 1, 2)
+    assert (cut.tokens == 1).all() and "2 choices of" in caplog.text and "are longer than data.seq_len = 1 tokens " \
+        "and are scored on their last 1 only" in caplog.text
     assert trainer.task_scores(short_task) == pytest.approx(expected_scores(short.read_text().splitlines()), abs=1e-4)
     right = [json.loads(line)["label"] for line in next_line_task.read_text().splitlines()[:20]]
     accuracy = sum(max(range(4), key=lambda c: expected[4 * i + c]) == label for i, label in enumerate(right)) / 20

@@ -26,6 +26,7 @@ the same number of forwards (sharded models gather weights in each).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import numpy as np
 from scaletrain.config import ConfigError
 
 IGNORE = -100  # (as the loader's: a target the loss skips)
+log = logging.getLogger("scaletrain")
 
 
 @dataclass
@@ -62,6 +64,7 @@ def load_task(path: str | Path, tokenizer, eos_id: int, seq_len: int, limit: int
         raise ConfigError(f"eval.tasks: {str(path)!r} cannot be read ({e}); give JSON Lines files of "
                           '{"context": ..., "choices": [...], "label": index}') from None
     rows, example, chars, tokens, labels = [], [], [], [], []
+    cut = 0  # choices longer than seq_len: scored on their last seq_len tokens
     for number, line in enumerate(lines, 1):
         if len(labels) == limit:
             break
@@ -89,12 +92,16 @@ def load_task(path: str | Path, tokenizer, eos_id: int, seq_len: int, limit: int
             shared = min(_common_prefix(prefix, whole), len(whole) - 1)  # at least one token of the choice
             full = [eos_id, *whole][-(seq_len + 1):]  # too long: the context's start goes
             scored = min(len(whole) - shared, seq_len)
+            cut += scored < len(whole) - shared
             rows.append(full)
             example.append(len(labels) - 1)
             chars.append(len(choice))
             tokens.append(scored)
     if not labels:
         raise ConfigError(f"eval.tasks: {str(path)!r} holds no example")
+    if cut:
+        log.warning("eval.tasks: %d choices of %s are longer than data.seq_len = %d tokens and are scored on their "
+                    "last %d only", cut, path, seq_len, seq_len)
     lengths = np.array([len(full) - 1 for full in rows])
     inputs = np.zeros((len(rows), lengths.max()), dtype=np.int32)  # (as long as the longest row, not seq_len)
     targets = np.full((len(rows), lengths.max()), IGNORE, dtype=np.int32)
