@@ -13,6 +13,7 @@ import pytest
 from conftest import run_cli
 from scaletrain.config import ConfigError
 from scaletrain.mixture import MIN_SHARE, MixtureSearch, MixtureSettings, default_runs, sources_under
+from scaletrain.report.scaling import plot_mixture
 from scaletrain.scaling.mixing import (MixingLaw, best_mixture, bootstrap_mixing_laws, fit_mixing_law, leave_one_out,
                                        share_bounds)
 from scaletrain.train.metrics import read_metrics
@@ -136,6 +137,12 @@ def test_the_search_chooses_writes_and_checks_a_mixture(searched, tmp_path):
     assert choice.best_run["loss"] == min(measured)
     assert choice.interval[0] <= choice.predicted <= choice.interval[1]
     assert 0 < choice.loo_error < 0.2
+    # as many proxies as the law has numbers: no resample but of all of them fits, and those refit the
+    # law itself, so no interval (it was one of zero width; of five sources, a crash after training)
+    few_law, few = search.choose(rows[:5], samples=20)
+    assert few.interval is None and few.shares_interval is None and few.loo_error is None
+    few_shares, few_losses = search.arrays(rows[:5])
+    assert plot_mixture(few_law, few, few_shares, few_losses, tmp_path / "few.png").stat().st_size > 0
     # the law is at its lowest at the choice: no proxy's mixture is predicted lower
     shares, _ = search.arrays(rows)
     assert choice.predicted <= law.target(shares, np.array([0.5, 0.5])).min() + 1e-9

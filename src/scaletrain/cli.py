@@ -779,14 +779,15 @@ def cmd_mixture(args: argparse.Namespace) -> int:
     check = search.check(choice) if args.check else None
     path = search.write(law, choice, check)
     target = " + ".join(f"{w:.3g}·{n}" for n, w in choice.target.items() if w > 0)
-    low, high = choice.interval
-    out.print(f"target loss {target}: the law predicts {choice.predicted:.4f} (95% {low:.4f}–{high:.4f}) at the "
+    spread = (f"95% {choice.interval[0]:.4f}–{choice.interval[1]:.4f}" if choice.interval else
+              "no interval: too few proxies for resamples of them to refit the law; more --runs give one")
+    out.print(f"target loss {target}: the law predicts {choice.predicted:.4f} ({spread}) at the "
               f"chosen mixture, {choice.natural:.4f} at the natural one (by tokens), {choice.uniform:.4f} at the uniform "
               f"one; best proxy {choice.best_run['name']} measured {choice.best_run['loss']:.4f}; "
               + (f"the law missed proxies left out of its fit by {choice.loo_error:.2%} on average"
                  if choice.loo_error is not None else "too few proxies to measure the law on one left out"))
-    shares = ", ".join(f"{n} {v:.3f} ({choice.shares_interval[n][0]:.3f}–{choice.shares_interval[n][1]:.3f})"
-                       for n, v in choice.shares.items())
+    shares = ", ".join(f"{n} {v:.3f}" + (f" ({choice.shares_interval[n][0]:.3f}–{choice.shares_interval[n][1]:.3f})"
+                                         if choice.shares_interval else "") for n, v in choice.shares.items())
     out.print(f"chosen mixture: {shares}"
               + (f"; capped at {MAX_EPOCHS:g} epochs of {args.tokens:.3g} tokens: "
                  + ", ".join(f"{n} ≤ {cap:.3f}" for n, cap in choice.caps.items()) if choice.caps else ""))

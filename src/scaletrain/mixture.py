@@ -97,13 +97,15 @@ def default_runs(sources: int) -> int:
 class Choice:
     """What the law recommends for a target: the shares, the target loss predicted there (with
     the bootstrap's 95% interval) and at the natural and uniform mixtures, and each share's
-    interval over the bootstrap refits' own optima."""
+    interval over the bootstrap refits' own optima (both None when the proxies are too few for
+    resamples of them to refit the law otherwise: the law has as many numbers as they are, or
+    nearly, and only resamples of every proxy fit)."""
 
     shares: dict[str, float]
     target: dict[str, float]  # validation source -> weight in the target loss
     predicted: float
-    interval: tuple[float, float]
-    shares_interval: dict[str, tuple[float, float]]
+    interval: tuple[float, float] | None
+    shares_interval: dict[str, tuple[float, float]] | None
     natural: float
     uniform: float
     best_run: dict  # the proxy with the lowest measured target loss: name, shares, target loss
@@ -252,7 +254,8 @@ class MixtureSearch(ProxyRuns):
         by_source, _, _ = train_proxy(cfg, train)
         by_source = self._with_target(cfg.run_dir, by_source)
         measured = sum(w * by_source.get(n, math.nan) for n, w in choice.target.items() if w > 0)
-        return {"run": name, "measured": measured, "predicted": choice.predicted, "interval": list(choice.interval),
+        return {"run": name, "measured": measured, "predicted": choice.predicted,
+                "interval": list(choice.interval) if choice.interval else None,
                 "error": measured / choice.predicted - 1, "loss_by_source": by_source}
 
     def _with_target(self, run_dir: Path, by_source: dict[str, float]) -> dict[str, float]:
@@ -336,13 +339,15 @@ class MixtureSearch(ProxyRuns):
         missed = np.abs(unseen[finite] @ weights / measured[finite] - 1)
         missed = missed[np.isfinite(missed)]  # (nan where the others were too few to fit)
         k = int(np.nanargmin(np.where(finite, measured, np.nan)))
+        # (too few proxies: no resample but of all of them fits, and those refit the law itself)
+        spread = len(boot) >= max(10, samples // 4)
         natural = np.array([self.unique_tokens[n] for n in names], dtype=float)
         choice = Choice(shares=dict(zip(names, best.round(4).tolist())),
                         target=dict(zip(self.validation, weights.tolist())),
                         predicted=float(law.target(best, weights)),
-                        interval=tuple(np.percentile(predicted, [2.5, 97.5]).tolist()),
+                        interval=tuple(np.percentile(predicted, [2.5, 97.5]).tolist()) if spread else None,
                         shares_interval={n: tuple(np.percentile(optima[:, j], [2.5, 97.5]).round(4).tolist())
-                                         for j, n in enumerate(names)},
+                                         for j, n in enumerate(names)} if spread else None,
                         natural=float(law.target(natural / natural.sum(), weights)),
                         uniform=float(law.target(np.full(len(names), 1 / len(names)), weights)),
                         best_run={"name": rows[k]["name"], "shares": dict(zip(names, shares[k].round(4).tolist())),

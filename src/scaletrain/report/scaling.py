@@ -128,21 +128,23 @@ def plot_mixture(law, choice, shares: np.ndarray, losses: np.ndarray, path: Path
         # The law drawn where it was fitted (the proxies' shares, and the choice with its interval),
         # not out to shares of 0 and 1, where its extrapolation would set the scale of the plot.
         chosen = choice.shares[names[0]]
-        span = [*shares[:, 0], chosen, *choice.shares_interval[names[0]]]
+        span = [*shares[:, 0], chosen, *(choice.shares_interval or {}).get(names[0], ())]
         pad = 0.05 * (max(span) - min(span) or 1.0)
         grid = np.linspace(max(0.0, min(span) - pad), min(1.0, max(span) + pad), 201)
         curve = law.target(np.stack([grid, 1 - grid], axis=1), weights)
         right.plot(grid, curve, color="C0", label="law")
         right.scatter(shares[:, 0], measured, s=16, color="C0", label="proxies")
         right.axvline(chosen, color="C3", lw=1, label=f"chosen {chosen:.3f}")
-        right.axvspan(*choice.shares_interval[names[0]], color="C3", alpha=0.15, lw=0)
+        if choice.shares_interval:
+            right.axvspan(*choice.shares_interval[names[0]], color="C3", alpha=0.15, lw=0)
         right.set(xlabel=f"share of {names[0]} (the rest {names[1]})", ylabel="target loss",
                   title="target loss by mixture")
         right.legend(fontsize=8)
     else:
         chosen = np.array([choice.shares[n] for n in names])
-        bounds = np.array([choice.shares_interval[n] for n in names])
-        right.bar(names, chosen, yerr=[chosen - bounds[:, 0], bounds[:, 1] - chosen], capsize=4, color="C3")
+        bounds = np.array([choice.shares_interval[n] for n in names]) if choice.shares_interval else None
+        right.bar(names, chosen, yerr=None if bounds is None else [chosen - bounds[:, 0], bounds[:, 1] - chosen],
+                  capsize=4, color="C3")
         right.set(ylabel="share", title="chosen mixture (95% interval of the refits' optima)")
     return _save(fig, path)
 

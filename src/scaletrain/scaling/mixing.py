@@ -134,7 +134,9 @@ def fit_mixing_law(sources: list[str], validation: list[str], mixtures: np.ndarr
 def bootstrap_mixing_laws(law: MixingLaw, mixtures: np.ndarray, losses: np.ndarray, samples: int = 100,
                           seed: int = 0) -> list[MixingLaw]:
     """The law refitted to `samples` resamples (with replacement) of the runs; a resample with too
-    few distinct mixtures to fit is drawn again."""
+    few distinct mixtures to fit is drawn again, and so is one of every run once (the runs
+    themselves, whose refit is the law: where only those fit, as with 2n + 1 runs, the refits
+    would make an interval of zero width)."""
     rng = np.random.default_rng(seed)
     mixtures, losses = np.asarray(mixtures, dtype=float), np.asarray(losses, dtype=float)
     keep = np.all(np.isfinite(losses), axis=1)
@@ -144,6 +146,8 @@ def bootstrap_mixing_laws(law: MixingLaw, mixtures: np.ndarray, losses: np.ndarr
         if len(laws) == samples:
             break
         index = rng.integers(0, len(mixtures), len(mixtures))
+        if len(np.unique(index)) == len(mixtures):
+            continue
         try:
             laws.append(fit_mixing_law(law.sources, law.validation, mixtures[index], losses[index], like=law))
         except ValueError:
