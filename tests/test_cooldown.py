@@ -66,6 +66,10 @@ def test_a_cooldown_branch_trains_what_that_schedule_trains_from_the_start(stdli
     assert (f"cooldown from step 8 (run-cooldown-8) │ {final['loss']:.4f} at {final['tokens']:,} tokens (law "
             f"{predicted:.4f}, {(final['loss'] - predicted) / predicted:+.2%})") in " ".join(result.stdout.split())
     assert "cooldown from step 8 (run-cooldown-8)" in (run_dir / "report.html").read_text()
+    # A run moved since it trained branches beside where it is now, where its report looks.
+    moved = tmp_path / "moved" / "run"
+    shutil.copytree(run_dir, moved)
+    assert cooldown_config(moved, 8, 3).run_dir == tmp_path / "moved" / "run-cooldown-8"
 
 
 def test_a_cooldown_is_refused_off_the_stable_stretch_or_without_its_checkpoint(stdlib_data, tmp_path, caplog):

@@ -39,7 +39,9 @@ def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str
     if steps < 1:
         raise ConfigError(f"--steps {steps}: a cooldown takes at least one step")
     checkpoint = run_dir / "checkpoints" / f"step_{step:07d}"
-    begun = complete_checkpoints(Path(cfg.run.dir) / (name or f"{cfg.run.name}-cooldown-{step}") / "checkpoints")
+    # Beside the run directory as it is now (its config's run.dir is where it was trained: a run moved
+    # or copied since would have its branch written beside the other, where its report would not look).
+    begun = complete_checkpoints(run_dir.parent / (name or f"{cfg.run.name}-cooldown-{step}") / "checkpoints")
     if not begun and (not checkpoint.is_dir() or check_complete(checkpoint) is not None):
         # (A branch that has begun resumes its own checkpoints: the run may have pruned step's since.)
         kept = [step_of(p) for p in complete_checkpoints(run_dir / "checkpoints")]
@@ -70,7 +72,7 @@ def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str
         raise ConfigError(f"decay shape {decay_shape!r} is not one of {', '.join(DECAY_SHAPES)}")
     data = cfg.model_dump()
     total = step + steps
-    data["run"]["name"] = name or f"{cfg.run.name}-cooldown-{step}"
+    data["run"].update(name=name or f"{cfg.run.name}-cooldown-{step}", dir=str(run_dir.parent))
     data["train"].update(schedule="wsd", steps=total, tokens=None, decay_fraction=steps / total,
                          decay_shape=decay_shape or train.decay_shape)
     data["checkpoint"].update(resume=str(checkpoint.resolve()), init_from=None)
