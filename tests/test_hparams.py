@@ -262,6 +262,8 @@ def test_the_time_of_the_runs_left_is_predicted_from_their_shapes_timed_here(sea
 @pytest.mark.parametrize("change, message", [
     ({"budgets": [1e10]}, "a law of the compute needs at least two budgets"),
     ({"lr_factors": [1, 2]}, "--lrs 1,2: give at least 3 distinct positive factors"),
+    ({"lr_factors": [1, 1.00001, 2]}, "--lrs factors whose rates at budget 3e\\+09 round alike make one run, "
+                                      "C3e09-b3-lr"),
     ({"batch_factors": [0]}, "--batches 0: give at least 1 distinct positive factors"),
     ({"budgets": [1e8, 1e10]}, "budget 1e\\+08 trains d16-l1 for fewer than 30 steps at every batch"),
     ({"data": "/nonexistent"}, "--data '/nonexistent': "),

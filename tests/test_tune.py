@@ -76,6 +76,10 @@ def test_tune_trains_each_rate_once_resumes_and_writes_the_tuned_config(stdlib_d
         assert by_lr[lr]["val_loss"] == evals[-1]["loss"]
     tuned = load_config(written)
     assert (tuned.model.dim, tuned.model.mup_base_dim, tuned.train.lr) == (128, 64, doc["best_lr"])
+    # Two rates of one run name would train one proxy and report its loss for both: refused, nothing written.
+    alike = run_cli(*args[:args.index("--lrs") + 1], "0.003,0.0030000001", "--out", str(tmp_path / "alike"))
+    assert alike.returncode == 2 and "--lrs 0.003 and 0.0030000001 are one run, lr_0.003" in alike.stderr
+    assert not (tmp_path / "alike").exists()
     assert tuned.run.name == "tuned"  # (its own run, named after the file, not the tuned config's)
     assert tuned.train.steps == load_config(TINY).train.steps  # the run's length, not the proxies'
     assert tuned.train.batch_ramp == [(256, 512)]

@@ -156,7 +156,11 @@ class HparamSearch(ProxyRuns):
                 steps = max(1, round(steps_for(budget, per_token, seqs, s.seq_len)))
                 for factor in sorted(s.lr_factors):
                     point = Point(shape, budget, n, per_token, s.seq_len, seqs, steps, lr * factor)
-                    points[f"C{budget:.4g}-b{seqs}-lr{lr * factor:.4g}".replace("+", "")] = point
+                    name = f"C{budget:.4g}-b{seqs}-lr{lr * factor:.4g}".replace("+", "")
+                    if name in points:  # (one run would train, and both rows report its loss)
+                        raise ConfigError(f"--lrs factors whose rates at budget {budget:.3g} round alike make one run, "
+                                          f"{name}: give factors that differ in their first 4 significant digits")
+                    points[name] = point
         return points
 
     # -- the runs ----------------------------------------------------------------------------------

@@ -88,6 +88,19 @@ class TuneSettings:
     lrs: tuple[float, ...]
     device: str = "auto"  # train.device: where worker processes train (GPUs taken in turn)
 
+    def __post_init__(self):
+        names = {}
+        for lr in sorted(set(self.lrs)):
+            if run_name(lr) in names:  # (one proxy would train, and both rows report its loss)
+                raise ConfigError(f"--lrs {names[run_name(lr)]!r} and {lr!r} are one run, {run_name(lr)}: give rates "
+                                  "that differ in their first 6 significant digits")
+            names[run_name(lr)] = lr
+
+
+def run_name(lr: float) -> str:
+    """The proxy run of a learning rate."""
+    return f"lr_{lr:.6g}"
+
 
 class Tuning(ProxyRuns):
     """One proxy run per learning rate (proxies.ProxyRuns: results.csv, resume, worker processes)."""
@@ -98,7 +111,7 @@ class Tuning(ProxyRuns):
         return sorted(set(self.settings.lrs))
 
     def name_of(self, lr: float) -> str:
-        return f"lr_{lr:.6g}"
+        return run_name(lr)
 
     def columns(self) -> list[str]:
         return ["name", "lr", "val_loss", "c"]
@@ -142,8 +155,9 @@ def tune(cfg: RunConfig, out: str | Path, lrs=DEFAULT_LRS, progress=None, steps:
     if saved is not None and saved != identity:
         raise ConfigError(f"{out} holds a tuning of another config (its proxy differs); give another --out, or "
                           "the config and overrides it was tuned with")
+    settings = TuneSettings(proxy, tuple(lrs), cfg.train.device)  # (its rates checked before anything is written)
     out.mkdir(parents=True, exist_ok=True)
-    tuning = Tuning(out, TuneSettings(proxy, tuple(lrs), cfg.train.device))
+    tuning = Tuning(out, settings)
     _write(record, identity, cfg, tuning.results())  # (the identity first: a resumed tuning is checked against it)
     tuning.run(progress, concurrency)
     return _write(record, identity, cfg, tuning.results())
