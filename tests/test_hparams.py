@@ -298,6 +298,11 @@ def test_the_command_fits_the_search_and_its_law_sets_the_sweep_mixture_and_plan
         assert (cfg.train.lr, cfg.train.global_batch_tokens) == (pytest.approx(lr), run["batch_tokens"])
         assert read_metrics(cfg.run_dir, "eval")[-1]["loss"] == run["loss"]
     assert check["loss_difference"] == pytest.approx(check["runs"]["measured"]["loss"] - check["runs"]["prior"]["loss"])
+    # A law fitted again to a grid changed since sets another rate: its check trains anew, not the old run's loss.
+    from scaletrain.hparams import CheckSettings, HparamCheck
+    refitted = {**law.to_dict(), "lr_coefficient": 1.25 * law.lr_coefficient}
+    again = HparamCheck(search.out / "check", CheckSettings(search.settings, refitted, 3e10))
+    assert again.todo() == ["measured"] and again.name_of("prior") == check["runs"]["prior"]["name"]
     assert "check at 3e+10 FLOPs" in result.stdout and "trained the better model, by" in result.stdout
     within = run_cli(*args, "--check", "1e10")
     assert within.returncode != 0 and "--check 1e+10: check the law beyond the budgets" in within.stderr

@@ -998,7 +998,7 @@ def _check_hparams(search, law, budget: float, concurrency: int) -> None:
     from scaletrain.hparams import CheckSettings, HparamCheck
 
     check = HparamCheck(search.out / "check", CheckSettings(search.settings, law.to_dict(), budget))
-    with _searching(f"check {budget:.3g}", 2, len([r for r in check.results() if r["budget"] == budget])) as show:
+    with _searching(f"check {budget:.3g}", 2, 2 - len(check.todo())) as show:
         rows = check.run(progress=show, concurrency=concurrency)
     entry = check.record(rows)
     table = Table(title=f"check at {budget:.3g} FLOPs ({rows[0]['shape']}, {rows[0]['n']:,.0f} parameters, "

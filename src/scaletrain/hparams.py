@@ -292,7 +292,10 @@ class HparamCheck(ProxyRuns):
         return list(self.RULES)
 
     def name_of(self, rule: str) -> str:
-        return f"C{self.settings.budget:.4g}-{rule}".replace("+", "")
+        """The run of a rule at the check's budget, named by the rate and batch it trains: a law
+        fitted again (the grid widened since) trains its check anew, not reports the old one's."""
+        point = self.point(rule)
+        return f"C{self.settings.budget:.4g}-{rule}-lr{point.lr:.4g}-b{point.batch_seqs}".replace("+", "")
 
     def columns(self) -> list[str]:
         return ["name", "rule", "budget", "shape", "n", "lr", "batch_seqs", "batch_tokens", "steps", "c", "loss"]
