@@ -484,3 +484,24 @@ def test_point_names_keep_budgets_apart():
     shape = shapes_around(1e5, 1, vocab_size=512)
     names = {plan_points(budget, shape, vocab_size=512, seq_len=64)[0].name for budget in (1e15, 1.4e15, 1.5e15, 2e15)}
     assert len(names) == 4
+
+
+def test_a_branch_resumed_part_way_counts_only_the_steps_it_trains_again(stdlib_data, tmp_path):
+    """The FLOPs an invocation spends (its FLOP/s and ETA) on a point whose branch had saved part-way:
+    from that checkpoint on, not from the trunk's branching step."""
+    from types import SimpleNamespace
+
+    sweep = Sweep(tmp_path / "sweep", settings(stdlib_data))
+    point, branch_at = sweep.scheduled(sweep.points_of(BUDGETS[0], [])[0])
+    begun = (branch_at + point.steps) // 2
+    trunk, branch_dir = sweep.out / "trunks" / point.shape.name, sweep.out / "points" / point.name
+    for run_dir, step in ((trunk, branch_at), (branch_dir, begun)):
+        saved = run_dir / "checkpoints" / f"step_{step:07d}"
+        saved.mkdir(parents=True)
+        (saved / "COMMITTED").write_text('{"files": {}}')  # (complete, as far as choosing one goes)
+    trained = []
+    row, spent = sweep._run_point(point, lambda cfg, **_: trained.append(cfg) or SimpleNamespace(val_loss=3.0,
+                                                                                                 train_loss=3.1))
+    [branch] = trained  # (the trunk reaches the branching step already)
+    assert branch.checkpoint.resume == "auto" and row["loss"] == 3.0
+    assert spent == pytest.approx((point.steps - begun) * point.step_flops) and begun > branch_at

@@ -421,7 +421,8 @@ class Sweep(SweepPlan):
                         trunk_dir / DIVERGED, point.name)
         else:
             point_dir = self.out / "points" / point.name
-            if _newest_step(point_dir) > 0 or branch_at == 0:
+            begun = _newest_step(point_dir)  # (a branch stopped part-way resumes from its own checkpoint)
+            if begun > 0 or branch_at == 0:
                 resume = "auto"
             else:
                 resume = str(trunk_dir / "checkpoints" / f"step_{branch_at:07d}")
@@ -429,13 +430,15 @@ class Sweep(SweepPlan):
                                      "train.schedule=wsd", f"train.decay_fraction={DECAY_FRACTION}",
                                      f"train.steps={steps}", f"checkpoint.resume={resume}",
                                      f"checkpoint.interval={max(1, (steps - branch_at) // 2)}"])
+            start, end = max(branch_at, begun), steps
             try:
                 result = train(cfg)
                 loss, train_loss = result.val_loss, result.train_loss
             except TrainingDiverged as e:
+                end = min(max(e.step, start), steps)
                 log.warning("point %s diverged (%s); it is recorded with a loss of nan and left out of fits",
                             point.name, e)
-            spent += (steps - branch_at) * point.step_flops
+            spent += (end - start) * point.step_flops
         row = {"name": point.name, "budget": point.budget, "shape": point.shape.name, "dim": point.shape.dim,
                "n_layers": point.shape.n_layers, "n": point.n, "d": point.tokens, "c": point.compute,
                "c_6nd": point.compute_6nd, "loss": loss, "train_loss": train_loss,
