@@ -453,6 +453,12 @@ def test_divergence_stops_at_the_step_and_keeps_the_last_good_checkpoint(stdlib_
     saved = [int(p.name.removeprefix("step_")) for p in checkpoint.complete_checkpoints(run_dir / "checkpoints")]
     assert max(saved) == bad_step - 1
     assert read_metrics(run_dir)[-1]["kind"] == "diverged"
+    # Reported and compared as far as its applied updates went, steps and tokens alike.
+    from scaletrain.report.compare import _read
+    from scaletrain.report.run import run_report
+    compared, summary = _read(run_dir), run_report(run_dir)
+    assert compared["step"] == summary["step"] == bad_step - 1
+    assert compared["tokens"] == summary["tokens"] == (bad_step - 1) * cfg.train.global_batch_tokens
 
 
 def test_a_step_not_looked_at_never_applies_a_non_finite_update(stdlib_data, tmp_path):

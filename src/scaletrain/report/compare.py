@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from scaletrain.config import ConfigError  # noqa: E402
 from scaletrain.model.flops import param_counts, train_flops_per_token  # noqa: E402
 from scaletrain.report.goodput import account, launched  # noqa: E402
-from scaletrain.report.run import read_run, steady_steps  # noqa: E402
+from scaletrain.report.run import reached, read_run, steady_steps  # noqa: E402
 
 AXES = {"tokens": "tokens", "flops": "training FLOPs", "hours": "wall-clock (hours)"}
 
@@ -68,9 +68,9 @@ def _read(run_dir: Path) -> dict:
     if not train:
         raise ConfigError(f"{str(run_dir)!r} has no training steps recorded yet; compare runs that have trained")
     per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)  # (as training counts them)
-    tokens = max(r["tokens"] for r in records)
+    step, tokens = reached(records).values()
     time = account(every, records)
-    return {"dir": str(run_dir), "parameters": param_counts(cfg.model)["total"], "step": train[-1]["step"],
+    return {"dir": str(run_dir), "parameters": param_counts(cfg.model)["total"], "step": step,
             "total_steps": cfg.total_steps, "tokens": tokens, "flops": per_token * tokens, "per_token": per_token,
             "train_loss": train[-1]["loss"], "val_loss": evals[-1]["loss"] if evals else None,
             "best_val_loss": min((r["loss"] for r in evals), default=None),

@@ -56,8 +56,7 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
     later = train[1:] or train  # the first step includes start-up
     steady = steady_steps(cfg, train)
     summary = {
-        "run": str(run_dir), "parameters": n, "step": max((r["step"] for r in records), default=0),
-        "total_steps": cfg.total_steps, "tokens": max((r["tokens"] for r in records), default=0),
+        "run": str(run_dir), "parameters": n, **reached(records), "total_steps": cfg.total_steps,
         "planned_tokens": planned_tokens,
         "train_loss": train[-1]["loss"] if train else None, "val_loss": evals[-1]["loss"] if evals else None,
         "val_bits_per_byte": evals[-1].get("bits_per_byte") if evals else None,
@@ -161,6 +160,13 @@ def read_run(run_dir: Path):
         raise ConfigError(f"{str(run_dir)!r} is not a run directory that has trained (no config.toml and "
                           "metrics.jsonl); give the directory `scaletrain train` wrote, e.g. runs/demo")
     return load_config(run_dir / "config.toml"), read_metrics(run_dir), read_metrics(run_dir, superseded=True)
+
+
+def reached(records: list[dict]) -> dict:
+    """The step and tokens a run's records reach: of its updates, not of the one a divergence
+    stopped (the diverged record's step, which was never applied)."""
+    applied = [r for r in records if r["kind"] != "diverged"]
+    return {"step": max((r["step"] for r in applied), default=0), "tokens": max((r["tokens"] for r in applied), default=0)}
 
 
 def steady_steps(cfg, train: list[dict]) -> list[dict]:
