@@ -70,6 +70,13 @@ def test_a_cooldown_branch_trains_what_that_schedule_trains_from_the_start(stdli
     moved = tmp_path / "moved" / "run"
     shutil.copytree(run_dir, moved)
     assert cooldown_config(moved, 8, 3).run_dir == tmp_path / "moved" / "run-cooldown-8"
+    # The branch run again under another decay (or min_lr_ratio) would train no one schedule: refused.
+    assert cooldown_config(run_dir, 8, 3, "1-sqrt").checkpoint.resume == "auto"
+    with pytest.raises(ConfigError, match=r"holds this branch begun with train.decay_shape = '1-sqrt', not 'linear': "
+                                          r"resumed, it would train no one schedule"):
+        cooldown_config(run_dir, 8, 3, "linear")
+    with pytest.raises(ConfigError, match=r"train.min_lr_ratio = 0.1, not 0.5"):
+        cooldown_config(run_dir, 8, 3, "1-sqrt", overrides=["train.min_lr_ratio=0.5"])
 
 
 def test_a_cooldown_is_refused_off_the_stable_stretch_or_without_its_checkpoint(stdlib_data, tmp_path, caplog):

@@ -92,8 +92,29 @@ def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str
                     "al. 2024); give --steps about %d for that", steps, step, 100 * steps / (step + steps),
                     max(1, round(step * 0.2 / 0.8)))
     if complete_checkpoints(branch.run_dir / "checkpoints"):  # a branch stopped and run again: from its own newest
+        _check_same_schedule(branch)
         branch = branch.model_copy(update={"checkpoint": branch.checkpoint.model_copy(update={"resume": "auto"})})
     return branch
+
+
+SCHEDULE = ("lr", "min_lr_ratio", "schedule", "warmup_steps", "decay_fraction", "decay_shape", "steps")
+
+
+def _check_same_schedule(branch: RunConfig) -> None:
+    """Refuse to resume a branch under another learning-rate schedule than it began with (another
+    --decay-shape, or overrides of train.min_lr_ratio, say): its losses would be those of no single
+    schedule, which a branch is for."""
+    try:
+        begun = load_config(branch.run_dir / "config.toml").train
+    except (ConfigError, OSError):
+        return  # (what the trainer's own resume check then says)
+    changed = [key for key in SCHEDULE if getattr(begun, key) != getattr(branch.train, key)]
+    if changed:
+        raise ConfigError(f"{str(branch.run_dir)!r} holds this branch begun with "
+                          + ", ".join(f"train.{key} = {getattr(begun, key)!r}" for key in changed)
+                          + f", not {', '.join(repr(getattr(branch.train, key)) for key in changed)}: resumed, it "
+                          "would train no one schedule; give its --decay-shape and overrides to resume it, or --name "
+                          "for a new branch")
 
 
 def _check_target(branch: RunConfig, run_dir: Path, step: int, steps: int) -> None:
