@@ -367,7 +367,14 @@ def test_a_sweep_killed_mid_way_resumes_concurrently_to_the_results_of_one_that_
 
 
 def test_a_sweep_directory_refuses_other_settings(stdlib_data, uninterrupted):
+    from scaletrain.cli import build_parser
+
     sweep, _ = uninterrupted
+    # (the same data written otherwise is the same setting)
+    for command in ("sweep", "hparams", "mixture"):
+        budgets = ["--budget", "1e10"] if command == "mixture" else ["--budgets", "1e10,3e10"]
+        parsed = build_parser().parse_args([command, "--data", f"{stdlib_data}/./", *budgets])
+        assert parsed.data == str(stdlib_data), command
     other = SweepSettings(**{**settings(stdlib_data).__dict__, "shapes": 4})
     with pytest.raises(ValueError, match="was started with other settings .shapes: 3 then, 4 now"):
         Sweep(sweep.out, other)

@@ -1079,6 +1079,12 @@ def _number(convert, what: str, ok, bound: str):
 _flops = _number(float, "a number (e.g. 1e21)", lambda v: 0 < v < float("inf"), "positive and finite")
 _count = _number(int, "a whole number", lambda v: v >= 1, "at least 1")
 _how_many = _number(int, "a whole number", lambda v: v >= 0, "0 or more")
+
+
+def _data_dir(text: str) -> str:
+    """A data directory as a search records it: data/x/ and ./data/x are data/x (a search run again
+    with the path written otherwise is the same search)."""
+    return os.path.normpath(text) if text else text
 def _distinct(values: list, what: str, error: type[Exception] = argparse.ArgumentTypeError) -> list:
     """`values`, or an `error` in one line naming the first given twice (argparse's, for a type)."""
     twice = next((value for i, value in enumerate(values) if value in values[:i]), None)
@@ -1773,7 +1779,7 @@ def build_parser() -> argparse.ArgumentParser:
                             description="For each compute budget, train shapes spanning ~10x in parameters around "
                                         "the expected optimum for D = C / (FLOPs per token) tokens; one constant-LR "
                                         "trunk per shape with a cooldown branch per budget. Rerun to resume.")
-    p.add_argument("--data", required=True, help="a data directory written by `scaletrain data prepare`")
+    p.add_argument("--data", required=True, type=_data_dir, help="a data directory written by `scaletrain data prepare`")
     p.add_argument("--budgets", required=True, type=lambda text: [_flops(x) for x in text.split(",")],
                    help="training FLOPs of each IsoFLOP profile, comma-separated, e.g. 1e12,3e12,1e13")
     p.add_argument("--shapes", type=_count, default=5, help="models per budget (5)")
@@ -1796,7 +1802,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "fit L_i(r) = E_i + 1 / sum_j C_ij r_j^g_ij to each source's validation loss "
                                         "(Shukor et al. 2025) and choose the mixture that minimises the target loss. Rerun to "
                                         "resume, or to choose again for another --target or --tokens.")
-    p.add_argument("--data", required=True, help="the directory holding the sources' data directories (as data.path "
+    p.add_argument("--data", required=True, type=_data_dir, help="the directory holding the sources' data directories (as data.path "
                                                  "of a mixture)")
     p.add_argument("--sources", default=None, help="the data directories under --data to mix, comma-separated "
                                                    "(default: every one but --target-data's)")
@@ -1828,7 +1834,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "and fit lr = a C^b and batch = c C^d (DeepSeek LLM's procedure) with "
                                         "bootstrap intervals; write hparams.json for sweep, mixture and plan "
                                         "--hparams. Rerun to resume.")
-    p.add_argument("--data", required=True, help="a data directory written by `scaletrain data prepare`")
+    p.add_argument("--data", required=True, type=_data_dir, help="a data directory written by `scaletrain data prepare`")
     p.add_argument("--budgets", required=True, type=lambda text: [_flops(x) for x in text.split(",")],
                    help="training FLOPs of each run, comma-separated, two or more, e.g. 1e10,3e10,1e11")
     p.add_argument("--lrs", type=lambda text: [_flops(x) for x in text.split(",")], default=[0.25, 0.5, 1.0, 2.0, 4.0],
