@@ -47,6 +47,21 @@ def test_approach_3_recovers_a_known_law_from_noisy_isoflop_points():
     assert low < high and low - 0.01 <= TRUTH.exponents[0] <= high + 0.01
 
 
+def test_an_exponent_the_points_press_to_the_edge_of_its_search_is_said(tmp_path, capsys):
+    """Losses that fall as D^-8 (runs of a few hundred tokens): beta goes to the bound of 5, and the
+    law it gives (D_opt of a few tokens) is not one to plan with; a law the points set is not flagged."""
+    from scaletrain.cli import main
+
+    rows = [(n, c / (6 * n), c, 2.0 + 400 / n ** 0.34 + 1e16 / (c / (6 * n)) ** 8)
+            for c in (1e10, 3e10, 1e11) for n in np.geomspace(1e5, 1e7, 5)]
+    (tmp_path / "steep.csv").write_text("n,d,c,loss\n" + "".join(",".join(map(str, r)) + "\n" for r in rows))
+    assert main(["fit", "--points", str(tmp_path / "steep.csv"), "--bootstrap", "5", "--out", str(tmp_path)]) == 0
+    assert "approach 3's beta = 5 lies at the edge of its search (0.001 to 5): the points do not set it" in " ".join(
+        capsys.readouterr().err.split())
+    assert json.loads((tmp_path / "law.json").read_text())["approach3"]["at_bounds"] == ["beta"]
+    assert fit_all(isoflop_points(TRUTH), samples=5)["approach3"]["at_bounds"] == []
+
+
 def test_approaches_1_and_2_recover_the_compute_exponents():
     points = isoflop_points(TRUTH, shapes=9, noise=0.0005)
     a_true, b_true = TRUTH.exponents

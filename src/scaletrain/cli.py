@@ -1207,6 +1207,12 @@ def cmd_fit(args: argparse.Namespace) -> int:
         if doc["backtest"]:
             table.add_row("backtest: approach 3 without the largest budgets", _backtest(doc["backtest"]))
         out.print(table)
+        for name in doc["approach3"].get("at_bounds", []):
+            low, high = fitting.BOUNDS[3 if name == "alpha" else 4]
+            console.print(f"[yellow]warning:[/] approach 3's {name} = {doc['approach3'][name]['value']:.4g} lies at the "
+                          f"edge of its search ({low:g} to {high:g}): the points do not set it, and what the law "
+                          "predicts from it is not to be trusted; add budgets or shapes, or fit longer runs "
+                          "(--min-steps)", highlight=False, soft_wrap=True)
     sweep = None  # a sweep directory names the shape of its family to train at each budget
     if args.predict and out_dir is not None and args.sweep_dir and (Path(args.sweep_dir) / "grid.json").is_file():
         from scaletrain.sweep import Sweep

@@ -429,6 +429,9 @@ def fit_all(points: Points, samples: int = 200, seed: int = 0, law_min_steps: in
             # (where the law was measured: a prediction far beyond it is said to be extrapolated)
             "range": {name: [float(values.min()), float(values.max())]
                       for name, values in (("compute", fitted.c), ("n", fitted.n), ("d", fitted.d))},
+            # exponents the fit pressed against the edge of their search: the points do not set them
+            "at_bounds": [name for name, (low, high) in zip(("alpha", "beta"), BOUNDS[3:])
+                          if not low * 1.01 < getattr(law, name) < high * 0.99],
         },
         "bootstrap": [[s.E, s.A, s.B, s.alpha, s.beta] for s in boot],
         "backtest": backtest(fitted),
