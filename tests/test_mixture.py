@@ -314,3 +314,28 @@ def test_a_target_domain_no_proxy_trains_on_sets_the_mixture(mixture_root, short
     assert sources_under(tmp_path / "root", str(tmp_path / "root" / "documents")) == ["project", "stdlib"]
     with pytest.raises(ConfigError, match="--target-data .* has the name of a source"):
         MixtureSearch(tmp_path / "clash", replace(settings(mixture_root), target_data=str(mixture_root / "stdlib")))
+
+
+def test_a_source_prepared_without_training_text_is_said_and_refused_before_the_search_is_written(stdlib_data,
+                                                                                                 tmp_path):
+    """Three files sharing a long header: one goes to validation and the others, sharing 13-grams
+    with it, are dropped; `data prepare` says the training split is empty, and a mixture search
+    refuses the source before it writes anything."""
+    from scaletrain.data import prepare
+
+    header = "".join("# " + " ".join(f"word{10 * line + i}" for i in range(10)) + "\n" for line in range(4))
+    (tmp_path / "text").mkdir()
+    for i in range(3):
+        (tmp_path / "text" / f"m{i}.py").write_text(header + f"def f{i}(x):\n    return x * {i} + {i}\n")
+    root = tmp_path / "root"
+    result = prepare([str(tmp_path / "text")], root / "empty", vocab_size=0, tokenizer=stdlib_data / "tokenizer.json",
+                     workers=1)
+    assert result.stats["tokens"]["train"] == 0
+    assert any(w.startswith("the training split is empty: the 1 document(s) kept went to validation")
+               for w in result.warnings)
+    (root / "stdlib").symlink_to(stdlib_data)
+    with pytest.raises(ConfigError, match="--sources: the training split of 'empty' holds 0 tokens, fewer than one "
+                                          "sequence of --seq-len 64 . 1"):
+        MixtureSearch(tmp_path / "search", MixtureSettings(data=str(root), sources=["empty", "stdlib"], budget=1e10,
+                                                           seq_len=64, min_steps=20, device="cpu"))
+    assert not (tmp_path / "search").exists()

@@ -161,6 +161,10 @@ class MixtureSearch(ProxyRuns):
             raise ConfigError(f"--sources {','.join(settings.sources)}: {e} (data directories under {str(root)!r}: "
                               f"{', '.join(present) or 'none'})") from None
         self.unique_tokens = {name: indexes[name]["splits"]["train"]["tokens"] for name in settings.sources}
+        for name, tokens in self.unique_tokens.items():  # (a proxy would fail on it only once the search is written)
+            if tokens <= settings.seq_len:
+                raise ConfigError(f"--sources: the training split of {name!r} holds {tokens} tokens, fewer than one "
+                                  f"sequence of --seq-len {settings.seq_len} + 1; prepare more of it, or leave it out")
         self.vocab_size = -(-max(index["vocab_size"] for index in indexes.values()) // 64) * 64
         if settings.runs < 2 * len(settings.sources) + 1:
             raise ConfigError(f"--runs {settings.runs}: a law of {len(settings.sources)} sources needs at least "

@@ -302,6 +302,9 @@ def _run_passes(pool, files, text_field, max_bytes, stats: ReadStats, settings: 
         warnings.append("the validation split is empty (" + ("--val-fraction 0" if val_fraction == 0 else
                         "a single document kept") + "): train measures its validation loss on it and refuses a run "
                         "on this data; prepare with a --val-fraction above 0 and two documents or more")
+    if not splits["train"]["tokens"]:  # (of use to `eval --data` as a validation set; not to train on)
+        warnings.append(f"the training split is empty: the {splits['val']['documents']} document(s) kept went to "
+                        "validation; train refuses a run on this data; prepare more text")
     read = result_stats["documents"]["read"]
     if read and dropped["val_overlap"] > 0.1 * read:
         warnings.append(f"{dropped['val_overlap']:,} of the {read:,} documents read ({dropped['val_overlap'] / read:.0%}) "
