@@ -1102,7 +1102,7 @@ _workers = _number(int, "a whole number", lambda v: 1 <= v <= 4 * _CORES,
                    f"between 1 and {4 * _CORES} (each worker process needs a share of this machine's {_CORES} CPU "
                    "cores)")
 _amount = _number(float, "a number", lambda v: 0 <= v < float("inf"), "zero or positive")
-_lr = _number(float, "a learning rate (e.g. 3e-3)", lambda v: 0 < v < float("inf"), "positive")
+_lr = _number(float, "a learning rate (e.g. 3e-3)", lambda v: 0 < v < float("inf"), "positive and finite")
 _pue = _number(float, "a number", lambda v: 1 <= v < float("inf"), "at least 1 (the devices' own power is 1)")
 
 
