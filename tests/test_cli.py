@@ -367,6 +367,9 @@ def test_what_other_commands_wrote_is_not_written_over(trained_run, stdlib_data,
         # a run resumed with another shape on two processes: one line before torchrun, not one a rank
         (["train", str(trained_run / "config.toml"), "model.dim=128", "--nproc", "2"],
          "holds checkpoints of a different run (model.dim 64 then, 128 now"),
+        # another batch would count steps the run did not train (its schedule, its end)
+        (["train", str(trained_run / "config.toml"), "train.global_batch_tokens=1024"],
+         "tokens in its 6 steps, which this config's batch (train.global_batch_tokens, train.batch_ramp) counts as"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

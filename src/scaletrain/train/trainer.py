@@ -720,6 +720,12 @@ class Trainer:
             log.info("%s was rewound to after the divergence at step %d: resuming past the %d steps of batches "
                      "skipped then", path, skip["diverged_at"], skip["skipped_steps"])
         self.load_state(state)
+        counted = self.cfg.tokens_before(self.step)
+        if counted != self.tokens:  # (its schedule, its end and its time left would count steps it did not train)
+            raise ConfigError(f"{path} trained {self.tokens:,} tokens in its {self.step} steps, which this config's "
+                              f"batch (train.global_batch_tokens, train.batch_ramp) counts as {counted:,}: resume with "
+                              "the batch it trained with, or start a stage of another batch from it "
+                              "(checkpoint.init_from)")
         if self.step > self.total_steps:
             raise ConfigError(f"{path} is at step {self.step}, past the run's {self.total_steps} steps "
                               f"(train.steps or train.tokens); raise them to at least {self.step} to go on, or give "
