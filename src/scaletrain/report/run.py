@@ -81,7 +81,10 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
     }
     law = prediction = None
     if plan_doc is not None:
-        summary["plan"] = against_plan(plan_doc, n, summary)
+        # (On a CPU the peak is the process's resident memory, torch's runtime with it: not the tensors
+        # the plan predicts, so not set against them.)
+        on_cpu = any(r["kind"] == "start" and str(r.get("device", "")).startswith("cpu") for r in every)
+        summary["plan"] = against_plan(plan_doc, n, {**summary, "peak_memory_gb": None} if on_cpu else summary)
     if law_doc is not None or (plan_doc or {}).get("predicted_loss"):
         if law_doc is not None:
             law, boot = law_of(law_doc), bootstrap_laws(law_doc)

@@ -398,7 +398,7 @@ class Trainer:
             raise ConfigError(f"log.plan = {self.cfg.log.plan!r}: {e}") from None
         return plan
 
-    def check_against_plan(self, tokens_per_s: float, mfu: float | None, memory_gb: float) -> dict:
+    def check_against_plan(self, tokens_per_s: float, mfu: float | None, memory_gb: float | None) -> dict:
         """This run's speed and memory beside the plan's (planner.against_plan), and a warning
         for what falls short of it: below 80% of the planned tokens/s, above the planned peak
         memory by more than 10%, other devices than planned."""
@@ -1341,6 +1341,7 @@ class Trainer:
             self.next_save = self.step + max(1, min(AUTO_FIRST_SAVE, self.total_steps // 10))
         last_speed = None
         plan_checked = False  # (log.plan: once an invocation, from PLAN_CHECK_STEP on)
+        plan_tokens, plan_time = 0, 0.0  # its steps of the global batch after the first: the speed it checks
         stopped_by, saved = None, None  # the signal that ends the run early; the last checkpoint
         # A gloo group of its own for the stop vote (resilience.py), as for background saves.
         signals = StopSignals(dist.new_group(backend="gloo") if dist.is_initialized() else None)
@@ -1426,6 +1427,9 @@ class Trainer:
                 if self.step > (resumed_from or 0) + 1:  # this process's first step pays one-off costs
                     run_tokens += step_tokens
                     run_time += elapsed
+                    if step_tokens == cfg.train.global_batch_tokens:  # (not a batch ramp's smaller steps)
+                        plan_tokens += step_tokens
+                        plan_time += elapsed
                 last = self.step == self.total_steps or self.step == stop_at_step or stopped_by is not None
                 profiler.after(self.step, last)
                 if self.step % cfg.log.interval == 0 or last:
@@ -1453,10 +1457,11 @@ class Trainer:
                     window_tokens, window_steps, window_time, window_wait = 0, 0, 0.0, 0.0
                     unrecorded = 0.0
                     if (self.plan is not None and not plan_checked and self.step >= PLAN_CHECK_STEP
-                            and cfg.step_batch_tokens(self.step - 1) == cfg.train.global_batch_tokens):
+                            and cfg.step_batch_tokens(self.step - 1) == cfg.train.global_batch_tokens and plan_time):
                         plan_checked = True
-                        metrics.write("plan_check", self.step, self.tokens,
-                                      **self.check_against_plan(last_speed, record["mfu"], record["mem_gb"]))
+                        speed = plan_tokens / plan_time  # (a CPU's peak is its resident memory: not the plan's tensors)
+                        metrics.write("plan_check", self.step, self.tokens, **self.check_against_plan(
+                            speed, self.mfu(speed), record["mem_gb"] if self.device.type == "cuda" else None))
                 self.finish_saving(wait=False)
                 due = self._save_due(self.step) or self.step == self.total_steps
                 if due or last:
