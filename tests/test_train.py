@@ -441,6 +441,18 @@ def test_a_run_that_ends_above_the_uniform_loss_says_so(stdlib_data, tmp_path, c
     assert "ln(vocabulary)" not in caplog.text
 
 
+def test_a_finished_run_trained_again_trains_and_records_nothing(stdlib_data, tmp_path):
+    """(A resume and an end record of it would be counted by the report as a restart lasting from
+    the run's end to now.)"""
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(stdlib_data, run_dir, "train.steps=3", "eval.interval=0")
+    first = train(cfg)
+    written = (run_dir / "metrics.jsonl").read_bytes()
+    again = train(cfg)
+    assert (run_dir / "metrics.jsonl").read_bytes() == written
+    assert (again.resumed_from, again.step, again.train_loss, again.val_loss) == (3, 3, first.train_loss, first.val_loss)
+
+
 def test_divergence_stops_at_the_step_and_keeps_the_last_good_checkpoint(stdlib_data, tmp_path):
     run_dir = tmp_path / "run"
     cfg = tiny_config(stdlib_data, run_dir, "train.steps=30", "train.lr=1e4", "train.warmup_steps=0",

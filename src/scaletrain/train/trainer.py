@@ -1290,6 +1290,14 @@ class Trainer:
     def fit(self, stop_at_step: int | None = None) -> TrainResult:
         cfg = self.cfg
         resumed_from = self.resume()  # (first: a resume refused leaves no run directory behind)
+        if resumed_from is not None and resumed_from == self.total_steps:
+            # Finished before: nothing to train, so nothing recorded either (a resume and an end in
+            # metrics.jsonl would be counted as a restart by the run's report, minutes of it).
+            self.loader.close()
+            return TrainResult(self.run_dir, self.step, self.total_steps, self.tokens,
+                               next((r["loss"] for r in reversed(read_metrics(self.run_dir, "train"))), None),
+                               next((r["loss"] for r in reversed(read_metrics(self.run_dir, "eval"))), None), None,
+                               resumed_from)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         params = param_counts(cfg.model)
         ramp = "".join(f"{batch:,} tokens until {until:,}, then " for batch, until in cfg.train.batch_ramp)
@@ -1513,7 +1521,7 @@ class Trainer:
             self.loader.close()
         if stopped_by is not None and self.step < self.total_steps:
             raise StoppedBySignal(stopped_by, self.step, str(saved))
-        if train_loss is None:  # resumed a finished run: report what it ended with
+        if train_loss is None:  # no step trained here (--stop-at-step at or before the resumed one): what it reached
             train_loss = next((r["loss"] for r in reversed(read_metrics(self.run_dir, "train"))), None)
             val_loss = next((r["loss"] for r in reversed(read_metrics(self.run_dir, "eval"))), None)
         speed = run_tokens / run_time if run_time else last_speed
