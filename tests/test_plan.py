@@ -576,10 +576,13 @@ def test_plan_refuses_bad_input_in_one_sentence(tmp_path, capsys):
         assert stop.value.code == 2 and argv[0] in capsys.readouterr().err
 
 
-def test_the_written_configs_command_quotes_its_path(tmp_path, capsys):
+def test_the_written_configs_command_quotes_its_path(tmp_path, capsys, monkeypatch):
     written = tmp_path / "my plan ü.toml"  # (a path with a space: the command printed must still run as shown)
     assert main(["plan", "--params", "1e8", "--tokens", "1e9", "--write-config", str(written)]) == 0
     assert f"scaletrain train '{written}' --nproc 8" in " ".join(capsys.readouterr().out.split())
+    monkeypatch.chdir(tmp_path)  # written by a relative path, the config names its plan by a whole one
+    assert main(["plan", "--params", "1e8", "--tokens", "1e9", "--write-config", "here.toml"]) == 0
+    assert load_config(tmp_path / "here.toml").log.plan == str((tmp_path / "here.plan.json").resolve())
 
 
 def test_tokens_below_one_batch_are_planned_as_one_step_and_said(capsys):

@@ -461,7 +461,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         # The config names its plan (log.plan): the run checks its speed and memory against it early.
         plan_path = Path(args.write_config).with_suffix(".plan.json")
         config = tomllib.loads(plan["config"])
-        config.setdefault("log", {})["plan"] = str(plan_path)
+        config.setdefault("log", {})["plan"] = str(plan_path.resolve())  # (found from wherever the run starts)
         plan["config"] = validate_config(config, source="the planned config").to_toml()
         with open(args.write_config, "w") as f:
             f.write(plan["config"])
