@@ -451,6 +451,11 @@ def test_a_finished_run_trained_again_trains_and_records_nothing(stdlib_data, tm
     again = train(cfg)
     assert (run_dir / "metrics.jsonl").read_bytes() == written
     assert (again.resumed_from, again.step, again.train_loss, again.val_loss) == (3, 3, first.train_loss, first.val_loss)
+    # Nor does one stopped at a step it has passed: refused, as training nothing.
+    longer = tiny_config(stdlib_data, run_dir, "train.steps=5", "eval.interval=0")
+    with pytest.raises(ConfigError, match="--stop-at-step 2 is not after step 3, where the run resumes"):
+        train(longer, stop_at_step=2)
+    assert (run_dir / "metrics.jsonl").read_bytes() == written
 
 
 def test_divergence_stops_at_the_step_and_keeps_the_last_good_checkpoint(stdlib_data, tmp_path):

@@ -1290,6 +1290,10 @@ class Trainer:
     def fit(self, stop_at_step: int | None = None) -> TrainResult:
         cfg = self.cfg
         resumed_from = self.resume()  # (first: a resume refused leaves no run directory behind)
+        if stop_at_step is not None and resumed_from is not None and stop_at_step <= resumed_from < self.total_steps:
+            self.loader.close()
+            raise ConfigError(f"--stop-at-step {stop_at_step} is not after step {resumed_from}, where the run resumes: "
+                              "it would train nothing; give a later step, or none to train to the end")
         if resumed_from is not None and resumed_from == self.total_steps:
             # Finished before: nothing to train, so nothing recorded either (a resume and an end in
             # metrics.jsonl would be counted as a restart by the run's report, minutes of it).
