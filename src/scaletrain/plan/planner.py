@@ -121,7 +121,7 @@ def size(law: ChinchillaLaw, compute: float, vocab: int, seq_len: int, inference
     sequences. So the shape trained is the family's of least predicted loss at the tokens it
     buys (L(N, C / F(N)); data-constrained, with repeats), among the shapes nearest the law's N
     times 4^(-1..1): at 1e20 FLOPs and sequences of 4,096, Epoch's law wants 0.84B parameters
-    by 6ND, and the family's 0.65B is predicted 0.01 lower once attention is counted."""
+    by 6ND, and the family's 0.60B is predicted 0.01 lower once attention is counted."""
     from scaletrain.scaling.optimal import compute_optimal, data_constrained_loss, data_constrained_optimal, \
         inference_optimal, tokens_for_loss
 

@@ -1525,7 +1525,7 @@ class Trainer:
             self.loader.close()
         if stopped_by is not None and self.step < self.total_steps:
             raise StoppedBySignal(stopped_by, self.step, str(saved))
-        if train_loss is None:  # no step trained here (--stop-at-step at or before the resumed one): what it reached
+        if train_loss is None:  # no step logged by this invocation: what the run reached
             train_loss = next((r["loss"] for r in reversed(read_metrics(self.run_dir, "train"))), None)
             val_loss = next((r["loss"] for r in reversed(read_metrics(self.run_dir, "eval"))), None)
         speed = run_tokens / run_time if run_time else last_speed
