@@ -1287,6 +1287,11 @@ class Trainer:
         model, loading a checkpoint, opening the data."""
         return round(time.time() - self.launched, 3)
 
+    def _losses_reached(self) -> tuple[float | None, float | None]:
+        """The run's last recorded train and validation losses (of an invocation that logged none)."""
+        return tuple(next((r["loss"] for r in reversed(read_metrics(self.run_dir, kind))), None)
+                     for kind in ("train", "eval"))
+
     def fit(self, stop_at_step: int | None = None) -> TrainResult:
         cfg = self.cfg
         resumed_from = self.resume()  # (first: a resume refused leaves no run directory behind)
@@ -1298,9 +1303,7 @@ class Trainer:
             # Finished before: nothing to train, so nothing recorded either (a resume and an end in
             # metrics.jsonl would be counted as a restart by the run's report, minutes of it).
             self.loader.close()
-            return TrainResult(self.run_dir, self.step, self.total_steps, self.tokens,
-                               next((r["loss"] for r in reversed(read_metrics(self.run_dir, "train"))), None),
-                               next((r["loss"] for r in reversed(read_metrics(self.run_dir, "eval"))), None), None,
+            return TrainResult(self.run_dir, self.step, self.total_steps, self.tokens, *self._losses_reached(), None,
                                resumed_from)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         params = param_counts(cfg.model)
@@ -1526,8 +1529,7 @@ class Trainer:
         if stopped_by is not None and self.step < self.total_steps:
             raise StoppedBySignal(stopped_by, self.step, str(saved))
         if train_loss is None:  # no step logged by this invocation: what the run reached
-            train_loss = next((r["loss"] for r in reversed(read_metrics(self.run_dir, "train"))), None)
-            val_loss = next((r["loss"] for r in reversed(read_metrics(self.run_dir, "eval"))), None)
+            train_loss, val_loss = self._losses_reached()
         speed = run_tokens / run_time if run_time else last_speed
         uniform = math.log(self.cfg.model.vocab_size)  # the loss of predicting every token alike
         if self.step == self.total_steps and train_loss is not None and train_loss > uniform + 0.5 and self.is_main:
