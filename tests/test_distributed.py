@@ -27,8 +27,11 @@ from scaletrain.train import checkpoint
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
 
-STEPS = ["train.steps=4", "train.warmup_steps=2", "eval.interval=2", "checkpoint.interval=2"]
+# 4 steps, evaluated and saved at the end (where a stop also saves); runs that must fall back to
+# a scheduled checkpoint at step STOP save there too (SAVE_AT_STOP).
+STEPS = ["train.steps=4", "train.warmup_steps=2", "eval.interval=0", "checkpoint.interval=4"]
 STOP = 2  # where interrupted runs stop, on a checkpoint
+SAVE_AT_STOP = [f"checkpoint.interval={STOP}"]
 LAST = "checkpoints/step_0000004"  # the checkpoint of the last step
 
 
@@ -243,15 +246,15 @@ TO_ONE = {"fsdp-to-one": ["parallel.dp_shard=2"], "tp-to-one": TP2}
 # Trained to the end by 2 ranks, then run again after a file of the last checkpoint was damaged
 # on disk: the one rank 0 wrote, which rank 1 checksums (the ranks share the files; sorted, they
 # are .metadata, __0_0.distcp, __1_0.distcp).
-DAMAGED = {"fsdp-damaged": (["parallel.dp_shard=2"], f"{LAST}/__0_0.distcp")}
+DAMAGED = {"fsdp-damaged": (["parallel.dp_shard=2", *SAVE_AT_STOP], f"{LAST}/__0_0.distcp")}
 # Step 3's gradient norm reads NaN on both ranks ("nan"): the run rewinds to step 2's checkpoint,
 # skips step 3's batches and trains steps 3 and 4 on the next ones. Or step 4's loss spikes after
 # step 3's update at 100 times the learning rate ("spike": found by the loss statistics of both
 # ranks, which only the last pipeline stage computes the loss for): the run rewinds to step 2's
 # checkpoint, skips the batches of steps 3 and 4 and trains them on the next ones.
 SPIKES = ["train.spike_sigmas=4", "train.spike_window=2"]
-REWOUND = {"fsdp-rewound": (["parallel.dp_shard=2", "train.rewinds=1"], "nan"),
-           "pp-spike-rewound": ([*PP2, "train.rewinds=1", *SPIKES], "spike")}
+REWOUND = {"fsdp-rewound": (["parallel.dp_shard=2", "train.rewinds=1", *SAVE_AT_STOP], "nan"),
+           "pp-spike-rewound": ([*PP2, "train.rewinds=1", *SPIKES, *SAVE_AT_STOP], "spike")}
 GLITCH = 2
 # The next stage of reference_deep's run (checkpoint.init_from: its weights and optimizer state,
 # saved by one process) on other documents, trained under tensor parallelism: the losses of the
@@ -386,7 +389,8 @@ def test_ranks_that_diverge_together_rewind_together_to_the_losses_of_one_proces
         "spike" if late else "nonfinite", STOP, GLITCH + 1 + late, 1 + late)
     with glitched(kind, GLITCH + late):
         one = tmp_path / "one"
-        train(tiny_config(stdlib_data, one, *STEPS, *DEEP, *(SPIKES if kind == "spike" else []), "train.rewinds=1"))
+        train(tiny_config(stdlib_data, one, *STEPS, *DEEP, *(SPIKES if kind == "spike" else []), "train.rewinds=1",
+                          *SAVE_AT_STOP))
     # Judged, and told, with the loss over the global batch, as one process has it (not a rank's own).
     [expected] = read_metrics(one, "rewind")
     marker = ": loss " if kind == "spike" else ": loss is "
@@ -626,8 +630,8 @@ def test_a_hung_rank_is_ended_by_its_watchdog_and_torchrun_restarts_the_job_from
            "SCALETRAIN_TEST_HANG_AFTER_STEP": "2",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "inject_hang"), os.environ.get("PYTHONPATH", "")])}
     args = [sys.executable, "-m", "scaletrain.cli", "train", "configs/tiny.toml", f"data.path={stdlib_data}",
-            f"run.dir={tmp_path}", "run.name=run", *STEPS, f"parallel.dp_shard={nproc}", "train.hang_timeout_s=3",
-            *(["--nproc=2"] if nproc == 2 else []), "--max-restarts=1"]
+            f"run.dir={tmp_path}", "run.name=run", *STEPS, *SAVE_AT_STOP, f"parallel.dp_shard={nproc}",
+            "train.hang_timeout_s=3", *(["--nproc=2"] if nproc == 2 else []), "--max-restarts=1"]
 
     def run():  # (from nothing each time: a launch that failed for a transient reason is tried again)
         shutil.rmtree(run_dir, ignore_errors=True)
