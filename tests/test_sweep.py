@@ -238,6 +238,15 @@ def test_timing_runs_start_from_nothing_even_where_a_killed_measurement_left_run
     assert not scratch.exists()
 
 
+def test_a_short_search_is_timed_in_rounds_of_a_share_of_its_length():
+    from scaletrain.sweep import MIN_ROUND_S, TIMING_SHARE, _round_seconds
+
+    assert _round_seconds(2.0, 1e14, 1e9, 3) == 2.0  # a day's search: rounds of the seconds asked for
+    assert _round_seconds(2.0, 3e10, 1e9, 3) == pytest.approx(TIMING_SHARE * 30 / 3)  # 30 s: 0.5 s each
+    assert _round_seconds(2.0, 1e9, 1e9, 3) == MIN_ROUND_S
+    assert _round_seconds(2.0, 0.0, 1e9, 3) == _round_seconds(2.0, 1e9, None, 3) == 2.0  # (total, rate unknown)
+
+
 def test_the_demo_scales_every_budget_down_until_its_predicted_time_fits(uninterrupted, caplog):
     from scaletrain.demo import DemoSettings, scale_to_time
 

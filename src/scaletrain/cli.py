@@ -1798,8 +1798,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "train on")
     p.add_argument("--out", default=None, help="sweep directory (default sweeps/DATA_NAME)")
     p.add_argument("--predict-time", action="store_true",
-                   help="train nothing: time three of the sweep's shapes here (about 2 s each, --concurrency at "
-                        "once) and print its points, FLOPs and predicted wall-clock by budget")
+                   help="train nothing: time three of the sweep's shapes here (about 2 s each, less for a short "
+                        "sweep; --concurrency at once) and print its points, FLOPs and predicted wall-clock by budget")
     p.set_defaults(func=cmd_sweep)
 
     p = commands.add_parser("mixture", help="choose a data mixture: small runs on sampled mixtures, a data mixing "

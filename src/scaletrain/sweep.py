@@ -607,6 +607,10 @@ def makespan(seconds: list[float], workers: int, alone: list[float] | None = Non
 # fewer where its round would take over TIMED_ROUND_S; a shape whose single micro-batch takes
 # over TIMED_ROUND_S / 3 is not timed at all.
 TIMED_MICRO_BATCHES, TIMED_ROUND_S = 64, 60.0
+# A search of seconds is not spent mostly in measuring how long it takes: each timed round lasts
+# at most TIMING_SHARE of the whole search (at the rate measured so far) over its timed rounds,
+# and at least MIN_ROUND_S (20 steps at the least: _timed_steps).
+TIMING_SHARE, MIN_ROUND_S = 0.05, 0.25
 
 
 # A sweep that would take longer than this even at its devices' peak is refused before it is timed.
@@ -624,6 +628,14 @@ def _check_timeable(total: float, device: str, workers: int, what: str = "the sw
         raise ConfigError(f"{what} trains {total:.3g} FLOPs: over {total / peak / 86400:,.0f} days even at the "
                           f"{peak:.3g} FLOP/s peak of {name}{' x ' + str(workers) if name != 'cpu' and workers > 1 else ''}"
                           "; lower --budgets, or plan it for the devices that will train it (`scaletrain plan`)")
+
+
+def _round_seconds(seconds: float, total: float, rate: float | None, rounds: int) -> float:
+    """How long a timed round lasts: `seconds`, or less where the search's `total` FLOPs at `rate`
+    would take less than `rounds` of them over TIMING_SHARE (unknown total or rate: `seconds`)."""
+    if not total or rate is None:
+        return seconds
+    return min(seconds, max(MIN_ROUND_S, TIMING_SHARE * total / rate / rounds))
 
 
 def _timed_steps(point: Point, settings, rate: float | None, seconds: float, stage: str,
@@ -681,7 +693,8 @@ def time_points(settings, vocab_size: int, points: list[Point], out: Path, worke
     micro-batch and a warm-up (_timed_steps), get a first rate and warm the processes up (CUDA,
     the allocator, the data loader) without risking a step of minutes. The runs train at a
     learning rate too small to diverge: what a step costs does not depend on it. `total`: the
-    FLOPs of the whole search, for the refusal of a shape too slow to time. `fixed`: also time
+    FLOPs of the whole search, for the refusal of a shape too slow to time, and for shorter
+    rounds where the search itself is short (_round_seconds). `fixed`: also time
     the smallest shape at one micro-batch a step and at one of half its sequences, for what a
     step costs whatever its batch and a micro-batch whatever its sequences (Speed.step_fixed_s,
     micro_batch_s; a search whose runs train other batches than those timed)."""
@@ -696,7 +709,8 @@ def time_points(settings, vocab_size: int, points: list[Point], out: Path, worke
                                                                  else []),
                   *(("timed", point) for point in points)]
         for round_, (stage, at) in enumerate(stages):
-            point, steps = _timed_steps(at, settings, rate, seconds, stage, total)
+            point, steps = _timed_steps(at, settings, rate, _round_seconds(seconds, total, rate, len(stages) - 2),
+                                        stage, total)
             start_at = time.time() + 0.5
             jobs = [([*run_overrides(settings, vocab_size, point.shape, 1e-6, point.batch_seqs, 0, mix),
                       f"run.dir={out}", f"run.name={point.shape.name}-{round_}-{copy}", "train.schedule=constant",
