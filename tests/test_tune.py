@@ -98,6 +98,7 @@ def test_tune_trains_each_rate_once_resumes_and_writes_the_tuned_config(stdlib_d
         assert load_config(out / f"lr_{lr:g}" / "config.toml").train.lr == lr
     other = run_cli(*[a.replace("train.warmup_steps=1", "train.warmup_steps=2") for a in args])
     assert other.returncode != 0 and "holds a tuning of another config" in other.stderr
+    assert "3/3" not in other.stderr  # (refused before its progress bar is drawn)
     shutil.copytree(out, tmp_path / "copied")  # a tuning moved or copied is the same tuning: nothing to train
     copied = run_cli(*[str(tmp_path / "copied") if a == str(out) else a for a in args[:-2]])
     assert copied.returncode == 0 and "3/3" in copied.stderr, copied.stderr

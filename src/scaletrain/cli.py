@@ -1022,7 +1022,7 @@ def _check_hparams(search, law, budget: float, concurrency: int) -> None:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from scaletrain.config import load_config
-    from scaletrain.tune import DEFAULT_LRS, proxy_data, tune, tuned_rates
+    from scaletrain.tune import DEFAULT_LRS, Tune, proxy_data, tuned_rates
 
     cfg = load_config(args.config, args.overrides)
     proxy = proxy_data(cfg)["model"]  # a config muP cannot narrow is refused before anything trains
@@ -1033,8 +1033,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     at_once = f", {args.concurrency} at a time" if args.concurrency > 1 else ""
     console.print(f"tuning the learning rate of {cfg.run.name} (width {cfg.model.dim}, {cfg.model.n_layers} blocks) "
                   f"on its proxy of {shape}, {len(set(lrs))} rate{'s' * (len(set(lrs)) != 1)}{at_once}, in {out_dir}", highlight=False)
+    tuning = Tune(cfg, out_dir, lrs, steps=args.steps)  # (refused here, before its progress bar is drawn)
     with _searching("rates", len(set(lrs)), len(tuned_rates(out_dir) & set(lrs))) as show:
-        doc = tune(cfg, out_dir, lrs, progress=show, steps=args.steps, concurrency=args.concurrency)
+        doc = tuning.run(progress=show, concurrency=args.concurrency)
     table = Table(title=f"proxy of {shape}: validation loss by learning rate")
     table.add_column("lr", justify="right")
     table.add_column("val loss", justify="right")

@@ -127,40 +127,47 @@ class Tuning(ProxyRuns):
                 "c": read_metrics(cfg.run_dir, "start")[-1]["flops_per_token"] * cfg.total_tokens}
 
 
-def tune(cfg: RunConfig, out: str | Path, lrs=DEFAULT_LRS, progress=None, steps: int | None = None,
-         concurrency: int = 1) -> dict:
-    """Train the proxy of `cfg` at each learning rate of `lrs` in directory `out` (resuming what
-    is there), each for `steps` optimizer steps if given (else the run's length), `concurrency`
-    at a time in worker processes; returns {"proxy": ..., "results": [{"lr", "val_loss" or None,
-    "diverged"}...] (every rate the directory has trained), "best_lr", "fitted_lr", "edge"},
-    also written to out/tune.json. progress gets ProxyRuns.run's dict after each rate."""
-    out = Path(out)
-    proxy = proxy_data(cfg)
-    proxy.setdefault("run", {}).update(dir=str(out), name="proxy")
-    if steps is not None:  # the proxies' length, not the run's
-        proxy["train"].pop("tokens", None)
-        proxy["train"]["steps"] = steps
-    # What makes two tunings the same: the proxy's every setting but the rate.
-    from scaletrain.data.shards import read_indexes
+class Tune:
+    """A tuning of the learning rate of `cfg`'s proxy in directory `out` (resuming what is there)
+    at each rate of `lrs`, each proxy trained for `steps` optimizer steps if given (else the run's
+    length). Checked when made, before anything is written or trained: the proxy against the one
+    the directory tuned, its data, its rates."""
 
-    checked = validate_config(proxy, source="the proxy")
-    read_indexes(checked.data.sources)  # (data that is not there is refused before tune.json is written)
-    identity = checked.model_dump(mode="json", exclude_none=True)  # (as JSON reads back)
-    identity["train"].pop("lr")
-    identity["run"].pop("dir")  # (where the directory is: a tuning moved or copied is the same tuning)
-    record = out / "tune.json"
-    saved = read_own(record, "proxy")["proxy"] if record.is_file() else None
-    if isinstance(saved, dict) and isinstance(saved.get("run"), dict):
-        saved["run"].pop("dir", None)  # (written with it before)
-    if saved is not None and saved != identity:
-        raise ConfigError(f"{out} holds a tuning of another config (its proxy differs); give another --out, or "
-                          "the config and overrides it was tuned with")
-    settings = TuneSettings(proxy, tuple(lrs), cfg.train.device)  # (its rates checked before anything is written)
-    out.mkdir(parents=True, exist_ok=True)
-    tuning = Tuning(out, settings)
-    _write(record, identity, cfg, tuning.results())  # (the identity first: a resumed tuning is checked against it)
-    tuning.run(progress, concurrency)
-    return _write(record, identity, cfg, tuning.results())
+    def __init__(self, cfg: RunConfig, out: str | Path, lrs=DEFAULT_LRS, steps: int | None = None) -> None:
+        self.cfg, self.out = cfg, Path(out)
+        proxy = proxy_data(cfg)
+        proxy.setdefault("run", {}).update(dir=str(self.out), name="proxy")
+        if steps is not None:  # the proxies' length, not the run's
+            proxy["train"].pop("tokens", None)
+            proxy["train"]["steps"] = steps
+        # What makes two tunings the same: the proxy's every setting but the rate.
+        from scaletrain.data.shards import read_indexes
+
+        checked = validate_config(proxy, source="the proxy")
+        read_indexes(checked.data.sources)  # (data that is not there is refused before tune.json is written)
+        self.identity = checked.model_dump(mode="json", exclude_none=True)  # (as JSON reads back)
+        self.identity["train"].pop("lr")
+        self.identity["run"].pop("dir")  # (where the directory is: a tuning moved or copied is the same tuning)
+        self.record = self.out / "tune.json"
+        saved = read_own(self.record, "proxy")["proxy"] if self.record.is_file() else None
+        if isinstance(saved, dict) and isinstance(saved.get("run"), dict):
+            saved["run"].pop("dir", None)  # (written with it before)
+        if saved is not None and saved != self.identity:
+            raise ConfigError(f"{self.out} holds a tuning of another config (its proxy differs); give another --out, "
+                              "or the config and overrides it was tuned with")
+        self.settings = TuneSettings(proxy, tuple(lrs), cfg.train.device)  # (its rates checked here too)
+
+    def run(self, progress=None, concurrency: int = 1) -> dict:
+        """Train the rates left, `concurrency` at a time in worker processes; returns {"proxy": ...,
+        "results": [{"lr", "val_loss" or None, "diverged"}...] (every rate the directory has
+        trained), "best_lr", "fitted_lr", "edge"}, also written to out/tune.json. progress gets
+        ProxyRuns.run's dict after each rate."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        tuning = Tuning(self.out, self.settings)
+        # (the identity first: a resumed tuning is checked against it)
+        _write(self.record, self.identity, self.cfg, tuning.results())
+        tuning.run(progress, concurrency)
+        return _write(self.record, self.identity, self.cfg, tuning.results())
 
 
 def tuned_rates(out: str | Path) -> set[float]:
