@@ -141,6 +141,18 @@ def test_the_wall_clock_splits_into_kept_steps_redone_steps_setup_checkpoints_ev
     records[4] = ("resume", 3, 20, {"setup_s": 1.0, "last_alive": 12.0})
     time_ = accounted(run_dir, records)
     assert (time_["parts"]["steps_redone"], time_["parts"]["between"]) == (1.0, 4.5)
+    # An invocation that ended at the step it was told to stop at (a sweep's trunk at a branch) was
+    # paused: the 100 s until the next one are no restart, and are left out of the wall-clock.
+    records = [("start", 0, 10, {"setup_s": 1.0}), ("train", 2, 12, {"step_s": 2.0}),
+               ("end", 2, 12.5, {"complete": False, "stopped_by": None}), ("resume", 2, 113.5, {"setup_s": 1.0}),
+               ("train", 4, 115.5, {"step_s": 2.0}), ("end", 4, 116, {"complete": True, "stopped_by": None})]
+    time_ = accounted(run_dir, records)
+    assert (time_["wall_s"], time_["paused_s"], time_["parts"]["between"], time_["goodput"]) == (7.0, 100.0, 0.0,
+                                                                                               4 / 7)
+    assert wall_line(time_) == "57.1% of 7.0 s (setup 28.6%, other 14.3%, 1.7 min paused, not counted)"
+    records[2] = ("end", 2, 12.5, {"complete": False, "stopped_by": "SIGTERM"})  # a preemption's: a restart
+    time_ = accounted(run_dir, records)
+    assert (time_["wall_s"], time_["paused_s"], time_["parts"]["between"]) == (107.0, 0.0, 100.0)
     # A run whose train records do not time their steps (written before they did) has no account.
     (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "tokens": 512, "time": 1.0}) + "\n")
     assert account(read_metrics(run_dir, superseded=True), read_metrics(run_dir)) is None

@@ -23,6 +23,10 @@ resumes from the newest checkpoint). It divides into:
   the time to notice the failure and restart (a hang's included, the scheduler's queue too);
 - other: the rest (logging, waiting for a background save to finish, ...).
 
+An invocation that ended where it was told to stop (`--stop-at-step`, as a sweep stops a shape's
+trunk at each branch and trains the other points meanwhile) was paused, not failed: the time until
+the next one is left out of the wall-clock (paused_s), as a job's time off the cluster is.
+
 The goodput is steps / wall-clock: the share of the wall-clock that advanced the run, as Google's
 ML Productivity Goodput counts it (the "productive training time" over the job's time). The
 planner's goodput counts failures and checkpoints only (Daly's first order model), so it is an
@@ -57,18 +61,25 @@ def launched(invocation: list[dict]) -> float:
     return first["time"] - (first.get("setup_s") or 0.0)
 
 
+def paused(invocation: list[dict]) -> bool:
+    """Whether the invocation ended at the step it was told to stop at (its end record neither
+    complete nor stopped by a signal): what follows, until the next one, is a pause."""
+    end = invocation[-1]
+    return end["kind"] == "end" and not end.get("complete") and end.get("stopped_by") is None
+
+
 def account(records: list[dict], kept: list[dict]) -> dict | None:
     """The wall-clock of the run whose records (superseded ones included, since its start) are
     `records`, and of which `kept` are not superseded, split into PARTS (seconds): {"wall_s",
-    "goodput", "invocations", "rewinds", "parts": {part: seconds}, "timeline": [[(time, step),
-    ...] per invocation]}. None when its train records do not time their steps (a run written
-    before step_s was recorded), or it has none."""
+    "goodput", "invocations", "rewinds", "parts": {part: seconds}, "paused_s", "timeline": [[(time,
+    step), ...] per invocation]}; the wall-clock leaves out the pauses after invocations `paused`
+    (paused_s), the timeline's times do not. None when its train records do not time their steps
+    (a run written before step_s was recorded), or it has none."""
     train = [r for r in records if r["kind"] == "train"]
     if not train or any("step_s" not in r for r in train):
         return None
     runs = invocations(records)
     start = launched(runs[0])
-    wall = max(r["time"] for r in records) - start
 
     def step_time(rows: list[dict]) -> float:  # (a checkpoint record carries the steps since the last record)
         return sum(r.get("step_s") or 0.0 for r in rows if r["kind"] in ("train", "checkpoint"))
@@ -77,12 +88,16 @@ def account(records: list[dict], kept: list[dict]) -> dict | None:
     # Between the last record of an invocation and the launch of the next (clocks of different
     # hosts may disagree by a little: never below zero), the part it went on training (to its
     # last heartbeat, which the next one's resume record carries) and the rest.
-    gaps = []
+    gaps, pauses = [], 0.0
     for before, after in zip(runs, runs[1:]):
         last = max(r["time"] for r in before)
         gap = max(0.0, launched(after) - last)
+        if paused(before):
+            pauses += gap
+            continue
         alive = min(gap, max(0.0, (after[0].get("last_alive") or last) - last))
         gaps.append((alive, gap - alive))
+    wall = max(r["time"] for r in records) - start - pauses
     parts = {
         "steps": kept_steps,
         "steps_redone": step_time(records) - kept_steps + sum(r.get("lost_s") or 0.0 for r in rewinds)
@@ -94,17 +109,20 @@ def account(records: list[dict], kept: list[dict]) -> dict | None:
     }
     parts["other"] = max(0.0, wall - sum(parts.values()))
     return {"wall_s": wall, "goodput": kept_steps / wall if wall > 0 else None, "invocations": len(runs),
-            "rewinds": len(rewinds), "parts": parts,
+            "rewinds": len(rewinds), "parts": parts, "paused_s": pauses,
             "timeline": [[(launched(run) - start, run[0]["step"])]
                          + [(r["time"] - start, r["step"]) for r in run if r["kind"] in ("start", "resume", "train", "rewind")]
                          for run in runs]}
 
 
 def wall_line(time: dict) -> str:
-    """The account in a line: the goodput, then the other parts' shares of the wall-clock."""
+    """The account in a line: the goodput, then the other parts' shares of the wall-clock (and the
+    time paused, which it leaves out)."""
     parts, wall = time["parts"], time["wall_s"]
-    rest = ", ".join(f"{PARTS[k][0]} {parts[k] / wall:.1%}" for k in PARTS if k != "steps" and parts[k] >= 0.0005 * wall)
-    return f"{time['goodput']:.1%} of {duration(wall)}" + (f" ({rest})" if rest else "")
+    rest = [f"{PARTS[k][0]} {parts[k] / wall:.1%}" for k in PARTS if k != "steps" and parts[k] >= 0.0005 * wall]
+    if time.get("paused_s"):
+        rest.append(f"{duration(time['paused_s'])} paused, not counted")
+    return f"{time['goodput']:.1%} of {duration(wall)}" + (f" ({', '.join(rest)})" if rest else "")
 
 
 def duration(seconds: float) -> str:
