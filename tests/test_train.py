@@ -1181,3 +1181,8 @@ def test_a_crashed_invocations_training_past_its_last_record_counts_as_redone_by
     assert time_["parts"]["steps_redone"] == pytest.approx(beat["time"] - last, abs=1e-6)
     assert json.loads((run_dir / "heartbeat.json").read_text())["step"] == 8
     assert sum(time_["parts"].values()) == pytest.approx(time_["wall_s"], abs=ROUNDING_S)
+    # An invocation's end beats whatever the last beat's age: its last moment alive, not a step before.
+    monkeypatch.setattr(Heartbeat, "EVERY", 3600.0)
+    train(tiny_config(stdlib_data, tmp_path / "short", "train.steps=2", "eval.interval=0"))
+    beat = json.loads((tmp_path / "short" / "heartbeat.json").read_text())
+    assert beat["step"] == 2 and beat["time"] >= max(r["time"] for r in read_metrics(tmp_path / "short", "train"))

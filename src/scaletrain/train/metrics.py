@@ -156,9 +156,11 @@ class Heartbeat:
     def __init__(self, run_dir: Path, enabled: bool = True):
         self.path, self.enabled, self.last = Path(run_dir) / self.NAME, enabled, -math.inf
 
-    def beat(self, step: int) -> None:
+    def beat(self, step: int, force: bool = False) -> None:
+        """Record `step` as finished now, unless the last beat is under EVERY seconds old (`force`:
+        whatever its age; an invocation's end, whose beat is then its last moment alive)."""
         now = time.time()
-        if self.enabled and now - self.last >= self.EVERY:
+        if self.enabled and (force or now - self.last >= self.EVERY):
             partial = self.path.with_suffix(".tmp")
             partial.write_text(json.dumps({"time": round(now, 3), "step": step}))
             os.replace(partial, self.path)  # (a crash mid-write leaves the previous beat)

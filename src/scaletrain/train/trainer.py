@@ -1508,6 +1508,7 @@ class Trainer:
                 self.stager = None
             consumption = {"tokens_by_source": self.loader.tokens_by_source(),
                            "epochs_by_source": self.loader.epochs_by_source()}
+            heartbeat.beat(self.step, force=True)
             metrics.write("end", self.step, self.tokens, train_loss=train_loss, val_loss=val_loss,
                           complete=self.step == self.total_steps,
                           stopped_by=signal.Signals(stopped_by).name if stopped_by else None, **consumption)
