@@ -678,7 +678,12 @@ def test_a_batch_ramp_trains_its_small_batches_first_and_resumes_and_rewinds_exa
     checkpoint before it and skips the 256-token batch read since."""
     common = ["train.steps=5", "eval.interval=0", "checkpoint.interval=1", "train.batch_ramp=[[256, 768]]"]
     ramp = tmp_path / "ramp"
-    train(tiny_config(stdlib_data, ramp, *common))
+    with caplog.at_level(logging.INFO, logger="scaletrain"):
+        train(tiny_config(stdlib_data, ramp, *common))
+    # The time left is said at the pace since the batch last grew (a small step costs more per
+    # token): none at step 4, the first of 512 tokens, as none at the first step.
+    lines = [r.getMessage() for r in caplog.records if " tok/s" in r.getMessage()]
+    assert [line.endswith(" left") for line in lines] == [False, True, True, False, False]
     small = tmp_path / "small"
     train(tiny_config(stdlib_data, small, "train.steps=5", "eval.interval=0", "train.global_batch_tokens=256"))
     got, reference = losses(ramp), losses(small)

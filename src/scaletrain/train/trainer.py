@@ -1366,13 +1366,13 @@ class Trainer:
             "hang", self.step, self.tokens, seconds=round(quiet, 1), rank=self.rank),
             progress=lambda: checkpoint.bytes_on_disk(self.ckpt_root))
         finished = False
-        # The tokens to this invocation's end, and (tokens, time) after its first step, which pays
-        # one-off costs, or the first since a rewind: the time left said with each logged step is
-        # at the pace of the tokens since then (a batch ramp's steps grow), evaluations and
-        # checkpoints included.
+        # The tokens to this invocation's end, and (tokens, time, batch) after its first step, which
+        # pays one-off costs, the first since a rewind, or the first of a larger batch (a batch
+        # ramp's smaller steps cost more time per token): the time left said with each logged step
+        # is at the pace of the tokens since then, evaluations and checkpoints included.
         end_tokens = cfg.tokens_before(self.total_steps if stop_at_step is None
                                        else min(stop_at_step, self.total_steps))
-        steady: tuple[int, float] | None = None
+        steady: tuple[int, float, int] | None = None
         try:
             while (self.step < self.total_steps and (stop_at_step is None or self.step < stop_at_step)
                    and stopped_by is None):
@@ -1418,8 +1418,8 @@ class Trainer:
                     continue
                 watchdog.beat()  # the first beat arms it
                 heartbeat.beat(self.step)
-                if steady is None:
-                    steady = (self.tokens, time.perf_counter())
+                if steady is None or cfg.step_batch_tokens(self.step - 1) != steady[2]:
+                    steady = (self.tokens, time.perf_counter(), cfg.step_batch_tokens(self.step - 1))
                 for spike in self.spikes:  # (those with no rewind left: the run went on)
                     metrics.write("spike", spike["step"], self.cfg.tokens_before(spike["step"]),
                                   **{k: round(v, 6) for k, v in spike.items() if k != "step"})
