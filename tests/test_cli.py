@@ -6,8 +6,10 @@ import json
 import os
 import shutil
 import subprocess
+import sysconfig
 import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 
@@ -137,6 +139,28 @@ def test_data_stats_prints_the_summary_and_writes_a_histogram(stdlib_data, tmp_p
     for words in ["train: documents / tokens", "p50", "documents read by prepare", "duplicate rate", "top 5 tokens"]:
         assert words in result.stdout, words
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_data_stats_of_an_empty_training_split_prints_the_summary_and_no_histogram(tmp_path, capsys):
+    from scaletrain.cli import main
+    from scaletrain.data import prepare
+
+    # Two files sharing 30 lines: one held out, the other then dropped for its overlap with it.
+    library = Path(sysconfig.get_paths()["stdlib"])
+    bisect = (library / "bisect.py").read_text()
+    (tmp_path / "a.py").write_text(bisect)
+    (tmp_path / "b.py").write_text((library / "colorsys.py").read_text() + "\n".join(bisect.splitlines()[:30]))
+    result = prepare([str(tmp_path / "a.py"), str(tmp_path / "b.py")], tmp_path / "data", 300, val_fraction=0.99,
+                     workers=1, keep_rejects=True)
+    assert result.stats["documents"]["train"] == 0 and result.stats["documents"]["dropped"]["val_overlap"] == 1
+    [rejected] = [json.loads(line) for f in (tmp_path / "data" / "rejects" / "val_overlap").glob("*.jsonl")
+                  for line in f.read_text().splitlines()]
+    assert rejected["source"] in ("a.py", "b.py")  # (the file it came from, as every reject says)
+    assert main(["data", "stats", str(tmp_path / "data")]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "train: documents / tokens │ 0 / 0" in printed
+    assert "histogram: none, the training split holds no documents" in printed
+    assert not (tmp_path / "data" / "lengths.png").exists()
 
 
 def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_command(tmp_path, capsys):

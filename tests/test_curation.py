@@ -165,6 +165,25 @@ def test_decontaminate_drops_training_documents_that_contain_evaluation_text(cor
     assert not (tmp_path / "refused").exists()  # (before any work)
 
 
+def test_evaluation_files_give_their_examples_whatever_their_line_endings_marks_and_format(tmp_path):
+    from scaletrain.data.prepare import _read_eval
+
+    lf = "Who wrote it?\n\nWhat is the capital of France?\n"
+    for name, content in (("lf.txt", lf.encode()), ("crlf.txt", lf.replace("\n", "\r\n").encode()),
+                          ("spaces.txt", lf.replace("\n\n", "\n  \n").encode()),
+                          ("bom.txt", b"\xef\xbb\xbf" + lf.encode())):
+        (tmp_path / name).write_bytes(content)
+        assert [e.strip() for e in _read_eval(tmp_path / name)] == ["Who wrote it?", "What is the capital of France?"]
+    records = [{"text": "a question \ud800 with a lone surrogate"},  # (JSON's escape: no UTF-8 for it)
+               {"context": "Who wrote it?", "choices": ["the author", "a bot"], "label": 0},  # eval.tasks' format
+               {"question": "Who wrote it?", "answers": ["the author"], "id": 7}]
+    (tmp_path / "eval.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in records).encode())
+    examples = _read_eval(tmp_path / "eval.jsonl")
+    assert examples == ["a question ? with a lone surrogate", "Who wrote it?", "Who wrote it?\nthe author"]
+    for example in examples:
+        example.encode("utf-8")
+
+
 def test_output_is_identical_on_one_or_two_workers(corpus, tmp_path):
     outs = []
     for workers in (1, 2):

@@ -201,6 +201,13 @@ def test_bad_jsonl_lines_are_skipped_counted_and_reported_by_file_and_line(tmp_p
     assert f"{path}:6:" in notes
 
 
+def test_a_jsonl_that_begins_with_a_byte_order_mark_loses_no_record(tmp_path):
+    (tmp_path / "bom.jsonl").write_text('{"text": "first"}\n{"text": "second"}\n', encoding="utf-8-sig")
+    result = prepare([str(tmp_path / "bom.jsonl")], tmp_path / "data", VOCAB, val_fraction=0)
+    assert decoded_documents(tmp_path / "data", "train") == ["first", "second"]
+    assert not any("not valid JSON" in warning for warning in result.warnings)
+
+
 def test_text_field_names_the_jsonl_field_and_parquet_column(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"content": "from jsonl"}) + "\n")
     pq.write_table(pa.table({"content": ["from parquet"]}), tmp_path / "b.parquet")
@@ -222,7 +229,8 @@ def test_end_of_text_written_inside_a_document_is_text_not_an_end_of_document(tm
     ("too small vocab", ["at least 257"]),
     ("unknown builtin", ["builtin:nope", "builtin:python-stdlib"]),
     ("parquet without the column", ["no column 'text'", "id, body"]),
-    ("output inside a source directory", ["inside source directory"]),
+    ("output inside a source directory", ["inside the folder that source", "read its files back"]),
+    ("output inside a glob's folder", ["inside the folder that source", "read its files back"]),
     ("max_bytes below the first document", ["no documents", "1 over_max_bytes", "larger max_bytes"]),
 ])
 def test_user_mistakes_raise_data_error_that_says_what_is_wrong(tmp_path, case, words):
@@ -240,6 +248,8 @@ def test_user_mistakes_raise_data_error_that_says_what_is_wrong(tmp_path, case, 
         "unknown builtin": lambda: prepare(["builtin:nope"], out, VOCAB),
         "parquet without the column": lambda: prepare([str(tmp_path / "no_text.parquet")], out, VOCAB),
         "output inside a source directory": lambda: prepare([str(tmp_path)], tmp_path / "data", VOCAB),
+        # (refused the first time, as a directory is: the next run's glob would read the output)
+        "output inside a glob's folder": lambda: prepare([str(tmp_path / "**")], tmp_path / "data", VOCAB),
         "max_bytes below the first document": lambda: prepare([str(tmp_path / "doc.txt")], out, VOCAB, max_bytes=10),
     }
     with pytest.raises(DataError) as error:

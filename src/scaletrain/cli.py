@@ -145,6 +145,9 @@ def cmd_data_stats(args: argparse.Namespace) -> int:
     for entry in summary["top_tokens"]:
         tokens.add_row(str(entry["id"]), repr(entry["token"]), f"{entry['share']:.2%}")
     out.print(tokens)
+    if not summary["documents"].get("train"):  # (every document held out or dropped: nothing to plot)
+        out.print("document-length histogram: none, the training split holds no documents")
+        return 0
     plot = plot_lengths(args.data_dir, plot or f"{args.data_dir.rstrip('/')}/lengths.png")
     out.print(f"document-length histogram: {plot}")
     return 0

@@ -4,7 +4,7 @@
     out/shards/, index.json   tokens of each document followed by the end-of-document id (shards.py)
     out/stats.json        documents, bytes and tokens read, kept and dropped by reason
     out/manifest.json     sources, options, content hash and the key that decides reuse; written last
-    out/rejects/REASON.jsonl  with keep_rejects: every dropped document, by reason, for a person to read
+    out/rejects/REASON/*.jsonl  with keep_rejects: every dropped document, by reason, for a person to read
 
 The passes, each over documents in the sources' order:
 0. read and hash the sources (cheap): decides whether an identical result already exists;
@@ -27,6 +27,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import re
 import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor, TimeoutError as FuturesTimeout
@@ -46,7 +47,7 @@ from .curate import REASONS as FILTER_REASONS
 from .curate import FilterConfig, curate, document_kind, load_filters
 from .dedup import DedupIndex, Decontaminator, MinHasher, exact_key
 from .shards import DataError, ShardWriter, document_offsets, read_index, write_index
-from .sources import BINARY_SNIFF_BYTES, ReadStats, list_files, read_documents
+from .sources import BINARY_SNIFF_BYTES, ReadStats, encodable, list_files, read_documents, reads_under
 from .tokenizer import check_vocab_size, eos_id, load_tokenizer, train_tokenizer
 from .tokenizer import vocab_size as tokenizer_vocab_size
 
@@ -112,7 +113,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     filters: "default", "none" (no normalisation, no filters, no deduplication) or a TOML file.
     dedup / minhash: exact and near-duplicate removal; MinHash (bands, rows, word n-gram).
     decontaminate: files of evaluation text; training documents sharing a 13-gram with them go.
-    keep_rejects: write every dropped document to out/rejects/REASON.jsonl.
+    keep_rejects: write every dropped document to out/rejects/REASON/*.jsonl.
     kind: "code" or "prose" curates every document by that kind's rules; "auto" tells each by its
         file name (a .jsonl record or .parquet row by its path or filename field; without one,
         prose): a .jsonl of source files without paths wants "code".
@@ -362,7 +363,7 @@ def _curate_one_chunk(number, chunk, pool, index: DedupIndex, settings: _Setting
                     reject.write(reason, name, text)
                     continue
                 draw = _split_draw(seed, curated)
-                kept.append((curated, draw < val_fraction, nbytes))
+                kept.append((curated, draw < val_fraction, nbytes, name))
                 kept_bytes += len(curated.encode())
                 draws.append(draw)
                 if settings.dedup:
@@ -447,14 +448,15 @@ def _split_overrides(chunks: list[dict], val_fraction: float) -> dict[tuple[int,
 def _curated_documents(work: Path, chunks: list[dict], overrides: dict, progress=None, task=None):
     """(text, is_validation) of every curated document, in order."""
     for chunk in chunks:
-        for position, (text, val, _) in enumerate(_read_pickled(work / f"curated_{chunk['number']:05d}.pkl", chunk)):
+        for position, (text, val, _, _) in enumerate(_read_pickled(work / f"curated_{chunk['number']:05d}.pkl", chunk)):
             if progress is not None:
                 _advance(progress, task, len(text.encode()))
             yield text, overrides.get((chunk["number"], position), val)
 
 
-def _read_pickled(path: Path, chunk: dict) -> Iterator[tuple[str, bool, int]]:
-    """(curated text, is validation, input bytes) of each document a finished chunk kept."""
+def _read_pickled(path: Path, chunk: dict) -> Iterator[tuple[str, bool, int, str]]:
+    """(curated text, is validation, input bytes, source file) of each document a finished chunk
+    kept (the source "" in a chunk curated by a version that did not keep it)."""
     count = 0
     with open(path, "rb") as f:
         while True:
@@ -463,7 +465,7 @@ def _read_pickled(path: Path, chunk: dict) -> Iterator[tuple[str, bool, int]]:
             except EOFError:
                 break
             count += len(batch)
-            yield from batch
+            yield from (document if len(document) == 4 else (*document, "") for document in batch)
     if count != chunk["kept"]:
         raise DataError(f"{path} holds {count} documents, its record says {chunk['kept']} (damaged by a crash?); "
                         f"delete {path.parent} and prepare again")
@@ -527,14 +529,14 @@ def _tokenize_chunk(task: tuple[int, int, dict, _TokenizeJob]) -> dict:
             batch.clear()
 
         size = 0
-        for position, (text, val, nbytes) in enumerate(_read_pickled(work / f"curated_{number:05d}.pkl",
-                                                                       {"kept": kept})):
+        for position, (text, val, nbytes, source) in enumerate(_read_pickled(work / f"curated_{number:05d}.pkl",
+                                                                               {"kept": kept})):
             val = moved.get(position, val)
             if not val and overlap is not None and overlap.contaminated(text):
                 entry = dropped.setdefault("val_overlap", [0, 0])
                 entry[0] += 1
                 entry[1] += nbytes
-                reject.write("val_overlap", "", text)
+                reject.write("val_overlap", source, text)
                 continue
             curated_bytes += len(text.encode())  # of kept documents only
             split_bytes["val" if val else "train"] += nbytes
@@ -649,7 +651,7 @@ def _release(executor: ProcessPoolExecutor) -> None:
 
 
 class _Rejects:
-    """With a rejects directory, appends each dropped document to rejects/REASON.jsonl."""
+    """With a rejects directory, appends each dropped document to rejects/REASON/TAG.jsonl."""
 
     def __init__(self, root: Path | None, number: int, suffix: str = "curate"):
         self.root, self.files = (root / "rejects") if root else None, {}
@@ -689,8 +691,10 @@ def _reason_summary(dropped: dict[str, int]) -> str:
 
 
 def _read_eval(path: str | Path) -> list[str]:
-    """The examples of an evaluation file: each record of a .jsonl (its "text", or the whole
-    record), else each paragraph. An example shorter than 13 words is matched whole (GPT-3's rule)."""
+    """The examples of an evaluation file: each record of a .jsonl (its "text"; a task's
+    "context", as eval.tasks' files hold it; else the record's strings), else each paragraph
+    (between blank lines, whatever the line endings). An example shorter than 13 words is
+    matched whole (GPT-3's rule)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"decontamination file {str(path)!r} does not exist; give files of evaluation text")
@@ -698,22 +702,35 @@ def _read_eval(path: str | Path) -> list[str]:
     if b"\0" in raw[:BINARY_SNIFF_BYTES]:  # (what the sources' reader calls binary)
         raise DataError(f"decontamination file {str(path)!r} is binary, not text; give files of evaluation text "
                         "(.jsonl records, or paragraphs)")
-    text = raw.decode("utf-8", errors="replace")
+    text = encodable(raw.decode("utf-8", errors="replace").removeprefix("\ufeff"))
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
     if path.suffix.lower() == ".jsonl":
-        examples = []
-        for line in text.splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                record = line
-            examples.append(record.get("text", line) if isinstance(record, dict) else line)
-        examples = [e if isinstance(e, str) else json.dumps(e) for e in examples if e]
+        examples = [_example(line) for line in text.splitlines() if line.strip()]
     else:
-        examples = [p for p in text.split("\n\n") if p.strip()]
+        examples = re.split(r"\n[ \t]*\n", text)
+    examples = [e for e in examples if e.strip()]
     if not examples:  # (a file given to protect nothing is a mistake worth a word)
         raise DataError(f"decontamination file {str(path)!r} holds no evaluation text; give files of evaluation text "
                         "(.jsonl records, or paragraphs)")
     return examples
+
+
+def _example(line: str) -> str:
+    """The evaluation text of one line of a .jsonl: its record's "text", or "context" (a
+    multiple-choice task's question, without its short choices, which would match documents
+    whole), or else the record's strings (not its keys, which are no evaluation text)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return line
+    if not isinstance(record, dict):
+        return line
+    for key in ("text", "context"):
+        if isinstance(record.get(key), str):
+            return encodable(record[key])
+    strings = [v for value in record.values() for v in (value if isinstance(value, list) else [value])
+               if isinstance(v, str)]
+    return encodable("\n".join(strings))
 
 
 def _check_options(vocab_size: int, max_bytes: int | None, val_fraction: float, seed: int,
@@ -741,10 +758,9 @@ def _check_out(out: Path, sources: list[str], files) -> None:
         raise DataError(f"output {str(out)!r} is a {found}; give a new directory to prepare the data into")
     resolved = out.resolve()
     for source in sources:
-        directory = Path(os.path.expanduser(source))
-        if directory.is_dir() and resolved.is_relative_to(directory.resolve()):
-            raise DataError(f"output {str(out)!r} is inside source directory {source!r}; "
-                            "prepare into a directory outside the sources")
+        if reads_under(source, out):
+            raise DataError(f"output {str(out)!r} is inside the folder that source {source!r} reads, so the "
+                            "next run would read its files back; prepare into a directory outside the sources")
     for file in files:
         if file.path.resolve().is_relative_to(resolved):
             raise DataError(f"source file {str(file.path)!r} is inside the output directory {str(out)!r}; "

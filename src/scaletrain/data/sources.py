@@ -9,6 +9,7 @@ files sorted within each source), so the same sources always give the same docum
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import json
@@ -87,6 +88,33 @@ def _expand(source: str) -> list[SourceFile]:
         return _relative_sorted(path, paths)
     raise DataError(f"source {source!r} does not exist; give an existing file or directory, "
                     "a glob such as 'data/*.txt', or builtin:python-stdlib")
+
+
+def reads_under(source: str, folder: Path) -> bool:
+    """Whether `source`, listed again, would read the files under `folder` (which need not exist
+    yet): a directory holding it, or a glob matching it or a directory holding it (which the glob
+    then reads whole: 'data/**', 'data/*')."""
+    if source.startswith("builtin:"):
+        return False
+    pattern = os.path.expanduser(source)
+    folder = folder.resolve()
+    if not any(c in pattern for c in "*?["):
+        return Path(pattern).is_dir() and folder.is_relative_to(Path(pattern).resolve())
+    root = _glob_root(pattern).resolve()
+    if not folder.is_relative_to(root):
+        return False
+    wildcards = Path(pattern).parts[len(_glob_root(pattern).parts):]
+    parts = folder.relative_to(root).parts
+    return any(_matches(wildcards, parts[:depth]) for depth in range(1, len(parts) + 1))
+
+
+def _matches(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
+    """Whether path components `parts` match glob components `pattern` (** any number of them)."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_matches(pattern[1:], parts[skip:]) for skip in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _matches(pattern[1:], parts[1:])
 
 
 def _walk(root: Path) -> list[Path]:
@@ -185,11 +213,8 @@ def read_documents(files: list[SourceFile], text_field: str, max_bytes: int | No
     for file in files:
         stats.files_read += 1
         for text, name in _documents_of(file, text_field, stats):
-            try:
-                nbytes = len(text.encode("utf-8"))
-            except UnicodeEncodeError:  # lone surrogates, which JSON's \ud800 escapes can carry
-                text = text.encode("utf-8", errors="replace").decode("utf-8")
-                nbytes = len(text.encode("utf-8"))
+            text = encodable(text)
+            nbytes = len(text.encode("utf-8"))
             if not text.strip():
                 stats.drop("empty", nbytes)
             elif max_bytes is not None and stats.bytes["kept"] + nbytes > max_bytes:
@@ -200,6 +225,16 @@ def read_documents(files: list[SourceFile], text_field: str, max_bytes: int | No
                 yield text, nbytes, name
         if on_file is not None:
             on_file()
+
+
+def encodable(text: str) -> str:
+    """text with lone surrogates (which JSON's \\ud800 escapes can carry, and UTF-8 cannot
+    encode) replaced by '?'; other text unchanged."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", errors="replace").decode("utf-8")
 
 
 # A record's own file name, where a .jsonl or .parquet of many files carries one (The Stack's
@@ -256,6 +291,8 @@ def _read_jsonl(file: SourceFile, text_field: str, stats: ReadStats) -> Iterator
     with open(file.path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             line, not_utf8 = _decode(raw, file, stats, not_utf8)
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")  # (a byte-order mark, which some editors write)
             if not line.strip():
                 continue  # a blank line holds no record; it is neither a document nor an error
             try:
