@@ -179,6 +179,10 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0  # valid shell
     # Slurm opens its log before the script runs, so not in the run directory the script makes.
     assert "#SBATCH --output=slurm-llama-1b-%j.out" in text
+    # In the directory launch ran in, wherever the script is submitted from (the config's paths
+    # are relative to it), with a rendezvous port of the job's own (another job may share a node).
+    assert f"#SBATCH --chdir={ROOT}" in text
+    assert "port=$((20000 + SLURM_JOB_ID % 20000))" in text and '--rdzv-endpoint="$head":"$port"' in text
 
     result = run_cli("launch", "k8s", "configs/llama-1b.toml", "--nodes", "2", "--gpus-per-node", "8",
                      "--image", "registry.example/scaletrain:1", "--grace", "600")
@@ -193,7 +197,11 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
                                         "--max-restarts=3"]
     assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 600
     assert {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "590"} in container["env"]
-    assert "volumes" not in job["spec"]["template"]["spec"] and "are lost with it" in " ".join(result.stderr.split())
+    # /dev/shm in memory (NCCL's shared-memory transport outgrows a container's 64 MiB)
+    shm = {"name": "shm", "emptyDir": {"medium": "Memory"}}
+    assert job["spec"]["template"]["spec"]["volumes"] == [shm]
+    assert container["volumeMounts"] == [{"name": "shm", "mountPath": "/dev/shm"}] and "workingDir" not in container
+    assert "are lost with it" in " ".join(result.stderr.split())
     assert job["spec"]["backoffLimit"] == 0  # (a replaced pod would have none of the run's checkpoints)
     # A shared claim: every pod works in it, so the config's data and runs/ outlive the pods.
     result = run_cli("launch", "k8s", "configs/llama-1b.toml", "--nodes", "2", "--gpus-per-node", "8",
@@ -207,9 +215,10 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
     assert {"action": "FailJob", "onExitCodes": {"containerName": "train", "operator": "In", "values": [2]}} \
         in job["spec"]["podFailurePolicy"]["rules"]
     pod = job["spec"]["template"]["spec"]
-    assert pod["volumes"] == [{"name": "work", "persistentVolumeClaim": {"claimName": "train-work"}}]
+    assert pod["volumes"] == [shm, {"name": "work", "persistentVolumeClaim": {"claimName": "train-work"}}]
     assert pod["containers"][0]["workingDir"] == "/mnt/work"
-    assert pod["containers"][0]["volumeMounts"] == [{"name": "work", "mountPath": "/mnt/work"}]
+    assert pod["containers"][0]["volumeMounts"] == [{"name": "shm", "mountPath": "/dev/shm"},
+                                                    {"name": "work", "mountPath": "/mnt/work"}]
     from scaletrain.cli import main
 
     for bad in ("", ":/mnt", "claim:relative", "Bad_Claim:/w", "c:/w:/x"):  # (what Kubernetes would refuse)

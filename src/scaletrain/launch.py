@@ -17,6 +17,7 @@ after one fails or hangs (train/resilience.py's watchdog ends a hung one), and t
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 
@@ -25,7 +26,11 @@ from scaletrain.parallel.layout import check_layout as check_mesh
 from scaletrain.parallel.layout import resolve_layout
 from scaletrain.torchrun import END_STEP_ON_REFUSAL
 
-RDZV_PORT = 29500
+RDZV_PORT = 29500  # (Kubernetes: a pod has its own network namespace)
+# Slurm: the rendezvous port of a job is its own, RDZV_PORT_BASE plus its id modulo RDZV_PORTS, so
+# that two jobs whose first node is the same do not meet at one store (the second's torchrun would
+# join the first's, and die with it).
+RDZV_PORT_BASE, RDZV_PORTS = 20000, 20000
 # Seconds between SIGTERM and the kill: the step or two the ranks take to agree, and a checkpoint.
 GRACE_S = 180
 # Times torchrun starts every worker again after one fails or hangs (train/resilience.py's
@@ -66,16 +71,18 @@ def _check_restarts(max_restarts: int) -> None:
 
 def slurm_script(cfg: RunConfig, config: str, overrides: list[str], nodes: int, gpus_per_node: int,
                  cpus_per_gpu: int = 8, grace_s: int = GRACE_S, max_restarts: int = MAX_RESTARTS) -> str:
-    """An sbatch script: one task per node, each running torchrun over that node's GPUs."""
+    """An sbatch script: one task per node, each running torchrun over that node's GPUs, in the
+    directory this runs in (where the config's relative paths lie), wherever it is submitted from."""
     check_layout(cfg, nodes, gpus_per_node)
     _check_restarts(max_restarts)
     torchrun = [*TORCHRUN, f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", f"--max-restarts={max_restarts}",
                 "--rdzv-backend=c10d",
-                f'--rdzv-endpoint="$head":{RDZV_PORT}', '--rdzv-id="$SLURM_JOB_ID"',
+                '--rdzv-endpoint="$head":"$port"', '--rdzv-id="$SLURM_JOB_ID"',
                 *(shlex.quote(a) for a in _train_args(config, overrides))]
     return "\n".join([
         "#!/bin/bash",
         f"#SBATCH --job-name={cfg.run.name}",
+        f"#SBATCH --chdir={shlex.quote(os.getcwd())}",
         f"#SBATCH --nodes={nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --gpus-per-node={gpus_per_node}",
@@ -88,6 +95,8 @@ def slurm_script(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
         "set -euo pipefail",
         "# The first node hosts the rendezvous; every node runs torchrun once.",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "# On a port of the job's own: another job's torchrun may host its store on the same node.",
+        f"port=$(({RDZV_PORT_BASE} + SLURM_JOB_ID % {RDZV_PORTS}))",
         f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={_shutdown_timeout(grace_s)}",
         "# A node whose processes refuse the run's input (a path missing on that node, say) ends the",
         "# step on every node, whose processes would wait on it until their timeouts: the job fails.",
@@ -158,10 +167,14 @@ def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
                         "env": [{"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(_shutdown_timeout(grace_s))}],
                         "resources": {"limits": {"nvidia.com/gpu": gpus_per_node}},
                         "ports": [{"containerPort": RDZV_PORT}],
-                        **({"workingDir": mount, "volumeMounts": [{"name": "work", "mountPath": mount}]}
-                           if claim else {}),
+                        # /dev/shm in memory, not the container's 64 MiB: NCCL's shared-memory
+                        # transport (GPUs without peer-to-peer access) fails to start in that.
+                        "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"},
+                                         *([{"name": "work", "mountPath": mount}] if claim else [])],
+                        **({"workingDir": mount} if claim else {}),
                     }],
-                    **({"volumes": [{"name": "work", "persistentVolumeClaim": {"claimName": claim}}]} if claim else {}),
+                    "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory"}},
+                                *([{"name": "work", "persistentVolumeClaim": {"claimName": claim}}] if claim else [])],
                 },
             },
         },
