@@ -39,11 +39,11 @@ def records(run_dir, kind):
     return {r["step"]: r["loss"] for r in read_metrics(run_dir, kind)}
 
 
-def launch(stdlib_data, run_dir, nproc: int, *overrides: str):
+def launch(stdlib_data, run_dir, nproc: int, *overrides: str) -> subprocess.CompletedProcess:
     """`scaletrain train configs/tiny.toml --nproc N` as a user runs it (torchrun, gloo)."""
     args = ["train", "configs/tiny.toml", f"data.path={stdlib_data}", f"run.dir={run_dir.parent}",
             f"run.name={run_dir.name}", *STEPS, *overrides, f"--nproc={nproc}"]
-    run_with_retry(lambda: run_cli(*args, timeout=240), "a launch")
+    return run_with_retry(lambda: run_cli(*args, timeout=240), "a launch")
 
 
 def launch_layouts(stdlib_data, root, nproc: int, runs: list[tuple], placeholders: dict | None = None):
@@ -507,7 +507,10 @@ def test_a_stop_signal_stops_every_rank_after_the_same_step_and_the_cli_resumes_
     assert f"stopped by SIGTERM after step {stop} with a checkpoint" in stdout + stderr
     assert max(records(run_dir, "train")) == stop
     assert read_metrics(run_dir, "end")[-1]["stopped_by"] == "SIGTERM"
-    launch(stdlib_data, run_dir, 2, *LONG, "parallel.dp_shard=2", f"--stop-at-step={LONG_END}")
+    # (keeping one more checkpoint: a change every rank finds, and only rank 0 says)
+    resumed = launch(stdlib_data, run_dir, 2, *LONG, "parallel.dp_shard=2", "checkpoint.keep=3",
+                     f"--stop-at-step={LONG_END}")
+    assert (resumed.stdout + resumed.stderr).count("with changed settings: checkpoint.keep 2 -> 3") == 1
     assert [r["step"] for r in read_metrics(run_dir, "resume")] == [stop]
     assert_parity(run_dir, reference_long)
 
@@ -783,7 +786,10 @@ def _slurm_job(tmp_path: Path, nodes: int, *overrides: str) -> tuple[Path, dict]
     result = run_cli("launch", "slurm", str(ROOT / "configs" / "tiny.toml"), *overrides,
                      f"run.dir={tmp_path / 'runs'}", "--nodes", str(nodes), "--gpus-per-node", "1", "--out", str(script))
     assert result.returncode == 0, result.stderr
-    script.write_text(script.read_text().replace(":29500", f":{_free_port()}"))
+    from scaletrain.launch import RDZV_PORT_BASE, RDZV_PORTS
+
+    script.write_text(script.read_text().replace(f"port=$(({RDZV_PORT_BASE} + SLURM_JOB_ID % {RDZV_PORTS}))",
+                                                 f"port={_free_port()}"))
     env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "7",
            "SLURM_JOB_NODELIST": f"node[0-{nodes - 1}]", "SLURM_NNODES": str(nodes),
            "SLURM_TASKS_FILE": str(tmp_path / "tasks")}

@@ -229,10 +229,12 @@ class Trainer:
         """launched: when this process started (unix seconds; default now), from which the start
         or resume record counts its setup_s."""
         self.launched = time.time() if launched is None else launched
-        self.cfg = cfg = resolve(cfg)
-        _check_trackers(cfg)
         self.rank, local_rank, world_size = world()
         self.is_main = self.rank == 0
+        if not self.is_main:  # one console for people: rank 0's (with every rank's errors)
+            log.setLevel(logging.ERROR)
+        self.cfg = cfg = resolve(cfg)
+        _check_trackers(cfg)
         # The layout is checked before any process group starts.
         self.layout = resolve_layout(cfg.parallel, world_size)
         check_layout(self.layout, cfg)
@@ -256,8 +258,6 @@ class Trainer:
         self.tasks = self._load_tasks()  # a task file that cannot be read is refused before anything starts
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # mem_gb is this run's peak, not the process's
-        if not self.is_main:
-            log.setLevel(logging.WARNING)  # one console for people: rank 0's
         self.mesh = init_distributed(self.device, self.layout, collective_timeout(cfg.train.hang_timeout_s))
 
         torch.manual_seed(cfg.run.seed)  # every rank builds the same full model, then keeps its shard
