@@ -71,7 +71,7 @@ def _expand(source: str) -> list[SourceFile]:
         root, paths = BUILTINS[name]()
         return _relative_sorted(root, paths)
     pattern = os.path.expanduser(source)
-    if any(c in pattern for c in "*?["):
+    if _is_glob(pattern):
         matches = [Path(m) for m in glob.glob(pattern, recursive=True)]
         # A set: 'data/**' matches data/, its subdirectories and its files, each file many times over.
         paths = {p for m in matches for p in ([m] if m.is_file() else _walk(m) if m.is_dir() else [])}
@@ -98,14 +98,18 @@ def reads_under(source: str, folder: Path) -> bool:
         return False
     pattern = os.path.expanduser(source)
     folder = folder.resolve()
-    if not any(c in pattern for c in "*?["):
+    if not _is_glob(pattern):
         return Path(pattern).is_dir() and folder.is_relative_to(Path(pattern).resolve())
-    root = _glob_root(pattern).resolve()
-    if not folder.is_relative_to(root):
+    root = _glob_root(pattern)
+    if not folder.is_relative_to(root.resolve()):
         return False
-    wildcards = Path(pattern).parts[len(_glob_root(pattern).parts):]
-    parts = folder.relative_to(root).parts
+    wildcards = Path(pattern).parts[len(root.parts):]
+    parts = folder.relative_to(root.resolve()).parts
     return any(_matches(wildcards, parts[:depth]) for depth in range(1, len(parts) + 1))
+
+
+def _is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
 
 
 def _matches(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
@@ -130,7 +134,7 @@ def _glob_root(pattern: str) -> Path:
     """The directory part of a glob before its first wildcard: what matched paths are named relative to."""
     parts = []
     for part in Path(pattern).parts[:-1]:
-        if any(c in part for c in "*?["):
+        if _is_glob(part):
             break
         parts.append(part)
     return Path(*parts) if parts else Path(".")

@@ -1418,8 +1418,9 @@ class Trainer:
                     continue
                 watchdog.beat()  # the first beat arms it
                 heartbeat.beat(self.step)
-                if steady is None or cfg.step_batch_tokens(self.step - 1) != steady[2]:
-                    steady = (self.tokens, time.perf_counter(), cfg.step_batch_tokens(self.step - 1))
+                batch_now = cfg.step_batch_tokens(self.step - 1)
+                if steady is None or batch_now != steady[2]:
+                    steady = (self.tokens, time.perf_counter(), batch_now)
                 for spike in self.spikes:  # (those with no rewind left: the run went on)
                     metrics.write("spike", spike["step"], self.cfg.tokens_before(spike["step"]),
                                   **{k: round(v, 6) for k, v in spike.items() if k != "step"})
