@@ -9,13 +9,14 @@ import math
 import time
 import tomllib
 
+import numpy as np
 import pytest
 
 from scaletrain.cli import main
 from scaletrain.config import ConfigError, ModelConfig, load_config
 from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.parallel.layout import V_SHAPED, check_layout, resolve_layout
-from scaletrain.plan.cost import Reliability, checkpoint_interval, goodput, run_cost
+from scaletrain.plan.cost import Reliability, checkpoint_interval, expected_wall_s, run_cost
 from scaletrain.plan.hardware import DEVICES, device, device_from_dict
 from scaletrain.plan.planner import Hardware, make_plan, model_for, plan_for_time, planned_config, size
 from scaletrain.plan.memory import in_flight_microbatches, last_rank_microbatches, rank_memory, training_memory
@@ -363,9 +364,57 @@ def test_a_batch_ramp_is_timed_stretch_by_stretch_and_its_batches_split_over_the
                   base=load_config(config, ["train.batch_ramp=[[16384, 2000000000]]"]))
 
 
-def test_young_interval_and_first_order_goodput():
-    assert checkpoint_interval(2.0, 3600.0) == pytest.approx(math.sqrt(2 * 2 * 3600))
-    assert goodput(2.0, 120.0, 3600.0, 600.0) == pytest.approx(1 - 2 / 120 - (600 + 60) / 3600)
+def _simulated_wall_s(segments: list[float], mtbf_s: float, restart_s: float, runs: int, seed: int) -> float:
+    """The mean wall-clock of `runs` jobs that each need `segments` seconds without a failure in
+    turn (steps then the save that ends them), failures arriving as a Poisson process of mean gap
+    `mtbf_s` and each costing `restart_s` (itself struck by failures too): plan/cost.py's model,
+    simulated."""
+    rng = np.random.default_rng(seed)
+    wall = np.zeros(runs)
+    for need in segments:
+        pending = np.ones(runs, dtype=bool)  # jobs still trying to get through this segment
+        restarting = np.zeros(runs, dtype=bool)
+        while pending.any():
+            gap = rng.exponential(mtbf_s, runs)
+            want = np.where(restarting, restart_s, need)
+            wall += np.where(pending, np.minimum(gap, want), 0.0)
+            done = pending & (gap >= want)
+            pending &= ~(done & ~restarting)  # got through the segment
+            restarting = np.where(pending & done, False, restarting)  # a restart went through: try again
+            restarting = np.where(pending & ~done, True, restarting)  # struck: restart (again)
+    return float(wall.mean())
+
+
+def test_daly_interval_and_the_expected_wall_clock_of_segments_under_failures():
+    # The interval: Young's sqrt(2 δ M) to first order, Daly's correction above it, M past δ = 2M.
+    assert checkpoint_interval(2.0, 3600.0) == pytest.approx(math.sqrt(2 * 2 * 3600), rel=0.02)
+    x = 2.0 / 7200
+    assert checkpoint_interval(2.0, 3600.0) == pytest.approx(120 * (1 + math.sqrt(x) / 3 + x / 9) - 2)
+    assert checkpoint_interval(900.0, 400.0) == 400.0
+    # Daly's own examples (his figures 3-5): δ = 5 minutes at M = 24 h, 6 h and 15 minutes.
+    assert [round(checkpoint_interval(5.0, m), 1) for m in (24 * 60, 6 * 60, 15)] == [116.7, 56.7, 9.1]
+    # The expected wall-clock against a simulation of the same failures (restarts struck too)...
+    for needed, interval, block, final, mtbf, restart in ((1000.0, 300.0, 20.0, 50.0, 800.0, 200.0),
+                                                         (100.0, 400.0, 5.0, 30.0, 300.0, 500.0)):
+        full, last = divmod(needed, interval)
+        segments = [interval + block] * int(full) + [last + final]
+        simulated = _simulated_wall_s(segments, mtbf, restart, 200_000, seed=0)
+        assert expected_wall_s(needed, interval, block, final, mtbf, restart) == pytest.approx(simulated, rel=0.02)
+    # ... which is the first-order goodput 1 - δ/τ - (R + τ/2)/M where all are small beside M,
+    wall = expected_wall_s(1e6, 100.0, 1.0, 1.0, 1e5, 60.0)
+    assert 1e6 / wall == pytest.approx(1 - 1 / 100 - (60 + 50) / 1e5, abs=2e-4)
+    # the run itself and its saves where nothing fails,
+    assert expected_wall_s(1000.0, 300.0, 2.0, 7.0, math.inf, 600.0) == 1000 + 3 * 2 + 7
+    # but not for a run much shorter than the MTBF with long restarts: its one segment fails with
+    # probability 1 - exp(-T/M) and each failure costs a restart and the segment again, where the
+    # first order charged R/M and τ/2M of every second (26 s for 14.5 s on 131,072 devices).
+    mtbf, needed = 3600 / (Reliability().failures_per_device_hour * 131072), 14.5
+    short = expected_wall_s(needed, 1e9, 0.1, 0.5, mtbf, 600.0)
+    assert short == pytest.approx(mtbf * math.exp(600 / mtbf) * math.expm1(15 / mtbf))
+    assert 15 < short < 24 < needed / (1 - (600 + needed / 2) / mtbf)
+    # Restarts as long as the MTBF are slow, not impossible (the first order put them below zero).
+    assert 0 < 1000 / expected_wall_s(1000.0, 60.0, 1.0, 1.0, 600.0, 600.0) < 0.4
+
     rel = Reliability(failures_per_device_hour=1e-4, restart_s=600, host_copy_bandwidth=10e9)
     cost = run_cost(1000, 10.0, 1024, 128, 20e9, 20e9 * 1024, 700, rel)
     mtbf = 3600 / (1e-4 * 1024)
@@ -374,15 +423,26 @@ def test_young_interval_and_first_order_goodput():
     assert cost.checkpoint_write_s == pytest.approx(20e9 * 1024 / 100e9)  # the filesystem's 100 GB/s binds
     assert cost.checkpoint_interval_s >= cost.checkpoint_write_s
     assert cost.wall_hours == pytest.approx(1000 * 10 / 3600 / cost.goodput)
+    assert cost.wall_hours * 3600 == pytest.approx(expected_wall_s(1e4, cost.checkpoint_interval_s, 2.0,
+                                                                   cost.checkpoint_write_s, mtbf, 600))
     assert cost.expected_failures == pytest.approx(cost.wall_hours * 1024 * 1e-4)
+    spared = expected_wall_s(1e4, cost.checkpoint_interval_s, 2.0, cost.checkpoint_write_s, math.inf, 600)
+    assert cost.lost_to_failures == pytest.approx(1 - spared / (cost.wall_hours * 3600)) and cost.lost_to_failures > 0
     assert cost.energy_kwh == pytest.approx(cost.device_hours * 700 * 1.2 / 1000)
+    # The interval is Daly's in whole steps, the better of the two around it.
+    quick = run_cost(10**5, 1.0, 1024, 128, 20e9, 1e9, 700, rel)
+    best = checkpoint_interval(2.0, mtbf)
+    assert quick.checkpoint_interval_steps in (math.floor(best), math.ceil(best))
+    assert quick.wall_hours * 3600 == pytest.approx(min(expected_wall_s(1e5, steps, 2.0, 0.01, mtbf, 600)
+                                                        for steps in (math.floor(best), math.ceil(best))))
     # More devices fail more often and checkpoint more often (while writes are quick)...
     small, bigger = (run_cost(1000, 10.0, n, n // 8, 20e9, 1e9, 700, rel) for n in (1024, 8192))
     assert bigger.goodput < small.goodput and bigger.checkpoint_interval_steps < small.checkpoint_interval_steps
-    # With no failures only the checkpoints' blocking costs: hourly checkpoints.
+    # With no failures only the checkpoints' blocking costs: hourly checkpoints, the last written out.
     never = run_cost(1000, 10.0, 64, 8, 20e9, 1e9, 700, Reliability(failures_per_device_hour=0))
-    assert never.mtbf_hours is None and never.expected_failures == 0 and never.checkpoint_interval_s == 3600
-    assert never.goodput == pytest.approx(1 - never.checkpoint_block_s / 3600)
+    assert never.mtbf_hours is None and never.expected_failures == never.lost_to_failures == 0
+    assert never.checkpoint_interval_s == 3600
+    assert never.wall_hours * 3600 == pytest.approx(1e4 + 2 * never.checkpoint_block_s + never.checkpoint_write_s)
     # ...but never more often than a checkpoint takes to write.
     slow = run_cost(1000, 10.0, 8192, 1024, 20e9, 20e9 * 8192, 700, rel)
     assert slow.checkpoint_interval_s >= slow.checkpoint_write_s > checkpoint_interval(2.0, 3600 / (1e-4 * 8192))
@@ -459,7 +519,7 @@ def test_the_cli_prints_the_plan_for_people_and_writes_its_config(tmp_path, caps
     assert main(["plan", str(config), "--gpus", "16", "--write-config", str(tmp_path / "run-16.toml")]) == 0
     assert load_config(tmp_path / "run-16.toml").run.name == "run-16"
     capsys.readouterr()
-    # A fixed interval the config sets is replaced by Young's for the plan's batch and step time, and said so.
+    # A fixed interval the config sets is replaced by Daly's for the plan's batch and step time, and said so.
     assert main(["plan", str(config), "checkpoint.interval=200", "--gpus", "16", "--write-config",
                  str(tmp_path / "fixed.toml")]) == 0
     said = " ".join(capsys.readouterr().err.split())
@@ -539,6 +599,10 @@ def test_plan_refuses_bad_input_in_one_sentence(tmp_path, capsys):
         # A budget below the smallest model: refused, not planned at a thousand times its FLOPs.
         (["plan", "--compute", "1e9"], "--compute 1e+09 FLOPs is too little for the smallest model"),
         (["plan", "--compute", "1e3"], "--compute 1e+03 FLOPs is too little for the smallest model"),
+        # Restarts of an hour on devices that fail every 7.5 minutes: refused, not planned at 3,000x the time.
+        (["plan", "--compute", "1e21", "--failure-rate", "1", "--restart-minutes", "60"],
+         "8 devices fail every 8 minutes at the assumed rate, too often for restarts of 3600 s: the run would "
+         "spend 100% of its wall-clock restarting"),
         # A file where a file cannot be written: the path in a sentence, not a traceback.
         (["plan", "--compute", "1e21", "--write-config", str(tmp_path)], f"{str(tmp_path)!r} is a directory"),
         # A law whose N_opt grows as C^0.9 (a tiny sweep's) asks for a trillion parameters on a few tokens: not

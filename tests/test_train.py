@@ -174,9 +174,9 @@ def test_checkpoints_are_committed_pointed_to_and_pruned(stdlib_data, tmp_path):
         assert [p.name for p in checkpoint.all_checkpoints(stopped / "checkpoints")] == names, keep
 
 
-def test_an_automatic_interval_is_youngs_from_what_the_run_measures(stdlib_data, tmp_path):
+def test_an_automatic_interval_is_dalys_from_what_the_run_measures(stdlib_data, tmp_path):
     """checkpoint.interval = "auto": the first save after a tenth of the run, then each after the
-    steps that sqrt(2 x blocking x MTBF) (no less than the blocking) takes at the measured step
+    steps that Daly's interval (no less than the blocking) takes at the measured step
     time, and at every multiple of keep_every; a resumed run measures again from its first save."""
     common = ["train.steps=60", "checkpoint.interval=auto", "checkpoint.failures_per_device_hour=20000",
               "checkpoint.keep_every=25", "checkpoint.keep=100", "eval.interval=0", "log.interval=5"]
@@ -187,13 +187,15 @@ def test_an_automatic_interval_is_youngs_from_what_the_run_measures(stdlib_data,
     mtbf = 3600 / 20000
     for record, after in zip(records, records[1:]):  # (a keep_every save comes between, and schedules anew)
         assert after["step"] == min(record["step"] + record["interval_steps"], 25 * (record["step"] // 25 + 1), 60)
-        young = max(math.sqrt(2 * record["measured_blocking_s"] * mtbf), record["measured_blocking_s"])
+        blocking, x = record["measured_blocking_s"], record["measured_blocking_s"] / (2 * mtbf)
+        daly = math.sqrt(2 * blocking * mtbf) * (1 + math.sqrt(x) / 3 + x / 9) - blocking if x < 1 else mtbf
+        daly = max(daly, blocking)
         if after is not records[-1]:
             assert record["mtbf_s"] == mtbf and record["measured_blocking_s"] == pytest.approx(record["blocking_s"],
                                                                                                abs=1e-4)
-            assert record["interval_steps"] == math.ceil(young / record["measured_step_s"])
+            assert record["interval_steps"] == math.ceil(daly / record["measured_step_s"])
     assert {25, 50} <= {r["step"] for r in records}
-    # (At the default failure rate this run would save at step 6 and at the end; here Young's interval is
+    # (At the default failure rate this run would save at step 6 and at the end; here Daly's interval is
     # a few steps, unless a save blocks on this machine for as long as ten steps or more.)
     assert len(records) > 4 or min(r["interval_steps"] for r in records[:-1]) >= 10
     split = tmp_path / "split"

@@ -455,7 +455,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             every = (f"about every {run['checkpoint_interval_steps']:,} steps" if run["checkpoint_interval_steps"]
                      < run["steps"] else f"only at the end of the {run['steps']:,} steps")
             mine = f"every {interval:,} steps" if interval else "only at the end"
-            console.print(f"[yellow]warning:[/] the written config saves at checkpoint.interval = \"auto\" (Young's "
+            console.print(f"[yellow]warning:[/] the written config saves at checkpoint.interval = \"auto\" (Daly's "
                           f"optimum: {every} at the predicted {run['step_s']:.3g} s a step on these devices and their "
                           f"failure rate), not {mine} as the config did; set a fixed interval again in the written file "
                           "where you want one (a rewind across a stop matches an uninterrupted run only with a fixed "

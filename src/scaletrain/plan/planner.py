@@ -38,6 +38,7 @@ from scaletrain.scaling.hparams import DEEPSEEK, HyperparameterLaw
 from scaletrain.scaling.laws import ChinchillaLaw
 
 ASPECT = 128  # width / depth
+MAX_LOST_TO_FAILURES = 0.9  # a plan that would lose more of its wall-clock to failures is refused
 
 
 def model_for(n: float, vocab: int, seq_len: int) -> ModelConfig:
@@ -239,10 +240,11 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
     cost = run_cost(steps, train_s / steps, hardware.count, hardware.nodes, state,
                     state * hardware.count / best.layout.dp_replicate, hardware.device.watts, hardware.reliability,
                     hardware.prices)
-    if cost.goodput <= 0:
+    if cost.lost_to_failures > MAX_LOST_TO_FAILURES:
         raise PlanError(f"{hardware.count} devices fail every {cost.mtbf_hours * 60:.0f} minutes at the assumed rate, "
-                        f"too often to make progress between restarts of {hardware.reliability.restart_s:.0f} s; "
-                        "plan fewer devices or a lower failure rate")
+                        f"too often for restarts of {hardware.reliability.restart_s:.0f} s: the run would spend "
+                        f"{cost.lost_to_failures:.0%} of its wall-clock restarting and redoing steps; plan fewer devices, "
+                        "a lower failure rate or quicker restarts")
     counts = param_counts(model)
     plan = {
         "model": {"dim": model.dim, "n_layers": model.n_layers, "n_heads": model.n_heads, "n_kv_heads": model.kv_heads,
@@ -397,7 +399,7 @@ def planned_config(plan: dict, hardware: Hardware, base: RunConfig | None = None
     if lay["pp"] == 1:
         data["parallel"].pop("pp_stages_per_rank", None)
         data["parallel"]["pp_schedule"] = "1f1b"
-    # The interval the plan predicts is Young's from its predicted save and step; the run takes it
+    # The interval the plan predicts is Daly's from its predicted save and step; the run takes it
     # from what it measures instead, at the plan's failure rate.
     data["checkpoint"] = {**data.get("checkpoint", {}), "interval": "auto",
                           "failures_per_device_hour": hardware.reliability.failures_per_device_hour,

@@ -29,7 +29,7 @@ the next one is left out of the wall-clock (paused_s), as a job's time off the c
 
 The goodput is steps / wall-clock: the share of the wall-clock that advanced the run, as Google's
 ML Productivity Goodput counts it (the "productive training time" over the job's time). The
-planner's goodput counts failures and checkpoints only (Daly's first order model), so it is an
+planner's goodput counts failures and checkpoints only (Daly's model: plan/cost.py), so it is an
 upper bound of the measured one, which also pays for evaluation and setup. Pure arithmetic.
 """
 

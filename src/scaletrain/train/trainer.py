@@ -1266,8 +1266,8 @@ class Trainer:
         return step == self.next_save or bool(keep_every) and step % keep_every == 0
 
     def _auto_interval(self, blocking_s: float, step_s: float) -> dict:
-        """checkpoint.interval = "auto": the steps to the next checkpoint, Young's interval
-        sqrt(2 x blocking x MTBF) (plan/cost.py) — never below the save's own blocking — over the
+        """checkpoint.interval = "auto": the steps to the next checkpoint, Daly's interval (about
+        sqrt(2 x blocking x MTBF); plan/cost.py) — never below the save's own blocking — over the
         seconds a step takes, from the largest blocking and step time over the ranks (so that
         every rank chooses the same step); what the checkpoint record keeps of it."""
         measured = torch.tensor([blocking_s, step_s], dtype=torch.float64, device=self.device)
