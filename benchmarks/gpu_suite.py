@@ -16,7 +16,11 @@ GPU wait for the host after each one; the ablation "loss read every step" measur
 costs): tokens/s is the global batch over the median step time of the timed logging windows
 (after `--warmup` steps, which include compilation; `mean_tokens_per_s` is all their tokens
 over all their time); MFU both ways (attention over the whole score matrix as nanoGPT and PaLM
-count it, and causal: half of that term); `cold_start_s`, the time from the call to train to the
+count it, and causal: half of that term) with N the weights a token multiplies through
+(model/flops.py: the embedding, a lookup, left out), and `mfu_6n` as issue 6's table counts it,
+6 N + 12 L d T with N every parameter (an untied embedding included: 15% more FLOPs at
+llama-126m, 5% at llama-1.1b, none at the tied gpt2-124m), which its goals are set in;
+`cold_start_s`, the time from the call to train to the
 host's end of its first step (config, model build, compilation, first batch; the ablations reuse
 llama-126m's compiled blocks where their graphs are the same); peak memory; data wait as a
 share of the step; the blocking time of the background checkpoints; and beside the peak, the
@@ -41,7 +45,8 @@ import torch
 from plain_loops import baselines
 from scaletrain.config import load_config
 from scaletrain.data import prepare
-from scaletrain.plan.hardware import device
+from scaletrain.model.flops import param_counts
+from scaletrain.plan.hardware import device, peak_flops
 from scaletrain.plan.memory import training_memory
 from scaletrain.plan.timing import PlanLayout, step_time
 from scaletrain.train.float8 import check_float8
@@ -69,6 +74,25 @@ TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads
         "data.seq_len=64", "train.micro_batch=4", "train.device=cpu", "train.compile=false"]
 # What every timed run uses unless an ablation says otherwise: the means that should pay.
 BEST = ["train.compile=true", "train.loss_chunk_tokens=8192", "checkpoint.async_save=true"]
+
+
+def shape_of(name: str, tiny: bool) -> list[str]:
+    """The named config's overrides; with --tiny, less its MLP width (TINY, given after the rest,
+    sets the others)."""
+    return [o for o in CONFIGS[name][0] if not (tiny and o.startswith("model.ffn_dim="))]
+
+
+def issue_mfu(name: str, tokens_per_s: float, device_name: str) -> float | None:
+    """MFU as issue 6's table counts it: tokens/s x (6 N + 12 L d T) over the device's dense bf16
+    peak, N every parameter of the named config (None for a device of no known peak)."""
+    peak = peak_flops(device_name, "bf16")
+    if peak is None:
+        return None
+    given = dict(o.split("=", 1) for o in CONFIGS[name][0])
+    seq = int(given["data.seq_len"])
+    model = load_config(None, [*CONFIGS[name][0], f"model.max_seq_len={seq}", "train.steps=1",
+                               f"train.global_batch_tokens={seq * int(given['train.micro_batch'])}"]).model
+    return round(tokens_per_s * (6 * param_counts(model)["total"] + 12 * model.n_layers * model.dim * seq) / peak, 4)
 
 
 def measure(data: Path, runs: Path, name: str, overrides: list[str], steps: int, warmup: int,
@@ -113,6 +137,8 @@ def measure(data: Path, runs: Path, name: str, overrides: list[str], steps: int,
     # Each train record covers the steps since the one before it (its window); time those after warmup.
     windows = [(r, r["step"] - before) for r, before in zip(steps_done, [0] + [r["step"] for r in steps_done])]
     timed = [(r, size) for r, size in windows if r["step"] > warmup]
+    if not timed:  # (stopped early: by a signal, or a run that ended before its warmup did)
+        return {"error": f"no step after the {warmup} of warm-up was logged ({len(steps_done)} records)"}
     step_s = statistics.median(cfg.train.global_batch_tokens / r["tokens_per_s"] for r, _ in timed)
     tokens_per_s = cfg.train.global_batch_tokens / step_s
     blocking = [r["blocking_s"] for r in records if r["kind"] == "checkpoint"]
@@ -122,7 +148,7 @@ def measure(data: Path, runs: Path, name: str, overrides: list[str], steps: int,
     timed_steps = sum(size for _, size in timed)
     return {
         "tokens_per_step": cfg.train.global_batch_tokens, "steps": steps, "timed_steps": timed_steps,
-        "log_every": log_every, "step_ms": round(1000 * step_s, 2), "tokens_per_s": round(tokens_per_s),
+        "log_every": cfg.log.interval, "step_ms": round(1000 * step_s, 2), "tokens_per_s": round(tokens_per_s),
         "mean_tokens_per_s": round(timed_steps * cfg.train.global_batch_tokens
                                    / sum(size * cfg.train.global_batch_tokens / r["tokens_per_s"] for r, size in timed)),
         "mfu": None if mfu_scale is None else round(tokens_per_s * mfu_scale, 4),
@@ -174,21 +200,21 @@ def resume_exactness(data: Path, runs: Path, device: list[str]) -> dict:
             "max_abs_loss_diff_run_twice": max(repeat), "repeatable": max(repeat) == 0.0}
 
 
-def _float8_available() -> bool:
-    """Whether train.float8 can run here (the trainer's own check: GPU, layout, torchao)."""
+def _float8_unavailable() -> str | None:
+    """Why train.float8 cannot run here (the trainer's own check: GPU, layout, torchao), or None."""
     if not torch.cuda.is_available():
-        return False
+        return "no GPU"
     try:
         check_float8(torch.device("cuda"), tp=1)
-    except Exception:  # (a refusal, or a torchao built for another torch that fails to import)
-        return False
-    return True
+    except Exception as e:  # (a refusal, or a torchao built for another torch that fails to import)
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    return None
 
 
 def table(report: dict) -> str:
-    lines = [f"{'run':<38} {'tokens/s':>10} {'step ms':>9} {'MFU':>7} {'MFU causal':>10} {'peak GB':>8} {'planned':>8} "
-             f"{'data wait':>9} {'ckpt block s':>13} {'cold start s':>12}  against the same-run plain loop; issue 6's "
-             "reference"]
+    lines = [f"{'run':<38} {'tokens/s':>10} {'step ms':>9} {'MFU':>7} {'MFU causal':>10} {'MFU 6N':>7} {'peak GB':>8} "
+             f"{'planned':>8} {'data wait':>9} {'ckpt block s':>13} {'cold start s':>12}  against the same-run plain "
+             "loop; issue 6's reference"]
     plain = report.get("baselines", {})
     rows = {**report.get("configs", {}), **{f"plain loop: {name}": row for name, row in plain.items()},
             **report.get("ablations", {})}
@@ -208,7 +234,8 @@ def table(report: dict) -> str:
             if ref else "")
         block = ",".join(f"{b:.2f}" for b in row.get("checkpoint_blocking_s", [])) or "-"
         lines.append(f"{name:<38} {row['tokens_per_s']:>10,} {row['step_ms']:>9.1f} {figure(row['mfu'], '.1%', 7)} "
-                     f"{figure(row['mfu_causal'], '.1%', 10)} {figure(row['peak_mem_gb'], '.1f', 8)} "
+                     f"{figure(row['mfu_causal'], '.1%', 10)} {figure(row.get('mfu_6n'), '.1%', 7)} "
+                     f"{figure(row['peak_mem_gb'], '.1f', 8)} "
                      f"{figure(row.get('predicted_peak_gb'), '.1f', 8)} {figure(row.get('data_wait_share'), '.2%', 9)} "
                      f"{block:>13} {row['cold_start_s']:>12.1f}  {against}")
     return "\n".join(lines)
@@ -247,18 +274,22 @@ def main() -> None:
     def keep() -> None:  # what is measured so far, should the device's time run out before the end
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))
+    def with_issue_mfu(row: dict, name: str) -> dict:
+        return row if "error" in row else {**row, "mfu_6n": issue_mfu(name, row["tokens_per_s"], report["device"])}
+
     if "configs" in sections:
         report["configs"] = {}
         for name in args.configs.split(","):
-            shape, reference = CONFIGS[name]
-            overrides = [*shape, *BEST, *(TINY if args.tiny else [])]
+            overrides = [*shape_of(name, args.tiny), *BEST, *(TINY if args.tiny else [])]
             row = measure(data, runs, name, overrides, args.steps, args.warmup, every, args.log_every)
-            report["configs"][name] = {**row, "settings": BEST, "reference": None if args.tiny else reference}
+            report["configs"][name] = {**with_issue_mfu(row, name), "settings": BEST,
+                                       "reference": None if args.tiny else CONFIGS[name][1]}
             keep()
     if "baselines" in sections:  # the references, measured here: the same device, torch and day
         report["baselines"] = {}
         for name in args.configs.split(","):  # (each kept as it ends, should the device's time run out)
-            report["baselines"].update(baselines([name], args.steps, args.warmup, args.tiny))
+            report["baselines"].update({name: with_issue_mfu(row, name)
+                                        for name, row in baselines([name], args.steps, args.warmup, args.tiny).items()})
             keep()
     if "resume" in sections:
         try:
@@ -267,24 +298,30 @@ def main() -> None:
             report["resume"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         keep()
     if "ablations" in sections:
-        shape = CONFIGS["llama-126m"][0]
+        shape = shape_of("llama-126m", args.tiny)
         # float8 first, should the device's time run out; then those that reuse llama-126m's
         # compiled blocks, then CUDA graphs (which drop every compiled graph after them), then those
         # that compile their own or none.
-        variants = {"float8": ["train.float8=true"]} if _float8_available() and not args.tiny else {}
+        report["ablations"] = {}
+        float8 = None if args.tiny else _float8_unavailable()
+        if float8 is None and not args.tiny:
+            variants = {"float8": ["train.float8=true"]}
+        else:
+            variants = {}
+            if not args.tiny:
+                report["ablations"]["llama-126m, float8"] = {"error": f"not run: {float8}"}
         variants.update({"synchronous checkpoint": ["checkpoint.async_save=false"],
                          "loss read every step": ["log.interval=1"], "whole-batch loss": ["train.loss_chunk_tokens=0"],
                          "Muon": ["train.optimizer=muon"]})
         if not args.tiny:  # (tiny runs are not compiled: inductor on a CPU takes minutes)
             variants["CUDA graphs"] = ["train.compile_mode=reduce-overhead"]
         variants.update({"attention within documents": ["model.document_mask=true"], "eager": ["train.compile=false"]})
-        report["ablations"] = {}
         for what, change in variants.items():
             overrides = [*shape, *BEST, *change, *(TINY if args.tiny else [])]
-            report["ablations"][f"llama-126m, {what}"] = {
-                **measure(data, runs, f"ablation-{what.replace(' ', '-')}", overrides, args.steps, args.warmup, every,
-                          args.log_every),
-                "settings": [*BEST, *change]}
+            row = measure(data, runs, f"ablation-{what.replace(' ', '-')}", overrides, args.steps, args.warmup, every,
+                          args.log_every)
+            report["ablations"][f"llama-126m, {what}"] = {**with_issue_mfu(row, "llama-126m"),
+                                                          "settings": [*BEST, *change]}
             if what == "CUDA graphs":
                 torch._dynamo.reset()  # (and its graphs' memory pool, which the next run's peak would count)
             keep()

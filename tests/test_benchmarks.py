@@ -32,12 +32,12 @@ def test_gpu_suite_runs_its_configs_ablations_and_resume_check_on_tiny_shapes(tm
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = [report["configs"]["llama-126m"], *report["ablations"].values()]
-    assert len(rows) == 7
+    assert len(rows) == 7 and report["ablations"]["llama-126m, loss read every step"]["log_every"] == 1
     for row in rows:
         assert row["timed_steps"] == 2 and row["tokens_per_s"] > 0 and row["step_ms"] > 0
         assert 0 <= row["data_wait_share"] < 1 and row["cold_start_s"] >= 0
         assert len(row["checkpoint_blocking_s"]) == 2  # at step 2 (two thirds of 4, rounded down) and the end
-        assert row["mfu"] is None  # no peak is known for a CPU
+        assert row["mfu"] is None and row["mfu_6n"] is None  # no peak is known for a CPU
     assert report["resume"]["bit_exact"] and report["resume"]["repeatable"]
     assert "llama-126m" in result.stdout.splitlines()[1]  # the table comes before the JSON
     # The reference measured in the same process, as a bare loop: a row of its own, and the ratio.
@@ -71,6 +71,18 @@ def test_the_plain_gpt2_loop_trains_and_counts_its_flops_as_the_trainer_counts_t
                                 f"data.seq_len={seq_len}"]).model
     for causal in (False, True):
         assert model.flops_per_token(seq_len, causal) == train_flops_per_token(suites, seq_len, causal)
+
+
+def test_the_suites_issue_mfu_is_the_count_of_issue_6s_reference_table(monkeypatch):
+    """Issue 6 counts 6 N + 12 L d T with N every parameter (its table's MFUs at its tokens/s);
+    the trainer's MFU leaves the untied embedding out, so its goals are read against this one."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_suite
+
+    for name, (_, reference) in gpu_suite.CONFIGS.items():
+        assert gpu_suite.issue_mfu(name, reference["tokens_per_s"], "NVIDIA H200") == pytest.approx(reference["mfu"],
+                                                                                                   abs=6e-4)
+    assert gpu_suite.issue_mfu("llama-126m", 501e3, "cpu") is None
 
 
 def test_loss_chunk_benchmark_prints_both_variants_with_the_same_loss():

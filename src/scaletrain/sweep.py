@@ -6,7 +6,7 @@ warmup-stable-decay schedule would start decaying, then decayed to the point's l
 (Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training
 Durations"). A branch resumes bit-exactly, so each point's losses are those of a separate
 WSD run of its length, at the cost of its cooldown only. The sweep directory holds grid.json,
-trunks/ and points/ (run directories), results.csv and progress.json; rerunning the same
+trunks/ and points/ (run directories), and results.csv (a row per finished point); rerunning the same
 command continues where it stopped: finished points are kept, unfinished trunks and branches
 resume from their checkpoints.
 
