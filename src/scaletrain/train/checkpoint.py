@@ -20,7 +20,6 @@ batches that led to the divergence, as the rewound run did (see `record_rewind`)
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -183,42 +182,39 @@ def save_async(root: Path, step: int, tokens: int, state: dict, keep: int, group
 
 def pinned_stager(pinned: bool = True):
     """A stager copying GPU state into page-locked host buffers (the copy runs at the link's full
-    speed); with pinned=False into pageable ones (what a CPU can test). None where this torch has no
-    such stager. The caller closes it after the last save; ready_stager says whether it serves the next."""
+    speed); with pinned=False into pageable ones (what a CPU can test). Its buffers are allocated
+    (and locked) at the first save and copied into at each one after, so only the first save's
+    blocking pays for allocating and locking them (the next save overwrites them: the trainer ends
+    one save before it starts another). None where this torch has no such stager. The caller closes
+    it after the last save."""
     try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+        from torch.distributed.checkpoint.staging import AsyncStager
     except ImportError:
         return None
-    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=pinned))
 
+    class KeptStager(AsyncStager):
+        """DCP's own copier of a state dict into host memory (torch's DefaultStager runs it too),
+        kept from one save to the next: torch 2.11's DefaultStager releases the buffers after each
+        copy (and fails on its next: KeyError), 2.13's keeps them; this is the same on both."""
+        _synchronize_after_execute = False  # (stage returns once the copy has landed)
 
-def ready_stager(stager=None, pinned: bool = True):
-    """The stager for the next background save: `stager` again where this torch's stager copies more
-    than once (torch 2.13's keeps its buffers from one save to the next, so only the first save
-    allocates them); else a new one, `stager` closed (torch 2.11's releases its buffers after each
-    copy and fails on the next: KeyError)."""
-    if stager is not None and _stagers_reusable():
-        return stager
-    if stager is not None:
-        stager.close()
-    return pinned_stager(pinned)
+        def __init__(self):
+            self.copier = StateDictStager(pin_memory=pinned, share_memory=False)
 
+        def stage(self, state_dict):
+            staged = self.copier.stage(state_dict, non_blocking=pinned)
+            if pinned:  # the copies were queued on the stream: they must land before training goes on
+                torch.cuda.synchronize()
+            return staged
 
-@functools.cache
-def _stagers_reusable() -> bool:
-    """Whether this torch's DefaultStager stages a second time (tried once, on a CPU tensor)."""
-    probe = pinned_stager(pinned=False)
-    if probe is None:
-        return False
-    try:
-        for _ in range(2):
-            probe.stage({"probe": torch.zeros(1)})
-    except Exception:
-        return False
-    finally:
-        probe.close()
-    return True
+        def synchronize_staging(self) -> None:
+            pass
+
+        def close(self) -> None:
+            self.copier.close()
+
+    return KeptStager()
 
 
 def _prepare(root: Path, step: int) -> Path:

@@ -792,8 +792,8 @@ class Trainer:
         self.finish_saving(wait=True)
         if dist.is_initialized() and self.checkpoint_group is None:
             self.checkpoint_group = dist.new_group(backend="gloo")  # see checkpoint.save_async
-        if self.device.type == "cuda" and self.stager is not False:
-            self.stager = checkpoint.ready_stager(self.stager)
+        if self.device.type == "cuda" and self.stager is None:
+            self.stager = checkpoint.pinned_stager() or False
         self.pending = checkpoint.save_async(self.ckpt_root, self.step, self.tokens, self.state(),
                                              self.cfg.checkpoint.keep, self.checkpoint_group, self.stager or None,
                                              self.cfg.checkpoint.keep_every, scheduled)
