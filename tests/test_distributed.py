@@ -587,20 +587,24 @@ def test_a_terminal_closed_under_a_run_stops_it_with_a_checkpoint_unless_under_n
     assert max(records(run_dir, "train")) == end["step"]
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_a_run_whose_output_reader_is_gone_stops_with_a_checkpoint(stdlib_data, tmp_path, nproc):
+@pytest.mark.parametrize("nproc,nohup", [(1, False), (2, False), (1, True)])
+def test_a_run_whose_output_reader_is_gone_stops_with_a_checkpoint(stdlib_data, tmp_path, nproc, nohup):
     """`ssh host scaletrain train ...` with no terminal, the session lost (or `| tee run.log`,
     tee ended): the reader of the run's output is gone, and no SIGHUP comes. The next line fails
     with EPIPE, on which Rich ended the process; it is a hang-up: the run stops a step or two
     later with a checkpoint of that step, status 128 + SIGHUP. With `--nproc 2` rank 0 finds it
     and tells the command's torchrun, which stops both (torchrun --max-restarts 2 would have
-    restarted a rank that stopped alone)."""
+    restarted a rank that stopped alone). Under nohup (SIGHUP ignored: the run was meant to
+    outlive its terminal and the tee that went with it) it trains on to its end, silently; it
+    used to end at once with status 1, without a checkpoint."""
     run_dir = tmp_path / "run"
+    steps = 150 if nohup else 1000
     process = subprocess.Popen([sys.executable, "-m", "scaletrain.cli", "train", "configs/tiny.toml",
-                                f"data.path={stdlib_data}", f"run.dir={tmp_path}", "run.name=run", "train.steps=1000",
+                                f"data.path={stdlib_data}", f"run.dir={tmp_path}", "run.name=run", f"train.steps={steps}",
                                 "checkpoint.interval=1000", "eval.interval=0", "log.interval=1",
                                 *([f"--nproc={nproc}", "--max-restarts=2"] if nproc > 1 else [])],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                               preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and process.poll() is None and not (
@@ -613,6 +617,10 @@ def test_a_run_whose_output_reader_is_gone_stops_with_a_checkpoint(stdlib_data, 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
     ends = read_metrics(run_dir, "end")
+    if nohup:
+        assert status == 0 and len(ends) == 1 and ends[0]["step"] == steps and not ends[0].get("stopped_by"), ends
+        assert [checkpoint.step_of(p) for p in checkpoint.complete_checkpoints(run_dir / "checkpoints")] == [steps]
+        return
     assert status == 128 + signal.SIGHUP and len(ends) == 1, (status, ends)  # (started once)
     assert ends[0]["stopped_by"] == "SIGHUP" and 3 < ends[0]["step"] < 1000
     assert [checkpoint.step_of(p) for p in checkpoint.complete_checkpoints(run_dir / "checkpoints")] == [ends[0]["step"]]

@@ -7,7 +7,8 @@ one to a pipe whose reader is gone fails too (EPIPE, which Rich answers by endin
 `streams()` names the standard streams a hang-up would take, asked beforehand (a hung-up
 terminal no longer answers as one); `detach()` points them at /dev/null. A broken pipe with no
 SIGHUP (the reader gone alone) is a hang-up too: `Console` raises SIGHUP where the process
-stops on it. What a run records (metrics.jsonl, checkpoints) goes to files, and is whole."""
+stops on it, and goes on silently where SIGHUP is ignored (`nohup`: the run was meant to outlive
+its terminal, and the `tee` that went with it). What a run records (metrics.jsonl, checkpoints) goes to files, and is whole."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def detach(fds: tuple[int, ...]) -> None:
 class Console(RichConsole):
     """Rich's Console, where a reader gone (a broken pipe) is a hang-up: the stream points at
     /dev/null and, where the process answers SIGHUP (a run, which then stops with a checkpoint),
-    SIGHUP is raised; elsewhere the command ends as Rich ends it (status 1). A worker of
+    SIGHUP is raised; where SIGHUP is ignored (nohup) the process goes on, its lines to /dev/null;
+    elsewhere the command ends as Rich ends it (status 1). A worker of
     scaletrain.torchrun, whose output is the command's, sends it to that torchrun instead, which
     passes it to every worker (a worker stopping alone would be a failure to torchrun, answered
     by restarts); that torchrun itself waits for a worker to tell it so."""
@@ -54,7 +56,10 @@ class Console(RichConsole):
 
         self.quiet = True
         detach((self.file.fileno(),))
-        if not callable(signal.getsignal(signal.SIGHUP)):
+        handler = signal.getsignal(signal.SIGHUP)
+        if handler is signal.SIG_IGN:
+            return
+        if not callable(handler):
             raise SystemExit(1)
         agent = int(os.environ.get(AGENT_PID, "0"))
         if agent == os.getpid():
