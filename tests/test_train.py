@@ -319,6 +319,83 @@ def test_corrupted_checkpoint_of_the_right_size_is_reported_and_skipped(stdlib_d
     assert ("cannot be read" if damage == "unreadable" else "corrupted") in caplog.text
 
 
+def test_a_full_disk_at_a_save_is_said_in_one_sentence_and_loses_nothing(stdlib_data, tmp_path, monkeypatch):
+    """The disk fills while step 4's checkpoint is written (in the background, then in the
+    foreground): DCP's writer fails with torch.save's zip writer's error ("unexpected pos"), which
+    says nothing of space, or an OSError of ENOSPC, and DCP wraps it in its CheckpointException (a
+    BaseException). The run says the disk is full, removes the unfinished directory (whose bytes
+    the next try needs) and keeps step 2's checkpoint, which it resumes from."""
+    import contextlib
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    real = filesystem.FileSystem.create_stream
+    for async_save, error, free in ((True, RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos "
+                                                        "704 vs 598"), 0),
+                                    (False, OSError(errno.ENOSPC, "No space left on device"), 10**12)):
+        @contextlib.contextmanager
+        def filling(self, path, mode):  # DCP's own writer, its files of step 4 cut short by the disk
+            if "step_0000004" in str(path) and "w" in mode:
+                Path(path).write_bytes(bytes(4096))
+                raise error
+            with real(self, path, mode) as stream:
+                yield stream
+
+        run_dir = tmp_path / f"async-{async_save}"
+        cfg = tiny_config(stdlib_data, run_dir, "train.steps=6", "checkpoint.interval=2", "eval.interval=0",
+                          f"checkpoint.async_save={str(async_save).lower()}")
+        usage = shutil.disk_usage(tmp_path)
+        with monkeypatch.context() as patched:
+            patched.setattr(checkpoint.shutil, "disk_usage", lambda path: usage._replace(free=free))
+            patched.setattr(filesystem.FileSystem, "create_stream", filling)
+            with pytest.raises(checkpoint.CheckpointError, match=r"step_0000004' could not be written: the disk holding "
+                               r"it is full \([\d.]+ MB written before it ran out; the last checkpoint took [\d.]+ MB\); "
+                               "free space there"):
+                train(cfg)
+        assert [p.name for p in checkpoint.all_checkpoints(run_dir / "checkpoints")] == ["step_0000002"]
+        assert train(cfg).step == 6  # resumed from step 2, room made
+
+
+def test_checkpoint_directories_a_run_could_not_save_into_are_refused_before_it_trains(stdlib_data, tmp_path,
+                                                                                       monkeypatch):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(stdlib_data, run_dir, "train.steps=4", "checkpoint.interval=2", "eval.interval=0")
+    train(cfg, stop_at_step=2)
+    root = run_dir / "checkpoints"
+    # A file where a step's directory goes: said before the steps to it, not at its save, by name.
+    (root / "step_0000004").write_text("x")
+    with pytest.raises(checkpoint.CheckpointError, match=r"'.*step_0000004' is a file where the run saves a "
+                       "checkpoint's directory; move it away or delete it"):
+        train(cfg)
+    assert max(r["step"] for r in read_metrics(run_dir, "train")) == 2
+    (root / "step_0000004").unlink()
+    (root / "step_0000004").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(checkpoint.CheckpointError, match="step_0000004' is a link to nothing where the run saves"):
+        train(cfg)
+    (root / "step_0000004").unlink()
+    # A directory the run may not write (root writes anywhere: the read-only answer is injected).
+    writable = os.access
+    monkeypatch.setattr(checkpoint.os, "access", lambda path, mode, **how: Path(path) != root and writable(path, mode))
+    with pytest.raises(checkpoint.CheckpointError, match="checkpoints cannot be written under .*checkpoints' "
+                       r"\(a read-only filesystem, or no permission to write there\)"):
+        train(cfg)
+    monkeypatch.undo()
+    # A save that never finished, at a step the resumed run does not save at (a leftover of another
+    # interval): its growing bytes are the watchdog's sign of a save, whatever other directory lies
+    # newer, and the next commit removes it.
+    leftover, foreign = root / "step_0000003", root / "step_0000999"
+    leftover.mkdir()
+    foreign.mkdir()
+    (foreign / "x").write_bytes(bytes(3))
+    before = checkpoint.bytes_on_disk(root)
+    (leftover / "__0_0.distcp").write_bytes(bytes(100))
+    assert checkpoint.bytes_on_disk(root) == before + 100
+    shutil.rmtree(foreign)
+    assert train(cfg).step == 4
+    assert [p.name for p in checkpoint.all_checkpoints(root)] == ["step_0000004", "step_0000002"]
+
+
 def test_checkpoints_that_all_fail_to_load_stop_the_run_instead_of_restarting_it(stdlib_data, tmp_path):
     run_dir = tmp_path / "run"
     cfg = tiny_config(stdlib_data, run_dir, "train.steps=4", "checkpoint.interval=2", "eval.interval=0")

@@ -2055,7 +2055,7 @@ def _error(message: str) -> None:
 
 def _path_problem(e: OSError) -> str:
     """What is wrong with the path of an OSError, and what would be right."""
-    path = e.filename
+    path = os.fspath(e.filename) if isinstance(e.filename, os.PathLike) else e.filename  # (no PosixPath('…'))
     if isinstance(e, (FileExistsError, NotADirectoryError)):
         return f"{path!r} is a file, or lies under one, where a directory is needed; give another path"
     if isinstance(e, IsADirectoryError):

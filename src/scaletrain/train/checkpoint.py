@@ -20,6 +20,7 @@ batches that led to the divergence, as the rewound run did (see `record_rewind`)
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -98,9 +99,58 @@ def save(root: Path, step: int, tokens: int, state: dict, keep: int, keep_every:
     between the run's checkpoint steps) serves its resume but is no rewind's target, and takes no
     scheduled one's place among the `keep` (see _commit)."""
     path = _prepare(root, step)
-    dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    try:
+        dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:  # (DCP's own exception is a BaseException)
+        if (full := _disk_full(path, e)) is not None:
+            raise full from None  # (lasting: a restart would find the disk as full)
+        raise
     _commit(root, path, step, tokens, (keep, keep_every), scheduled=scheduled)
     return path
+
+
+FULL_DISK_BYTES = 64 * 2**20  # free space below which a failed write is put down to a full disk
+
+
+def _causes(error: BaseException):
+    """`error`, what it was raised from, and the ranks' failures a CheckpointException gathers
+    (each an (exception, its stack) pair)."""
+    seen = set()
+    stack = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        stack += [e.__cause__, e.__context__,
+                  *(failure[0] if isinstance(failure, tuple) else failure
+                    for failure in getattr(e, "failures", {}).values())]
+
+
+def _disk_full(path: Path, error: BaseException) -> CheckpointError | None:
+    """For a save of `path` that failed with `error` where its disk is full, the error to raise
+    instead, one sentence saying so (the writer's own error may not: DCP's can be a RuntimeError
+    from torch.save's zip writer), with the unfinished directory removed (it is never resumed
+    from, and holds the space the next try needs); None where the disk has room."""
+    full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _causes(error))
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    if not full and (free is None or free >= FULL_DISK_BYTES):
+        return None
+    try:
+        written = sum(_sizes(path).values())
+    except OSError:  # (gone: removed by the main rank meanwhile)
+        written = 0
+    if _is_main():
+        shutil.rmtree(path, ignore_errors=True)
+    previous = next((sum(_sizes(p).values()) for p in complete_checkpoints(path.parent)), None)
+    need = f"; the last checkpoint took {previous / 1e6:,.1f} MB" if previous else ""
+    return CheckpointError(f"checkpoint {str(path)!r} could not be written: the disk holding it is full "
+                           f"({written / 1e6:,.1f} MB written before it ran out{need}); free space there (or keep "
+                           "fewer checkpoints: checkpoint.keep, checkpoint.keep_every) and resume")
 
 
 class AsyncSave:
@@ -118,7 +168,12 @@ class AsyncSave:
         self._future, self._committed = _background().submit(self._written, future, group), False
 
     def _written(self, future, group) -> dict:
-        future.result()  # raises what the writer raised
+        try:
+            future.result()  # raises what the writer raised
+        except (Exception, CheckpointException) as e:
+            if (full := _disk_full(self.path, e)) is not None:
+                raise full from None
+            raise
         # On the save's own group, after DCP's last collective on it and before the next
         # save's first (the trainer finishes one save before starting the next).
         return _file_table(self.path, group)
@@ -217,6 +272,25 @@ def pinned_stager(pinned: bool = True):
     return KeptStager()
 
 
+def unwritable(root: Path) -> str | None:
+    """Why a run could not save checkpoints under `root`, in one sentence, or None: a file where it
+    or a step's directory goes (or a link to nothing), or a directory it may not write (a read-only
+    filesystem, no permission), which the first save would find only after the steps before it."""
+    if root.exists() and not root.is_dir():
+        return f"{str(root)!r} is a file where the run keeps its checkpoints; move it away or choose another run.name"
+    if root.is_dir():
+        for entry in root.iterdir():
+            if entry.name.startswith(PREFIX) and entry.name[len(PREFIX):].isdigit() and not entry.is_dir():
+                what = "a link to nothing" if entry.is_symlink() and not entry.exists() else "a file"
+                return f"{str(entry)!r} is {what} where the run saves a checkpoint's directory; move it away or delete it"
+    where = next(p for p in (root, *root.parents) if p.exists() or p.is_symlink())
+    effective = os.access in os.supports_effective_ids  # (the ids the process writes with, as a setuid one does)
+    if where.is_dir() and not os.access(where, os.W_OK | os.X_OK, effective_ids=effective):
+        return (f"checkpoints cannot be written under {str(where)!r} (a read-only filesystem, or no permission to "
+                "write there); make it writable or give another run.dir")
+    return None  # (a file on the way to it: the run's own mkdir says so)
+
+
 def _prepare(root: Path, step: int) -> Path:
     path = checkpoint_dir(root, step)
     if _is_main():
@@ -270,6 +344,8 @@ def _commit(root: Path, path: Path, step: int, tokens: int, keep: tuple[int, int
                                              **({} if scheduled else {"scheduled": False})}, indent=1))
     _write_atomic(root / "latest", path.name + "\n")
     newest, every = keep
+    for unfinished in [p for p in all_checkpoints(root) if step_of(p) < step and not (p / MARKER).exists()]:
+        shutil.rmtree(unfinished, ignore_errors=True)  # saves that never finished: never resumed from
     older = [p for p in complete_checkpoints(root) if step_of(p) < step]
     kept = [p for p in older if is_scheduled(p)][:newest - 1 if scheduled else newest]
     kept += [p for p in older if not is_scheduled(p)][:max(newest - 1 - len(kept), 0)]
@@ -325,10 +401,17 @@ def rewound(path: Path) -> dict | None:
 
 
 def bytes_on_disk(root: Path) -> int:
-    """The bytes of the files of the newest checkpoint directory under `root` (0 if none): they
-    grow while it is written (the watchdog's sign that a long save is not a hang)."""
-    return sum(entry.stat().st_size for path in all_checkpoints(root)[:1] for entry in os.scandir(path)
-               if entry.is_file())
+    """The bytes of the files of the checkpoint directories under `root` not yet committed (0 if
+    none): they grow while one is written (the watchdog's sign that a long save is not a hang),
+    whatever its step beside the others' (a leftover of a later step, say)."""
+    total = 0
+    for path in all_checkpoints(root):
+        try:
+            if not (path / MARKER).exists():
+                total += sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
+        except FileNotFoundError:  # (removed meanwhile: pruned, or a leftover replaced)
+            continue
+    return total
 
 
 def marker(path: Path) -> dict:

@@ -1305,6 +1305,16 @@ class Trainer:
             self.loader.close()
             return TrainResult(self.run_dir, self.step, self.total_steps, self.tokens, *self._losses_reached(), None,
                                resumed_from)
+        # (not found at the first save, after the steps before it; every rank looks, and all stop
+        # together: one node's read-only mount would otherwise leave the others waiting in a step)
+        problem = checkpoint.unwritable(self.ckpt_root)
+        refused = torch.tensor([problem is not None], dtype=torch.int32, device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(refused, op=dist.ReduceOp.MAX)
+        if refused.item():
+            self.loader.close()
+            raise checkpoint.CheckpointError(problem or "another process of this run cannot write its checkpoints (its "
+                                             "own error says why); make the checkpoint directory writable on every node")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         params = param_counts(cfg.model)
         ramp = "".join(f"{batch:,} tokens until {until:,}, then " for batch, until in cfg.train.batch_ramp)
