@@ -101,6 +101,9 @@ def test_generate_reports_bad_requests_in_one_line(tmp_path, trained_run, caplog
     # The others in this process (every UserError reaches the command line as the one above did).
     with pytest.raises(UserError, match="temperature must be"):
         generate_text(trained_run, "", temperature=-1)
+    # A temperature that float32 holds as 0 is greedy (it divided the largest logit to 0 / 0: NaN).
+    assert generate_text(trained_run, "def", temperature=1e-300, max_new_tokens=8) == generate_text(
+        trained_run, "def", temperature=0, max_new_tokens=8)
     with pytest.raises(UserError, match="shorten the prompt"):
         generate_text(trained_run, "x = 1\n" * 100)
     with caplog.at_level("WARNING", logger="scaletrain"):  # (the context ends a long request: said, not silent)
@@ -228,6 +231,9 @@ def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_comm
     assert main(["launch", "k8s", str(ROOT / "configs" / "llama-1b.toml"), "--nodes", "2", "--gpus-per-node", "8",
                  "--image", ""]) == 2
     assert "--image is empty; give the container image" in capsys.readouterr().err
+    assert main(["launch", "k8s", str(ROOT / "configs" / "llama-1b.toml"), "--nodes", "2", "--gpus-per-node", "8",
+                 "--image", "my image"]) == 2
+    assert "--image 'my image' holds a space, which no image name does; give the" in capsys.readouterr().err
 
 
 def test_k8s_names_are_dns_labels_whatever_the_run_name():
@@ -451,13 +457,34 @@ def test_values_out_of_range_are_refused_before_any_work(trained_run, stdlib_dat
          "--check 1e+09: check the law beyond the budgets it is measured at"),
         (["launch", "slurm", tiny, "--nodes", "1", "--gpus-per-node", "1", "--image", "my:image"],
          "--image and --volume describe the containers of a Kubernetes job"),
+        # A value given twice, or empty where empty would be taken for none given (the default
+        # directory, or the current one, written into): refused, not silently collapsed.
+        (["sweep", "--data", str(stdlib_data), "--budgets", "1e12,1e12"],
+         "argument --budgets: 1e+12 is given twice in --budgets; give each once"),
+        (["sweep", "--data", str(stdlib_data), "--budgets", "1e12", "--mix", "a=1,a=2"],
+         "argument --mix: a is given twice in the weights; give each once"),
+        (["data", "prepare", "builtin:python-stdlib", "--out", ""],
+         "argument --out: is empty; give the path of a directory"),
+        (["export", str(trained_run), "--out", " "], "argument --out: is empty; give the path of a directory"),
+        (["cooldown", str(trained_run), "--step", "3", "--steps", "2", "--name", ""],
+         "argument --name: is empty; give a run name"),
+        (["tune", tiny, "model.mup_base_dim=32", "--lrs", "0.01"],
+         "argument --lrs: gives one; give two or more learning rates to choose between"),
+        (["demo", "--out", str(tmp_path / "demo"), "--minutes", "0.001"],
+         "--minutes 0.001 leaves nothing beyond the 30 s kept for the fit and the report"),
+        # A run, data or a file given where a sweep's directory is asked for: named as what it is.
+        (["fit", str(trained_run)], f"{str(trained_run)!r} is a run directory, not a sweep directory; give a sweep's"),
+        (["fit", str(stdlib_data / "index.json")], "is a file, not a sweep directory; give a sweep's directory, or a "
+                                                   "CSV of points as --points"),
     ]
+    (tmp_path / "binary.csv").write_bytes(b"\xff\xfen,c,loss\n")
+    cases.append((["fit", "--points", str(tmp_path / "binary.csv")], "binary.csv' is not UTF-8 text; give a CSV"))
     for argv, message in cases:
         with pytest.raises(SystemExit) if "argument" in message or "worker process" in message else nullcontext():
             assert main(argv) == 2, argv
         err = " ".join(capsys.readouterr().err.split())
         assert message in err and "Traceback" not in err, (argv, err)
-    assert not list(tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == ["binary.csv"]
 
 
 def test_what_the_probe_found_is_named_in_one_sentence(trained_run, mixture_root, stdlib_data, tmp_path, capsys):

@@ -730,8 +730,10 @@ def _predict_sweep_time(settings, concurrency: int) -> int:
 
 def _weights(text: str) -> dict[str, float]:
     """'code=1,prose=3' -> {'code': 1.0, 'prose': 3.0}."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    _distinct([part.partition("=")[0].strip() for part in parts], "the weights")
     weights = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
+    for part in parts:
         name, _, value = part.partition("=")
         try:
             weights[name.strip()] = float(value)
@@ -1085,15 +1087,38 @@ _count = _number(int, "a whole number", lambda v: v >= 1, "at least 1")
 _how_many = _number(int, "a whole number", lambda v: v >= 0, "0 or more")
 
 
+def _given(what: str):
+    """An argparse type refusing an empty value (which would otherwise be taken for none given: the
+    default directory written, or the current one)."""
+    def check(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"is empty; give {what}")
+        return text
+    return check
+
+
+_out_dir = _given("the path of a directory")
+
+
 def _data_dir(text: str) -> str:
     """A data directory as a search records it: data/x/ and ./data/x are data/x (a search run again
     with the path written otherwise is the same search)."""
     return os.path.normpath(text) if text else text
+
+
+def _two_or_more(values: list, what: str) -> list:
+    """`values`, or argparse's error where one alone leaves nothing to choose between."""
+    if len(values) < 2:
+        raise argparse.ArgumentTypeError(f"gives one; give two or more {what} to choose between")
+    return values
+
+
 def _distinct(values: list, what: str, error: type[Exception] = argparse.ArgumentTypeError) -> list:
     """`values`, or an `error` in one line naming the first given twice (argparse's, for a type)."""
     twice = next((value for i, value in enumerate(values) if value in values[:i]), None)
     if twice is not None:
-        raise error(f"{twice} is given twice in {what}; give each once")
+        raise error(f"{format(twice, 'g') if isinstance(twice, float) else twice} is given twice in {what}; give "
+                    "each once")
     return values
 
 
@@ -1157,6 +1182,7 @@ def _check_fit_out(out_dir, given: bool, points: str | None) -> None:
 def cmd_fit(args: argparse.Namespace) -> int:
     import json
 
+    from scaletrain.outputs import kind_of
     from scaletrain.scaling import fit as fitting
     from scaletrain.scaling.optimal import data_constrained_optimal, inference_optimal, predict
 
@@ -1174,6 +1200,11 @@ def cmd_fit(args: argparse.Namespace) -> int:
     else:
         if (args.sweep_dir is None) == (args.points is None):
             raise UserError("give a sweep directory or --points CSV (or --preset NAME to predict from a published law)")
+        if args.sweep_dir is not None and ((found := kind_of(args.sweep_dir)) not in (None, "sweep")
+                                           or Path(args.sweep_dir).is_file()):
+            what = "a file" if Path(args.sweep_dir).is_file() else f"a {found}"
+            raise UserError(f"{args.sweep_dir!r} is {what}, not a sweep directory; give a sweep's directory, or a CSV "
+                            "of points as --points")
         points_path = Path(args.points) if args.points else Path(args.sweep_dir) / "results.csv"
         out_dir = Path(args.out) if args.out else points_path.parent
         _check_fit_out(out_dir, args.out is not None, args.points)  # (before the fit and its bootstrap)
@@ -1344,6 +1375,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.minutes is not None:
         if not 0 <= args.minutes < float("inf"):
             raise UserError(f"--minutes {args.minutes:g}: give the minutes the demo may take, e.g. 10 (0: no limit)")
+        if 0 < 60 * args.minutes <= settings.reserve_s:  # (found only after minutes of preparing the data)
+            raise UserError(f"--minutes {args.minutes:g} leaves nothing beyond the {settings.reserve_s:.0f} s kept for "
+                            "the fit and the report, let alone the data, the sweep and the run; give more, e.g. 10 (0: "
+                            "no limit)")
         settings.time_limit_s = 60 * args.minutes or None
     logging.getLogger("scaletrain").setLevel(logging.WARNING)
     started = time.perf_counter()
@@ -1643,7 +1678,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "token shards, a validation split, stats.json and manifest.json to --out.")
     p.add_argument("sources", nargs="+", metavar="SRC",
                    help="directories, globs or files of text, .jsonl, .parquet; or builtin:python-stdlib")
-    p.add_argument("--out", required=True, help="data directory to write")
+    p.add_argument("--out", type=_out_dir, required=True, help="data directory to write")
     p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size (default 8192; not with --tokenizer)")
     p.add_argument("--max-bytes", type=_bytes, default=None, help="stop reading after this much text (e.g. 50M)")
     p.add_argument("--text-field", default="text", help="field of .jsonl / column of .parquet holding the text")
@@ -1702,7 +1737,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, required=True, help="the checkpoint of this step, on the stable stretch")
     p.add_argument("--steps", type=int, required=True, help="steps of the decay")
     p.add_argument("--decay-shape", default=None, help="linear, 1-sqrt or cosine (default the run's train.decay_shape)")
-    p.add_argument("--name", default=None, help="the branch's run.name (default RUN-cooldown-K)")
+    p.add_argument("--name", default=None, type=_given("a run name"),
+                   help="the branch's run.name (default RUN-cooldown-K)")
     p.add_argument("--nproc", type=_count, default=1, help="processes to start on this node (through torchrun)")
     p.add_argument("--stop-at-step", type=int, default=None, help="end this invocation after step K (with a checkpoint)")
     p.add_argument("--max-restarts", type=int, default=0, help="times torchrun starts the processes (one without --nproc) again after a failure")
@@ -1767,7 +1803,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the learning-rate and batch rule of a run sized here (a config keeps its own): a hparams.json of "
                         "`scaletrain hparams` (default DeepSeek LLM's)")
     p.add_argument("--data", default=None, help="prepared data directory for the written config (and its vocabulary)")
-    p.add_argument("--name", default=None,
+    p.add_argument("--name", default=None, type=_given("a run name"),
                    help="run.name of the written config (default: the --write-config file's name without .toml)")
     p.add_argument("--price", type=_amount, default=None, help="price of a device-hour, for the cost")
     p.add_argument("--pue", type=_pue, default=1.2, help="power usage effectiveness of the data centre (1.2)")
@@ -1790,7 +1826,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "the expected optimum for D = C / (FLOPs per token) tokens; one constant-LR "
                                         "trunk per shape with a cooldown branch per budget. Rerun to resume.")
     p.add_argument("--data", required=True, type=_data_dir, help="a data directory written by `scaletrain data prepare`")
-    p.add_argument("--budgets", required=True, type=lambda text: [_flops(x) for x in text.split(",")],
+    p.add_argument("--budgets", required=True, type=lambda text: _distinct([_flops(x) for x in text.split(",")],
+                                                                           "--budgets"),
                    help="training FLOPs of each IsoFLOP profile, comma-separated, e.g. 1e12,3e12,1e13")
     p.add_argument("--shapes", type=_count, default=5, help="models per budget (5)")
     _small_runs(p, "point", "points of a budget", "centres the first budgets", 250,
@@ -1800,7 +1837,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train every point on this mixture of the data directories under --data, e.g. "
                         "code=0.3,prose=0.7 (data.mix; what `scaletrain mixture` chose): the law of the data you will "
                         "train on")
-    p.add_argument("--out", default=None, help="sweep directory (default sweeps/DATA_NAME)")
+    p.add_argument("--out", type=_out_dir, default=None, help="sweep directory (default sweeps/DATA_NAME)")
     p.add_argument("--predict-time", action="store_true",
                    help="train nothing: time three of the sweep's shapes here (about 2 s each, less for a short "
                         "sweep; --concurrency at once) and print its points, FLOPs and predicted wall-clock by budget")
@@ -1831,7 +1868,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "refuse a budget that trains fewer steps (100)")
     p.add_argument("--check", action="store_true",
                    help="train one more proxy on the chosen mixture and set its target loss against the prediction")
-    p.add_argument("--out", default=None, help="search directory (default mixtures/DATA_NAME)")
+    p.add_argument("--out", type=_out_dir, default=None, help="search directory (default mixtures/DATA_NAME)")
     p.add_argument("--predict-time", action="store_true",
                    help="train nothing: time the proxy here (a few seconds, --concurrency at once) and print the search's "
                         "FLOPs and predicted wall-clock (of the runs left, where --out holds a search begun)")
@@ -1845,7 +1882,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "bootstrap intervals; write hparams.json for sweep, mixture and plan "
                                         "--hparams. Rerun to resume.")
     p.add_argument("--data", required=True, type=_data_dir, help="a data directory written by `scaletrain data prepare`")
-    p.add_argument("--budgets", required=True, type=lambda text: [_flops(x) for x in text.split(",")],
+    p.add_argument("--budgets", required=True, type=lambda text: _distinct([_flops(x) for x in text.split(",")],
+                                                                           "--budgets"),
                    help="training FLOPs of each run, comma-separated, two or more, e.g. 1e10,3e10,1e11")
     p.add_argument("--lrs", type=lambda text: [_flops(x) for x in text.split(",")], default=[0.25, 0.5, 1.0, 2.0, 4.0],
                    help="learning rates as factors of DeepSeek's rule at each budget (0.25,0.5,1,2,4)")
@@ -1861,7 +1899,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mix", type=_weights, default=None,
                    help="train every run on this mixture of the data directories under --data (as sweep --mix)")
     p.add_argument("--bootstrap", type=_count, default=200, help="bootstrap resamples for the intervals (200)")
-    p.add_argument("--out", default=None, help="search directory (default hparams/DATA_NAME)")
+    p.add_argument("--out", type=_out_dir, default=None, help="search directory (default hparams/DATA_NAME)")
     p.add_argument("--predict-time", action="store_true",
                    help="train nothing: time three of the grid's shapes here (a few seconds each, --concurrency at once) "
                         "and print its FLOPs and predicted wall-clock (of the runs left, where --out holds a search "
@@ -1878,9 +1916,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override config values (of the proxies and of the config --write-config writes)")
     p.add_argument("--steps", type=_count, default=None,
                    help="train each proxy this many steps (default: the run's length); the written config keeps its own")
-    p.add_argument("--lrs", type=lambda text: _distinct([_lr(part) for part in text.split(",")], "--lrs"), default=None,
+    p.add_argument("--lrs", type=lambda text: _two_or_more(_distinct([_lr(part) for part in text.split(",")], "--lrs"),
+                                                           "learning rates"), default=None,
                    help="learning rates to try, comma-separated (default: 2^-11 to 2^-5, a factor of 2 apart)")
-    p.add_argument("--out", default=None, help="directory of the proxy runs and tune.json (runs/NAME-tune)")
+    p.add_argument("--out", type=_out_dir, default=None, help="directory of the proxy runs and tune.json (runs/NAME-tune)")
     p.add_argument("--concurrency", type=_workers, default=1,
                    help="proxies trained at once, in worker processes (GPUs taken in turn)")
     p.add_argument("--write-config", default=None, metavar="FILE",
@@ -1908,14 +1947,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --predict: unique training tokens available, for data-constrained sizing "
                         "(Muennighoff et al. 2023)")
     p.add_argument("--preset", default=None, help="predict from a published law instead: hoffmann, epoch")
-    p.add_argument("--out", default=None, help="where law.json and the plots go (default: beside the points)")
+    p.add_argument("--out", type=_out_dir, default=None, help="where law.json and the plots go (default: beside the points)")
     p.set_defaults(func=cmd_fit)
 
     p = commands.add_parser("demo", help="the whole loop on the built-in corpus: sweep, fit, predict, train, check",
                             description="Prepare the built-in corpus, sweep an IsoFLOP grid, fit the scaling law, "
                                         "predict the optimum at a budget beyond the sweep, train it and print "
                                         "predicted against actual loss.")
-    p.add_argument("--out", default="demo", help="directory for data, sweep and runs (default demo/)")
+    p.add_argument("--out", type=_out_dir, default="demo", help="directory for data, sweep and runs (default demo/)")
     p.add_argument("--seed", type=_seed, default=0, help="seed of the sweep's points and the final run (0)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda runs the larger version (budgets 3e14-3e15 FLOPs, final run 3e16)")
@@ -1993,7 +2032,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "that transformers' AutoModelForCausalLM and AutoTokenizer load "
                                         "(LlamaForCausalLM; Qwen3ForCausalLM with QK-norm).")
     p.add_argument("run_dir", help="run directory, e.g. demo/final")
-    p.add_argument("--out", required=True, help="directory to write (new or empty)")
+    p.add_argument("--out", type=_out_dir, required=True, help="directory to write (new or empty)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights' dtype (float32: exactly as trained)")
     p.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")

@@ -123,8 +123,9 @@ def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
         raise ConfigError(f"--volume {volume!r}: give a PersistentVolumeClaim's name (lower-case letters, digits, "
                           "'-' and '.'), optionally with the absolute path to mount it at, e.g. scaletrain-work or "
                           "scaletrain-work:/workspace")
-    if not image.strip():
-        raise ConfigError("--image is empty; give the container image the pods run, e.g. registry/scaletrain:1.0")
+    if not image.strip() or any(c.isspace() for c in image):
+        what = "--image is empty" if not image.strip() else f"--image {image!r} holds a space, which no image name does"
+        raise ConfigError(f"{what}; give the container image the pods run, e.g. registry/scaletrain:1.0")
     mount = mount or "/workspace"
     # A DNS label (Service and Job names): lower-case letters, digits and '-', starting with a
     # letter, at most 63 characters (with room for the pods' "-N" suffixes).

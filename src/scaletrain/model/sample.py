@@ -21,7 +21,8 @@ def generate(
 ) -> torch.Tensor:
     """The new tokens (batch, n_new), n_new <= max_new_tokens, sampled one at a time.
 
-    temperature 0 is greedy (argmax); otherwise logits / temperature, restricted to the
+    temperature 0 is greedy (argmax), as is one too small for float32 (below 1.2e-38, where the
+    logits' largest would divide to 0 / 0); otherwise logits / temperature, restricted to the
     top_k most likely tokens when top_k is given, are sampled with `generator` (on the
     model's device). With `eos_id`, a sequence that has produced it keeps producing it,
     and generation stops once every sequence has. With `vocab`, only ids below it are produced:
@@ -74,7 +75,7 @@ def generate(
 
 def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
     """One token per row of logits (batch, vocab)."""
-    if temperature == 0:
+    if temperature < torch.finfo(torch.float32).tiny:  # (0, or a float32 zero: greedy, not a 0 / 0)
         return logits.argmax(dim=-1)
     logits = logits.float()  # (less its largest before the division: a tiny temperature overflows nothing, it is greedy)
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature

@@ -507,8 +507,11 @@ def read_points(path, drop_highest: int = 0) -> Points:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no points file {str(path)!r}; give a CSV with columns n, c (or d) and loss")
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    except UnicodeDecodeError:
+        raise ValueError(f"{str(path)!r} is not UTF-8 text; give a CSV with columns n, c (or d) and loss") from None
     if not rows:
         raise ValueError(f"{str(path)!r} holds no rows")
     header = rows[0].keys()
