@@ -82,16 +82,21 @@ def shape_of(name: str, tiny: bool) -> list[str]:
     return [o for o in CONFIGS[name][0] if not (tiny and o.startswith("model.ffn_dim="))]
 
 
+def sequence_and_batch(overrides: list[str]) -> tuple[int, int]:
+    """The sequence length and micro-batch the overrides give (the last of each wins)."""
+    given = dict(override.split("=", 1) for override in overrides)
+    return int(given["data.seq_len"]), int(given["train.micro_batch"])
+
+
 def issue_mfu(name: str, tokens_per_s: float, device_name: str) -> float | None:
     """MFU as issue 6's table counts it: tokens/s x (6 N + 12 L d T) over the device's dense bf16
     peak, N every parameter of the named config (None for a device of no known peak)."""
     peak = peak_flops(device_name, "bf16")
     if peak is None:
         return None
-    given = dict(o.split("=", 1) for o in CONFIGS[name][0])
-    seq = int(given["data.seq_len"])
+    seq, micro = sequence_and_batch(CONFIGS[name][0])
     model = load_config(None, [*CONFIGS[name][0], f"model.max_seq_len={seq}", "train.steps=1",
-                               f"train.global_batch_tokens={seq * int(given['train.micro_batch'])}"]).model
+                               f"train.global_batch_tokens={seq * micro}"]).model
     return round(tokens_per_s * (6 * param_counts(model)["total"] + 12 * model.n_layers * model.dim * seq) / peak, 4)
 
 
@@ -104,8 +109,7 @@ def measure(data: Path, runs: Path, name: str, overrides: list[str], steps: int,
     # The sequence and micro-batch as the overrides give them (the last of each wins), so that the
     # one config loaded is whole: loaded without its max_seq_len and batch, a sequence of 2,048
     # would be refused (above the default max_seq_len) before anything was measured.
-    given = dict(override.split("=", 1) for override in overrides)
-    seq, micro = int(given["data.seq_len"]), int(given["train.micro_batch"])
+    seq, micro = sequence_and_batch(overrides)
     fresh()
     try:
         cfg = load_config(None, [*base, *overrides, f"train.global_batch_tokens={seq * micro}",
