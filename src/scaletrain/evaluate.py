@@ -161,14 +161,9 @@ def _check_tokenizer(source: Path, cfg, data: str | None) -> None:
 
 def _vanished(paths: list[Path]) -> bool:
     """Whether any of the checkpoints is gone from the disk — on any rank, so that all agree."""
-    import torch
-    import torch.distributed as dist
+    from scaletrain.parallel.mesh import any_rank
 
-    gone = torch.tensor(float(any(not path.is_dir() for path in paths)))
-    if dist.is_initialized():
-        gone = gone.to("cuda" if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(gone, op=dist.ReduceOp.MAX)
-    return bool(gone.item())
+    return any_rank(any(not path.is_dir() for path in paths))
 
 
 def _check_shape(run_dir: Path, cfg, first: Path) -> None:

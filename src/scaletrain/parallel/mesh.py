@@ -62,6 +62,16 @@ def init_distributed(device: torch.device, layout: Layout,
     return mesh
 
 
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` holds on any rank (every rank calls it, and all get the same answer); `flag`
+    itself in one process."""
+    if not dist.is_initialized():
+        return flag
+    found = torch.tensor([float(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return bool(found.item())
+
+
 def shutdown(clean: bool = True) -> None:
     """Leave the process group. After an error, without the barrier: the other ranks may never
     reach it, and waiting there would hide this rank's error until the collective timeout."""

@@ -35,7 +35,7 @@ from scaletrain.model.loss import Tally, cross_entropy, target_log_probs
 from scaletrain.parallel.apply import parallelize
 from scaletrain.parallel.context import shard_sequence
 from scaletrain.parallel.layout import check_layout, resolve_layout
-from scaletrain.parallel.mesh import collective_timeout, init_distributed, shutdown, world
+from scaletrain.parallel.mesh import any_rank, collective_timeout, init_distributed, shutdown, world
 from scaletrain.plan.cost import checkpoint_interval
 from scaletrain.plan.hardware import peak_flops
 from scaletrain.model.moe import balance_tally, forget_counts, set_balance_weight, update_expert_bias
@@ -1308,10 +1308,7 @@ class Trainer:
         # (not found at the first save, after the steps before it; every rank looks, and all stop
         # together: one node's read-only mount would otherwise leave the others waiting in a step)
         problem = checkpoint.unwritable(self.ckpt_root)
-        refused = torch.tensor([problem is not None], dtype=torch.int32, device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(refused, op=dist.ReduceOp.MAX)
-        if refused.item():
+        if any_rank(problem is not None):
             self.loader.close()
             raise checkpoint.CheckpointError(problem or "another process of this run cannot write its checkpoints (its "
                                              "own error says why); make the checkpoint directory writable on every node")
