@@ -364,24 +364,30 @@ def test_a_batch_ramp_is_timed_stretch_by_stretch_and_its_batches_split_over_the
                   base=load_config(config, ["train.batch_ramp=[[16384, 2000000000]]"]))
 
 
-def _simulated_wall_s(segments: list[float], mtbf_s: float, restart_s: float, runs: int, seed: int) -> float:
-    """The mean wall-clock of `runs` jobs that each need `segments` seconds without a failure in
-    turn (steps then the save that ends them), failures arriving as a Poisson process of mean gap
-    `mtbf_s` and each costing `restart_s` (itself struck by failures too): plan/cost.py's model,
-    simulated."""
+def _simulated_wall_s(needs: list[float], write_s: float, mtbf_s: float, restart_s: float, runs: int,
+                      seed: int) -> float:
+    """The mean wall-clock of `runs` jobs that each need `needs` seconds without a failure in turn
+    (steps then the save that ends them), each save but the last safe only `write_s` seconds of
+    progress after it, failures arriving as a Poisson process of mean gap `mtbf_s` and each
+    costing `restart_s` (itself struck by failures too) and the progress since the last safe
+    save: plan/cost.py's model, simulated along the run's timeline."""
     rng = np.random.default_rng(seed)
-    wall = np.zeros(runs)
-    for need in segments:
-        pending = np.ones(runs, dtype=bool)  # jobs still trying to get through this segment
-        restarting = np.zeros(runs, dtype=bool)
-        while pending.any():
-            gap = rng.exponential(mtbf_s, runs)
-            want = np.where(restarting, restart_s, need)
-            wall += np.where(pending, np.minimum(gap, want), 0.0)
-            done = pending & (gap >= want)
-            pending &= ~(done & ~restarting)  # got through the segment
-            restarting = np.where(pending & done, False, restarting)  # a restart went through: try again
-            restarting = np.where(pending & ~done, True, restarting)  # struck: restart (again)
+    ends = np.cumsum(needs)
+    safe_at = ends[:-1] + write_s  # where each save but the last is safe
+    wall, at, safe = np.zeros(runs), np.zeros(runs), np.zeros(runs)
+    working, restarting = np.ones(runs, dtype=bool), np.zeros(runs, dtype=bool)
+    while working.any():
+        gap = rng.exponential(mtbf_s, runs)
+        restarted = restarting & (gap >= restart_s)
+        wall += np.where(restarting, np.minimum(gap, restart_s), 0.0)
+        trying = working & ~restarting
+        wall += np.where(trying, np.minimum(gap, ends[-1] - at), 0.0)
+        struck = trying & (gap < ends[-1] - at)
+        reached = np.searchsorted(safe_at, at + gap, side="right")  # saves safe by the failure
+        safe = np.where(struck, np.maximum(safe, np.where(reached > 0, ends[np.maximum(reached - 1, 0)], 0.0)), safe)
+        at = np.where(struck, safe, at)
+        working &= ~(trying & ~struck)
+        restarting = (restarting & ~restarted) | struck
     return float(wall.mean())
 
 
@@ -394,12 +400,20 @@ def test_daly_interval_and_the_expected_wall_clock_of_segments_under_failures():
     # Daly's own examples (his figures 3-5): δ = 5 minutes at M = 24 h, 6 h and 15 minutes.
     assert [round(checkpoint_interval(5.0, m), 1) for m in (24 * 60, 6 * 60, 15)] == [116.7, 56.7, 9.1]
     # The expected wall-clock against a simulation of the same failures (restarts struck too)...
-    for needed, interval, block, final, mtbf, restart in ((1000.0, 300.0, 20.0, 50.0, 800.0, 200.0),
-                                                         (100.0, 400.0, 5.0, 30.0, 300.0, 500.0)):
+    # with saves safe once written in the background (a failure before then loses two segments;
+    # the final save waits for the write before it, here once shorter than the last segment and
+    # once longer), which costs more the longer the write.
+    for needed, interval, block, final, mtbf, restart, write in ((1000.0, 300.0, 20.0, 50.0, 800.0, 200.0, 0.0),
+                                                                (100.0, 400.0, 5.0, 30.0, 300.0, 500.0, 0.0),
+                                                                (1000.0, 300.0, 20.0, 50.0, 800.0, 200.0, 60.0),
+                                                                (1000.0, 300.0, 20.0, 50.0, 800.0, 200.0, 250.0)):
         full, last = divmod(needed, interval)
-        segments = [interval + block] * int(full) + [last + final]
-        simulated = _simulated_wall_s(segments, mtbf, restart, 200_000, seed=0)
-        assert expected_wall_s(needed, interval, block, final, mtbf, restart) == pytest.approx(simulated, rel=0.02)
+        needs = [interval + block] * int(full) + [max(last, write) + final]
+        simulated = _simulated_wall_s(needs, write, mtbf, restart, 200_000, seed=0)
+        expected = expected_wall_s(needed, interval, block, final, mtbf, restart, write)
+        assert expected == pytest.approx(simulated, rel=0.02)
+        if write:
+            assert expected > 1.05 * expected_wall_s(needed, interval, block, final, mtbf, restart)
     # ... which is the first-order goodput 1 - δ/τ - (R + τ/2)/M where all are small beside M,
     wall = expected_wall_s(1e6, 100.0, 1.0, 1.0, 1e5, 60.0)
     assert 1e6 / wall == pytest.approx(1 - 1 / 100 - (60 + 50) / 1e5, abs=2e-4)
@@ -424,9 +438,11 @@ def test_daly_interval_and_the_expected_wall_clock_of_segments_under_failures():
     assert cost.checkpoint_interval_s >= cost.checkpoint_write_s
     assert cost.wall_hours == pytest.approx(1000 * 10 / 3600 / cost.goodput)
     assert cost.wall_hours * 3600 == pytest.approx(expected_wall_s(1e4, cost.checkpoint_interval_s, 2.0,
-                                                                   cost.checkpoint_write_s, mtbf, 600))
+                                                                   cost.checkpoint_write_s, mtbf, 600,
+                                                                   cost.checkpoint_write_s))
     assert cost.expected_failures == pytest.approx(cost.wall_hours * 1024 * 1e-4)
-    spared = expected_wall_s(1e4, cost.checkpoint_interval_s, 2.0, cost.checkpoint_write_s, math.inf, 600)
+    spared = expected_wall_s(1e4, cost.checkpoint_interval_s, 2.0, cost.checkpoint_write_s, math.inf, 600,
+                             cost.checkpoint_write_s)
     assert cost.lost_to_failures == pytest.approx(1 - spared / (cost.wall_hours * 3600)) and cost.lost_to_failures > 0
     assert cost.energy_kwh == pytest.approx(cost.device_hours * 700 * 1.2 / 1000)
     # The interval is Daly's in whole steps, the better of the two around it.

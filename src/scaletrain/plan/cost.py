@@ -16,9 +16,15 @@ With failures a Poisson process at the job's rate 1/M, during restarts too, a se
 needs s seconds without a failure takes M e^(R/M) (e^(s/M) - 1) seconds on average (Daly 2006,
 "A higher order estimate of the optimum checkpoint interval for restart dumps"), so the
 whole run, its last segment shorter and ended by the final save written out, is a sum of such
-terms: exact under these assumptions (a save counted once it stops blocking: a background
-write struck before it ends loses one more interval, about W/M of the run for a write of W
-seconds, left out), at any ratio of τ, R or the run to M. To first order it is
+terms. An asynchronous save is safe only once its write, W seconds behind the copy, has ended:
+a failure in the first W seconds of the next segment restarts from the save before, and both
+segments are lost. Counted from the moment the save before it is safe, a segment then needs s
+seconds without a failure on its first try (W of its own already behind it, W past its end
+until its save is safe) and, after a failure, the restart, all of s and W: on average
+M (1 - e^(-s/M)) e^((R + W + s)/M), Daly's term with a restart of R + W. The sum is exact
+under these assumptions at any ratio of τ, R, W or the run to M (each write ends before the
+next save blocks, as the shortest interval ensures; the final save waits for the write before
+it). To first order it is
 the familiar goodput 1 - δ/τ - (R + τ/2)/M, which over-counts the failures of a run shorter
 than an interval (14.5 s on 131,072 devices: 26 s to first order, 23 s here) and goes below
 zero where restarts outlast M. The interval that loses least is Daly's perturbation solution,
@@ -88,25 +94,35 @@ def checkpoint_interval(block_s: float, mtbf_s: float) -> float:
     return math.sqrt(2 * block_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - block_s
 
 
-def _segment_s(need_s: float, mtbf_s: float, restart_s: float) -> float:
-    """Expected seconds to get `need_s` seconds without a failure (see the module's docstring)."""
+def _segment_s(need_s: float, mtbf_s: float, restart_s: float, done_s: float = 0.0,
+               unsafe_s: float = 0.0) -> float:
+    """Expected seconds to get through a segment of `need_s` seconds of which `done_s` went by
+    while the save before it was written, its own save safe `unsafe_s` seconds into the next
+    (see the module's docstring)."""
     if not math.isfinite(mtbf_s):
-        return need_s
-    if (need_s + restart_s) / mtbf_s > 700:  # beyond a float's exponent: never, in practice
+        return need_s - done_s + unsafe_s
+    if (need_s + unsafe_s + restart_s) / mtbf_s > 700:  # beyond a float's exponent: never, in practice
         return math.inf
-    return mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1(need_s / mtbf_s)
+    first_try = need_s - done_s + unsafe_s
+    return -mtbf_s * math.expm1(-first_try / mtbf_s) * math.exp((restart_s + need_s + unsafe_s) / mtbf_s)
 
 
 def expected_wall_s(train_s: float, interval_s: float, block_s: float, final_s: float, mtbf_s: float,
-                    restart_s: float) -> float:
+                    restart_s: float, write_s: float = 0.0) -> float:
     """Expected wall-clock of `train_s` seconds of steps saved every `interval_s` seconds of them
-    (each save blocking `block_s`; the last, written out before the run ends, `final_s`) under
-    failures every `mtbf_s` on average (math.inf: none) that each cost `restart_s`."""
+    (each save blocking `block_s`, then written in the background for `write_s`, no longer than
+    an interval; the last, written out before the run ends, `final_s`) under failures every
+    `mtbf_s` on average (math.inf: none) that each cost `restart_s`."""
     full, last = divmod(train_s, interval_s)
     if last <= 1e-9 * interval_s and full:  # the run ends at a save: the last segment is a whole one
         full, last = full - 1, interval_s
-    whole = full * _segment_s(interval_s + block_s, mtbf_s, restart_s) if full else 0.0
-    return whole + _segment_s(last + final_s, mtbf_s, restart_s)
+    segment = interval_s + block_s
+    if not full:
+        return _segment_s(last + final_s, mtbf_s, restart_s)
+    final = max(last, write_s) + final_s  # (the final save waits for the write before it)
+    return (_segment_s(segment, mtbf_s, restart_s, 0.0, write_s)
+            + (full - 1) * _segment_s(segment, mtbf_s, restart_s, write_s, write_s)
+            + _segment_s(final, mtbf_s, restart_s, write_s, 0.0))
 
 
 def run_cost(steps: int, step_s: float, devices: int, nodes: int, state_bytes_per_device: float,
@@ -125,7 +141,8 @@ def run_cost(steps: int, step_s: float, devices: int, nodes: int, state_bytes_pe
     shortest = max(1, math.ceil(write / step_s))
 
     def wall(interval_steps: int, mtbf_s: float = mtbf) -> float:
-        return expected_wall_s(train_s, interval_steps * step_s, block, write, mtbf_s, rel.restart_s)
+        return expected_wall_s(train_s, interval_steps * step_s, block, write, mtbf_s, rel.restart_s,
+                               write if rel.async_save else 0.0)
 
     interval_steps = min((max(shortest, k) for k in {math.floor(best / step_s), math.ceil(best / step_s)}), key=wall)
     interval = interval_steps * step_s
