@@ -224,7 +224,7 @@ def test_the_eta_weighs_the_runs_left_by_their_flops(stdlib_data, tmp_path, monk
 
 
 def test_the_time_of_the_runs_left_is_predicted_from_their_shapes_timed_here(searched, stdlib_data, tmp_path):
-    from scaletrain.sweep import Speed, makespan
+    from scaletrain.sweep import Speed
 
     search = HparamSearch(tmp_path / "begun", settings(stdlib_data))
     first = search.keys()[0]
@@ -234,7 +234,8 @@ def test_the_time_of_the_runs_left_is_predicted_from_their_shapes_timed_here(sea
     speed = Speed(**predicted["speed"])
     assert predicted["runs"] == len(left) and predicted["flops"] == pytest.approx(sum(p.compute for p in left))
     assert sorted(speed.n) == sorted({p.n for p in left}) and all(rate > 0 for rate in speed.flops_per_s)
-    assert predicted["seconds"] == pytest.approx(makespan([speed.seconds(p, p.steps) for p in left], 1))
+    # one run after another here: the sum of each one's time at its shape's speed
+    assert predicted["seconds"] == pytest.approx(sum(speed.seconds(p, p.steps) for p in left))
     # runs of several batches: what a micro-batch costs whatever its sequences was timed too
     assert len({p.batch_seqs for p in left}) > 1 and len(speed.timed_seqs) == len(speed.n)
     assert speed.micro_batch == search.settings.micro_batch and min(speed.step_fixed_s, speed.micro_batch_s) >= 0

@@ -343,12 +343,13 @@ def _moe_common(stdlib_data, root: Path, name: str, layout: list[str]) -> list[s
 
 @pytest.fixture(scope="module")
 def moe_layouts(stdlib_data, tmp_path_factory) -> Path:
-    """Each of LAYOUTS trained to step 2 (its checkpoint), those of one size in one launch: the
-    directory of their runs, by name."""
+    """Each of LAYOUTS trained to step 3 (its checkpoint: two updates in the layout, so its
+    optimizer state and routing biases carried from one step to the next), those of one size in
+    one launch: the directory of their runs, by name."""
     root = tmp_path_factory.mktemp("moe-layouts")
     for processes in sorted({processes for processes, _ in LAYOUTS.values()}):
         launch_runs(root / f"moe-{processes}.json", processes, [
-            {"config": str(ROOT / "configs" / "tiny.toml"), "stop_at_step": 2,
+            {"config": str(ROOT / "configs" / "tiny.toml"), "stop_at_step": 3,
              "overrides": [*_moe_common(stdlib_data, root, name, layout), *layout]}
             for name, (size, layout) in LAYOUTS.items() if size == processes])
     return root
@@ -358,8 +359,9 @@ def moe_layouts(stdlib_data, tmp_path_factory) -> Path:
 def test_parallel_moe_trains_the_losses_and_gradients_of_one_process(stdlib_data, moe_layouts, one_process_moe,
                                                                      name):
     """Adam and Muon are blind to a gradient's scale, so the gradient norms are compared as well as
-    the losses: an expert gradient averaged over the wrong number of ranks shows there. The
-    expert-parallel checkpoint (experts split, and sharded too) resumes in one process."""
+    the losses: an expert gradient averaged over the wrong number of ranks shows there. Steps 1-3
+    are the layout's; its checkpoint (experts split, and sharded too) resumes in one process for
+    step 4."""
     _, layout = LAYOUTS[name]
     common = _moe_common(stdlib_data, moe_layouts, name, layout)
     if "parallel.tp=2" in layout:  # the routed experts split over ep x tp, the routers and shared experts whole
