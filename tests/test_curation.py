@@ -175,11 +175,13 @@ def test_evaluation_files_give_their_examples_whatever_their_line_endings_marks_
         (tmp_path / name).write_bytes(content)
         assert [e.strip() for e in _read_eval(tmp_path / name)] == ["Who wrote it?", "What is the capital of France?"]
     records = [{"text": "a question \ud800 with a lone surrogate"},  # (JSON's escape: no UTF-8 for it)
-               {"context": "Who wrote it?", "choices": ["the author", "a bot"], "label": 0},  # eval.tasks' format
+               {"context": "Who wrote it?", "choices": ["a bot", "the author"], "label": 1},  # eval.tasks' format
+               {"context": "Who wrote it?", "choices": ["a bot"], "label": 3},  # (no right choice: the question)
                {"question": "Who wrote it?", "answers": ["the author"], "id": 7}]
     (tmp_path / "eval.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in records).encode())
     examples = _read_eval(tmp_path / "eval.jsonl")
-    assert examples == ["a question ? with a lone surrogate", "Who wrote it?", "Who wrote it?\nthe author"]
+    assert examples == ["a question ? with a lone surrogate", "Who wrote it? the author", "Who wrote it?",
+                        "Who wrote it?\nthe author"]
     for example in examples:
         example.encode("utf-8")
 

@@ -104,7 +104,8 @@ def test_changing_an_option_or_a_file_prepares_again(tmp_path):
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     # A finished prepare is not replaced by one of other options unless asked (a typo would lose it).
     with pytest.raises(DataError, match=f"holds a finished prepare of other sources or options \\(vocabulary {VOCAB}, "
-                                        "made .*\\); give another output directory, or --overwrite to replace it"):
+                                        "made .*; seed 0 then, 1 now\\); give another output directory, or --overwrite "
+                                        "to replace it"):
         prepare([str(tmp_path / "corpus")], out, VOCAB, seed=1)
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     again = prepare([str(tmp_path / "corpus")], out, VOCAB, seed=1, overwrite=True)

@@ -1677,7 +1677,8 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Read text sources, train (or reuse) a byte-level BPE tokenizer and write "
                                     "token shards, a validation split, stats.json and manifest.json to --out.")
     p.add_argument("sources", nargs="+", metavar="SRC",
-                   help="directories, globs or files of text, .jsonl, .parquet; or builtin:python-stdlib")
+                   help="directories, globs or files of text, .jsonl, .parquet; or builtin:python-stdlib, "
+                                        "builtin:python-packages")
     p.add_argument("--out", type=_out_dir, required=True, help="data directory to write")
     p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size (default 8192; not with --tokenizer)")
     p.add_argument("--max-bytes", type=_bytes, default=None, help="stop reading after this much text (e.g. 50M)")
@@ -2008,8 +2009,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval)
 
     p = commands.add_parser("report", help="summarise a run (losses, speed, events; against a law's prediction)",
-                            description="Write loss.png, speed.png and a self-contained report.html into the run "
-                                        "directory and print its summary; with --law, the law's predicted final "
+                            description="Write plots (loss.png, speed.png and, where the run logged what they "
+                                        "show, batch.png, progress.png, norms.png, tasks.png) and a self-contained report.html "
+                                        "into the run directory and print its summary; with --law, the law's predicted final "
                                         "loss for this model and token count beside the loss reached.")
     p.add_argument("run_dir", help="run directory, e.g. demo/final")
     p.add_argument("--law", default=None, help="a law.json written by `scaletrain fit` (or the demo's sweep)")

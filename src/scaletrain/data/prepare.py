@@ -177,7 +177,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
 
     work = out / "work"
     created = not out.exists()  # (what a prepare that keeps nothing leaves: nothing, if it made out)
-    replaced = _replaced(out)
+    replaced = _replaced(out, options, content_sha256)
     if replaced and not overwrite and _finished_key(out) != key:
         raise DataError(f"{str(out)!r} holds a finished prepare of other sources or options ({replaced}); give "
                         "another output directory, or --overwrite to replace it (runs trained on it would then no longer "
@@ -692,7 +692,7 @@ def _reason_summary(dropped: dict[str, int]) -> str:
 
 def _read_eval(path: str | Path) -> list[str]:
     """The examples of an evaluation file: each record of a .jsonl (its "text"; a task's
-    "context", as eval.tasks' files hold it; else the record's strings), else each paragraph
+    "context" and right choice, as eval.tasks' files hold them; else the record's strings), else each paragraph
     (between blank lines, whatever the line endings). An example shorter than 13 words is
     matched whole (GPT-3's rule)."""
     path = Path(path)
@@ -716,18 +716,24 @@ def _read_eval(path: str | Path) -> list[str]:
 
 
 def _example(line: str) -> str:
-    """The evaluation text of one line of a .jsonl: its record's "text", or "context" (a
-    multiple-choice task's question, without its short choices, which would match documents
-    whole), or else the record's strings (not its keys, which are no evaluation text)."""
+    """The evaluation text of one line of a .jsonl: its record's "text", or a multiple-choice
+    task's "context" followed by its right choice (the whole example, question and answer, as
+    GPT-3 matched it: a short choice alone would match documents whole, and a short question
+    alone any document that asks it; without a valid "label", the context alone), or else the
+    record's strings (not its keys, which are no evaluation text)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError:
         return line
     if not isinstance(record, dict):
         return line
-    for key in ("text", "context"):
-        if isinstance(record.get(key), str):
-            return encodable(record[key])
+    if isinstance(record.get("text"), str):
+        return encodable(record["text"])
+    if isinstance(record.get("context"), str):
+        choices, label = record.get("choices"), record.get("label")
+        right = (choices[label] if isinstance(choices, list) and type(label) is int and 0 <= label < len(choices)
+                 and isinstance(choices[label], str) else "")
+        return encodable(f"{record['context']} {right}".strip())
     strings = [v for value in record.values() for v in (value if isinstance(value, list) else [value])
                if isinstance(v, str)]
     return encodable("\n".join(strings))
@@ -795,13 +801,26 @@ def _same_work(work: Path, key: str) -> bool:
         return False
 
 
-def _replaced(out: Path) -> str | None:
-    """What the finished prepare in out was (its vocabulary and when it was made), when there is one."""
+def _replaced(out: Path, options: dict, content_sha256: str) -> str | None:
+    """What the finished prepare in out was (its vocabulary and when it was made) and how it
+    differs from one of `options` on text of `content_sha256`, when there is one."""
     try:
         manifest = json.loads((out / "manifest.json").read_text())
-        return f"vocabulary {manifest['options']['vocab_size']}, made {manifest['created']}"
+        made = f"vocabulary {manifest['options']['vocab_size']}, made {manifest['created']}"
+        then = dict(manifest["options"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    changed = []
+    for name in sorted(then.keys() | options.keys()):
+        old, new = then.get(name), options.get(name)
+        if name == "tokenizer":  # (named by its hash, not its path)
+            old, new = (value and value.get("sha256") for value in (old, new))
+        if old != new:
+            small = max(len(repr(old)), len(repr(new))) <= 40
+            changed.append(f"{name} {old!r} then, {new!r} now" if small and name != "tokenizer" else f"other {name}")
+    if manifest.get("content_sha256") != content_sha256:
+        changed.append("other source text")
+    return "; ".join([made, *changed[:3], *(["..."] if len(changed) > 3 else [])])
 
 
 def _finished_key(out: Path) -> str | None:
