@@ -215,6 +215,35 @@ def _float8_unavailable() -> str | None:
     return None
 
 
+class Budget:
+    """The suite's seconds (issue 6: within 8 minutes, compilation included): a row starts only
+    while the time left is more than the longest row of its section took so far, and a row not
+    started says so; the report ends with the table either way, rather than at a timeout."""
+
+    def __init__(self, seconds: float, clock=time.perf_counter):
+        self.seconds, self.clock = seconds, clock
+        self.end = clock() + seconds
+        self.longest: dict[str, float] = {}
+
+    def refusal(self, section: str) -> str | None:
+        """Why a row of `section` is not started now, or None if it is."""
+        left, longest = self.end - self.clock(), self.longest.get(section, 0.0)
+        if left > longest:
+            return None
+        if left <= 0:
+            return f"not run: the suite's {self.seconds:.0f} s were spent (--budget-s)"
+        return (f"not run: {left:.0f} s of the suite's {self.seconds:.0f} left, less than the longest {section} row "
+                f"took ({longest:.0f} s)")
+
+    def row(self, section: str, run):
+        """run() timed as a row of `section`."""
+        started = self.clock()
+        try:
+            return run()
+        finally:
+            self.longest[section] = max(self.longest.get(section, 0.0), self.clock() - started)
+
+
 def table(report: dict) -> str:
     lines = [f"{'run':<38} {'tokens/s':>10} {'step ms':>9} {'MFU':>7} {'MFU causal':>10} {'MFU 6N':>7} {'peak GB':>8} "
              f"{'planned':>8} {'data wait':>9} {'ckpt block s':>13} {'cold start s':>12}  against the same-run plain "
@@ -257,6 +286,9 @@ def main() -> None:
                         "loss only then (a divisor of --warmup and --steps, so that the timed windows are whole)")
     parser.add_argument("--work", default=None, help="directory for the data and the runs (default: a new temporary one)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the suite, measures nothing")
+    parser.add_argument("--budget-s", type=float, default=450, help="seconds for the whole suite, data included: rows "
+                        "that would not end in time are left out, said so in their place (450: within the 480 s "
+                        "gpu_session.sh gives it)")
     args = parser.parse_args()
     if args.warmup % args.log_every or args.steps % args.log_every or args.steps <= args.warmup:
         parser.error(f"--log-every {args.log_every} must divide --warmup {args.warmup} and --steps {args.steps}, "
@@ -265,6 +297,7 @@ def main() -> None:
     static_compiles()
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp())
     data = work / "data"
+    budget = Budget(args.budget_s)
     t0 = time.perf_counter()
     prepare(["builtin:python-stdlib"], data, vocab_size=512 if args.tiny else 32768,
             max_bytes=2_000_000 if args.tiny else 40_000_000)
@@ -285,19 +318,27 @@ def main() -> None:
         report["configs"] = {}
         for name in args.configs.split(","):
             overrides = [*shape_of(name, args.tiny), *BEST, *(TINY if args.tiny else [])]
-            row = measure(data, runs, name, overrides, args.steps, args.warmup, every, args.log_every)
+            if (late := budget.refusal("config")) is not None:
+                report["configs"][name] = {"error": late}
+                continue
+            row = budget.row("config", lambda: measure(data, runs, name, overrides, args.steps, args.warmup, every,
+                                                       args.log_every))
             report["configs"][name] = {**with_issue_mfu(row, name), "settings": BEST,
                                        "reference": None if args.tiny else CONFIGS[name][1]}
             keep()
     if "baselines" in sections:  # the references, measured here: the same device, torch and day
         report["baselines"] = {}
         for name in args.configs.split(","):  # (each kept as it ends, should the device's time run out)
-            report["baselines"].update({name: with_issue_mfu(row, name)
-                                        for name, row in baselines([name], args.steps, args.warmup, args.tiny).items()})
+            if (late := budget.refusal("baseline")) is not None:
+                report["baselines"][name] = {"error": late}
+                continue
+            rows = budget.row("baseline", lambda: baselines([name], args.steps, args.warmup, args.tiny))
+            report["baselines"].update({name: with_issue_mfu(row, name) for name, row in rows.items()})
             keep()
     if "resume" in sections:
         try:
-            report["resume"] = resume_exactness(data, runs, ["train.device=cpu"] if args.tiny else [])
+            report["resume"] = ({"error": late} if (late := budget.refusal("resume")) is not None else
+                                resume_exactness(data, runs, ["train.device=cpu"] if args.tiny else []))
         except Exception as e:
             report["resume"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         keep()
@@ -322,13 +363,17 @@ def main() -> None:
         variants.update({"attention within documents": ["model.document_mask=true"], "eager": ["train.compile=false"]})
         for what, change in variants.items():
             overrides = [*shape, *BEST, *change, *(TINY if args.tiny else [])]
-            row = measure(data, runs, f"ablation-{what.replace(' ', '-')}", overrides, args.steps, args.warmup, every,
-                          args.log_every)
+            if (late := budget.refusal("ablation")) is not None:
+                report["ablations"][f"llama-126m, {what}"] = {"error": late}
+                continue
+            row = budget.row("ablation", lambda: measure(data, runs, f"ablation-{what.replace(' ', '-')}", overrides,
+                                                         args.steps, args.warmup, every, args.log_every))
             report["ablations"][f"llama-126m, {what}"] = {**with_issue_mfu(row, "llama-126m"),
                                                           "settings": [*BEST, *change]}
             if what == "CUDA graphs":
                 torch._dynamo.reset()  # (and its graphs' memory pool, which the next run's peak would count)
             keep()
+    report["suite_s"] = round(time.perf_counter() - t0, 1)
     print(table(report))
     text = json.dumps(report, indent=1)
     print(text)

@@ -38,7 +38,7 @@ def test_gpu_suite_runs_its_configs_ablations_and_resume_check_on_tiny_shapes(tm
         assert 0 <= row["data_wait_share"] < 1 and row["cold_start_s"] >= 0
         assert len(row["checkpoint_blocking_s"]) == 2  # at step 2 (two thirds of 4, rounded down) and the end
         assert row["mfu"] is None and row["mfu_6n"] is None  # no peak is known for a CPU
-    assert report["resume"]["bit_exact"] and report["resume"]["repeatable"]
+    assert report["resume"]["bit_exact"] and report["resume"]["repeatable"] and report["suite_s"] > 0
     assert "llama-126m" in result.stdout.splitlines()[1]  # the table comes before the JSON
     # The reference measured in the same process, as a bare loop: a row of its own, and the ratio.
     plain = report["baselines"]["llama-126m"]
@@ -83,6 +83,24 @@ def test_the_suites_issue_mfu_is_the_count_of_issue_6s_reference_table(monkeypat
         assert gpu_suite.issue_mfu(name, reference["tokens_per_s"], "NVIDIA H200") == pytest.approx(reference["mfu"],
                                                                                                    abs=6e-4)
     assert gpu_suite.issue_mfu("llama-126m", 501e3, "cpu") is None
+
+
+def test_the_suites_budget_leaves_out_the_rows_that_would_not_end_in_time(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_suite
+
+    now = [0.0]
+    budget = gpu_suite.Budget(100, clock=lambda: now[0])
+    assert budget.refusal("config") is None  # (nothing timed yet: the first row of a section runs)
+
+    def config_row() -> str:
+        now[0] += 60
+        return "measured"
+    assert budget.row("config", config_row) == "measured"
+    assert budget.refusal("config") == "not run: 40 s of the suite's 100 left, less than the longest config row took (60 s)"
+    assert budget.refusal("ablation") is None  # another section's rows: their own length
+    now[0] = 130
+    assert budget.refusal("ablation") == "not run: the suite's 100 s were spent (--budget-s)"
 
 
 def test_loss_chunk_benchmark_prints_both_variants_with_the_same_loss():
