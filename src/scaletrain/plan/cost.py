@@ -94,6 +94,12 @@ def checkpoint_interval(block_s: float, mtbf_s: float) -> float:
     return math.sqrt(2 * block_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - block_s
 
 
+def whole_steps(seconds: float, step_s: float, wall, shortest: int = 1) -> int:
+    """An interval of `seconds` as steps of `step_s`: the fewer or the more steps around it,
+    whichever `wall` (steps -> expected wall-clock) finds shorter, and never under `shortest`."""
+    return min({max(shortest, math.floor(seconds / step_s)), max(shortest, math.ceil(seconds / step_s))}, key=wall)
+
+
 def _segment_s(need_s: float, mtbf_s: float, restart_s: float, done_s: float = 0.0,
                unsafe_s: float = 0.0) -> float:
     """Expected seconds to get through a segment of `need_s` seconds of which `done_s` went by
@@ -144,7 +150,7 @@ def run_cost(steps: int, step_s: float, devices: int, nodes: int, state_bytes_pe
         return expected_wall_s(train_s, interval_steps * step_s, block, write, mtbf_s, rel.restart_s,
                                write if rel.async_save else 0.0)
 
-    interval_steps = min((max(shortest, k) for k in {math.floor(best / step_s), math.ceil(best / step_s)}), key=wall)
+    interval_steps = whole_steps(best, step_s, wall, shortest)
     interval = interval_steps * step_s
     wall_s = wall(interval_steps)
     fraction = train_s / wall_s

@@ -36,7 +36,7 @@ from scaletrain.parallel.apply import parallelize
 from scaletrain.parallel.context import shard_sequence
 from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.parallel.mesh import any_rank, collective_timeout, init_distributed, shutdown, world
-from scaletrain.plan.cost import checkpoint_interval
+from scaletrain.plan.cost import Reliability, checkpoint_interval, expected_wall_s, whole_steps
 from scaletrain.plan.hardware import peak_flops
 from scaletrain.model.moe import balance_tally, forget_counts, set_balance_weight, update_expert_bias
 from scaletrain.plan.memory import choose_recompute
@@ -1267,9 +1267,11 @@ class Trainer:
 
     def _auto_interval(self, blocking_s: float, step_s: float) -> dict:
         """checkpoint.interval = "auto": the steps to the next checkpoint, Daly's interval (about
-        sqrt(2 x blocking x MTBF); plan/cost.py) — never below the save's own blocking — over the
-        seconds a step takes, from the largest blocking and step time over the ranks (so that
-        every rank chooses the same step); what the checkpoint record keeps of it."""
+        sqrt(2 x blocking x MTBF); plan/cost.py) — never below the save's own blocking — in whole
+        steps as the planner takes it (the fewer or the more, whichever the rest of the run
+        expects to take less wall-clock with, at the planner's restart time), from the largest
+        blocking and step time over the ranks (so that every rank chooses the same step); what the
+        checkpoint record keeps of it."""
         measured = torch.tensor([blocking_s, step_s], dtype=torch.float64, device=self.device)
         if dist.is_initialized():
             dist.all_reduce(measured, op=dist.ReduceOp.MAX)
@@ -1277,7 +1279,11 @@ class Trainer:
         rate = self.cfg.checkpoint.failures_per_device_hour
         mtbf_s = 3600 / (rate * self.layout.world_size) if rate else None
         seconds = max(checkpoint_interval(blocking_s, mtbf_s), blocking_s) if mtbf_s else 3600.0
-        steps = max(1, math.ceil(seconds / max(step_s, 1e-9)))
+        step_s = max(step_s, 1e-9)
+        left_s = (self.total_steps - self.step) * step_s
+        steps = whole_steps(seconds, step_s, lambda k: expected_wall_s(
+            left_s, k * step_s, blocking_s, blocking_s, mtbf_s or math.inf, Reliability().restart_s),
+            shortest=max(1, math.ceil(blocking_s / step_s)))
         self.next_save = self.step + steps
         return {"interval_steps": steps, "measured_blocking_s": blocking_s, "measured_step_s": step_s,
                 "mtbf_s": mtbf_s}
