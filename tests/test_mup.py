@@ -55,14 +55,18 @@ def test_mup_starts_and_steps_each_kind_of_weight_as_its_fan_in_asks():
     for kind in ("adamw", "muon"):
         optimizer = optimizer_for(model, cfg, kind=kind)
         set_lr(optimizer, 2e-3)
-        lrs = lr_by_name(model, optimizer)
+        lrs, decays, epss = (lr_by_name(model, optimizer, key) for key in ("lr", "weight_decay", "eps"))
         assert len(lrs) == len(weights)
         for name, lr in lrs.items():
             slow = weights[name].ndim >= 2 and not name.startswith("tok_embeddings")
             # Muon's hidden matrices: lr / sqrt(m) (its update's spectral norm grows as sqrt(width))
             hidden = kind == "muon" and name.startswith("layers.") and slow and not name.endswith("router.weight")
             assert lr == pytest.approx(1e-3 if hidden else 5e-4 if slow else 2e-3), (kind, name)
-        assert {g["weight_decay"] for g in optimizer.param_groups if g["params"][0].ndim >= 2} == {0.1}
+            # The decay per step, lr x weight_decay, the base width's: 0.1 x 2e-3 for every matrix.
+            assert decays[name] * lr == pytest.approx(2e-4 if weights[name].ndim >= 2 else 0), (kind, name)
+            # Adam's eps times m where the head's (and routers') 1 / m is folded into the weight.
+            folded = name == "output.weight" or kind == "adamw" and name.endswith("router.weight")
+            assert epss[name] == pytest.approx(4e-8 if folded else 1e-8), (kind, name)
 
 
 def test_at_its_base_width_mup_is_the_standard_parametrization():
@@ -176,8 +180,12 @@ def test_depth_mup_starts_and_steps_each_kind_of_weight_as_completep_asks():
             residual = trunk and (".wo." in name or ".w2" in name)
             depth = 1 / 4 if residual else 4 ** -0.5 if trunk else 1  # lr d^(alpha - 1), and s of it for W' = s W
             assert lr == pytest.approx(1e-3 / width * depth), (kind, name)
-            assert decays[name] == pytest.approx(0 if not matrix else 0.1 * 2 if residual else 0.1), (kind, name)
-            assert epss[name] == pytest.approx(1e-8 * (1 / 2 if trunk and not residual else 1)), (kind, name)
+            # The width's decay times m (or sqrt(m): lr x decay as at the base width), the depth's
+            # fold's times d^alpha.
+            assert decays[name] == pytest.approx(0 if not matrix else 0.1 * width * (2 if residual else 1)), (kind, name)
+            folded = name.startswith("output") or kind == "adamw" and name.endswith("router.weight")
+            assert epss[name] == pytest.approx(1e-8 * (1 / 2 if trunk and not residual else 1) * (2 if folded else 1)), (
+                kind, name)
 
 
 def test_at_its_base_depth_depth_mup_is_the_standard_parametrization():
@@ -194,6 +202,46 @@ def test_at_its_base_depth_depth_mup_is_the_standard_parametrization():
     assert groups(optimizers[0]) == groups(optimizers[1])
     with pytest.raises(ConfigError, match="model.mup_depth_alpha = 0.5 is set but model.mup_base_layers is not"):
         config(64, "model.mup_depth_alpha=0.5")
+
+
+def _train_both(stdlib_data, models, optimizers) -> dict[int, list[float]]:
+    """Four steps of the same batches for each model with its optimizer: their losses."""
+    split = open_split(stdlib_data, "train")
+    losses = {i: [] for i in range(len(models))}
+    for step in range(4):
+        batch = torch.from_numpy(np.stack([split.read((step * 8 + i) * 65, 65) for i in range(8)]))
+        for i, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+            loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses[i].append(loss.item())
+    return losses
+
+
+def test_the_logit_multiplier_folded_into_the_head_trains_as_the_multiplier_itself(stdlib_data):
+    """muP written out — the logits times 1 / m, the head started m times as large and stepped at
+    the base rate, decay and eps, the blocks' matrices at lr / m with decay x m — against the
+    model that trains: 1 / m folded into the head with its own rate, decay and eps. A large eps
+    and decay, so that either factor wrong shows."""
+    cfg = config(128, "model.mup_base_dim=32")  # m = 4
+    m, lr, eps, decay = 4.0, 3e-3, 1e-4, 0.5
+    torch.manual_seed(0)
+    folded = Transformer(cfg.model)
+    written = copy.deepcopy(folded)
+    written.output.weight.data *= m
+    written.output.register_forward_hook(lambda module, args, out: out / m)
+    groups = []
+    for name, p in written.named_parameters():
+        hidden = p.ndim >= 2 and name.startswith("layers.")
+        groups.append({"params": [p], "lr": lr / m if hidden else lr, "eps": eps,
+                       "weight_decay": 0.0 if p.ndim < 2 else decay * m if hidden else decay})
+    optimizers = [optimizer_for(folded, cfg, lr=lr, weight_decay=decay, eps=eps),
+                  torch.optim.AdamW(groups, betas=(0.9, 0.95), fused=True)]
+    losses = _train_both(stdlib_data, (folded, written), optimizers)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for (name, a), b in zip(folded.state_dict().items(), written.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b / m if name == "output.weight" else b, rtol=1e-4, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize("alpha", [1.0, 0.5])
@@ -220,16 +268,7 @@ def test_the_residual_multiplier_folded_into_the_weights_trains_as_the_multiplie
                        "eps": eps * (d ** -alpha if trunk else 1), "weight_decay": decay if p.ndim >= 2 else 0.0})
     optimizers = [optimizer_for(folded, cfg, lr=lr, weight_decay=decay, eps=eps),
                   torch.optim.AdamW(groups, betas=(0.9, 0.95), fused=True)]
-    split = open_split(stdlib_data, "train")
-    losses = {0: [], 1: []}
-    for step in range(4):
-        batch = torch.from_numpy(np.stack([split.read((step * 8 + i) * 65, 65) for i in range(8)]))
-        for i, model in enumerate((folded, written)):
-            loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
-            optimizers[i].zero_grad()
-            loss.backward()
-            optimizers[i].step()
-            losses[i].append(loss.item())
+    losses = _train_both(stdlib_data, (folded, written), optimizers)
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     for (name, a), b in zip(folded.state_dict().items(), written.state_dict().values(), strict=True):
         scale = s if name.endswith(("wo.weight", "w2.weight")) else 1.0

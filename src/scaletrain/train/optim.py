@@ -53,7 +53,13 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     shrinking a norm's gain towards zero has no regularising meaning (as in GPT-3 and Llama).
     kind "muon": the blocks' matrices go to Muon (see the module's docstring). width_mult: muP's
     (model.mup_base_dim), by which every matrix but the embedding learns more slowly (AdamW's by
-    1 / m, Muon's hidden matrices by 1 / sqrt(m)). depth_mult and depth_alpha: depth-wise muP's
+    1 / m, Muon's hidden matrices by 1 / sqrt(m)) and decays by as much more (weight_decay
+    times m, or sqrt(m)): the decay per step, lr x weight_decay, and the timescale of the
+    weights' average it sets, stay the base width's (Wang and Aitchison 2024, "How to set AdamW's
+    weight decay as you scale model and dataset size"; CompleteP's reference code scales the
+    hidden matrices' decay so), and for the head and routers, whose muP multiplier 1 / m is
+    folded into the weight, it is what the multiplier written out would decay (with Adam's eps
+    times m, their gradients being m times the written-out weight's). depth_mult and depth_alpha: depth-wise muP's
     (model.mup_base_layers, see depth_factors). Each group's share of the learning rate, of the
     weight decay and of Adam's eps is the optimizer's `lr_scales`, `decay_scales` and `eps_scales`
     (see set_lr and set_hyperparameters). exclude: parameters stepped otherwise (a pipeline's copy
@@ -67,26 +73,33 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     # (Yang et al. 2022, table 3: under Adam a matrix whose fan-in grows m times steps 1 / m as
     # far; the embedding's fan-in, the vocabulary, does not grow.)
     matrices = [(name.split(".")[0] == "tok_embeddings" or width_mult == 1, name, p) for name, p in params if p.ndim >= 2]
-    kinds = [({}, [(name, p) for unscaled, name, p in matrices if not unscaled], 1 / width_mult),
-             ({}, [(name, p) for unscaled, name, p in matrices if unscaled], 1.0),
-             ({}, [(name, p) for name, p in params if p.ndim < 2], 1.0)]
+
+    def folded(name: str) -> bool:  # (the head and the routers: muP's 1 / m in the weight)
+        return folded_multiplier(name, width_mult) != 1
+    # (extra keys of the group, its members, its (lr, weight decay, eps) factors for the width)
+    kinds = [({}, [(name, p) for unscaled, name, p in matrices if not unscaled and not folded(name)],
+              (1 / width_mult, width_mult, 1.0)),
+             ({}, [(name, p) for unscaled, name, p in matrices if not unscaled and folded(name)],
+              (1 / width_mult, width_mult, width_mult)),
+             ({}, [(name, p) for unscaled, name, p in matrices if unscaled], (1.0, 1.0, 1.0)),
+             ({}, [(name, p) for name, p in params if p.ndim < 2], (1.0, 1.0, 1.0))]
     if kind == "muon":
         # Muon's update is orthogonal, its spectral norm 0.2 lr sqrt(max(rows, columns)): muP's
         # spectral condition (Yang, Simon and Bernstein 2023: sqrt(fan-out / fan-in)) asks
         # lr / sqrt(m) of the hidden matrices and lr / m of the routers, whose fan-out stays.
-        def router(name: str) -> bool:
-            return width_mult != 1 and name.endswith("router.weight")
-        kinds += [({"muon": True}, [(name, p) for name, p in muon if not router(name)], 1 / math.sqrt(width_mult)),
-                  ({"muon": True}, [(name, p) for name, p in muon if router(name)], 1 / width_mult)]
+        kinds += [({"muon": True}, [(name, p) for name, p in muon if not folded(name)],
+                   (1 / math.sqrt(width_mult), math.sqrt(width_mult), 1.0)),
+                  ({"muon": True}, [(name, p) for name, p in muon if folded(name)], (1 / width_mult, width_mult, 1.0))]
     groups = []  # (group, (lr, decay, eps) scales)
-    for extra, members, lr_scale in kinds:
+    for extra, members, (lr_scale, decay_scale, eps_scale) in kinds:
         # Under depth-wise muP each kind splits by where in the model its members sit.
         roles = [None] if depth_mult == 1 else [None, "inner", "residual"]
         for role in roles:
             share = [p for name, p in members if depth_mult == 1 or depth_role(name) == role]
             factors = depth_factors(role, depth_mult, depth_alpha)
             if share:
-                groups.append(({"params": share, **extra}, (lr_scale * factors[0], factors[1], factors[2])))
+                groups.append(({"params": share, **extra},
+                               (lr_scale * factors[0], decay_scale * factors[1], eps_scale * factors[2])))
     # The fused kernel is one launch per step instead of one per tensor group.
     fused = device.type in ("cuda", "cpu")
     optimizer = (Muon if kind == "muon" else torch.optim.AdamW)([group for group, _ in groups], lr=lr, fused=fused)
