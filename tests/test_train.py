@@ -931,6 +931,15 @@ def test_repeating_a_source_more_than_four_epochs_is_warned(mixture_root, tmp_pa
     with caplog.at_level(logging.WARNING, logger="scaletrain"):
         Trainer(tiny_config(mixture_root, tmp_path / "run", *mix, f"train.steps={steps}"))
     assert "'project' would be repeated 6.0 times" in caplog.text and "'stdlib'" not in caplog.text
+    # A step larger than a source repeats it within the step, in however short a run.
+    caplog.clear()
+    micro, seq = probe.cfg.train.micro_batch, probe.cfg.data.seq_len
+    seqs = micro * math.ceil((windows["stdlib"] / 0.1 + 1) / micro)
+    with caplog.at_level(logging.WARNING, logger="scaletrain"):
+        Trainer(tiny_config(mixture_root, tmp_path / "big", *mix, "train.steps=1",
+                            f"train.global_batch_tokens={seqs * seq}"))
+    assert (f"source 'stdlib' holds {windows['stdlib']} sequences of data.seq_len {seq}, fewer than its share of a "
+            f"step ({math.ceil(0.1 * seqs)})" in caplog.text and "train.global_batch_tokens" in caplog.text)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

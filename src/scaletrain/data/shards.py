@@ -3,8 +3,9 @@
 Layout of a data directory's token part:
 
     index.json                      {"version", "dtype", "vocab_size", "eos_id", "splits": {...}}
-    shards/train_00000.bin          tokens of whole documents, each followed by eos_id
-    shards/train_00000.docs.npy     int64 offsets of length documents + 1 into that shard
+    shards/train_00000_00000.bin        tokens of whole documents, each followed by eos_id (data
+                                        prepare's names: its chunk, then the shard of that chunk)
+    shards/train_00000_00000.docs.npy   int64 offsets of length documents + 1 into that shard
 
 Document offsets live in one .npy per shard rather than inside index.json: a corpus of
 millions of documents would make index.json too large to read on every start, while a

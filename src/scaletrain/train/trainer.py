@@ -463,10 +463,15 @@ class Trainer:
         """Repeating data beyond ~4 epochs is worth much less than fresh data (Muennighoff et al.
         2023, "Scaling Data-Constrained Language Models", section 5): say so before training."""
         samples = self.cfg.total_tokens // self.cfg.data.seq_len
+        step = self.cfg.train.global_batch_tokens // self.cfg.data.seq_len
         for source in self.loader.sources:
             weight = self.cfg.data.weights[source.name]
             epochs = samples * weight / source.windows
-            if epochs > 4:
+            if step * weight > source.windows:  # (said even of a run too short for the epochs to add up)
+                log.warning("source %r holds %d sequences of data.seq_len %d, fewer than its share of a step (%d), so "
+                            "each step trains on some of them twice; add data, or lower train.global_batch_tokens",
+                            source.name, source.windows, self.cfg.data.seq_len, math.ceil(step * weight))
+            elif epochs > 4:
                 log.warning("source %r would be repeated %.1f times over this run (more than 4 epochs, where repeated "
                             "tokens stop being nearly as useful as new ones); add data or lower its weight",
                             source.name, epochs)
