@@ -56,8 +56,9 @@ def test_each_token_gets_the_weighted_sum_of_its_top_k_experts_and_the_shared_on
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
 def test_the_grouped_gemm_computes_what_one_matmul_per_expert_does(monkeypatch, autocast):
     """model/moe.py runs the experts as one grouped GEMM on CPUs; the per-expert loop it
-    replaces (kept for other devices) gives the same outputs and gradients, bit for bit, an
-    expert without rows included."""
+    replaces (kept for other devices) gives the same outputs and gradients, an expert without
+    rows included: to float32 rounding (bit for bit on one machine; on an AVX-512 one, MKL's
+    kernels for the two shapes rounded an output a unit apart)."""
     from scaletrain.model import moe
 
     torch.manual_seed(0)
@@ -75,7 +76,7 @@ def test_the_grouped_gemm_computes_what_one_matmul_per_expert_does(monkeypatch, 
         out.backward(grad.to(out.dtype))
         results.append([out, *(t.grad for t in inputs)])
     for got, expected in zip(*results):
-        assert torch.equal(got, expected)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
     assert results[0][0].dtype == (torch.bfloat16 if autocast else torch.float32)
     assert torch.count_nonzero(results[0][2][1]) == 0  # expert 1 had no rows: a zero gradient
     nothing = torch.zeros(0, 32, requires_grad=True)  # a rank no row was sent to (expert parallelism)
