@@ -24,7 +24,7 @@ from scaletrain.config import load_config
 from scaletrain.train import trainer
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.resilience import loss_spike
-from scaletrain.train.schedule import lr_at
+from scaletrain.train.schedule import run_lr
 
 
 def losses(config: str, overrides: list[str], boost: int | None) -> list[float]:
@@ -32,13 +32,13 @@ def losses(config: str, overrides: list[str], boost: int | None) -> list[float]:
         cfg = load_config(config, [*overrides, f"run.dir={root}", "run.name=run", "log.interval=1",
                                    "eval.interval=0", "checkpoint.interval=0"])
 
-        def boosted(step, *args, **kwargs):
-            return lr_at(step, *args, **kwargs) * (100 if step + 1 == boost else 1)
-        trainer.lr_at = boosted
+        def boosted(cfg, step):
+            return run_lr(cfg, step) * (100 if step + 1 == boost else 1)
+        trainer.run_lr = boosted
         try:
             trainer.train(cfg)
         finally:
-            trainer.lr_at = lr_at
+            trainer.run_lr = run_lr
         return [r["loss"] for r in read_metrics(Path(root) / "run", "train")]
 
 

@@ -144,15 +144,15 @@ def launch_runs(spec_path: Path, nproc: int, spec: list[dict]) -> None:
 
 
 def lr_boost_once_at(step: int, factor: float):
-    """A replacement for the trainer's lr_at under which the update after step `step` takes
+    """A replacement for the trainer's run_lr under which the update after step `step` takes
     `factor` times its learning rate, once per process: a real loss spike at step `step` + 2
     (the first loss computed with the boosted update's weights)."""
-    from scaletrain.train.schedule import lr_at
+    from scaletrain.train.schedule import run_lr
 
     fired = []
 
-    def boosted(at, *args, **kwargs):
-        lr = lr_at(at, *args, **kwargs)
+    def boosted(cfg, at):
+        lr = run_lr(cfg, at)
         if at == step and not fired:
             fired.append(True)
             return lr * factor
@@ -187,11 +187,11 @@ def glitched(kind: str, step: int):
     if kind == "nan":
         saved, trainer.Trainer._clip_gradients = trainer.Trainer._clip_gradients, nan_norm_once_after(step)
     else:
-        saved, trainer.lr_at = trainer.lr_at, lr_boost_once_at(step - 1, 100)
+        saved, trainer.run_lr = trainer.run_lr, lr_boost_once_at(step - 1, 100)
     try:
         yield
     finally:
         if kind == "nan":
             trainer.Trainer._clip_gradients = saved
         else:
-            trainer.lr_at = saved
+            trainer.run_lr = saved

@@ -255,6 +255,13 @@ def test_launch_refuses_a_batch_that_does_not_split_over_its_ranks():
     small = cfg.model_copy(update={"train": cfg.train.model_copy(update={"global_batch_tokens": 8 * cfg.data.seq_len})})
     with pytest.raises(ConfigError, match="do not split into 16 data-parallel ranks"):
         slurm_script(small, "configs/llama-1b.toml", [], 2, 8)
+    # Where the ranks take whole sequences, a smaller micro-batch is the change that keeps the batch.
+    wider = cfg.model_copy(update={"train": cfg.train.model_copy(update={"global_batch_tokens": 96 * cfg.data.seq_len,
+                                                                          "micro_batch": 4})})
+    with pytest.raises(ConfigError, match=r"96 sequences, which do not split into 16 data-parallel ranks x "
+                                          r"train.micro_batch = 4; use a multiple of \d+ tokens, or train.micro_batch = 3 "
+                                          r"\(the same batch, each rank's 6 sequences in micro-batches of 3\)"):
+        slurm_script(wider, "configs/llama-1b.toml", [], 2, 8)
     assert "srun python3 -m scaletrain.torchrun" in slurm_script(cfg, "configs/llama-1b.toml", [], 2, 8)
 
 

@@ -601,6 +601,26 @@ def test_a_missing_data_directory_is_a_config_error(tmp_path):
         Trainer(tiny_config(tmp_path / "nowhere", tmp_path / "run"))
 
 
+def test_a_run_resumes_on_its_data_moved_and_says_when_a_longer_schedule_warms_it_up_again(stdlib_data, tmp_path,
+                                                                                            caplog):
+    """The same data under another directory name (one source, named by its directory) resumes
+    exactly; a finished cosine run extended to more steps resumes at a higher rate, and says so."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    common = ["train.steps=4", "train.warmup_steps=1", "checkpoint.interval=2", "eval.interval=0"]
+    train(tiny_config(stdlib_data, whole, *common))
+    train(tiny_config(stdlib_data, split, *common), stop_at_step=2)
+    moved = tmp_path / "elsewhere" / "stdlib-copy"
+    moved.parent.mkdir()
+    moved.symlink_to(stdlib_data, target_is_directory=True)
+    train(tiny_config(moved, split, *common))
+    assert losses(split) == losses(whole)
+    with caplog.at_level(logging.WARNING, logger="scaletrain"):
+        train(tiny_config(moved, split, *common[1:], "train.steps=8"))
+    assert re.search(r"with train.steps changed, the learning rate after step 4 is [\d.e-]+, where the schedule it "
+                     r"trained with gave [\d.e-]+: a run past its decay that trains on warms up again", caplog.text)
+    assert sorted(losses(split)) == list(range(1, 9))
+
+
 def test_resume_from_an_explicit_checkpoint_path(stdlib_data, tmp_path):
     first = tmp_path / "first"
     train(tiny_config(stdlib_data, first, "train.steps=4", "checkpoint.interval=2", "eval.interval=0"))

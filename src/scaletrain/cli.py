@@ -197,7 +197,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     table.add_row("run directory", str(result.run_dir))
     out.print(table)
     if result.resumed_from == result.total_steps:
-        out.print(f"{result.run_dir} had already finished; to train again, choose a new run.name")
+        out.print(f"{result.run_dir} had already finished; to train on, raise train.steps (or train.tokens) above "
+                  f"{result.step:,}; to train again from the start, choose a new run.name")
     elif result.step < result.total_steps:
         out.print(f"stopped at step {result.step}; run the same command without --stop-at-step to continue")
     return 0

@@ -23,7 +23,7 @@ from pathlib import Path
 from scaletrain.config import ConfigError, RunConfig, load_config, run_config_file, validate_config
 from scaletrain.data.shards import read_index
 from scaletrain.train.checkpoint import check_complete, complete_checkpoints, step_of
-from scaletrain.train.schedule import DECAY_SHAPES, lr_at, wsd_decay_start
+from scaletrain.train.schedule import DECAY_SHAPES, run_lr, wsd_decay_start
 
 log = logging.getLogger("scaletrain")
 
@@ -49,15 +49,12 @@ def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str
                           + (", ".join(map(str, sorted(kept))) if kept else "none") + " (checkpoint.keep_every keeps "
                           "more of them for branching)")
     train = cfg.train
-    schedule = dict(lr=train.lr, warmup_steps=train.warmup_steps, schedule=train.schedule,
-                    min_lr_ratio=train.min_lr_ratio, decay_fraction=train.decay_fraction,
-                    decay_shape=train.decay_shape)
     # The branch is exact when every update the run made up to its checkpoint was at the peak
     # rate, as the branch's own WSD schedule makes them (warmup aside).
     if step < train.warmup_steps:
         raise ConfigError(f"step {step} of {str(run_dir)!r} is in its warmup (train.warmup_steps = "
                           f"{train.warmup_steps}); a cooldown branches from the stable stretch after it")
-    last = lr_at(step - 1, cfg.total_steps, **schedule) if step else train.lr  # the checkpoint's last update
+    last = run_lr(cfg, step - 1) if step else train.lr  # the checkpoint's last update
     stable = math.isclose(last, train.lr, rel_tol=1e-9)  # (the warmup's last rate is lr * w / w)
     if not stable and train.schedule == "wsd":
         decay = wsd_decay_start(cfg.total_steps, train.warmup_steps, train.decay_fraction)

@@ -27,6 +27,7 @@ attempts (pytorch issues #135712, #167288): TORCH_DISABLE_SHARE_RDZV_TCP_STORE i
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -90,9 +91,16 @@ def run(torchrun_args: list[str]) -> tuple[int, str | None]:
                                                                           signal.SIGHUP, signal.SIGQUIT)}
         done = threading.Event()
 
+        elastic_levels: dict[str, int] = {}
+
         def watch():  # stops every worker once one refused (it waits for that: hand_over)
             while not done.wait(0.2):
                 if refusal.exists():
+                    # (what torchrun says of stopping them, three warnings, would come before the one line)
+                    for name, logger in list(logging.root.manager.loggerDict.items()):
+                        if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger):
+                            elastic_levels[name] = logger.level
+                            logger.setLevel(logging.ERROR)
                     os.kill(os.getpid(), signal.SIGTERM)
                     return
 
@@ -128,6 +136,8 @@ def run(torchrun_args: list[str]) -> tuple[int, str | None]:
             if watcher.is_alive():
                 watcher.join()
             api._terminate_process_handler = raise_signal
+            for name, level in elastic_levels.items():
+                logging.getLogger(name).setLevel(level)
             for signum, handler in saved_handlers.items():
                 signal.signal(signum, handler)
             for key, value in saved_env.items():

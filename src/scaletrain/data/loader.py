@@ -160,10 +160,14 @@ class TokenLoader:
             raise DataError(f"the checkpoint's data order was drawn for seed {state['seed']} and seq_len "
                             f"{state['seq_len']}, not seed {self.seed} and seq_len {self.seq_len}; resume with "
                             f"the run's original run.seed and data.seq_len")
-        mine = {s.name: s.split.tokens for s in self.sources}
-        if state["split_tokens"] != mine:
-            raise DataError(f"the checkpoint was trained on sources of {state['split_tokens']} tokens, these are "
-                            f"{mine}; resume on the run's original data.path and data.mix")
+        mine, theirs = {s.name: s.split.tokens for s in self.sources}, state["split_tokens"]
+        if len(mine) == len(theirs) == 1 and list(mine.values()) == list(theirs.values()):
+            # One source, named by its directory: the same data moved (or linked) under another name.
+            state = {**state, "taken": {self.sources[0].name: next(iter(state["taken"].values()))}}
+        elif theirs != mine:
+            raise DataError(f"the checkpoint was trained on sources of {theirs} tokens, these are {mine}; resume on "
+                            "the run's original data.path and data.mix, or start a new stage from the checkpoint on "
+                            "this data with checkpoint.init_from")
         self.consumed, self.micro = int(state["consumed"]), int(state["micro"])
         # (States written before batches could grow: every step took seqs_per_step.)
         self.step = int(state.get("step", self.consumed // self.seqs_per_step))

@@ -95,10 +95,15 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
                           f"can do but {layout.world_size} sharing parameters and collectives cannot; use 'default' or "
                           "'max-autotune-no-cudagraphs'")
     for name, batch in cfg.batch_names():
-        if batch // seq_len % (layout.dp * cfg.train.micro_batch):
-            raise ConfigError(f"{name} = {batch} holds {batch // seq_len} sequences, which do not split into "
+        sequences = batch // seq_len
+        if sequences % (layout.dp * cfg.train.micro_batch):
+            per_rank = sequences // layout.dp if sequences % layout.dp == 0 else 0
+            smaller = max((k for k in range(1, cfg.train.micro_batch) if per_rank % k == 0), default=None)
+            raise ConfigError(f"{name} = {batch} holds {sequences} sequences, which do not split into "
                               f"{layout.dp} data-parallel ranks x train.micro_batch = {cfg.train.micro_batch}; use a "
-                              f"multiple of {layout.dp * cfg.train.micro_batch * seq_len} tokens")
+                              f"multiple of {layout.dp * cfg.train.micro_batch * seq_len} tokens"
+                              + (f", or train.micro_batch = {smaller} (the same batch, each rank's {per_rank} "
+                                 f"sequences in micro-batches of {smaller})" if smaller else ""))
     if model.mtp_depth and layout.cp > 1 and 2 * model.mtp_depth >= seq_len:
         raise ConfigError(f"model.mtp_depth = {model.mtp_depth} would leave a context-parallel rank no position to "
                           f"predict; with parallel.cp = {layout.cp} it must be below data.seq_len / 2 = {seq_len // 2}")

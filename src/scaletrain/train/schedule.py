@@ -19,6 +19,13 @@ DECAY_SHAPES = {
 }
 
 
+def run_lr(cfg, step: int) -> float:
+    """The learning rate of the update at `step` (0-based) of the run `cfg` (a RunConfig) describes."""
+    train = cfg.train
+    return lr_at(step, cfg.total_steps, lr=train.lr, warmup_steps=train.warmup_steps, schedule=train.schedule,
+                 min_lr_ratio=train.min_lr_ratio, decay_fraction=train.decay_fraction, decay_shape=train.decay_shape)
+
+
 def lr_at(step: int, total_steps: int, *, lr: float, warmup_steps: int, schedule: str,
           min_lr_ratio: float = 0.1, decay_fraction: float = 0.2, decay_shape: str = "linear") -> float:
     """Learning rate of the update made at `step` (0-based) of a run of `total_steps` updates.

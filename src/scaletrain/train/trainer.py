@@ -50,7 +50,7 @@ from scaletrain.train.init_from import init_source, starts_fresh
 from scaletrain.train.metrics import Heartbeat, MetricsLog, StepProfiler, TensorBoardSink, WandbSink, read_metrics
 from scaletrain.train.optim import build_optimizer, folded_multiplier, local_shard, set_hyperparameters, set_lr
 from scaletrain.train.resilience import StopSignals, StoppedBySignal, Watchdog, loss_spike
-from scaletrain.train.schedule import lr_at
+from scaletrain.train.schedule import run_lr
 from scaletrain.train.tasks import Task, load_task, task_metrics
 
 log = logging.getLogger("scaletrain")
@@ -733,7 +733,7 @@ class Trainer:
                               "(checkpoint.init_from)")
         if self.step > self.total_steps:
             raise ConfigError(f"{path} is at step {self.step}, past the run's {self.total_steps} steps "
-                              f"(train.steps or train.tokens); raise them to at least {self.step} to go on, or give "
+                              f"(train.steps or train.tokens); raise them above {self.step} to go on, or give "
                               "a new run.name to start another run")
         log.info("resumed from %s at step %d", path, self.step)
         return self.step
@@ -836,8 +836,7 @@ class Trainer:
         kernel takes from GradScaler), and the first such step is remembered on the device and
         raised as TrainingDiverged at the next look, before anything is saved."""
         cfg = self.cfg.train
-        lr = lr_at(self.step, self.total_steps, lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule,
-                   min_lr_ratio=cfg.min_lr_ratio, decay_fraction=cfg.decay_fraction, decay_shape=cfg.decay_shape)
+        lr = run_lr(self.cfg, self.step)
         set_lr(self.optimizer, lr)
         self.model.train()
         micro_steps = self.micro_steps(self.step)
@@ -1656,6 +1655,26 @@ def check_run_dir(cfg: RunConfig, warn: bool = True) -> None:
     if others and warn:
         log.warning("resuming %s with changed settings: %s", run_dir,
                     ", ".join(f"{key} {changed[key][0]} -> {changed[key][1]}" for key in others))
+    schedule = [key for key in others if key.startswith("train.") and key.split(".")[1] in SCHEDULE_KEYS]
+    if schedule and warn:  # (the newest checkpoint: where a resume goes on, unless it is damaged)
+        _warn_rescheduled(load_config(saved), cfg, checkpoint.step_of(checkpoint.committed_checkpoints(ckpt_root)[0]),
+                          schedule)
+
+
+# What the learning rate of a step depends on (train.*).
+SCHEDULE_KEYS = ("lr", "warmup_steps", "schedule", "min_lr_ratio", "decay_fraction", "decay_shape", "steps", "tokens",
+                 "global_batch_tokens", "batch_ramp")
+
+
+def _warn_rescheduled(before: RunConfig, now: RunConfig, step: int, keys: list[str]) -> None:
+    """Say when a resume's changed schedule moves the learning rate where training goes on: a
+    run extended past its decay (more train.steps under cosine or WSD) warms up again."""
+    was, will = run_lr(before, step), run_lr(now, step)
+    if abs(will - was) > 0.1 * was:
+        log.warning("with %s changed, the learning rate after step %d is %.3g, where the schedule it trained with "
+                    "gave %.3g%s", ", ".join(keys), step, will, was,
+                    ": a run past its decay that trains on warms up again; to go on at a low rate, train a new stage "
+                    "from it with its own schedule (checkpoint.init_from)" if will > was else "")
 
 
 def train(cfg: RunConfig, stop_at_step: int | None = None, launched: float | None = None) -> TrainResult:
