@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sysconfig
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -245,6 +246,36 @@ def test_k8s_names_are_dns_labels_whatever_the_run_name():
         cfg = load_config(ROOT / "configs" / "llama-1b.toml", [f"run.name={run_name}"])
         service, job = json.loads(k8s_manifest(cfg, "configs/llama-1b.toml", [], 2, 8, "image:1"))["items"]
         assert service["metadata"]["name"] == job["metadata"]["name"] == expected
+
+
+def test_a_run_directory_another_run_trains_in_is_refused_and_left_as_it_was(stdlib_data, trained_run, tmp_path):
+    """Launched twice (or requeued while the first still runs), a run would resume from the
+    other's checkpoints and both would write them: the second is refused while the first holds
+    the directory (its lock, here held as a running run holds it), and goes on once it is free."""
+    from scaletrain.train import checkpoint
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    args = ["train", "configs/tiny.toml", f"data.path={stdlib_data}", f"run.dir={tmp_path}", "run.name=run",
+            "eval.interval=0", "train.steps=7"]
+    lock, held = checkpoint.hold_run_dir(run_dir)
+    assert lock is not None and held is None
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    try:
+        assert_one_line_error(run_cli(*args), f"run directory '{run_dir}' is in use by another run (process "
+                                              f"{os.getpid()} on ", "wait for it to end, or choose another run.name")
+        assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    finally:
+        checkpoint.release_run_dir(lock)
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr
+    # Under a scheduler or a restart (the process it replaces may not have ended yet) it waits.
+    lock, _ = checkpoint.hold_run_dir(run_dir)
+    assert checkpoint.hold_run_dir(run_dir, wait_s=0.5)[0] is None
+    threading.Timer(1.0, checkpoint.release_run_dir, [lock]).start()
+    waited, held = checkpoint.hold_run_dir(run_dir, wait_s=60)
+    assert waited is not None and held is None
+    checkpoint.release_run_dir(waited)
 
 
 def test_launch_refuses_a_batch_that_does_not_split_over_its_ranks():

@@ -21,12 +21,16 @@ batches that led to the divergence, as the rewound run did (see `record_rewind`)
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
 import shutil
+import socket
+import time
 import zlib
 import warnings
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -44,6 +48,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 MARKER = "COMMITTED"
 REWOUND = "REWOUND"
 PREFIX = "step_"
+LOCK_FILE = ".lock"  # (a run directory's: hold_run_dir)
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -523,6 +528,52 @@ def with_earlier(path: Path, count: int) -> list[Path]:
                               f"complete checkpoints before it in {path.parent}, which keeps {len(earlier)}; average "
                               "fewer, choose a later step, or keep more (checkpoint.keep, checkpoint.keep_every)")
     return [*reversed(earlier), path]
+
+
+def hold_run_dir(run_dir: Path, wait_s: float = 0.0):
+    """Lock `run_dir` for the run training in it (an exclusive flock of run_dir/.lock, released by
+    release_run_dir or when the process ends, however it ends), waiting up to `wait_s` for
+    another holder to let go: (the lock, None), or (None, a sentence saying who holds it). A
+    filesystem without locks gives (None, None): the run goes on."""
+    path = run_dir / LOCK_FILE
+    try:
+        held = open(path, "a+")
+    except OSError:
+        return None, None
+    deadline, said = time.monotonic() + wait_s, False
+    while True:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            held.seek(0)
+            holder = held.read().strip() or "a process"
+            if time.monotonic() < deadline:
+                if not said:
+                    log.warning("waiting for %s, which holds run directory %s, to end (%.0f s at most)", holder,
+                                run_dir, wait_s)
+                    said = True
+                time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
+                continue
+            held.close()
+            return None, (f"run directory {str(run_dir)!r} is in use by another run ({holder}); wait for it to end, or "
+                          "choose another run.name")
+        except OSError:  # (no locks on this filesystem)
+            held.close()
+            return None, None
+    held.seek(0)
+    held.truncate()
+    held.write(f"process {os.getpid()} on {socket.gethostname()}, since "
+               f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}\n")
+    held.flush()
+    return held, None
+
+
+def release_run_dir(held) -> None:
+    """Give up the lock hold_run_dir took (None: nothing held)."""
+    if held is not None:
+        fcntl.flock(held, fcntl.LOCK_UN)
+        held.close()
 
 
 def committed_checkpoints(root: Path) -> list[Path]:

@@ -1303,7 +1303,6 @@ class Trainer:
                      for kind in ("train", "eval"))
 
     def fit(self, stop_at_step: int | None = None) -> TrainResult:
-        cfg = self.cfg
         resumed_from = self.resume()  # (first: a resume refused leaves no run directory behind)
         if stop_at_step is not None and resumed_from is not None and stop_at_step <= resumed_from < self.total_steps:
             self.loader.close()
@@ -1323,6 +1322,26 @@ class Trainer:
             raise checkpoint.CheckpointError(problem or "another process of this run cannot write its checkpoints (its "
                                              "own error says why); make the checkpoint directory writable on every node")
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # One run trains in a directory at a time: a second (launched twice, a job requeued while
+        # the first still runs) would resume from the first's checkpoints and both write them.
+        # Under a scheduler or a restart it waits a while: the process of a node it replaces may
+        # not have ended yet (a shared filesystem's lock outlives a lost node by its lease).
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+        scheduled = restarted or any(key in os.environ for key in ("SLURM_JOB_ID", "KUBERNETES_SERVICE_HOST"))
+        lock, held = (checkpoint.hold_run_dir(self.run_dir, RUN_DIR_WAIT_S if scheduled else 0.0) if self.is_main
+                      else (None, None))
+        if any_rank(held is not None):
+            self.loader.close()
+            raise ConfigError(held or "the run directory is in use by another run (rank 0's error says which); wait "
+                              "for it to end, or choose another run.name")
+        try:
+            return self._train(resumed_from, stop_at_step)
+        finally:
+            checkpoint.release_run_dir(lock)
+
+    def _train(self, resumed_from: int | None, stop_at_step: int | None) -> TrainResult:
+        """fit's training, the run directory held."""
+        cfg = self.cfg
         params = param_counts(cfg.model)
         ramp = "".join(f"{batch:,} tokens until {until:,}, then " for batch, until in cfg.train.batch_ramp)
         log.info("%s: %s parameters (%s non-embedding), %.3g FLOPs per token; %d steps of %s%s tokens on %s (%s)",
@@ -1660,6 +1679,9 @@ def check_run_dir(cfg: RunConfig, warn: bool = True) -> None:
         _warn_rescheduled(load_config(saved), cfg, checkpoint.step_of(checkpoint.committed_checkpoints(ckpt_root)[0]),
                           schedule)
 
+
+# How long a run started by a scheduler or a restart waits for its directory's previous holder.
+RUN_DIR_WAIT_S = 300.0
 
 # What the learning rate of a step depends on (train.*).
 SCHEDULE_KEYS = ("lr", "warmup_steps", "schedule", "min_lr_ratio", "decay_fraction", "decay_shape", "steps", "tokens",
