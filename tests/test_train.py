@@ -357,6 +357,23 @@ def test_a_full_disk_at_a_save_is_said_in_one_sentence_and_loses_nothing(stdlib_
                 train(cfg)
         assert [p.name for p in checkpoint.all_checkpoints(run_dir / "checkpoints")] == ["step_0000002"]
         assert train(cfg).step == 6  # resumed from step 2, room made
+    # A filesystem that reports no size (some FUSE mounts: 0 of 0 bytes free) says nothing of
+    # space: the writer's own error is what is raised, not a full disk.
+    cfg = tiny_config(stdlib_data, tmp_path / "fuse", "train.steps=4", "checkpoint.interval=2", "eval.interval=0",
+                      "checkpoint.async_save=false")
+    @contextlib.contextmanager
+    def failing(self, path, mode):
+        if "step_0000002" in str(path) and "w" in mode:
+            raise RuntimeError("unexpected pos 704 vs 598")
+        with real(self, path, mode) as stream:
+            yield stream
+
+    with monkeypatch.context() as patched:
+        patched.setattr(checkpoint.shutil, "disk_usage", lambda path: usage._replace(total=0, used=0, free=0))
+        patched.setattr(filesystem.FileSystem, "create_stream", failing)
+        with pytest.raises(BaseException) as raised:
+            train(cfg)
+    assert "disk holding it is full" not in str(raised.value) and "unexpected pos" in repr(raised.value)
 
 
 def test_checkpoint_directories_a_run_could_not_save_into_are_refused_before_it_trains(stdlib_data, tmp_path,

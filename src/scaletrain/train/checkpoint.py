@@ -140,7 +140,8 @@ def _disk_full(path: Path, error: BaseException) -> CheckpointError | None:
     from, and holds the space the next try needs); None where the disk has room."""
     full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _causes(error))
     try:
-        free = shutil.disk_usage(path.parent).free
+        usage = shutil.disk_usage(path.parent)
+        free = usage.free if usage.total else None  # (a filesystem that reports no size says nothing of space)
     except OSError:
         free = None
     if not full and (free is None or free >= FULL_DISK_BYTES):
