@@ -236,6 +236,12 @@ def test_pipelining_splits_the_parameters_and_keeps_1f1b_activations_where_one_d
         copies = training_memory(cfg, 2048, 1, micro_steps=8, fsdp=4, pp=pp).weight_copies
         head_and_embedding = 2 if pp == 1 else 1  # the busier pipeline rank holds the head alone
         assert copies == round(2 * (blocks * block + head_and_embedding * cfg.vocab * cfg.dim)), pp
+    # ... and its gradients whole until the step's last backward (torch's stages turn FSDP's
+    # reduction off for the others): the stage's float32 gradients beside the activations.
+    sharded, plain = (training_memory(cfg, 2048, 1, fsdp=4, pp=pp) for pp in (2, 1))
+    assert sharded.gradients_whole == 4 * sharded.gradients and plain.gradients_whole == 0
+    assert sharded.peak == (sharded.parameters + sharded.optimizer + sharded.weight_copies + sharded.activations
+                            + sharded.loss + sharded.gradients_whole)
 
 
 def test_muon_holds_one_moment_of_the_block_matrices_and_the_largest_whole_in_its_step():

@@ -599,8 +599,10 @@ def plan_tables(plan: dict) -> list[Table]:
     how.add_column()
     how.add_row("layout", plan["layout"]["text"] + (" (the config's)" if plan["layout"].get("kept") else ""))
     mem = plan["memory"]
-    parts = ", ".join(f"{key.replace('_', ' ')} {_gb(mem[key])}" for key in
-                      ("parameters", "gradients", "optimizer", "ema", "weight_copies", "activations", "loss")
+    parts = ", ".join(f"{key.replace('_', ' ')} {_gb(mem[key])}"
+                      + (f" ({_gb(mem['gradients_whole'])} whole while the micro-batches run)"
+                         if key == "gradients" and mem.get("gradients_whole") else "")
+                      for key in ("parameters", "gradients", "optimizer", "ema", "weight_copies", "activations", "loss")
                       if key != "ema" or mem.get(key))
     how.add_row("memory per device", f"{_gb(mem['peak'])} of {_gb(mem['usable'])} usable: {parts}")
     parts = ", ".join(f"{key.replace('_', ' ')} {step[key]:.3g} s" for key in

@@ -70,7 +70,10 @@ is not modelled.
 Peak = parameters + optimizer + weight copies + the larger of (activations + loss, plus the
 gradients when micro-batches accumulate into them) and (gradients + one block's activations):
 with gradients set to None after each step, a single micro-batch's backward starts holding
-none. The CUDA caching allocator adds fragmentation on top, which this does not model.
+none. Under a pipeline with FSDP the accumulating gradients are the stage's whole, not its
+shards: torch's pipeline stages turn FSDP's gradient reduction (and resharding) off for every
+backward but the step's last, so each rank holds its stage's unsharded float32 gradients
+beside the micro-batches' activations (its bf16 weights stay gathered too, counted below). The CUDA caching allocator adds fragmentation on top, which this does not model.
 
 Pipeline parallelism (pp ranks) gives each rank L/pp blocks, the embedding to the rank of the
 first stage and the final norm and output head (and the loss) to the rank of the last; the
@@ -112,6 +115,9 @@ class MemoryEstimate:
     loss: int
     peak: int
     ema: int = 0
+    # A pipeline with FSDP: the stage's gradients whole (float32) while its micro-batches run,
+    # where `gradients` are the shards the step leaves (0 otherwise).
+    gradients_whole: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -344,12 +350,16 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     if loss_chunk_tokens:  # + the float32 weight gradient, and in bf16 a chunk's contribution before it is added
         loss += tokens * cfg.dim * (2 if bf16 else 4) + (6 if bf16 else 4) * vocab * cfg.dim
     loss = round(losses * (1 + _mtp(cfg)) * loss) if head else 0  # (each depth's loss: another head's)
-    accumulating = gradients if micro_steps > 1 else 0
+    # Under a pipeline torch's stages keep FSDP from reducing until the step's last backward
+    # (stage.py: no gradient sync, no resharding, on every other): each rank holds its stage's
+    # gradients whole, in float32 (the reduce dtype), while its micro-batches run.
+    whole_gradients = gradients * fsdp if pp > 1 and fsdp > 1 else 0
+    accumulating = whole_gradients or (gradients if micro_steps > 1 else 0)
     averaged = parameters if ema else 0
     peak = parameters + averaged + optimizer_bytes + weight_copies + max(activations + loss + accumulating,
                                                                          gradients + max(round(one_block), stepping))
     return MemoryEstimate(parameters, gradients, optimizer_bytes, weight_copies, activations, loss, round(peak),
-                          averaged)
+                          averaged, whole_gradients)
 
 
 def _muon_step_bytes(cfg: Any, fsdp: int, tp: int, ep: int) -> int:

@@ -10,7 +10,11 @@ with heads of 64, multiples of 1024 from 2048 with heads of 128; eight key/value
 embeddings (so that any pipeline split is open), and a depth near width / 128 — the aspect
 ratio of Llama 3 8B (4096 / 32) and 405B (16384 / 126) and of GPT-3 175B (12288 / 96); the loss
 depends little on it over a wide range (Kaplan et al. 2020, figure 5). Of the widths (multiples
-of 128) and depths within a factor 1.5 of that ratio, the one with N closest to the target wins.
+of 128) and depths within a factor 1.5 of that ratio, the one with N closest to the target wins,
+a depth that does not halve four times (into 2 to 16 pipeline stages) counted 1% further for
+each halving it lacks: a prime depth could never be pipelined over a power-of-two count of
+devices (what a 4% miss in N costs in loss at a fixed budget is far below the law's own
+interval: the IsoFLOP minimum is flat).
 
 Learning rate and batch follow the sweeps' rule (scaling/grid.py: DeepSeek LLM's η_opt(C) and
 B_opt(C)) at the run's compute, the warmup as many tokens as parameters, the schedule
@@ -56,7 +60,10 @@ def nearest_shapes(ns: list[float], vocab: int, seq_len: int) -> list[ModelConfi
             cfg = _shape(dim, layers, vocab, seq_len)
             total = param_counts(cfg)["total"]
             for i, n in enumerate(ns):
-                miss = abs(math.log(total / n)) + 0.01 * abs(math.log(layers / aim))
+                # (a depth that halves four times splits over 2 to 16 pipeline ranks: a prime one over
+                # none, and a plan at a power-of-two count of devices could then not pipeline it)
+                splits = min(4, (layers & -layers).bit_length() - 1)
+                miss = abs(math.log(total / n)) + 0.01 * abs(math.log(layers / aim)) + 0.01 * (4 - splits)
                 if best[i] is None or miss < best[i][0]:
                     best[i] = (miss, cfg)
         if vocab * dim > 2 * max(ns):  # wider still only grows the embedding

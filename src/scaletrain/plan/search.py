@@ -3,8 +3,8 @@
 The candidates are layouts train accepts (each passes parallel/layout.py's checks: tp
 dividing the heads, key/value heads, MLP width, vocabulary and the sequence, pp dividing the
 blocks, enough micro-batches for the schedule): tp within a node (over a node's links, as
-torchtitan and Megatron-LM keep it), pp under 1F1B or interleaved 1F1B with two stages a rank
-(at least two micro-batches a stage), the data-parallel ranks split every way between FSDP
+torchtitan and Megatron-LM keep it), pp under 1F1B or interleaved 1F1B with two or four
+stages a rank (micro-batches at least pp, a multiple of it when interleaved), the data-parallel ranks split every way between FSDP
 shards and replicas, micro-batches of 1 to 64 sequences (powers of two), and for each the
 least recomputation (none, selective, full; then chunking the loss) whose predicted peak fits
 in the usable memory. Not searched: GPipe and breadth-first looping, which hold every
@@ -98,14 +98,13 @@ def _data_parallel(cfg: Any, dp: int, tp: int = 1) -> list[tuple[int, int]]:
 
 
 def _pipelines(cfg: Any, world: int) -> list[tuple[int, str, int]]:
-    """(pp, schedule, stages per rank) choices: one stage a rank under 1F1B, two interleaved."""
+    """(pp, schedule, stages per rank) choices: one stage a rank under 1F1B, two or four interleaved."""
     out = [(1, "1f1b", 1)]
     for pp in divisors(world):
         if 1 < pp <= cfg.n_layers:
             if cfg.n_layers % pp == 0:
                 out.append((pp, "1f1b", 1))
-            if cfg.n_layers % (2 * pp) == 0:
-                out.append((pp, "interleaved_1f1b", 2))
+            out += [(pp, "interleaved_1f1b", stages) for stages in (2, 4) if cfg.n_layers % (stages * pp) == 0]
     return out
 
 
@@ -124,7 +123,7 @@ def _splits(batch: int, dp: int, micro_batch: int, pp: int, stages: int) -> bool
     if batch % (dp * micro_batch):
         return False
     steps = batch // (dp * micro_batch)
-    return pp == 1 or (steps >= pp * stages and (stages == 1 or steps % pp == 0))
+    return pp == 1 or (steps >= pp and (stages == 1 or steps % pp == 0))  # (what train's check asks)
 
 
 def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fixed_batch: bool = False,
