@@ -260,6 +260,8 @@ def test_a_run_directory_another_run_trains_in_is_refused_and_left_as_it_was(std
             "eval.interval=0", "train.steps=7"]
     lock, held = checkpoint.hold_run_dir(run_dir)
     assert lock is not None and held is None
+    (run_dir / ".lock").write_text("")  # (what the fixture's run wrote there: not this test's holder)
+    checkpoint.sign_run_dir(lock)
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     try:
         assert_one_line_error(run_cli(*args), f"run directory '{run_dir}' is in use by another run (process "
@@ -293,6 +295,11 @@ def test_launch_refuses_a_batch_that_does_not_split_over_its_ranks():
                                           r"train.micro_batch = 4; use a multiple of \d+ tokens, or train.micro_batch = 3 "
                                           r"\(the same batch, each rank's 6 sequences in micro-batches of 3\)"):
         slurm_script(wider, "configs/llama-1b.toml", [], 2, 8)
+    # (and none where the ranks cannot take whole sequences: no micro-batch keeps that batch)
+    uneven = cfg.model_copy(update={"train": cfg.train.model_copy(update={"global_batch_tokens": 24 * cfg.data.seq_len,
+                                                                           "micro_batch": 4})})
+    with pytest.raises(ConfigError, match=r"24 sequences, .* use a multiple of \d+ tokens$"):
+        slurm_script(uneven, "configs/llama-1b.toml", [], 2, 8)
     assert "srun python3 -m scaletrain.torchrun" in slurm_script(cfg, "configs/llama-1b.toml", [], 2, 8)
 
 

@@ -239,7 +239,13 @@ def test_pipelining_splits_the_parameters_and_keeps_1f1b_activations_where_one_d
     # ... and its gradients whole until the step's last backward (torch's stages turn FSDP's
     # reduction off for the others): the stage's float32 gradients beside the activations.
     sharded, plain = (training_memory(cfg, 2048, 1, fsdp=4, pp=pp) for pp in (2, 1))
-    assert sharded.gradients_whole == 4 * sharded.gradients and plain.gradients_whole == 0
+    assert sharded.gradients_whole == pytest.approx(4 * sharded.gradients, abs=4) and plain.gradients_whole == 0
+    # (of a mixture under expert parallelism, each rank's own experts only)
+    moe = load_config(ROOT / "configs" / "llama-1b.toml", ["model.vocab_size=32768", "model.tie_embeddings=false",
+                                                            "model.moe_experts=64", "model.moe_top_k=2"]).model
+    one, eight = (training_memory(moe, 2048, 1, fsdp=8, pp=2, ep=ep).gradients_whole for ep in (1, 8))
+    routed = moe.n_layers * 3 * moe.dim * moe.expert_dim * 64
+    assert one - eight == pytest.approx(4 * routed * (1 - 1 / 8) / 2, rel=1e-6)
     assert sharded.peak == (sharded.parameters + sharded.optimizer + sharded.weight_copies + sharded.activations
                             + sharded.loss + sharded.gradients_whole)
 

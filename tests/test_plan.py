@@ -365,27 +365,31 @@ def test_a_batch_ramp_is_timed_stretch_by_stretch_and_its_batches_split_over_the
 
 
 def _simulated_wall_s(needs: list[float], write_s: float, mtbf_s: float, restart_s: float, runs: int,
-                      seed: int) -> float:
+                      seed: int, resumed_last_s: float | None = None) -> float:
     """The mean wall-clock of `runs` jobs that each need `needs` seconds without a failure in turn
     (steps then the save that ends them), each save but the last safe only `write_s` seconds of
     progress after it, failures arriving as a Poisson process of mean gap `mtbf_s` and each
     costing `restart_s` (itself struck by failures too) and the progress since the last safe
-    save: plan/cost.py's model, simulated along the run's timeline."""
+    save: plan/cost.py's model, simulated along the run's timeline. resumed_last_s: what the last
+    segment needs when restarted from the save before it (no write left to wait for)."""
     rng = np.random.default_rng(seed)
     ends = np.cumsum(needs)
     safe_at = ends[:-1] + write_s  # where each save but the last is safe
     wall, at, safe = np.zeros(runs), np.zeros(runs), np.zeros(runs)
+    end = np.full(runs, ends[-1])
     working, restarting = np.ones(runs, dtype=bool), np.zeros(runs, dtype=bool)
     while working.any():
         gap = rng.exponential(mtbf_s, runs)
         restarted = restarting & (gap >= restart_s)
         wall += np.where(restarting, np.minimum(gap, restart_s), 0.0)
         trying = working & ~restarting
-        wall += np.where(trying, np.minimum(gap, ends[-1] - at), 0.0)
-        struck = trying & (gap < ends[-1] - at)
+        wall += np.where(trying, np.minimum(gap, end - at), 0.0)
+        struck = trying & (gap < end - at)
         reached = np.searchsorted(safe_at, at + gap, side="right")  # saves safe by the failure
         safe = np.where(struck, np.maximum(safe, np.where(reached > 0, ends[np.maximum(reached - 1, 0)], 0.0)), safe)
         at = np.where(struck, safe, at)
+        if resumed_last_s is not None and len(needs) > 1:
+            end = np.where(struck & (safe == ends[-2]), ends[-2] + resumed_last_s, end)
         working &= ~(trying & ~struck)
         restarting = (restarting & ~restarted) | struck
     return float(wall.mean())
@@ -403,15 +407,20 @@ def test_daly_interval_and_the_expected_wall_clock_of_segments_under_failures():
     # with saves safe once written in the background (a failure before then loses two segments;
     # the final save waits for the write before it, here once shorter than the last segment and
     # once longer), which costs more the longer the write.
+    # (the last two: a last segment of 100 s shorter than the write, whose wait a restart from the
+    # save before it skips)
     for needed, interval, block, final, mtbf, restart, write in ((1000.0, 300.0, 20.0, 50.0, 800.0, 200.0, 0.0),
                                                                 (100.0, 400.0, 5.0, 30.0, 300.0, 500.0, 0.0),
                                                                 (1000.0, 300.0, 20.0, 50.0, 800.0, 200.0, 60.0),
-                                                                (1000.0, 300.0, 20.0, 50.0, 800.0, 200.0, 250.0)):
+                                                                (1000.0, 300.0, 20.0, 50.0, 800.0, 200.0, 250.0),
+                                                                (1000.0, 300.0, 20.0, 50.0, 300.0, 200.0, 280.0)):
         full, last = divmod(needed, interval)
         needs = [interval + block] * int(full) + [max(last, write) + final]
-        simulated = _simulated_wall_s(needs, write, mtbf, restart, 200_000, seed=0)
+        simulated = _simulated_wall_s(needs, write, mtbf, restart, 200_000, seed=0, resumed_last_s=last + final)
         expected = expected_wall_s(needed, interval, block, final, mtbf, restart, write)
-        assert expected == pytest.approx(simulated, rel=0.02)
+        # (closer where the last segment is shorter than the write: a restart there that waited for
+        # the write again would be 1.3% off at M = 300 s)
+        assert expected == pytest.approx(simulated, rel=0.006 if write > last else 0.02)
         if write:
             assert expected > 1.05 * expected_wall_s(needed, interval, block, final, mtbf, restart)
     # ... which is the first-order goodput 1 - δ/τ - (R + τ/2)/M where all are small beside M,
@@ -478,13 +487,13 @@ def test_sizing_spends_the_budget_and_follows_the_law():
     assert tokens * train_flops_per_token(model, 4096) == pytest.approx(1e22, rel=1e-6)
     assert param_counts(model)["total"] == pytest.approx(law.optimum(1e22)[0], rel=0.1)
     # The law's optimum counts 6ND; the shape chosen has the least loss at the tokens the exact FLOPs
-    # (attention's included) buy: 0.60B parameters at 1e20 FLOPs, not the 0.88B shape nearest the law's 0.84B.
+    # (attention's included) buy: 0.60B parameters at 1e20 FLOPs, not the 0.84B nearest the law's N.
     def loss(shape, compute):
         return law.loss(param_counts(shape)["total"], compute / train_flops_per_token(shape, 4096))
 
     chosen = size(law, 1e20, 32768, 4096)[0]
     nearest = model_for(law.optimum(1e20)[0], 32768, 4096)
-    assert loss(chosen, 1e20) < loss(nearest, 1e20) - 0.003 and param_counts(chosen)["total"] < 0.8 * law.optimum(1e20)[0]
+    assert loss(chosen, 1e20) < loss(nearest, 1e20) - 0.005 and param_counts(chosen)["total"] < 0.8 * law.optimum(1e20)[0]
     assert loss(model, 1e22) <= loss(model_for(law.optimum(1e22)[0], 32768, 4096), 1e22)
     small, more, aware = size(law, 1e22, 32768, 4096, inference_tokens=1e13)
     assert param_counts(small)["total"] < param_counts(model)["total"] and more > tokens
@@ -669,11 +678,11 @@ def test_tokens_below_one_batch_are_planned_as_one_step_and_said(capsys):
     assert main(["plan", "--params", "1e8", "--tokens", "1e3", "--json"]) == 0
     said = capsys.readouterr()
     plan = json.loads(said.out)
-    # (2 sequences of 4,096 on 8 devices: dp 2 x tp 4, the least batch any layout trains, the rule's being below one)
-    assert plan["run"]["steps"] == 1 and plan["tokens"] == plan["hyperparameters"]["global_batch_tokens"] == 8192
-    assert ("--tokens 1e+03 is less than one step's batch of 8,192 tokens: planned as that one step"
+    # (4 sequences of 4,096 on 8 devices: dp 4 x tp 2, the least batch any layout trains, the rule's being below one)
+    assert plan["run"]["steps"] == 1 and plan["tokens"] == plan["hyperparameters"]["global_batch_tokens"] == 16384
+    assert ("--tokens 1e+03 is less than one step's batch of 16,384 tokens: planned as that one step"
             in " ".join(said.err.split()))
-    assert "the batch is 3.65x the rule's 2,242 tokens: no layout of 8 devices keeps it within 2x" in " ".join(
+    assert "the batch is 7.68x the rule's 2,132 tokens: no layout of 8 devices keeps it within 2x" in " ".join(
         said.err.split())
     assert main(["plan", "--params", "1e8", "--tokens", "1e5", "--json"]) == 0
     said = capsys.readouterr()

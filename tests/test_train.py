@@ -21,6 +21,7 @@ import torch
 from conftest import glitched, nan_norm_once_after, run_cli, tiny_config
 from scaletrain.config import ConfigError
 from scaletrain.parallel.mesh import shutdown
+from scaletrain.plan.cost import Reliability, expected_wall_s
 from scaletrain.report.goodput import account
 from scaletrain.train import checkpoint
 from scaletrain.train.metrics import Heartbeat, read_metrics
@@ -194,8 +195,13 @@ def test_an_automatic_interval_is_dalys_from_what_the_run_measures(stdlib_data, 
         if after is not records[-1]:
             assert record["mtbf_s"] == mtbf and record["measured_blocking_s"] == pytest.approx(record["blocking_s"],
                                                                                                abs=1e-4)
-            steps, shortest = daly / record["measured_step_s"], max(1, math.ceil(blocking / record["measured_step_s"]))
-            assert record["interval_steps"] in {max(shortest, math.floor(steps)), max(shortest, math.ceil(steps))}
+            step_s = record["measured_step_s"]
+            steps, shortest = daly / step_s, max(1, math.ceil(blocking / step_s))
+            # the fewer or the more whole steps, whichever the rest of the run expects to end sooner with
+            left = (60 - record["step"]) * step_s
+            best = min({max(shortest, math.floor(steps)), max(shortest, math.ceil(steps))}, key=lambda k: expected_wall_s(
+                left, k * step_s, blocking, blocking, mtbf, Reliability().restart_s))
+            assert record["interval_steps"] == best
     assert {25, 50} <= {r["step"] for r in records}
     # (At the default failure rate this run would save at step 6 and at the end; here Daly's interval is
     # a few steps, unless a save blocks on this machine for as long as ten steps or more.)

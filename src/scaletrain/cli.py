@@ -1681,7 +1681,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "token shards, a validation split, stats.json and manifest.json to --out.")
     p.add_argument("sources", nargs="+", metavar="SRC",
                    help="directories, globs or files of text, .jsonl, .parquet; or builtin:python-stdlib, "
-                                        "builtin:python-packages")
+                        "builtin:python-packages")
     p.add_argument("--out", type=_out_dir, required=True, help="data directory to write")
     p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size (default 8192; not with --tokenizer)")
     p.add_argument("--max-bytes", type=_bytes, default=None, help="stop reading after this much text (e.g. 50M)")

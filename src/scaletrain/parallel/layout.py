@@ -97,8 +97,11 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
     for name, batch in cfg.batch_names():
         sequences = batch // seq_len
         if sequences % (layout.dp * cfg.train.micro_batch):
-            per_rank = sequences // layout.dp if sequences % layout.dp == 0 else 0
-            smaller = max((k for k in range(1, cfg.train.micro_batch) if per_rank % k == 0), default=None)
+            # (a smaller micro-batch that splits every batch of the run, where the ranks take whole
+            # sequences and no pipeline counts its micro-batches)
+            per_rank = sequences // layout.dp if sequences % layout.dp == 0 and layout.pp == 1 else 0
+            smaller = max((k for k in range(1, cfg.train.micro_batch) if per_rank and all(
+                other // seq_len % (layout.dp * k) == 0 for _, other in cfg.batch_names())), default=None)
             raise ConfigError(f"{name} = {batch} holds {sequences} sequences, which do not split into "
                               f"{layout.dp} data-parallel ranks x train.micro_batch = {cfg.train.micro_batch}; use a "
                               f"multiple of {layout.dp * cfg.train.micro_batch * seq_len} tokens"

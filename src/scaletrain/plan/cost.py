@@ -24,7 +24,7 @@ until its save is safe) and, after a failure, the restart, all of s and W: on av
 M (1 - e^(-s/M)) e^((R + W + s)/M), Daly's term with a restart of R + W. The sum is exact
 under these assumptions at any ratio of τ, R, W or the run to M (each write ends before the
 next save blocks, as the shortest interval ensures; the final save waits for the write before
-it). To first order it is
+it, and a restart from that save, once safe, has nothing to wait for). To first order it is
 the familiar goodput 1 - δ/τ - (R + τ/2)/M, which over-counts the failures of a run shorter
 than an interval (14.5 s on 131,072 devices: 26 s to first order, 23 s here) and goes below
 zero where restarts outlast M. The interval that loses least is Daly's perturbation solution,
@@ -42,6 +42,7 @@ wall-clock. Cost is device-hours at the price given; there is no default price.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 LLAMA3_FAILURES_PER_DEVICE_HOUR = 419 / (16384 * 54 * 24)
@@ -94,23 +95,20 @@ def checkpoint_interval(block_s: float, mtbf_s: float) -> float:
     return math.sqrt(2 * block_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - block_s
 
 
-def whole_steps(seconds: float, step_s: float, wall, shortest: int = 1) -> int:
+def whole_steps(seconds: float, step_s: float, wall: Callable[[int], float], shortest: int = 1) -> int:
     """An interval of `seconds` as steps of `step_s`: the fewer or the more steps around it,
     whichever `wall` (steps -> expected wall-clock) finds shorter, and never under `shortest`."""
     return min({max(shortest, math.floor(seconds / step_s)), max(shortest, math.ceil(seconds / step_s))}, key=wall)
 
 
-def _segment_s(need_s: float, mtbf_s: float, restart_s: float, done_s: float = 0.0,
-               unsafe_s: float = 0.0) -> float:
-    """Expected seconds to get through a segment of `need_s` seconds of which `done_s` went by
-    while the save before it was written, its own save safe `unsafe_s` seconds into the next
-    (see the module's docstring)."""
+def _segment_s(first_s: float, retry_s: float, mtbf_s: float, restart_s: float) -> float:
+    """Expected seconds to get through a segment that needs `first_s` seconds without a failure
+    on its first try and, after a failure, the restart and `retry_s` (see the module's docstring)."""
     if not math.isfinite(mtbf_s):
-        return need_s - done_s + unsafe_s
-    if (need_s + unsafe_s + restart_s) / mtbf_s > 700:  # beyond a float's exponent: never, in practice
+        return first_s
+    if (retry_s + restart_s) / mtbf_s > 700:  # beyond a float's exponent: never, in practice
         return math.inf
-    first_try = need_s - done_s + unsafe_s
-    return -mtbf_s * math.expm1(-first_try / mtbf_s) * math.exp((restart_s + need_s + unsafe_s) / mtbf_s)
+    return -mtbf_s * math.expm1(-first_s / mtbf_s) * math.exp((restart_s + retry_s) / mtbf_s)
 
 
 def expected_wall_s(train_s: float, interval_s: float, block_s: float, final_s: float, mtbf_s: float,
@@ -124,11 +122,13 @@ def expected_wall_s(train_s: float, interval_s: float, block_s: float, final_s: 
         full, last = full - 1, interval_s
     segment = interval_s + block_s
     if not full:
-        return _segment_s(last + final_s, mtbf_s, restart_s)
-    final = max(last, write_s) + final_s  # (the final save waits for the write before it)
-    return (_segment_s(segment, mtbf_s, restart_s, 0.0, write_s)
-            + (full - 1) * _segment_s(segment, mtbf_s, restart_s, write_s, write_s)
-            + _segment_s(final, mtbf_s, restart_s, write_s, 0.0))
+        return _segment_s(last + final_s, last + final_s, mtbf_s, restart_s)
+    # The last: from the save before it safe, the rest of its steps (or the wait for that save's
+    # write, which the final save needs ended) and the final save; after a failure, restarted
+    # from that save with nothing left to wait for, all of its steps and the final save.
+    return (_segment_s(segment + write_s, segment + write_s, mtbf_s, restart_s)
+            + (full - 1) * _segment_s(segment, segment + write_s, mtbf_s, restart_s)
+            + _segment_s(max(last, write_s) - write_s + final_s, last + final_s, mtbf_s, restart_s))
 
 
 def run_cost(steps: int, step_s: float, devices: int, nodes: int, state_bytes_per_device: float,

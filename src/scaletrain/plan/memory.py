@@ -73,7 +73,9 @@ with gradients set to None after each step, a single micro-batch's backward star
 none. Under a pipeline with FSDP the accumulating gradients are the stage's whole, not its
 shards: torch's pipeline stages turn FSDP's gradient reduction (and resharding) off for every
 backward but the step's last, so each rank holds its stage's unsharded float32 gradients
-beside the micro-batches' activations (its bf16 weights stay gathered too, counted below). The CUDA caching allocator adds fragmentation on top, which this does not model.
+beside the micro-batches' activations (its bf16 weights stay gathered too, counted below;
+under expert parallelism its own experts only). The CUDA caching allocator adds fragmentation
+on top, which this does not model.
 
 Pipeline parallelism (pp ranks) gives each rank L/pp blocks, the embedding to the rank of the
 first stage and the final norm and output head (and the loss) to the rank of the last; the
@@ -353,7 +355,10 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     # Under a pipeline torch's stages keep FSDP from reducing until the step's last backward
     # (stage.py: no gradient sync, no resharding, on every other): each rank holds its stage's
     # gradients whole, in float32 (the reduce dtype), while its micro-batches run.
-    whole_gradients = gradients * fsdp if pp > 1 and fsdp > 1 else 0
+    # (whole: its own experts under expert parallelism, 1/ep of them, split over tp as the others)
+    routed = moe_layers(cfg) * 3 * cfg.dim * cfg.expert_dim * cfg.moe_experts if moe_layers(cfg) else 0
+    unsharded = ((blocks - routed * (1 - 1 / ep)) / pp + depth_split + outer * matrices) / tp + whole * fsdp
+    whole_gradients = round(4 * unsharded) if pp > 1 and fsdp > 1 else 0
     accumulating = whole_gradients or (gradients if micro_steps > 1 else 0)
     averaged = parameters if ema else 0
     peak = parameters + averaged + optimizer_bytes + weight_copies + max(activations + loss + accumulating,

@@ -11,10 +11,11 @@ embeddings (so that any pipeline split is open), and a depth near width / 128 â€
 ratio of Llama 3 8B (4096 / 32) and 405B (16384 / 126) and of GPT-3 175B (12288 / 96); the loss
 depends little on it over a wide range (Kaplan et al. 2020, figure 5). Of the widths (multiples
 of 128) and depths within a factor 1.5 of that ratio, the one with N closest to the target wins,
-a depth that does not halve four times (into 2 to 16 pipeline stages) counted 1% further for
-each halving it lacks: a prime depth could never be pipelined over a power-of-two count of
-devices (what a 4% miss in N costs in loss at a fixed budget is far below the law's own
-interval: the IsoFLOP minimum is flat).
+from 5B parameters (PIPELINED_SIZE: where pipelines begin to pay) a depth that does not halve
+four times (into 2 to 16 pipeline stages) counted 2% further for each halving it lacks: a prime depth could never be pipelined over a power-of-two count of
+devices (what a miss of a few % in N costs in loss at a fixed budget is far below the law's
+own interval: the IsoFLOP minimum is flat). From 13B to 405B every depth then splits into at
+least 4 stages, within 5% of the N asked for.
 
 Learning rate and batch follow the sweeps' rule (scaling/grid.py: DeepSeek LLM's Î·_opt(C) and
 B_opt(C)) at the run's compute, the warmup as many tokens as parameters, the schedule
@@ -42,6 +43,7 @@ from scaletrain.scaling.hparams import DEEPSEEK, HyperparameterLaw
 from scaletrain.scaling.laws import ChinchillaLaw
 
 ASPECT = 128  # width / depth
+PIPELINED_SIZE = 5e9  # parameters from which the family prefers depths that pipelines split
 MAX_LOST_TO_FAILURES = 0.9  # a plan that would lose more of its wall-clock to failures is refused
 
 
@@ -63,7 +65,8 @@ def nearest_shapes(ns: list[float], vocab: int, seq_len: int) -> list[ModelConfi
                 # (a depth that halves four times splits over 2 to 16 pipeline ranks: a prime one over
                 # none, and a plan at a power-of-two count of devices could then not pipeline it)
                 splits = min(4, (layers & -layers).bit_length() - 1)
-                miss = abs(math.log(total / n)) + 0.01 * abs(math.log(layers / aim)) + 0.01 * (4 - splits)
+                miss = (abs(math.log(total / n)) + 0.01 * abs(math.log(layers / aim))
+                        + (0.02 * (4 - splits) if n >= PIPELINED_SIZE else 0.0))
                 if best[i] is None or miss < best[i][0]:
                     best[i] = (miss, cfg)
         if vocab * dim > 2 * max(ns):  # wider still only grows the embedding

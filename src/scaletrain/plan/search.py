@@ -4,10 +4,10 @@ The candidates are layouts train accepts (each passes parallel/layout.py's check
 dividing the heads, key/value heads, MLP width, vocabulary and the sequence, pp dividing the
 blocks, enough micro-batches for the schedule): tp within a node (over a node's links, as
 torchtitan and Megatron-LM keep it), pp under 1F1B or interleaved 1F1B with two or four
-stages a rank (micro-batches at least pp, a multiple of it when interleaved), the data-parallel ranks split every way between FSDP
-shards and replicas, micro-batches of 1 to 64 sequences (powers of two), and for each the
-least recomputation (none, selective, full; then chunking the loss) whose predicted peak fits
-in the usable memory. Not searched: GPipe and breadth-first looping, which hold every
+stages a rank (micro-batches at least pp, a multiple of it when interleaved), the
+data-parallel ranks split every way between FSDP shards and replicas, micro-batches of 1 to
+64 sequences (powers of two), and for each the least recomputation (none, selective, full;
+then chunking the loss) whose predicted peak fits in the usable memory. Not searched: GPipe and breadth-first looping, which hold every
 micro-batch's activations for the bubble of 1F1B and interleaving; the zero-bubble schedules,
 since torch cannot split a compiled block's backward pass into the inputs' and the weights'
 halves as they do (the configs the planner writes compile the blocks, and the speed of

@@ -20,6 +20,7 @@ batches that led to the divergence, as the rewound run did (see `record_rewind`)
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import fcntl
 import json
@@ -186,6 +187,11 @@ class AsyncSave:
 
     def done(self) -> bool:
         return self._future.done()
+
+    def settle(self, timeout_s: float = 300.0) -> None:
+        """Let the writing end (or `timeout_s` pass), committing nothing and raising nothing: on
+        an error's way out, before the run directory is given up."""
+        concurrent.futures.wait([self._future], timeout=timeout_s)
 
     def wait(self) -> Path:
         if not self._committed:
@@ -562,12 +568,22 @@ def hold_run_dir(run_dir: Path, wait_s: float = 0.0):
         except OSError:  # (no locks on this filesystem)
             held.close()
             return None, None
-    held.seek(0)
-    held.truncate()
-    held.write(f"process {os.getpid()} on {socket.gethostname()}, since "
-               f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}\n")
-    held.flush()
     return held, None
+
+
+def sign_run_dir(held) -> None:
+    """Write who holds the lock hold_run_dir took into its file, for the message of a run refused
+    (once it trains: an invocation that finds nothing to do leaves the directory as it was)."""
+    if held is None:
+        return
+    try:  # (no more than a courtesy)
+        held.seek(0)
+        held.truncate()
+        held.write(f"process {os.getpid()} on {socket.gethostname()}, since "
+                   f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}\n")
+        held.flush()
+    except OSError:
+        pass
 
 
 def release_run_dir(held) -> None:

@@ -1272,8 +1272,9 @@ class Trainer:
     def _auto_interval(self, blocking_s: float, step_s: float) -> dict:
         """checkpoint.interval = "auto": the steps to the next checkpoint, Daly's interval (about
         sqrt(2 x blocking x MTBF); plan/cost.py) — never below the save's own blocking — in whole
-        steps as the planner takes it (the fewer or the more, whichever the rest of the run
-        expects to take less wall-clock with, at the planner's restart time), from the largest
+        steps by the planner's rule (the fewer or the more, whichever the rest of the run expects
+        to take less wall-clock with, at the planner's restart time; the background write, which
+        is not measured here, left out of that expectation), from the largest
         blocking and step time over the ranks (so that every rank chooses the same step); what the
         checkpoint record keeps of it."""
         measured = torch.tensor([blocking_s, step_s], dtype=torch.float64, device=self.device)
@@ -1303,7 +1304,41 @@ class Trainer:
                      for kind in ("train", "eval"))
 
     def fit(self, stop_at_step: int | None = None) -> TrainResult:
-        resumed_from = self.resume()  # (first: a resume refused leaves no run directory behind)
+        # One run trains in a directory at a time: a second (launched twice, a job requeued while
+        # the first still runs) would resume from the first's checkpoints and both write them.
+        # The directory is held before the checkpoint is chosen (a run that waited for it resumes
+        # what the other saved meanwhile), or, where there is none yet, once it is made.
+        held = [self._hold_run_dir(wait=True)] if any_rank(self.run_dir.is_dir()) else []
+        try:
+            return self._fit(stop_at_step, held)
+        finally:
+            if held and self.pending is not None:  # (an error's way out: its background write ends first)
+                self.pending.settle()
+            checkpoint.release_run_dir(held[0] if held else None)
+
+    def _hold_run_dir(self, wait: bool):
+        """The run directory's lock (rank 0's; None on the others), or ConfigError on every rank
+        where another run holds it. With `wait`, under a scheduler or a restart it waits a while:
+        the process of a node it replaces may not have ended yet (a shared filesystem's lock
+        outlives a lost node by its lease)."""
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+        scheduled = restarted or any(key in os.environ for key in ("SLURM_JOB_ID", "KUBERNETES_SERVICE_HOST"))
+        lock, held = (checkpoint.hold_run_dir(self.run_dir, RUN_DIR_WAIT_S if wait and scheduled else 0.0)
+                      if self.is_main else (None, None))
+        try:
+            refused = any_rank(held is not None)
+        except BaseException:
+            checkpoint.release_run_dir(lock)
+            raise
+        if refused:
+            self.loader.close()
+            raise ConfigError(held or "the run directory is in use by another run (rank 0's error says which); wait "
+                              "for it to end, or choose another run.name")
+        return lock
+
+    def _fit(self, stop_at_step: int | None, held: list) -> TrainResult:
+        """fit's work, the run directory held where it exists (`held`: its lock, once taken)."""
+        resumed_from = self.resume()  # (a resume refused leaves no run directory behind)
         if stop_at_step is not None and resumed_from is not None and stop_at_step <= resumed_from < self.total_steps:
             self.loader.close()
             raise ConfigError(f"--stop-at-step {stop_at_step} is not after step {resumed_from}, where the run resumes: "
@@ -1322,22 +1357,10 @@ class Trainer:
             raise checkpoint.CheckpointError(problem or "another process of this run cannot write its checkpoints (its "
                                              "own error says why); make the checkpoint directory writable on every node")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # One run trains in a directory at a time: a second (launched twice, a job requeued while
-        # the first still runs) would resume from the first's checkpoints and both write them.
-        # Under a scheduler or a restart it waits a while: the process of a node it replaces may
-        # not have ended yet (a shared filesystem's lock outlives a lost node by its lease).
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-        scheduled = restarted or any(key in os.environ for key in ("SLURM_JOB_ID", "KUBERNETES_SERVICE_HOST"))
-        lock, held = (checkpoint.hold_run_dir(self.run_dir, RUN_DIR_WAIT_S if scheduled else 0.0) if self.is_main
-                      else (None, None))
-        if any_rank(held is not None):
-            self.loader.close()
-            raise ConfigError(held or "the run directory is in use by another run (rank 0's error says which); wait "
-                              "for it to end, or choose another run.name")
-        try:
-            return self._train(resumed_from, stop_at_step)
-        finally:
-            checkpoint.release_run_dir(lock)
+        if not held:  # (a new run: another that began beside it is refused at once)
+            held.append(self._hold_run_dir(wait=False))
+        checkpoint.sign_run_dir(held[0])
+        return self._train(resumed_from, stop_at_step)
 
     def _train(self, resumed_from: int | None, stop_at_step: int | None) -> TrainResult:
         """fit's training, the run directory held."""
@@ -1628,11 +1651,13 @@ def _flatten(config: dict) -> dict:
     return {f"{section}.{key}": value for section, values in config.items() for key, value in values.items()}
 
 
-def _changes(saved: Path, cfg: RunConfig) -> tuple[dict, str]:
-    """What `cfg` changes of the config a run saved ({key: (then, now)}), and of that, what a
-    resume cannot take (the model, data.seq_len, run.seed, train.optimizer: its checkpoints'
-    shapes and data order), said as "key A then, B now, ..." ("" for nothing)."""
-    before, now = _flatten(load_config(saved).model_dump()), _flatten(cfg.model_dump())
+def _changes(saved: Path | RunConfig, cfg: RunConfig) -> tuple[dict, str]:
+    """What `cfg` changes of the config a run saved (its file, or that loaded) ({key: (then,
+    now)}), and of that, what a resume cannot take (the model, data.seq_len, run.seed,
+    train.optimizer: its checkpoints' shapes and data order), said as "key A then, B now, ..."
+    ("" for nothing)."""
+    before = _flatten((saved if isinstance(saved, RunConfig) else load_config(saved)).model_dump())
+    now = _flatten(cfg.model_dump())
     changed = {key: (before.get(key), now.get(key)) for key in sorted(set(before) | set(now))
                if before.get(key) != now.get(key)}
     fixed = [key for key in changed
@@ -1666,7 +1691,8 @@ def check_run_dir(cfg: RunConfig, warn: bool = True) -> None:
     saved = run_dir / "config.toml"
     if not saved.is_file():
         return
-    changed, fixed = _changes(saved, cfg)
+    before = load_config(saved)
+    changed, fixed = _changes(before, cfg)
     if fixed:
         raise ConfigError(f"run directory {str(run_dir)!r} holds checkpoints of a different run ({fixed}); "
                           "choose a new run.name to start a new run")
@@ -1676,12 +1702,13 @@ def check_run_dir(cfg: RunConfig, warn: bool = True) -> None:
                     ", ".join(f"{key} {changed[key][0]} -> {changed[key][1]}" for key in others))
     schedule = [key for key in others if key.startswith("train.") and key.split(".")[1] in SCHEDULE_KEYS]
     if schedule and warn:  # (the newest checkpoint: where a resume goes on, unless it is damaged)
-        _warn_rescheduled(load_config(saved), cfg, checkpoint.step_of(checkpoint.committed_checkpoints(ckpt_root)[0]),
+        _warn_rescheduled(before, cfg, checkpoint.step_of(checkpoint.committed_checkpoints(ckpt_root)[0]),
                           schedule)
 
 
-# How long a run started by a scheduler or a restart waits for its directory's previous holder.
-RUN_DIR_WAIT_S = 300.0
+# How long a run started by a scheduler or a restart waits for its directory's previous holder
+# (below the least collective timeout, which the other ranks wait in meanwhile: parallel/mesh.py).
+RUN_DIR_WAIT_S = 120.0
 
 # What the learning rate of a step depends on (train.*).
 SCHEDULE_KEYS = ("lr", "warmup_steps", "schedule", "min_lr_ratio", "decay_fraction", "decay_shape", "steps", "tokens",
