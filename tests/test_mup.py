@@ -64,9 +64,10 @@ def test_mup_starts_and_steps_each_kind_of_weight_as_its_fan_in_asks():
             assert lr == pytest.approx(1e-3 if hidden else 5e-4 if slow else 2e-3), (kind, name)
             # The decay per step, lr x weight_decay, the base width's: 0.1 x 2e-3 for every matrix.
             assert decays[name] * lr == pytest.approx(2e-4 if weights[name].ndim >= 2 else 0), (kind, name)
-            # Adam's eps times m where the head's (and routers') 1 / m is folded into the weight.
-            folded = name == "output.weight" or kind == "adamw" and name.endswith("router.weight")
-            assert epss[name] == pytest.approx(4e-8 if folded else 1e-8), (kind, name)
+            # Adam's eps / m where muP's gradients shrink as 1 / width; as at the base width where
+            # the head's (and routers') 1 / m is folded into the weight.
+            folded = name == "output.weight" or name.endswith("router.weight")
+            assert epss[name] == pytest.approx(1e-8 if folded else 2.5e-9), (kind, name)
 
 
 def test_at_its_base_width_mup_is_the_standard_parametrization():
@@ -183,8 +184,8 @@ def test_depth_mup_starts_and_steps_each_kind_of_weight_as_completep_asks():
             # The width's decay times m (or sqrt(m): lr x decay as at the base width), the depth's
             # fold's times d^alpha.
             assert decays[name] == pytest.approx(0 if not matrix else 0.1 * width * (2 if residual else 1)), (kind, name)
-            folded = name.startswith("output") or kind == "adamw" and name.endswith("router.weight")
-            assert epss[name] == pytest.approx(1e-8 * (1 / 2 if trunk and not residual else 1) * (2 if folded else 1)), (
+            folded = name.startswith("output") or name.endswith("router.weight")
+            assert epss[name] == pytest.approx(1e-8 * (1 / 2 if trunk and not residual else 1) * (1 if folded else 1 / 2)), (
                 kind, name)
 
 
@@ -221,9 +222,10 @@ def _train_both(stdlib_data, models, optimizers) -> dict[int, list[float]]:
 
 def test_the_logit_multiplier_folded_into_the_head_trains_as_the_multiplier_itself(stdlib_data):
     """muP written out — the logits times 1 / m, the head started m times as large and stepped at
-    the base rate, decay and eps, the blocks' matrices at lr / m with decay x m — against the
-    model that trains: 1 / m folded into the head with its own rate, decay and eps. A large eps
-    and decay, so that either factor wrong shows."""
+    the base rate and decay, the blocks' matrices at lr / m with decay x m, Adam's eps / m for
+    all (their gradients 1 / m as large) — against the model that trains: 1 / m folded into the
+    head with its own rate, decay and eps. A large eps and decay, so that either factor wrong
+    shows."""
     cfg = config(128, "model.mup_base_dim=32")  # m = 4
     m, lr, eps, decay = 4.0, 3e-3, 1e-4, 0.5
     torch.manual_seed(0)
@@ -234,7 +236,7 @@ def test_the_logit_multiplier_folded_into_the_head_trains_as_the_multiplier_itse
     groups = []
     for name, p in written.named_parameters():
         hidden = p.ndim >= 2 and name.startswith("layers.")
-        groups.append({"params": [p], "lr": lr / m if hidden else lr, "eps": eps,
+        groups.append({"params": [p], "lr": lr / m if hidden else lr, "eps": eps / m,
                        "weight_decay": 0.0 if p.ndim < 2 else decay * m if hidden else decay})
     optimizers = [optimizer_for(folded, cfg, lr=lr, weight_decay=decay, eps=eps),
                   torch.optim.AdamW(groups, betas=(0.9, 0.95), fused=True)]

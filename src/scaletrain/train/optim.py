@@ -58,8 +58,13 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     weights' average it sets, stay the base width's (Wang and Aitchison 2024, "How to set AdamW's
     weight decay as you scale model and dataset size"; CompleteP's reference code scales the
     hidden matrices' decay so), and for the head and routers, whose muP multiplier 1 / m is
-    folded into the weight, it is what the multiplier written out would decay (with Adam's eps
-    times m, their gradients being m times the written-out weight's). depth_mult and depth_alpha: depth-wise muP's
+    folded into the weight, it is what the multiplier written out would decay. Adam's eps is
+    eps / m wherever muP's gradients shrink as 1 / width (the blocks' matrices, the embedding,
+    the norms: the backward pass through a readout of 1 / m), so that it stays as small beside
+    them as at the base width (CompleteP's reference code; Everett et al. 2024, "Scaling
+    exponents across parameterizations and optimizers", on eps at width), and eps for the
+    folded head and routers, whose gradients do not shrink (m times the written-out weight's,
+    whose eps is eps / m). depth_mult and depth_alpha: depth-wise muP's
     (model.mup_base_layers, see depth_factors). Each group's share of the learning rate, of the
     weight decay and of Adam's eps is the optimizer's `lr_scales`, `decay_scales` and `eps_scales`
     (see set_lr and set_hyperparameters). exclude: parameters stepped otherwise (a pipeline's copy
@@ -78,17 +83,17 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
         return folded_multiplier(name, width_mult) != 1
     # (extra keys of the group, its members, its (lr, weight decay, eps) factors for the width)
     kinds = [({}, [(name, p) for unscaled, name, p in matrices if not unscaled and not folded(name)],
-              (1 / width_mult, width_mult, 1.0)),
+              (1 / width_mult, width_mult, 1 / width_mult)),
              ({}, [(name, p) for unscaled, name, p in matrices if not unscaled and folded(name)],
-              (1 / width_mult, width_mult, width_mult)),
-             ({}, [(name, p) for unscaled, name, p in matrices if unscaled], (1.0, 1.0, 1.0)),
-             ({}, [(name, p) for name, p in params if p.ndim < 2], (1.0, 1.0, 1.0))]
+              (1 / width_mult, width_mult, 1.0)),
+             ({}, [(name, p) for unscaled, name, p in matrices if unscaled], (1.0, 1.0, 1 / width_mult)),
+             ({}, [(name, p) for name, p in params if p.ndim < 2], (1.0, 1.0, 1 / width_mult))]
     if kind == "muon":
         # Muon's update is orthogonal, its spectral norm 0.2 lr sqrt(max(rows, columns)): muP's
         # spectral condition (Yang, Simon and Bernstein 2023: sqrt(fan-out / fan-in)) asks
         # lr / sqrt(m) of the hidden matrices and lr / m of the routers, whose fan-out stays.
         kinds += [({"muon": True}, [(name, p) for name, p in muon if not folded(name)],
-                   (1 / math.sqrt(width_mult), math.sqrt(width_mult), 1.0)),
+                   (1 / math.sqrt(width_mult), math.sqrt(width_mult), 1 / width_mult)),  # (eps: unused)
                   ({"muon": True}, [(name, p) for name, p in muon if folded(name)], (1 / width_mult, width_mult, 1.0))]
     groups = []  # (group, (lr, decay, eps) scales)
     for extra, members, (lr_scale, decay_scale, eps_scale) in kinds:
