@@ -9,7 +9,7 @@ size's best learning rate, and how far (in factors of two) the best rate moved f
 smallest size to the largest.
 
     python benchmarks/mup_transfer.py configs/tiny.toml data.path=DIR [train.steps=N ...]
-        [--widths 64,128,256 | --depths 2,4,8] [--lrs 0.001,0.002,...]
+        [--widths 64,128,256 | --depths 2,4,8] [--lrs 0.001,0.002,...] [--only standard|mup]
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--widths", default="64,128,256")
     parser.add_argument("--depths", default=None, help="vary the depth instead of the width (depth-wise muP)")
     parser.add_argument("--lrs", default=",".join(f"{2 ** k / 1024:g}" for k in range(0, 7)))  # 2^-10 .. 2^-4
+    parser.add_argument("--only", choices=("standard", "mup"), default=None,
+                        help="one parametrization (the other's rows measured before)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     lrs = [float(lr) for lr in args.lrs.split(",")]
@@ -75,6 +77,8 @@ def main() -> None:
         mup = [f"model.mup_base_dim={sizes[0]}"]
     start = time.perf_counter()
     for name, extra in (("standard", []), ("mup", mup)):
+        if args.only not in (None, name):
+            continue
         runs = {size: {lr: trained(args.config, [*args.overrides, *shape(size), *extra, f"train.lr={lr}"])
                        for lr in lrs} for size in sizes}
         losses = {size: {lr: round(run[0], 4) for lr, run in by_lr.items()} for size, by_lr in runs.items()}
