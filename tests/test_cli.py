@@ -271,8 +271,22 @@ def test_a_run_directory_another_run_trains_in_is_refused_and_left_as_it_was(std
         checkpoint.release_run_dir(lock)
     result = run_cli(*args)
     assert result.returncode == 0, result.stderr
-    # Under a scheduler or a restart (the process it replaces may not have ended yet) it waits.
+    # Under a scheduler or a restart (the process it replaces may not have ended yet) it waits, and
+    # is refused then as what may pass (torchrun starts it again, to wait again), not for good.
+    from scaletrain.config import ConfigError
+    from scaletrain.train import trainer
+
     lock, _ = checkpoint.hold_run_dir(run_dir)
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setenv("SLURM_JOB_ID", "7")
+        patched.setattr(trainer, "RUN_DIR_WAIT_S", 0.5)
+        started = time.monotonic()
+        with pytest.raises(ConfigError, match="is in use by another run") as refused:
+            trainer.Trainer(tiny_config(stdlib_data, run_dir, "eval.interval=0", "train.steps=8")).fit()
+        assert isinstance(refused.value.__cause__, TimeoutError) and time.monotonic() - started >= 0.5
+    with pytest.raises(ConfigError, match="is in use by another run") as refused:  # (no scheduler: at once, for good)
+        trainer.Trainer(tiny_config(stdlib_data, run_dir, "eval.interval=0", "train.steps=8")).fit()
+    assert refused.value.__cause__ is None
     assert checkpoint.hold_run_dir(run_dir, wait_s=0.5)[0] is None
     threading.Timer(1.0, checkpoint.release_run_dir, [lock]).start()
     waited, held = checkpoint.hold_run_dir(run_dir, wait_s=60)

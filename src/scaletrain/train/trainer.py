@@ -1332,8 +1332,11 @@ class Trainer:
             raise
         if refused:
             self.loader.close()
-            raise ConfigError(held or "the run directory is in use by another run (rank 0's error says which); wait "
-                              "for it to end, or choose another run.name")
+            error = ConfigError(held or "the run directory is in use by another run (rank 0's error says which); "
+                                "wait for it to end, or choose another run.name")
+            if wait and scheduled:  # (not lasting: torchrun, or the scheduler, may start it again to wait again)
+                raise error from TimeoutError(f"waited {RUN_DIR_WAIT_S:.0f} s for the run directory")
+            raise error
         return lock
 
     def _fit(self, stop_at_step: int | None, held: list) -> TrainResult:
