@@ -23,7 +23,7 @@ from pathlib import Path
 from scaletrain.config import ConfigError, RunConfig, load_config, run_config_file, validate_config
 from scaletrain.data.shards import read_index
 from scaletrain.train.checkpoint import check_complete, complete_checkpoints, step_of
-from scaletrain.train.schedule import DECAY_SHAPES, run_lr, wsd_decay_start
+from scaletrain.train.schedule import DECAY_SHAPES, SCHEDULE_KEYS, run_lr, wsd_decay_start
 
 log = logging.getLogger("scaletrain")
 
@@ -94,9 +94,6 @@ def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str
     return branch
 
 
-SCHEDULE = ("lr", "min_lr_ratio", "schedule", "warmup_steps", "decay_fraction", "decay_shape", "steps")
-
-
 def _check_same_schedule(branch: RunConfig) -> None:
     """Refuse to resume a branch under another learning-rate schedule than it began with (another
     --decay-shape, or overrides of train.min_lr_ratio, say): its losses would be those of no single
@@ -105,7 +102,7 @@ def _check_same_schedule(branch: RunConfig) -> None:
         begun = load_config(branch.run_dir / "config.toml").train
     except (ConfigError, OSError):
         return  # (what the trainer's own resume check then says)
-    changed = [key for key in SCHEDULE if getattr(begun, key) != getattr(branch.train, key)]
+    changed = [key for key in SCHEDULE_KEYS if getattr(begun, key) != getattr(branch.train, key)]
     if changed:
         raise ConfigError(f"{str(branch.run_dir)!r} holds this branch begun with "
                           + ", ".join(f"train.{key} = {getattr(begun, key)!r}" for key in changed)

@@ -19,6 +19,10 @@ DECAY_SHAPES = {
 }
 
 
+# The train.* settings a step's learning rate depends on, its number of steps given.
+SCHEDULE_KEYS = ("lr", "min_lr_ratio", "schedule", "warmup_steps", "decay_fraction", "decay_shape", "steps")
+
+
 def run_lr(cfg, step: int) -> float:
     """The learning rate of the update at `step` (0-based) of the run `cfg` (a RunConfig) describes."""
     train = cfg.train

@@ -50,7 +50,7 @@ from scaletrain.train.init_from import init_source, starts_fresh
 from scaletrain.train.metrics import Heartbeat, MetricsLog, StepProfiler, TensorBoardSink, WandbSink, read_metrics
 from scaletrain.train.optim import build_optimizer, folded_multiplier, local_shard, set_hyperparameters, set_lr
 from scaletrain.train.resilience import StopSignals, StoppedBySignal, Watchdog, loss_spike
-from scaletrain.train.schedule import run_lr
+from scaletrain.train.schedule import SCHEDULE_KEYS, run_lr
 from scaletrain.train.tasks import Task, load_task, task_metrics
 
 log = logging.getLogger("scaletrain")
@@ -1703,7 +1703,7 @@ def check_run_dir(cfg: RunConfig, warn: bool = True) -> None:
     if others and warn:
         log.warning("resuming %s with changed settings: %s", run_dir,
                     ", ".join(f"{key} {changed[key][0]} -> {changed[key][1]}" for key in others))
-    schedule = [key for key in others if key.startswith("train.") and key.split(".")[1] in SCHEDULE_KEYS]
+    schedule = [key for key in others if key.startswith("train.") and key.split(".")[1] in (*SCHEDULE_KEYS, *STEP_KEYS)]
     if schedule and warn:  # (the newest checkpoint: where a resume goes on, unless it is damaged)
         _warn_rescheduled(before, cfg, checkpoint.step_of(checkpoint.committed_checkpoints(ckpt_root)[0]),
                           schedule)
@@ -1713,9 +1713,8 @@ def check_run_dir(cfg: RunConfig, warn: bool = True) -> None:
 # (below the least collective timeout, which the other ranks wait in meanwhile: parallel/mesh.py).
 RUN_DIR_WAIT_S = 120.0
 
-# What the learning rate of a step depends on (train.*).
-SCHEDULE_KEYS = ("lr", "warmup_steps", "schedule", "min_lr_ratio", "decay_fraction", "decay_shape", "steps", "tokens",
-                 "global_batch_tokens", "batch_ramp")
+# What else the learning rate of a step depends on (train.*, beside schedule.SCHEDULE_KEYS): the number of steps.
+STEP_KEYS = ("tokens", "global_batch_tokens", "batch_ramp")
 
 
 def _warn_rescheduled(before: RunConfig, now: RunConfig, step: int, keys: list[str]) -> None:
