@@ -224,6 +224,31 @@ def test_a_config_with_multi_token_prediction_is_planned_in_every_kind_of_layout
         planned_config(plan, Hardware(H100, 16, 8), base=base)  # (raises what train would refuse)
 
 
+def test_a_sequence_no_other_layout_fits_is_split_over_devices(tmp_path, capsys):
+    """Context parallelism is searched by default only where no layout without it fits (its
+    GPU path is untimed): a 1M-token sequence of a 1B model fits no layout of 16 H100s
+    without it, and does with it, in a layout train accepts; a sequence that fits
+    otherwise is not split unless asked for. The CLI says the plan's attention is untimed,
+    and a refusal without it says what would fit."""
+    million = 1 << 20
+    with pytest.raises(PlanError, match="let the planner split sequences over devices"):
+        search(ONE_B, million, 1, 16, H100, allow_cp=False)
+    best = search(ONE_B, million, 1, 16, H100)[0]
+    assert best.layout.cp > 1 and best.memory.peak <= 0.9 * H100.memory
+    assert search(ONE_B, 1 << 17, 1, 16, H100)[0].layout.cp == 1
+    assert any(c.layout.cp > 1 for c in search(ONE_B, 1 << 17, 1, 16, H100, allow_cp=True, top=100))
+    config = tmp_path / "long.toml"
+    argv = ["plan", "--params", "1e9", "--tokens", "1e10", "--gpus", "16", "--seq-len", str(million)]
+    assert main([*argv, "--write-config", str(config)]) == 0
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "context parallelism: its attention and all-gathers are modelled, not yet timed on a GPU" in text
+    cfg = load_config(config)
+    assert cfg.parallel.cp > 1 and cfg.data.seq_len == million
+    check_layout(resolve_layout(cfg.parallel, 16), cfg)  # (raises what train would refuse)
+    assert main([*argv, "--context-parallel", "no"]) == 2
+    assert "let the planner split sequences over devices" in " ".join(capsys.readouterr().err.split())
+
+
 def test_multi_token_prediction_is_timed_on_the_last_pipeline_stage():
     """Pipelined, the depths all run on the last stage beside the head: a depth adds the same
     compute to a step at pp=2 as at pp=1 (not half of it, as if spread over the stages' blocks),

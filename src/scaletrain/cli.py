@@ -417,7 +417,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # The written config's run is named after its file (runs/30b.toml trains runs/30b), not after
     # the planned config's run, whose checkpoints it would resume with the plan's other settings.
     name = args.name or (Path(args.write_config).stem if args.write_config else None)
-    common = dict(data_path=data_path, name=name, top=args.top)
+    common = dict(data_path=data_path, name=name, top=args.top,
+                  context_parallel={"auto": None, "yes": True, "no": False}[args.context_parallel])
     if args.hparams is not None:
         from scaletrain.hparams import load_law
 
@@ -610,7 +611,11 @@ def plan_tables(plan: dict) -> list[Table]:
                        "pipeline_sends", "optimizer") if step[key] > 0)
     how.add_row("step", f"{step['total']:.3g} s ({parts})")
     how.add_row("throughput", f"{step['tokens_per_s']:,.0f} tokens/s, MFU {step['mfu']:.1%} "
-                              f"({step['mfu_causal']:.1%} counting causal attention)")
+                              f"({step['mfu_causal']:.1%} counting causal attention)"
+                + ("; over 100% as the convention counts the whole score matrix, twice the attention a causal "
+                   "kernel computes" if step["mfu"] > 1 else ""))
+    if plan["layout"]["layout"]["cp"] > 1:
+        how.add_row("", "context parallelism: its attention and all-gathers are modelled, not yet timed on a GPU")
     if plan["batch_ramp"]:
         how.add_row("batch ramp", "; ".join(f"{p['steps']:,} steps of {p['batch_tokens']:,} tokens first: "
                                             f"{p['step_s']:.3g} s, {p['tokens_per_s']:,.0f} tokens/s, "
@@ -1821,6 +1826,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-layout", action="store_true",
                    help="with a config: plan its own layout (parallel sizes over --gpus, schedule, micro-batch, "
                         "recomputation) instead of the search's best, which are listed after it")
+    p.add_argument("--context-parallel", choices=("auto", "yes", "no"), default="auto",
+                   help="search layouts that split each sequence over devices: auto (the default) only when "
+                        "nothing fits without them, as for very long sequences (their attention is modelled, not yet "
+                        "timed on a GPU), yes to weigh them against the rest, no never")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--write-config", default=None, metavar="FILE", help="write the config that trains the plan")
     p.set_defaults(func=cmd_plan)

@@ -191,7 +191,7 @@ def predicted_loss(sizing: Sizing, n: int, tokens: int) -> dict | None:
 def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware, *, batch_tokens: int | None = None,
               base: RunConfig | None = None, sizing: Sizing | None = None, data_path: str = "data/corpus",
               name: str | None = None, top: int = 5, hyperparameters: HyperparameterLaw = DEEPSEEK,
-              keep_layout: bool = False) -> dict:
+              keep_layout: bool = False, context_parallel: bool | None = None) -> dict:
     """The whole plan as a JSON-able dict (the keys of DESIGN.md's plan contract), with the config
     to train it under "config" (TOML). `batch_tokens` fixes the global batch; otherwise the
     rule's batch for the run's compute is the target each layout rounds to its data-parallel
@@ -199,7 +199,9 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
     the rule of the learning rate and batch (DeepSeek LLM's, or one `scaletrain hparams`
     measured), unless `base` sets them. `keep_layout`: plan `base`'s own layout (its parallel
     sizes over the devices, schedule, micro-batch, recomputation and loss chunks) rather than
-    the search's best, which then come after it as the alternatives."""
+    the search's best, which then come after it as the alternatives. `context_parallel`: search
+    layouts that split sequences too (True), never (False), or only when nothing fits without
+    them (None: plan/search.py's docstring says why)."""
     hardware.check()
     sizing = sizing or Sizing("given")
     per_token = train_flops_per_token(model, seq_len)
@@ -218,7 +220,7 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
         if base is not None else []
     searching = dict(gpus_per_node=hardware.gpus_per_node, efficiency=hardware.efficiency, dtype=dtype, top=top,
                      optimizer=base.train.optimizer if base is not None else "adamw",
-                     ema=base is not None and base.train.ema_decay > 0,
+                     ema=base is not None and base.train.ema_decay > 0, allow_cp=context_parallel,
                      ramp=tuple(batch // seq_len for _, batch in ramp))
     if keep_layout:
         if base is None:

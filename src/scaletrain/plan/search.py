@@ -11,9 +11,12 @@ then chunking the loss) whose predicted peak fits in the usable memory. Not sear
 micro-batch's activations for the bubble of 1F1B and interleaving; the zero-bubble schedules,
 since torch cannot split a compiled block's backward pass into the inputs' and the weights'
 halves as they do (the configs the planner writes compile the blocks, and the speed of
-uncompiled ones is not modelled); and context parallelism unless asked for (`allow_cp`):
-parallel/context.py's attention reaches the flash kernel on GPUs through SDPA's bottom-right
-causal mask, but that path has not been measured on a GPU here. The fastest by
+uncompiled ones is not modelled); and context parallelism unless asked for (`allow_cp`) or
+needed (no layout without it fits, as for sequences of hundreds of thousands of tokens, whose
+activations no recomputation brings within a device): parallel/context.py's attention reaches
+the flash kernel on GPUs through SDPA's bottom-right causal mask, but that path has not been
+measured on a GPU here, and its keys' and values' all-gathers are timed as if nothing
+overlapped them. The fastest by
 plan/timing.py wins; among layouts within 1% of it, the simplest (fewest kinds of
 parallelism, smaller tp, no recomputation), since the difference is below what the model can
 tell apart.
@@ -178,12 +181,18 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
 
 def search(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fixed_batch: bool = False,
            gpus_per_node: int | None = None, efficiency: Efficiency = Efficiency(), dtype: str = "bf16",
-           usable: float = USABLE_MEMORY, top: int = 5, allow_cp: bool = False,
+           usable: float = USABLE_MEMORY, top: int = 5, allow_cp: bool | None = None,
            optimizer: str = "adamw", ramp: tuple[int, ...] = (), ema: bool = False) -> list[Candidate]:
-    """The best `top` layouts, best first (see the module's docstring); PlanError when none fits."""
-    fits, closest = candidates(cfg, seq_len, batch, world, device, fixed_batch=fixed_batch,
-                               gpus_per_node=gpus_per_node, efficiency=efficiency, dtype=dtype, usable=usable,
-                               allow_cp=allow_cp, optimizer=optimizer, ramp=ramp, ema=ema)
+    """The best `top` layouts, best first (see the module's docstring); PlanError when none fits.
+    `allow_cp`: search context parallelism too (True), never (False), or only when no layout
+    without it fits (None)."""
+    searching = dict(fixed_batch=fixed_batch, gpus_per_node=gpus_per_node, efficiency=efficiency, dtype=dtype,
+                     usable=usable, optimizer=optimizer, ramp=ramp, ema=ema)
+    fits, closest = candidates(cfg, seq_len, batch, world, device, allow_cp=bool(allow_cp), **searching)
+    if not fits and closest is not None and allow_cp is None:  # (too little memory, not a batch that will not split)
+        fits, split = candidates(cfg, seq_len, batch, world, device, allow_cp=True, **searching)
+        closest = split if closest is None or (split is not None and split.memory.peak < closest.memory.peak) \
+            else closest
     if not fits:
         if closest is None:
             batches = f"a batch of {batch}" if not ramp else f"batches of {', '.join(map(str, (*ramp, batch)))}"
@@ -193,7 +202,9 @@ def search(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fi
         raise PlanError(f"no layout fits on {world} x {device.name}: the least memory any needs is "
                         f"{closest.memory.peak / 1e9:.1f} GB per device ({describe(closest.layout)}), against "
                         f"{usable * device.memory / 1e9:.1f} GB usable; use more devices, devices with more memory, a "
-                        "shorter sequence or a smaller model")
+                        "shorter sequence or a smaller model"
+                        + (", or let the planner split sequences over devices (context parallelism)"
+                           if allow_cp is False else ""))
     if not fixed_batch:  # (a batch far above the rule's only where every layout's is)
         within = [c for c in fits if c.global_batch <= MAX_BATCH_GROWTH * batch]
         fits = within or [c for c in fits if c.global_batch == min(c.global_batch for c in fits)]
@@ -213,8 +224,10 @@ def search(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fi
 def describe(layout: PlanLayout) -> str:
     """'dp 4 (fsdp 4) x tp 2, micro-batch 2, selective recompute' — the sizes above 1."""
     lay = layout
-    if lay.dp_replicate > 1 and lay.dp_shard * lay.cp > 1:  # FSDP shards over dp_shard x cp
+    if lay.dp_replicate > 1 and lay.dp_shard > 1:
         dp = f"dp {lay.dp} (replicate {lay.dp_replicate} x fsdp {lay.dp_shard})"
+    elif lay.dp_replicate > 1 and lay.cp > 1:  # (FSDP shards over dp_shard x cp: here over cp's ranks alone)
+        dp = f"dp {lay.dp} (replicated, fsdp over cp)"
     elif lay.dp_replicate > 1:
         dp = f"dp {lay.dp} (replicated)"
     else:
