@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from scaletrain.config import ModelConfig  # noqa: E402
 from scaletrain.plan.hardware import device, device_from_dict  # noqa: E402
+from scaletrain.plan.search import describe, search  # noqa: E402
 from scaletrain.plan.timing import PlanLayout, step_time  # noqa: E402
 
 
@@ -43,9 +44,15 @@ def llama3(gpus: int, tp: int, cp: int, pp: int, dp: int, seq: int, batch_per_dp
                         pp_stages_per_rank=2)
     assert layout.world_size == gpus
     t = step_time(cfg, seq, dp * batch_per_dp, layout, device("H100 SXM"))
+    # The planner's own choice for the same model, batch and devices (context parallelism where
+    # nothing fits without it, as train would search it).
+    best = search(cfg, seq, dp * batch_per_dp, gpus, device("H100 SXM"), fixed_batch=True, top=1)[0]
     return {"run": f"Llama 3 405B, {gpus} H100, TP{tp} CP{cp} PP{pp} DP{dp}, seq {seq}",
             "published_mfu": mfu, "predicted_mfu": round(t.mfu, 4), "predicted_mfu_causal": round(t.mfu_causal, 4),
-            "predicted_step_s": round(t.total, 3), "breakdown": _breakdown(t)}
+            "predicted_step_s": round(t.total, 3), "breakdown": _breakdown(t),
+            "searched": {"layout": describe(best.layout), "predicted_mfu": round(best.time.mfu, 4),
+                         "predicted_mfu_causal": round(best.time.mfu_causal, 4),
+                         "peak_gb": round(best.memory.peak / 1e9, 1)}}
 
 
 def megatron(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,

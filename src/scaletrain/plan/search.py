@@ -7,19 +7,20 @@ torchtitan and Megatron-LM keep it), pp under 1F1B or interleaved 1F1B with two 
 stages a rank (micro-batches at least pp, a multiple of it when interleaved), the
 data-parallel ranks split every way between FSDP shards and replicas, micro-batches of 1 to
 64 sequences (powers of two), and for each the least recomputation (none, selective, full;
-then chunking the loss) whose predicted peak fits in the usable memory. Not searched: GPipe and breadth-first looping, which hold every
-micro-batch's activations for the bubble of 1F1B and interleaving; the zero-bubble schedules,
-since torch cannot split a compiled block's backward pass into the inputs' and the weights'
-halves as they do (the configs the planner writes compile the blocks, and the speed of
-uncompiled ones is not modelled); and context parallelism unless asked for (`allow_cp`) or
-needed (no layout without it fits, as for sequences of hundreds of thousands of tokens, whose
-activations no recomputation brings within a device): parallel/context.py's attention reaches
-the flash kernel on GPUs through SDPA's bottom-right causal mask, but that path has not been
+then chunking the loss) whose predicted peak fits in the usable memory. Not searched: GPipe
+and breadth-first looping, which hold every micro-batch's activations for the bubble of 1F1B
+and interleaving; the zero-bubble schedules, since torch cannot split a compiled block's
+backward pass into the inputs' and the weights' halves as they do (the configs the planner
+writes compile the blocks, and the speed of uncompiled ones is not modelled); and context
+parallelism unless asked for (`allow_cp`) or needed: where no layout without it fits, as for
+sequences of hundreds of thousands of tokens whose activations no recomputation brings within
+a device, or for fewer sequences a step than the other layouts need on so many devices (Llama
+3's 128K stage: 128 sequences on 16,384 GPUs). parallel/context.py's attention reaches the
+flash kernel on GPUs through SDPA's bottom-right causal mask, but that path has not been
 measured on a GPU here, and its keys' and values' all-gathers are timed as if nothing
-overlapped them. The fastest by
-plan/timing.py wins; among layouts within 1% of it, the simplest (fewest kinds of
-parallelism, smaller tp, no recomputation), since the difference is below what the model can
-tell apart.
+overlapped them. The fastest by plan/timing.py wins; among layouts within 1% of it, the
+simplest (fewest kinds of parallelism, smaller tp, no recomputation), since the difference is
+below what the model can tell apart.
 
 The global batch is either fixed (a config's, which every layout must split evenly) or a
 target in sequences: each layout takes the multiple of its data-parallel ranks x micro-batch
@@ -185,11 +186,11 @@ def search(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fi
            optimizer: str = "adamw", ramp: tuple[int, ...] = (), ema: bool = False) -> list[Candidate]:
     """The best `top` layouts, best first (see the module's docstring); PlanError when none fits.
     `allow_cp`: search context parallelism too (True), never (False), or only when no layout
-    without it fits (None)."""
+    without it fits (None): in memory, or splitting the batch (few sequences on many devices)."""
     searching = dict(fixed_batch=fixed_batch, gpus_per_node=gpus_per_node, efficiency=efficiency, dtype=dtype,
                      usable=usable, optimizer=optimizer, ramp=ramp, ema=ema)
     fits, closest = candidates(cfg, seq_len, batch, world, device, allow_cp=bool(allow_cp), **searching)
-    if not fits and closest is not None and allow_cp is None:  # (too little memory, not a batch that will not split)
+    if not fits and allow_cp is None:  # (too little memory, or too few sequences for the devices without it)
         fits, split = candidates(cfg, seq_len, batch, world, device, allow_cp=True, **searching)
         closest = split if closest is None or (split is not None and split.memory.peak < closest.memory.peak) \
             else closest
@@ -198,7 +199,9 @@ def search(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fi
             batches = f"a batch of {batch}" if not ramp else f"batches of {', '.join(map(str, (*ramp, batch)))}"
             raise PlanError(f"no layout of {world} devices splits this model and {batches} sequences of "
                             f"{seq_len} tokens evenly; use a number of devices that divides the batch"
-                            + ("es (train.batch_ramp's too)" if ramp else " (or let the planner choose the batch)"))
+                            + ("es (train.batch_ramp's too)" if ramp else " (or let the planner choose the batch)")
+                            + (", or let the planner split sequences over devices (context parallelism)"
+                               if allow_cp is False else ""))
         raise PlanError(f"no layout fits on {world} x {device.name}: the least memory any needs is "
                         f"{closest.memory.peak / 1e9:.1f} GB per device ({describe(closest.layout)}), against "
                         f"{usable * device.memory / 1e9:.1f} GB usable; use more devices, devices with more memory, a "
