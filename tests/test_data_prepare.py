@@ -217,6 +217,48 @@ def test_text_field_names_the_jsonl_field_and_parquet_column(tmp_path):
     assert decoded_documents(tmp_path / "data", "train") == ["from jsonl", "from parquet"]
 
 
+def test_compressed_sources_and_json_lines_named_json_are_read_as_their_inner_format(tmp_path, monkeypatch):
+    """gzip, bzip2, xz and zstandard files are read as what their names say without the
+    compression suffix (C4's shards are .json.gz of JSON Lines, the Pile's .jsonl.zst); a .json
+    is JSON Lines when its first line is a record with the text field, text otherwise (a code
+    corpus's package.json); a compressed code file keeps its extension for curation; a
+    truncated archive, or .zst without its package, is refused in one sentence."""
+    import bz2
+    import gzip
+    import lzma
+
+    import zstandard
+
+    from scaletrain.data.curate import document_kind
+    from scaletrain.data.sources import ReadStats, list_files, read_documents
+
+    def records(*texts):
+        return "".join(json.dumps({"text": t, "url": "x"}) + "\n" for t in texts).encode()
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.json.gz").write_bytes(gzip.compress(records("gzip one", "gzip two")))
+    (corpus / "b.jsonl.bz2").write_bytes(bz2.compress(records("bzip2 one")))
+    (corpus / "c.txt.xz").write_bytes(lzma.compress("xz text".encode()))
+    (corpus / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(records("zstd one", "zstd two")))
+    (corpus / "e.json").write_bytes(records("plain json lines"))
+    (corpus / "f.py.gz").write_bytes(gzip.compress(b"def f(x):\n    return x\n"))
+    package = '{\n  "name": "left as text"\n}\n'
+    (corpus / "package.json").write_text(package)
+    prepare([str(corpus)], tmp_path / "data", VOCAB, val_fraction=0)
+    assert decoded_documents(tmp_path / "data", "train") == [  # (files in name order)
+        "gzip one", "gzip two", "bzip2 one", "xz text", "zstd one", "zstd two", "plain json lines",
+        "def f(x):\n    return x\n", package]
+    names = [name for _, _, name in read_documents(list_files([str(corpus / "f.py.gz")]), "text", None, ReadStats())]
+    assert names == ["f.py"] and document_kind(names[0]) == "code"
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(records("whole", "cut"))[:-12])
+    with pytest.raises(DataError, match="cut.jsonl.gz could not be decompressed .*replace it with a whole copy"):
+        prepare([str(tmp_path / "cut.jsonl.gz")], tmp_path / "cut", VOCAB)
+    monkeypatch.setitem(__import__("sys").modules, "zstandard", None)  # (as where it is not installed)
+    with pytest.raises(DataError, match="compressed with zstandard, which needs .*pip install zstandard"):
+        prepare([str(corpus / "d.jsonl.zst")], tmp_path / "zst", VOCAB)
+
+
 def test_end_of_text_written_inside_a_document_is_text_not_an_end_of_document(tmp_path):
     (tmp_path / "a.txt").write_text("before <|endoftext|> after")
     prepare([str(tmp_path / "a.txt")], tmp_path / "data", VOCAB)

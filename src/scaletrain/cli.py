@@ -1685,7 +1685,8 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Read text sources, train (or reuse) a byte-level BPE tokenizer and write "
                                     "token shards, a validation split, stats.json and manifest.json to --out.")
     p.add_argument("sources", nargs="+", metavar="SRC",
-                   help="directories, globs or files of text, .jsonl, .parquet; or builtin:python-stdlib, "
+                   help="directories, globs or files of text, .jsonl (or .json of JSON lines), .parquet, any "
+                        "of them but .parquet compressed (.gz, .bz2, .xz, .zst); or builtin:python-stdlib, "
                         "builtin:python-packages")
     p.add_argument("--out", type=_out_dir, required=True, help="data directory to write")
     p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size (default 8192; not with --tokenizer)")

@@ -104,7 +104,8 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     was prepared identically; resume an interrupted prepare of the same arguments.
 
     sources: files, directories (read recursively), globs ('data/**/*.txt'), .jsonl and
-        .parquet files (text in `text_field`), or builtin:python-stdlib / builtin:python-packages.
+        .parquet files (text in `text_field`; compressed files too: sources.py), or
+        builtin:python-stdlib / builtin:python-packages.
     vocab_size: ids of the tokenizer to train; ignored when `tokenizer` is given.
     max_bytes: stop reading before the documents read exceed this many UTF-8 bytes.
     tokenizer: a tokenizer.json (or a directory holding one) to use instead of training one.

@@ -1,6 +1,10 @@
 """Where documents come from: files, directories, globs, .jsonl, .parquet and built-in corpora.
 
-A document is one text file, one .jsonl line or one .parquet row. `list_files` turns the
+A document is one text file, one .jsonl line or one .parquet row. A file compressed with gzip,
+bzip2, xz or zstandard (.gz, .bz2, .xz, .zst: how C4, the Pile, SlimPajama and Dolma ship) is
+read as what its name says without that suffix, `c4.json.gz` as JSON Lines; a `.json` file is
+JSON Lines when its first line is a record with the text field (C4's and Dolma's shards are
+named so) and text otherwise (a code corpus's package.json). `list_files` turns the
 sources a user gave into an ordered file list (cheap: no file is opened); `read_documents`
 reads them in that order and yields the documents it keeps, counting every document it
 drops, and why, in a `ReadStats`. Reading is deterministic (sources in the given order,
@@ -12,6 +16,7 @@ from __future__ import annotations
 import fnmatch
 import glob
 import hashlib
+import io
 import json
 import os
 import sysconfig
@@ -246,17 +251,61 @@ def encodable(text: str) -> str:
 NAME_FIELDS = ("path", "filename", "file_name")
 
 
+# Compressed files: suffix -> the module whose open() reads them (zstandard is not in the
+# standard library before Python 3.14: an optional dependency, asked for when needed).
+COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma", ".zst": "zstandard"}
+
+
+def _open(file: SourceFile):
+    """A binary file object of `file`'s content, decompressed by its suffix."""
+    module = COMPRESSED.get(file.path.suffix.lower())
+    if module is None:
+        return open(file.path, "rb")
+    if module == "zstandard":
+        try:
+            import zstandard
+        except ImportError:
+            raise DataError(f"{file.path} is compressed with zstandard, which needs the zstandard package: "
+                            "pip install zstandard (or decompress it first)") from None
+        return io.BufferedReader(zstandard.open(file.path, "rb"))  # (its reader reads no lines itself)
+    import importlib
+
+    return importlib.import_module(module).open(file.path, "rb")
+
+
+def _format(file: SourceFile, text_field: str) -> str:
+    """"jsonl", "parquet" or "text": how `file` is read (see the module's docstring)."""
+    compressed = file.path.suffix.lower() in COMPRESSED
+    inner = Path(file.path.stem).suffix.lower() if compressed else file.path.suffix.lower()
+    if inner == ".jsonl" or (inner == ".json" and compressed):
+        return "jsonl"
+    if inner == ".parquet" and not compressed:
+        return "parquet"
+    if inner == ".json":
+        try:
+            with open(file.path, "rb") as f:
+                record = json.loads(f.readline())
+        except (ValueError, OSError):  # (not one record a line: a JSON document, read as text)
+            return "text"
+        return "jsonl" if isinstance(record, dict) and isinstance(record.get(text_field), str) else "text"
+    return "text"
+
+
 def _documents_of(file: SourceFile, text_field: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
-    """(text, name) of each document of a file; name is the file's, or a record's own."""
-    suffix = file.path.suffix.lower()
-    if suffix == ".jsonl":
+    """(text, name) of each document of a file; name is the file's (without a compression
+    suffix, which would hide a code file's extension), or a record's own."""
+    kind = _format(file, text_field)
+    if kind == "jsonl":
         yield from _read_jsonl(file, text_field, stats)
-    elif suffix == ".parquet":
+    elif kind == "parquet":
         yield from _read_parquet(file, text_field, stats)
     else:
         text = _read_text(file, stats)
         if text is not None:
-            yield text, file.name
+            name = file.name
+            if file.path.suffix.lower() in COMPRESSED:
+                name = name[:-len(file.path.suffix)]
+            yield text, name
 
 
 def _decode(raw: bytes, file: SourceFile, stats: ReadStats, already_counted: bool) -> tuple[str, bool]:
@@ -272,7 +321,7 @@ def _decode(raw: bytes, file: SourceFile, stats: ReadStats, already_counted: boo
 
 
 def _read_text(file: SourceFile, stats: ReadStats) -> str | None:
-    raw = file.path.read_bytes()
+    raw = _read_all(file)
     stats.hash_file(file, len(raw), hashlib.sha256(raw).hexdigest())
     if b"\0" in raw[:BINARY_SNIFF_BYTES]:
         stats.drop("binary", len(raw))
@@ -289,11 +338,35 @@ def _record_name(record: dict, file: SourceFile) -> str:
     return file.name
 
 
+def _unreadable(file: SourceFile, error: Exception) -> DataError:
+    return DataError(f"{file.path} could not be decompressed ({error}); replace it with a whole copy")
+
+
+def _read_all(file: SourceFile) -> bytes:
+    with _open(file) as f:
+        try:
+            return f.read()
+        except (OSError, EOFError) as e:  # (a truncated or corrupt archive)
+            raise _unreadable(file, e) from None
+
+
+def _lines(f, file: SourceFile) -> Iterator[bytes]:
+    """The lines of the open `file`, a corrupt or truncated archive refused where it breaks."""
+    while True:
+        try:
+            line = f.readline()
+        except (OSError, EOFError) as e:
+            raise _unreadable(file, e) from None
+        if not line:
+            return
+        yield line
+
+
 def _read_jsonl(file: SourceFile, text_field: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
     _hash_whole_file(file, stats)
     not_utf8 = False
-    with open(file.path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+    with _open(file) as f:
+        for lineno, raw in enumerate(_lines(f, file), 1):
             line, not_utf8 = _decode(raw, file, stats, not_utf8)
             if lineno == 1:
                 line = line.removeprefix("\ufeff")  # (a byte-order mark, which some editors write)
