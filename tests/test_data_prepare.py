@@ -1,6 +1,7 @@
 """`prepare`: sources in, a data directory out, checked on small real corpora and real tokenizers."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -257,6 +258,37 @@ def test_compressed_sources_and_json_lines_named_json_are_read_as_their_inner_fo
     monkeypatch.setitem(__import__("sys").modules, "zstandard", None)  # (as where it is not installed)
     with pytest.raises(DataError, match="compressed with zstandard, which needs .*pip install zstandard"):
         prepare([str(corpus / "d.jsonl.zst")], tmp_path / "zst", VOCAB)
+
+
+def test_one_long_text_is_cut_into_documents_at_its_paragraphs_or_lines(tmp_path):
+    """A single text file (a book; here Python's licence) is one document whole: nothing for
+    validation, and over the quality filters' length limit; the refusal and the warning say
+    to cut it, and --split paragraph / line makes each paragraph or line a document (without
+    its separators), the rest of the prepare as before; the split is one of the options a
+    finished prepare was made with."""
+    import re
+    import sysconfig
+
+    licence = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+    text = licence.read_text()
+    whole = prepare([str(licence)], tmp_path / "whole", VOCAB, val_fraction=0.1)
+    assert any("a text file is one document: --split paragraph, or line" in w for w in whole.warnings)
+    filters = tmp_path / "filters.toml"
+    filters.write_text("[gopher_quality]\nmax_words = 1000\n")  # (a book is over the default's 100,000)
+    with pytest.raises(DataError, match="too_many_words.*cut long texts into documents .--split paragraph"):
+        prepare([str(licence)], tmp_path / "refused", VOCAB, filters=str(filters))
+    paragraphs = [p for p in re.split(r"\n[ \t]*\n\s*", text) if p]
+    lines = [line for line in text.split("\n") if line]
+    for split, documents in (("paragraph", paragraphs), ("line", lines)):
+        out = tmp_path / split
+        result = prepare([str(licence)], out, VOCAB, val_fraction=0.1, split=split)
+        assert result.stats["documents"]["kept"] == len(documents) > 40
+        assert result.stats["documents"]["val"] > 0
+        held = decoded_documents(out, "train") + decoded_documents(out, "val")
+        assert sorted(held) == sorted(documents)
+    assert prepare([str(licence)], tmp_path / "line", VOCAB, val_fraction=0.1, split="line").reused
+    with pytest.raises(DataError, match="holds a finished prepare of other sources or options .*split"):
+        prepare([str(licence)], tmp_path / "line", VOCAB, val_fraction=0.1, split="paragraph")
 
 
 def test_end_of_text_written_inside_a_document_is_text_not_an_end_of_document(tmp_path):

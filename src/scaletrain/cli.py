@@ -91,7 +91,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
                          dedup=not args.no_dedup, minhash=(args.minhash_bands, args.minhash_rows, args.minhash_ngram),
                          decontaminate=args.decontaminate, keep_rejects=args.keep_rejects,
                          chunk_bytes=DEFAULT_CHUNK_BYTES if args.chunk_bytes is None else args.chunk_bytes, kind=args.kind,
-                         val_overlap=not args.no_val_overlap, overwrite=args.overwrite)
+                         val_overlap=not args.no_val_overlap, overwrite=args.overwrite, split=args.split)
     if result.resumed_chunks:
         console.print(f"resumed an interrupted prepare: {result.resumed_chunks} chunks were already curated")
     for warning in result.warnings:
@@ -1705,6 +1705,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-val-overlap", action="store_true",
                    help="keep training documents that share a 13-gram with a validation document (by default they "
                         "go, so that the validation loss is not measured on text trained on)")
+    p.add_argument("--split", choices=("file", "paragraph", "line"), default="file",
+                   help="a text file's documents: the whole file (the default), its paragraphs between blank lines, "
+                        "or its lines; one long text (a book) wants paragraph or line, for a validation split and "
+                        "the quality filters' length limits")
     p.add_argument("--kind", choices=("auto", "code", "prose"), default="auto",
                    help="curate every document as code or as prose; auto (the default) tells each by its file name: "
                         "a .jsonl record or .parquet row by its path or filename field, prose without one")

@@ -99,7 +99,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
             filters: str | Path = "default", dedup: bool = True, minhash: tuple[int, int, int] = (14, 8, 5),
             decontaminate: list[str | Path] = (), keep_rejects: bool = False,
             chunk_bytes: int = DEFAULT_CHUNK_BYTES, kind: str = "auto", val_overlap: bool = True,
-            overwrite: bool = False) -> PrepareResult:
+            overwrite: bool = False, split: str = "file") -> PrepareResult:
     """Curate and tokenize sources into the data directory out, or reuse what out holds if it
     was prepared identically; resume an interrupted prepare of the same arguments.
 
@@ -121,6 +121,8 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     val_overlap: drop training documents that share a 13-gram with a validation document (a
         corpus whose files share long boilerplate, licence headers, loses many to it; a warning
         says when over a tenth go).
+    split: how a text file is cut into documents: "file" (whole), "paragraph" (at blank lines) or
+        "line" (sources.SPLITS): one long text, a book, is otherwise one document.
     overwrite: replace a finished prepare in out of other sources or options (refused otherwise:
         it may have taken hours, and runs trained on it could no longer resume).
     progress: a rich Progress to which the passes add their tasks.
@@ -150,7 +152,8 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     # Pass 0: read and hash everything that will be used.
     stats = ReadStats()
     task = _add_task(progress, "reading sources", len(files))
-    for _ in read_documents(files, text_field, max_bytes, stats, on_file=lambda: _advance(progress, task, 1)):
+    for _ in read_documents(files, text_field, max_bytes, stats, on_file=lambda: _advance(progress, task, 1),
+                            split=split):
         pass
     _finish_task(progress, task, len(files))
     options = {"vocab_size": vocab_size, "max_bytes": max_bytes, "text_field": text_field,
@@ -161,7 +164,8 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
                "tokenizer": None if given is None else
                {"path": str(tokenizer_path), "sha256": hashlib.sha256(tokenizer_bytes).hexdigest()},
                # (only where not the default, so that the directories prepared before keep their key)
-               **({"kind": kind} if kind != "auto" else {}), **({} if val_overlap else {"val_overlap": False})}
+               **({"kind": kind} if kind != "auto" else {}), **({} if val_overlap else {"val_overlap": False}),
+               **({"split": split} if split != "file" else {})}
     content_sha256 = stats.content.hexdigest()
     key = _key(options, content_sha256)
     if _is_complete(out, key):
@@ -196,8 +200,8 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     try:
         with _pool(workers, settings) as pool:
             result_stats, warnings, resumed = _run_passes(
-                pool, files, text_field, max_bytes, stats, settings, chunk_bytes, val_fraction, seed, work, out,
-                keep_rejects, given, vocab_size, progress, content_sha256, tokenizer_bytes if given else None)
+                pool, files, (text_field, split), max_bytes, stats, settings, chunk_bytes, val_fraction, seed, work,
+                out, keep_rejects, given, vocab_size, progress, content_sha256, tokenizer_bytes if given else None)
     except _NothingKept:
         if created:
             shutil.rmtree(out, ignore_errors=True)
@@ -221,22 +225,25 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     return PrepareResult(out, False, result_stats, warnings, resumed)
 
 
-def _run_passes(pool, files, text_field, max_bytes, stats: ReadStats, settings: _Settings, chunk_bytes,
+def _run_passes(pool, files, reading: tuple[str, str], max_bytes, stats: ReadStats, settings: _Settings, chunk_bytes,
                 val_fraction, seed, work: Path, out: Path, keep_rejects: bool, given, vocab_size: int, progress,
                 content_sha256: str, tokenizer_bytes: bytes | None) -> tuple[dict, list[str], int]:
     """Passes 1 to 3; returns (stats.json's contents, warnings, chunks resumed from an earlier run)."""
     # Pass 1: curate, deduplicate, draw the split.
     reread = ReadStats()
     task = _add_task(progress, "curating", stats.bytes["kept"])
-    chunks = _curate_chunks(pool, files, text_field, max_bytes, reread, settings, chunk_bytes, val_fraction,
+    chunks = _curate_chunks(pool, files, reading, max_bytes, reread, settings, chunk_bytes, val_fraction,
                             seed, work, out if keep_rejects else None, lambda n: _advance(progress, task, n))
     _finish_task(progress, task, stats.bytes["kept"])
     if reread.content.hexdigest() != content_sha256:
         raise DataError("the sources changed while they were being prepared; prepare again once they are stable")
     curated = _merge_counts(chunks)
     if curated["kept"] == 0:
+        long_text = curated["dropped"].get("gopher_quality:too_many_words") and reading[1] == "file"
         raise _NothingKept(f"curation removed every document ({_reason_summary(curated['dropped'])}); "
-                        "loosen the filters (--filters FILE.toml, or --filters none)")
+                           "loosen the filters (--filters FILE.toml, or --filters none)"
+                           + (", or cut long texts into documents (--split paragraph, or line): a text file is one "
+                              "document" if long_text else ""))
     overrides = _split_overrides(chunks, val_fraction)
 
     # Pass 2: the tokenizer, trained on training documents only so validation text stays unseen.
@@ -303,7 +310,9 @@ def _run_passes(pool, files, text_field, max_bytes, stats: ReadStats, settings: 
     if not splits["val"]["tokens"]:
         warnings.append("the validation split is empty (" + ("--val-fraction 0" if val_fraction == 0 else
                         "a single document kept") + "): train measures its validation loss on it and refuses a run "
-                        "on this data; prepare with a --val-fraction above 0 and two documents or more")
+                        "on this data; prepare with a --val-fraction above 0 and two documents or more"
+                        + (" (a text file is one document: --split paragraph, or line, cuts it into many)"
+                           if val_fraction > 0 and reading[1] == "file" else ""))
     if not splits["train"]["tokens"]:  # (of use to `eval --data` as a validation set; not to train on)
         warnings.append(f"the training split is empty: the {splits['val']['documents']} document(s) kept went to "
                         "validation; train refuses a run on this data; prepare more text")
@@ -320,13 +329,13 @@ def _run_passes(pool, files, text_field, max_bytes, stats: ReadStats, settings: 
 # -- pass 1: curate ---------------------------------------------------------------------------
 
 
-def _curate_chunks(pool, files, text_field, max_bytes, reread: ReadStats, settings: _Settings,
+def _curate_chunks(pool, files, reading: tuple[str, str], max_bytes, reread: ReadStats, settings: _Settings,
                    chunk_bytes: int, val_fraction: float, seed: int, work: Path, rejects: Path | None,
                    advance) -> list[dict]:
     """Run pass 1 chunk by chunk, skipping chunks a previous run finished; return each chunk's record."""
     index = DedupIndex(settings.bands, settings.rows)
     records = []
-    documents = read_documents(files, text_field, max_bytes, reread)
+    documents = read_documents(files, reading[0], max_bytes, reread, split=reading[1])
     for number, chunk in enumerate(_chunks(documents, chunk_bytes)):
         done = work / f"curated_{number:05d}.json"
         if done.is_file():  # finished by an earlier run: restore its documents into the index

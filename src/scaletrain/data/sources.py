@@ -19,6 +19,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import sysconfig
 from collections import Counter
 from dataclasses import dataclass, field
@@ -210,18 +211,27 @@ class ReadStats:
         return notes
 
 
+# How a text file (not a .jsonl record or .parquet row) is cut into documents: whole, at blank
+# lines, or at every line. One long text (a book, Tiny Shakespeare, enwik8) is one document
+# whole, which leaves no document for validation and fails the quality filters' length limits.
+SPLITS = {"file": None, "paragraph": re.compile(r"\n[ \t\r\f\v]*\n\s*"), "line": re.compile(r"\n+")}
+
+
 def read_documents(files: list[SourceFile], text_field: str, max_bytes: int | None, stats: ReadStats,
-                   on_file: Callable[[], None] | None = None) -> Iterator[tuple[str, int, str]]:
+                   on_file: Callable[[], None] | None = None, split: str = "file") -> Iterator[tuple[str, int, str]]:
     """Yield (text, UTF-8 bytes, source file name) of each kept document, recording counts and the
-    content hash in stats.
+    content hash in stats; `split` is how text files are cut into documents (SPLITS).
 
     With max_bytes, reading stops at the first document that would take the kept bytes past
     it, so the kept bytes never exceed max_bytes.
     """
+    if split not in SPLITS:
+        raise DataError(f"split {split!r}: give one of {', '.join(SPLITS)} (a text file's documents: the whole "
+                        "file, its paragraphs between blank lines, or its lines)")
     stats.files_listed = len(files)
     for file in files:
         stats.files_read += 1
-        for text, name in _documents_of(file, text_field, stats):
+        for text, name in _documents_of(file, text_field, stats, SPLITS[split]):
             text = encodable(text)
             nbytes = len(text.encode("utf-8"))
             if not text.strip():
@@ -291,9 +301,11 @@ def _format(file: SourceFile, text_field: str) -> str:
     return "text"
 
 
-def _documents_of(file: SourceFile, text_field: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
+def _documents_of(file: SourceFile, text_field: str, stats: ReadStats,
+                  separator: re.Pattern | None = None) -> Iterator[tuple[str, str]]:
     """(text, name) of each document of a file; name is the file's (without a compression
-    suffix, which would hide a code file's extension), or a record's own."""
+    suffix, which would hide a code file's extension), or a record's own. A text file is cut
+    into documents at `separator` (each piece without it), or is one."""
     kind = _format(file, text_field)
     if kind == "jsonl":
         yield from _read_jsonl(file, text_field, stats)
@@ -305,7 +317,10 @@ def _documents_of(file: SourceFile, text_field: str, stats: ReadStats) -> Iterat
             name = file.name
             if file.path.suffix.lower() in COMPRESSED:
                 name = name[:-len(file.path.suffix)]
-            yield text, name
+            if separator is None:
+                yield text, name
+            else:
+                yield from ((piece, name) for piece in separator.split(text) if piece)
 
 
 def _decode(raw: bytes, file: SourceFile, stats: ReadStats, already_counted: bool) -> tuple[str, bool]:
