@@ -76,14 +76,15 @@ def placeholders(short_documents, next_line_task) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def single_process(stdlib_data, placeholders, tmp_path_factory):
     """One process, 4 blocks, 2 micro-batches of 4 per step, with a layout's model.*, eval.*,
-    data.*, train.optimizer, train.z_loss, train.batch_ramp and train.ema_decay overrides: what that layout must
+    data.*, train.optimizer, train.z_loss, train.batch_ramp, train.global_batch_tokens and
+    train.ema_decay overrides: what that layout must
     reproduce. Each is trained once."""
     runs = {}
 
     def run(overrides: list[str]):
         model = tuple(o for o in with_data(overrides, placeholders)
                       if o.startswith(("model.", "eval.", "data.", "train.optimizer", "train.z_loss", "train.batch_ramp",
-                                       "train.ema_decay", "log.norms")))
+                                       "train.ema_decay", "train.global_batch_tokens", "log.norms")))
         if model not in runs:
             runs[model] = tmp_path_factory.mktemp("single-deep") / "run"
             train(tiny_config(stdlib_data, runs[model], *STEPS, *DEEP, *model))
@@ -186,7 +187,9 @@ TWO = {
     "fsdp-batch-ramp": ["parallel.dp_shard=2", "train.micro_batch=2", *RAMP, *AUTO_SAVES],
     "pp-batch-ramp-moe": [*PP2, *RAMP, "model.moe_experts=4", "model.moe_score=sigmoid",
                           "model.moe_bias_update=0.05", "model.moe_aux_loss=0"],
-    "cp": ["parallel.cp=2", *ONE_STAGE, *DOCUMENTS, *MTP],
+    # (Sequences of 256: the tasks' rows, of about 100-150 tokens, are padded to them for its chunks.)
+    "cp": ["parallel.cp=2", *ONE_STAGE, *DOCUMENTS, *MTP, "data.seq_len=256", "model.max_seq_len=256",
+           "train.global_batch_tokens=2048"],
     **{f"pp-{schedule}": [*PP2, f"parallel.pp_schedule={schedule}"]
        for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
                         "zbv_zero_bubble", "dualpipev")},

@@ -84,6 +84,9 @@ class ContextParallelAttention(CoreAttention):
         local_positions) over the keys of the whole sequences."""
         if not causal and (mask is None or mask.dtype == torch.bool):  # what decoding with a KV cache passes
             raise NotImplementedError("context parallelism runs training and evaluation only (no KV cache)")
+        if q.shape[2] != 2 * self.chunk:  # (its chunks' positions and masks are those of data.seq_len)
+            raise ValueError(f"context parallelism was set up for {2 * self.chunk} tokens a rank (data.seq_len / cp); "
+                             f"this input has {q.shape[2]}: pad inputs to data.seq_len")
         k = _GatherSequence.apply(k, self.group)  # (batch, kv_heads, seq, head_dim), in position order
         v = _GatherSequence.apply(v, self.group)
         out = []

@@ -1180,7 +1180,8 @@ class Trainer:
         for start in range(0, -(-count // self.layout.dp), rows):
             chosen = mine[start:start + rows]
             longest = int(task.lengths[chosen].max()) if len(chosen) else 1
-            length = min(-(-longest // unit) * unit, seq_len)
+            # (Under context parallelism whole windows: its attention is built for data.seq_len's chunks.)
+            length = seq_len if self.layout.cp > 1 else min(-(-longest // unit) * unit, seq_len)
             x = np.zeros((rows, length), dtype=np.int64)
             y = np.full((rows, length), IGNORE, dtype=np.int64)
             width = min(length, task.inputs.shape[1])  # (a task's rows are only as wide as its longest)
