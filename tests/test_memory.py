@@ -76,16 +76,26 @@ def test_predicted_activation_bytes_are_what_autograd_saves(shape, bf16):
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
-def test_attention_within_documents_saves_one_mask_for_all_blocks(bf16):
+def test_attention_within_documents_saves_one_mask_for_all_blocks(bf16, monkeypatch):
+    """One bias for all blocks; and on CUDA, whose masked kernel takes no grouped heads, the
+    keys and values repeated to every query head in place of the grouped ones (measured here
+    with the CPU taking CUDA's path)."""
+    from scaletrain.model import llama
+
     cfg = ModelConfig(vocab_size=512, max_seq_len=64, document_mask=True, **SHAPES[0])
+    assert cfg.kv_heads < cfg.n_heads
     model = Transformer(cfg)
     batch, seq = 3, 64
     tokens = torch.randint(0, 511, (batch, seq))
     tokens[:, ::9] = 511  # documents of 8 tokens
     measured = saved_bytes(model, tokens, bf16, documents=document_ids(tokens, 511))
-    assert training_memory(cfg, seq, batch, bf16=bf16).activations == pytest.approx(measured, rel=0.01)
+    assert training_memory(cfg, seq, batch, bf16=bf16, cuda=False).activations == pytest.approx(measured, rel=0.01)
     causal = cfg.model_copy(update={"document_mask": False})
     assert measured - training_memory(causal, seq, batch, bf16=bf16).activations > batch * seq**2  # the mask counts
+    monkeypatch.setattr(llama, "REPEATED_KV_DEVICES", ("cuda", "cpu"))
+    repeated = saved_bytes(model, tokens, bf16, documents=document_ids(tokens, 511))
+    assert repeated > 1.03 * measured
+    assert training_memory(cfg, seq, batch, bf16=bf16).activations == pytest.approx(repeated, rel=0.01)
 
 
 CP_SAVED = """
@@ -94,6 +104,7 @@ import torch
 import torch.distributed as dist
 from test_memory import saved_bytes
 from scaletrain.config import ModelConfig
+from scaletrain.model import llama
 from scaletrain.model.llama import Transformer, document_ids
 from scaletrain.parallel.context import apply_cp, local_positions, shard_sequence
 
@@ -108,8 +119,11 @@ tokens = shard_sequence(whole, dist.get_rank(), dist.get_world_size())
 positions = local_positions(128, dist.get_rank(), dist.get_world_size())
 got = {bf16: saved_bytes(model, tokens, bf16, positions) for bf16 in (False, True)}
 documents = saved_bytes(model, tokens, False, positions, document_ids(whole, 511))
+llama.REPEATED_KV_DEVICES = ("cuda", "cpu")  # (CUDA's path: keys and values repeated for the masked kernel)
+repeated = saved_bytes(model, tokens, True, positions, document_ids(whole, 511))
 if dist.get_rank() == 0:
-    print(json.dumps({"float32": got[False], "bf16": got[True], "float32-documents": documents}))
+    print(json.dumps({"float32": got[False], "bf16": got[True], "float32-documents": documents,
+                      "bf16-documents-cuda": repeated}))
 dist.destroy_process_group()
 """
 
@@ -132,7 +146,10 @@ def test_context_parallel_ranks_save_the_keys_and_values_of_the_whole_sequence(t
     # Within documents: one bias of this rank's 64 queries over the 128 keys, for both blocks.
     documents = cfg.model_copy(update={"document_mask": True})
     assert measured["float32-documents"] == pytest.approx(
-        training_memory(documents, 128, 3, bf16=False, cp=2).activations, rel=0.015)
+        training_memory(documents, 128, 3, bf16=False, cp=2, cuda=False).activations, rel=0.015)
+    # On CUDA each of a rank's two query chunks attends to its own repeated copy of the keys up to its end.
+    assert measured["bf16-documents-cuda"] == pytest.approx(
+        training_memory(documents, 128, 3, bf16=True, cp=2).activations, rel=0.015)
     # (less than the bias over the causal run: that one's materialised causal masks are gone)
     assert measured["float32-documents"] - measured["float32"] > 0.5 * 3 * 64 * 128 * 4
 

@@ -202,6 +202,9 @@ class CoreAttention(nn.Module):
         return attend(q, k, v, mask, causal)
 
 
+REPEATED_KV_DEVICES = ("cuda",)  # device types whose masked attention kernels take no grouped heads (see attend)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal: bool = False) -> torch.Tensor:
     """SDPA of q (batch, heads, q, head_dim) over k, v (batch, kv_heads, keys, head_dim), grouped
     query heads included. enable_gqa lets each key/value head serve heads / kv_heads query heads
@@ -209,7 +212,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal:
     keeps the whole score matrix) accept it: a masked call (within documents, or cached and
     multi-token) gets repeated heads there, and the memory-efficient kernel. A CausalBias (context
     parallelism's bottom-right causal mask) is computed by flash without copies."""
-    if mask is not None and not isinstance(mask, CausalBias) and q.device.type == "cuda":
+    if mask is not None and not isinstance(mask, CausalBias) and q.device.type in REPEATED_KV_DEVICES:
         k, v = repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                           enable_gqa=q.shape[1] != k.shape[1])

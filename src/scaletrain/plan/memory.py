@@ -53,6 +53,14 @@ recomputation keeps the outputs of matmuls and attention and the block input: 12
 rebuilds one block at a time. Attention within documents (model.document_mask) adds one
 additive mask per micro-batch, shared by the blocks, of each local query over the whole
 sequence's keys: T bytes per local token in the compute dtype's size, 2T in bf16, 4T in float32.
+On CUDA, whose masked kernel takes no grouped heads, its keys and values are repeated to every
+query head and saved so (without recomputation): 4d per token in place of 4k in bf16, and under
+context parallelism 4d·(cp + ½) in place of 4k·cp, each of a rank's two query chunks with its
+own copy of the keys up to its end (tests measure both with the CPU taking CUDA's path). Under
+context parallelism a block's backward pass also holds, for a moment, the gradients of the
+whole sequence's keys and values and their slices' (twice the gathered 4k·cp a local token),
+and the gathered keys and values again where they are recomputed: added to the peak, from
+parallel/context.py's code, not measured.
 
 A mixture-of-experts block (model/moe.py; E experts of width F_e, k per token, S shared
 experts) saves, in place of the MLP's 8F (bf16) or 16F (float32), per token: the float32
@@ -232,19 +240,20 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
                     recompute: str = "none", fsdp: int = 1, tp: int = 1, cp: int = 1, pp: int = 1,
                     pp_schedule: str = "1f1b", pp_stages_per_rank: int = 1,
                     loss_chunk_tokens: int = 0, ep: int = 1, optimizer: str = "adamw",
-                    ema: bool = False) -> MemoryEstimate:
+                    ema: bool = False, cuda: bool = True) -> MemoryEstimate:
     """Predicted bytes per device for training model `cfg` (any object with ModelConfig's
     fields) on micro-batches of `micro_batch` sequences of `seq_len` tokens, gradients
     accumulated over `micro_steps` of them (the micro-batches a pipeline runs per step),
     parameters sharded over `fsdp` ranks (dp_shard × cp) and split over `tp`, each sequence
     split over `cp`, the blocks over `pp` pipeline ranks, a mixture's experts over `ep` of the
     FSDP ranks (sharded over all `fsdp` of them either way); `ema`: train.ema_decay's moving
-    average of the weights is kept. Under pipelining, the estimate of
-    the pipeline rank with the larger peak."""
+    average of the weights is kept; `cuda`: on a CUDA device, where attention within documents
+    repeats grouped key/value heads (model/llama.py's attend), not elsewhere. Under pipelining, the
+    estimate of the pipeline rank with the larger peak."""
     if pp > 1 and 0 < moe_layers(cfg) < cfg.n_layers:
         cfg = _heaviest_pipeline_rank(cfg, pp, pp_schedule, pp_stages_per_rank)
     common = dict(micro_steps=micro_steps, bf16=bf16, recompute=recompute, fsdp=fsdp, tp=tp, cp=cp,
-                  loss_chunk_tokens=loss_chunk_tokens, ep=ep, optimizer=optimizer, ema=ema)
+                  loss_chunk_tokens=loss_chunk_tokens, ep=ep, optimizer=optimizer, ema=ema, cuda=cuda)
     if pp == 1:
         return rank_memory(cfg, seq_len, micro_batch, **common)
     in_flight = in_flight_microbatches(pp, micro_steps, pp_schedule, pp_stages_per_rank)
@@ -284,7 +293,7 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
                 recompute: str = "none", fsdp: int = 1, tp: int = 1, cp: int = 1, loss_chunk_tokens: int = 0,
                 pp: int = 1, in_flight: float = 1, losses: float = 1, embedding: bool = True,
                 head: bool = True, ep: int = 1, optimizer: str = "adamw", ema: bool = False,
-                embedding_copy: bool = False) -> MemoryEstimate:
+                embedding_copy: bool = False, cuda: bool = True) -> MemoryEstimate:
     """One rank's bytes (arguments as training_memory's): L/pp blocks, the embedding and the
     output head (with the final norm) where it holds them, the activations of `in_flight`
     micro-batches of its blocks and, with the head, of `losses` micro-batches' loss.
@@ -341,9 +350,22 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
         activations += round(_mtp(cfg) * block_bytes_per_token(cfg, bf16, recompute, cp=cp) * tokens / tp)
     if getattr(cfg, "document_mask", False):  # one (batch, 1, T / cp, T) bias for all blocks
         activations += round(in_flight * tokens * seq_len * (2 if bf16 else 4))
+    if getattr(cfg, "document_mask", False) and cuda and cfg.kv_heads < cfg.n_heads and recompute == "none":
+        # On CUDA the masked kernel is given keys and values repeated to every query head, and saves
+        # those: 4d a token in place of 4k (bf16), and under cp each of a rank's two query chunks its
+        # own copy of the keys up to its end, (2 cp + 1) chunks of keys for 2 of queries.
+        keys = cp + 0.5 if cp > 1 else 1
+        repeated = (4 if bf16 else 8) * (cfg.dim * keys - cfg.kv_heads * cfg.head_dim * cp) * tokens / tp
+        activations += round(in_flight * (cfg.n_layers / pp + (_mtp(cfg) if head else 0)) * repeated)
     one_block = _largest_block_bytes_per_token(cfg, bf16, cp) * tokens / tp
     if recompute == "full":
         activations += round(one_block)  # the block being rebuilt
+    # Under context parallelism a block's backward holds the gradients of the whole sequence's keys
+    # and values (all-reduced whole, then each rank keeps its chunks: parallel/context.py) and the
+    # chunks' gradient of each slice of them, and, when recomputed, the gathered keys and values
+    # rebuilt: transient, but cp times the local keys' size, beside every saved activation.
+    kv_bytes = (2 if bf16 else 4) * 2 * cfg.kv_heads * cfg.head_dim * tokens * cp / tp  # gathered K and V
+    cp_backward = round(kv_bytes * (2 + (recompute != "none"))) if cp > 1 else 0
     vocab = cfg.vocab / tp
     rows = min(loss_chunk_tokens, tokens) if loss_chunk_tokens else tokens
     # Logits in the compute dtype, float32 copy, saved log-softmax and its gradient; a chunk's
@@ -361,7 +383,7 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     whole_gradients = round(4 * unsharded) if pp > 1 and fsdp > 1 else 0
     accumulating = whole_gradients or (gradients if micro_steps > 1 else 0)
     averaged = parameters if ema else 0
-    peak = parameters + averaged + optimizer_bytes + weight_copies + max(activations + loss + accumulating,
+    peak = parameters + averaged + optimizer_bytes + weight_copies + max(activations + loss + accumulating + cp_backward,
                                                                          gradients + max(round(one_block), stepping))
     return MemoryEstimate(parameters, gradients, optimizer_bytes, weight_copies, activations, loss, round(peak),
                           averaged, whole_gradients)
