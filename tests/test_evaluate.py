@@ -22,11 +22,12 @@ from scaletrain.train.trainer import train
 
 
 @pytest.fixture(scope="module")
-def evaluated_run(stdlib_data, next_line_task, tmp_path_factory):
-    """4 steps with a checkpoint and an evaluation (validation loss and a task) every 2."""
+def evaluated_run(stdlib_data, next_line_task, short_documents, tmp_path_factory):
+    """4 steps with a checkpoint and an evaluation (validation loss, a held-out set's and a task) every 2."""
     run_dir = tmp_path_factory.mktemp("eval") / "run"
     train(tiny_config(stdlib_data, run_dir, "train.steps=4", "checkpoint.interval=2", "eval.interval=2",
-                      f"eval.tasks=['{next_line_task}']", "eval.task_examples=12"))
+                      f"eval.tasks=['{next_line_task}']", "eval.task_examples=12",
+                      f"eval.data={{documents = '{short_documents}'}}"))
     return run_dir
 
 
@@ -40,7 +41,7 @@ def test_every_checkpoint_measures_what_training_measured_and_the_run_is_left_as
     assert [(r["step"], r["tokens"]) for r in records] == [(2, 1024), (4, 2048)]
     for record, logged in zip(records, read_metrics(evaluated_run, "eval"), strict=True):
         for key in ("loss", "loss_by_source", "bits_per_byte", "bits_per_byte_by_source", "task_accuracy",
-                    "task_accuracy_norm", "task_nll"):
+                    "task_accuracy_norm", "task_nll", "heldout_loss", "heldout_bits_per_byte"):
             assert record[key] == logged[key], key  # the same numbers, to the bit
     assert _listing(evaluated_run) == before
     # Bits per byte: the loss in bits over the bytes the validation windows' target tokens decode
@@ -103,11 +104,30 @@ def test_other_data_another_context_length_and_other_tasks(evaluated_run, short_
     assert "task_accuracy" not in own
     [other] = evaluate_run(evaluated_run, data=str(short_documents), tasks=[])
     assert list(other["loss_by_source"]) == ["documents"] and other["loss"] != own["loss"]
+    # eval.data's held-out set is measured as the same data given as the run's own is.
+    assert own["heldout_loss"] == {"documents": other["loss"]} and set(own["heldout_bits_per_byte"]) == {"documents"}
+    assert own["measured_tokens"] == other["measured_tokens"]  # (the held-out set's tokens are not the run's)
+    from scaletrain.report.run import run_report
+
+    assert run_report(evaluated_run)["heldout_loss"] == read_metrics(evaluated_run, "eval")[-1]["heldout_loss"]
+    shown = " ".join(run_cli("report", str(evaluated_run)).stdout.replace("│", " ").split())
+    assert "held-out" in shown and f"documents {own['heldout_loss']['documents']:.4f}" in shown
     # Sequences twice as long as trained (what a context-extension stage would be measured at).
     [longer] = evaluate_run(evaluated_run, tasks=[str(next_line_task)],
                             overrides=["data.seq_len=128", "model.max_seq_len=128", "eval.task_examples=4"])
     assert longer["loss"] == pytest.approx(own["loss"], rel=0.2) and longer["loss"] != own["loss"]
     assert 0 <= longer["task_accuracy"]["next_line"] <= 1
+
+
+def test_a_held_out_set_of_another_tokenizer_is_refused_before_training(stdlib_data, tmp_path):
+    from scaletrain.data import prepare
+
+    (tmp_path / "other.txt").write_text("Text of another corpus, tokenized its own way. " * 40)
+    other = tmp_path / "other"
+    prepare([str(tmp_path / "other.txt")], other, vocab_size=300, filters="none", workers=1)
+    with pytest.raises(ConfigError, match="eval.data: the data directories .* have different tokenizers"):
+        train(tiny_config(stdlib_data, tmp_path / "run", f"eval.data={{other = '{other}'}}"))
+    assert not (tmp_path / "run").exists()
 
 
 def test_checkpoints_averaged_in_the_trainers_layout_and_in_the_export_are_the_same_model(evaluated_run, stdlib_data,

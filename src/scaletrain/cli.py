@@ -1575,6 +1575,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         table.add_row("final validation bits per byte", _num(summary["val_bits_per_byte"]))
     if summary["val_loss_by_source"]:
         table.add_row("final validation loss by source", by_source_line(summary["val_loss_by_source"]))
+    if summary["heldout_loss"]:
+        table.add_row("final held-out losses (eval.data)", by_source_line(summary["heldout_loss"]))
     if summary["val_ema_loss"] is not None:
         table.add_row("final validation loss, moving average", _num(summary["val_ema_loss"]))
     table.add_row("tokens/s (median)", f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "-")

@@ -508,6 +508,8 @@ class EvalConfig(_Section):
     """Multiple-choice tasks scored at each evaluation, in the manner of lm-evaluation-harness (train/tasks.py says where they differ): JSON Lines files of {"context": ..., "choices": [...], "label": index}, each choice ranked by the log-probability of its tokens after the context; logged per task (its file's name) as task_accuracy, task_accuracy_norm (per character of the choice) and task_nll (the right choice's loss per token, smooth where accuracy is still at chance)."""
     task_examples: int = Field(default=500, ge=1)
     """The first this many examples of each task are scored."""
+    data: dict[str, str] = {}
+    """Held-out data directories whose validation loss each evaluation measures too, by name, e.g. {c4 = "data/c4", wiki = "data/wiki"} (OLMo's in-loop perplexity sets): prepared with the run's tokenizer (`data prepare ... --tokenizer DATA/tokenizer.json`), eval.tokens of each; logged as heldout_loss (and heldout_bits_per_byte), name -> value, beside the training data's."""
 
     @model_validator(mode="after")
     def _check_task_names(self) -> EvalConfig:

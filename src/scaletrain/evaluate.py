@@ -134,13 +134,13 @@ def evaluation_config(source: Path, first: Path, data: str | None, tasks: list[s
                           global_batch_tokens=cfg.train.micro_batch * cfg.data.seq_len * world_size
                           * cfg.parallel.stages_per_rank)
     cfg = config_from(fixed, source=where)
+    _check_tokenizer(source, cfg, data)  # (first: eval.data's held-out sets are the run's, of its tokenizer)
     try:
         resolved = resolve(cfg)
     except ConfigError as e:
         if data is not None:
             raise
         raise ConfigError(f"{e} (the run's data, as its config.toml names it; give it with --data DIR)") from None
-    _check_tokenizer(source, resolved, data)
     return resolved
 
 

@@ -64,6 +64,7 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
         "val_loss_by_source": evals[-1].get("loss_by_source") if evals and len(evals[-1].get("loss_by_source") or {}) > 1
         else None,
         "val_ema_loss": evals[-1].get("ema_loss") if evals else None,  # (train.ema_decay's average)
+        "heldout_loss": evals[-1].get("heldout_loss") if evals else None,  # (eval.data's sets)
         "tokens_per_s": _median(r["tokens_per_s"] for r in steady),
         "mfu": _median(r.get("mfu") for r in steady),
         "data_wait_share": _median(r["data_wait_ms"] * r["tokens_per_s"] / cfg.step_batch_tokens(r["step"] - 1) / 1000
@@ -384,6 +385,8 @@ def _html(cfg, summary: dict, plots: list[Path]) -> str:
             ("final validation bits per byte", number(summary["val_bits_per_byte"], ".4f")),
             *([("final validation loss by source", by_source_line(summary["val_loss_by_source"]))]
               if summary["val_loss_by_source"] else []),
+            *([("final held-out losses (eval.data)", by_source_line(summary["heldout_loss"]))]
+              if summary["heldout_loss"] else []),
             *([("final validation loss of the moving average of the weights",
                 number(summary["val_ema_loss"], ".4f"))] if summary["val_ema_loss"] is not None else []),
             ("tokens/s (median)", number(summary["tokens_per_s"], ",.0f")),

@@ -158,6 +158,12 @@ def resolve(cfg: RunConfig) -> RunConfig:
         indexes = read_indexes(cfg.data.sources)
     except DataError as e:
         raise ConfigError(f"{where}: {e}") from None
+    if cfg.eval.data:  # (held-out sets: the run's tokenizer, for losses in the run's tokens)
+        try:
+            heldout = read_indexes({**cfg.data.sources, **{name: Path(path) for name, path in cfg.eval.data.items()}})
+        except DataError as e:
+            raise ConfigError(f"eval.data: {e}") from None
+        indexes.update({name: heldout[name] for name in cfg.eval.data})
     if cfg.model.document_mask and len({index["eos_id"] for index in indexes.values()}) > 1:
         raise ConfigError(f"data.mix: the data directories end documents with different tokens "
                           f"({ {name: index['eos_id'] for name, index in indexes.items()} }), so model.document_mask "
@@ -1134,9 +1140,20 @@ class Trainer:
         tokenizer's pieces say their bytes (data/tokenizer.token_bytes) — bits per byte: the same windows' loss in bits over the bytes of
         text their tokens stand for (the ends of documents are predicted, and count, but hold no
         byte), which compares across tokenizers."""
+        by_source, bits, _ = self._validation_losses(self.cfg.data.sources)
+        return by_source, bits
+
+    @torch.no_grad()
+    def evaluate_heldout(self) -> tuple[dict[str, float], dict[str, float] | None]:
+        """evaluate()'s losses (and bits per byte) of eval.data's held-out sets."""
+        losses, bits, _ = self._validation_losses({name: Path(path) for name, path in self.cfg.eval.data.items()},
+                                                  count_tokens=False)
+        return losses, bits
+
+    def _validation_losses(self, sources: dict[str, Path], count_tokens: bool = True):
         self.model.eval()
         by_source, bits, measured = {}, {}, 0
-        for name, path in self.cfg.data.sources.items():
+        for name, path in sources.items():
             total, count, text_bytes = 0.0, 0, 0
             for inputs, targets in eval_batches(path, self.cfg.data.seq_len, self.cfg.eval.tokens,
                                                 self.cfg.train.micro_batch, self.dp_rank, self.layout.dp):
@@ -1158,8 +1175,9 @@ class Trainer:
             by_source[name] = total / count
             bits[name] = total / math.log(2) / text_bytes if text_bytes else None
         self.model.train()
-        self.eval_tokens = measured  # (the tokens predicted over every source, for the eval record)
-        return by_source, (bits if self.token_bytes is not None else None)
+        if count_tokens:
+            self.eval_tokens = measured  # (the tokens predicted over every source, for the eval record)
+        return by_source, (bits if self.token_bytes is not None else None), measured
 
     @torch.no_grad()
     def task_scores(self, task: Task) -> np.ndarray:
@@ -1225,6 +1243,8 @@ class Trainer:
         after each part."""
         by_source, bits = self.evaluate()
         beat()
+        heldout, heldout_bits = self.evaluate_heldout() if self.cfg.eval.data else ({}, None)
+        beat()
         tasks = self.evaluate_tasks(beat=beat)
         weights = self.cfg.data.weights
         averaged = {}
@@ -1237,6 +1257,9 @@ class Trainer:
                 **({"ema_loss": sum(weights[name] * loss for name, loss in averaged.items())} if averaged else {}),
                 **({"bits_per_byte": sum(weights[name] * value for name, value in bits.items()),
                     "bits_per_byte_by_source": bits} if bits and None not in bits.values() else {}),
+                **({"heldout_loss": heldout} if heldout else {}),
+                **({"heldout_bits_per_byte": heldout_bits} if heldout_bits and None not in heldout_bits.values()
+                   else {}),
                 **{f"task_{key}": {name: round(result[key], 6) for name, result in tasks.items()}
                    for key in ("accuracy", "accuracy_norm", "nll") if tasks}}
 
