@@ -13,6 +13,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT, run_cli, tiny_config
 from scaletrain.errors import UserError
@@ -113,6 +114,37 @@ def test_generate_reports_bad_requests_in_one_line(tmp_path, trained_run, caplog
     # A checkpoint given where its run is asked for: the run and --step to give instead.
     with pytest.raises(UserError, match=r"is a checkpoint of the run .*tiny'; give the run directory, with --step 6"):
         generate_text(trained_run / "checkpoints" / "step_0000006", "")
+
+
+def test_nucleus_sampling_keeps_the_likeliest_tokens_whose_probabilities_reach_p():
+    """Of probabilities 0.5, 0.3, 0.15, 0.05, top_p 0.7 keeps the first two (0.5 < 0.7 before the
+    second, 0.8 before the third), sampled in proportion 5:3; a tiny p keeps the likeliest alone."""
+    from scaletrain.model.sample import _pick
+
+    logits = torch.tensor([[0.15, 0.5, 0.05, 0.3]]).log().repeat(20000, 1)
+    picked = _pick(logits, 1.0, None, torch.Generator().manual_seed(0), top_p=0.7)
+    counts = torch.bincount(picked, minlength=4)
+    assert counts[0] == counts[2] == 0 and abs(counts[1] / 20000 - 0.625) < 0.015
+    assert (_pick(logits[:5], 1.0, None, torch.Generator().manual_seed(0), top_p=1e-9) == 1).all()
+    assert torch.bincount(_pick(logits, 1.0, None, torch.Generator().manual_seed(0), top_p=1.0), minlength=4).min() > 0
+
+
+def test_generate_samples_several_continuations_from_a_chosen_checkpoint(trained_run):
+    texts = generate_text(trained_run, "def ", max_new_tokens=12, temperature=1.0, samples=3, seed=1)
+    assert len(texts) == 3 and all(text.startswith("def ") for text in texts) and len(set(texts)) > 1
+    # The first of several is the one sampled alone only by chance; greedy ones are all the same.
+    assert len(set(generate_text(trained_run, "def ", max_new_tokens=8, temperature=0, samples=2))) == 1
+    steps = sorted(int(p.name.split("_")[1]) for p in (trained_run / "checkpoints").glob("step_*"))
+    older = generate_text(trained_run, "def ", max_new_tokens=16, temperature=0, step=steps[0])
+    assert older == generate_text(trained_run, "def ", max_new_tokens=16, temperature=0, step=steps[0], average=1)
+    result = run_cli("generate", str(trained_run), "--prompt", "def ", "--max-new-tokens", "8", "--samples", "2",
+                     "--top-p", "0.9", "--step", str(steps[-1]), "--device", "cpu")
+    assert result.returncode == 0 and "sample 2 of 2" in result.stdout, result.stderr
+    assert_one_line_error(run_cli("generate", str(trained_run), "--step", "999"), "has no checkpoint of step 999")
+    refused = run_cli("generate", str(trained_run), "--top-p", "0")  # (argparse's usage, then its one line)
+    assert refused.returncode == 2 and "--top-p: '0' must be above 0 and at most 1" in refused.stderr
+    if not torch.cuda.is_available():
+        assert_one_line_error(run_cli("generate", str(trained_run), "--device", "cuda"), "torch sees no GPU here")
 
 
 def test_greedy_text_is_the_same_with_and_without_the_kv_cache(trained_run):

@@ -1132,6 +1132,7 @@ def _distinct(values: list, what: str, error: type[Exception] = argparse.Argumen
 
 _seed = _number(int, "a whole number", lambda v: 0 <= v < 2**63, "from 0 to 2^63 - 1")
 _temperature = _number(float, "a number", lambda v: 0 <= v < float("inf"), "0 (greedy) or more, and finite")
+_top_p = _number(float, "a number", lambda v: 0 < v <= 1, "above 0 and at most 1 (1: every token)")
 # Worker processes at once: each needs a share of the cores to feed its device (a GPU sweep runs
 # about 4 a GPU); more than 4 a core only thrash.
 _CORES = os.cpu_count() or 1
@@ -1419,10 +1420,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from scaletrain.generate import generate_text
 
-    text = generate_text(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_k=args.top_k or None, seed=args.seed)
-    out.rule("sample")
-    out.print(text, markup=False, highlight=False)
+    texts = generate_text(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_k=args.top_k or None, seed=args.seed, top_p=args.top_p,
+                          samples=args.samples, step=args.step, average=args.average, ema=args.ema,
+                          device=args.device)
+    for number, text in enumerate(texts, 1):
+        out.rule("sample" if len(texts) == 1 else f"sample {number} of {len(texts)}")
+        out.print(text, markup=False, highlight=False)
     out.rule()
     return 0
 
@@ -1984,13 +1988,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "--device cuda; 0: no limit, the budgets as given)")
     p.set_defaults(func=cmd_demo)
 
-    p = commands.add_parser("generate", help="sample text from a run's newest checkpoint")
+    p = commands.add_parser("generate", help="sample text from a run's newest checkpoint (or another)")
     p.add_argument("run_dir", help="run directory, e.g. runs/demo")
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--max-new-tokens", type=_count, default=200)
     p.add_argument("--temperature", type=_temperature, default=0.8, help="0 is greedy")
     p.add_argument("--top-k", type=_how_many, default=50, help="sample among the k likeliest tokens; 0 for all")
+    p.add_argument("--top-p", type=_top_p, default=None,
+                   help="and among the likeliest whose probabilities sum to p (nucleus sampling, e.g. 0.95)")
+    p.add_argument("--samples", type=_count, default=1, help="continuations to sample, together (1)")
     p.add_argument("--seed", type=_seed, default=0)
+    p.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
+    p.add_argument("--average", type=_count, default=1, metavar="K",
+                   help="the mean of the weights of that checkpoint and the K-1 complete ones before it (1)")
+    p.add_argument("--ema", action="store_true",
+                   help="the checkpoint's moving average of the weights (train.ema_decay) instead of its weights")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where to run the model: auto (a GPU where there is one), cpu or cuda")
     p.set_defaults(func=cmd_generate)
 
     p = commands.add_parser("eval", help="validation loss and tasks of a run's checkpoints, on its data or other",

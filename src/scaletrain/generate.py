@@ -63,15 +63,27 @@ def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None
 
 
 def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-                  top_k: int | None = 50, seed: int = 0, use_cache: bool = True) -> str:
-    """Continue `prompt` with the run's newest checkpoint; temperature 0 is greedy."""
+                  top_k: int | None = 50, seed: int = 0, use_cache: bool = True, top_p: float | None = None,
+                  samples: int | None = None, step: int | None = None, average: int = 1, ema: bool = False,
+                  device: str = "cpu") -> str | list[str]:
+    """Continue `prompt` with the run's newest checkpoint (or load_model's choice of `step`,
+    `average`, `ema`) on `device` ("auto": a GPU where there is one); temperature 0 is greedy.
+    With `samples`, that many continuations, sampled together, as a list."""
     from scaletrain.data.tokenizer import eos_id as find_eos, load_tokenizer, vocab_size
     from scaletrain.model.sample import generate
 
-    if not 0 <= temperature < float("inf") or (top_k is not None and top_k < 1) or max_new_tokens < 1:  # before loading anything
-        raise GenerateError(f"temperature must be ≥ 0 and finite (0 is greedy), top_k ≥ 1 or unset, max_new_tokens ≥ 1; "
-                            f"got {temperature}, {top_k}, {max_new_tokens}")
-    model, cfg, _ = load_model(run_dir)
+    if (not 0 <= temperature < float("inf") or (top_k is not None and top_k < 1) or max_new_tokens < 1
+            or (top_p is not None and not 0 < top_p <= 1)):  # before loading anything
+        raise GenerateError(f"temperature must be ≥ 0 and finite (0 is greedy), top_k ≥ 1 or unset, top_p in (0, 1] "
+                            f"or unset, max_new_tokens ≥ 1; got {temperature}, {top_k}, {top_p}, {max_new_tokens}")
+    if samples is not None and samples < 1 or average < 1:
+        raise GenerateError(f"samples {samples}, average {average}: ask for at least 1 sample, averaging at least 1 "
+                            "checkpoint (1: the checkpoint on its own)")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise GenerateError("device cuda: torch sees no GPU here; sample on the cpu (or auto)")
+    model, cfg, _ = load_model(run_dir, device, step=step, average=average, ema=ema)
     tokenizer = load_tokenizer(Path(run_dir) / "tokenizer.json")
     eos_id = find_eos(tokenizer)
     # An empty prompt starts a new document, as the end-of-document token does in training.
@@ -83,7 +95,9 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, t
     if max_new_tokens > room:  # (the positions the model was trained on end there)
         log.warning("the model's context is %d tokens (model.max_seq_len) and the prompt takes %d: at most %d new "
                     "tokens, not %d", cfg.model.max_seq_len, len(ids), room, max_new_tokens)
-    generator = torch.Generator().manual_seed(seed)
-    new = generate(model, torch.tensor([ids]), min(max_new_tokens, room), temperature=temperature, top_k=top_k,
-                   use_cache=use_cache, generator=generator, eos_id=eos_id, vocab=vocab_size(tokenizer))
-    return tokenizer.decode(ids + new[0].tolist())
+    generator = torch.Generator(device).manual_seed(seed)
+    prompts = torch.tensor([ids] * (samples or 1), device=device)
+    new = generate(model, prompts, min(max_new_tokens, room), temperature=temperature, top_k=top_k,
+                   use_cache=use_cache, generator=generator, eos_id=eos_id, vocab=vocab_size(tokenizer), top_p=top_p)
+    texts = [tokenizer.decode(ids + row.tolist()) for row in new.cpu()]
+    return texts if samples is not None else texts[0]

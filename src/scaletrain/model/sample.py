@@ -18,12 +18,15 @@ def generate(
     generator: torch.Generator | None = None,
     eos_id: int | None = None,
     vocab: int | None = None,
+    top_p: float | None = None,
 ) -> torch.Tensor:
     """The new tokens (batch, n_new), n_new <= max_new_tokens, sampled one at a time.
 
     temperature 0 is greedy (argmax), as is one too small for float32 (below 1.2e-38, where the
     logits' largest would divide to 0 / 0); otherwise logits / temperature, restricted to the
-    top_k most likely tokens when top_k is given, are sampled with `generator` (on the
+    top_k most likely tokens when top_k is given and to the smallest set of them whose
+    probabilities sum to top_p when that is (nucleus sampling: Holtzman et al. 2020, "The
+    Curious Case of Neural Text Degeneration"), are sampled with `generator` (on the
     model's device). With `eos_id`, a sequence that has produced it keeps producing it,
     and generation stops once every sequence has. With `vocab`, only ids below it are produced:
     the tokenizer's ids, where the embedding has rows beyond them (model.vocab_size rounds the
@@ -59,7 +62,7 @@ def generate(
             logits = model(sequence[:, -max_seq_len:])
         else:
             logits = model(unseen, cache=cache, start_pos=sequence.shape[1] - unseen.shape[1])
-        token = _pick(logits[:, -1, :vocab], temperature, top_k, generator)  # (batch,)
+        token = _pick(logits[:, -1, :vocab], temperature, top_k, generator, top_p)  # (batch,)
         if eos_id is not None:
             token = torch.where(finished, eos_id, token)
             finished |= token == eos_id
@@ -73,7 +76,8 @@ def generate(
     return torch.stack(new_tokens, dim=1)
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
+def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator,
+          top_p: float | None = None) -> torch.Tensor:
     """One token per row of logits (batch, vocab)."""
     if temperature < torch.finfo(torch.float32).tiny:  # (0, or a float32 zero: greedy, not a 0 / 0)
         return logits.argmax(dim=-1)
@@ -82,5 +86,10 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator
     if top_k is not None:
         kth_largest = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (batch, 1)
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if top_p is not None and top_p < 1:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        beyond = probs.cumsum(dim=-1) - probs >= top_p  # the likelier tokens already hold top_p (never the likeliest)
+        logits = logits.masked_fill(torch.zeros_like(beyond).scatter(-1, order, beyond), float("-inf"))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)[:, 0]
