@@ -147,6 +147,28 @@ def test_generate_samples_several_continuations_from_a_chosen_checkpoint(trained
         assert_one_line_error(run_cli("generate", str(trained_run), "--device", "cuda"), "torch sees no GPU here")
 
 
+def test_data_seed_draws_the_data_order_apart_from_the_initialisation(stdlib_data, trained_run, tmp_path):
+    """data.seed (OLMo's data_seed) seeds the data order, run.seed then only the initialisation;
+    unset, run.seed seeds both, as before. A resume refuses another data order, not another
+    run.seed that leaves the order as it was."""
+    from scaletrain.config import ConfigError, load_config
+    from scaletrain.train.trainer import Trainer, check_run_dir, resolve
+
+    def trainer(*overrides):
+        return Trainer(tiny_config(stdlib_data, tmp_path / "_".join(overrides).replace(".", "-"), *overrides))
+
+    plain, data_apart, init_apart = trainer("run.seed=3"), trainer("run.seed=3", "data.seed=5"), \
+        trainer("run.seed=4", "data.seed=3")
+    assert plain.loader.loader.seed == 3 and data_apart.loader.loader.seed == 5 and init_apart.loader.loader.seed == 3
+    weights = [dict(t.model.named_parameters())["tok_embeddings.weight"].detach() for t in (plain, data_apart, init_apart)]
+    assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weights[2])
+    resumed = str(trained_run / "config.toml")  # (trained with run.seed 0)
+    check_run_dir(resolve(load_config(resumed, ["run.seed=5", "data.seed=0"])))  # (the same order: taken)
+    for overrides, message in ((["run.seed=5"], "run.seed 0 then, 5 now"), (["data.seed=2"], "data.seed None then, 2 now")):
+        with pytest.raises(ConfigError, match=message):
+            check_run_dir(resolve(load_config(resumed, overrides)))
+
+
 def test_greedy_text_is_the_same_with_and_without_the_kv_cache(trained_run):
     cached = generate_text(trained_run, "import os\n", max_new_tokens=40, temperature=0, use_cache=True)
     uncached = generate_text(trained_run, "import os\n", max_new_tokens=40, temperature=0, use_cache=False)

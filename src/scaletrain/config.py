@@ -61,7 +61,7 @@ class RunSection(_Section):
     dir: str = "runs"
     """Parent directory of run directories."""
     seed: int = Field(default=0, ge=0, lt=2**63)
-    """Seeds the model initialisation and the data order."""
+    """Seeds the model initialisation and, unless data.seed is set, the data order."""
 
     @model_validator(mode="after")
     def _check_name(self) -> RunSection:
@@ -289,6 +289,8 @@ class DataConfig(_Section):
     """Train on several data directories under `path` by weight, e.g. {code = 0.3, prose = 0.7}; they must share a tokenizer."""
     seq_len: int = Field(default=256, ge=1)
     """Tokens per training sequence (the model sees seq_len + 1 tokens per sample: inputs and shifted targets)."""
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    """Seed of the data order (which windows, in which order; a mixture's draws); unset: run.seed. Set apart from run.seed to vary the initialisation and the data order one at a time (OLMo's data_seed), e.g. to tell seed noise from data noise."""
 
     @model_validator(mode="after")
     def _check_mix(self) -> DataConfig:
@@ -631,6 +633,11 @@ class RunConfig(_Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir) / self.run.name
+
+    @property
+    def data_seed(self) -> int:
+        """The seed of the data order: data.seed, else run.seed."""
+        return self.run.seed if self.data.seed is None else self.data.seed
 
     @property
     def seqs_per_step(self) -> int:

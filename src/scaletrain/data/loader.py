@@ -159,7 +159,7 @@ class TokenLoader:
         if state["seed"] != self.seed or state["seq_len"] != self.seq_len:
             raise DataError(f"the checkpoint's data order was drawn for seed {state['seed']} and seq_len "
                             f"{state['seq_len']}, not seed {self.seed} and seq_len {self.seq_len}; resume with "
-                            f"the run's original run.seed and data.seq_len")
+                            f"the run's original seed (data.seed, or run.seed where that is unset) and data.seq_len")
         mine, theirs = {s.name: s.split.tokens for s in self.sources}, state["split_tokens"]
         if len(mine) == len(theirs) == 1 and list(mine.values()) == list(theirs.values()):
             # One source, named by its directory: the same data moved (or linked) under another name.

@@ -373,7 +373,7 @@ class Trainer:
         cfg = self.cfg
         batch_seqs = (lambda step: cfg.step_batch_tokens(step) // cfg.data.seq_len) if cfg.train.batch_ramp else None
         return Prefetcher(TokenLoader(cfg.data.sources, cfg.data.seq_len, cfg.seqs_per_step, cfg.train.micro_batch,
-                                      rank=self.dp_rank, world_size=self.layout.dp, seed=cfg.run.seed,
+                                      rank=self.dp_rank, world_size=self.layout.dp, seed=cfg.data_seed,
                                       weights=cfg.data.weights, batch_seqs=batch_seqs),
                           pin=self.device.type == "cuda")
 
@@ -1680,15 +1680,16 @@ def _flatten(config: dict) -> dict:
 
 def _changes(saved: Path | RunConfig, cfg: RunConfig) -> tuple[dict, str]:
     """What `cfg` changes of the config a run saved (its file, or that loaded) ({key: (then,
-    now)}), and of that, what a resume cannot take (the model, data.seq_len, run.seed,
+    now)}), and of that, what a resume cannot take (the model, data.seq_len, the data order's seed,
     train.optimizer: its checkpoints' shapes and data order), said as "key A then, B now, ..."
     ("" for nothing)."""
-    before = _flatten((saved if isinstance(saved, RunConfig) else load_config(saved)).model_dump())
-    now = _flatten(cfg.model_dump())
+    then = saved if isinstance(saved, RunConfig) else load_config(saved)
+    before, now = _flatten(then.model_dump()), _flatten(cfg.model_dump())
     changed = {key: (before.get(key), now.get(key)) for key in sorted(set(before) | set(now))
                if before.get(key) != now.get(key)}
     fixed = [key for key in changed
-             if key.startswith("model.") or key in ("data.seq_len", "run.seed", "train.optimizer")]
+             if key.startswith("model.") or key in ("data.seq_len", "train.optimizer")
+             or (key in ("run.seed", "data.seed") and then.data_seed != cfg.data_seed)]
     return changed, ", ".join(f"{key} {changed[key][0]} then, {changed[key][1]} now" for key in fixed)
 
 
