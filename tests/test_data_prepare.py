@@ -291,6 +291,28 @@ def test_one_long_text_is_cut_into_documents_at_its_paragraphs_or_lines(tmp_path
         prepare([str(licence)], tmp_path / "line", VOCAB, val_fraction=0.1, split="paragraph")
 
 
+def test_the_tokenizer_trains_on_a_sample_of_the_training_text_when_asked(tmp_path):
+    """tokenizer_sample: about that many bytes of the training documents, drawn by hash (not the
+    first files), train the tokenizer, which then tokenizes every document; stats say how many
+    bytes trained it, and the sample is one of the options a finished prepare was made with."""
+    documents = [f"document {i}: " + " ".join(f"word{(i * 7 + j) % 97}" for j in range(40)) for i in range(300)]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    whole = prepare([str(tmp_path / "corpus.jsonl")], tmp_path / "whole", 400, val_fraction=0.1)
+    sampled = prepare([str(tmp_path / "corpus.jsonl")], tmp_path / "sampled", 400, val_fraction=0.1,
+                      tokenizer_sample=20_000)
+    train_bytes = whole.stats["tokenizer"]["trained_on_bytes"]
+    assert train_bytes == sum(len(d.encode()) for d in decoded_documents(tmp_path / "whole", "train"))
+    assert 10_000 < sampled.stats["tokenizer"]["trained_on_bytes"] < 30_000 < train_bytes
+    assert (tmp_path / "whole" / "tokenizer.json").read_bytes() != (tmp_path / "sampled" / "tokenizer.json").read_bytes()
+    assert sorted(decoded_documents(tmp_path / "sampled", "train") + decoded_documents(tmp_path / "sampled", "val")) \
+        == sorted(documents)
+    with pytest.raises(DataError, match="holds a finished prepare of other sources or options .*tokenizer_sample"):
+        prepare([str(tmp_path / "corpus.jsonl")], tmp_path / "sampled", 400, val_fraction=0.1, tokenizer_sample=40_000)
+    with pytest.raises(DataError, match="no tokenizer to reuse"):
+        prepare([str(tmp_path / "corpus.jsonl")], tmp_path / "given", 400, tokenizer=tmp_path / "whole",
+                tokenizer_sample=1000)
+
+
 def test_end_of_text_written_inside_a_document_is_text_not_an_end_of_document(tmp_path):
     (tmp_path / "a.txt").write_text("before <|endoftext|> after")
     prepare([str(tmp_path / "a.txt")], tmp_path / "data", VOCAB)

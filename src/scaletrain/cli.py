@@ -91,7 +91,8 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
                          dedup=not args.no_dedup, minhash=(args.minhash_bands, args.minhash_rows, args.minhash_ngram),
                          decontaminate=args.decontaminate, keep_rejects=args.keep_rejects,
                          chunk_bytes=DEFAULT_CHUNK_BYTES if args.chunk_bytes is None else args.chunk_bytes, kind=args.kind,
-                         val_overlap=not args.no_val_overlap, overwrite=args.overwrite, split=args.split)
+                         val_overlap=not args.no_val_overlap, overwrite=args.overwrite, split=args.split,
+                         tokenizer_sample=args.tokenizer_sample)
     if result.resumed_chunks:
         console.print(f"resumed an interrupted prepare: {result.resumed_chunks} chunks were already curated")
     for warning in result.warnings:
@@ -1699,6 +1700,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", type=_bytes, default=None, help="stop reading after this much text (e.g. 50M)")
     p.add_argument("--text-field", default="text", help="field of .jsonl / column of .parquet holding the text")
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
+    p.add_argument("--tokenizer-sample", type=_bytes, default=None, metavar="BYTES",
+                   help="train the tokenizer on a sample of about this much of the training text (e.g. 1G; default: "
+                        "all of it)")
     p.add_argument("--val-fraction", type=float, default=0.005, help="fraction of documents held out (0.005)")
     p.add_argument("--seed", type=_seed, default=0, help="seed of the validation split")
     p.add_argument("--workers", type=int, default=None, help="processes that curate and tokenize (default: all cores)")

@@ -99,7 +99,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
             filters: str | Path = "default", dedup: bool = True, minhash: tuple[int, int, int] = (14, 8, 5),
             decontaminate: list[str | Path] = (), keep_rejects: bool = False,
             chunk_bytes: int = DEFAULT_CHUNK_BYTES, kind: str = "auto", val_overlap: bool = True,
-            overwrite: bool = False, split: str = "file") -> PrepareResult:
+            overwrite: bool = False, split: str = "file", tokenizer_sample: int | None = None) -> PrepareResult:
     """Curate and tokenize sources into the data directory out, or reuse what out holds if it
     was prepared identically; resume an interrupted prepare of the same arguments.
 
@@ -121,6 +121,9 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     val_overlap: drop training documents that share a 13-gram with a validation document (a
         corpus whose files share long boilerplate, licence headers, loses many to it; a warning
         says when over a tenth go).
+    tokenizer_sample: train the tokenizer on a sample of about this many bytes of the training
+        documents (each drawn by a hash of (seed, text)) instead of all of them: a BPE vocabulary
+        settles long before tens of GB, whose training takes hours and memory in proportion.
     split: how a text file is cut into documents: "file" (whole), "paragraph" (at blank lines) or
         "line" (sources.SPLITS): one long text, a book, is otherwise one document.
     overwrite: replace a finished prepare in out of other sources or options (refused otherwise:
@@ -131,6 +134,9 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     if kind not in ("auto", "code", "prose"):
         raise DataError(f"kind {kind!r}: give auto (each document by its file name), code or prose")
     _check_options(vocab_size, max_bytes, val_fraction, seed, workers, tokenizer, chunk_bytes)
+    if tokenizer_sample is not None and (tokenizer_sample < 1 or tokenizer is not None):
+        raise DataError(f"tokenizer_sample {tokenizer_sample}: give a positive number of bytes to train the tokenizer on, "
+                        "and no tokenizer to reuse (whose training is done)")
     filter_config = load_filters(filters)
     dedup = dedup and str(filters) != "none"
     if dedup:  # bad MinHash settings fail here, before anything in out is touched
@@ -165,7 +171,8 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
                {"path": str(tokenizer_path), "sha256": hashlib.sha256(tokenizer_bytes).hexdigest()},
                # (only where not the default, so that the directories prepared before keep their key)
                **({"kind": kind} if kind != "auto" else {}), **({} if val_overlap else {"val_overlap": False}),
-               **({"split": split} if split != "file" else {})}
+               **({"split": split} if split != "file" else {}),
+               **({"tokenizer_sample": tokenizer_sample} if tokenizer_sample is not None else {})}
     content_sha256 = stats.content.hexdigest()
     key = _key(options, content_sha256)
     if _is_complete(out, key):
@@ -201,7 +208,8 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
         with _pool(workers, settings) as pool:
             result_stats, warnings, resumed = _run_passes(
                 pool, files, (text_field, split), max_bytes, stats, settings, chunk_bytes, val_fraction, seed, work,
-                out, keep_rejects, given, vocab_size, progress, content_sha256, tokenizer_bytes if given else None)
+                out, keep_rejects, given, vocab_size, progress, content_sha256, tokenizer_bytes if given else None,
+                tokenizer_sample)
     except _NothingKept:
         if created:
             shutil.rmtree(out, ignore_errors=True)
@@ -227,7 +235,8 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
 
 def _run_passes(pool, files, reading: tuple[str, str], max_bytes, stats: ReadStats, settings: _Settings, chunk_bytes,
                 val_fraction, seed, work: Path, out: Path, keep_rejects: bool, given, vocab_size: int, progress,
-                content_sha256: str, tokenizer_bytes: bytes | None) -> tuple[dict, list[str], int]:
+                content_sha256: str, tokenizer_bytes: bytes | None,
+                tokenizer_sample: int | None = None) -> tuple[dict, list[str], int]:
     """Passes 1 to 3; returns (stats.json's contents, warnings, chunks resumed from an earlier run)."""
     # Pass 1: curate, deduplicate, draw the split.
     reread = ReadStats()
@@ -248,15 +257,22 @@ def _run_passes(pool, files, reading: tuple[str, str], max_bytes, stats: ReadSta
 
     # Pass 2: the tokenizer, trained on training documents only so validation text stays unseen.
     warnings = stats.warnings()
+    sampled: list[int | None] = [None]  # (the bytes it was trained on, counted as they are read)
     if given is None:
         tokenizer_file = work / "tokenizer.json"
         if not tokenizer_file.is_file():
             task = _add_task(progress, "training tokenizer", curated["bytes_kept"])
             texts = (text for text, val in _curated_documents(work, chunks, overrides, progress, task) if not val)
-            trained = train_tokenizer(texts, vocab_size)
+            if tokenizer_sample is not None:  # (a share of the documents, drawn apart from the validation split's)
+                share = tokenizer_sample / max(1, curated["bytes_kept"])
+                texts = (text for text in texts if _tokenizer_draw(seed, text) < share)
+            trained = train_tokenizer(_counting(texts, sampled), vocab_size)
             _finish_task(progress, task, curated["bytes_kept"])
+            (work / "tokenizer_bytes").write_text(str(sampled[0]))  # (before the tokenizer: a resume reads it)
             trained.save(str(tokenizer_file) + ".tmp")
             os.replace(str(tokenizer_file) + ".tmp", tokenizer_file)
+        counted = work / "tokenizer_bytes"  # (absent where an older version trained it: not said)
+        sampled[0] = int(counted.read_text()) if counted.is_file() else None
         shutil.copyfile(tokenizer_file, out / "tokenizer.json")
         tok = load_tokenizer(out / "tokenizer.json")
         learned = tokenizer_vocab_size(tok)
@@ -306,7 +322,8 @@ def _run_passes(pool, files, reading: tuple[str, str], max_bytes, stats: ReadSta
                                  curated=sum(w["curated_bytes"] for w in written))
     result_stats["tokens"] = {"train": splits["train"]["tokens"], "val": splits["val"]["tokens"]}
     result_stats["vocab_size"], result_stats["eos_id"] = vocab_size, eos
-    result_stats["tokenizer"] = {"trained": given is None, "learned_vocab_size": tokenizer_vocab_size(tok)}
+    result_stats["tokenizer"] = {"trained": given is None, "learned_vocab_size": tokenizer_vocab_size(tok),
+                                 **({"trained_on_bytes": sampled[0]} if sampled[0] is not None else {})}
     if not splits["val"]["tokens"]:
         warnings.append("the validation split is empty (" + ("--val-fraction 0" if val_fraction == 0 else
                         "a single document kept") + "): train measures its validation loss on it and refuses a run "
@@ -694,6 +711,20 @@ def _merge_counts(chunks: list[dict]) -> dict:
             dropped[reason] = dropped.get(reason, 0) + documents
     return {"kept": sum(c["kept"] for c in chunks), "bytes_kept": sum(c["bytes_kept"] for c in chunks),
             "dropped": dropped}
+
+
+def _tokenizer_draw(seed: int, text: str) -> float:
+    """A uniform number in [0, 1) of (seed, text): which documents train a sampled tokenizer."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8, key=b"tokenizer" + str(seed).encode()).digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+def _counting(texts, counted: list):
+    """texts, their UTF-8 bytes summed into counted[0] as they pass."""
+    counted[0] = 0
+    for text in texts:
+        counted[0] += len(text.encode("utf-8"))
+        yield text
 
 
 def _reason_summary(dropped: dict[str, int]) -> str:
