@@ -361,8 +361,8 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     if recompute == "full":
         activations += round(one_block)  # the block being rebuilt
     # Under context parallelism a block's backward holds the gradients of the whole sequence's keys
-    # and values (all-reduced whole, then each rank keeps its chunks: parallel/context.py) and the
-    # chunks' gradient of each slice of them, and, when recomputed, the gathered keys and values
+    # and values (and their copy in rank order, reduce-scattered: parallel/context.py), the chunks'
+    # gradient of each slice of them passing through, and, when recomputed, the gathered keys and values
     # rebuilt: transient, but cp times the local keys' size, beside every saved activation.
     kv_bytes = (2 if bf16 else 4) * 2 * cfg.kv_heads * cfg.head_dim * tokens * cp / tp  # gathered K and V
     cp_backward = round(kv_bytes * (2 + (recompute != "none"))) if cp > 1 else 0

@@ -257,11 +257,12 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
     tp_bw = group_bandwidth(lay, "tp", device, gpus_per_node, efficiency)
     tp_collectives = (layers + depths) * (12 if again else 8) + 2 * (1 + depths)  # (+ the head's, a pass each)
     tp_time = tp_collectives * collective("all_gather", activations, lay.tp, tp_bw, efficiency)
-    # Keys, then values, of whole sequences: all-gathered forward, their gradients all-reduced backward.
+    # Keys, then values, of whole sequences: all-gathered forward, their gradients reduce-scattered
+    # backward (each rank receiving its own chunks' sums).
     half_kv = lay.micro_batch * seq_len * kv_width / lay.tp * act_bytes
     cp_bw = group_bandwidth(lay, "cp", device, gpus_per_node, efficiency)
     cp_time = 2 * (layers + depths) * ((2 if again else 1) * collective("all_gather", half_kv, lay.cp, cp_bw, efficiency)
-                            + collective("all_reduce", half_kv, lay.cp, cp_bw, efficiency))
+                            + collective("reduce_scatter", half_kv, lay.cp, cp_bw, efficiency))
     sends = 0.0
     if lay.pp > 1:  # the float32 residual stream, out and back, at each of the rank's stages
         pp_bw = group_bandwidth(lay, "pp", device, gpus_per_node, efficiency)
