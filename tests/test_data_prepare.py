@@ -313,6 +313,43 @@ def test_the_tokenizer_trains_on_a_sample_of_the_training_text_when_asked(tmp_pa
                 tokenizer_sample=1000)
 
 
+def bos_tokenizer(trained: Path, out: Path) -> tuple[Path, int]:
+    """`trained`'s tokenizer given a beginning-of-sequence token its post-processor puts before
+    every text, as a Llama tokenizer's does: the file and the token's id."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = Tokenizer.from_file(str(trained / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<|begin_of_text|>"])
+    bos = tokenizer.token_to_id("<|begin_of_text|>")
+    tokenizer.post_processor = TemplateProcessing(single="<|begin_of_text|> $A",
+                                                  special_tokens=[("<|begin_of_text|>", bos)])
+    tokenizer.save(str(out))
+    return out, bos
+
+
+def test_documents_begin_with_a_given_tokenizers_beginning_of_sequence_token(tmp_path):
+    """A given tokenizer whose post-processor begins texts with a special token (a Llama
+    tokenizer's): every document begins with it, before its text and its end-of-document token
+    (as torchtitan encodes them), and index.json says so; --no-bos keeps the documents without
+    it; a tokenizer prepare trains has none."""
+    documents = write_corpus(tmp_path / "corpus")
+    plain = prepare([str(tmp_path / "corpus")], tmp_path / "plain", VOCAB, val_fraction=0)
+    assert "bos_id" not in read_index(tmp_path / "plain") and "bos_id" not in plain.stats
+    given, bos = bos_tokenizer(tmp_path / "plain", tmp_path / "bos.json")
+    result = prepare([str(tmp_path / "corpus")], tmp_path / "bos", VOCAB, val_fraction=0, tokenizer=given)
+    index = read_index(tmp_path / "bos")
+    assert index["bos_id"] == result.stats["bos_id"] == bos
+    tokens = open_split(tmp_path / "bos", "train")
+    ids = tokens.read(0, tokens.tokens)
+    starts = np.concatenate([[0], np.flatnonzero(ids == tokens.eos_id)[:-1] + 1])
+    assert (ids[starts] == bos).all() and (ids == bos).sum() == len(documents)
+    assert decoded_documents(tmp_path / "bos", "train") == documents  # (the token decodes to nothing)
+    prepare([str(tmp_path / "corpus")], tmp_path / "no-bos", VOCAB, val_fraction=0, tokenizer=given, bos=False)
+    assert "bos_id" not in read_index(tmp_path / "no-bos")
+    unbegun = open_split(tmp_path / "no-bos", "train")
+    assert not (unbegun.read(0, unbegun.tokens) == bos).any()
+
+
 def test_end_of_text_written_inside_a_document_is_text_not_an_end_of_document(tmp_path):
     (tmp_path / "a.txt").write_text("before <|endoftext|> after")
     prepare([str(tmp_path / "a.txt")], tmp_path / "data", VOCAB)

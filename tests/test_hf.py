@@ -67,6 +67,43 @@ def test_transformers_loads_the_export_and_computes_the_same_logits_and_text(run
     assert ("trained under muP, base width | 32" in card) == (name == "llama")
 
 
+def test_a_run_on_documents_begun_with_a_bos_token_scores_samples_and_exports_them_so(stdlib_data, next_line_task,
+                                                                                       tmp_path):
+    """Data prepared with a Llama-style tokenizer begins every document with its beginning-of-
+    sequence token: the run's task rows, its samples and its export (whose tokenizer then adds
+    the token to every text, and whose configs name it) begin texts with it too."""
+    from tokenizers.processors import TemplateProcessing
+
+    from scaletrain.data import prepare
+    from scaletrain.data.shards import read_index
+    from scaletrain.generate import data_bos_id, generate_text
+    from scaletrain.train.tasks import load_task
+
+    tokenizer = Tokenizer.from_file(str(stdlib_data / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<|begin_of_text|>"])
+    bos = tokenizer.token_to_id("<|begin_of_text|>")
+    tokenizer.post_processor = TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+    tokenizer.save(str(tmp_path / "bos.json"))
+    data = tmp_path / "data"
+    prepare(["builtin:python-stdlib"], data, 512, tokenizer=tmp_path / "bos.json", max_bytes=2_000_000,
+            filters="none", workers=1)
+    assert read_index(data)["bos_id"] == bos
+    run_dir = tmp_path / "run"
+    train(tiny_config(data, run_dir, "train.steps=2", "eval.interval=0", f"eval.tasks=['{next_line_task}']",
+                      "eval.task_examples=4"))
+    cfg = load_model(run_dir)[1]
+    assert data_bos_id(cfg, load_tokenizer(run_dir / "tokenizer.json")) == bos
+    task = load_task(next_line_task, load_tokenizer(data), read_index(data)["eos_id"], 1024, 4, bos)  # (uncut)
+    assert (task.inputs[:, 0] == bos).all()
+    assert generate_text(run_dir, "def ", max_new_tokens=4, temperature=0).startswith("def ")
+    export_hf(run_dir, tmp_path / "hf")
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tokenizer("def f():")["input_ids"][0] == bos
+    assert hf_tokenizer("def f():")["input_ids"][1:] == load_tokenizer(data).encode("def f():", add_special_tokens=False).ids
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["bos_token_id"] == bos and hf_tokenizer.bos_token_id == bos
+
+
 MIXTURES = {  # the first block dense, and one expert per token (weighted by its probability)
     "Qwen3MoeForCausalLM": ["model.qk_norm=true", "model.moe_experts=4", "model.moe_top_k=1", "model.moe_ffn_dim=48",
                             "model.moe_dense_layers=1"],

@@ -92,7 +92,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
                          decontaminate=args.decontaminate, keep_rejects=args.keep_rejects,
                          chunk_bytes=DEFAULT_CHUNK_BYTES if args.chunk_bytes is None else args.chunk_bytes, kind=args.kind,
                          val_overlap=not args.no_val_overlap, overwrite=args.overwrite, split=args.split,
-                         tokenizer_sample=args.tokenizer_sample)
+                         tokenizer_sample=args.tokenizer_sample, bos=not args.no_bos)
     if result.resumed_chunks:
         console.print(f"resumed an interrupted prepare: {result.resumed_chunks} chunks were already curated")
     for warning in result.warnings:
@@ -1700,6 +1700,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", type=_bytes, default=None, help="stop reading after this much text (e.g. 50M)")
     p.add_argument("--text-field", default="text", help="field of .jsonl / column of .parquet holding the text")
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
+    p.add_argument("--no-bos", action="store_true",
+                   help="do not begin documents with a given tokenizer's beginning-of-sequence token (a Llama "
+                        "tokenizer's <s> or <|begin_of_text|>, which its models saw before every document)")
     p.add_argument("--tokenizer-sample", type=_bytes, default=None, metavar="BYTES",
                    help="train the tokenizer on a sample of about this much of the training text (e.g. 1G; default: "
                         "all of it)")

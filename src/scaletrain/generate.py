@@ -62,6 +62,18 @@ def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None
     return model.to(device).eval(), cfg, checkpoint.step_of(path)
 
 
+def data_bos_id(cfg, tokenizer) -> int | None:
+    """The beginning-of-sequence id a run's documents begin with: its data's index.json's, or,
+    where the data is not at hand, the one its tokenizer has (data prepare puts it by default)."""
+    from scaletrain.data.shards import DataError, read_index
+    from scaletrain.data.tokenizer import bos_id
+
+    try:
+        return read_index(next(iter(cfg.data.sources.values()))).get("bos_id")
+    except DataError:
+        return bos_id(tokenizer)
+
+
 def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
                   top_k: int | None = 50, seed: int = 0, use_cache: bool = True, top_p: float | None = None,
                   samples: int | None = None, step: int | None = None, average: int = 1, ema: bool = False,
@@ -86,8 +98,11 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, t
     model, cfg, _ = load_model(run_dir, device, step=step, average=average, ema=ema)
     tokenizer = load_tokenizer(Path(run_dir) / "tokenizer.json")
     eos_id = find_eos(tokenizer)
-    # An empty prompt starts a new document, as the end-of-document token does in training.
-    ids = tokenizer.encode(prompt, add_special_tokens=False).ids or [eos_id]
+    # A document begins after an end-of-document token in training, or with the data's
+    # beginning-of-sequence token where it has one: so does the prompt (an empty one with either).
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    start = data_bos_id(cfg, tokenizer)
+    ids = [start, *ids] if start is not None else ids or [eos_id]
     room = cfg.model.max_seq_len - len(ids)
     if room < 1:
         raise GenerateError(f"the prompt is {len(ids)} tokens and the model's context model.max_seq_len is "
@@ -99,5 +114,5 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, t
     prompts = torch.tensor([ids] * (samples or 1), device=device)
     new = generate(model, prompts, min(max_new_tokens, room), temperature=temperature, top_k=top_k,
                    use_cache=use_cache, generator=generator, eos_id=eos_id, vocab=vocab_size(tokenizer), top_p=top_p)
-    texts = [tokenizer.decode(ids + row.tolist()) for row in new.cpu()]
+    texts = [tokenizer.decode(ids + row.tolist()) for row in new.cpu()]  # (special tokens decode to nothing)
     return texts if samples is not None else texts[0]

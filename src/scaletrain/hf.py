@@ -173,7 +173,7 @@ def _our_rope_scaling(rope_type: str, rope: dict, max_positions: int) -> dict:
     return ours
 
 
-def hf_config(cfg: ModelConfig, dtype: str, eos_id: int) -> dict:
+def hf_config(cfg: ModelConfig, dtype: str, eos_id: int, bos_id: int | None = None) -> dict:
     """config.json for the model `cfg` describes: LlamaForCausalLM, or Qwen3ForCausalLM with QK-norm
     (their mixtures of experts: MixtralForCausalLM, Qwen3MoeForCausalLM).
 
@@ -200,9 +200,10 @@ def hf_config(cfg: ModelConfig, dtype: str, eos_id: int) -> dict:
         "mlp_bias": False,
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
-        # Documents are separated by the end-of-text token and none starts with another, so the
-        # same token begins a generation (as `scaletrain generate` does for an empty prompt).
-        "bos_token_id": eos_id,
+        # Documents are separated by the end-of-text token and, unless the data begins each with a
+        # beginning-of-sequence token (`bos_id`: a Llama tokenizer's), none starts with another, so
+        # the same token begins a generation (as `scaletrain generate` does for an empty prompt).
+        "bos_token_id": eos_id if bos_id is None else bos_id,
         "eos_token_id": eos_id,
         "pad_token_id": None,
         "use_cache": True,
@@ -261,13 +262,15 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
     from safetensors.torch import save_file
 
     from scaletrain.data.tokenizer import eos_id as find_eos, load_tokenizer
-    from scaletrain.generate import load_model
+    from scaletrain.generate import data_bos_id, load_model
     from scaletrain.model.flops import param_counts
 
     model, cfg, step = load_model(run_dir, step=step, average=average, ema=ema)
     tokenizer = load_tokenizer(tokenizer_json)
     eos_id = find_eos(tokenizer)
     eos = tokenizer.id_to_token(eos_id)
+    bos_id = data_bos_id(cfg, tokenizer)  # (documents begun with it in training: so are texts given the export)
+    bos = eos if bos_id is None else tokenizer.id_to_token(bos_id)
     weights = {}
     for name, tensor in model.state_dict().items():
         if cfg.model.tie_embeddings and name == "output.weight":
@@ -289,16 +292,16 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
             index = {"metadata": {"total_size": total},
                      "weight_map": {name: file for file, names in shards.items() for name in names}}
             _write_json(staging / "model.safetensors.index.json", index)
-        _write_json(staging / "config.json", hf_config(cfg.model, dtype, eos_id))
+        _write_json(staging / "config.json", hf_config(cfg.model, dtype, eos_id, bos_id))
         _write_json(staging / "generation_config.json",
-                    {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": True, "temperature": 0.8,
+                    {"bos_token_id": eos_id if bos_id is None else bos_id, "eos_token_id": eos_id, "do_sample": True, "temperature": 0.8,
                      "top_k": 50})
         shutil.copyfile(tokenizer_json, staging / "tokenizer.json")
         # split_special_tokens: "<|endoftext|>" written in a text is encoded as text, as in training
         # (data/tokenizer.py); only the token appended between documents ends one.
         _write_json(staging / "tokenizer_config.json",
-                    {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos, "eos_token": eos,
-                     "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+                    {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+                     "add_bos_token": bos_id is not None, "add_eos_token": False, "clean_up_tokenization_spaces": False,
                      "split_special_tokens": True, "model_max_length": cfg.model.max_seq_len})
         counts = param_counts(cfg.model)
         (staging / "README.md").write_text(_model_card(Path(run_dir), cfg, step, counts["total"] - counts["mtp"],

@@ -48,7 +48,7 @@ from .curate import FilterConfig, curate, document_kind, load_filters
 from .dedup import DedupIndex, Decontaminator, MinHasher, exact_key
 from .shards import DataError, ShardWriter, document_offsets, read_index, write_index
 from .sources import BINARY_SNIFF_BYTES, ReadStats, encodable, list_files, read_documents, reads_under
-from .tokenizer import check_vocab_size, eos_id, load_tokenizer, train_tokenizer
+from .tokenizer import bos_id, check_vocab_size, eos_id, load_tokenizer, train_tokenizer
 from .tokenizer import vocab_size as tokenizer_vocab_size
 
 if TYPE_CHECKING:
@@ -99,7 +99,8 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
             filters: str | Path = "default", dedup: bool = True, minhash: tuple[int, int, int] = (14, 8, 5),
             decontaminate: list[str | Path] = (), keep_rejects: bool = False,
             chunk_bytes: int = DEFAULT_CHUNK_BYTES, kind: str = "auto", val_overlap: bool = True,
-            overwrite: bool = False, split: str = "file", tokenizer_sample: int | None = None) -> PrepareResult:
+            overwrite: bool = False, split: str = "file", tokenizer_sample: int | None = None,
+            bos: bool = True) -> PrepareResult:
     """Curate and tokenize sources into the data directory out, or reuse what out holds if it
     was prepared identically; resume an interrupted prepare of the same arguments.
 
@@ -124,6 +125,9 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     tokenizer_sample: train the tokenizer on a sample of about this many bytes of the training
         documents (each drawn by a hash of (seed, text)) instead of all of them: a BPE vocabulary
         settles long before tens of GB, whose training takes hours and memory in proportion.
+    bos: begin every document with the tokenizer's beginning-of-sequence token where it has one
+        (a given Llama tokenizer's: its models saw one at the start of every document; as
+        torchtitan encodes them), before the end-of-document token the writer appends.
     split: how a text file is cut into documents: "file" (whole), "paragraph" (at blank lines) or
         "line" (sources.SPLITS): one long text, a book, is otherwise one document.
     overwrite: replace a finished prepare in out of other sources or options (refused otherwise:
@@ -172,7 +176,9 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
                # (only where not the default, so that the directories prepared before keep their key)
                **({"kind": kind} if kind != "auto" else {}), **({} if val_overlap else {"val_overlap": False}),
                **({"split": split} if split != "file" else {}),
-               **({"tokenizer_sample": tokenizer_sample} if tokenizer_sample is not None else {})}
+               **({"tokenizer_sample": tokenizer_sample} if tokenizer_sample is not None else {}),
+               # (a tokenizer prepare trains has none: only a given one's, where it has one)
+               **({"bos_id": bos_id(given)} if bos and given is not None and bos_id(given) is not None else {})}
     content_sha256 = stats.content.hexdigest()
     key = _key(options, content_sha256)
     if _is_complete(out, key):
@@ -209,7 +215,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
             result_stats, warnings, resumed = _run_passes(
                 pool, files, (text_field, split), max_bytes, stats, settings, chunk_bytes, val_fraction, seed, work,
                 out, keep_rejects, given, vocab_size, progress, content_sha256, tokenizer_bytes if given else None,
-                tokenizer_sample)
+                tokenizer_sample, bos)
     except _NothingKept:
         if created:
             shutil.rmtree(out, ignore_errors=True)
@@ -236,7 +242,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
 def _run_passes(pool, files, reading: tuple[str, str], max_bytes, stats: ReadStats, settings: _Settings, chunk_bytes,
                 val_fraction, seed, work: Path, out: Path, keep_rejects: bool, given, vocab_size: int, progress,
                 content_sha256: str, tokenizer_bytes: bytes | None,
-                tokenizer_sample: int | None = None) -> tuple[dict, list[str], int]:
+                tokenizer_sample: int | None = None, bos: bool = True) -> tuple[dict, list[str], int]:
     """Passes 1 to 3; returns (stats.json's contents, warnings, chunks resumed from an earlier run)."""
     # Pass 1: curate, deduplicate, draw the split.
     reread = ReadStats()
@@ -293,14 +299,15 @@ def _run_passes(pool, files, reading: tuple[str, str], max_bytes, stats: ReadSta
             pickle.dump([text for text, val in _curated_documents(work, chunks, overrides) if val], f)
         os.replace(f"{val_file}.tmp", val_file)
     task = _add_task(progress, "tokenizing", curated["bytes_kept"])
+    start = bos_id(tok) if bos else None
     job = _TokenizeJob(str(out), vocab_size, str(val_file) if overlap_check else None,
-                       str(out) if keep_rejects else None)
+                       str(out) if keep_rejects else None, start)
     written = _tokenize_chunks(pool, work, chunks, overrides, job, lambda n: _advance(progress, task, n))
     _finish_task(progress, task, curated["bytes_kept"])
     splits = {split: {"tokens": sum(w[split]["tokens"] for w in written),
                       "documents": sum(w[split]["documents"] for w in written),
                       "shards": [s for w in written for s in w[split]["shards"]]} for split in ("train", "val")}
-    write_index(out, vocab_size, eos, splits)
+    write_index(out, vocab_size, eos, splits, bos_id=start)
 
     result_stats = stats.as_dict()
     dropped = result_stats["documents"]["dropped"]
@@ -322,6 +329,8 @@ def _run_passes(pool, files, reading: tuple[str, str], max_bytes, stats: ReadSta
                                  curated=sum(w["curated_bytes"] for w in written))
     result_stats["tokens"] = {"train": splits["train"]["tokens"], "val": splits["val"]["tokens"]}
     result_stats["vocab_size"], result_stats["eos_id"] = vocab_size, eos
+    if start is not None:
+        result_stats["bos_id"] = start
     result_stats["tokenizer"] = {"trained": given is None, "learned_vocab_size": tokenizer_vocab_size(tok),
                                  **({"trained_on_bytes": sampled[0]} if sampled[0] is not None else {})}
     if not splits["val"]["tokens"]:
@@ -509,6 +518,7 @@ class _TokenizeJob:
     vocab_size: int
     val_file: str | None  # pickled validation texts, for the validation-overlap check
     rejects: str | None
+    bos_id: int | None = None  # put before every document, where the tokenizer has one
 
 
 def _tokenize_chunks(pool, work: Path, chunks: list[dict], overrides: dict, job: _TokenizeJob,
@@ -548,11 +558,13 @@ def _tokenize_chunk(task: tuple[int, int, dict, _TokenizeJob]) -> dict:
     batch: list[tuple[str, bool]] = []
     with _Rejects(Path(job.rejects) if job.rejects else None, number, suffix="tokenize") as reject:
         def flush():
-            # No special tokens added: the writer appends the end-of-document id itself, and a
-            # given tokenizer's post-processor (a Llama tokenizer's <s>, say) must not add others.
+            # No special tokens added by the post-processor (which may add an end too, or pairs'
+            # tokens): the beginning-of-sequence id, where there is one, is put here, and the
+            # writer appends the end-of-document id itself.
             encodings = tok.encode_batch_fast([text for text, _ in batch], add_special_tokens=False)
+            start = [] if job.bos_id is None else [job.bos_id]
             for encoding, (_, val) in zip(encodings, batch):
-                writers["val" if val else "train"].add(encoding.ids)
+                writers["val" if val else "train"].add(start + encoding.ids if start else encoding.ids)
             batch.clear()
 
         size = 0

@@ -77,9 +77,12 @@ class ShardWriter:
                 "shards": self.shards}
 
 
-def write_index(data_dir: str | Path, vocab_size: int, eos_id: int, splits: dict[str, dict]) -> None:
+def write_index(data_dir: str | Path, vocab_size: int, eos_id: int, splits: dict[str, dict],
+                bos_id: int | None = None) -> None:
+    """index.json; `bos_id`: the id every document begins with, where the tokenizer has one."""
     index = {"version": INDEX_VERSION, "dtype": token_dtype(vocab_size).name,
-             "vocab_size": vocab_size, "eos_id": eos_id, "splits": splits}
+             "vocab_size": vocab_size, "eos_id": eos_id, **({"bos_id": bos_id} if bos_id is not None else {}),
+             "splits": splits}
     _write_atomic(Path(data_dir) / "index.json", json.dumps(index, indent=1).encode())
 
 

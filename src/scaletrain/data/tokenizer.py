@@ -79,6 +79,20 @@ def eos_id(tokenizer: Tokenizer, path: str | Path = "the tokenizer") -> int:
     raise DataError(f"{path} has no end-of-text token; it needs one of {', '.join(KNOWN_EOS_TOKENS)}")
 
 
+def bos_id(tokenizer: Tokenizer) -> int | None:
+    """The special token a tokenizer's post-processor puts before a text (a Llama tokenizer's
+    <s> or <|begin_of_text|>, which its models saw at the start of every document), unless it is
+    the end-of-text token; None for tokenizers without one (GPT-2's, those `data prepare` trains)."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    full = tokenizer.encode("a", add_special_tokens=True).ids
+    if len(full) <= len(plain) or full[1:1 + len(plain)] != plain:
+        return None
+    special = {token.content for token in tokenizer.get_added_tokens_decoder().values() if token.special}
+    if tokenizer.id_to_token(full[0]) not in special or full[0] == eos_id(tokenizer):
+        return None
+    return full[0]
+
+
 def vocab_size(tokenizer: Tokenizer) -> int:
     """One more than the largest id, so that every id the tokenizer produces is below it."""
     return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1

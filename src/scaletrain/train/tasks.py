@@ -54,7 +54,7 @@ class Task:
         return len(self.labels)
 
 
-def load_task(path: str | Path, tokenizer, eos_id: int, seq_len: int, limit: int) -> Task:
+def load_task(path: str | Path, tokenizer, eos_id: int, seq_len: int, limit: int, bos_id: int | None = None) -> Task:
     """The first `limit` examples of the task file at `path` as rows of seq_len tokens;
     ConfigError, naming the line, for a file that is not such a task."""
     path = Path(path)
@@ -90,7 +90,9 @@ def load_task(path: str | Path, tokenizer, eos_id: int, seq_len: int, limit: int
                 raise ConfigError(f"eval.tasks: line {number} of {str(path)!r}: the choice {choice!r} adds no token "
                                   "to the context; give choices that are text")
             shared = min(_common_prefix(prefix, whole), len(whole) - 1)  # at least one token of the choice
-            full = [eos_id, *whole][-(seq_len + 1):]  # too long: the context's start goes
+            # Begun as training's documents are: after an end of document, or with the data's
+            # beginning-of-sequence token (lm-evaluation-harness's add_bos_token).
+            full = [eos_id if bos_id is None else bos_id, *whole][-(seq_len + 1):]  # too long: the context's start goes
             scored = min(len(whole) - shared, seq_len)
             cut += scored < len(whole) - shared
             rows.append(full)

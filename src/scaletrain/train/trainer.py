@@ -447,9 +447,10 @@ class Trainer:
         from scaletrain.data.tokenizer import load_tokenizer
 
         data = next(iter(self.cfg.data.sources.values()))
-        tokenizer, eos = load_tokenizer(data), read_index(data)["eos_id"]
-        return [load_task(path, tokenizer, eos, self.cfg.data.seq_len, self.cfg.eval.task_examples)
-                for path in self.cfg.eval.tasks]
+        index = read_index(data)
+        tokenizer = load_tokenizer(data)
+        return [load_task(path, tokenizer, index["eos_id"], self.cfg.data.seq_len, self.cfg.eval.task_examples,
+                          index.get("bos_id")) for path in self.cfg.eval.tasks]
 
     def _choose_recompute(self, cfg: RunConfig) -> RunConfig:
         """parallel.recompute = auto: the planner's choice for this device's memory."""
