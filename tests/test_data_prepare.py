@@ -252,9 +252,25 @@ def test_compressed_sources_and_json_lines_named_json_are_read_as_their_inner_fo
         "def f(x):\n    return x\n", package]
     names = [name for _, _, name in read_documents(list_files([str(corpus / "f.py.gz")]), "text", None, ReadStats())]
     assert names == ["f.py"] and document_kind(names[0]) == "code"
-    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(records("whole", "cut"))[:-12])
-    with pytest.raises(DataError, match="cut.jsonl.gz could not be decompressed .*replace it with a whole copy"):
-        prepare([str(tmp_path / "cut.jsonl.gz")], tmp_path / "cut", VOCAB)
+    # The reading of such files changed: the key of a prepare that lists one says so, not the others'.
+    assert json.loads((tmp_path / "data" / "manifest.json").read_text())["options"]["reader"] == 2
+    (tmp_path / "plain.txt").write_text("a text file, read as it always was")
+    prepare([str(tmp_path / "plain.txt")], tmp_path / "plain", VOCAB, val_fraction=0)
+    assert "reader" not in json.loads((tmp_path / "plain" / "manifest.json").read_text())["options"]
+    # A .zst of two frames (as parallel compressors write) is read whole.
+    two = zstandard.ZstdCompressor().compress(records("frame one")) + zstandard.ZstdCompressor().compress(
+        records("frame two"))
+    (tmp_path / "two.jsonl.zst").write_bytes(two)
+    prepare([str(tmp_path / "two.jsonl.zst")], tmp_path / "two", VOCAB, val_fraction=0)
+    assert decoded_documents(tmp_path / "two", "train") == ["frame one", "frame two"]
+    whole = records("whole", "cut") * 50
+    for name, damaged in (("cut.jsonl.gz", gzip.compress(whole)[:-12]),
+                          ("cut.jsonl.zst", zstandard.ZstdCompressor().compress(whole)[:-12]),
+                          ("cut.txt.zst", zstandard.ZstdCompressor().compress(b"text " * 500)[:-12]),
+                          ("bad.jsonl.xz", lzma.compress(whole)[:20] + b"\0" * 40 + lzma.compress(whole)[60:])):
+        (tmp_path / name).write_bytes(damaged)
+        with pytest.raises(DataError, match=f"{name} could not be decompressed .*replace it with a whole copy"):
+            prepare([str(tmp_path / name)], tmp_path / "cut", VOCAB)
     monkeypatch.setitem(__import__("sys").modules, "zstandard", None)  # (as where it is not installed)
     with pytest.raises(DataError, match="compressed with zstandard, which needs .*pip install zstandard"):
         prepare([str(corpus / "d.jsonl.zst")], tmp_path / "zst", VOCAB)
@@ -311,6 +327,8 @@ def test_the_tokenizer_trains_on_a_sample_of_the_training_text_when_asked(tmp_pa
     with pytest.raises(DataError, match="no tokenizer to reuse"):
         prepare([str(tmp_path / "corpus.jsonl")], tmp_path / "given", 400, tokenizer=tmp_path / "whole",
                 tokenizer_sample=1000)
+    with pytest.raises(DataError, match="tokenizer_sample 1 bytes drew no training document"):
+        prepare([str(tmp_path / "corpus.jsonl")], tmp_path / "tiny", 400, tokenizer_sample=1)
 
 
 def bos_tokenizer(trained: Path, out: Path) -> tuple[Path, int]:

@@ -125,8 +125,15 @@ def test_a_held_out_set_of_another_tokenizer_is_refused_before_training(stdlib_d
     (tmp_path / "other.txt").write_text("Text of another corpus, tokenized its own way. " * 40)
     other = tmp_path / "other"
     prepare([str(tmp_path / "other.txt")], other, vocab_size=300, filters="none", workers=1)
-    with pytest.raises(ConfigError, match="eval.data: the data directories .* have different tokenizers"):
-        train(tiny_config(stdlib_data, tmp_path / "run", f"eval.data={{other = '{other}'}}"))
+    for name in ("other", stdlib_data.name):  # (also under the training data's own name)
+        with pytest.raises(ConfigError, match="eval.data: the data directories .* have different tokenizers"):
+            train(tiny_config(stdlib_data, tmp_path / "run", f"eval.data={{{name} = '{other}'}}"))
+    # A held-out set without a validation split is refused before the first step, not at the first evaluation.
+    unsplit = tmp_path / "unsplit"
+    prepare([str(tmp_path / "other.txt")], unsplit, vocab_size=300, filters="none", workers=1, val_fraction=0,
+            tokenizer=stdlib_data / "tokenizer.json")
+    with pytest.raises(ConfigError, match="eval.data's 'unsplit': .*val"):
+        train(tiny_config(stdlib_data, tmp_path / "run", f"eval.data={{unsplit = '{unsplit}'}}"))
     assert not (tmp_path / "run").exists()
 
 

@@ -92,7 +92,10 @@ def test_a_run_on_documents_begun_with_a_bos_token_scores_samples_and_exports_th
     train(tiny_config(data, run_dir, "train.steps=2", "eval.interval=0", f"eval.tasks=['{next_line_task}']",
                       "eval.task_examples=4"))
     cfg = load_model(run_dir)[1]
-    assert data_bos_id(cfg, load_tokenizer(run_dir / "tokenizer.json")) == bos
+    assert data_bos_id(run_dir, cfg) == bos
+    data.rename(tmp_path / "moved")  # (the run says what its documents began with, wherever they went)
+    assert data_bos_id(run_dir, cfg) == bos
+    data = tmp_path / "moved"
     task = load_task(next_line_task, load_tokenizer(data), read_index(data)["eos_id"], 1024, 4, bos)  # (uncut)
     assert (task.inputs[:, 0] == bos).all()
     assert generate_text(run_dir, "def ", max_new_tokens=4, temperature=0).startswith("def ")

@@ -513,6 +513,11 @@ class EvalConfig(_Section):
     data: dict[str, str] = {}
     """Held-out data directories whose validation loss each evaluation measures too, by name, e.g. {c4 = "data/c4", wiki = "data/wiki"} (OLMo's in-loop perplexity sets): prepared with the run's tokenizer (`data prepare ... --tokenizer DATA/tokenizer.json`), eval.tokens of each; logged as heldout_loss (and heldout_bits_per_byte), name -> value, beside the training data's."""
 
+    @property
+    def sources(self) -> dict[str, Path]:
+        """Name -> data directory of each held-out set (eval.data)."""
+        return {name: Path(path) for name, path in self.data.items()}
+
     @model_validator(mode="after")
     def _check_task_names(self) -> EvalConfig:
         names = [Path(task).stem for task in self.tasks]

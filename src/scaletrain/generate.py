@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -62,16 +63,21 @@ def load_model(run_dir: str | Path, device: str = "cpu", step: int | None = None
     return model.to(device).eval(), cfg, checkpoint.step_of(path)
 
 
-def data_bos_id(cfg, tokenizer) -> int | None:
-    """The beginning-of-sequence id a run's documents begin with: its data's index.json's, or,
-    where the data is not at hand, the one its tokenizer has (data prepare puts it by default)."""
+def data_bos_id(run_dir: str | Path, cfg) -> int | None:
+    """The beginning-of-sequence id the documents of the run in `run_dir` began with (None:
+    none), as its start record says; for a run from before it said so, its data's index.json's,
+    where the data is still at hand (else none: documents began with none before then)."""
     from scaletrain.data.shards import DataError, read_index
-    from scaletrain.data.tokenizer import bos_id
+    from scaletrain.train.metrics import read_metrics
 
+    with contextlib.suppress(OSError):
+        starts = read_metrics(run_dir, "start")
+        if starts and "bos_id" in starts[-1]:
+            return starts[-1]["bos_id"]
     try:
         return read_index(next(iter(cfg.data.sources.values()))).get("bos_id")
     except DataError:
-        return bos_id(tokenizer)
+        return None
 
 
 def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
@@ -101,7 +107,7 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, t
     # A document begins after an end-of-document token in training, or with the data's
     # beginning-of-sequence token where it has one: so does the prompt (an empty one with either).
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids
-    start = data_bos_id(cfg, tokenizer)
+    start = data_bos_id(run_dir, cfg)
     ids = [start, *ids] if start is not None else ids or [eos_id]
     room = cfg.model.max_seq_len - len(ids)
     if room < 1:

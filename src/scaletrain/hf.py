@@ -175,7 +175,8 @@ def _our_rope_scaling(rope_type: str, rope: dict, max_positions: int) -> dict:
 
 def hf_config(cfg: ModelConfig, dtype: str, eos_id: int, bos_id: int | None = None) -> dict:
     """config.json for the model `cfg` describes: LlamaForCausalLM, or Qwen3ForCausalLM with QK-norm
-    (their mixtures of experts: MixtralForCausalLM, Qwen3MoeForCausalLM).
+    (their mixtures of experts: MixtralForCausalLM, Qwen3MoeForCausalLM); `bos_id`: the token the
+    data began documents with, if any.
 
     RoPE's base is written both ways transformers has read it (`rope_theta` before v5,
     `rope_parameters` since), and the dtype under both of its names, for the same reason."""
@@ -269,8 +270,9 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
     tokenizer = load_tokenizer(tokenizer_json)
     eos_id = find_eos(tokenizer)
     eos = tokenizer.id_to_token(eos_id)
-    bos_id = data_bos_id(cfg, tokenizer)  # (documents begun with it in training: so are texts given the export)
+    bos_id = data_bos_id(run_dir, cfg)  # (documents begun with it in training: so are texts given the export)
     bos = eos if bos_id is None else tokenizer.id_to_token(bos_id)
+    first_id = eos_id if bos_id is None else bos_id  # what begins a text (a generation's first token)
     weights = {}
     for name, tensor in model.state_dict().items():
         if cfg.model.tie_embeddings and name == "output.weight":
@@ -292,9 +294,9 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
             index = {"metadata": {"total_size": total},
                      "weight_map": {name: file for file, names in shards.items() for name in names}}
             _write_json(staging / "model.safetensors.index.json", index)
-        _write_json(staging / "config.json", hf_config(cfg.model, dtype, eos_id, bos_id))
+        _write_json(staging / "config.json", hf_config(cfg.model, dtype, eos_id, first_id))
         _write_json(staging / "generation_config.json",
-                    {"bos_token_id": eos_id if bos_id is None else bos_id, "eos_token_id": eos_id, "do_sample": True, "temperature": 0.8,
+                    {"bos_token_id": first_id, "eos_token_id": eos_id, "do_sample": True, "temperature": 0.8,
                      "top_k": 50})
         shutil.copyfile(tokenizer_json, staging / "tokenizer.json")
         # split_special_tokens: "<|endoftext|>" written in a text is encoded as text, as in training

@@ -47,7 +47,8 @@ from .curate import REASONS as FILTER_REASONS
 from .curate import FilterConfig, curate, document_kind, load_filters
 from .dedup import DedupIndex, Decontaminator, MinHasher, exact_key
 from .shards import DataError, ShardWriter, document_offsets, read_index, write_index
-from .sources import BINARY_SNIFF_BYTES, ReadStats, encodable, list_files, read_documents, reads_under
+from .sources import (BINARY_SNIFF_BYTES, ReadStats, encodable, list_files, read_documents, reader_version,
+                      reads_under)
 from .tokenizer import bos_id, check_vocab_size, eos_id, load_tokenizer, train_tokenizer
 from .tokenizer import vocab_size as tokenizer_vocab_size
 
@@ -139,8 +140,8 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
         raise DataError(f"kind {kind!r}: give auto (each document by its file name), code or prose")
     _check_options(vocab_size, max_bytes, val_fraction, seed, workers, tokenizer, chunk_bytes)
     if tokenizer_sample is not None and (tokenizer_sample < 1 or tokenizer is not None):
-        raise DataError(f"tokenizer_sample {tokenizer_sample}: give a positive number of bytes to train the tokenizer on, "
-                        "and no tokenizer to reuse (whose training is done)")
+        raise DataError(f"tokenizer_sample {tokenizer_sample}: give a positive number of bytes to train the "
+                        "tokenizer on, and no tokenizer to reuse (whose training is done)")
     filter_config = load_filters(filters)
     dedup = dedup and str(filters) != "none"
     if dedup:  # bad MinHash settings fail here, before anything in out is touched
@@ -177,6 +178,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
                **({"kind": kind} if kind != "auto" else {}), **({} if val_overlap else {"val_overlap": False}),
                **({"split": split} if split != "file" else {}),
                **({"tokenizer_sample": tokenizer_sample} if tokenizer_sample is not None else {}),
+               **({"reader": reader_version(files)} if reader_version(files) else {}),
                # (a tokenizer prepare trains has none: only a given one's, where it has one)
                **({"bos_id": bos_id(given)} if bos and given is not None and bos_id(given) is not None else {})}
     content_sha256 = stats.content.hexdigest()
@@ -274,6 +276,9 @@ def _run_passes(pool, files, reading: tuple[str, str], max_bytes, stats: ReadSta
                 texts = (text for text in texts if _tokenizer_draw(seed, text) < share)
             trained = train_tokenizer(_counting(texts, sampled), vocab_size)
             _finish_task(progress, task, curated["bytes_kept"])
+            if not sampled[0]:
+                raise DataError(f"tokenizer_sample {tokenizer_sample:,} bytes drew no training document (they hold "
+                                f"{curated['bytes_kept']:,} bytes in all); give a larger sample, or none")
             (work / "tokenizer_bytes").write_text(str(sampled[0]))  # (before the tokenizer: a resume reads it)
             trained.save(str(tokenizer_file) + ".tmp")
             os.replace(str(tokenizer_file) + ".tmp", tokenizer_file)
@@ -871,6 +876,8 @@ def _replaced(out: Path, options: dict, content_sha256: str) -> str | None:
         if old != new:
             small = max(len(repr(old)), len(repr(new))) <= 40
             changed.append(f"{name} {old!r} then, {new!r} now" if small and name != "tokenizer" else f"other {name}")
+            if name == "bos_id" and old is None:  # (made before documents began with it, or with --no-bos)
+                changed[-1] += " (--no-bos prepares as then)"
     if manifest.get("content_sha256") != content_sha256:
         changed.append("other source text")
     return "; ".join([made, *changed[:3], *(["..."] if len(changed) > 3 else [])])

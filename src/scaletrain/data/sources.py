@@ -16,8 +16,11 @@ from __future__ import annotations
 import fnmatch
 import glob
 import hashlib
+import importlib
+import importlib.util
 import io
 import json
+import lzma
 import os
 import re
 import sysconfig
@@ -264,6 +267,53 @@ NAME_FIELDS = ("path", "filename", "file_name")
 # Compressed files: suffix -> the module whose open() reads them (zstandard is not in the
 # standard library before Python 3.14: an optional dependency, asked for when needed).
 COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma", ".zst": "zstandard"}
+# Bumped when a kind of file is read otherwise than before: 2, compressed files (dropped as
+# binary before) and .json files of JSON Lines (one text before). Part of the key of a prepare
+# that lists such files (reader_version), whose result changed; the others keep theirs.
+READER_VERSION = 2
+
+
+def reader_version(files: list[SourceFile]) -> int | None:
+    """READER_VERSION where `files` hold a kind it changed the reading of, else None."""
+    changed = any(file.path.suffix.lower() in (".json", *COMPRESSED) for file in files)
+    return READER_VERSION if changed else None
+
+
+class _ZstdReader(io.RawIOBase):
+    """The decompressed bytes of a .zst file, its frames one after another; a stream cut before
+    its last frame ends is an OSError (zstandard's own reader ends there silently)."""
+
+    def __init__(self, path: Path):
+        import zstandard
+
+        self._zstd, self._file, self._pending = zstandard, open(path, "rb"), b""
+        self._frame = zstandard.ZstdDecompressor().decompressobj()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._pending:
+            chunk = self._file.read(1 << 20)
+            if not chunk:
+                if not self._frame.eof:
+                    raise OSError("the zstandard stream ends inside a frame")
+                return 0
+            try:
+                self._pending = self._frame.decompress(chunk)
+                while self._frame.eof and self._frame.unused_data:  # (the next frame begins)
+                    rest = self._frame.unused_data
+                    self._frame = self._zstd.ZstdDecompressor().decompressobj()
+                    self._pending += self._frame.decompress(rest)
+            except self._zstd.ZstdError as e:
+                raise OSError(str(e)) from None
+        n = min(len(buffer), len(self._pending))
+        buffer[:n], self._pending = self._pending[:n], self._pending[n:]
+        return n
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
 
 
 def _open(file: SourceFile):
@@ -272,14 +322,10 @@ def _open(file: SourceFile):
     if module is None:
         return open(file.path, "rb")
     if module == "zstandard":
-        try:
-            import zstandard
-        except ImportError:
+        if importlib.util.find_spec("zstandard") is None:
             raise DataError(f"{file.path} is compressed with zstandard, which needs the zstandard package: "
-                            "pip install zstandard (or decompress it first)") from None
-        return io.BufferedReader(zstandard.open(file.path, "rb"))  # (its reader reads no lines itself)
-    import importlib
-
+                            "pip install zstandard (or decompress it first)")
+        return io.BufferedReader(_ZstdReader(file.path))
     return importlib.import_module(module).open(file.path, "rb")
 
 
@@ -361,7 +407,7 @@ def _read_all(file: SourceFile) -> bytes:
     with _open(file) as f:
         try:
             return f.read()
-        except (OSError, EOFError) as e:  # (a truncated or corrupt archive)
+        except (OSError, EOFError, lzma.LZMAError) as e:  # (a truncated or corrupt archive)
             raise _unreadable(file, e) from None
 
 
@@ -370,7 +416,7 @@ def _lines(f, file: SourceFile) -> Iterator[bytes]:
     while True:
         try:
             line = f.readline()
-        except (OSError, EOFError) as e:
+        except (OSError, EOFError, lzma.LZMAError) as e:
             raise _unreadable(file, e) from None
         if not line:
             return

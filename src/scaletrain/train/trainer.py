@@ -159,11 +159,11 @@ def resolve(cfg: RunConfig) -> RunConfig:
     except DataError as e:
         raise ConfigError(f"{where}: {e}") from None
     if cfg.eval.data:  # (held-out sets: the run's tokenizer, for losses in the run's tokens)
-        try:
-            heldout = read_indexes({**cfg.data.sources, **{name: Path(path) for name, path in cfg.eval.data.items()}})
+        try:  # (under names of their own: a held-out set may share a training source's name)
+            read_indexes({**{f"data {name}": path for name, path in cfg.data.sources.items()},
+                          **{f"eval.data {name}": path for name, path in cfg.eval.sources.items()}})
         except DataError as e:
             raise ConfigError(f"eval.data: {e}") from None
-        indexes.update({name: heldout[name] for name in cfg.eval.data})
     if cfg.model.document_mask and len({index["eos_id"] for index in indexes.values()}) > 1:
         raise ConfigError(f"data.mix: the data directories end documents with different tokens "
                           f"({ {name: index['eos_id'] for name, index in indexes.items()} }), so model.document_mask "
@@ -310,11 +310,12 @@ class Trainer:
         self.eos_id = (read_index(next(iter(cfg.data.sources.values())))["eos_id"]
                        if cfg.model.document_mask else None)
         self.token_bytes = self._token_bytes()  # (for bits per byte: see evaluate)
-        for path in cfg.data.sources.values():
+        for where, path in [*((f"data.path = {cfg.data.path!r}", path) for path in cfg.data.sources.values()),
+                            *((f"eval.data's {name!r}", path) for name, path in cfg.eval.sources.items())]:
             try:  # fail now, not after the last step, if validation cannot run
                 next(eval_batches(path, cfg.data.seq_len, cfg.eval.tokens, cfg.train.micro_batch))
             except DataError as e:
-                raise ConfigError(f"data.path = {cfg.data.path!r}: {e}") from None
+                raise ConfigError(f"{where}: {e}") from None
             held = (read_index(path)["splits"]["val"]["tokens"] - 1) // cfg.data.seq_len * cfg.data.seq_len
             if held < cfg.eval.tokens - cfg.data.seq_len and self.is_main:  # (it measures whole windows)
                 log.warning("eval.tokens = %d, but the validation split of %s holds %d in windows of %d: each "
@@ -1147,8 +1148,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate_heldout(self) -> tuple[dict[str, float], dict[str, float] | None]:
         """evaluate()'s losses (and bits per byte) of eval.data's held-out sets."""
-        losses, bits, _ = self._validation_losses({name: Path(path) for name, path in self.cfg.eval.data.items()},
-                                                  count_tokens=False)
+        losses, bits, _ = self._validation_losses(self.cfg.eval.sources, count_tokens=False)
         return losses, bits
 
     def _validation_losses(self, sources: dict[str, Path], count_tokens: bool = True):
@@ -1426,9 +1426,12 @@ class Trainer:
                 source = self.init_from_checkpoint()
             elif self.init_from:
                 source = {"init_from": str(self.init_from.path)}
+            # bos_id: the token the data's documents begin with (null: none), which samples and the
+            # export begin texts with too, wherever the data has gone since.
+            bos = read_index(next(iter(cfg.data.sources.values()))).get("bos_id")
             metrics.write("start", 0, 0, total_steps=self.total_steps, flops_per_token=self.flops_per_token,
                           device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-                          setup_s=self._setup_s(), **source)
+                          setup_s=self._setup_s(), bos_id=bos, **source)
             if cfg.train.ema_decay:
                 self._ema_from({})  # from the run's first weights (init_from's, if it has them)
         train_loss = val_loss = None
