@@ -178,7 +178,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
                **({"kind": kind} if kind != "auto" else {}), **({} if val_overlap else {"val_overlap": False}),
                **({"split": split} if split != "file" else {}),
                **({"tokenizer_sample": tokenizer_sample} if tokenizer_sample is not None else {}),
-               **({"reader": reader_version(files)} if reader_version(files) else {}),
+               **({"reader": reader} if (reader := reader_version(files)) else {}),
                # (a tokenizer prepare trains has none: only a given one's, where it has one)
                **({"bos_id": bos_id(given)} if bos and given is not None and bos_id(given) is not None else {})}
     content_sha256 = stats.content.hexdigest()
