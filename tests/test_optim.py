@@ -75,6 +75,35 @@ def test_a_muon_run_learns_resumes_bit_exactly_and_keeps_its_optimizer(stdlib_da
         train(tiny_config(stdlib_data, split, "train.steps=12"))
 
 
+def test_the_embedding_can_be_left_undecayed_as_olmo_2_trained(stdlib_data, tmp_path):
+    """train.embedding_decay = false: the embedding's rows no batch touches (those past the
+    tokenizer's 512 ids, where model.vocab_size is larger) keep their values, where decay shrinks
+    them; the other matrices decay alike; a resume may not change it."""
+    from scaletrain.train.checkpoint import load_newest
+    from scaletrain.train.trainer import Trainer
+
+    rows = {}
+    for decay in ("true", "false"):
+        cfg = tiny_config(stdlib_data, tmp_path / f"decay-{decay}", "train.steps=3", "eval.interval=0",
+                          f"train.embedding_decay={decay}", "train.weight_decay=0.5", "model.vocab_size=576")
+        trainer = Trainer(cfg)
+        first = trainer.model.tok_embeddings.weight.detach().clone()
+        decayed = {group["weight_decay"] for group in trainer.optimizer.param_groups
+                   if any(p is trainer.model.tok_embeddings.weight for p in group["params"])}
+        assert decayed == ({0.5} if decay == "true" else {0.0})
+        assert any(group["weight_decay"] == 0.5 for group in trainer.optimizer.param_groups)  # (the blocks')
+        trainer.fit()
+        state = {"model": Transformer(trainer.cfg.model).state_dict()}  # (resolved: the data's vocabulary)
+        load_newest(tmp_path / f"decay-{decay}" / "checkpoints", state)
+        unused = slice(512, None)  # (rows past the stdlib tokenizer's 512 ids)
+        rows[decay] = (first[unused], state["model"]["tok_embeddings.weight"][unused])
+    assert torch.equal(*rows["false"])
+    assert torch.all(rows["true"][1].abs() < rows["true"][0].abs() + 1e-12) and not torch.equal(*rows["true"])
+    with pytest.raises(ConfigError, match="train.embedding_decay False then, True now"):
+        train(tiny_config(stdlib_data, tmp_path / "decay-false", "train.steps=6", "train.embedding_decay=true",
+                          "train.weight_decay=0.5", "model.vocab_size=576"))
+
+
 def test_matrices_split_by_rows_are_orthogonalised_by_one_rank_each_to_the_bit():
     """Three real processes over gloo (tests/muon_shared_out.py asserts on every rank)."""
     run_with_retry(lambda: run_ranks(script, (str(ROOT / "tests" / "muon_shared_out.py"), []), 3, timeout=300),

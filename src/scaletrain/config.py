@@ -355,6 +355,8 @@ class TrainConfig(_Section):
     """Muon's (Nesterov) momentum."""
     weight_decay: float = Field(default=0.1, ge=0)
     """AdamW weight decay, applied to matrices only (not norms, not biases); Muon's too, decoupled alike."""
+    embedding_decay: bool = True
+    """Decay the token embedding too (with tied embeddings, the head it is); false leaves it undecayed, as OLMo 2 trained (Team OLMo 2024, "2 OLMo 2 Furious": a stability measure). Fixed for a run: its checkpoints hold the optimizer's groups it sets."""
     beta1: float = Field(default=0.9, ge=0, lt=1)
     """AdamW beta1."""
     beta2: float = Field(default=0.95, ge=0, lt=1)

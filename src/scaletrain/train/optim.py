@@ -48,7 +48,7 @@ ADAMW_ONLY = ("tok_embeddings", "output")
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
                     eps: float, device: torch.device, kind: str = "adamw", momentum: float = 0.95,
                     width_mult: float = 1.0, depth_mult: float = 1.0, depth_alpha: float = 1.0,
-                    exclude: list[torch.Tensor] = ()) -> torch.optim.AdamW:
+                    exclude: list[torch.Tensor] = (), embedding_decay: bool = True) -> torch.optim.AdamW:
     """Decay applies to weight matrices (embeddings and linears), not to norm gains or other vectors:
     shrinking a norm's gain towards zero has no regularising meaning (as in GPT-3 and Llama).
     kind "muon": the blocks' matrices go to Muon (see the module's docstring). width_mult: muP's
@@ -68,7 +68,8 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     (model.mup_base_layers, see depth_factors). Each group's share of the learning rate, of the
     weight decay and of Adam's eps is the optimizer's `lr_scales`, `decay_scales` and `eps_scales`
     (see set_lr and set_hyperparameters). exclude: parameters stepped otherwise (a pipeline's copy
-    of the embedding)."""
+    of the embedding). embedding_decay False: the token embedding in a group of its own, not
+    decayed (train.embedding_decay)."""
     skipped = {id(p) for p in exclude}
     named = [(name.replace("_orig_mod.", ""), p) for name, p in model.named_parameters()
              if p.requires_grad and id(p) not in skipped]
@@ -82,12 +83,16 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     def folded(name: str) -> bool:  # (the head and the routers: muP's 1 / m in the weight)
         return folded_multiplier(name, width_mult) != 1
     # (extra keys of the group, its members, its (lr, weight decay, eps) factors for the width)
+    def undecayed(name: str) -> bool:  # (train.embedding_decay = false: the embedding's own group)
+        return not embedding_decay and name.split(".")[0] == "tok_embeddings"
     kinds = [({}, [(name, p) for unscaled, name, p in matrices if not unscaled and not folded(name)],
               (1 / width_mult, width_mult, 1 / width_mult)),
              ({}, [(name, p) for unscaled, name, p in matrices if not unscaled and folded(name)],
               (1 / width_mult, width_mult, 1.0)),
-             ({}, [(name, p) for unscaled, name, p in matrices if unscaled], (1.0, 1.0, 1 / width_mult)),
-             ({}, [(name, p) for name, p in params if p.ndim < 2], (1.0, 1.0, 1 / width_mult))]
+             ({}, [(name, p) for unscaled, name, p in matrices if unscaled and not undecayed(name)],
+              (1.0, 1.0, 1 / width_mult)),
+             ({}, [(name, p) for name, p in params if p.ndim < 2], (1.0, 1.0, 1 / width_mult)),
+             ({}, [(name, p) for unscaled, name, p in matrices if undecayed(name)], (1.0, 0.0, 1 / width_mult))]
     if kind == "muon":
         # Muon's update is orthogonal, its spectral norm 0.2 lr sqrt(max(rows, columns)): muP's
         # spectral condition (Yang, Simon and Bernstein 2023: sqrt(fan-out / fan-in)) asks

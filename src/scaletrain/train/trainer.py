@@ -297,7 +297,7 @@ class Trainer:
                                          device=self.device, kind=cfg.train.optimizer,
                                          momentum=cfg.train.muon_momentum, width_mult=cfg.model.width_mult,
                                          depth_mult=cfg.model.depth_mult, depth_alpha=cfg.model.mup_depth_alpha,
-                                         exclude=self.parallel.unstepped())
+                                         exclude=self.parallel.unstepped(), embedding_decay=cfg.train.embedding_decay)
         # muP's multipliers folded into weights, by parameter: what the norms count (_written_out_squares).
         self.folded = {id(p): s for name, p in self.model.named_parameters()
                        if (s := folded_multiplier(name, cfg.model.width_mult, cfg.model.depth_mult,
@@ -1692,7 +1692,7 @@ def _changes(saved: Path | RunConfig, cfg: RunConfig) -> tuple[dict, str]:
     changed = {key: (before.get(key), now.get(key)) for key in sorted(set(before) | set(now))
                if before.get(key) != now.get(key)}
     fixed = [key for key in changed
-             if key.startswith("model.") or key in ("data.seq_len", "train.optimizer")
+             if key.startswith("model.") or key in ("data.seq_len", "train.optimizer", "train.embedding_decay")
              or (key in ("run.seed", "data.seed") and then.data_seed != cfg.data_seed)]
     return changed, ", ".join(f"{key} {changed[key][0]} then, {changed[key][1]} now" for key in fixed)
 
