@@ -831,6 +831,31 @@ def test_a_slurm_job_whose_one_node_refuses_ends_its_step_not_left_to_its_timeou
     assert "Traceback" not in err and time.monotonic() - started < 120
 
 
+def test_a_time_limit_stops_every_rank_with_a_checkpoint_and_status_0_which_torchrun_does_not_restart(
+        stdlib_data, tmp_path):
+    """train --time-limit under torchrun: once the command's deadline passes (the workers take
+    its, not their own start), every rank finishes the step under way (the vote's), saves, and
+    the command ends with status 0 — which torchrun, allowed a restart, does not take for a
+    failure; the same command then resumes it. One process (no torchrun) alike."""
+    for nproc, limit in ((2, "12s"), (1, "3s")):
+        run_dir = tmp_path / f"limited-{nproc}"
+        result = launch(stdlib_data, run_dir, nproc, "train.steps=100000", "checkpoint.interval=100000",
+                        "eval.interval=0", f"--time-limit={limit}", *(["--max-restarts=1"] if nproc > 1 else []))
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        [end] = read_metrics(run_dir, "end")
+        assert end["stopped_by"] == "time_limit" and not end["complete"] and 1 <= end["step"] < 100000
+        assert "stopped at the time limit (" in result.stdout + result.stderr
+        assert f"after step {end['step']} with a checkpoint" in result.stdout + result.stderr
+        assert not read_metrics(run_dir, "resume")  # (nothing restarted it)
+        assert checkpoint.step_of(checkpoint.complete_checkpoints(run_dir / "checkpoints")[0]) == end["step"]
+    resumed = launch(stdlib_data, run_dir, 1, "train.steps=100000", "checkpoint.interval=100000", "eval.interval=0",
+                     f"--stop-at-step={end['step'] + 1}")
+    assert resumed.returncode == 0 and read_metrics(run_dir, "resume")[-1]["step"] == end["step"]
+    refused = run_cli("train", "configs/tiny.toml", "--time-limit", "5 minutes")
+    assert refused.returncode == 2 and "is not a length of time; give hours, minutes and seconds such as 3h50m" \
+        in refused.stderr
+
+
 def test_a_slurm_job_stopped_by_its_signal_saves_a_checkpoint_and_ends_with_its_status(stdlib_data, tmp_path):
     """launch's batch script under the stand-ins for Slurm, one node: SIGTERM to every process of
     the step at step 3 or later, as Slurm sends it (`--signal=TERM@180`, a preemption): the

@@ -168,6 +168,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from scaletrain.train.metrics import process_started
     from scaletrain.train.trainer import TrainingDiverged, train
 
+    # (the workers torchrun starts, again after a restart, take the command's deadline, not their own)
+    deadline = args.deadline
+    if deadline is None and args.time_limit is not None:
+        deadline = (process_started() or time.time()) + args.time_limit
+
     if (args.nproc > 1 or args.max_restarts) and "WORLD_SIZE" not in os.environ:  # (one process restarted too)
         from scaletrain.parallel.layout import check_layout, resolve_layout
         from scaletrain.train.trainer import check_run_dir, resolve
@@ -179,9 +184,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         init_source(resolved)  # a model or checkpoint that does not fit the run, likewise
         check_run_dir(resolved, warn=False)  # and a run directory it cannot resume (another shape, data)
         return _torchrun(args, ["train", args.config, *args.overrides,
-                                *([f"--stop-at-step={args.stop_at_step}"] if args.stop_at_step is not None else [])])
+                                *([f"--stop-at-step={args.stop_at_step}"] if args.stop_at_step is not None else []),
+                                *([f"--deadline={deadline}"] if deadline is not None else [])])
     try:
-        result = train(cfg, stop_at_step=args.stop_at_step, launched=process_started())
+        result = train(cfg, stop_at_step=args.stop_at_step, launched=process_started(), deadline=deadline)
     except TrainingDiverged as e:
         console.print(f"[red]training diverged:[/] {e}", highlight=False, soft_wrap=True)
         return 1
@@ -224,7 +230,8 @@ def cmd_cooldown(args: argparse.Namespace) -> int:
     out.print(f"wrote {path}: {cfg.run_dir} decays from step {args.step:,} of {args.run_dir} over {args.steps:,} steps "
               f"({cfg.train.decay_shape}, to {cfg.train.min_lr_ratio:g} x train.lr); training it", highlight=False)
     return cmd_train(argparse.Namespace(config=str(path), overrides=[], stop_at_step=args.stop_at_step,
-                                        max_restarts=args.max_restarts, nproc=args.nproc, verbose=args.verbose))
+                                        max_restarts=args.max_restarts, nproc=args.nproc, verbose=args.verbose,
+                                        time_limit=args.time_limit, deadline=None))
 
 
 def _torchrun(args: argparse.Namespace, command_args: list[str]) -> int:
@@ -1096,6 +1103,21 @@ _count = _number(int, "a whole number", lambda v: v >= 1, "at least 1")
 _how_many = _number(int, "a whole number", lambda v: v >= 0, "0 or more")
 
 
+def _wall_seconds(text: str) -> float:
+    """A length of time such as 3h50m, 90m or 45s, in seconds."""
+    import re
+
+    parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?", text.strip())
+    if not text.strip() or parts is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a length of time; give hours, minutes and seconds such as "
+                                         "3h50m, 90m or 45s")
+    hours, minutes, seconds = (float(part or 0) for part in parts.groups())
+    total = 3600 * hours + 60 * minutes + seconds
+    if total <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be longer than nothing")
+    return total
+
+
 def _given(what: str):
     """An argparse type refusing an empty value (which would otherwise be taken for none given: the
     default directory written, or the current one)."""
@@ -1753,6 +1775,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=0,
                    help="times torchrun starts every process (one without --nproc) again after one fails or "
                         "hangs (train.hang_timeout_s); they resume from the newest checkpoint (0)")
+    p.add_argument("--time-limit", type=_wall_seconds, default=None, metavar="DURATION",
+                   help="e.g. 3h50m: once this long has passed since the command started, finish the step under way "
+                        "(within two under several processes), save a checkpoint and end with status 0; leave room "
+                        "for a step and a save in it (an allocation's end, a spot instance's)")
+    p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)  # (--time-limit's, for workers)
     p.set_defaults(func=cmd_train)
 
     p = commands.add_parser("cooldown", help="branch a learning-rate decay off a checkpoint of a run's stable stretch",
@@ -1769,6 +1796,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=_count, default=1, help="processes to start on this node (through torchrun)")
     p.add_argument("--stop-at-step", type=int, default=None, help="end this invocation after step K (with a checkpoint)")
     p.add_argument("--max-restarts", type=int, default=0, help="times torchrun starts the processes (one without --nproc) again after a failure")
+    p.add_argument("--time-limit", type=_wall_seconds, default=None, metavar="DURATION",
+                   help="as train's: once this long has passed, save and end with status 0 (e.g. 3h50m)")
     p.set_defaults(func=cmd_cooldown)
 
     p = commands.add_parser("launch", help="write a Slurm script or Kubernetes manifest that trains on many nodes")

@@ -103,6 +103,30 @@ class StoppedBySignal(Stopped):
                          "command to continue")
 
 
+TIME_LIMIT = 1000  # what a rank votes to stop at `train --time-limit` with (beyond every signal's number)
+
+
+class StoppedAtTimeLimit(Stopped):
+    """Training ended at `train --time-limit`, after saving a checkpoint of `step`: not a
+    failure (status 0, which torchrun restarts nothing for); running the same command resumes it."""
+
+    code = 0
+
+    def __init__(self, deadline: float, step: int, checkpoint: str | None):
+        self.step = step
+        where = f" with a checkpoint at {checkpoint}" if checkpoint else ""
+        at = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(deadline))
+        super().__init__(f"stopped at the time limit ({at}) after step {step}{where}; run the same command to "
+                         "continue")
+
+
+def stop_name(reason: int | None) -> str | None:
+    """An end record's stopped_by: the signal's name, or "time_limit"."""
+    if reason is None:
+        return None
+    return "time_limit" if reason == TIME_LIMIT else signal.Signals(reason).name
+
+
 class StopSignals:
     """Between install() and uninstall(): SIGTERM, SIGUSR1 and SIGHUP are recorded instead of
     ending the process (SIGHUP also detaches it from its terminal, which is gone), and
@@ -144,9 +168,12 @@ class StopSignals:
         if self.received is None:
             self.received = signum
 
-    def stop_before_next_step(self) -> int | None:
-        """The signal to stop on if the step about to run is to be the last, else None. Every
-        rank calls it once before each step."""
+    def stop_before_next_step(self, deadline: float | None = None) -> int | None:
+        """The signal to stop on (or TIME_LIMIT, once time.time() has reached `deadline` on a
+        rank) if the step about to run is to be the last, else None. Every rank calls it once
+        before each step."""
+        if deadline is not None and self.received is None and time.time() >= deadline:
+            self.received = TIME_LIMIT
         if self.group is None:
             return self.received
         agreed = None

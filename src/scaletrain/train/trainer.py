@@ -10,7 +10,6 @@ import os
 import random
 import resource
 import shutil
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,7 +48,8 @@ from scaletrain.train.float8 import check_float8, convert_to_float8
 from scaletrain.train.init_from import init_source, starts_fresh
 from scaletrain.train.metrics import Heartbeat, MetricsLog, StepProfiler, TensorBoardSink, WandbSink, read_metrics
 from scaletrain.train.optim import build_optimizer, folded_multiplier, local_shard, set_hyperparameters, set_lr
-from scaletrain.train.resilience import StopSignals, StoppedBySignal, Watchdog, loss_spike
+from scaletrain.train.resilience import (StopSignals, StoppedAtTimeLimit, StoppedBySignal, TIME_LIMIT, Watchdog,
+                                         loss_spike, stop_name)
 from scaletrain.train.schedule import SCHEDULE_KEYS, run_lr
 from scaletrain.train.tasks import Task, load_task, task_metrics
 
@@ -1328,14 +1328,16 @@ class Trainer:
         return tuple(next((r["loss"] for r in reversed(read_metrics(self.run_dir, kind))), None)
                      for kind in ("train", "eval"))
 
-    def fit(self, stop_at_step: int | None = None) -> TrainResult:
+    def fit(self, stop_at_step: int | None = None, deadline: float | None = None) -> TrainResult:
+        """Train (or resume) to the run's end, or through `stop_at_step`, or — once time.time()
+        reaches `deadline` (train --time-limit) — through the step under way, then save and stop."""
         # One run trains in a directory at a time: a second (launched twice, a job requeued while
         # the first still runs) would resume from the first's checkpoints and both write them.
         # The directory is held before the checkpoint is chosen (a run that waited for it resumes
         # what the other saved meanwhile), or, where there is none yet, once it is made.
         held = [self._hold_run_dir(wait=True)] if any_rank(self.run_dir.is_dir()) else []
         try:
-            return self._fit(stop_at_step, held)
+            return self._fit(stop_at_step, held, deadline)
         finally:
             if held and self.pending is not None:  # (an error's way out: its background write ends first)
                 self.pending.settle()
@@ -1364,7 +1366,7 @@ class Trainer:
             raise error
         return lock
 
-    def _fit(self, stop_at_step: int | None, held: list) -> TrainResult:
+    def _fit(self, stop_at_step: int | None, held: list, deadline: float | None = None) -> TrainResult:
         """fit's work, the run directory held where it exists (`held`: its lock, once taken)."""
         resumed_from = self.resume()  # (a resume refused leaves no run directory behind)
         if stop_at_step is not None and resumed_from is not None and stop_at_step <= resumed_from < self.total_steps:
@@ -1388,9 +1390,9 @@ class Trainer:
         if not held:  # (a new run: another that began beside it is refused at once)
             held.append(self._hold_run_dir(wait=False))
         checkpoint.sign_run_dir(held[0])
-        return self._train(resumed_from, stop_at_step)
+        return self._train(resumed_from, stop_at_step, deadline)
 
-    def _train(self, resumed_from: int | None, stop_at_step: int | None) -> TrainResult:
+    def _train(self, resumed_from: int | None, stop_at_step: int | None, deadline: float | None = None) -> TrainResult:
         """fit's training, the run directory held."""
         cfg = self.cfg
         params = param_counts(cfg.model)
@@ -1467,7 +1469,7 @@ class Trainer:
             while (self.step < self.total_steps and (stop_at_step is None or self.step < stop_at_step)
                    and stopped_by is None):
                 t0 = time.perf_counter()
-                stopped_by = signals.stop_before_next_step()  # then this step is the last
+                stopped_by = signals.stop_before_next_step(deadline)  # then this step is the last
                 # Loss and norm reach the host only at the steps that use them (train_step).
                 coming = self.step + 1
                 scheduled = self._scheduled_look(coming)
@@ -1602,7 +1604,7 @@ class Trainer:
             heartbeat.beat(self.step, force=True)
             metrics.write("end", self.step, self.tokens, train_loss=train_loss, val_loss=val_loss,
                           complete=self.step == self.total_steps,
-                          stopped_by=signal.Signals(stopped_by).name if stopped_by else None, **consumption)
+                          stopped_by=stop_name(stopped_by), **consumption)
             # What the run consumed of each source, for people and tools (also in the end record).
             if self.is_main:
                 (self.run_dir / "stats.json").write_text(json.dumps(
@@ -1618,6 +1620,8 @@ class Trainer:
             profiler.close()
             metrics.close()
             self.loader.close()
+        if stopped_by == TIME_LIMIT and self.step < self.total_steps:
+            raise StoppedAtTimeLimit(deadline, self.step, str(saved))
         if stopped_by is not None and self.step < self.total_steps:
             raise StoppedBySignal(stopped_by, self.step, str(saved))
         if train_loss is None:  # no step logged by this invocation: what the run reached
@@ -1757,13 +1761,14 @@ def _warn_rescheduled(before: RunConfig, now: RunConfig, step: int, keys: list[s
                     "from it with its own schedule (checkpoint.init_from)" if will > was else "")
 
 
-def train(cfg: RunConfig, stop_at_step: int | None = None, launched: float | None = None) -> TrainResult:
-    """Train (or resume) the run `cfg` describes; stop cleanly after `stop_at_step` if given.
-    Under torchrun every process calls this; the layout comes from cfg.parallel. launched: when
-    the process started (see Trainer)."""
+def train(cfg: RunConfig, stop_at_step: int | None = None, launched: float | None = None,
+          deadline: float | None = None) -> TrainResult:
+    """Train (or resume) the run `cfg` describes; stop cleanly after `stop_at_step` if given, or
+    at `deadline` (see Trainer.fit). Under torchrun every process calls this; the layout comes
+    from cfg.parallel. launched: when the process started (see Trainer)."""
     try:
-        result = Trainer(cfg, launched=launched).fit(stop_at_step=stop_at_step)
-    except StoppedBySignal:  # every rank stopped after the same step, its checkpoint complete
+        result = Trainer(cfg, launched=launched).fit(stop_at_step=stop_at_step, deadline=deadline)
+    except (StoppedBySignal, StoppedAtTimeLimit):  # every rank stopped after the same step, its checkpoint complete
         shutdown()
         raise
     except BaseException:
