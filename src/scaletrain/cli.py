@@ -1105,8 +1105,6 @@ _how_many = _number(int, "a whole number", lambda v: v >= 0, "0 or more")
 
 def _wall_seconds(text: str) -> float:
     """A length of time such as 3h50m, 90m or 45s, in seconds."""
-    import re
-
     parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?", text.strip())
     if not text.strip() or parts is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a length of time; give hours, minutes and seconds such as "

@@ -180,7 +180,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
                **({"tokenizer_sample": tokenizer_sample} if tokenizer_sample is not None else {}),
                **({"reader": reader} if (reader := reader_version(files)) else {}),
                # (a tokenizer prepare trains has none: only a given one's, where it has one)
-               **({"bos_id": bos_id(given)} if bos and given is not None and bos_id(given) is not None else {})}
+               **({"bos_id": begins} if bos and given is not None and (begins := bos_id(given)) is not None else {})}
     content_sha256 = stats.content.hexdigest()
     key = _key(options, content_sha256)
     if _is_complete(out, key):

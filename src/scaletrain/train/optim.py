@@ -82,9 +82,9 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
 
     def folded(name: str) -> bool:  # (the head and the routers: muP's 1 / m in the weight)
         return folded_multiplier(name, width_mult) != 1
-    # (extra keys of the group, its members, its (lr, weight decay, eps) factors for the width)
     def undecayed(name: str) -> bool:  # (train.embedding_decay = false: the embedding's own group)
         return not embedding_decay and name.split(".")[0] == "tok_embeddings"
+    # (extra keys of the group, its members, its (lr, weight decay, eps) factors for the width)
     kinds = [({}, [(name, p) for unscaled, name, p in matrices if not unscaled and not folded(name)],
               (1 / width_mult, width_mult, 1 / width_mult)),
              ({}, [(name, p) for unscaled, name, p in matrices if not unscaled and folded(name)],
