@@ -200,7 +200,10 @@ for _name in ("pp-1f1b", "pp-interleaved_zero_bubble"):
 # (A zero-bubble schedule's last stage with depths that read the embedding and head several times,
 # and the chunked loss, whose backward pass it calls twice: see parallel/pipeline.py.)
 TWO["pp-interleaved_zero_bubble"] += [*MTP, "train.loss_chunk_tokens=50"]
-TWO["pp-gpipe"] += Z_LOSS
+# Stages of unequal blocks (parallel.pp_stage_blocks): 1 and 3 of the 4, under GPipe; 3 and 1
+# under FSDP (FOUR's); 1 and 3 saved, then resumed without a pipeline (RESHARD's).
+UNEVEN = ["parallel.pp_stage_blocks=[1, 3]"]
+TWO["pp-gpipe"] += [*Z_LOSS, *UNEVEN]
 TWO["pp-looped_bfs"] += MUP
 TWO["pp-1f1b"] += [*EMA, *MTP, *TIED]
 TWO["pp-zbv_zero_bubble"] += MTP
@@ -220,7 +223,8 @@ MIXED = {"fsdp-bf16-params": ["parallel.dp_shard=2", "train.dtype=bfloat16"]}
 # FSDP x TP and CP x TP untied: the second halves of RESHARD's runs.
 FOUR = {
     "fsdp-x-tp-tied-qk-norm-muon-mtp": ["parallel.dp_shard=2", "parallel.tp=2", *TIED_QK, *MUON, *MTP],
-    "fsdp-x-pp": ["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2", "parallel.recompute=full"],
+    "fsdp-x-pp": ["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2", "parallel.recompute=full",
+                  "parallel.pp_stage_blocks=[3, 1]"],
     "tp-x-pp-interleaved-z-loss-mtp": [*PP2_MB2, "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b", *DOCUMENTS,
                                        *Z_LOSS, *MTP],
     "fsdp-x-cp-mtp": ["parallel.cp=2", "parallel.dp_shard=2", *DOCUMENTS, *MTP],
@@ -231,7 +235,8 @@ EIGHT = {"fsdp-x-tp-x-pp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.pp
 # Saved at step STOP by the first layout, continued by the second (4 processes each).
 RESHARD = {
     "fsdp4-to-fsdp2-x-tp2": (["parallel.dp_shard=4", "train.micro_batch=2"], ["parallel.dp_shard=2", "parallel.tp=2"]),
-    "fsdp2-x-pp2-to-cp2-x-tp2-tied-mtp": (["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2", *TIED, *MTP],
+    "fsdp2-x-pp2-to-cp2-x-tp2-tied-mtp": (["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2", *TIED, *MTP,
+                                           *UNEVEN],
                                           ["parallel.cp=2", "parallel.tp=2", *ONE_STAGE, *TIED, *MTP]),
 }
 
@@ -405,6 +410,7 @@ def test_ranks_that_diverge_together_rewind_together_to_the_losses_of_one_proces
 
 
 @pytest.mark.parametrize("name, split, holds", [("pp-1f1b", {"pp": 2}, [(True, False, False), (False, True, True)]),
+                                                ("pp-gpipe", {"pp": 2}, [(True, False, False, 1), (False, True, False, 3)]),
                                                 ("pp-zbv_zero_bubble", {"pp": 2},
                                                  [(True, True, True), (False, False, False)]),
                                                 ("pp-dualpipev", {"pp": 2}, [(True, True, True), (False, False, False)]),
@@ -414,17 +420,17 @@ def test_each_pipeline_or_tensor_parallel_rank_holds_the_bytes_the_memory_model_
     """(embedding, head, copy of the embedding) per rank: 1F1B puts the embedding on the first rank
     and the head on the last, with a copy of the embedding (here its tied head, and multi-token
     prediction's depths read it), which the first rank's optimizer steps (no optimizer state for
-    it on the last); a V-shaped schedule all three on rank 0 (its first and last stage; here
+    it on the last), or with stages of 1 and 3 blocks each rank's own; a V-shaped schedule all three on rank 0 (its first and last stage; here
     multi-token prediction's depths read the copy, beside an untied head under ZB-V, as the head
     under DualPipeV, with the moving average). Under tensor parallelism each rank
     holds half of every matrix but the whole norms and multi-token prediction's projections (Muon:
     one moment a matrix)."""
     held = read_metrics(layout_runs[name], "memory")[0]["bytes_by_rank"]
     cfg = tiny_config(stdlib_data, tmp_path / "run", *DEEP, *TWO[name], "model.vocab_size=512")
-    for rank, (embedding, head, copy) in zip(held, holds, strict=True):
+    for rank, (embedding, head, copy, *blocks) in zip(held, holds, strict=True):
         estimate = rank_memory(cfg.model, cfg.data.seq_len, cfg.train.micro_batch, bf16=False, **split,
                                embedding=embedding, head=head, ema=cfg.train.ema_decay > 0,
-                               optimizer=cfg.train.optimizer, embedding_copy=copy)
+                               optimizer=cfg.train.optimizer, embedding_copy=copy, blocks=blocks[0] if blocks else None)
         assert (estimate.parameters, estimate.gradients, estimate.optimizer, estimate.ema) == (
             rank["parameters"], rank["gradients"], rank["optimizer"], rank.get("ema", 0)), (embedding, head)
     assert ("ema" in held[0]) == ("train.ema_decay=0.5" in TWO[name])  # (1F1B's run keeps the moving average)
@@ -667,7 +673,12 @@ def test_a_hung_rank_is_ended_by_its_watchdog_and_torchrun_restarts_the_job_from
      "model.n_heads = 3 is not divisible by parallel.tp = 2"),
     ("parallel.tp=2 data.seq_len=63 train.global_batch_tokens=504", 2,
      "data.seq_len = 63 is not divisible by parallel.tp = 2"),
-    ("parallel.pp=2 model.n_layers=3", 2, "model.n_layers = 3 is not divisible into 2 pipeline stages"),
+    ("parallel.pp=2 model.n_layers=3", 2, r"model.n_layers = 3 is not divisible into 2 pipeline stages .* set "
+                                          r"parallel.pp_stage_blocks to the blocks of each stage \(e.g. \[2, 1\]\)"),
+    ("parallel.pp=2 model.n_layers=3 parallel.pp_stage_blocks=[1,1,1]", 2,
+     r"parallel.pp_stage_blocks lists 3 stages, but parallel.pp = 2 x 1 stages per rank = 2"),
+    ("parallel.pp=2 model.n_layers=3 parallel.pp_stage_blocks=[1,1]", 2,
+     r"parallel.pp_stage_blocks = \[1, 1\] holds 2 blocks, but the model has model.n_layers = 3"),
     ("parallel.pp=2 parallel.pp_schedule=interleaved_1f1b", 2,
      "model.n_layers = 2 is not divisible into 4 pipeline stages .parallel.pp = 2 x 2 stages per rank"),
     ("parallel.pp=4 model.n_layers=4", 4, "'1f1b' needs the micro-batches per step on each pipeline .* = 2. to be "
@@ -681,7 +692,8 @@ def test_a_hung_rank_is_ended_by_its_watchdog_and_torchrun_restarts_the_job_from
     ("train.compile=true parallel.pp=2 model.n_layers=4 parallel.pp_schedule=zbv_zero_bubble train.micro_batch=2", 2,
      "'zbv_zero_bubble' takes each block's gradients in two passes, .* train.compile = true compiled; set "
      "train.compile = false"),
-], ids=["product", "remaining", "heads", "seq-tp", "layers-pp", "layers-virtual", "microbatches",
+], ids=["product", "remaining", "heads", "seq-tp", "layers-pp", "stage-blocks-count", "stage-blocks-sum",
+        "layers-virtual", "microbatches",
         "seq-cp", "seq-cp-tp", "batch", "cuda-graphs", "compiled-zero-bubble"])
 def test_a_layout_that_cannot_split_the_model_or_batch_is_refused_with_the_constraint(stdlib_data, tmp_path,
                                                                                      overrides, world, words):
@@ -731,6 +743,10 @@ def test_a_schedule_with_the_wrong_number_of_stages_per_rank_is_refused():
         ParallelConfig(pp=2, pp_schedule="zbv_zero_bubble", pp_stages_per_rank=3)
     with pytest.raises(ValueError, match="runs one stage per rank"):
         ParallelConfig(pp=2, pp_schedule="gpipe", pp_stages_per_rank=2)
+    with pytest.raises(ValueError, match="splits a pipeline's stages, but parallel.pp = 1"):
+        ParallelConfig(pp_stage_blocks=[2, 2])
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        ParallelConfig(pp=2, pp_stage_blocks=[4, 0])
 
 
 def test_layouts_resolve_all_remaining_processes():

@@ -16,7 +16,7 @@ from scaletrain.model.flops import matmul_params
 from scaletrain.model.llama import Transformer, document_bias, document_ids, shifted_targets
 from scaletrain.model.loss import compute_dtype
 from scaletrain.plan.memory import (activation_bytes_per_token, block_bytes_per_token, choose_recompute,
-                                    in_flight_microbatches, rank_memory, training_memory)
+                                    in_flight_microbatches, pipeline_ranks, rank_memory, training_memory)
 from scaletrain.train.metrics import read_metrics
 from scaletrain.train.trainer import train
 
@@ -205,16 +205,19 @@ def test_the_planner_chooses_the_least_recomputation_that_fits():
     # Expert parallelism: each rank gathers 1/ep of the experts, holding the same shard of them.
     sharded, split = (training_memory(mixture, 4096, 4, fsdp=8, ep=ep) for ep in (1, 8))
     assert split.weight_copies < sharded.weight_copies and split.parameters == sharded.parameters
-    # Pipelined with dense first blocks: every rank is counted as the one holding the most mixtures.
+    # Pipelined with dense first blocks: each rank counted with the blocks it holds (rank 1 the 8
+    # mixtures, as when every block is one; rank 0 the 8 dense ones), the estimate the larger peak.
     dense_first = mixture.model_copy(update={"moe_dense_layers": 8})  # 16 blocks, the last 8 mixtures
-    all_mixtures = training_memory(mixture, 4096, 4, micro_steps=8, pp=2)
-    assert training_memory(dense_first, 4096, 4, micro_steps=8, pp=2).parameters == all_mixtures.parameters
+    ranks = [rank_memory(c, 4096, 4, micro_steps=8, pp=2, **held) for c, held in pipeline_ranks(dense_first, 2, 8, "1f1b", 1)]
+    all_ranks = [rank_memory(c, 4096, 4, micro_steps=8, pp=2, **held) for c, held in pipeline_ranks(mixture, 2, 8, "1f1b", 1)]
+    assert ranks[1].parameters == all_ranks[1].parameters and ranks[0].parameters < all_ranks[0].parameters
+    assert training_memory(dense_first, 4096, 4, micro_steps=8, pp=2).peak == max(r.peak for r in ranks)
     # Interleaved, each rank holds 2 dense and 2 mixture stages of 2 blocks: half its blocks mixtures.
     interleaved = training_memory(dense_first, 4096, 4, micro_steps=8, pp=2, pp_schedule="interleaved_1f1b",
                                   pp_stages_per_rank=4)
-    assert interleaved.parameters < all_mixtures.parameters
+    assert interleaved.parameters < max(r.parameters for r in all_ranks)
     average = rank_memory(dense_first, 4096, 4, micro_steps=8, pp=2, embedding=False)  # an even share: too few
-    assert average.parameters < training_memory(dense_first, 4096, 4, micro_steps=8, pp=2).parameters
+    assert average.parameters < ranks[1].parameters
 
 
 def test_auto_recomputation_on_a_cpu_trains_without_and_says_so_in_the_resolved_config(stdlib_data, tmp_path):

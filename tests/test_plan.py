@@ -15,12 +15,12 @@ import pytest
 from scaletrain.cli import main
 from scaletrain.config import ConfigError, ModelConfig, load_config
 from scaletrain.model.flops import param_counts, train_flops_per_token
-from scaletrain.parallel.layout import V_SHAPED, check_layout, resolve_layout
+from scaletrain.parallel.layout import V_SHAPED, check_layout, ends_light_blocks, resolve_layout
 from scaletrain.plan.cost import Reliability, checkpoint_interval, expected_wall_s, run_cost
 from scaletrain.plan.hardware import DEVICES, device, device_from_dict
 from scaletrain.plan.planner import Hardware, make_plan, model_for, plan_for_time, planned_config, size
 from scaletrain.plan.memory import in_flight_microbatches, last_rank_microbatches, rank_memory, training_memory
-from scaletrain.plan.search import PlanError, candidates, search
+from scaletrain.plan.search import PlanError, candidates, describe, search
 from scaletrain.plan.timing import (Efficiency, PlanLayout, bubble_microbatches, collective, group_bandwidth,
                                     step_time)
 from scaletrain.scaling.laws import preset
@@ -803,3 +803,37 @@ def test_a_runs_layout_is_planned_with_the_chunked_loss_it_trains_with():
             assert layout.loss_chunk_tokens == (chunk if chunked else 0), split
             peaks.append(layout.memory(cfg.model, 1024, cfg.seqs_per_step).peak)
         assert (peaks[1] < peaks[0]) == chunked, (split, peaks)
+
+
+def test_stages_of_unequal_blocks_are_timed_at_the_slowest_rank_and_searched_where_the_blocks_do_not_divide():
+    """parallel.pp_stage_blocks: the pipeline runs at its slowest rank's pace, the last's counting
+    the output head; where the blocks split evenly over no pipeline, the search gives the ends a
+    block fewer (Llama 3's 126 blocks on 16 stages: 7, 8 x 14, 7), and train accepts its config."""
+    assert ends_light_blocks(126, 16) == [7, *[8] * 14, 7] and ends_light_blocks(9, 4) == [2, 3, 2, 2]
+
+    def compute(cfg, blocks):
+        return step_time(cfg, 2048, 16, PlanLayout(pp=2, micro_batch=1, pp_stage_blocks=blocks), H100).compute
+
+    light = ONE_B.model_copy(update={"n_layers": 4, "vocab_size": 512})  # a head far cheaper than a block
+    heavy = light.model_copy(update={"dim": 256, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 512,
+                                     "vocab_size": 131072})  # a head of several blocks' compute
+    assert compute(light, (2, 2)) < compute(light, (3, 1)) < compute(light, (1, 3))
+    assert compute(light, (3, 1)) == pytest.approx(1.5 * compute(light, (2, 2)), rel=0.01)  # 3 blocks, not 2 + head
+    assert compute(heavy, (3, 1)) < compute(heavy, (2, 2))  # the head's stage is the slowest: fewer blocks on it
+    # 6 blocks on 4 devices: a pipeline of 4 only unevenly, its memory that of its heaviest rank.
+    base = load_config(None, ["model.vocab_size=32768", "model.dim=4096", "model.n_layers=6", "model.n_heads=32",
+                              "model.max_seq_len=2048", "data.seq_len=2048", "train.steps=10", "train.micro_batch=1",
+                              "train.global_batch_tokens=65536"])
+    fits, _ = candidates(base.model, 2048, 32, 4, H100)
+    piped = next(c for c in fits if c.layout.pp == 4)
+    assert piped.layout.pp_stage_blocks == (1, 2, 2, 1) and "pp 4 (1f1b, blocks 1, 2 x 2, 1)" in describe(piped.layout)
+    assert piped.memory == training_memory(base.model, 2048, 1, micro_steps=32, recompute=piped.layout.recompute,
+                                           pp=4, pp_stage_blocks=(1, 2, 2, 1))
+    heavy_ends = training_memory(base.model, 2048, 1, micro_steps=32, recompute=piped.layout.recompute, pp=4,
+                           pp_stage_blocks=(2, 1, 1, 2))
+    assert heavy_ends.peak > piped.memory.peak  # (the first rank, with the most micro-batches in flight, holds 2 blocks)
+    plan = {"layout": {"layout": piped.layout.to_dict()}, "tokens": 10 * piped.global_batch * 2048,
+            "hyperparameters": {"global_batch_tokens": piped.global_batch * 2048},
+            "run": {"step_s": 1.0, "checkpoint_write_s": 0.1, "checkpoint_interval_steps": 100}}
+    config = planned_config(plan, Hardware(H100, 4, 8), base=base)
+    assert config.parallel.pp_stage_blocks == [1, 2, 2, 1]  # (and planned_config checked the layout as train does)

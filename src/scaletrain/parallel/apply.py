@@ -106,7 +106,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout: Layout, cfg: 
         pp_rank = mesh["pp"].get_local_rank()
         num_stages = layout.pp * parallel.stages_per_rank
         ids = stage_ids(parallel.pp_schedule, pp_rank, layout.pp, parallel.stages_per_rank)
-        parts = split_stages(model, ids, num_stages)
+        parts = split_stages(model, ids, num_stages, parallel.pp_stage_blocks)
     for part in parts:
         if layout.tp > 1:
             apply_tp(part, mesh["tp"])

@@ -4,7 +4,9 @@ with the same checks that train applies before any process group starts."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scaletrain.config import ConfigError, ParallelConfig, RunConfig
@@ -61,6 +63,38 @@ def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> lis
     if schedule in V_SHAPED:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + i * pp for i in range(stages_per_rank)]
+
+
+def stage_blocks(n_layers: int, num_stages: int, given: Sequence[int] | None = None) -> list[int]:
+    """Blocks of each pipeline stage, first to last: `given` (parallel.pp_stage_blocks), else an
+    even split, or where the blocks do not divide (which train refuses unless given, but the
+    planner's arithmetic models) lighter ends."""
+    if given:
+        return list(given)
+    if n_layers % num_stages:
+        return ends_light_blocks(n_layers, num_stages)
+    return [n_layers // num_stages] * num_stages
+
+
+def stage_layers(blocks: Sequence[int]) -> list[range]:
+    """The blocks' indices each stage holds, consecutive, from blocks per stage."""
+    ends = [0, *itertools.accumulate(blocks)]
+    return [range(start, end) for start, end in zip(ends, ends[1:])]
+
+
+def ends_light_blocks(n_layers: int, num_stages: int) -> list[int]:
+    """A split of n_layers blocks into num_stages that no even split reaches: every stage ceil(n /
+    stages) blocks but the ends, which give up the surplus a block at a time, the last stage
+    first (it runs the output head and the loss), then the first (the embedding, and under 1F1B
+    the most micro-batches in flight), then the next inwards. Llama 3's 126 blocks on 16 stages:
+    7, 8 x 14, 7, as Meta split them (Llama Team 2024, "The Llama 3 Herd of Models", section
+    3.3.2)."""
+    per_stage = -(-n_layers // num_stages)
+    blocks = [per_stage] * num_stages
+    order = [i for pair in zip(reversed(range(num_stages)), range(num_stages)) for i in pair]
+    for i in itertools.islice(itertools.cycle(order), per_stage * num_stages - n_layers):
+        blocks[i] -= 1
+    return blocks
 
 
 def _product_text(sizes: dict[str, int | str]) -> str:
@@ -145,10 +179,18 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
                               "train.compile = true compiled; set train.compile = false, or use 1f1b or "
                               "interleaved_1f1b")
         stages = layout.pp * parallel.stages_per_rank
-        if model.n_layers % stages:
+        given = parallel.pp_stage_blocks
+        if given and len(given) != stages:
+            raise ConfigError(f"parallel.pp_stage_blocks lists {len(given)} stages, but parallel.pp = {layout.pp} x "
+                              f"{parallel.stages_per_rank} stages per rank = {stages}; give one count per stage")
+        if given and sum(given) != model.n_layers:
+            raise ConfigError(f"parallel.pp_stage_blocks = {list(given)} holds {sum(given)} blocks, but the model has "
+                              f"model.n_layers = {model.n_layers}; the counts must add up to it")
+        if not given and model.n_layers % stages:
             raise ConfigError(f"model.n_layers = {model.n_layers} is not divisible into {stages} pipeline stages "
-                              f"(parallel.pp = {layout.pp} x {parallel.stages_per_rank} stages per rank); each stage "
-                              "holds the same number of blocks")
+                              f"(parallel.pp = {layout.pp} x {parallel.stages_per_rank} stages per rank); set "
+                              "parallel.pp_stage_blocks to the blocks of each stage (e.g. "
+                              f"{ends_light_blocks(model.n_layers, stages)}), or choose a pp that divides them")
         for name, batch in cfg.batch_names():
             microbatches = batch // seq_len // (layout.dp * cfg.train.micro_batch)
             need = None

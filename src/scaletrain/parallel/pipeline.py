@@ -40,7 +40,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import _CustomReducer
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from scaletrain.parallel.layout import ZERO_BUBBLE, stage_ids
+from scaletrain.parallel.layout import ZERO_BUBBLE, stage_blocks, stage_ids, stage_layers
 from scaletrain.train.optim import local_shard
 
 # Our names for the schedules -> torch.distributed.pipelining's.
@@ -49,16 +49,18 @@ SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1
              "dualpipev": "DualPipeV"}
 
 
-def split_stages(model: nn.Module, ids: list[int], num_stages: int) -> list[nn.Module]:
-    """One module per stage in ids, each holding n_layers / num_stages consecutive blocks; the
-    last also the embedding where it reads it (last_stage_embeds). Each shares the whole model's
-    tallies (model/loss.py's Tally: where the trainer reads the z-loss and multi-token prediction)."""
-    per_stage = len(model.layers) // num_stages
+def split_stages(model: nn.Module, ids: list[int], num_stages: int,
+                 blocks: list[int] | None = None) -> list[nn.Module]:
+    """One module per stage in ids, each holding its consecutive blocks (`blocks` of each stage,
+    parallel.pp_stage_blocks, or n_layers / num_stages); the last also the embedding where it
+    reads it (last_stage_embeds). Each shares the whole model's tallies (model/loss.py's Tally:
+    where the trainer reads the z-loss and multi-token prediction)."""
+    layers = stage_layers(stage_blocks(len(model.layers), num_stages, blocks))
     shared = {id(tally): tally for tally in (model.z_tally, model.mtp_tally) if tally is not None}
     parts = []
     for stage in ids:
         part = copy.deepcopy(model, memo=dict(shared))
-        keep = {str(i) for i in range(stage * per_stage, (stage + 1) * per_stage)}
+        keep = {str(i) for i in layers[stage]}
         for name in [name for name in part.layers if name not in keep]:
             del part.layers[name]
         last = stage == num_stages - 1

@@ -85,10 +85,10 @@ beside the micro-batches' activations (its bf16 weights stay gathered too, count
 under expert parallelism its own experts only). The CUDA caching allocator adds fragmentation
 on top, which this does not model.
 
-Pipeline parallelism (pp ranks) gives each rank L/pp blocks, the embedding to the rank of the
-first stage and the final norm and output head (and the loss) to the rank of the last; the
+Pipeline parallelism (pp ranks) gives each rank its stages' blocks (L/pp, or the counts of
+parallel.pp_stage_blocks), the embedding to the rank of the first stage and the final norm and output head (and the loss) to the rank of the last; the
 V-shaped schedules put both on rank 0. The first rank holds the activations of several
-micro-batches at once, each of its L/pp blocks (in_flight_microbatches): all of them under
+micro-batches at once, each of its blocks (in_flight_microbatches): all of them under
 GPipe and breadth-first looping; pp under 1F1B (Narayanan et al. 2021, "Efficient Large-Scale
 Language Model Training on GPU Clusters", section 2.2), times 1 + (pp - 1)/(pp·v) when it
 interleaves v stages a rank (Korthikanti et al. 2022, section 4.2.3); pp under the zero-bubble
@@ -99,20 +99,22 @@ than ZB-V (the DeepSeek-V3 technical report, 2024, table 2, gives pp + 1 for the
 two-directional DualPipe). The last rank holds one micro-batch and its loss under 1F1B,
 ((v - 1)·pp + 1)/v under interleaving (the same count of warm-up chunks, for the last rank),
 pp under interleaved zero bubble (as every rank does), and every micro-batch with its loss
-under GPipe and breadth-first looping, which keep each loss until its backward. The estimate
-is that of the rank with the larger peak. Each count is the peak of the action lists torch's
-schedules run, which tests/test_plan.py walks. A mixture of experts with dense first blocks
-has stages of unequal weight: every rank is counted as holding as many mixture blocks as the
-rank that holds the most.
+under GPipe and breadth-first looping, which keep each loss until its backward. Each count is
+the peak of the action lists torch's schedules run, which tests/test_plan.py walks. The ranks
+between hold pp - r micro-batches under 1F1B (rank r), and are counted with the first rank's
+count under the others (an upper bound). Every rank is estimated with its own blocks (a mixture
+of experts with dense first blocks: its own share of mixture blocks), and the estimate is that
+of the rank with the largest peak.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from scaletrain.model.flops import moe_layers, param_counts
-from scaletrain.parallel.layout import V_SHAPED, stage_ids
+from scaletrain.parallel.layout import V_SHAPED, stage_blocks, stage_ids, stage_layers
 
 
 @dataclass
@@ -239,51 +241,67 @@ def last_rank_microbatches(pp: int, microbatches: int, schedule: str = "1f1b", s
 def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 1, bf16: bool = True,
                     recompute: str = "none", fsdp: int = 1, tp: int = 1, cp: int = 1, pp: int = 1,
                     pp_schedule: str = "1f1b", pp_stages_per_rank: int = 1,
+                    pp_stage_blocks: Sequence[int] | None = None,
                     loss_chunk_tokens: int = 0, ep: int = 1, optimizer: str = "adamw",
                     ema: bool = False, cuda: bool = True) -> MemoryEstimate:
     """Predicted bytes per device for training model `cfg` (any object with ModelConfig's
     fields) on micro-batches of `micro_batch` sequences of `seq_len` tokens, gradients
     accumulated over `micro_steps` of them (the micro-batches a pipeline runs per step),
     parameters sharded over `fsdp` ranks (dp_shard × cp) and split over `tp`, each sequence
-    split over `cp`, the blocks over `pp` pipeline ranks, a mixture's experts over `ep` of the
-    FSDP ranks (sharded over all `fsdp` of them either way); `ema`: train.ema_decay's moving
-    average of the weights is kept; `cuda`: on a CUDA device, where attention within documents
-    repeats grouped key/value heads (model/llama.py's attend), not elsewhere. Under pipelining, the
-    estimate of the pipeline rank with the larger peak."""
-    if pp > 1 and 0 < moe_layers(cfg) < cfg.n_layers:
-        cfg = _heaviest_pipeline_rank(cfg, pp, pp_schedule, pp_stages_per_rank)
+    split over `cp`, the blocks over `pp` pipeline ranks (`pp_stage_blocks` of each stage, else
+    evenly), a mixture's experts over `ep` of the FSDP ranks (sharded over all `fsdp` of them
+    either way); `ema`: train.ema_decay's moving average of the weights is kept; `cuda`: on a
+    CUDA device, where attention within documents repeats grouped key/value heads (model/llama.py's
+    attend), not elsewhere. Under pipelining, the estimate of the pipeline rank with the largest
+    peak."""
     common = dict(micro_steps=micro_steps, bf16=bf16, recompute=recompute, fsdp=fsdp, tp=tp, cp=cp,
                   loss_chunk_tokens=loss_chunk_tokens, ep=ep, optimizer=optimizer, ema=ema, cuda=cuda)
     if pp == 1:
         return rank_memory(cfg, seq_len, micro_batch, **common)
-    in_flight = in_flight_microbatches(pp, micro_steps, pp_schedule, pp_stages_per_rank)
-    copy = bool(cfg.tie_embeddings or _mtp(cfg))  # the last stage holds a copy of the embedding
-    if pp_schedule in V_SHAPED:  # rank 0 runs the first and the last stage; the loss's backward follows at once
-        ranks = [(in_flight, 1, True, True, copy)]
-    else:  # (GPipe and breadth-first looping keep every micro-batch's loss until its backward)
-        last = last_rank_microbatches(pp, micro_steps, pp_schedule, pp_stages_per_rank)
-        losses = last if pp_schedule in ALL_IN_FLIGHT else 1
-        ranks = [(in_flight, 0, True, False, False), (last, losses, False, True, False)]
-    if pp_schedule not in V_SHAPED and copy:
-        ranks[-1] = (*ranks[-1][:2], False, True, True)
-    estimates = [rank_memory(cfg, seq_len, micro_batch, **common, pp=pp, in_flight=count, losses=losses,
-                             embedding=embedding, head=head, embedding_copy=copy)
-                 for count, losses, embedding, head, copy in ranks]
+    estimates = [rank_memory(rank_cfg, seq_len, micro_batch, **common, pp=pp, **held)
+                 for rank_cfg, held in pipeline_ranks(cfg, pp, micro_steps, pp_schedule, pp_stages_per_rank,
+                                                      pp_stage_blocks)]
     return max(estimates, key=lambda e: e.peak)
 
 
-class _heaviest_pipeline_rank:
-    """A mixture with dense first blocks, pipelined: the model whose every pp-th share of blocks
-    is what the pipeline rank holding the most mixture blocks holds (each rank's estimate counts
-    its L/pp blocks as an even share of the model's), so that no rank is under-estimated."""
+def pipeline_ranks(cfg: Any, pp: int, micro_steps: int, schedule: str, stages_per_rank: int,
+                   given: Sequence[int] | None = None) -> list[tuple[Any, dict]]:
+    """What each pipeline rank holds, as rank_memory's arguments: its blocks, whether it runs the
+    first stage (the embedding) and the last (the head, and the embedding's copy where that
+    stage reads it), and the micro-batches in flight at its peak: under 1F1B pp - r on rank r,
+    under the other schedules the first rank's count on every rank but the last (an upper bound
+    for the ranks between). A mixture with dense first blocks has stages of unequal weight:
+    each rank's model is one whose blocks are mixtures in the proportion of its own."""
+    stages = pp * (2 if schedule in V_SHAPED else stages_per_rank)
+    layers = stage_layers(stage_blocks(cfg.n_layers, stages, given))
+    first_count = in_flight_microbatches(pp, micro_steps, schedule, stages_per_rank)
+    last_count = last_rank_microbatches(pp, micro_steps, schedule, stages_per_rank)
+    copy = bool(cfg.tie_embeddings or _mtp(cfg))  # the last stage holds a copy of the embedding
+    out = []
+    for rank in range(pp):
+        ids = stage_ids(schedule, rank, pp, stages // pp)
+        held = [layer for stage in ids for layer in layers[stage]]
+        first, last = 0 in ids, stages - 1 in ids
+        if schedule in V_SHAPED:  # (rank 0 runs the first and the last stage; the loss's backward follows at once)
+            count, losses = first_count, 1
+        elif last:  # (GPipe and breadth-first looping keep every micro-batch's loss until its backward)
+            count, losses = last_count, last_count if schedule in ALL_IN_FLIGHT else 1
+        else:
+            count, losses = min(pp - rank, micro_steps) if schedule == "1f1b" else first_count, 0
+        rank_cfg = _MixtureShare(cfg, held) if 0 < moe_layers(cfg) < cfg.n_layers else cfg
+        out.append((rank_cfg, dict(blocks=len(held), in_flight=count, losses=losses, embedding=first, head=last,
+                                   embedding_copy=copy and last)))
+    return out
 
-    def __init__(self, cfg: Any, pp: int, schedule: str, stages_per_rank: int):
-        stages = pp * (2 if schedule in V_SHAPED else stages_per_rank)
-        per_stage = cfg.n_layers // stages
-        most = max(sum(1 for stage in stage_ids(schedule, rank, pp, stages // pp)
-                       for layer in range(stage * per_stage, (stage + 1) * per_stage) if layer >= cfg.moe_dense_layers)
-                   for rank in range(pp))
-        self._cfg, self.moe_dense_layers = cfg, cfg.n_layers - most * pp
+
+class _MixtureShare:
+    """A mixture with dense first blocks: the model whose blocks are mixtures in the proportion
+    of `held`'s (rank_memory counts a rank's blocks as their share of the model's), so that each
+    pipeline rank is counted with the mixture blocks it holds."""
+
+    def __init__(self, cfg: Any, held: list[int]):
+        mixtures = sum(1 for layer in held if layer >= cfg.moe_dense_layers)
+        self._cfg, self.moe_dense_layers = cfg, cfg.n_layers - mixtures * cfg.n_layers / len(held)
 
     def __getattr__(self, name: str):
         return getattr(self._cfg, name)
@@ -293,14 +311,16 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
                 recompute: str = "none", fsdp: int = 1, tp: int = 1, cp: int = 1, loss_chunk_tokens: int = 0,
                 pp: int = 1, in_flight: float = 1, losses: float = 1, embedding: bool = True,
                 head: bool = True, ep: int = 1, optimizer: str = "adamw", ema: bool = False,
-                embedding_copy: bool = False, cuda: bool = True) -> MemoryEstimate:
-    """One rank's bytes (arguments as training_memory's): L/pp blocks, the embedding and the
+                embedding_copy: bool = False, cuda: bool = True, blocks: float | None = None) -> MemoryEstimate:
+    """One rank's bytes (arguments as training_memory's): `blocks` blocks (L/pp unless given), the embedding and the
     output head (with the final norm) where it holds them, the activations of `in_flight`
     micro-batches of its blocks and, with the head, of `losses` micro-batches' loss.
     embedding: the rank holds the embedding (the first pipeline stage's, which its optimizer
     steps); embedding_copy: it holds the last pipeline stage's copy of it too (parallel/pipeline.py):
     its weights and gradient, no optimizer state."""
     counts = param_counts(cfg)
+    held = cfg.n_layers / pp if blocks is None else blocks
+    share = held / cfg.n_layers  # of the model's blocks
     outer = cfg.vocab * cfg.dim  # the embedding, and the output head unless tied to it
     norms = 2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0)
     # Multi-token prediction's depths sit beside the head (on the last pipeline stage): their
@@ -312,21 +332,21 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     # experts (its routed experts split over tp).
     routing = moe_layers(cfg) * cfg.dim * (cfg.moe_experts + 3 * cfg.moe_shared_experts * cfg.expert_dim) \
         if moe_layers(cfg) else 0
-    blocks = (counts["total"] - counts["mtp"] - cfg.n_layers * norms - routing - cfg.dim
+    trunk = (counts["total"] - counts["mtp"] - cfg.n_layers * norms - routing - cfg.dim
               - outer * (1 if cfg.tie_embeddings else 2))
     # vocab x dim matrices here (a tied head reads the embedding, or its copy)
     matrices = embedding + embedding_copy + (head if not cfg.tie_embeddings else 0)
-    split = (blocks / pp + depth_split + outer * matrices) / (fsdp * tp)  # split over tp too
-    whole_matrices = routing / pp + (_mtp(cfg) * 2 * cfg.dim * cfg.dim if head else 0)
+    split = (trunk * share + depth_split + outer * matrices) / (fsdp * tp)  # split over tp too
+    whole_matrices = routing * share + (_mtp(cfg) * 2 * cfg.dim * cfg.dim if head else 0)
     # Norm weights: whole under tp.
-    whole = (cfg.n_layers * norms / pp + routing / pp + depth_whole + (cfg.dim if head else 0)) / fsdp
+    whole = ((cfg.n_layers * norms + routing) * share + depth_whole + (cfg.dim if head else 0)) / fsdp
     local = split + whole
     parameters = gradients = round(4 * local)
     depth_tensors = _mtp(cfg) * (7 + 2 + (2 if cfg.qk_norm else 0) + 1 + 3)  # a dense block, projection, 3 norms
     tensors = parameter_tensors(cfg) - depth_tensors - 2 - (0 if cfg.tie_embeddings else 1)  # the blocks' tensors
-    tensors = (tensors / pp + (depth_tensors if head else 0) + int(embedding) + int(embedding_copy)
+    tensors = (tensors * share + (depth_tensors if head else 0) + int(embedding) + int(embedding_copy)
                + int(head) * (1 if cfg.tie_embeddings else 2))  # head: norm (+ matrix)
-    muon = (blocks / pp / tp + depth_split / tp + whole_matrices) / fsdp if optimizer == "muon" else 0  # one moment
+    muon = (trunk * share / tp + depth_split / tp + whole_matrices) / fsdp if optimizer == "muon" else 0  # one moment
     stepped = local - (outer / (fsdp * tp) if embedding_copy else 0)
     optimizer_bytes = round(8 * stepped - 4 * muon + 4 * (tensors - int(embedding_copy)))
     stepping = _muon_step_bytes(cfg, fsdp, tp, ep) if optimizer == "muon" else 0
@@ -339,13 +359,13 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
         weight_copies = 0
     elif fsdp > 1:  # two blocks gathered in bf16 (all of the rank's when pipelining), the root's embedding and head
         every, largest = _block_weights(cfg, ep)
-        gathered = (every / pp + depths_matmul) if pp > 1 else 2 * max(largest, depth_matmul if _mtp(cfg) else 0)
+        gathered = (every * share + depths_matmul) if pp > 1 else 2 * max(largest, depth_matmul if _mtp(cfg) else 0)
         weight_copies = round(2 * (gathered + outer * matrices) / tp)
     else:
-        weight_copies = round(2 * (_block_weights(cfg)[0] / pp + head_matmul + depths_matmul) / tp)
+        weight_copies = round(2 * (_block_weights(cfg)[0] * share + head_matmul + depths_matmul) / tp)
     tokens = micro_batch * seq_len / cp
     per_layer = activation_bytes_per_token(cfg, bf16, recompute, cp) * tokens / tp
-    activations = round(in_flight * cfg.n_layers / pp * per_layer)
+    activations = round(in_flight * held * per_layer)
     if _mtp(cfg) and head:  # each depth counted as a dense block over the rank's tokens (not measured: see above)
         activations += round(_mtp(cfg) * block_bytes_per_token(cfg, bf16, recompute, cp=cp) * tokens / tp)
     if getattr(cfg, "document_mask", False):  # one (batch, 1, T / cp, T) bias for all blocks
@@ -356,7 +376,7 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
         # own copy of the keys up to its end, (2 cp + 1) chunks of keys for 2 of queries.
         keys = cp + 0.5 if cp > 1 else 1
         repeated = (4 if bf16 else 8) * (cfg.dim * keys - cfg.kv_heads * cfg.head_dim * cp) * tokens / tp
-        activations += round(in_flight * (cfg.n_layers / pp + (_mtp(cfg) if head else 0)) * repeated)
+        activations += round(in_flight * (held + (_mtp(cfg) if head else 0)) * repeated)
     one_block = _largest_block_bytes_per_token(cfg, bf16, cp) * tokens / tp
     if recompute == "full":
         activations += round(one_block)  # the block being rebuilt
@@ -379,7 +399,7 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     # gradients whole, in float32 (the reduce dtype), while its micro-batches run.
     # (whole: its own experts under expert parallelism, 1/ep of them, split over tp as the others)
     routed = moe_layers(cfg) * 3 * cfg.dim * cfg.expert_dim * cfg.moe_experts if moe_layers(cfg) else 0
-    unsharded = ((blocks - routed * (1 - 1 / ep)) / pp + depth_split + outer * matrices) / tp + whole * fsdp
+    unsharded = ((trunk - routed * (1 - 1 / ep)) * share + depth_split + outer * matrices) / tp + whole * fsdp
     whole_gradients = round(4 * unsharded) if pp > 1 and fsdp > 1 else 0
     accumulating = whole_gradients or (gradients if micro_steps > 1 else 0)
     averaged = parameters if ema else 0

@@ -407,7 +407,11 @@ def planned_config(plan: dict, hardware: Hardware, base: RunConfig | None = None
                 "pp": lay["pp"], "ep": lay["ep"], "recompute": lay["recompute"]}
     if lay["pp"] > 1:
         parallel.update(pp_schedule=lay["pp_schedule"], pp_stages_per_rank=lay["pp_stages_per_rank"])
+        if lay["pp_stage_blocks"]:
+            parallel["pp_stage_blocks"] = list(lay["pp_stage_blocks"])
     data["parallel"] = {**data.get("parallel", {}), **parallel}
+    if lay["pp"] == 1 or not lay["pp_stage_blocks"]:  # (a base config's own split is not this layout's)
+        data["parallel"].pop("pp_stage_blocks", None)
     if lay["pp"] == 1:
         data["parallel"].pop("pp_stages_per_rank", None)
         data["parallel"]["pp_schedule"] = "1f1b"

@@ -1,10 +1,12 @@
 """The parallel layout for a model on given hardware, chosen by search — arithmetic, no torch.
 
 The candidates are layouts train accepts (each passes parallel/layout.py's checks: tp
-dividing the heads, key/value heads, MLP width, vocabulary and the sequence, pp dividing the
-blocks, enough micro-batches for the schedule): tp within a node (over a node's links, as
-torchtitan and Megatron-LM keep it), pp under 1F1B or interleaved 1F1B with two or four
-stages a rank (micro-batches at least pp, a multiple of it when interleaved), the
+dividing the heads, key/value heads, MLP width, vocabulary and the sequence, enough
+micro-batches for the schedule): tp within a node (over a node's links, as torchtitan and
+Megatron-LM keep it), pp under 1F1B or interleaved 1F1B with two or four stages a rank
+(micro-batches at least pp, a multiple of it when interleaved), the blocks split evenly over
+the stages or, where they do not divide, with lighter first and last stages
+(parallel.pp_stage_blocks, as Llama 3 split its 126 blocks on 16 stages), the
 data-parallel ranks split every way between FSDP shards and replicas, micro-batches of 1 to
 64 sequences (powers of two), and for each the least recomputation (none, selective, full;
 then chunking the loss) whose predicted peak fits in the usable memory. Not searched: GPipe
@@ -35,12 +37,14 @@ none does, the layouts of the smallest batch compete.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from scaletrain.errors import UserError
 from scaletrain.model.flops import moe_layers
+from scaletrain.parallel.layout import ends_light_blocks
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import MemoryEstimate
 from scaletrain.plan.timing import Efficiency, PlanLayout, StepTime, step_time
@@ -72,7 +76,7 @@ class Candidate:
         lay = self.layout
         kinds = (lay.tp > 1) + (lay.cp > 1) + (lay.pp > 1) + (lay.ep > 1) + (lay.dp_replicate > 1 and lay.dp_shard > 1)
         return (kinds, RECOMPUTE.index(lay.recompute), lay.loss_chunk_tokens > 0, lay.tp, lay.pp, lay.cp, lay.ep,
-                lay.pp_stages_per_rank, -lay.micro_batch)
+                lay.pp_stages_per_rank, lay.pp_stage_blocks is not None, -lay.micro_batch)
 
     def to_dict(self) -> dict:
         return {"layout": self.layout.to_dict(), "global_batch": self.global_batch,
@@ -101,14 +105,16 @@ def _data_parallel(cfg: Any, dp: int, tp: int = 1) -> list[tuple[int, int]]:
             if not moe_layers(cfg) or cfg.moe_experts % (ep * tp) == 0]
 
 
-def _pipelines(cfg: Any, world: int) -> list[tuple[int, str, int]]:
-    """(pp, schedule, stages per rank) choices: one stage a rank under 1F1B, two or four interleaved."""
-    out = [(1, "1f1b", 1)]
+def _pipelines(cfg: Any, world: int) -> list[tuple[int, str, int, tuple[int, ...] | None]]:
+    """(pp, schedule, stages per rank, blocks of each stage) choices: one stage a rank under 1F1B,
+    two or four interleaved; the blocks split evenly where they divide, else with lighter ends
+    (parallel/layout.py's ends_light_blocks), None standing for the even split."""
+    out = [(1, "1f1b", 1, None)]
     for pp in divisors(world):
-        if 1 < pp <= cfg.n_layers:
-            if cfg.n_layers % pp == 0:
-                out.append((pp, "1f1b", 1))
-            out += [(pp, "interleaved_1f1b", stages) for stages in (2, 4) if cfg.n_layers % (stages * pp) == 0]
+        for schedule, stages in (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)):
+            if 1 < pp and stages * pp <= cfg.n_layers:
+                even = cfg.n_layers % (stages * pp) == 0
+                out.append((pp, schedule, stages, None if even else tuple(ends_light_blocks(cfg.n_layers, stages * pp))))
     return out
 
 
@@ -148,7 +154,7 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
         for tp in _tp_sizes(cfg, seq_len, cp, min(gpus_per_node, world)):
             if world % (cp * tp):
                 continue
-            for pp, schedule, stages in _pipelines(cfg, world // (cp * tp)):
+            for pp, schedule, stages, blocks in _pipelines(cfg, world // (cp * tp)):
                 dp = world // (cp * tp * pp)
                 for replicate, ep in _data_parallel(cfg, dp, tp):
                     for micro_batch in MICRO_BATCHES:
@@ -165,7 +171,7 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
                             layout = memory = None
                             for chunk in chunks:
                                 layout = PlanLayout(replicate, dp // replicate, tp, cp, pp, micro_batch, recompute,
-                                                    schedule, stages, chunk, ep, optimizer, ema)
+                                                    schedule, stages, chunk, ep, optimizer, ema, blocks)
                                 memory = layout.memory(cfg, seq_len, global_batch, bf16=dtype == "bf16")
                                 if memory.peak <= capacity:
                                     break
@@ -224,6 +230,12 @@ def search(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fi
     return ranked[:top]
 
 
+def blocks_text(blocks: tuple[int, ...]) -> str:
+    """'7, 8 x 14, 7': blocks per stage, runs of a count written once."""
+    return ", ".join(f"{count}" if len(run) == 1 else f"{count} x {len(run)}"
+                     for count, run in ((count, list(run)) for count, run in itertools.groupby(blocks)))
+
+
 def describe(layout: PlanLayout) -> str:
     """'dp 4 (fsdp 4) x tp 2, micro-batch 2, selective recompute' — the sizes above 1."""
     lay = layout
@@ -239,8 +251,9 @@ def describe(layout: PlanLayout) -> str:
                     if size > 1]
     text = " x ".join(parts)
     if lay.pp > 1:
-        text += f" ({lay.pp_schedule}" + (f", {lay.pp_stages_per_rank} stages a rank)" if lay.pp_stages_per_rank > 1
-                                           else ")")
+        text += f" ({lay.pp_schedule}" + (f", {lay.pp_stages_per_rank} stages a rank" if lay.pp_stages_per_rank > 1
+                                           else "")
+        text += (f", blocks {blocks_text(lay.pp_stage_blocks)})" if lay.pp_stage_blocks else ")")
     text += f", micro-batch {lay.micro_batch}"
     if lay.recompute != "none":
         text += f", {lay.recompute} recompute"

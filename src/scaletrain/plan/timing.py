@@ -1,10 +1,13 @@
 """How long one training step takes, predicted from the model, the layout and the device —
 arithmetic, no torch.
 
-Per micro-batch, each device runs its share of the model: L/pp blocks (and the output head on
-the last pipeline stage) over micro_batch x seq_len / cp tokens, the matmuls split over tp ranks.
-The last stage is the one timed: it also holds multi-token prediction's depths (a block, a
-projection and a pass through the head each), so they add the same time at any pp.
+Per micro-batch, each device runs its share of the model: its stages' blocks (L/pp, or the
+counts of parallel.pp_stage_blocks) and, on the last pipeline stage, the output head and
+multi-token prediction's depths (a block, a projection and a pass through the head each, so
+they add the same time at any pp), over micro_batch x seq_len / cp tokens, the matmuls split
+over tp ranks. A pipeline goes at the pace of its slowest rank, the one timed: with equal
+stages the last; with unequal ones whichever the blocks and the head make slowest (its blocks
+also set the parameters FSDP gathers and the optimizer steps).
 
 - Compute: matmul and attention FLOPs (model/flops.py: 6 N per token, attention counted over
   the causal half, the work FlashAttention does) at `Efficiency.matmul` of the device's dense
@@ -77,7 +80,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from scaletrain.model.flops import moe_layers, mtp_train_flops_per_token, param_counts, train_flops_per_token
-from scaletrain.parallel.layout import V_SHAPED
+from scaletrain.parallel.layout import V_SHAPED, stage_blocks, stage_ids
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import MemoryEstimate, activation_bytes_per_token, training_memory
 
@@ -118,6 +121,7 @@ class PlanLayout:
     ep: int = 1  # expert parallelism: a mixture's experts split over ep of the dp_shard ranks
     optimizer: str = "adamw"  # train.optimizer: Muon keeps one moment of the blocks' matrices, not two
     ema: bool = False  # train.ema_decay: a moving average of the weights is kept
+    pp_stage_blocks: tuple[int, ...] | None = None  # blocks of each pipeline stage (None: an even split)
 
     @property
     def dp(self) -> int:
@@ -138,12 +142,14 @@ class PlanLayout:
         chunk = cfg.train.loss_chunk_tokens if layout.tp == 1 else 0  # train ignores it there
         return cls(layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp, layout.pp, cfg.train.micro_batch,
                    cfg.parallel.recompute, cfg.parallel.pp_schedule, cfg.parallel.stages_per_rank, chunk, layout.ep,
-                   cfg.train.optimizer, cfg.train.ema_decay > 0)
+                   cfg.train.optimizer, cfg.train.ema_decay > 0,
+                   tuple(cfg.parallel.pp_stage_blocks) if cfg.parallel.pp_stage_blocks and layout.pp > 1 else None)
 
     def memory_layout(self, global_batch: int) -> dict:
         """training_memory's keyword arguments for this layout (all but the recomputation)."""
         return dict(micro_steps=self.microbatches(global_batch), fsdp=self.dp_shard * self.cp, tp=self.tp, cp=self.cp,
                     pp=self.pp, pp_schedule=self.pp_schedule, pp_stages_per_rank=self.pp_stages_per_rank,
+                    pp_stage_blocks=self.pp_stage_blocks,
                     loss_chunk_tokens=self.loss_chunk_tokens, ep=self.ep, optimizer=self.optimizer, ema=self.ema)
 
     def memory(self, cfg: Any, seq_len: int, global_batch: int, bf16: bool = True) -> MemoryEstimate:
@@ -228,61 +234,70 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
                          f"of {lay.micro_batch}")
     micro_steps = lay.microbatches(global_batch)
     tokens = lay.micro_batch * seq_len / lay.cp  # per device and micro-batch
-    layers = cfg.n_layers / lay.pp
-    # Multi-token prediction's depths: a dense block, a projection and another pass through the
-    # head each, all on the last stage beside the head (the stage timed here, the pipeline's slowest).
-    depths = getattr(cfg, "mtp_depth", 0) or 0
-    mtp_flops = mtp_train_flops_per_token(cfg, seq_len, causal=True)
     d, kv_width = cfg.dim, cfg.kv_heads * cfg.head_dim
     bandwidth = device.memory_bandwidth
-
-    # -- compute of one micro-batch on one device (the last stage's: it holds the head) ----------
     head_matmul = cfg.vocab * cfg.dim
-    block_flops = (train_flops_per_token(cfg, seq_len, causal=True) - 6 * head_matmul - mtp_flops) / cfg.n_layers
+    block_flops = (train_flops_per_token(cfg, seq_len, causal=True) - 6 * head_matmul
+                   - mtp_train_flops_per_token(cfg, seq_len, causal=True)) / cfg.n_layers
     elementwise = efficiency.elementwise * activation_bytes_per_token(cfg, bf16, "none")  # per token and block
-    blocks_matmul = tokens * (layers * block_flops + mtp_flops) / lay.tp / peak
-    blocks_elementwise = tokens * (layers + depths) * elementwise / lay.tp / bandwidth
-    head = tokens * (6 * head_matmul / lay.tp / peak
-                     + (1 + depths) * cfg.vocab / lay.tp * (act_bytes + 12) / bandwidth)
-    recompute = {"none": 0.0, "selective": blocks_elementwise / 3,
-                 "full": (blocks_matmul + blocks_elementwise) / 3}[lay.recompute]
-    forward = (blocks_matmul + blocks_elementwise + head) / 3
-    backward = 2 * forward + recompute
-
-    # -- communication inside the micro-batch ------------------------------------------------------
-    # Recomputation (selective too: it keeps matmul and attention outputs, not collectives'
-    # results) runs each block's forward collectives again.
     again = lay.recompute != "none"
     activations = tokens * d * act_bytes  # the norms' outputs, gathered; the projections' outputs, scattered
     tp_bw = group_bandwidth(lay, "tp", device, gpus_per_node, efficiency)
-    tp_collectives = (layers + depths) * (12 if again else 8) + 2 * (1 + depths)  # (+ the head's, a pass each)
-    tp_time = tp_collectives * collective("all_gather", activations, lay.tp, tp_bw, efficiency)
-    # Keys, then values, of whole sequences: all-gathered forward, their gradients reduce-scattered
-    # backward (each rank receiving its own chunks' sums).
     half_kv = lay.micro_batch * seq_len * kv_width / lay.tp * act_bytes
     cp_bw = group_bandwidth(lay, "cp", device, gpus_per_node, efficiency)
-    cp_time = 2 * (layers + depths) * ((2 if again else 1) * collective("all_gather", half_kv, lay.cp, cp_bw, efficiency)
-                            + collective("reduce_scatter", half_kv, lay.cp, cp_bw, efficiency))
-    sends = 0.0
-    if lay.pp > 1:  # the float32 residual stream, out and back, at each of the rank's stages
-        pp_bw = group_bandwidth(lay, "pp", device, gpus_per_node, efficiency)
-        sends = 2 * lay.pp_stages_per_rank * (tokens * d * 4 / lay.tp / pp_bw + efficiency.latency)
-    # Each routed copy of a token's activations to its expert's rank and back, forward and backward,
-    # over the ep x tp ranks the experts split over (a tp rank routes its part of the sequences).
+    pp_bw = group_bandwidth(lay, "pp", device, gpus_per_node, efficiency) if lay.pp > 1 else 0.0
     routed = tokens / lay.tp * getattr(cfg, "moe_top_k", 0) * d * act_bytes
     ep_bw = group_bandwidth(lay, "ep", device, gpus_per_node, efficiency)
-    ep_time = 0.0
-    split = lay.ep * lay.tp
-    if split > 1 and moe_layers(cfg):
-        all_to_alls = moe_layers(cfg) / lay.pp * (6 if lay.recompute == "full" else 4)
-        ep_time = all_to_alls * ((split - 1) / split * routed / ep_bw + efficiency.latency)
+
+    def one_microbatch(layers: float, last: bool) -> tuple[float, ...]:
+        """(forward, backward, recomputation, tp, cp, ep, sends) of one micro-batch on a rank of
+        `layers` blocks that runs the last stage (`last`: the output head and multi-token
+        prediction's depths, a block, a projection and another pass through the head each) or not."""
+        depths = (getattr(cfg, "mtp_depth", 0) or 0) if last else 0
+        mtp_flops = mtp_train_flops_per_token(cfg, seq_len, causal=True) if last else 0
+        # -- compute ------------------------------------------------------------------------------
+        blocks_matmul = tokens * (layers * block_flops + mtp_flops) / lay.tp / peak
+        blocks_elementwise = tokens * (layers + depths) * elementwise / lay.tp / bandwidth
+        head = tokens * (6 * head_matmul / lay.tp / peak
+                         + (1 + depths) * cfg.vocab / lay.tp * (act_bytes + 12) / bandwidth) if last else 0.0
+        recompute = {"none": 0.0, "selective": blocks_elementwise / 3,
+                     "full": (blocks_matmul + blocks_elementwise) / 3}[lay.recompute]
+        forward = (blocks_matmul + blocks_elementwise + head) / 3
+        backward = 2 * forward + recompute
+        # -- communication inside the micro-batch -------------------------------------------------
+        # Recomputation (selective too: it keeps matmul and attention outputs, not collectives'
+        # results) runs each block's forward collectives again.
+        tp_collectives = (layers + depths) * (12 if again else 8) + (2 * (1 + depths) if last else 0)  # (+ the head's)
+        tp_time = tp_collectives * collective("all_gather", activations, lay.tp, tp_bw, efficiency)
+        # Keys, then values, of whole sequences: all-gathered forward, their gradients reduce-scattered
+        # backward (each rank receiving its own chunks' sums).
+        cp_time = 2 * (layers + depths) * ((2 if again else 1) * collective("all_gather", half_kv, lay.cp, cp_bw, efficiency)
+                                           + collective("reduce_scatter", half_kv, lay.cp, cp_bw, efficiency))
+        sends = 0.0
+        if lay.pp > 1:  # the float32 residual stream, out and back, at each of the rank's stages
+            sends = 2 * lay.pp_stages_per_rank * (tokens * d * 4 / lay.tp / pp_bw + efficiency.latency)
+        # Each routed copy of a token's activations to its expert's rank and back, forward and backward,
+        # over the ep x tp ranks the experts split over (a tp rank routes its part of the sequences).
+        ep_time = 0.0
+        split = lay.ep * lay.tp
+        if split > 1 and moe_layers(cfg):
+            all_to_alls = moe_layers(cfg) * layers / cfg.n_layers * (6 if lay.recompute == "full" else 4)
+            ep_time = all_to_alls * ((split - 1) / split * routed / ep_bw + efficiency.latency)
+        return forward, backward, recompute, tp_time, cp_time, ep_time, sends
+
+    # The pipeline's pace is its slowest rank's: with stages of equal blocks the last (the head's).
+    ranks = rank_blocks(cfg.n_layers, lay)
+    timed = [one_microbatch(layers, last) for layers, last in ranks]
+    slowest = max(range(len(ranks)), key=lambda i: timed[i][0] + timed[i][1] + sum(timed[i][3:]))
+    layers = ranks[slowest][0]
+    forward, backward, recompute, tp_time, cp_time, ep_time, sends = timed[slowest]
     microbatch = forward + backward + tp_time + cp_time + ep_time + sends
 
     # -- data parallelism --------------------------------------------------------------------------
-    stage_params = _stage_parameters(cfg, lay.pp) / lay.tp  # one tp rank's part of one stage, unsharded
+    stage_params = _stage_parameters(cfg, lay.pp, layers) / lay.tp  # one tp rank's part of its stages, unsharded
     shard = lay.dp_shard * lay.cp
     fsdp_bw = group_bandwidth(lay, "fsdp", device, gpus_per_node, efficiency)
-    experts = _routed_expert_parameters(cfg) / lay.pp / lay.tp  # gathered 1/ep of them over dp_shard / ep ranks
+    experts = _routed_expert_parameters(cfg) * layers / cfg.n_layers / lay.tp  # gathered 1/ep of them over dp_shard / ep ranks
     efsdp_bw = group_bandwidth(lay, "efsdp", device, gpus_per_node, efficiency)
     gather = collective("all_gather", (stage_params - experts) * act_bytes, shard, fsdp_bw, efficiency)
     reduce = collective("reduce_scatter", (stage_params - experts) * 4, shard, fsdp_bw, efficiency)
@@ -302,7 +317,7 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
     optimizer = 36 * stage_params / shard / bandwidth
     copies = 0.0
     # The embedding's copies sum their float32 gradients (within rank 0 under the V-shaped schedules: no link).
-    if lay.pp > 1 and (cfg.tie_embeddings or depths) and lay.pp_schedule not in V_SHAPED:
+    if lay.pp > 1 and (cfg.tie_embeddings or getattr(cfg, "mtp_depth", 0)) and lay.pp_schedule not in V_SHAPED:
         copies = collective("all_reduce", cfg.vocab * d * 4 / lay.tp / shard, 2, pp_bw, efficiency)
     total = micro_steps * microbatch + bubble + data_parallel + optimizer + copies
 
@@ -318,18 +333,28 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
                     mfu_causal=mfu_causal)
 
 
+def rank_blocks(n_layers: int, lay: PlanLayout) -> list[tuple[int, bool]]:
+    """(blocks, whether it runs the last stage) of each pipeline rank of layout `lay`."""
+    if lay.pp == 1:
+        return [(n_layers, True)]
+    stages = lay.pp * (2 if lay.pp_schedule in V_SHAPED else lay.pp_stages_per_rank)
+    blocks = stage_blocks(n_layers, stages, lay.pp_stage_blocks)
+    return [(sum(blocks[stage] for stage in ids), stages - 1 in ids)
+            for ids in (stage_ids(lay.pp_schedule, rank, lay.pp, stages // lay.pp) for rank in range(lay.pp))]
+
+
 def _routed_expert_parameters(cfg: Any) -> float:
     """The routed experts' weights, all blocks (0 for a dense model)."""
     return moe_layers(cfg) * cfg.moe_experts * 3 * cfg.dim * cfg.expert_dim if moe_layers(cfg) else 0
 
 
-def _stage_parameters(cfg: Any, pp: int) -> float:
-    """Parameters of the largest pipeline stage: L/pp blocks (every expert of a mixture) and, on
-    the last, the output head, final norm and multi-token prediction's depths (the embedding, on
+def _stage_parameters(cfg: Any, pp: int, layers: float) -> float:
+    """Parameters of a pipeline rank of `layers` blocks (every expert of a mixture), counted with
+    the last stage's output head, final norm and multi-token prediction's depths (the embedding, on
     the first, is no larger than the head; counted once when tied, and the last stage's copy of it
     serves as the tied head; an untied head with depths has the copy beside it)."""
     counts = param_counts(cfg)
     blocks = counts["total"] - counts["mtp"] - cfg.vocab * cfg.dim * (1 if cfg.tie_embeddings else 2) - cfg.dim
     matrices = 1 if cfg.tie_embeddings else (2 if pp == 1 or counts["mtp"] else 1)
-    return blocks / pp + counts["mtp"] + cfg.vocab * cfg.dim * matrices + cfg.dim
+    return blocks * layers / cfg.n_layers + counts["mtp"] + cfg.vocab * cfg.dim * matrices + cfg.dim
 
