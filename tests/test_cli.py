@@ -221,16 +221,35 @@ def test_data_stats_of_an_empty_training_split_prints_the_summary_and_no_histogr
     assert not (tmp_path / "data" / "lengths.png").exists()
 
 
+def test_a_time_limit_counts_from_the_start_of_the_torchrun_that_started_the_worker(monkeypatch):
+    """launch's workers (no --deadline) count train --time-limit from their torchrun's start,
+    which a restarted worker inherits (scaletrain/torchrun.py sets it), not from their own."""
+    import argparse
+
+    from scaletrain.cli import _deadline
+    from scaletrain.torchrun import LAUNCHED
+    from scaletrain.train.metrics import process_started
+
+    args = argparse.Namespace(deadline=None, time_limit=60.0)
+    monkeypatch.setenv(LAUNCHED, "1000.5")
+    assert _deadline(args) == 1060.5
+    assert _deadline(argparse.Namespace(deadline=5.0, time_limit=60.0)) == 5.0  # (train --nproc's, given)
+    monkeypatch.delenv(LAUNCHED)
+    assert _deadline(args) == pytest.approx(process_started() + 60)  # (this process's own start)
+    assert _deadline(argparse.Namespace(deadline=None, time_limit=None)) is None
+
+
 def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_command(tmp_path, capsys):
     script = tmp_path / "job.sbatch"
     result = run_cli("launch", "slurm", "configs/llama-1b.toml", "train.lr=1e-4", "--nodes", "4",
-                     "--gpus-per-node", "8", "--out", str(script))
+                     "--gpus-per-node", "8", "--out", str(script), "--time-limit", "3h50m")
     assert result.returncode == 0, result.stderr
     text = script.read_text()
     for words in ["#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "srun python3 -m scaletrain.torchrun --nnodes=4 --nproc-per-node=8 --max-restarts=3",
                   # a refusal on one node ends the step on every node: the others would wait on it
                   "export SCALETRAIN_END_STEP_ON_REFUSAL=1",
-                  "--rdzv-backend=c10d", "-m scaletrain.cli train configs/llama-1b.toml train.lr=1e-4",
+                  # (train's --time-limit: each node's workers count it from their torchrun's start)
+                  "--rdzv-backend=c10d", "-m scaletrain.cli train --time-limit=13800s configs/llama-1b.toml train.lr=1e-4",
                   # SIGTERM 180 s before the time limit; torchrun lets the workers save; preempted jobs requeue
                   "#SBATCH --signal=TERM@180", "#SBATCH --requeue", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=170"]:
         assert words in text, words

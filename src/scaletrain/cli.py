@@ -157,6 +157,19 @@ def cmd_data_stats(args: argparse.Namespace) -> int:
 # -- train ----------------------------------------------------------------------------------
 
 
+def _deadline(args: argparse.Namespace) -> float | None:
+    """When --time-limit runs out (unix seconds), counted from the command's start: the one given
+    to the workers of `train --nproc` (--deadline), or the start of the torchrun that started this
+    worker (launch's job files), not a restarted worker's own; None without a limit."""
+    from scaletrain.torchrun import LAUNCHED
+    from scaletrain.train.metrics import process_started
+
+    if args.deadline is not None or args.time_limit is None:
+        return args.deadline
+    started = float(os.environ[LAUNCHED]) if os.environ.get(LAUNCHED) else process_started() or time.time()
+    return started + args.time_limit
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from scaletrain.config import load_config
 
@@ -168,10 +181,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from scaletrain.train.metrics import process_started
     from scaletrain.train.trainer import TrainingDiverged, train
 
-    # (the workers torchrun starts, again after a restart, take the command's deadline, not their own)
-    deadline = args.deadline
-    if deadline is None and args.time_limit is not None:
-        deadline = (process_started() or time.time()) + args.time_limit
+    deadline = _deadline(args)
 
     if (args.nproc > 1 or args.max_restarts) and "WORLD_SIZE" not in os.environ:  # (one process restarted too)
         from scaletrain.parallel.layout import check_layout, resolve_layout
@@ -291,13 +301,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise UserError("--image and --volume describe the containers of a Kubernetes job; a Slurm script runs the "
                         "scaletrain installed on the nodes, in their shared filesystem: drop them, or write a k8s "
                         "manifest")
+    train_options = [f"--time-limit={args.time_limit:g}s"] if args.time_limit is not None else []
     if args.launcher == "slurm":
         text = slurm_script(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node, grace_s=args.grace,
-                            max_restarts=args.max_restarts)
+                            max_restarts=args.max_restarts, train_options=train_options)
     else:
         image = "scaletrain:latest" if args.image is None else args.image
         text = k8s_manifest(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node, image,
-                            grace_s=args.grace, max_restarts=args.max_restarts, volume=args.volume)
+                            grace_s=args.grace, max_restarts=args.max_restarts, volume=args.volume,
+                            train_options=train_options)
         if args.volume is None:
             console.print("[yellow]warning:[/] no --volume: the run's checkpoints are written in each pod's own "
                           "filesystem and are lost with it; give a PersistentVolumeClaim that holds the data and "
@@ -1816,6 +1828,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=3,
                    help="times torchrun starts every process again after one fails or hangs; they resume from the "
                         "newest checkpoint (3)")
+    p.add_argument("--time-limit", type=_wall_seconds, default=None, metavar="DURATION",
+                   help="train's --time-limit for the job: that long after each node's torchrun started, every "
+                        "process finishes its step, saves and ends with status 0 (keep it below the scheduler's "
+                        "own limit by a step and a save)")
     p.set_defaults(func=cmd_launch)
 
     p = commands.add_parser("plan", help="choose model, tokens and layout for a budget and hardware; predict "

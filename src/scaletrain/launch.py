@@ -40,8 +40,8 @@ TORCHRUN = ["python3", "-m", "scaletrain.torchrun"]
 REFUSED_STATUS = 2  # (scaletrain.torchrun's, when the workers refused their input)
 
 
-def _train_args(config: str, overrides: list[str]) -> list[str]:
-    return ["-m", "scaletrain.cli", "train", config, *overrides]
+def _train_args(config: str, overrides: list[str], options: list[str]) -> list[str]:
+    return ["-m", "scaletrain.cli", "train", *options, config, *overrides]
 
 
 def check_layout(cfg: RunConfig, nodes: int, gpus_per_node: int) -> None:
@@ -70,15 +70,17 @@ def _check_restarts(max_restarts: int) -> None:
 
 
 def slurm_script(cfg: RunConfig, config: str, overrides: list[str], nodes: int, gpus_per_node: int,
-                 cpus_per_gpu: int = 8, grace_s: int = GRACE_S, max_restarts: int = MAX_RESTARTS) -> str:
+                 cpus_per_gpu: int = 8, grace_s: int = GRACE_S, max_restarts: int = MAX_RESTARTS,
+                 train_options: list[str] | None = None) -> str:
     """An sbatch script: one task per node, each running torchrun over that node's GPUs, in the
-    directory this runs in (where the config's relative paths lie), wherever it is submitted from."""
+    directory this runs in (where the config's relative paths lie), wherever it is submitted from.
+    `train_options`: options of the train command (`--time-limit=...`)."""
     check_layout(cfg, nodes, gpus_per_node)
     _check_restarts(max_restarts)
     torchrun = [*TORCHRUN, f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", f"--max-restarts={max_restarts}",
                 "--rdzv-backend=c10d",
                 '--rdzv-endpoint="$head":"$port"', '--rdzv-id="$SLURM_JOB_ID"',
-                *(shlex.quote(a) for a in _train_args(config, overrides))]
+                *(shlex.quote(a) for a in _train_args(config, overrides, train_options or []))]
     return "\n".join([
         "#!/bin/bash",
         f"#SBATCH --job-name={cfg.run.name}",
@@ -108,7 +110,8 @@ def slurm_script(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
 
 
 def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, gpus_per_node: int,
-                 image: str, grace_s: int = GRACE_S, max_restarts: int = MAX_RESTARTS, volume: str | None = None) -> str:
+                 image: str, grace_s: int = GRACE_S, max_restarts: int = MAX_RESTARTS, volume: str | None = None,
+                 train_options: list[str] | None = None) -> str:
     """A Kubernetes headless Service and Indexed Job (one pod per node) as a JSON List, which
     `kubectl apply -f` takes like YAML. Pod 0 hosts the rendezvous. `volume`, "CLAIM" or
     "CLAIM:PATH", mounts that PersistentVolumeClaim (shared by every pod: ReadWriteMany) at PATH
@@ -137,7 +140,7 @@ def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
     command = [*TORCHRUN, f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", f"--max-restarts={max_restarts}",
                "--rdzv-backend=c10d",
                f"--rdzv-endpoint={name}-0.{name}:{RDZV_PORT}", f"--rdzv-id={name}",
-               *_train_args(config, overrides)]
+               *_train_args(config, overrides, train_options or [])]
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
                "spec": {"clusterIP": "None", "selector": {"job-name": name},
                         "ports": [{"name": "rendezvous", "port": RDZV_PORT}]}}

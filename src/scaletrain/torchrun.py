@@ -41,6 +41,9 @@ REFUSAL_FILE = "SCALETRAIN_REFUSAL_FILE"  # (set for the workers)
 REFUSAL_WAIT_S = 120.0  # the longest a refusing worker waits to be stopped (its torchrun gone, say)
 # The process id of run()'s process, for its workers (hangup.Console: a reader gone is told to it).
 AGENT_PID = "SCALETRAIN_AGENT_PID"
+# When the first torchrun of the command started (unix seconds), for its workers: `train
+# --time-limit` counts from it, not from a worker's own start (a restarted worker's is later).
+LAUNCHED = "SCALETRAIN_LAUNCHED"
 # Set (to 1) by launch's Slurm script: a refusal ends the job step on every node (end_step).
 END_STEP_ON_REFUSAL = "SCALETRAIN_END_STEP_ON_REFUSAL"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
@@ -84,7 +87,8 @@ def run(torchrun_args: list[str]) -> tuple[int, str | None]:
 
     with tempfile.TemporaryDirectory(prefix="scaletrain-") as scratch:
         refusal = Path(scratch) / "refusal"
-        env = {REFUSAL_FILE: str(refusal), AGENT_PID: str(os.getpid()), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        env = {REFUSAL_FILE: str(refusal), AGENT_PID: str(os.getpid()), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+               LAUNCHED: os.environ.get(LAUNCHED) or str(time.time())}
         # (and what torchrun sets in its own process: restored as they were)
         saved_env = {key: os.environ.get(key) for key in (*env, "OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE")}
         saved_handlers = {signum: signal.getsignal(signum) for signum in (*STOP_SIGNALS, signal.SIGINT,
