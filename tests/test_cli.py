@@ -226,7 +226,7 @@ def test_a_time_limit_counts_from_the_start_of_the_torchrun_that_started_the_wor
     which a restarted worker inherits (scaletrain/torchrun.py sets it), not from their own."""
     import argparse
 
-    from scaletrain.cli import _deadline
+    from scaletrain.cli import _deadline, _duration_text, _wall_seconds
     from scaletrain.torchrun import LAUNCHED
     from scaletrain.train.metrics import process_started
 
@@ -237,6 +237,8 @@ def test_a_time_limit_counts_from_the_start_of_the_torchrun_that_started_the_wor
     monkeypatch.delenv(LAUNCHED)
     assert _deadline(args) == pytest.approx(process_started() + 60)  # (this process's own start)
     assert _deadline(argparse.Namespace(deadline=None, time_limit=None)) is None
+    for limit in ("300h", "0.25s", "3h50m"):  # (what launch writes, train reads back: never 1.08e+06s)
+        assert _wall_seconds(_duration_text(_wall_seconds(limit))) == _wall_seconds(limit)
 
 
 def test_launch_writes_a_slurm_script_and_a_k8s_manifest_that_run_the_train_command(tmp_path, capsys):

@@ -675,12 +675,14 @@ def test_a_hung_rank_is_ended_by_its_watchdog_and_torchrun_restarts_the_job_from
      "data.seq_len = 63 is not divisible by parallel.tp = 2"),
     ("parallel.pp=2 model.n_layers=3", 2, r"model.n_layers = 3 is not divisible into 2 pipeline stages .* set "
                                           r"parallel.pp_stage_blocks to the blocks of each stage \(e.g. \[2, 1\]\)"),
+    ("parallel.pp=4 model.n_layers=3", 4, "model.n_layers = 3 blocks are fewer than the 4 pipeline stages"),
     ("parallel.pp=2 model.n_layers=3 parallel.pp_stage_blocks=[1,1,1]", 2,
      r"parallel.pp_stage_blocks lists 3 stages, but parallel.pp = 2 x 1 stages per rank = 2"),
     ("parallel.pp=2 model.n_layers=3 parallel.pp_stage_blocks=[1,1]", 2,
      r"parallel.pp_stage_blocks = \[1, 1\] holds 2 blocks, but the model has model.n_layers = 3"),
-    ("parallel.pp=2 parallel.pp_schedule=interleaved_1f1b", 2,
-     "model.n_layers = 2 is not divisible into 4 pipeline stages .parallel.pp = 2 x 2 stages per rank"),
+    ("parallel.pp=2 parallel.pp_schedule=interleaved_1f1b model.n_layers=6", 2,
+     r"model.n_layers = 6 is not divisible into 4 pipeline stages .parallel.pp = 2 x 2 stages per rank.; set "
+     r"parallel.pp_stage_blocks to the blocks of each stage \(e.g. \[1, 2, 2, 1\]\)"),
     ("parallel.pp=4 model.n_layers=4", 4, "'1f1b' needs the micro-batches per step on each pipeline .* = 2. to be "
                                           "at least the 4 pipeline stages"),
     ("parallel.cp=2 data.seq_len=62 train.global_batch_tokens=496", 2,
@@ -692,7 +694,7 @@ def test_a_hung_rank_is_ended_by_its_watchdog_and_torchrun_restarts_the_job_from
     ("train.compile=true parallel.pp=2 model.n_layers=4 parallel.pp_schedule=zbv_zero_bubble train.micro_batch=2", 2,
      "'zbv_zero_bubble' takes each block's gradients in two passes, .* train.compile = true compiled; set "
      "train.compile = false"),
-], ids=["product", "remaining", "heads", "seq-tp", "layers-pp", "stage-blocks-count", "stage-blocks-sum",
+], ids=["product", "remaining", "heads", "seq-tp", "layers-pp", "too-few-layers", "stage-blocks-count", "stage-blocks-sum",
         "layers-virtual", "microbatches",
         "seq-cp", "seq-cp-tp", "batch", "cuda-graphs", "compiled-zero-bubble"])
 def test_a_layout_that_cannot_split_the_model_or_batch_is_refused_with_the_constraint(stdlib_data, tmp_path,
@@ -747,6 +749,8 @@ def test_a_schedule_with_the_wrong_number_of_stages_per_rank_is_refused():
         ParallelConfig(pp_stage_blocks=[2, 2])
     with pytest.raises(ValueError, match="greater than or equal to 1"):
         ParallelConfig(pp=2, pp_stage_blocks=[4, 0])
+    with pytest.raises(ValueError, match="at least 1 item"):
+        ParallelConfig(pp=2, pp_stage_blocks=[])
 
 
 def test_layouts_resolve_all_remaining_processes():

@@ -301,7 +301,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise UserError("--image and --volume describe the containers of a Kubernetes job; a Slurm script runs the "
                         "scaletrain installed on the nodes, in their shared filesystem: drop them, or write a k8s "
                         "manifest")
-    train_options = [f"--time-limit={args.time_limit:g}s"] if args.time_limit is not None else []
+    train_options = [f"--time-limit={_duration_text(args.time_limit)}"] if args.time_limit is not None else []
     if args.launcher == "slurm":
         text = slurm_script(cfg, args.config, args.overrides, args.nodes, args.gpus_per_node, grace_s=args.grace,
                             max_restarts=args.max_restarts, train_options=train_options)
@@ -1126,6 +1126,11 @@ def _wall_seconds(text: str) -> float:
     if total <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be longer than nothing")
     return total
+
+
+def _duration_text(seconds: float) -> str:
+    """Seconds as _wall_seconds reads them back: '13800s', '0.250s' (never in exponent notation)."""
+    return f"{seconds:.0f}s" if seconds == int(seconds) else f"{seconds:.3f}s"
 
 
 def _given(what: str):

@@ -438,7 +438,7 @@ class ParallelConfig(_Section):
     """Pipeline schedule (torch.distributed.pipelining): gpipe and 1f1b run one stage per rank; the others run several (virtual stages). The zero-bubble ones (interleaved_zero_bubble, zbv_zero_bubble, dualpipev) split each backward pass into the inputs' and the weights' gradients, which torch cannot do through compiled blocks (no train.compile)."""
     pp_stages_per_rank: int | None = Field(default=None, ge=1)
     """Virtual pipeline stages per rank. Unset: 1 for gpipe and 1f1b, 2 for the others (zbv_zero_bubble and dualpipev need exactly 2)."""
-    pp_stage_blocks: list[Annotated[int, Field(ge=1)]] | None = None
+    pp_stage_blocks: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)] | None = None
     """Blocks of each pipeline stage, first to last (pp x stages per rank counts adding up to model.n_layers), e.g. [7, 8, ..., 8, 7] for 126 blocks on 16 stages, lighter ends for the embedding and the output head as Llama 3 split them. Unset: an even split (model.n_layers a multiple of the stages). A checkpoint resumes under another split."""
     recompute: Literal["none", "selective", "full", "auto"] = "none"
     """Activation recomputation per block: none; selective (keep matmul and attention outputs, recompute the rest); full (keep only block inputs); auto: the least of these whose peak memory, as plan/memory.py predicts it, fits in 90% of the GPU's memory (none on CPUs)."""

@@ -89,6 +89,8 @@ def ends_light_blocks(n_layers: int, num_stages: int) -> list[int]:
     the most micro-batches in flight), then the next inwards. Llama 3's 126 blocks on 16 stages:
     7, 8 x 14, 7, as Meta split them (Llama Team 2024, "The Llama 3 Herd of Models", section
     3.3.2)."""
+    if n_layers < num_stages:
+        raise ValueError(f"{n_layers} blocks do not fill {num_stages} stages")
     per_stage = -(-n_layers // num_stages)
     blocks = [per_stage] * num_stages
     order = [i for pair in zip(reversed(range(num_stages)), range(num_stages)) for i in pair]
@@ -186,6 +188,10 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
         if given and sum(given) != model.n_layers:
             raise ConfigError(f"parallel.pp_stage_blocks = {list(given)} holds {sum(given)} blocks, but the model has "
                               f"model.n_layers = {model.n_layers}; the counts must add up to it")
+        if not given and model.n_layers < stages:
+            raise ConfigError(f"model.n_layers = {model.n_layers} blocks are fewer than the {stages} pipeline stages "
+                              f"(parallel.pp = {layout.pp} x {parallel.stages_per_rank} stages per rank), each of "
+                              "which needs one; lower parallel.pp or the stages per rank")
         if not given and model.n_layers % stages:
             raise ConfigError(f"model.n_layers = {model.n_layers} is not divisible into {stages} pipeline stages "
                               f"(parallel.pp = {layout.pp} x {parallel.stages_per_rank} stages per rank); set "

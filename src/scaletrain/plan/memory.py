@@ -101,8 +101,9 @@ two-directional DualPipe). The last rank holds one micro-batch and its loss unde
 pp under interleaved zero bubble (as every rank does), and every micro-batch with its loss
 under GPipe and breadth-first looping, which keep each loss until its backward. Each count is
 the peak of the action lists torch's schedules run, which tests/test_plan.py walks. The ranks
-between hold pp - r micro-batches under 1F1B (rank r), and are counted with the first rank's
-count under the others (an upper bound). Every rank is estimated with its own blocks (a mixture
+between hold pp - r micro-batches under 1F1B (rank r), (2 (pp - 1 - r) + (v - 1) pp + 1)/v under
+interleaving, and are counted with the first rank's count under the zero-bubble schedules (an
+upper bound). Every rank is estimated with its own blocks (a mixture
 of experts with dense first blocks: its own share of mixture blocks), and the estimate is that
 of the rank with the largest peak.
 """
@@ -214,7 +215,7 @@ ALL_IN_FLIGHT = ("gpipe", "looped_bfs")
 
 def in_flight_microbatches(pp: int, microbatches: int, schedule: str = "1f1b", stages_per_rank: int = 1) -> float:
     """Micro-batches whose activations the first pipeline rank holds at its peak, each of its
-    L/pp blocks (see the module's docstring); 1 without pipelining."""
+    blocks (see the module's docstring); 1 without pipelining."""
     if pp == 1:
         return 1
     if schedule in ALL_IN_FLIGHT:
@@ -230,12 +231,30 @@ def in_flight_microbatches(pp: int, microbatches: int, schedule: str = "1f1b", s
 
 def last_rank_microbatches(pp: int, microbatches: int, schedule: str = "1f1b", stages_per_rank: int = 1) -> float:
     """Micro-batches whose activations the last pipeline rank holds at its peak, each of its
-    L/pp blocks, under the schedules that give it the last stage alone (not the V-shaped ones)."""
+    blocks, under the schedules that give it the last stage alone (not the V-shaped ones)."""
     if schedule in ALL_IN_FLIGHT:
         return microbatches
     if schedule == "interleaved_zero_bubble":
         return in_flight_microbatches(pp, microbatches, schedule, stages_per_rank)
     return min(((stages_per_rank - 1) * pp + 1) / stages_per_rank, microbatches)
+
+
+def rank_microbatches(pp: int, microbatches: int, schedule: str, stages_per_rank: int, rank: int) -> float:
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak, each of its blocks:
+    in_flight_microbatches on the first, last_rank_microbatches on the last (where it runs the last
+    stage alone) and between them pp - r under 1F1B, (2 (pp - 1 - r) + (v - 1) pp + 1) / v under
+    interleaved 1F1B (torch's warm-up count, 2 a rank fewer than the one before), every one under
+    GPipe and breadth-first looping, and the first rank's count under the zero-bubble schedules,
+    which tests/test_plan.py's walk of torch's action lists finds an upper bound there."""
+    if schedule in V_SHAPED or rank == 0:
+        return in_flight_microbatches(pp, microbatches, schedule, stages_per_rank)
+    if rank == pp - 1:
+        return last_rank_microbatches(pp, microbatches, schedule, stages_per_rank)
+    if schedule == "1f1b":
+        return min(pp - rank, microbatches)
+    if schedule == "interleaved_1f1b":
+        return min((2 * (pp - 1 - rank) + (stages_per_rank - 1) * pp + 1) / stages_per_rank, microbatches)
+    return in_flight_microbatches(pp, microbatches, schedule, stages_per_rank)
 
 
 def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 1, bf16: bool = True,
@@ -268,37 +287,35 @@ def pipeline_ranks(cfg: Any, pp: int, micro_steps: int, schedule: str, stages_pe
                    given: Sequence[int] | None = None) -> list[tuple[Any, dict]]:
     """What each pipeline rank holds, as rank_memory's arguments: its blocks, whether it runs the
     first stage (the embedding) and the last (the head, and the embedding's copy where that
-    stage reads it), and the micro-batches in flight at its peak: under 1F1B pp - r on rank r,
-    under the other schedules the first rank's count on every rank but the last (an upper bound
-    for the ranks between). A mixture with dense first blocks has stages of unequal weight:
-    each rank's model is one whose blocks are mixtures in the proportion of its own."""
+    stage reads it), and the micro-batches in flight at its peak (rank_microbatches). A mixture
+    with dense first blocks has stages of unequal weight: each rank's model is one whose blocks
+    are mixtures in the proportion of its own."""
     stages = pp * (2 if schedule in V_SHAPED else stages_per_rank)
     layers = stage_layers(stage_blocks(cfg.n_layers, stages, given))
-    first_count = in_flight_microbatches(pp, micro_steps, schedule, stages_per_rank)
-    last_count = last_rank_microbatches(pp, micro_steps, schedule, stages_per_rank)
     copy = bool(cfg.tie_embeddings or _mtp(cfg))  # the last stage holds a copy of the embedding
     out = []
     for rank in range(pp):
         ids = stage_ids(schedule, rank, pp, stages // pp)
         held = [layer for stage in ids for layer in layers[stage]]
         first, last = 0 in ids, stages - 1 in ids
-        if schedule in V_SHAPED:  # (rank 0 runs the first and the last stage; the loss's backward follows at once)
-            count, losses = first_count, 1
-        elif last:  # (GPipe and breadth-first looping keep every micro-batch's loss until its backward)
-            count, losses = last_count, last_count if schedule in ALL_IN_FLIGHT else 1
-        else:
-            count, losses = min(pp - rank, micro_steps) if schedule == "1f1b" else first_count, 0
-        rank_cfg = _MixtureShare(cfg, held) if 0 < moe_layers(cfg) < cfg.n_layers else cfg
-        out.append((rank_cfg, dict(blocks=len(held), in_flight=count, losses=losses, embedding=first, head=last,
+        count = rank_microbatches(pp, micro_steps, schedule, stages_per_rank, rank)
+        # (GPipe and breadth-first looping keep every micro-batch's loss until its backward; under
+        # a V rank 0 runs the last stage, whose loss's backward follows at once)
+        losses = (count if schedule in ALL_IN_FLIGHT else 1) if last else 0
+        out.append((mixture_share(cfg, held), dict(blocks=len(held), in_flight=count, losses=losses, embedding=first, head=last,
                                    embedding_copy=copy and last)))
     return out
 
 
-class _MixtureShare:
-    """A mixture with dense first blocks: the model whose blocks are mixtures in the proportion
-    of `held`'s (rank_memory counts a rank's blocks as their share of the model's), so that each
-    pipeline rank is counted with the mixture blocks it holds."""
+def mixture_share(cfg: Any, held: list[int]) -> Any:
+    """`cfg` where every rank holds blocks alike; for a mixture with dense first blocks, the model
+    whose blocks are mixtures in the proportion of `held`'s (rank_memory and the step time count
+    a rank's blocks as their share of the model's), so that each pipeline rank is counted with
+    the mixture blocks it holds."""
+    return _MixtureShare(cfg, held) if 0 < moe_layers(cfg) < cfg.n_layers else cfg
 
+
+class _MixtureShare:
     def __init__(self, cfg: Any, held: list[int]):
         mixtures = sum(1 for layer in held if layer >= cfg.moe_dense_layers)
         self._cfg, self.moe_dense_layers = cfg, cfg.n_layers - mixtures * cfg.n_layers / len(held)

@@ -12,8 +12,10 @@ ratio of Llama 3 8B (4096 / 32) and 405B (16384 / 126) and of GPT-3 175B (12288 
 depends little on it over a wide range (Kaplan et al. 2020, figure 5). Of the widths (multiples
 of 128) and depths within a factor 1.5 of that ratio, the one with N closest to the target wins,
 from 5B parameters (PIPELINED_SIZE: where pipelines begin to pay) a depth that does not halve
-four times (into 2 to 16 pipeline stages) counted 2% further for each halving it lacks: a prime depth could never be pipelined over a power-of-two count of
-devices (what a miss of a few % in N costs in loss at a fixed budget is far below the law's
+four times (into 2 to 16 pipeline stages) counted 2% further for each halving it lacks: such a
+depth splits evenly over a power-of-two count of devices, where another needs stages of unequal
+blocks (parallel.pp_stage_blocks), written into the config by the planner but not what a person
+would guess, and with a slowest stage of a block more (what a miss of a few % in N costs in loss at a fixed budget is far below the law's
 own interval: the IsoFLOP minimum is flat). From 13B to 405B every depth then splits into at
 least 4 stages, within 5% of the N asked for.
 
@@ -62,8 +64,8 @@ def nearest_shapes(ns: list[float], vocab: int, seq_len: int) -> list[ModelConfi
             cfg = _shape(dim, layers, vocab, seq_len)
             total = param_counts(cfg)["total"]
             for i, n in enumerate(ns):
-                # (a depth that halves four times splits over 2 to 16 pipeline ranks: a prime one over
-                # none, and a plan at a power-of-two count of devices could then not pipeline it)
+                # (a depth that halves four times splits evenly over 2 to 16 pipeline ranks: another
+                # only into stages of unequal blocks)
                 splits = min(4, (layers & -layers).bit_length() - 1)
                 miss = (abs(math.log(total / n)) + 0.01 * abs(math.log(layers / aim))
                         + (0.02 * (4 - splits) if n >= PIPELINED_SIZE else 0.0))

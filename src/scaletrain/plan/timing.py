@@ -6,8 +6,9 @@ counts of parallel.pp_stage_blocks) and, on the last pipeline stage, the output 
 multi-token prediction's depths (a block, a projection and a pass through the head each, so
 they add the same time at any pp), over micro_batch x seq_len / cp tokens, the matmuls split
 over tp ranks. A pipeline goes at the pace of its slowest rank, the one timed: with equal
-stages the last; with unequal ones whichever the blocks and the head make slowest (its blocks
-also set the parameters FSDP gathers and the optimizer steps).
+stages the last; with unequal ones whichever the blocks and the head make slowest (a mixture
+with dense first blocks counted with each rank's own). Each rank then reduces and steps its own
+parameters, and the slowest of those ends the step.
 
 - Compute: matmul and attention FLOPs (model/flops.py: 6 N per token, attention counted over
   the causal half, the work FlashAttention does) at `Efficiency.matmul` of the device's dense
@@ -80,9 +81,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from scaletrain.model.flops import moe_layers, mtp_train_flops_per_token, param_counts, train_flops_per_token
-from scaletrain.parallel.layout import V_SHAPED, stage_blocks, stage_ids
+from scaletrain.parallel.layout import V_SHAPED
 from scaletrain.plan.hardware import Device
-from scaletrain.plan.memory import MemoryEstimate, activation_bytes_per_token, training_memory
+from scaletrain.plan.memory import MemoryEstimate, activation_bytes_per_token, pipeline_ranks, training_memory
 
 
 
@@ -237,9 +238,6 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
     d, kv_width = cfg.dim, cfg.kv_heads * cfg.head_dim
     bandwidth = device.memory_bandwidth
     head_matmul = cfg.vocab * cfg.dim
-    block_flops = (train_flops_per_token(cfg, seq_len, causal=True) - 6 * head_matmul
-                   - mtp_train_flops_per_token(cfg, seq_len, causal=True)) / cfg.n_layers
-    elementwise = efficiency.elementwise * activation_bytes_per_token(cfg, bf16, "none")  # per token and block
     again = lay.recompute != "none"
     activations = tokens * d * act_bytes  # the norms' outputs, gathered; the projections' outputs, scattered
     tp_bw = group_bandwidth(lay, "tp", device, gpus_per_node, efficiency)
@@ -249,10 +247,14 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
     routed = tokens / lay.tp * getattr(cfg, "moe_top_k", 0) * d * act_bytes
     ep_bw = group_bandwidth(lay, "ep", device, gpus_per_node, efficiency)
 
-    def one_microbatch(layers: float, last: bool) -> tuple[float, ...]:
+    def one_microbatch(own: Any, layers: float, last: bool) -> tuple[float, ...]:
         """(forward, backward, recomputation, tp, cp, ep, sends) of one micro-batch on a rank of
-        `layers` blocks that runs the last stage (`last`: the output head and multi-token
-        prediction's depths, a block, a projection and another pass through the head each) or not."""
+        `layers` blocks (as `own`'s are: a mixture's share of mixture blocks) that runs the last
+        stage (`last`: the output head and multi-token prediction's depths, a block, a projection
+        and another pass through the head each) or not."""
+        block_flops = (train_flops_per_token(own, seq_len, causal=True) - 6 * head_matmul
+                       - mtp_train_flops_per_token(own, seq_len, causal=True)) / cfg.n_layers
+        elementwise = efficiency.elementwise * activation_bytes_per_token(own, bf16, "none")  # per token and block
         depths = (getattr(cfg, "mtp_depth", 0) or 0) if last else 0
         mtp_flops = mtp_train_flops_per_token(cfg, seq_len, causal=True) if last else 0
         # -- compute ------------------------------------------------------------------------------
@@ -280,41 +282,49 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
         # over the ep x tp ranks the experts split over (a tp rank routes its part of the sequences).
         ep_time = 0.0
         split = lay.ep * lay.tp
-        if split > 1 and moe_layers(cfg):
-            all_to_alls = moe_layers(cfg) * layers / cfg.n_layers * (6 if lay.recompute == "full" else 4)
+        if split > 1 and moe_layers(own):
+            all_to_alls = moe_layers(own) * layers / cfg.n_layers * (6 if lay.recompute == "full" else 4)
             ep_time = all_to_alls * ((split - 1) / split * routed / ep_bw + efficiency.latency)
         return forward, backward, recompute, tp_time, cp_time, ep_time, sends
 
-    # The pipeline's pace is its slowest rank's: with stages of equal blocks the last (the head's).
-    ranks = rank_blocks(cfg.n_layers, lay)
-    timed = [one_microbatch(layers, last) for layers, last in ranks]
-    slowest = max(range(len(ranks)), key=lambda i: timed[i][0] + timed[i][1] + sum(timed[i][3:]))
-    layers = ranks[slowest][0]
-    forward, backward, recompute, tp_time, cp_time, ep_time, sends = timed[slowest]
-    microbatch = forward + backward + tp_time + cp_time + ep_time + sends
-
-    # -- data parallelism --------------------------------------------------------------------------
-    stage_params = _stage_parameters(cfg, lay.pp, layers) / lay.tp  # one tp rank's part of its stages, unsharded
+    # The pipeline's pace is its slowest rank's micro-batch: with stages of equal blocks the last's
+    # (the head's). Then each rank's gradients are reduced and stepped: the step ends with the slowest.
     shard = lay.dp_shard * lay.cp
     fsdp_bw = group_bandwidth(lay, "fsdp", device, gpus_per_node, efficiency)
-    experts = _routed_expert_parameters(cfg) * layers / cfg.n_layers / lay.tp  # gathered 1/ep of them over dp_shard / ep ranks
     efsdp_bw = group_bandwidth(lay, "efsdp", device, gpus_per_node, efficiency)
-    gather = collective("all_gather", (stage_params - experts) * act_bytes, shard, fsdp_bw, efficiency)
-    reduce = collective("reduce_scatter", (stage_params - experts) * 4, shard, fsdp_bw, efficiency)
-    if experts:
-        gather += collective("all_gather", experts / lay.ep * act_bytes, shard // lay.ep, efsdp_bw, efficiency)
-        reduce += collective("reduce_scatter", experts / lay.ep * 4, shard // lay.ep, efsdp_bw, efficiency)
     rep_bw = group_bandwidth(lay, "dp_replicate", device, gpus_per_node, efficiency)
-    reduce += collective("all_reduce", stage_params * 4 / shard, lay.dp_replicate, rep_bw, efficiency)
-    if lay.pp == 1:  # gathered for each micro-batch's forward and backward, reduced after each
-        first_block = gather / max(1.0, layers)
-        per_micro = max(0.0, gather - forward) + max(0.0, gather + reduce - backward) + first_block
-        data_parallel = micro_steps * per_micro
-    else:  # gathered once (overlapping the first micro-batch), reduced after the last
-        data_parallel = max(0.0, gather - forward) + max(0.0, reduce - backward)
+
+    def reduce_and_step(own: Any, layers: float, first: bool, last: bool, forward: float,
+                        backward: float) -> tuple[float, float]:
+        """(exposed data-parallel communication, optimizer) of a rank of `layers` blocks."""
+        stage_params = _stage_parameters(own, lay.pp, layers, first, last) / lay.tp  # one tp rank's, unsharded
+        experts = _routed_expert_parameters(own) * layers / cfg.n_layers / lay.tp  # gathered 1/ep over dp_shard / ep
+        gather = collective("all_gather", (stage_params - experts) * act_bytes, shard, fsdp_bw, efficiency)
+        reduce = collective("reduce_scatter", (stage_params - experts) * 4, shard, fsdp_bw, efficiency)
+        if experts:
+            gather += collective("all_gather", experts / lay.ep * act_bytes, shard // lay.ep, efsdp_bw, efficiency)
+            reduce += collective("reduce_scatter", experts / lay.ep * 4, shard // lay.ep, efsdp_bw, efficiency)
+        reduce += collective("all_reduce", stage_params * 4 / shard, lay.dp_replicate, rep_bw, efficiency)
+        if lay.pp == 1:  # gathered for each micro-batch's forward and backward, reduced after each
+            first_block = gather / max(1.0, layers)
+            per_micro = max(0.0, gather - forward) + max(0.0, gather + reduce - backward) + first_block
+            data_parallel = micro_steps * per_micro
+        else:  # gathered once (overlapping the first micro-batch), reduced after the last
+            data_parallel = max(0.0, gather - forward) + max(0.0, reduce - backward)
+        return data_parallel, 36 * stage_params / shard / bandwidth
+
+    # (each rank's model, blocks, and whether it runs the first stage and the last)
+    ranks = [(own, held["blocks"], held["embedding"], held["head"])
+             for own, held in pipeline_ranks(cfg, lay.pp, micro_steps, lay.pp_schedule, lay.pp_stages_per_rank,
+                                             lay.pp_stage_blocks)] if lay.pp > 1 else [(cfg, cfg.n_layers, True, True)]
+    timed = [one_microbatch(own, layers, last) for own, layers, _, last in ranks]
+    paces = [t[0] + t[1] + sum(t[3:]) for t in timed]
+    slowest = max(range(len(ranks)), key=lambda i: paces[i])
+    forward, backward, recompute, tp_time, cp_time, ep_time, sends = timed[slowest]
+    microbatch = paces[slowest]
+    data_parallel, optimizer = max((reduce_and_step(*rank, *t[:2]) for rank, t in zip(ranks, timed)), key=sum)
 
     bubble = bubble_microbatches(lay.pp_schedule, lay.pp, lay.pp_stages_per_rank) * microbatch
-    optimizer = 36 * stage_params / shard / bandwidth
     copies = 0.0
     # The embedding's copies sum their float32 gradients (within rank 0 under the V-shaped schedules: no link).
     if lay.pp > 1 and (cfg.tie_embeddings or getattr(cfg, "mtp_depth", 0)) and lay.pp_schedule not in V_SHAPED:
@@ -333,28 +343,20 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
                     mfu_causal=mfu_causal)
 
 
-def rank_blocks(n_layers: int, lay: PlanLayout) -> list[tuple[int, bool]]:
-    """(blocks, whether it runs the last stage) of each pipeline rank of layout `lay`."""
-    if lay.pp == 1:
-        return [(n_layers, True)]
-    stages = lay.pp * (2 if lay.pp_schedule in V_SHAPED else lay.pp_stages_per_rank)
-    blocks = stage_blocks(n_layers, stages, lay.pp_stage_blocks)
-    return [(sum(blocks[stage] for stage in ids), stages - 1 in ids)
-            for ids in (stage_ids(lay.pp_schedule, rank, lay.pp, stages // lay.pp) for rank in range(lay.pp))]
-
-
 def _routed_expert_parameters(cfg: Any) -> float:
     """The routed experts' weights, all blocks (0 for a dense model)."""
     return moe_layers(cfg) * cfg.moe_experts * 3 * cfg.dim * cfg.expert_dim if moe_layers(cfg) else 0
 
 
-def _stage_parameters(cfg: Any, pp: int, layers: float) -> float:
-    """Parameters of a pipeline rank of `layers` blocks (every expert of a mixture), counted with
-    the last stage's output head, final norm and multi-token prediction's depths (the embedding, on
-    the first, is no larger than the head; counted once when tied, and the last stage's copy of it
-    serves as the tied head; an untied head with depths has the copy beside it)."""
+def _stage_parameters(cfg: Any, pp: int, layers: float, first: bool, last: bool) -> float:
+    """Parameters of a pipeline rank of `layers` blocks (every expert of a mixture), with the
+    embedding where it runs the first stage and, where it runs the last, the output head, final
+    norm, multi-token prediction's depths and the copy of the embedding that stage reads (for a
+    tied head, or depths); without pipelining one embedding, tied to the head or beside it."""
     counts = param_counts(cfg)
     blocks = counts["total"] - counts["mtp"] - cfg.vocab * cfg.dim * (1 if cfg.tie_embeddings else 2) - cfg.dim
-    matrices = 1 if cfg.tie_embeddings else (2 if pp == 1 or counts["mtp"] else 1)
-    return blocks * layers / cfg.n_layers + counts["mtp"] + cfg.vocab * cfg.dim * matrices + cfg.dim
-
+    if pp == 1:
+        matrices = 1 if cfg.tie_embeddings else 2
+    else:
+        matrices = int(first) + int(last) * (int(not cfg.tie_embeddings) + int(cfg.tie_embeddings or counts["mtp"] > 0))
+    return blocks * layers / cfg.n_layers + (counts["mtp"] + cfg.dim if last else 0) + cfg.vocab * cfg.dim * matrices
