@@ -195,3 +195,18 @@ def glitched(kind: str, step: int):
             trainer.Trainer._clip_gradients = saved
         else:
             trainer.run_lr = saved
+
+
+def bos_tokenizer(trained: Path, out: Path) -> tuple[Path, int]:
+    """`trained`'s tokenizer given a beginning-of-sequence token its post-processor puts before
+    every text, as a Llama tokenizer's does: the file and the token's id."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = Tokenizer.from_file(str(trained / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<|begin_of_text|>"])
+    bos = tokenizer.token_to_id("<|begin_of_text|>")
+    tokenizer.post_processor = TemplateProcessing(single="<|begin_of_text|> $A",
+                                                  special_tokens=[("<|begin_of_text|>", bos)])
+    tokenizer.save(str(out))
+    return out, bos

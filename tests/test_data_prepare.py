@@ -7,6 +7,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+from conftest import bos_tokenizer
 from tokenizers import Tokenizer
 
 from scaletrain.data import DataError
@@ -329,20 +331,6 @@ def test_the_tokenizer_trains_on_a_sample_of_the_training_text_when_asked(tmp_pa
                 tokenizer_sample=1000)
     with pytest.raises(DataError, match="tokenizer_sample 1 bytes drew no training document"):
         prepare([str(tmp_path / "corpus.jsonl")], tmp_path / "tiny", 400, tokenizer_sample=1)
-
-
-def bos_tokenizer(trained: Path, out: Path) -> tuple[Path, int]:
-    """`trained`'s tokenizer given a beginning-of-sequence token its post-processor puts before
-    every text, as a Llama tokenizer's does: the file and the token's id."""
-    from tokenizers.processors import TemplateProcessing
-
-    tokenizer = Tokenizer.from_file(str(trained / "tokenizer.json"))
-    tokenizer.add_special_tokens(["<|begin_of_text|>"])
-    bos = tokenizer.token_to_id("<|begin_of_text|>")
-    tokenizer.post_processor = TemplateProcessing(single="<|begin_of_text|> $A",
-                                                  special_tokens=[("<|begin_of_text|>", bos)])
-    tokenizer.save(str(out))
-    return out, bos
 
 
 def test_documents_begin_with_a_given_tokenizers_beginning_of_sequence_token(tmp_path):

@@ -117,6 +117,29 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_import(args: argparse.Namespace) -> int:
+    from scaletrain.data.importer import import_tokens
+
+    start = time.perf_counter()
+    result = import_tokens(args.sources, args.out, args.tokenizer, fmt=args.format, dtype=args.dtype, eos=args.eos_id,
+                           val_fraction=args.val_fraction, seed=args.seed, overwrite=args.overwrite)
+    stats = result.stats
+    table = Table(title=f"data: {result.out}" + (" (reused: sources and options unchanged)" if result.reused else ""))
+    table.add_column("")
+    table.add_column("value", justify="right")
+    for source in stats["imported"]:
+        table.add_row(f"{source['format']}: {source['path']}", f"{source['documents']:,} documents")
+    table.add_row("documents kept / read", f"{stats['documents']['kept']:,} / {stats['documents']['read']:,}")
+    table.add_row("train tokens", f"{stats['tokens']['train']:,}")
+    table.add_row("validation tokens", f"{stats['tokens']['val']:,}")
+    table.add_row("vocabulary", f"{stats['vocab_size']:,}")
+    if "bos_id" in stats:
+        table.add_row("documents begin with", f"beginning-of-sequence id {stats['bos_id']}")
+    table.add_row("seconds", f"{time.perf_counter() - start:.1f}")
+    out.print(table)
+    return 0
+
+
 def cmd_data_stats(args: argparse.Namespace) -> int:
     from scaletrain.data.stats import describe, plot_lengths
 
@@ -1128,6 +1151,12 @@ def _wall_seconds(text: str) -> float:
     return total
 
 
+def _validation_options(p: argparse.ArgumentParser) -> None:
+    """data prepare's and data import's validation split."""
+    p.add_argument("--val-fraction", type=float, default=0.005, help="fraction of documents held out (0.005)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the validation split")
+
+
 def _duration_text(seconds: float) -> str:
     """Seconds as _wall_seconds reads them back: '13800s', '0.250s' (never in exponent notation)."""
     return f"{seconds:.0f}s" if seconds == int(seconds) else f"{seconds:.3f}s"
@@ -1743,8 +1772,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-sample", type=_bytes, default=None, metavar="BYTES",
                    help="train the tokenizer on a sample of about this much of the training text (e.g. 1G; default: "
                         "all of it)")
-    p.add_argument("--val-fraction", type=float, default=0.005, help="fraction of documents held out (0.005)")
-    p.add_argument("--seed", type=_seed, default=0, help="seed of the validation split")
+    _validation_options(p)
     p.add_argument("--workers", type=int, default=None, help="processes that curate and tokenize (default: all cores)")
     p.add_argument("--filters", default="default",
                    help="curation: 'default' (normalise, quality and repetition filters), 'none', or a TOML file")
@@ -1771,6 +1799,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-bytes", type=_bytes, default=None,
                    help="input per resumable unit of work (default 64 MiB, the library's)")
     p.set_defaults(func=cmd_data_prepare)
+
+    p = data.add_parser("import", help="make a data directory of tokens another framework wrote (Megatron-LM's "
+                                       "indexed datasets, nanoGPT's and OLMo's token files)",
+                        description="Copy already tokenized documents into token shards, a validation split and the "
+                                    "tokenizer they were made with, as data prepare writes them: no curation, "
+                                    "deduplication or re-tokenization.")
+    p.add_argument("sources", nargs="+", metavar="SRC",
+                   help="a Megatron-LM dataset's prefix (PREFIX.bin and PREFIX.idx), or a file of tokens whose "
+                        "documents each end with the end-of-document id (nanoGPT's train.bin, an OLMo .npy memmap, "
+                        "a NumPy .npy)")
+    p.add_argument("--out", type=_out_dir, required=True, help="data directory to write")
+    p.add_argument("--tokenizer", required=True, help="the tokenizer.json the tokens were made with")
+    p.add_argument("--format", choices=("auto", "megatron", "flat"), default="auto",
+                   help="megatron where PREFIX.idx exists (auto), else flat")
+    p.add_argument("--dtype", choices=("uint16", "uint32", "int32"), default=None,
+                   help="a raw file's token type (default: uint16 where the tokenizer's ids fit, else uint32)")
+    p.add_argument("--eos-id", type=int, default=None,
+                   help="the end-of-document id (default: the tokenizer's end-of-text token)")
+    _validation_options(p)
+    p.add_argument("--overwrite", action="store_true", help="replace a data directory in --out")
+    p.set_defaults(func=cmd_data_import)
 
     p = data.add_parser("stats", help="summarise a prepared data directory and plot its document lengths")
     p.add_argument("data_dir", help="a directory written by `scaletrain data prepare`")

@@ -46,7 +46,8 @@ from scaletrain.outputs import kind_of
 from .curate import REASONS as FILTER_REASONS
 from .curate import FilterConfig, curate, document_kind, load_filters
 from .dedup import DedupIndex, Decontaminator, MinHasher, exact_key
-from .shards import DataError, ShardWriter, document_offsets, read_index, write_index
+from .shards import (DATA_FILES, DataError, ShardWriter, document_offsets, finished_key, read_index, remove_outputs,
+                     write_index)
 from .sources import (BINARY_SNIFF_BYTES, ReadStats, encodable, list_files, read_documents, reader_version,
                       reads_under)
 from .tokenizer import bos_id, check_vocab_size, eos_id, load_tokenizer, train_tokenizer
@@ -60,7 +61,6 @@ if TYPE_CHECKING:
 PREPARE_VERSION = 2
 DEFAULT_CHUNK_BYTES = 64 << 20  # input per resumable unit of work
 BATCH_BYTES = 1 << 20  # documents per task sent to a worker: small enough to spread over workers
-OUTPUT_FILES = ("manifest.json", "index.json", "stats.json", "tokenizer.json")
 # Reasons a document is dropped after curate.py's filters, in pipeline order.
 PIPELINE_REASONS = ("decontaminated", "exact_duplicate", "near_duplicate", "val_overlap")
 
@@ -198,7 +198,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     work = out / "work"
     created = not out.exists()  # (what a prepare that keeps nothing leaves: nothing, if it made out)
     replaced = _replaced(out, options, content_sha256)
-    if replaced and not overwrite and _finished_key(out) != key:
+    if replaced and not overwrite and finished_key(out) != key:
         raise DataError(f"{str(out)!r} holds a finished prepare of other sources or options ({replaced}); give "
                         "another output directory, or --overwrite to replace it (runs trained on it would then no longer "
                         "resume)")
@@ -883,14 +883,6 @@ def _replaced(out: Path, options: dict, content_sha256: str) -> str | None:
     return "; ".join([made, *changed[:3], *(["..."] if len(changed) > 3 else [])])
 
 
-def _finished_key(out: Path) -> str | None:
-    """The key of the finished prepare in out (its manifest's), if any."""
-    try:
-        return json.loads((out / "manifest.json").read_text()).get("key")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
 def _is_complete(out: Path, key: str) -> bool:
     """out holds a finished prepare with this key: its manifest matches and every file it names exists."""
     try:
@@ -898,7 +890,7 @@ def _is_complete(out: Path, key: str) -> bool:
         index = read_index(out)
     except (OSError, ValueError, KeyError):  # DataError is a ValueError
         return False
-    if manifest.get("key") != key or not all((out / name).is_file() for name in OUTPUT_FILES):
+    if manifest.get("key") != key or not all((out / name).is_file() for name in DATA_FILES):
         return False
     itemsize = np.dtype(index["dtype"]).itemsize
     for split in index["splits"].values():
@@ -915,17 +907,9 @@ def _is_complete(out: Path, key: str) -> bool:
 
 def _clear(out: Path) -> None:
     """Remove an earlier prepare's files from out, and only those."""
-    # The manifest goes first: if this prepare is interrupted, out has no manifest and is
-    # never mistaken for a complete result.
-    for name in OUTPUT_FILES:
-        (out / name).unlink(missing_ok=True)
+    remove_outputs(out)
     for folder in ("work", "rejects"):
         shutil.rmtree(out / folder, ignore_errors=True)
-    shards = out / "shards"
-    if shards.is_dir():
-        for path in shards.iterdir():
-            if path.name.startswith(("train_", "val_")):
-                path.unlink()
 
 
 def _write_json(path: Path, value: dict) -> None:

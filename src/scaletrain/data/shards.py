@@ -25,6 +25,9 @@ import numpy as np
 from scaletrain.errors import UserError
 
 INDEX_VERSION = 1
+# A data directory's files beside its shards (`data prepare`'s, `data import`'s), the manifest
+# first: written last, removed first, so that a directory without it is never taken for finished.
+DATA_FILES = ("manifest.json", "index.json", "stats.json", "tokenizer.json")
 DEFAULT_SHARD_TOKENS = 1 << 28  # 256 Mi tokens: 512 MB of uint16 per shard
 
 
@@ -59,6 +62,14 @@ class ShardWriter:
         if self._offsets[-1] >= self.shard_tokens:
             self._flush()
 
+    def extend(self, tokens: np.ndarray, offsets: np.ndarray) -> None:
+        """Add whole documents at once: `tokens`, each document followed by the end-of-document id
+        already, and where they begin and the last ends in them (`offsets`, from 0)."""
+        self._pieces.append(tokens.astype(self.dtype, copy=False))
+        self._offsets.extend((np.asarray(offsets[1:], dtype=np.int64) + self._offsets[-1]).tolist())
+        if self._offsets[-1] >= self.shard_tokens:
+            self._flush()
+
     def _flush(self) -> None:
         if len(self._offsets) == 1:
             return
@@ -84,6 +95,25 @@ def write_index(data_dir: str | Path, vocab_size: int, eos_id: int, splits: dict
              "vocab_size": vocab_size, "eos_id": eos_id, **({"bos_id": bos_id} if bos_id is not None else {}),
              "splits": splits}
     _write_atomic(Path(data_dir) / "index.json", json.dumps(index, indent=1).encode())
+
+
+def finished_key(data_dir: Path) -> str | None:
+    """The key of the finished prepare or import in data_dir (its manifest's), if any."""
+    try:
+        return json.loads((data_dir / "manifest.json").read_text()).get("key")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def remove_outputs(data_dir: Path) -> None:
+    """Remove a data directory's files (DATA_FILES) and its shards, and only those."""
+    for name in DATA_FILES:
+        (data_dir / name).unlink(missing_ok=True)
+    shards = data_dir / "shards"
+    if shards.is_dir():
+        for path in shards.iterdir():
+            if path.name.startswith(("train_", "val_")):
+                path.unlink()
 
 
 def _write_atomic(path: Path, payload: bytes) -> None:

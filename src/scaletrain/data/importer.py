@@ -1,0 +1,283 @@
+"""`scaletrain data import`: token data another framework already made, as a data directory.
+
+Corpora are often tokenized once and kept in their trainer's format; re-tokenizing terabytes
+to train here would cost hours and might not give the same tokens. Two formats are read:
+
+- **megatron**: Megatron-LM's (and NeMo's) indexed dataset, PREFIX.bin with PREFIX.idx — the
+  index's header b"MMIDIDX\\x00\\x00", version 1, the tokens' dtype code, the counts of
+  sequences and documents, then each sequence's length (int32) and byte offset (int64) and the
+  sequence each document starts at (int64, with the end as the last). Documents made with
+  `preprocess_data.py --append-eod` end with the end-of-document token already.
+- **flat**: one array of tokens whose documents each end with the end-of-document token:
+  nanoGPT's train.bin (uint16, GPT-2's <|endoftext|> after each), OLMo's and Dolma's tokenized
+  .npy memmaps (raw, no header: uint16, or uint32 for vocabularies past 65,536), or a NumPy .npy
+  file with its header. A raw file's dtype is --dtype, else the smallest that holds the
+  tokenizer's ids.
+
+The tokens are copied into shards (data/shards.py) as `data prepare` writes them: each document
+followed by the end-of-document id (one where the source ended it without, not a second where
+it had one; empty documents dropped), a seeded share of the documents held out as the validation
+split, the tokenizer the data was made with copied beside them. Every id is checked to be one
+of the tokenizer's. What is not done (the tokens are taken as they are): curation,
+deduplication, and the removal of training documents that overlap the validation split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from scaletrain.outputs import kind_of
+
+from .shards import (DATA_FILES, DataError, ShardWriter, finished_key, read_index, remove_outputs, token_dtype,
+                     write_index)
+from .tokenizer import bos_id, eos_id, load_tokenizer
+from .tokenizer import vocab_size as tokenizer_vocab_size
+
+FORMATS = ("auto", "megatron", "flat")
+MEGATRON_HEADER = b"MMIDIDX\x00\x00"
+# Megatron-LM's dtype codes (megatron/core/datasets/indexed_dataset.py, DType): the integer ones.
+MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
+RAW_DTYPES = ("uint16", "uint32", "int32")
+BLOCK_TOKENS = 1 << 24  # tokens read and written at a time
+
+
+@dataclass
+class Source:
+    """One source's tokens (memory-mapped) and where its documents begin and end in them."""
+
+    path: str
+    format: str
+    tokens: np.ndarray
+    bounds: np.ndarray  # int64: (start, end) of each document, shape (documents, 2)
+
+
+@dataclass
+class ImportResult:
+    out: Path
+    stats: dict
+    reused: bool
+
+
+def read_source(spec: str, fmt: str = "auto", dtype: str | None = None, eos: int = 0,
+                raw_dtype: str = "uint16") -> Source:
+    """The tokens and documents of one source: a Megatron prefix (or its .bin or .idx), a flat
+    token file, or a .npy; `eos` splits a flat file into documents. `dtype`: a raw flat file's,
+    as given (refused for the others, which say their own); else `raw_dtype`."""
+    path = Path(spec)
+    prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
+    megatron = Path(f"{prefix}.idx").is_file()
+    if fmt == "auto":
+        fmt = "megatron" if megatron else "flat"
+    if fmt == "megatron":
+        if not megatron or not Path(f"{prefix}.bin").is_file():
+            raise DataError(f"{spec!r} is not a Megatron indexed dataset: {prefix}.idx and {prefix}.bin must both "
+                            "exist; give the prefix they share, or --format flat for one file of tokens")
+        if dtype is not None:
+            raise DataError("--dtype reads a raw file of tokens; a Megatron dataset's index names its own: drop it")
+        return _megatron(str(prefix))
+    if not path.is_file():
+        raise DataError(f"source {spec!r} does not exist; give a file of tokens (a .bin or .npy) or a Megatron "
+                        "dataset's prefix")
+    return _flat(path, dtype, eos, raw_dtype)
+
+
+def _megatron(prefix: str) -> Source:
+    idx = Path(f"{prefix}.idx")
+    bad = f"{idx} is not a Megatron indexed dataset's index"
+    with open(idx, "rb") as f:
+        head = f.read(34)
+    if len(head) < 34 or head[:9] != MEGATRON_HEADER:
+        raise DataError(f"{bad} (it does not begin with MMIDIDX); give the prefix of a .bin/.idx pair that "
+                        "Megatron-LM's preprocess_data.py wrote")
+    version, code, sequences, documents = struct.unpack("<QBQQ", head[9:34])
+    if version != 1 or code not in MEGATRON_DTYPES:
+        raise DataError(f"{bad} this reads (version {version}, dtype code {code}: version 1 with integer tokens, "
+                        f"codes {sorted(MEGATRON_DTYPES)}, is what it reads)")
+    dtype = np.dtype(MEGATRON_DTYPES[code])
+    expected = 34 + sequences * (4 + 8) + documents * 8
+    if idx.stat().st_size < expected:
+        raise DataError(f"{bad}: it is {idx.stat().st_size:,} bytes, shorter than the {expected:,} its counts need "
+                        "(cut short?); write it again")
+    lengths = np.memmap(idx, dtype=np.int32, mode="r", offset=34, shape=(sequences,))
+    pointers = np.memmap(idx, dtype=np.int64, mode="r", offset=34 + 4 * sequences, shape=(sequences,))
+    starts_at = np.memmap(idx, dtype=np.int64, mode="r", offset=34 + 12 * sequences, shape=(documents,))
+    data = Path(f"{prefix}.bin")
+    size = data.stat().st_size
+    if size % dtype.itemsize:
+        raise DataError(f"{data} is {size:,} bytes, not a whole number of {dtype.name} tokens; it is damaged")
+    tokens = np.memmap(data, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+    firsts = np.asarray(pointers, dtype=np.int64) // dtype.itemsize
+    ends = firsts + np.asarray(lengths, dtype=np.int64)
+    marks = np.asarray(starts_at, dtype=np.int64)
+    if len(marks) and (marks[0] != 0 or marks[-1] != sequences or np.any(np.diff(marks) < 0)) \
+            or np.any(np.asarray(lengths) < 0) or (len(ends) and int(ends.max()) > len(tokens)):
+        raise DataError(f"{bad} that fits {data} ({sequences:,} sequences, {len(tokens):,} tokens): its offsets "
+                        "point outside the data or its documents do not run from the first sequence to the last; "
+                        "write it again")
+    whole = marks[1:] > marks[:-1]  # (a document of no sequences holds nothing)
+    first_seq, last_seq = marks[:-1][whole], marks[1:][whole] - 1
+    bounds = np.stack([firsts[first_seq], ends[last_seq]], axis=1) if len(first_seq) else np.zeros((0, 2), np.int64)
+    if len(bounds) and np.any(bounds[1:, 0] < bounds[:-1, 1]):
+        raise DataError(f"{bad} whose documents lie in order in {data}; write it again")
+    return Source(prefix, "megatron", tokens, bounds)
+
+
+def _flat(path: Path, dtype: str | None, eos: int, raw_dtype: str) -> Source:
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic == b"\x93NUMPY":  # a .npy with its header: NumPy says the dtype
+        if dtype is not None:
+            raise DataError(f"{path} is a NumPy file, whose header names its dtype; drop --dtype")
+        try:
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as e:
+            raise DataError(f"{path} cannot be read as a NumPy array ({e}); it is damaged") from None
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise DataError(f"{path} holds a {tokens.ndim}-dimensional {tokens.dtype} array; a file of tokens is one "
+                            "dimension of integers")
+    else:
+        kind = np.dtype(dtype or raw_dtype)
+        size = path.stat().st_size
+        if size % kind.itemsize:
+            raise DataError(f"{path} is {size:,} bytes, not a whole number of {kind.name} tokens; give its --dtype "
+                            f"({', '.join(RAW_DTYPES)})")
+        tokens = np.memmap(path, dtype=kind, mode="r") if size else np.zeros(0, kind)
+    ends = [np.flatnonzero(tokens[i:i + BLOCK_TOKENS] == eos) + i + 1 for i in range(0, len(tokens), BLOCK_TOKENS)]
+    ends = np.concatenate([*ends, np.zeros(0, np.int64)]).astype(np.int64)
+    if not len(ends) or ends[-1] != len(tokens):  # (the last document without its end)
+        ends = np.append(ends, len(tokens))
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    return Source(str(path), "flat", tokens, np.stack([starts, ends], axis=1))
+
+
+def _documents(tokens: np.ndarray, bounds: np.ndarray, eos: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The documents `bounds` marks in `tokens` as shards hold them — each followed by one `eos`
+    (not a second where it ends with one), empty ones dropped — and their offsets (from 0)."""
+    starts, ends = bounds[:, 0], bounds[:, 1]
+    nonempty = ends > starts
+    starts, ends = starts[nonempty], ends[nonempty]
+    ended = np.zeros(len(starts), bool)
+    if len(starts):
+        ended = np.asarray(tokens[ends - 1]) == eos
+    lengths = ends - ended - starts  # (without the end)
+    keep = lengths > 0
+    starts, lengths = starts[keep], lengths[keep]
+    offsets = np.concatenate([[0], np.cumsum(lengths + 1)]).astype(np.int64)
+    out = np.full(int(offsets[-1]), eos, dtype=dtype)
+    if len(lengths):
+        base = int(starts.min())
+        window = np.asarray(tokens[base:int((starts + lengths).max())])
+        within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        out[np.repeat(offsets[:-1], lengths) + within] = window[np.repeat(starts - base, lengths) + within]
+    return out, offsets
+
+
+def _blocks(bounds: np.ndarray) -> Iterator[slice]:
+    """Runs of consecutive documents of about BLOCK_TOKENS tokens (at least one document each)."""
+    if not len(bounds):
+        return
+    cuts = np.searchsorted(bounds[:, 1] - bounds[0, 0], np.arange(BLOCK_TOKENS, int(bounds[-1, 1] - bounds[0, 0]),
+                                                                   BLOCK_TOKENS), side="left")
+    edges = np.unique(np.concatenate([[0], cuts + 1, [len(bounds)]]).clip(0, len(bounds)))
+    for a, b in zip(edges, edges[1:]):
+        yield slice(int(a), int(b))
+
+
+def import_tokens(sources: list[str], out: str | Path, tokenizer: str | Path, *, fmt: str = "auto",
+                  dtype: str | None = None, eos: int | None = None, val_fraction: float = 0.005, seed: int = 0,
+                  overwrite: bool = False) -> ImportResult:
+    """Copy the documents of `sources` (read_source's) into data directory `out`, tokenized by
+    `tokenizer` (a tokenizer.json: the one the tokens were made with); `eos`: the end-of-document
+    id, by default the tokenizer's end-of-text token."""
+    out = Path(out)
+    if fmt not in FORMATS:
+        raise DataError(f"format {fmt!r} is not one this reads; give one of {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in RAW_DTYPES:
+        raise DataError(f"dtype {dtype!r} is not one a file of tokens is read as; give one of {', '.join(RAW_DTYPES)}")
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"the validation fraction must be in [0, 1), not {val_fraction}")
+    if not sources:
+        raise DataError("no sources given; give Megatron dataset prefixes or files of tokens")
+    found = kind_of(out)
+    if (out.exists() and not out.is_dir()) or found not in (None, "prepared data directory"):
+        raise DataError(f"output {str(out)!r} is {'a file' if not out.is_dir() else f'a {found}'}; give a new "
+                        "directory to import the data into")
+    tok = load_tokenizer(tokenizer)
+    vocab = tokenizer_vocab_size(tok)
+    end = eos_id(tok, tokenizer) if eos is None else eos
+    if not 0 <= end < vocab:
+        raise DataError(f"--eos-id {end} is not one of the tokenizer's {vocab:,} ids")
+    read = [read_source(spec, fmt, dtype, end, token_dtype(vocab).name) for spec in sources]
+    tokenizer_file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
+    tokenizer_text = tokenizer_file.read_bytes()
+    key = hashlib.sha256(json.dumps({
+        "sources": [[s.path, s.format, _identity(s)] for s in read], "tokenizer": hashlib.sha256(tokenizer_text).hexdigest(),
+        "eos": end, "val_fraction": val_fraction, "seed": seed}, sort_keys=True).encode()).hexdigest()
+    if finished_key(out) == key and all((out / name).is_file() for name in DATA_FILES):
+        read_index(out)  # (damaged: refused in a sentence)
+        return ImportResult(out, json.loads((out / "stats.json").read_text()), reused=True)
+    if (out / "index.json").is_file() and not overwrite:
+        raise DataError(f"{str(out)!r} holds a data directory already; give another output directory, or --overwrite "
+                        "to replace it (runs trained on it would then no longer resume)")
+    remove_outputs(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    writers = {"train": ShardWriter(out, "train", vocab, end), "val": ShardWriter(out, "val", vocab, end)}
+    docs = {"train": 0, "val": 0}
+    read_tokens, documents_read, begins = 0, 0, []
+    bos = bos_id(tok)
+    kind = token_dtype(vocab)
+    for source in read:
+        documents_read += len(source.bounds)
+        read_tokens += int((source.bounds[:, 1] - source.bounds[:, 0]).sum()) if len(source.bounds) else 0
+        for block in _blocks(source.bounds):
+            bounds = source.bounds[block]
+            held = rng.random(len(bounds)) < val_fraction
+            for split, chosen in (("train", bounds[~held]), ("val", bounds[held])):
+                if not len(chosen):
+                    continue
+                tokens, offsets = _documents(source.tokens, chosen, end, np.dtype(np.int64))
+                if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+                    bad = int(tokens.max()) if int(tokens.max()) >= vocab else int(tokens.min())
+                    raise DataError(f"{source.path} holds token id {bad}, not one of the {vocab:,} ids of "
+                                    f"{tokenizer}; give the tokenizer the data was made with")
+                begins.append(bool(len(offsets) == 1 or np.all(tokens[offsets[:-1]] == bos)) if bos is not None else False)
+                writers[split].extend(tokens.astype(kind), offsets)
+                docs[split] += len(offsets) - 1
+    splits = {split: writer.close() for split, writer in writers.items()}
+    if not splits["train"]["documents"]:
+        remove_outputs(out)
+        raise DataError(f"the sources hold no documents ({documents_read:,} read, none with a token besides the "
+                        "end of a document); give the files or prefixes of the tokenized data")
+    # Documents that all begin with the tokenizer's beginning-of-sequence token were made with it:
+    # tasks and prompts then begin with it too (data/prepare.py's bos_id).
+    starts_with_bos = bos is not None and all(begins)
+    write_index(out, vocab, end, splits, bos_id=bos if starts_with_bos else None)
+    shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+    stats = {"documents": {"read": documents_read, "kept": docs["train"] + docs["val"], "dropped": {},
+                           "train": docs["train"], "val": docs["val"]},
+             "tokens": {"read": read_tokens, "train": splits["train"]["tokens"], "val": splits["val"]["tokens"]},
+             "vocab_size": vocab, "eos_id": end, **({"bos_id": bos} if starts_with_bos else {}),
+             "imported": [{"path": s.path, "format": s.format, "documents": len(s.bounds)} for s in read]}
+    (out / "stats.json").write_text(json.dumps(stats, indent=1))
+    (out / "manifest.json").write_text(json.dumps({  # last: a directory without it is not finished
+        "key": key, "imported": [s.path for s in read],
+        "options": {"vocab_size": vocab, "format": fmt, "eos_id": end, "val_fraction": val_fraction, "seed": seed},
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}, indent=1))
+    return ImportResult(out, stats, reused=False)
+
+
+def _identity(source: Source) -> list:
+    """What says a source is unchanged: its files' sizes and modification times."""
+    files = [Path(f"{source.path}.idx"), Path(f"{source.path}.bin")] if source.format == "megatron" \
+        else [Path(source.path)]
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]

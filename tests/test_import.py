@@ -1,0 +1,178 @@
+"""`scaletrain data import`: token data other frameworks wrote, read into a data directory —
+Megatron-LM's indexed datasets (written by megatron-core's own builder), nanoGPT's flat .bin
+and NumPy files — holding the very documents, and training the very losses, of the data they came from."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import bos_tokenizer, run_cli, tiny_config
+from scaletrain.data import importer
+from scaletrain.data.importer import import_tokens
+from scaletrain.data.shards import DataError, document_offsets, open_split, read_index
+from scaletrain.train.metrics import read_metrics
+from scaletrain.train.trainer import train
+
+
+def documents(data_dir: Path, split: str = "train") -> list[np.ndarray]:
+    """A split's documents, each with its end-of-document token."""
+    tokens = open_split(data_dir, split)
+    out = []
+    for shard, memmap in zip(read_index(data_dir)["splits"][split]["shards"], tokens.shards):
+        offsets = document_offsets(data_dir, shard)
+        out += [np.asarray(memmap[a:b], dtype=np.int64) for a, b in zip(offsets, offsets[1:])]
+    return out
+
+
+def megatron_dataset(prefix: Path, docs: list[np.ndarray], dtype, append_eod: bool, eos: int) -> None:
+    """docs written by megatron-core's IndexedDatasetBuilder, as preprocess_data.py writes them
+    (with --append-eod: each ending with the end-of-document token; without: not), each document
+    cut into two sequences (as --split-sentences cuts one into sentences)."""
+    import torch
+    with warnings.catch_warnings():
+        # (its import says it found no Transformer Engine or Apex; numpy 2 warns of its array conversion)
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+        for doc in docs:
+            body = doc[:-1] if doc[-1] == eos and not append_eod else doc
+            half = len(body) // 2
+            builder.add_document(torch.from_numpy(body.astype(np.int64)), [half, len(body) - half])
+        builder.finalize(f"{prefix}.idx")
+
+
+def test_megatron_datasets_and_flat_token_files_import_as_the_documents_they_hold(stdlib_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(importer, "BLOCK_TOKENS", 1000)  # (read and written in many blocks, as a large corpus is)
+    originals = documents(stdlib_data)
+    eos = read_index(stdlib_data)["eos_id"]
+    tokenizer = stdlib_data / "tokenizer.json"
+    # Megatron-LM's, in its default int32 and in uint16, with and without the end-of-document token:
+    # the same documents, each ended once, in order; none held out.
+    for dtype, append_eod in ((np.int32, True), (np.uint16, False)):
+        prefix = tmp_path / f"megatron-{np.dtype(dtype).name}" / "corpus_text_document"
+        prefix.parent.mkdir()
+        megatron_dataset(prefix, originals, dtype, append_eod, eos)
+        out = tmp_path / f"imported-{np.dtype(dtype).name}"
+        result = import_tokens([str(prefix)], out, tokenizer, val_fraction=0)
+        got = documents(out)
+        assert len(got) == len(originals) and all(np.array_equal(a, b) for a, b in zip(got, originals))
+        assert result.stats["imported"] == [{"path": str(prefix), "format": "megatron", "documents": len(originals)}]
+        assert (out / "tokenizer.json").read_bytes() == tokenizer.read_bytes() and "bos_id" not in read_index(out)
+    # nanoGPT's train.bin (raw uint16, each document ended) and a NumPy .npy of uint32: the same.
+    flat = np.concatenate(originals)
+    flat.astype(np.uint16).tofile(tmp_path / "train.bin")
+    np.save(tmp_path / "tokens.npy", flat.astype(np.uint32))
+    for name in ("train.bin", "tokens.npy"):
+        out = tmp_path / f"imported-{name}"
+        import_tokens([str(tmp_path / name)], out, tokenizer, val_fraction=0)
+        assert all(np.array_equal(a, b) for a, b in zip(documents(out), originals, strict=True))
+    # Several sources, a share held out: every document in one split or the other, in order, the
+    # draw the seed's (the same again; another seed, another draw).
+    out = tmp_path / "split"
+    result = import_tokens([str(tmp_path / "train.bin"), str(tmp_path / "megatron-int32" / "corpus_text_document")],
+                           out, tokenizer, val_fraction=0.2, seed=3)
+    train_docs, val_docs = documents(out), documents(out, "val")
+    assert len(train_docs) + len(val_docs) == 2 * len(originals) and 0 < len(val_docs) < len(originals)
+    both = sorted(map(tuple, train_docs + val_docs))
+    assert both == sorted(map(tuple, originals + originals))
+    assert result.stats["documents"] == {"read": 2 * len(originals), "kept": 2 * len(originals), "dropped": {},
+                                         "train": len(train_docs), "val": len(val_docs)}
+    again = import_tokens([str(tmp_path / "train.bin"), str(tmp_path / "megatron-int32" / "corpus_text_document")],
+                          out, tokenizer, val_fraction=0.2, seed=3)
+    assert again.reused
+    held = {}
+    for seed in (3, 4):
+        import_tokens([str(tmp_path / "train.bin")], tmp_path / f"seed{seed}", tokenizer, val_fraction=0.2, seed=seed)
+        held[seed] = [tuple(d) for d in documents(tmp_path / f"seed{seed}", "val")]
+    assert held[3] == [tuple(d) for d in val_docs[:len(held[3])]] and held[3] != held[4]
+
+
+def test_training_on_imported_tokens_gives_the_losses_of_the_data_they_came_from(stdlib_data, tmp_path):
+    """The training split written out as nanoGPT writes train.bin and imported, with the original
+    validation split's tokens as another import's: a run trains and evaluates the same losses."""
+    eos = read_index(stdlib_data)["eos_id"]
+    tokenizer = stdlib_data / "tokenizer.json"
+    np.concatenate(documents(stdlib_data)).astype(np.uint16).tofile(tmp_path / "train.bin")
+    imported = tmp_path / "imported"
+    import_tokens([str(tmp_path / "train.bin")], imported, tokenizer, val_fraction=0)
+    # (the validation split as the original's: its shards copied in, as import writes them)
+    index = read_index(imported)
+    original = read_index(stdlib_data)
+    for shard in original["splits"]["val"]["shards"]:
+        for key in ("path", "docs"):
+            shutil.copyfile(stdlib_data / shard[key], imported / shard[key])
+    index["splits"]["val"] = original["splits"]["val"]
+    (imported / "index.json").write_text(json.dumps(index))
+    assert index["eos_id"] == eos
+    losses = {}
+    for name, data in (("original", stdlib_data), ("imported", imported)):
+        run = tmp_path / f"run-{name}"
+        train(tiny_config(data, run, "train.steps=3", "eval.interval=3"))
+        losses[name] = ([r["loss"] for r in read_metrics(run, "train")], [r["loss"] for r in read_metrics(run, "eval")])
+    assert losses["imported"] == losses["original"]
+
+
+def test_documents_that_begin_with_the_tokenizers_beginning_of_sequence_token_are_recorded_so(stdlib_data, tmp_path):
+    """Tokens made with a Llama-style tokenizer (its post-processor begins every text with its
+    beginning-of-sequence token): index.json says so, as data prepare's does, for tasks and prompts."""
+    tokenizer, bos = bos_tokenizer(stdlib_data, tmp_path / "bos.json")
+    docs = [np.concatenate([[bos], d]) for d in documents(stdlib_data)[:20]]
+    np.concatenate(docs).astype(np.uint16).tofile(tmp_path / "with.bin")
+    np.concatenate(documents(stdlib_data)[:20]).astype(np.uint16).tofile(tmp_path / "without.bin")
+    import_tokens([str(tmp_path / "with.bin")], tmp_path / "with", tokenizer, val_fraction=0)
+    import_tokens([str(tmp_path / "without.bin")], tmp_path / "without", tokenizer, val_fraction=0)
+    assert read_index(tmp_path / "with")["bos_id"] == bos and "bos_id" not in read_index(tmp_path / "without")
+
+
+def test_token_data_that_cannot_be_imported_is_refused_in_a_sentence(stdlib_data, tmp_path):
+    tokenizer = stdlib_data / "tokenizer.json"
+    flat = np.concatenate(documents(stdlib_data))
+    flat.astype(np.uint16).tofile(tmp_path / "train.bin")
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
+    (tmp_path / "fake.idx").write_bytes(b"not an index at all, no" * 3)
+    (tmp_path / "fake.bin").write_bytes(b"\x00\x00")
+    beyond = flat.astype(np.uint16)
+    beyond[5] = 4000  # (the tokenizer has 512 ids)
+    beyond.tofile(tmp_path / "other.bin")
+    prefix = tmp_path / "cut" / "data"
+    prefix.parent.mkdir()
+    megatron_dataset(prefix, documents(stdlib_data)[:10], np.uint16, True, read_index(stdlib_data)["eos_id"])
+    Path(f"{prefix}.idx").write_bytes(Path(f"{prefix}.idx").read_bytes()[:60])
+    cases = [
+        ([str(tmp_path / "other.bin")], {}, "holds token id 4000, not one of the 512 ids of .* give the tokenizer "
+                                            "the data was made with"),
+        ([str(tmp_path / "odd.bin")], {}, "is 3 bytes, not a whole number of uint16 tokens; give its --dtype"),
+        ([str(tmp_path / "fake")], {}, "is not a Megatron indexed dataset's index .it does not begin with MMIDIDX."),
+        ([str(prefix)], {}, "shorter than the .* its counts need .cut short.."),
+        ([str(prefix)], {"dtype": "uint32"}, "a Megatron dataset's index names its own: drop it"),
+        ([str(tmp_path / "missing.bin")], {}, "does not exist; give a file of tokens"),
+        ([str(tmp_path / "train.bin")], {"eos": 9999}, "--eos-id 9999 is not one of the tokenizer's 512 ids"),
+        ([str(tmp_path / "train.bin")], {"val_fraction": 1.0}, r"validation fraction must be in \[0, 1\)"),
+    ]
+    for sources, options, words in cases:
+        with pytest.raises(DataError, match=words):
+            import_tokens(sources, tmp_path / "out", tokenizer, **options)
+        assert not (tmp_path / "out" / "index.json").exists()
+    import_tokens([str(tmp_path / "train.bin")], tmp_path / "out", tokenizer)
+    with pytest.raises(DataError, match="holds a data directory already; give another output directory, or "
+                                        "--overwrite"):
+        import_tokens([str(tmp_path / "train.bin")], tmp_path / "out", tokenizer, seed=1)
+    import_tokens([str(tmp_path / "train.bin")], tmp_path / "out", tokenizer, seed=1, overwrite=True)
+    train(tiny_config(stdlib_data, tmp_path / "run", "train.steps=1", "eval.interval=0"))
+    with pytest.raises(DataError, match="is a run directory; give a new directory to import the data into"):
+        import_tokens([str(tmp_path / "train.bin")], tmp_path / "run", tokenizer)
+    # The command: a table of what it read, or the refusal's one line (status 2).
+    result = run_cli("data", "import", str(tmp_path / "train.bin"), "--out", str(tmp_path / "cli"),
+                     "--tokenizer", str(tokenizer))
+    assert result.returncode == 0 and "documents kept / read" in result.stdout, result.stderr
+    refused = run_cli("data", "import", str(tmp_path / "odd.bin"), "--out", str(tmp_path / "cli2"),
+                      "--tokenizer", str(tokenizer))
+    assert refused.returncode == 2 and "not a whole number of uint16 tokens" in refused.stderr
+    assert "Traceback" not in refused.stderr
