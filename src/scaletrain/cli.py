@@ -92,7 +92,8 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
                          decontaminate=args.decontaminate, keep_rejects=args.keep_rejects,
                          chunk_bytes=DEFAULT_CHUNK_BYTES if args.chunk_bytes is None else args.chunk_bytes, kind=args.kind,
                          val_overlap=not args.no_val_overlap, overwrite=args.overwrite, split=args.split,
-                         tokenizer_sample=args.tokenizer_sample, bos=not args.no_bos)
+                         tokenizer_sample=args.tokenizer_sample, bos=not args.no_bos, fim_rate=args.fim_rate,
+                         fim_spm_rate=args.fim_spm_rate)
     if result.resumed_chunks:
         console.print(f"resumed an interrupted prepare: {result.resumed_chunks} chunks were already curated")
     for warning in result.warnings:
@@ -112,6 +113,8 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     table.add_row("train tokens", f"{stats['tokens']['train']:,}")
     table.add_row("validation tokens", f"{stats['tokens']['val']:,}")
     table.add_row("vocabulary", f"{stats['vocab_size']:,}")
+    if "fim" in stats:
+        table.add_row("fill-in-the-middle documents", f"{stats['fim']['documents']:,}")
     table.add_row("seconds", f"{time.perf_counter() - start:.1f}")
     out.print(table)
     return 0
@@ -1490,7 +1493,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     texts = generate_text(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k or None, seed=args.seed, top_p=args.top_p,
                           samples=args.samples, step=args.step, average=args.average, ema=args.ema,
-                          device=args.device)
+                          device=args.device, suffix=args.suffix)
     for number, text in enumerate(texts, 1):
         out.rule("sample" if len(texts) == 1 else f"sample {number} of {len(texts)}")
         out.print(text, markup=False, highlight=False)
@@ -1769,6 +1772,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-bos", action="store_true",
                    help="do not begin documents with a given tokenizer's beginning-of-sequence token (a Llama "
                         "tokenizer's <s> or <|begin_of_text|>, which its models saw before every document)")
+    p.add_argument("--fim-rate", type=float, default=0.0, metavar="R",
+                   help="fill-in-the-middle for code: this share of training documents cut at two random characters "
+                        "and written prefix, suffix, middle between sentinel tokens, so that a model learns to infill "
+                        "(0; StarCoder and DeepSeek-Coder: 0.5)")
+    p.add_argument("--fim-spm-rate", type=float, default=0.5, metavar="R",
+                   help="of those, the share in suffix-prefix-middle order (0.5)")
     p.add_argument("--tokenizer-sample", type=_bytes, default=None, metavar="BYTES",
                    help="train the tokenizer on a sample of about this much of the training text (e.g. 1G; default: "
                         "all of it)")
@@ -2095,6 +2104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("generate", help="sample text from a run's newest checkpoint (or another)")
     p.add_argument("run_dir", help="run directory, e.g. runs/demo")
     p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--suffix", default=None,
+                   help="fill in the middle: the text after the gap, --prompt the text before it (a model trained on "
+                        "data prepared with --fim-rate)")
     p.add_argument("--max-new-tokens", type=_count, default=200)
     p.add_argument("--temperature", type=_temperature, default=0.8, help="0 is greedy")
     p.add_argument("--top-k", type=_how_many, default=50, help="sample among the k likeliest tokens; 0 for all")

@@ -83,11 +83,14 @@ def data_bos_id(run_dir: str | Path, cfg) -> int | None:
 def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
                   top_k: int | None = 50, seed: int = 0, use_cache: bool = True, top_p: float | None = None,
                   samples: int | None = None, step: int | None = None, average: int = 1, ema: bool = False,
-                  device: str = "cpu") -> str | list[str]:
+                  device: str = "cpu", suffix: str | None = None) -> str | list[str]:
     """Continue `prompt` with the run's newest checkpoint (or load_model's choice of `step`,
     `average`, `ema`) on `device` ("auto": a GPU where there is one); temperature 0 is greedy.
-    With `samples`, that many continuations, sampled together, as a list."""
-    from scaletrain.data.tokenizer import eos_id as find_eos, load_tokenizer, vocab_size
+    With `samples`, that many continuations, sampled together, as a list. With `suffix`, fill in
+    the middle between `prompt` and `suffix` (a model trained on data prepared with --fim-rate:
+    asked in prefix-suffix-middle order, as it was trained, until it ends the document): each text
+    is prompt + middle + suffix."""
+    from scaletrain.data.tokenizer import eos_id as find_eos, fim_ids, load_tokenizer, vocab_size
     from scaletrain.model.sample import generate
 
     if (not 0 <= temperature < float("inf") or (top_k is not None and top_k < 1) or max_new_tokens < 1
@@ -107,6 +110,13 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, t
     # A document begins after an end-of-document token in training, or with the data's
     # beginning-of-sequence token where it has one: so does the prompt (an empty one with either).
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    if suffix is not None:
+        sentinels = fim_ids(tokenizer)
+        if sentinels is None:
+            raise GenerateError(f"{run_dir}'s tokenizer has no fill-in-the-middle tokens, so its model never learned "
+                                "to infill; train on data prepared with --fim-rate, or drop --suffix")
+        pre, suf, mid = sentinels
+        ids = [pre, *ids, suf, *tokenizer.encode(suffix, add_special_tokens=False).ids, mid]
     start = data_bos_id(run_dir, cfg)
     ids = [start, *ids] if start is not None else ids or [eos_id]
     room = cfg.model.max_seq_len - len(ids)
@@ -120,5 +130,8 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, t
     prompts = torch.tensor([ids] * (samples or 1), device=device)
     new = generate(model, prompts, min(max_new_tokens, room), temperature=temperature, top_k=top_k,
                    use_cache=use_cache, generator=generator, eos_id=eos_id, vocab=vocab_size(tokenizer), top_p=top_p)
-    texts = [tokenizer.decode(ids + row.tolist()) for row in new.cpu()]  # (special tokens decode to nothing)
+    if suffix is not None:
+        texts = [prompt + tokenizer.decode(row.tolist()) + suffix for row in new.cpu()]
+    else:
+        texts = [tokenizer.decode(ids + row.tolist()) for row in new.cpu()]  # (special tokens decode to nothing)
     return texts if samples is not None else texts[0]

@@ -50,7 +50,7 @@ from .shards import (DATA_FILES, DataError, ShardWriter, document_offsets, finis
                      write_index)
 from .sources import (BINARY_SNIFF_BYTES, ReadStats, encodable, list_files, read_documents, reader_version,
                       reads_under)
-from .tokenizer import bos_id, check_vocab_size, eos_id, load_tokenizer, train_tokenizer
+from .tokenizer import FIM_TOKENS, bos_id, check_vocab_size, eos_id, fim_ids, load_tokenizer, train_tokenizer
 from .tokenizer import vocab_size as tokenizer_vocab_size
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
             decontaminate: list[str | Path] = (), keep_rejects: bool = False,
             chunk_bytes: int = DEFAULT_CHUNK_BYTES, kind: str = "auto", val_overlap: bool = True,
             overwrite: bool = False, split: str = "file", tokenizer_sample: int | None = None,
-            bos: bool = True) -> PrepareResult:
+            bos: bool = True, fim_rate: float = 0.0, fim_spm_rate: float = 0.5) -> PrepareResult:
     """Curate and tokenize sources into the data directory out, or reuse what out holds if it
     was prepared identically; resume an interrupted prepare of the same arguments.
 
@@ -129,6 +129,13 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     bos: begin every document with the tokenizer's beginning-of-sequence token where it has one
         (a given Llama tokenizer's: its models saw one at the start of every document; as
         torchtitan encodes them), before the end-of-document token the writer appends.
+    fim_rate: the share of training documents rearranged for fill-in-the-middle (Bavarian et al.
+        2022, "Efficient Training of Language Models to Fill in the Middle"): each cut at two
+        characters drawn uniformly, by a hash of (seed, text), into a prefix, middle and suffix,
+        and written as <prefix> prefix <suffix> suffix <middle> middle (PSM) or, a `fim_spm_rate`
+        share of them, <prefix> <suffix> suffix <middle> prefix middle (SPM, the paper's second
+        variant, as StarCoder trained), each part tokenized apart; the validation split is left
+        in order. The tokenizer prepare trains gets the sentinels; a given one must have them.
     split: how a text file is cut into documents: "file" (whole), "paragraph" (at blank lines) or
         "line" (sources.SPLITS): one long text, a book, is otherwise one document.
     overwrite: replace a finished prepare in out of other sources or options (refused otherwise:
@@ -152,9 +159,16 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     workers = workers or os.cpu_count() or 1
     eval_texts = [example for path in decontaminate for example in _read_eval(path)]
 
+    if not (0 <= fim_rate <= 1 and 0 <= fim_spm_rate <= 1):
+        raise DataError(f"fill-in-the-middle rates {fim_rate} and {fim_spm_rate} (of documents, and of those in "
+                        "SPM order) must be between 0 and 1")
     given = None
     if tokenizer is not None:
         given = load_tokenizer(tokenizer)
+        if fim_rate and fim_ids(given) is None:
+            raise DataError(f"tokenizer {str(tokenizer)!r} has no fill-in-the-middle tokens ("
+                            + "; ".join(", ".join(names) for names in FIM_TOKENS) + "); give one that has them "
+                            "(a code model's), or let prepare train one")
         tokenizer_path = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
         # Kept as bytes: out/tokenizer.json may be the very file given, and out is cleared below.
         tokenizer_bytes = tokenizer_path.read_bytes()
@@ -178,6 +192,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
                **({"kind": kind} if kind != "auto" else {}), **({} if val_overlap else {"val_overlap": False}),
                **({"split": split} if split != "file" else {}),
                **({"tokenizer_sample": tokenizer_sample} if tokenizer_sample is not None else {}),
+               **({"fim": [fim_rate, fim_spm_rate]} if fim_rate else {}),
                **({"reader": reader} if (reader := reader_version(files)) else {}),
                # (a tokenizer prepare trains has none: only a given one's, where it has one)
                **({"bos_id": begins} if bos and given is not None and (begins := bos_id(given)) is not None else {})}
@@ -217,7 +232,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
             result_stats, warnings, resumed = _run_passes(
                 pool, files, (text_field, split), max_bytes, stats, settings, chunk_bytes, val_fraction, seed, work,
                 out, keep_rejects, given, vocab_size, progress, content_sha256, tokenizer_bytes if given else None,
-                tokenizer_sample, bos)
+                tokenizer_sample, bos, (fim_rate, fim_spm_rate) if fim_rate else None)
     except _NothingKept:
         if created:
             shutil.rmtree(out, ignore_errors=True)
@@ -244,7 +259,8 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
 def _run_passes(pool, files, reading: tuple[str, str], max_bytes, stats: ReadStats, settings: _Settings, chunk_bytes,
                 val_fraction, seed, work: Path, out: Path, keep_rejects: bool, given, vocab_size: int, progress,
                 content_sha256: str, tokenizer_bytes: bytes | None,
-                tokenizer_sample: int | None = None, bos: bool = True) -> tuple[dict, list[str], int]:
+                tokenizer_sample: int | None = None, bos: bool = True,
+                fim: tuple[float, float] | None = None) -> tuple[dict, list[str], int]:
     """Passes 1 to 3; returns (stats.json's contents, warnings, chunks resumed from an earlier run)."""
     # Pass 1: curate, deduplicate, draw the split.
     reread = ReadStats()
@@ -274,7 +290,7 @@ def _run_passes(pool, files, reading: tuple[str, str], max_bytes, stats: ReadSta
             if tokenizer_sample is not None:  # (a share of the documents, drawn apart from the validation split's)
                 share = tokenizer_sample / max(1, curated["bytes_kept"])
                 texts = (text for text in texts if _tokenizer_draw(seed, text) < share)
-            trained = train_tokenizer(_counting(texts, sampled), vocab_size)
+            trained = train_tokenizer(_counting(texts, sampled), vocab_size, fim=fim is not None)
             _finish_task(progress, task, curated["bytes_kept"])
             if not sampled[0]:
                 raise DataError(f"tokenizer_sample {tokenizer_sample:,} bytes drew no training document (they hold "
@@ -306,7 +322,8 @@ def _run_passes(pool, files, reading: tuple[str, str], max_bytes, stats: ReadSta
     task = _add_task(progress, "tokenizing", curated["bytes_kept"])
     start = bos_id(tok) if bos else None
     job = _TokenizeJob(str(out), vocab_size, str(val_file) if overlap_check else None,
-                       str(out) if keep_rejects else None, start)
+                       str(out) if keep_rejects else None, start,
+                       None if fim is None else _Fim(*fim_ids(tok), *fim, seed=seed))
     written = _tokenize_chunks(pool, work, chunks, overrides, job, lambda n: _advance(progress, task, n))
     _finish_task(progress, task, curated["bytes_kept"])
     splits = {split: {"tokens": sum(w[split]["tokens"] for w in written),
@@ -336,6 +353,9 @@ def _run_passes(pool, files, reading: tuple[str, str], max_bytes, stats: ReadSta
     result_stats["vocab_size"], result_stats["eos_id"] = vocab_size, eos
     if start is not None:
         result_stats["bos_id"] = start
+    if fim is not None:
+        result_stats["fim"] = {"rate": fim[0], "spm_rate": fim[1],
+                               "documents": sum(w.get("fim_documents", 0) for w in written)}
     result_stats["tokenizer"] = {"trained": given is None, "learned_vocab_size": tokenizer_vocab_size(tok),
                                  **({"trained_on_bytes": sampled[0]} if sampled[0] is not None else {})}
     if not splits["val"]["tokens"]:
@@ -524,6 +544,36 @@ class _TokenizeJob:
     val_file: str | None  # pickled validation texts, for the validation-overlap check
     rejects: str | None
     bos_id: int | None = None  # put before every document, where the tokenizer has one
+    fim: _Fim | None = None  # fill-in-the-middle's rearrangement of training documents
+
+
+@dataclass
+class _Fim:
+    """Fill-in-the-middle (see prepare's fim_rate): the sentinels' ids, the rates, the seed."""
+
+    prefix: int
+    suffix: int
+    middle: int
+    rate: float
+    spm_rate: float
+    seed: int = 0
+
+    def parts(self, text: str) -> tuple[str, str, str, bool] | None:
+        """(prefix, middle, suffix, in SPM order) where `text` is to be rearranged, else None: drawn
+        by a hash of (seed, text), so the same on every run, worker and chunk size."""
+        digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16, key=b"fim" + str(self.seed).encode()).digest()
+        rng = np.random.default_rng(int.from_bytes(digest, "little"))
+        if rng.random() >= self.rate:
+            return None
+        spm = bool(rng.random() < self.spm_rate)
+        start, end = sorted(rng.integers(0, len(text) + 1, size=2).tolist())
+        return text[:start], text[start:end], text[end:], spm
+
+    def arrange(self, prefix: list[int], middle: list[int], suffix: list[int], spm: bool) -> list[int]:
+        """The tokens of a rearranged document."""
+        if spm:
+            return [self.prefix, self.suffix, *suffix, self.middle, *prefix, *middle]
+        return [self.prefix, *prefix, self.suffix, *suffix, self.middle, *middle]
 
 
 def _tokenize_chunks(pool, work: Path, chunks: list[dict], overrides: dict, job: _TokenizeJob,
@@ -560,16 +610,24 @@ def _tokenize_chunk(task: tuple[int, int, dict, _TokenizeJob]) -> dict:
     dropped: dict[str, list[int]] = {}
     split_bytes = {"train": 0, "val": 0}  # input bytes of the documents kept, by split
     curated_bytes = 0  # their bytes after normalisation and line filtering
+    fim_documents = [0]  # rearranged for fill-in-the-middle
     batch: list[tuple[str, bool]] = []
     with _Rejects(Path(job.rejects) if job.rejects else None, number, suffix="tokenize") as reject:
         def flush():
             # No special tokens added by the post-processor (which may add an end too, or pairs'
             # tokens): the beginning-of-sequence id, where there is one, is put here, and the
             # writer appends the end-of-document id itself.
-            encodings = tok.encode_batch_fast([text for text, _ in batch], add_special_tokens=False)
             start = [] if job.bos_id is None else [job.bos_id]
-            for encoding, (_, val) in zip(encodings, batch):
-                writers["val" if val else "train"].add(start + encoding.ids if start else encoding.ids)
+            # Fill-in-the-middle: a training document's three parts tokenized apart (none across a cut).
+            cuts = [job.fim.parts(text) if job.fim is not None and not val else None for text, val in batch]
+            texts = [part for (text, _), cut in zip(batch, cuts) for part in (cut[:3] if cut else (text,))]
+            encodings = iter(tok.encode_batch_fast(texts, add_special_tokens=False))
+            for (_, val), cut in zip(batch, cuts):
+                ids = next(encodings).ids
+                if cut:
+                    ids = job.fim.arrange(ids, next(encodings).ids, next(encodings).ids, cut[3])
+                    fim_documents[0] += 1
+                writers["val" if val else "train"].add(start + ids if start else ids)
             batch.clear()
 
         size = 0
@@ -592,6 +650,7 @@ def _tokenize_chunk(task: tuple[int, int, dict, _TokenizeJob]) -> dict:
         if batch:
             flush()
     record = {"number": number, "dropped": dropped, "bytes": split_bytes, "curated_bytes": curated_bytes,
+              **({"fim_documents": fim_documents[0]} if job.fim is not None else {}),
               **{split: writer.close() for split, writer in writers.items()}}
     _write_json(work / f"shards_{number:05d}.json", record)
     return record

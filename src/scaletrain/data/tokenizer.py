@@ -20,20 +20,26 @@ EOS_TOKEN = "<|endoftext|>"  # id 0 in the tokenizers we train; appended after e
 # End-of-text tokens of tokenizers people commonly bring (GPT-2/NeoX, Llama 2, Llama 3, Gemma).
 KNOWN_EOS_TOKENS = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
 MIN_VOCAB_SIZE = 256 + 1  # every byte, plus EOS_TOKEN
+# Fill-in-the-middle sentinels (prefix, suffix, middle) as the tokenizers people bring name them:
+# Qwen2.5-Coder's (which prepare's own tokenizers take), StarCoder's and SantaCoder's, and
+# DeepSeek-Coder's (begin, hole, end: its prefix, suffix and middle markers).
+FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+              ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"))
 # 16x the largest vocabulary of a released model we know of (Gemma 3's 262,144); the tokenizers
 # library aborts the process (not an exception) on sizes beyond its 32-bit ids.
 MAX_VOCAB_SIZE = 1 << 22
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE tokenizer with `vocab_size` ids (fewer if the text has too few pairs to merge)."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int, fim: bool = False) -> Tokenizer:
+    """A byte-level BPE tokenizer with `vocab_size` ids (fewer if the text has too few pairs to
+    merge); `fim`: with fill-in-the-middle's three sentinels as special tokens (FIM_TOKENS' first)."""
     check_vocab_size(vocab_size)
     tokenizer = Tokenizer(models.BPE())
     # No prefix space: it would add a space to the start of every document and break the
     # exact round trip decode(encode(text)) == text.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, *(FIM_TOKENS[0] if fim else ())],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)  # the library never prints; prepare reports progress
     tokenizer.train_from_iterator(texts, trainer)
@@ -77,6 +83,16 @@ def eos_id(tokenizer: Tokenizer, path: str | Path = "the tokenizer") -> int:
         if token_id is not None:
             return token_id
     raise DataError(f"{path} has no end-of-text token; it needs one of {', '.join(KNOWN_EOS_TOKENS)}")
+
+
+def fim_ids(tokenizer: Tokenizer) -> tuple[int, int, int] | None:
+    """The ids of the tokenizer's fill-in-the-middle sentinels (prefix, suffix, middle), by any
+    of FIM_TOKENS' names; None where it has none."""
+    for names in FIM_TOKENS:
+        ids = tuple(tokenizer.token_to_id(name) for name in names)
+        if all(i is not None for i in ids):
+            return ids
+    return None
 
 
 def bos_id(tokenizer: Tokenizer) -> int | None:
