@@ -63,7 +63,8 @@ def test_megatron_datasets_and_flat_token_files_import_as_the_documents_they_hol
         result = import_tokens([str(prefix)], out, tokenizer, val_fraction=0)
         got = documents(out)
         assert len(got) == len(originals) and all(np.array_equal(a, b) for a, b in zip(got, originals))
-        assert result.stats["imported"] == [{"path": str(prefix), "format": "megatron", "documents": len(originals)}]
+        assert result.stats["imported"] == [{"path": str(prefix), "format": "megatron", "dtype": np.dtype(dtype).name,
+                                             "documents": len(originals)}]
         assert (out / "tokenizer.json").read_bytes() == tokenizer.read_bytes() and "bos_id" not in read_index(out)
     # nanoGPT's train.bin (raw uint16, each document ended) and a NumPy .npy of uint32: the same.
     flat = np.concatenate(originals)
@@ -82,8 +83,8 @@ def test_megatron_datasets_and_flat_token_files_import_as_the_documents_they_hol
     assert len(train_docs) + len(val_docs) == 2 * len(originals) and 0 < len(val_docs) < len(originals)
     both = sorted(map(tuple, train_docs + val_docs))
     assert both == sorted(map(tuple, originals + originals))
-    assert result.stats["documents"] == {"read": 2 * len(originals), "kept": 2 * len(originals), "dropped": {},
-                                         "train": len(train_docs), "val": len(val_docs)}
+    assert result.stats["documents"] == {"read": 2 * len(originals), "kept": 2 * len(originals),
+                                         "dropped": {"empty": 0}, "train": len(train_docs), "val": len(val_docs)}
     again = import_tokens([str(tmp_path / "train.bin"), str(tmp_path / "megatron-int32" / "corpus_text_document")],
                           out, tokenizer, val_fraction=0.2, seed=3)
     assert again.reused
@@ -161,8 +162,8 @@ def test_token_data_that_cannot_be_imported_is_refused_in_a_sentence(stdlib_data
             import_tokens(sources, tmp_path / "out", tokenizer, **options)
         assert not (tmp_path / "out" / "index.json").exists()
     import_tokens([str(tmp_path / "train.bin")], tmp_path / "out", tokenizer)
-    with pytest.raises(DataError, match="holds a data directory already; give another output directory, or "
-                                        "--overwrite"):
+    with pytest.raises(DataError, match="holds a data directory already .or a prepare of one under way.; give "
+                                        "another output directory, or --overwrite"):
         import_tokens([str(tmp_path / "train.bin")], tmp_path / "out", tokenizer, seed=1)
     import_tokens([str(tmp_path / "train.bin")], tmp_path / "out", tokenizer, seed=1, overwrite=True)
     train(tiny_config(stdlib_data, tmp_path / "run", "train.steps=1", "eval.interval=0"))
@@ -176,3 +177,53 @@ def test_token_data_that_cannot_be_imported_is_refused_in_a_sentence(stdlib_data
                       "--tokenizer", str(tokenizer))
     assert refused.returncode == 2 and "not a whole number of uint16 tokens" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_an_import_splits_small_corpora_resumes_when_interrupted_and_copies_long_documents_in_slices(
+        stdlib_data, tmp_path, monkeypatch):
+    tokenizer = stdlib_data / "tokenizer.json"
+    eos = read_index(stdlib_data)["eos_id"]
+    originals = documents(stdlib_data)
+    # Ten documents at the default 0.5%: one is still held out (train needs a validation split),
+    # and empty documents (an end token after an end token, three here) are dropped and counted.
+    np.concatenate([[eos], originals[0], [eos, eos], *originals[1:10]]).astype(np.uint16).tofile(tmp_path / "ten.bin")
+    result = import_tokens([str(tmp_path / "ten.bin")], tmp_path / "ten", tokenizer)
+    assert result.stats["documents"] == {
+        "read": 13, "kept": 10, "dropped": {"empty": 3}, "train": 9, "val": 1}
+    assert sorted(map(tuple, documents(tmp_path / "ten") + documents(tmp_path / "ten", "val"))) == \
+        sorted(map(tuple, originals[:10]))
+    # uint32 tokens read as uint16 would pass every id check: refused, and read as --dtype says.
+    np.concatenate(originals[:10]).astype(np.uint32).tofile(tmp_path / "wide.bin")
+    with pytest.raises(DataError, match="has a 0 at every other position: it holds uint32 .* give --dtype uint32"):
+        import_tokens([str(tmp_path / "wide.bin")], tmp_path / "wide", tokenizer)
+    import_tokens([str(tmp_path / "wide.bin")], tmp_path / "wide", tokenizer, dtype="uint32", val_fraction=0)
+    assert all(np.array_equal(a, b) for a, b in zip(documents(tmp_path / "wide"), originals[:10], strict=True))
+    # One document with no end in it (a wrong --eos-id, say): copied a slice at a time, with a warning.
+    monkeypatch.setattr(importer, "BLOCK_TOKENS", 1000)
+    body = np.concatenate([d[:-1] for d in originals[:20]])
+    body.astype(np.uint16).tofile(tmp_path / "long.bin")
+    result = import_tokens([str(tmp_path / "long.bin")], tmp_path / "long", tokenizer)
+    assert [d.tolist() for d in documents(tmp_path / "long")] == [[*body.tolist(), eos]]
+    assert any(f"is one document of {len(body):,} tokens" in w for w in result.warnings)
+    assert any("the validation split is empty (a single document)" in w for w in result.warnings)
+    # Interrupted (here as index.json is written): unfinished, which train refuses, and the same
+    # command run again finishes it without --overwrite; an unfinished prepare is not taken over.
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(importer, "write_index", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        import_tokens([str(tmp_path / "ten.bin")], tmp_path / "cut", tokenizer)
+    with pytest.raises(DataError, match="holds a prepare or import that did not finish"):
+        read_index(tmp_path / "cut")
+    monkeypatch.undo()
+    assert not import_tokens([str(tmp_path / "ten.bin")], tmp_path / "cut", tokenizer).reused
+    assert import_tokens([str(tmp_path / "ten.bin")], tmp_path / "cut", tokenizer).reused
+    (tmp_path / "preparing" / "work").mkdir(parents=True)
+    (tmp_path / "preparing" / "work" / "key").write_text("a prepare's key")
+    with pytest.raises(DataError, match="holds a data directory already .or a prepare of one under way."):
+        import_tokens([str(tmp_path / "ten.bin")], tmp_path / "preparing", tokenizer)
+    # data prepare into an import's directory: refused, saying what it holds.
+    from scaletrain.data import prepare
+    with pytest.raises(DataError, match="holds a finished prepare of other sources or options .tokens `data import` "
+                                        "wrote"):
+        prepare(["builtin:python-stdlib"], tmp_path / "ten", 512, max_bytes=50_000, workers=1)

@@ -183,7 +183,8 @@ def test_a_damaged_index_is_refused_in_one_sentence(data_dir, tmp_path):
     (damaged / "index.json").unlink()  # (and what an interrupted prepare leaves)
     (damaged / "work").mkdir()
     (damaged / "work" / "key").write_text("0" * 64)
-    with pytest.raises(DataError, match="holds a prepare that did not finish; run the same `scaletrain data prepare` "):
+    with pytest.raises(DataError, match="holds a prepare or import that did not finish; run the same `scaletrain data "
+                                        "prepare` .or `data import`. command again"):
         TokenLoader(damaged, 16, 1, 1)
 
 

@@ -126,12 +126,14 @@ def cmd_data_import(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     result = import_tokens(args.sources, args.out, args.tokenizer, fmt=args.format, dtype=args.dtype, eos=args.eos_id,
                            val_fraction=args.val_fraction, seed=args.seed, overwrite=args.overwrite)
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     stats = result.stats
     table = Table(title=f"data: {result.out}" + (" (reused: sources and options unchanged)" if result.reused else ""))
     table.add_column("")
     table.add_column("value", justify="right")
     for source in stats["imported"]:
-        table.add_row(f"{source['format']}: {source['path']}", f"{source['documents']:,} documents")
+        table.add_row(f"{source['format']} ({source['dtype']}): {source['path']}", f"{source['documents']:,} documents")
     table.add_row("documents kept / read", f"{stats['documents']['kept']:,} / {stats['documents']['read']:,}")
     table.add_row("train tokens", f"{stats['tokens']['train']:,}")
     table.add_row("validation tokens", f"{stats['tokens']['val']:,}")

@@ -17,8 +17,10 @@ to train here would cost hours and might not give the same tokens. Two formats a
 The tokens are copied into shards (data/shards.py) as `data prepare` writes them: each document
 followed by the end-of-document id (one where the source ended it without, not a second where
 it had one; empty documents dropped), a seeded share of the documents held out as the validation
-split, the tokenizer the data was made with copied beside them. Every id is checked to be one
-of the tokenizer's. What is not done (the tokens are taken as they are): curation,
+split (one document at least where there are two, as prepare's), the tokenizer the data was
+made with copied beside them. Every id is checked to be one of the tokenizer's. While it runs,
+work/key marks the directory unfinished (read_index refuses it); the same import run again
+starts over, and a finished one run again unchanged is reused. What is not done (the tokens are taken as they are): curation,
 deduplication, and the removal of training documents that overlap the validation split.
 """
 
@@ -37,8 +39,7 @@ import numpy as np
 
 from scaletrain.outputs import kind_of
 
-from .shards import (DATA_FILES, DataError, ShardWriter, finished_key, read_index, remove_outputs, token_dtype,
-                     write_index)
+from .shards import DataError, ShardWriter, clear_data_dir, is_complete, token_dtype, write_index
 from .tokenizer import bos_id, eos_id, load_tokenizer
 from .tokenizer import vocab_size as tokenizer_vocab_size
 
@@ -58,6 +59,7 @@ class Source:
     format: str
     tokens: np.ndarray
     bounds: np.ndarray  # int64: (start, end) of each document, shape (documents, 2)
+    empty: int = 0  # documents of no sequences (a Megatron index's), not in bounds
 
 
 @dataclass
@@ -65,6 +67,7 @@ class ImportResult:
     out: Path
     stats: dict
     reused: bool
+    warnings: list[str]
 
 
 def read_source(spec: str, fmt: str = "auto", dtype: str | None = None, eos: int = 0,
@@ -128,7 +131,7 @@ def _megatron(prefix: str) -> Source:
     bounds = np.stack([firsts[first_seq], ends[last_seq]], axis=1) if len(first_seq) else np.zeros((0, 2), np.int64)
     if len(bounds) and np.any(bounds[1:, 0] < bounds[:-1, 1]):
         raise DataError(f"{bad} whose documents lie in order in {data}; write it again")
-    return Source(prefix, "megatron", tokens, bounds)
+    return Source(prefix, "megatron", tokens, bounds, empty=int((~whole).sum()))
 
 
 def _flat(path: Path, dtype: str | None, eos: int, raw_dtype: str) -> Source:
@@ -151,6 +154,10 @@ def _flat(path: Path, dtype: str | None, eos: int, raw_dtype: str) -> Source:
             raise DataError(f"{path} is {size:,} bytes, not a whole number of {kind.name} tokens; give its --dtype "
                             f"({', '.join(RAW_DTYPES)})")
         tokens = np.memmap(path, dtype=kind, mode="r") if size else np.zeros(0, kind)
+        head = np.asarray(tokens[:1 << 20])
+        if dtype is None and kind == np.uint16 and len(head) >= 64 and not head[1::2].any():
+            raise DataError(f"{path} read as uint16 tokens has a 0 at every other position: it holds uint32 (or int32) "
+                            "tokens; give --dtype uint32")
     ends = [np.flatnonzero(tokens[i:i + BLOCK_TOKENS] == eos) + i + 1 for i in range(0, len(tokens), BLOCK_TOKENS)]
     ends = np.concatenate([*ends, np.zeros(0, np.int64)]).astype(np.int64)
     if not len(ends) or ends[-1] != len(tokens):  # (the last document without its end)
@@ -159,18 +166,24 @@ def _flat(path: Path, dtype: str | None, eos: int, raw_dtype: str) -> Source:
     return Source(str(path), "flat", tokens, np.stack([starts, ends], axis=1))
 
 
-def _documents(tokens: np.ndarray, bounds: np.ndarray, eos: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """The documents `bounds` marks in `tokens` as shards hold them — each followed by one `eos`
-    (not a second where it ends with one), empty ones dropped — and their offsets (from 0)."""
+def _bodies(tokens: np.ndarray, bounds: np.ndarray, eos: int) -> tuple[np.ndarray, np.ndarray]:
+    """(start, length) of each document `bounds` marks in `tokens` without its end-of-document
+    token (where it has one), the empty ones left out."""
     starts, ends = bounds[:, 0], bounds[:, 1]
     nonempty = ends > starts
     starts, ends = starts[nonempty], ends[nonempty]
     ended = np.zeros(len(starts), bool)
     if len(starts):
         ended = np.asarray(tokens[ends - 1]) == eos
-    lengths = ends - ended - starts  # (without the end)
+    lengths = ends - ended - starts
     keep = lengths > 0
-    starts, lengths = starts[keep], lengths[keep]
+    return starts[keep], lengths[keep]
+
+
+def _documents(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, eos: int,
+               dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The documents at (starts, lengths) as shards hold them, each followed by `eos`, in `dtype`,
+    and their offsets (from 0)."""
     offsets = np.concatenate([[0], np.cumsum(lengths + 1)]).astype(np.int64)
     out = np.full(int(offsets[-1]), eos, dtype=dtype)
     if len(lengths):
@@ -192,12 +205,16 @@ def _blocks(bounds: np.ndarray) -> Iterator[slice]:
         yield slice(int(a), int(b))
 
 
+IMPORT_VERSION = 1  # bump when the same sources and options would import differently
+
+
 def import_tokens(sources: list[str], out: str | Path, tokenizer: str | Path, *, fmt: str = "auto",
                   dtype: str | None = None, eos: int | None = None, val_fraction: float = 0.005, seed: int = 0,
                   overwrite: bool = False) -> ImportResult:
     """Copy the documents of `sources` (read_source's) into data directory `out`, tokenized by
     `tokenizer` (a tokenizer.json: the one the tokens were made with); `eos`: the end-of-document
-    id, by default the tokenizer's end-of-text token."""
+    id, by default the tokenizer's end-of-text token. An interrupted import, run again the same,
+    starts again; run again unchanged once finished, it reuses what it wrote."""
     out = Path(out)
     if fmt not in FORMATS:
         raise DataError(f"format {fmt!r} is not one this reads; give one of {', '.join(FORMATS)}")
@@ -220,60 +237,107 @@ def import_tokens(sources: list[str], out: str | Path, tokenizer: str | Path, *,
     tokenizer_file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
     tokenizer_text = tokenizer_file.read_bytes()
     key = hashlib.sha256(json.dumps({
-        "sources": [[s.path, s.format, _identity(s)] for s in read], "tokenizer": hashlib.sha256(tokenizer_text).hexdigest(),
-        "eos": end, "val_fraction": val_fraction, "seed": seed}, sort_keys=True).encode()).hexdigest()
-    if finished_key(out) == key and all((out / name).is_file() for name in DATA_FILES):
-        read_index(out)  # (damaged: refused in a sentence)
-        return ImportResult(out, json.loads((out / "stats.json").read_text()), reused=True)
-    if (out / "index.json").is_file() and not overwrite:
-        raise DataError(f"{str(out)!r} holds a data directory already; give another output directory, or --overwrite "
-                        "to replace it (runs trained on it would then no longer resume)")
-    remove_outputs(out)
-    out.mkdir(parents=True, exist_ok=True)
+        "version": IMPORT_VERSION, "sources": [[s.path, s.format, s.tokens.dtype.name, _identity(s)] for s in read],
+        "tokenizer": hashlib.sha256(tokenizer_text).hexdigest(), "eos": end, "val_fraction": val_fraction,
+        "seed": seed}, sort_keys=True).encode()).hexdigest()
+    if is_complete(out, key):
+        stats = json.loads((out / "stats.json").read_text())
+        return ImportResult(out, stats, reused=True, warnings=stats.get("warnings", []))
+    unfinished = out / "work" / "key"
+    ours = unfinished.is_file() and unfinished.read_text() == key  # (this import, interrupted: started again)
+    if not ours and not overwrite and any((out / name).exists() for name in ("manifest.json", "index.json", "work")):
+        raise DataError(f"{str(out)!r} holds a data directory already (or a prepare of one under way); give another "
+                        "output directory, or --overwrite to replace it (runs trained on it would then no longer "
+                        "resume)")
+    clear_data_dir(out)
+    (out / "work").mkdir(parents=True)
+    unfinished.write_text(key)  # (read_index calls the directory unfinished while it is here)
+    try:
+        return _write(out, read, tok, tokenizer, tokenizer_file, vocab, end, key, fmt, val_fraction, seed)
+    except DataError:  # (bad data found on the way: nothing half-written is left)
+        clear_data_dir(out)
+        raise
+
+
+def _write(out: Path, read: list[Source], tok, tokenizer, tokenizer_file: Path, vocab: int, end: int, key: str,
+           fmt: str, val_fraction: float, seed: int) -> ImportResult:
+    """import_tokens' copy of the documents into out, its index, stats and manifest."""
+
+    # The validation split: a seeded draw per document, at least one each way where there are two
+    # (as data prepare's: train measures the validation loss before its first step).
+    counts = [len(source.bounds) for source in read]
     rng = np.random.default_rng(seed)
-    writers = {"train": ShardWriter(out, "train", vocab, end), "val": ShardWriter(out, "val", vocab, end)}
-    docs = {"train": 0, "val": 0}
-    read_tokens, documents_read, begins = 0, 0, []
-    bos = bos_id(tok)
+    held = np.concatenate([rng.random(n) < val_fraction for n in counts] or [np.zeros(0, bool)])
+    if val_fraction > 0 and len(held) >= 2 and not held.any():
+        held[-1] = True
+    if len(held) and held.all():
+        held[0] = False
     kind = token_dtype(vocab)
-    for source in read:
-        documents_read += len(source.bounds)
-        read_tokens += int((source.bounds[:, 1] - source.bounds[:, 0]).sum()) if len(source.bounds) else 0
+    writers = {"train": ShardWriter(out, "train", vocab, end), "val": ShardWriter(out, "val", vocab, end)}
+    empty, begins, warnings = sum(source.empty for source in read), [], []
+    bos = bos_id(tok)
+    first = 0
+    for source, n in zip(read, counts):
+        if n == 1 and len(source.tokens) > BLOCK_TOKENS:
+            warnings.append(f"{source.path} is one document of {len(source.tokens):,} tokens: its end-of-document id "
+                            f"{end} never comes before its end (is --eos-id, or the tokenizer, the data's?)")
         for block in _blocks(source.bounds):
-            bounds = source.bounds[block]
-            held = rng.random(len(bounds)) < val_fraction
-            for split, chosen in (("train", bounds[~held]), ("val", bounds[held])):
-                if not len(chosen):
-                    continue
-                tokens, offsets = _documents(source.tokens, chosen, end, np.dtype(np.int64))
-                if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
-                    bad = int(tokens.max()) if int(tokens.max()) >= vocab else int(tokens.min())
-                    raise DataError(f"{source.path} holds token id {bad}, not one of the {vocab:,} ids of "
-                                    f"{tokenizer}; give the tokenizer the data was made with")
-                begins.append(bool(len(offsets) == 1 or np.all(tokens[offsets[:-1]] == bos)) if bos is not None else False)
-                writers[split].extend(tokens.astype(kind), offsets)
-                docs[split] += len(offsets) - 1
+            drawn = held[first + block.start:first + block.stop]
+            for split, chosen in (("train", source.bounds[block][~drawn]), ("val", source.bounds[block][drawn])):
+                starts, lengths = _bodies(source.tokens, chosen, end)
+                empty += len(chosen) - len(starts)
+                if len(starts) == 1:  # (perhaps a long one: copied a slice at a time, not five times its size)
+                    start, length = int(starts[0]), int(lengths[0])
+                    pieces = [_checked(source, source.tokens[i:min(i + BLOCK_TOKENS, start + length)], vocab, kind,
+                                       tokenizer) for i in range(start, start + length, BLOCK_TOKENS)]
+                    writers[split].extend_document(pieces)
+                    begins.append(bos is not None and int(source.tokens[start]) == bos)
+                elif len(starts) > 1:
+                    tokens, offsets = _documents(source.tokens, starts, lengths, end, kind)
+                    _checked(source, source.tokens[int(starts.min()):int((starts + lengths).max())], vocab, kind,
+                             tokenizer)
+                    begins.append(bos is not None and bool(np.all(tokens[offsets[:-1]] == bos)))
+                    writers[split].extend(tokens, offsets)
+        first += n
     splits = {split: writer.close() for split, writer in writers.items()}
     if not splits["train"]["documents"]:
-        remove_outputs(out)
-        raise DataError(f"the sources hold no documents ({documents_read:,} read, none with a token besides the "
-                        "end of a document); give the files or prefixes of the tokenized data")
+        raise DataError(f"the sources hold no documents ({len(held):,} read, {empty:,} of them empty: nothing but an "
+                        "end-of-document token); give the files or prefixes of the tokenized data")
+    if not splits["val"]["documents"]:
+        warnings.append("the validation split is empty (" + ("a validation fraction of 0" if val_fraction == 0 else
+                        "a single document") + "): train measures its validation loss on it and refuses a run on this "
+                        "data; import with a --val-fraction above 0 and two documents or more")
     # Documents that all begin with the tokenizer's beginning-of-sequence token were made with it:
     # tasks and prompts then begin with it too (data/prepare.py's bos_id).
-    starts_with_bos = bos is not None and all(begins)
-    write_index(out, vocab, end, splits, bos_id=bos if starts_with_bos else None)
+    starts_with_bos = bos is not None and bool(begins) and all(begins)
     shutil.copyfile(tokenizer_file, out / "tokenizer.json")
-    stats = {"documents": {"read": documents_read, "kept": docs["train"] + docs["val"], "dropped": {},
-                           "train": docs["train"], "val": docs["val"]},
-             "tokens": {"read": read_tokens, "train": splits["train"]["tokens"], "val": splits["val"]["tokens"]},
+    stats = {"documents": {"read": len(held) + sum(source.empty for source in read),
+                           "kept": splits["train"]["documents"] + splits["val"]["documents"], "dropped": {"empty": empty},
+                           "train": splits["train"]["documents"], "val": splits["val"]["documents"]},
+             "tokens": {"read": sum(len(source.tokens) for source in read), "train": splits["train"]["tokens"],
+                        "val": splits["val"]["tokens"]},
              "vocab_size": vocab, "eos_id": end, **({"bos_id": bos} if starts_with_bos else {}),
-             "imported": [{"path": s.path, "format": s.format, "documents": len(s.bounds)} for s in read]}
+             "imported": [{"path": s.path, "format": s.format, "dtype": s.tokens.dtype.name, "documents": n + s.empty}
+                          for s, n in zip(read, counts)],
+             "warnings": warnings}
     (out / "stats.json").write_text(json.dumps(stats, indent=1))
+    write_index(out, vocab, end, splits, bos_id=bos if starts_with_bos else None)
     (out / "manifest.json").write_text(json.dumps({  # last: a directory without it is not finished
         "key": key, "imported": [s.path for s in read],
         "options": {"vocab_size": vocab, "format": fmt, "eos_id": end, "val_fraction": val_fraction, "seed": seed},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}, indent=1))
-    return ImportResult(out, stats, reused=False)
+    shutil.rmtree(out / "work")
+    return ImportResult(out, stats, reused=False, warnings=warnings)
+
+
+def _checked(source: Source, tokens: np.ndarray, vocab: int, kind: np.dtype, tokenizer) -> np.ndarray:
+    """`tokens` in the shards' dtype, refused where an id is not one of the tokenizer's."""
+    tokens = np.asarray(tokens)
+    if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        bad = int(tokens.max()) if int(tokens.max()) >= vocab else int(tokens.min())
+        raise DataError(f"{source.path} holds token id {bad}, not one of the {vocab:,} ids of {tokenizer}; give the "
+                        "tokenizer the data was made with")
+    return tokens.astype(kind)
 
 
 def _identity(source: Source) -> list:

@@ -46,8 +46,7 @@ from scaletrain.outputs import kind_of
 from .curate import REASONS as FILTER_REASONS
 from .curate import FilterConfig, curate, document_kind, load_filters
 from .dedup import DedupIndex, Decontaminator, MinHasher, exact_key
-from .shards import (DATA_FILES, DataError, ShardWriter, document_offsets, finished_key, read_index, remove_outputs,
-                     write_index)
+from .shards import DataError, ShardWriter, clear_data_dir, finished_key, is_complete, write_index
 from .sources import (BINARY_SNIFF_BYTES, ReadStats, encodable, list_files, read_documents, reader_version,
                       reads_under)
 from .tokenizer import FIM_TOKENS, bos_id, check_vocab_size, eos_id, fim_ids, load_tokenizer, train_tokenizer
@@ -198,7 +197,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
                **({"bos_id": begins} if bos and given is not None and (begins := bos_id(given)) is not None else {})}
     content_sha256 = stats.content.hexdigest()
     key = _key(options, content_sha256)
-    if _is_complete(out, key):
+    if is_complete(out, key):
         reused_stats = json.loads((out / "stats.json").read_text())
         return PrepareResult(out, True, reused_stats, reused_stats["warnings"])
     if stats.documents["kept"] == 0:
@@ -218,7 +217,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
                         "another output directory, or --overwrite to replace it (runs trained on it would then no longer "
                         "resume)")
     if not _same_work(work, key):
-        _clear(out)
+        clear_data_dir(out)
         work.mkdir(parents=True)
         (work / "key").write_text(key)
     (out / "manifest.json").unlink(missing_ok=True)  # incomplete until the very end
@@ -923,6 +922,8 @@ def _replaced(out: Path, options: dict, content_sha256: str) -> str | None:
     differs from one of `options` on text of `content_sha256`, when there is one."""
     try:
         manifest = json.loads((out / "manifest.json").read_text())
+        if "imported" in manifest:  # (data import's: no options of prepare's to compare)
+            return f"tokens `data import` wrote, made {manifest['created']}"
         made = f"vocabulary {manifest['options']['vocab_size']}, made {manifest['created']}"
         then = dict(manifest["options"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -940,35 +941,6 @@ def _replaced(out: Path, options: dict, content_sha256: str) -> str | None:
     if manifest.get("content_sha256") != content_sha256:
         changed.append("other source text")
     return "; ".join([made, *changed[:3], *(["..."] if len(changed) > 3 else [])])
-
-
-def _is_complete(out: Path, key: str) -> bool:
-    """out holds a finished prepare with this key: its manifest matches and every file it names exists."""
-    try:
-        manifest = json.loads((out / "manifest.json").read_text())
-        index = read_index(out)
-    except (OSError, ValueError, KeyError):  # DataError is a ValueError
-        return False
-    if manifest.get("key") != key or not all((out / name).is_file() for name in DATA_FILES):
-        return False
-    itemsize = np.dtype(index["dtype"]).itemsize
-    for split in index["splits"].values():
-        for shard in split["shards"]:
-            bin_path = out / shard["path"]
-            if not bin_path.is_file() or bin_path.stat().st_size != shard["tokens"] * itemsize:
-                return False
-            try:
-                document_offsets(out, shard)
-            except DataError:
-                return False
-    return True
-
-
-def _clear(out: Path) -> None:
-    """Remove an earlier prepare's files from out, and only those."""
-    remove_outputs(out)
-    for folder in ("work", "rejects"):
-        shutil.rmtree(out / folder, ignore_errors=True)
 
 
 def _write_json(path: Path, value: dict) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,15 @@ class ShardWriter:
         if self._offsets[-1] >= self.shard_tokens:
             self._flush()
 
+    def extend_document(self, pieces: list[np.ndarray]) -> None:
+        """Add one document given in pieces (its ids, without the end-of-document token, which is
+        appended here)."""
+        self._pieces += [*(piece.astype(self.dtype, copy=False) for piece in pieces),
+                         np.array([self.eos_id], dtype=self.dtype)]
+        self._offsets.append(self._offsets[-1] + sum(len(piece) for piece in pieces) + 1)
+        if self._offsets[-1] >= self.shard_tokens:
+            self._flush()
+
     def _flush(self) -> None:
         if len(self._offsets) == 1:
             return
@@ -105,15 +115,41 @@ def finished_key(data_dir: Path) -> str | None:
         return None
 
 
-def remove_outputs(data_dir: Path) -> None:
-    """Remove a data directory's files (DATA_FILES) and its shards, and only those."""
+def clear_data_dir(data_dir: Path) -> None:
+    """Remove a data directory's files (DATA_FILES), its shards and a prepare's or import's work
+    and rejects from data_dir, and only those."""
     for name in DATA_FILES:
         (data_dir / name).unlink(missing_ok=True)
+    for folder in ("work", "rejects"):
+        shutil.rmtree(data_dir / folder, ignore_errors=True)
     shards = data_dir / "shards"
     if shards.is_dir():
         for path in shards.iterdir():
             if path.name.startswith(("train_", "val_")):
                 path.unlink()
+
+
+def is_complete(data_dir: Path, key: str) -> bool:
+    """data_dir holds a finished prepare or import with this key: its manifest matches, every
+    file exists, and each shard is the length, with the document offsets, that index.json says."""
+    try:
+        manifest = json.loads((data_dir / "manifest.json").read_text())
+        index = read_index(data_dir)
+    except (OSError, ValueError, KeyError):  # DataError is a ValueError
+        return False
+    if manifest.get("key") != key or not all((data_dir / name).is_file() for name in DATA_FILES):
+        return False
+    itemsize = np.dtype(index["dtype"]).itemsize
+    for split in index["splits"].values():
+        for shard in split["shards"]:
+            bin_path = data_dir / shard["path"]
+            if not bin_path.is_file() or bin_path.stat().st_size != shard["tokens"] * itemsize:
+                return False
+            try:
+                document_offsets(data_dir, shard)
+            except DataError:
+                return False
+    return True
 
 
 def _write_atomic(path: Path, payload: bytes) -> None:
@@ -136,8 +172,8 @@ def read_index(data_dir: str | Path) -> dict:
     if not Path(data_dir).is_dir():
         raise DataError(f"data directory {str(data_dir)!r} does not exist; create it with `scaletrain data prepare`")
     if not path.is_file() and (Path(data_dir) / "work" / "key").is_file():
-        raise DataError(f"{str(data_dir)!r} holds a prepare that did not finish; run the same `scaletrain data "
-                        "prepare` command again to finish it (it resumes)")
+        raise DataError(f"{str(data_dir)!r} holds a prepare or import that did not finish; run the same `scaletrain "
+                        "data prepare` (or `data import`) command again to finish it")
     if not path.is_file():
         raise DataError(f"{str(data_dir)!r} has no index.json, so it is not a prepared data directory; "
                         "create it with `scaletrain data prepare`")
