@@ -6,7 +6,9 @@ micro-batches for the schedule): tp within a node (over a node's links, as torch
 Megatron-LM keep it), pp under 1F1B or interleaved 1F1B with two or four stages a rank
 (micro-batches at least pp, a multiple of it when interleaved), the blocks split evenly over
 the stages or, where they do not divide, with lighter first and last stages
-(parallel.pp_stage_blocks, as Llama 3 split its 126 blocks on 16 stages), the
+(parallel.pp_stage_blocks, as Llama 3 split its 126 blocks on 16 stages), and also split so
+that the head's rank does no more work than the others (the head counted in blocks' worth of
+FLOPs, as Megatron-LM's account-for-loss split does), the
 data-parallel ranks split every way between FSDP shards and replicas, micro-batches of 1 to
 64 sequences (powers of two), and for each the least recomputation (none, selective, full;
 then chunking the loss) whose predicted peak fits in the usable memory. Not searched: GPipe
@@ -43,8 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from scaletrain.errors import UserError
-from scaletrain.model.flops import moe_layers
-from scaletrain.parallel.layout import ends_light_blocks
+from scaletrain.model.flops import moe_layers, mtp_train_flops_per_token, train_flops_per_token
+from scaletrain.parallel.layout import ends_light_blocks, stage_blocks, stage_ids
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import MemoryEstimate
 from scaletrain.plan.timing import Efficiency, PlanLayout, StepTime, step_time
@@ -105,17 +107,55 @@ def _data_parallel(cfg: Any, dp: int, tp: int = 1) -> list[tuple[int, int]]:
             if not moe_layers(cfg) or cfg.moe_experts % (ep * tp) == 0]
 
 
-def _pipelines(cfg: Any, world: int) -> list[tuple[int, str, int, tuple[int, ...] | None]]:
+def _pipelines(cfg: Any, seq_len: int, world: int) -> list[tuple[int, str, int, tuple[int, ...] | None]]:
     """(pp, schedule, stages per rank, blocks of each stage) choices: one stage a rank under 1F1B,
     two or four interleaved; the blocks split evenly where they divide, else with lighter ends
-    (parallel/layout.py's ends_light_blocks), None standing for the even split."""
+    (parallel/layout.py's ends_light_blocks), None standing for the even split; and, where it
+    differs, the split that balances the ranks with the head counted on the last
+    (head_balanced_blocks)."""
     out = [(1, "1f1b", 1, None)]
+    head = _head_blocks(cfg, seq_len)
     for pp in divisors(world):
         for schedule, stages in (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)):
             if 1 < pp and stages * pp <= cfg.n_layers:
                 even = cfg.n_layers % (stages * pp) == 0
-                out.append((pp, schedule, stages, None if even else tuple(ends_light_blocks(cfg.n_layers, stages * pp))))
+                base = None if even else tuple(ends_light_blocks(cfg.n_layers, stages * pp))
+                out.append((pp, schedule, stages, base))
+                balanced = tuple(head_balanced_blocks(cfg.n_layers, pp, stages, schedule, head))
+                if balanced != (base or stage_blocks(cfg.n_layers, stages * pp)):
+                    out.append((pp, schedule, stages, balanced))
     return out
+
+
+def _head_blocks(cfg: Any, seq_len: int) -> float:
+    """The work of the last stage's own part — the output head and loss, multi-token
+    prediction's depths — in blocks' worth of matmul FLOPs."""
+    head = 6 * cfg.vocab * cfg.dim * (1 + (getattr(cfg, "mtp_depth", 0) or 0))
+    depths = mtp_train_flops_per_token(cfg, seq_len, causal=True)
+    block = (train_flops_per_token(cfg, seq_len, causal=True) - head - depths) / cfg.n_layers
+    return (head + depths) / block
+
+
+def head_balanced_blocks(n_layers: int, pp: int, stages_per_rank: int, schedule: str, head: float) -> list[int]:
+    """Blocks of each stage that balance the pipeline ranks' work, the rank of the last stage
+    counting `head` blocks more for the output head (Megatron-LM's account-for-loss split, Narayanan
+    et al. 2021): from the lighter-ends split, a block moved at a time from a stage of the busiest
+    rank to one of the least busy (the later rank on a tie: the first holds the most micro-batches
+    in flight), while that lowers the busiest's work."""
+    stages = pp * stages_per_rank
+    blocks = stage_blocks(n_layers, stages)
+    owner = {stage: rank for rank in range(pp) for stage in stage_ids(schedule, rank, pp, stages_per_rank)}
+    while True:
+        work = [float(sum(blocks[s] for s in owner if owner[s] == rank)) for rank in range(pp)]
+        work[owner[stages - 1]] += head
+        busiest = max(range(pp), key=lambda r: work[r])
+        idlest = min(reversed(range(pp)), key=lambda r: work[r])
+        giver = max((s for s in owner if owner[s] == busiest and blocks[s] > 1), key=lambda s: blocks[s], default=None)
+        if giver is None or work[idlest] + 1 >= work[busiest]:
+            return blocks
+        taker = min((s for s in owner if owner[s] == idlest), key=lambda s: blocks[s])
+        blocks[giver] -= 1
+        blocks[taker] += 1
 
 
 def _batch(target: int, dp: int, micro_batch: int, fixed: bool) -> int | None:
@@ -154,7 +194,7 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
         for tp in _tp_sizes(cfg, seq_len, cp, min(gpus_per_node, world)):
             if world % (cp * tp):
                 continue
-            for pp, schedule, stages, blocks in _pipelines(cfg, world // (cp * tp)):
+            for pp, schedule, stages, blocks in _pipelines(cfg, seq_len, world // (cp * tp)):
                 dp = world // (cp * tp * pp)
                 for replicate, ep in _data_parallel(cfg, dp, tp):
                     for micro_batch in MICRO_BATCHES:
