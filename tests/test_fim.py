@@ -81,6 +81,16 @@ def test_a_share_of_documents_is_rearranged_and_a_given_tokenizer_needs_the_sent
         prepare(["builtin:python-stdlib"], tmp_path / "given", **CORPUS, tokenizer=plain_dir, fim_rate=0.5)
     with pytest.raises(DataError, match="rates 1.5 and 0.5 .* must be between 0 and 1"):
         prepare(["builtin:python-stdlib"], tmp_path / "bad", **CORPUS, fim_rate=1.5)
+    with pytest.raises(DataError, match="vocab_size 257 is too small .* at least 260 .* fill-in-the-middle tokens"):
+        prepare(["builtin:python-stdlib"], tmp_path / "bad", **{**CORPUS, "vocab_size": 257}, fim_rate=0.5)
+    # Qwen2.5's tokenizer adds its sentinels as ordinary added tokens, which any text would produce:
+    # loaded, they are special, and a document's literal "<|fim_prefix|>" stays text.
+    qwen = Tokenizer.from_file(str(plain_dir / "tokenizer.json"))
+    qwen.add_tokens(list(FIM_TOKENS[0]))
+    qwen.save(str(tmp_path / "qwen.json"))
+    loaded = load_tokenizer(tmp_path / "qwen.json")
+    sentinels = fim_ids(loaded)
+    assert sentinels is not None and not set(sentinels) & set(loaded.encode("x <|fim_prefix|> y").ids)
     # A code model's tokenizer (StarCoder's names): accepted, its sentinels used.
     starcoder = Tokenizer.from_file(str(plain_dir / "tokenizer.json"))
     starcoder.add_special_tokens(list(FIM_TOKENS[1]))
@@ -91,13 +101,19 @@ def test_a_share_of_documents_is_rearranged_and_a_given_tokenizer_needs_the_sent
     assert all(doc[0] == ids[0] for doc in documents(tmp_path / "given", "train"))
 
 
-def test_a_model_trained_on_rearranged_documents_fills_in_the_middle(fim_data, tmp_path):
+def test_a_model_trained_on_rearranged_documents_fills_in_the_middle(fim_data, tmp_path, caplog):
     plain_dir, fim_dir = fim_data
     run = tmp_path / "run"
     train(tiny_config(fim_dir, run, "train.steps=2", "eval.interval=0"))
     texts = generate_text(run, "def f(x):\n", suffix="\n    return y\n", max_new_tokens=8, temperature=1.0,
                           samples=2)
     assert all(t.startswith("def f(x):\n") and t.endswith("\n    return y\n") for t in texts)
+    assert "the middle was cut at 8 new tokens, before the model ended it" in caplog.text  # (2 steps: no end yet)
+    # Exported, its tokenizer takes the sentinels written in a prompt's text, as infilling clients write them.
+    from scaletrain.hf import export_hf
+    export_hf(run, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert config["split_special_tokens"] is False
     plain_run = tmp_path / "plain"
     train(tiny_config(plain_dir, plain_run, "train.steps=1", "eval.interval=0"))
     with pytest.raises(GenerateError, match="tokenizer has no fill-in-the-middle tokens, so its model never learned "

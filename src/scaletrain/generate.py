@@ -131,6 +131,9 @@ def generate_text(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, t
     new = generate(model, prompts, min(max_new_tokens, room), temperature=temperature, top_k=top_k,
                    use_cache=use_cache, generator=generator, eos_id=eos_id, vocab=vocab_size(tokenizer), top_p=top_p)
     if suffix is not None:
+        if any(eos_id not in row.tolist() for row in new.cpu()):
+            log.warning("the middle was cut at %d new tokens, before the model ended it: raise --max-new-tokens for "
+                        "the whole of it", new.shape[1])
         texts = [prompt + tokenizer.decode(row.tolist()) + suffix for row in new.cpu()]
     else:
         texts = [tokenizer.decode(ids + row.tolist()) for row in new.cpu()]  # (special tokens decode to nothing)

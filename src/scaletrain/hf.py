@@ -262,7 +262,7 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
     import torch
     from safetensors.torch import save_file
 
-    from scaletrain.data.tokenizer import eos_id as find_eos, load_tokenizer
+    from scaletrain.data.tokenizer import eos_id as find_eos, fim_ids, load_tokenizer
     from scaletrain.generate import data_bos_id, load_model
     from scaletrain.model.flops import param_counts
 
@@ -300,11 +300,13 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
                      "top_k": 50})
         shutil.copyfile(tokenizer_json, staging / "tokenizer.json")
         # split_special_tokens: "<|endoftext|>" written in a text is encoded as text, as in training
-        # (data/tokenizer.py); only the token appended between documents ends one.
+        # (data/tokenizer.py); only the token appended between documents ends one. Not where the
+        # model learned fill-in-the-middle: the clients that ask it to infill (transformers, vLLM,
+        # editors) write its sentinels into the prompt's text, as Qwen's and StarCoder's tokenizers take them.
         _write_json(staging / "tokenizer_config.json",
                     {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
                      "add_bos_token": bos_id is not None, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-                     "split_special_tokens": True, "model_max_length": cfg.model.max_seq_len})
+                     "split_special_tokens": fim_ids(tokenizer) is None, "model_max_length": cfg.model.max_seq_len})
         counts = param_counts(cfg.model)
         (staging / "README.md").write_text(_model_card(Path(run_dir), cfg, step, counts["total"] - counts["mtp"],
                                                        dtype, average, ema))

@@ -144,7 +144,7 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     sources, out = [str(source) for source in sources], Path(out)
     if kind not in ("auto", "code", "prose"):
         raise DataError(f"kind {kind!r}: give auto (each document by its file name), code or prose")
-    _check_options(vocab_size, max_bytes, val_fraction, seed, workers, tokenizer, chunk_bytes)
+    _check_options(vocab_size, max_bytes, val_fraction, seed, workers, tokenizer, chunk_bytes, fim_rate > 0)
     if tokenizer_sample is not None and (tokenizer_sample < 1 or tokenizer is not None):
         raise DataError(f"tokenizer_sample {tokenizer_sample}: give a positive number of bytes to train the "
                         "tokenizer on, and no tokenizer to reuse (whose training is done)")
@@ -856,9 +856,9 @@ def _example(line: str) -> str:
 
 
 def _check_options(vocab_size: int, max_bytes: int | None, val_fraction: float, seed: int,
-                   workers: int | None, tokenizer: str | Path | None, chunk_bytes: int) -> None:
+                   workers: int | None, tokenizer: str | Path | None, chunk_bytes: int, fim: bool = False) -> None:
     if tokenizer is None:
-        check_vocab_size(vocab_size)
+        check_vocab_size(vocab_size, fim)
     if max_bytes is not None and max_bytes <= 0:
         raise DataError(f"max_bytes must be a positive number of bytes, not {max_bytes}")
     if not 0 <= val_fraction < 1:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from .shards import DataError
 
@@ -33,7 +33,7 @@ MAX_VOCAB_SIZE = 1 << 22
 def train_tokenizer(texts: Iterable[str], vocab_size: int, fim: bool = False) -> Tokenizer:
     """A byte-level BPE tokenizer with `vocab_size` ids (fewer if the text has too few pairs to
     merge); `fim`: with fill-in-the-middle's three sentinels as special tokens (FIM_TOKENS' first)."""
-    check_vocab_size(vocab_size)
+    check_vocab_size(vocab_size, fim)
     tokenizer = Tokenizer(models.BPE())
     # No prefix space: it would add a space to the start of every document and break the
     # exact round trip decode(encode(text)) == text.
@@ -47,10 +47,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, fim: bool = False) ->
     return tokenizer
 
 
-def check_vocab_size(vocab_size: int) -> None:
-    if vocab_size < MIN_VOCAB_SIZE:
+def check_vocab_size(vocab_size: int, fim: bool = False) -> None:
+    least = MIN_VOCAB_SIZE + (len(FIM_TOKENS[0]) if fim else 0)
+    if vocab_size < least:
         raise DataError(f"vocab_size {vocab_size} is too small for byte-level BPE; it must be at least "
-                        f"{MIN_VOCAB_SIZE} (256 byte tokens plus {EOS_TOKEN})")
+                        f"{least} (256 byte tokens plus {EOS_TOKEN}" + (" and the three fill-in-the-middle tokens)"
+                                                                       if fim else ")"))
     if vocab_size > MAX_VOCAB_SIZE:
         raise DataError(f"vocab_size {vocab_size:,} is beyond what a tokenizer is trained to; give at most "
                         f"{MAX_VOCAB_SIZE:,} (released models use 32,000-262,144)")
@@ -71,7 +73,13 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     eos_id(tokenizer, path)
     # A document that happens to contain the text "<|endoftext|>" must not gain an end of
     # document in the middle: encode special tokens' text as ordinary text. This setting is
-    # not saved in tokenizer.json, so every load sets it.
+    # not saved in tokenizer.json, so every load sets it. Fill-in-the-middle's sentinels, which
+    # some tokenizers (Qwen2.5's, CodeGemma's) add as ordinary added tokens, matched in any text,
+    # are made special first, so that no document's text produces one.
+    plain = {token.content for token in tokenizer.get_added_tokens_decoder().values() if not token.special}
+    sentinels = [name for names in FIM_TOKENS for name in names if name in plain]
+    if sentinels:
+        tokenizer.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in sentinels])
     tokenizer.encode_special_tokens = True
     return tokenizer
 
