@@ -838,7 +838,7 @@ def test_stages_of_unequal_blocks_are_timed_at_the_slowest_rank_and_searched_whe
     # 8B's head is 2.4 blocks of FLOPs: 8, 9, 9, 6 on 4 stages, not 8 each): searched beside the
     # even split, and faster by the step-time model.
     assert head_balanced_blocks(32, 4, 1, "1f1b", 2.4) == [8, 9, 9, 6]
-    assert head_balanced_blocks(32, 2, 2, "interleaved_1f1b", 2.4) == [9, 7, 8, 8]  # (rank 1: stages 1 and 3)
+    assert head_balanced_blocks(32, 2, 2, "interleaved_1f1b", 2.4) == [9, 8, 8, 7]  # (rank 1: stages 1 and 3)
     assert head_balanced_blocks(126, 16, 1, "1f1b", 0.1) == ends_light_blocks(126, 16)  # (a small head: no move)
     llama8b = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                           max_seq_len=8192)

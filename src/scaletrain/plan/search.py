@@ -122,7 +122,7 @@ def _pipelines(cfg: Any, seq_len: int, world: int) -> list[tuple[int, str, int, 
                 base = None if even else tuple(ends_light_blocks(cfg.n_layers, stages * pp))
                 out.append((pp, schedule, stages, base))
                 balanced = tuple(head_balanced_blocks(cfg.n_layers, pp, stages, schedule, head))
-                if balanced != (base or stage_blocks(cfg.n_layers, stages * pp)):
+                if balanced != (base or tuple(stage_blocks(cfg.n_layers, stages * pp))):
                     out.append((pp, schedule, stages, balanced))
     return out
 
@@ -130,8 +130,8 @@ def _pipelines(cfg: Any, seq_len: int, world: int) -> list[tuple[int, str, int, 
 def _head_blocks(cfg: Any, seq_len: int) -> float:
     """The work of the last stage's own part — the output head and loss, multi-token
     prediction's depths — in blocks' worth of matmul FLOPs."""
-    head = 6 * cfg.vocab * cfg.dim * (1 + (getattr(cfg, "mtp_depth", 0) or 0))
-    depths = mtp_train_flops_per_token(cfg, seq_len, causal=True)
+    head = 6 * cfg.vocab * cfg.dim
+    depths = mtp_train_flops_per_token(cfg, seq_len, causal=True)  # (their passes through the head too)
     block = (train_flops_per_token(cfg, seq_len, causal=True) - head - depths) / cfg.n_layers
     return (head + depths) / block
 
@@ -150,7 +150,8 @@ def head_balanced_blocks(n_layers: int, pp: int, stages_per_rank: int, schedule:
         work[owner[stages - 1]] += head
         busiest = max(range(pp), key=lambda r: work[r])
         idlest = min(reversed(range(pp)), key=lambda r: work[r])
-        giver = max((s for s in owner if owner[s] == busiest and blocks[s] > 1), key=lambda s: blocks[s], default=None)
+        giver = max((s for s in owner if owner[s] == busiest and blocks[s] > 1),  # (the head's stage on a tie)
+                    key=lambda s: (blocks[s], s == stages - 1), default=None)
         if giver is None or work[idlest] + 1 >= work[busiest]:
             return blocks
         taker = min((s for s in owner if owner[s] == idlest), key=lambda s: blocks[s])
