@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from scaletrain.data import DataError
 from scaletrain.data import prepare as _prepare
-from scaletrain.data.shards import open_split, read_index
+from scaletrain.data.shards import open_split, read_index, read_indexes
 
 VOCAB = 300  # the smallest vocabularies keep training instant
 
@@ -354,6 +354,10 @@ def test_documents_begin_with_a_given_tokenizers_beginning_of_sequence_token(tmp
     assert "bos_id" not in read_index(tmp_path / "no-bos")
     unbegun = open_split(tmp_path / "no-bos", "train")
     assert not (unbegun.read(0, unbegun.tokens) == bos).any()
+    # A mixture (or held-out set) of both would begin tasks and prompts as only one of them does: refused.
+    with pytest.raises(DataError, match=r"begin documents differently \(beginning-of-sequence id by directory: "
+                                        rf"{{'bos': {bos}, 'no-bos': None}}\); prepare them alike"):
+        read_indexes({"bos": tmp_path / "bos", "no-bos": tmp_path / "no-bos"})
 
 
 def test_end_of_text_written_inside_a_document_is_text_not_an_end_of_document(tmp_path):

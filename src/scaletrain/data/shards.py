@@ -231,6 +231,12 @@ def read_indexes(sources: dict[str, Path]) -> dict[str, dict]:
             name = next(iter(small))
             raise DataError(f"{sources[name]}/index.json says vocab_size {small[name]:,}, but its tokenizer gives ids up "
                             f"to {ids - 1:,}; it is damaged: prepare the data directory again")
+    # (tasks and prompts begin as the documents do: the directories must agree, a mixture's too)
+    begins = {name: index.get("bos_id") for name, index in indexes.items()}
+    if len(set(begins.values())) > 1:
+        raise DataError(f"the data directories {', '.join(map(str, sources.values()))} begin documents differently "
+                        f"(beginning-of-sequence id by directory: {begins}); prepare them alike, all with the "
+                        "tokenizer's beginning-of-sequence token or all with --no-bos")
     return indexes
 
 
