@@ -19,8 +19,9 @@ Sources:
   F = 96 B s l h^2 (1 + s/6h + V/16lh) per step; the row compares the step time that implies.
 
 Assumptions the papers leave open, the same for every row: one sequence a micro-batch; two
-interleaved stages a rank; GELU MLPs of width 4h timed as SwiGLU of width 8h/3 (the same
-FLOPs); multi-head attention where the paper has no GQA.
+interleaved stages a rank, their blocks split evenly or, where they do not divide, with the first
+and last stages lighter (Llama 3's 126 blocks on 32 stages: 3, 4 x 30, 3); GELU MLPs of width 4h
+timed as SwiGLU of width 8h/3 (the same FLOPs); multi-head attention where the paper has no GQA.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from scaletrain.config import ModelConfig  # noqa: E402
+from scaletrain.parallel.layout import ends_light_blocks  # noqa: E402
 from scaletrain.plan.hardware import device, device_from_dict  # noqa: E402
 from scaletrain.plan.search import describe, search  # noqa: E402
 from scaletrain.plan.timing import PlanLayout, step_time  # noqa: E402
@@ -41,7 +43,7 @@ def llama3(gpus: int, tp: int, cp: int, pp: int, dp: int, seq: int, batch_per_dp
     cfg = ModelConfig(vocab_size=128000, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
                       max_seq_len=seq)
     layout = PlanLayout(dp_shard=dp, tp=tp, cp=cp, pp=pp, micro_batch=1, pp_schedule="interleaved_1f1b",
-                        pp_stages_per_rank=2)
+                        pp_stages_per_rank=2, pp_stage_blocks=_stage_blocks(cfg.n_layers, 2 * pp))
     assert layout.world_size == gpus
     t = step_time(cfg, seq, dp * batch_per_dp, layout, device("H100 SXM"))
     # The planner's own choice for the same model, batch and devices (context parallelism where
@@ -62,7 +64,8 @@ def megatron(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int
                       max_seq_len=seq)
     dp = gpus // (tp * pp)
     layout = PlanLayout(dp_replicate=dp, dp_shard=1, tp=tp, pp=pp, micro_batch=1, recompute="full",
-                        pp_schedule="interleaved_1f1b", pp_stages_per_rank=2)
+                        pp_schedule="interleaved_1f1b", pp_stages_per_rank=2,
+                        pp_stage_blocks=_stage_blocks(layers, 2 * pp))
     selene = device_from_dict({"inter_node_gbs": 25}, device("A100"))
     t = step_time(cfg, seq, batch, layout, selene)
     flops = 96 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
@@ -70,6 +73,12 @@ def megatron(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int
     return {"run": f"Megatron-LM GPT {params}, {gpus} A100, TP{tp} PP{pp} DP{dp}", "published_tflops": tflops,
             "predicted_tflops": round(flops / (gpus * t.total) / 1e12, 1), "published_step_s": round(measured, 2),
             "predicted_step_s": round(t.total, 2), "breakdown": _breakdown(t)}
+
+
+def _stage_blocks(n_layers: int, stages: int) -> tuple[int, ...] | None:
+    """An even split (None), or where the blocks do not divide the first and last stages lighter,
+    as Llama 3's 126 blocks were split (section 3.3.2)."""
+    return None if n_layers % stages == 0 else tuple(ends_light_blocks(n_layers, stages))
 
 
 def calibration(name: str, cfg: ModelConfig, batch: int, tokens_per_s: float) -> dict:

@@ -230,6 +230,19 @@ def test_a_time_limit_counts_from_the_start_of_the_torchrun_that_started_the_wor
     from scaletrain.torchrun import LAUNCHED
     from scaletrain.train.metrics import process_started
 
+    # scaletrain.torchrun hands its workers its own start (a restarted one the same: it is in the
+    # environment torchrun starts each with), keeping one it was itself given.
+    import torch.distributed.run as torch_run
+
+    from scaletrain import torchrun
+    seen = []
+    monkeypatch.setattr(torch_run, "main", lambda argv: seen.append(os.environ.get(LAUNCHED)))
+    monkeypatch.delenv(LAUNCHED, raising=False)
+    before = time.time()
+    assert torchrun.run(["--nproc-per-node=1", "worker.py"]) == (0, None)
+    monkeypatch.setenv(LAUNCHED, "7.5")
+    torchrun.run(["--nproc-per-node=1", "worker.py"])
+    assert before <= float(seen[0]) <= time.time() and seen[1] == "7.5"
     args = argparse.Namespace(deadline=None, time_limit=60.0)
     monkeypatch.setenv(LAUNCHED, "1000.5")
     assert _deadline(args) == 1060.5

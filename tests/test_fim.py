@@ -71,15 +71,17 @@ def test_every_training_document_is_its_text_cut_in_three_and_rearranged_between
 
 def test_a_share_of_documents_is_rearranged_and_a_given_tokenizer_needs_the_sentinels(fim_data, tmp_path):
     plain_dir, _ = fim_data
-    # Half the documents, by a hash of (seed, text): the same draw again.
+    # Half the documents, by a hash of (seed, text): the same draw again in chunks of another size.
     prepare(["builtin:python-stdlib"], tmp_path / "half", **CORPUS, fim_rate=0.5)
     pre = fim_ids(load_tokenizer(tmp_path / "half"))[0]
     train_docs = documents(tmp_path / "half", "train")
     share = sum(pre in ids for ids in train_docs) / len(train_docs)
     assert 0.2 < share < 0.8, share
+    prepare(["builtin:python-stdlib"], tmp_path / "chunked", **CORPUS, fim_rate=0.5, chunk_bytes=20_000)
+    assert documents(tmp_path / "chunked", "train") == train_docs
     with pytest.raises(DataError, match="has no fill-in-the-middle tokens .*<fim_prefix>.*give one that has them"):
         prepare(["builtin:python-stdlib"], tmp_path / "given", **CORPUS, tokenizer=plain_dir, fim_rate=0.5)
-    with pytest.raises(DataError, match="rates 1.5 and 0.5 .* must be between 0 and 1"):
+    with pytest.raises(DataError, match="fim_rate 1.5 is not a share: give one between 0 and 1"):
         prepare(["builtin:python-stdlib"], tmp_path / "bad", **CORPUS, fim_rate=1.5)
     with pytest.raises(DataError, match="vocab_size 257 is too small .* at least 260 .* fill-in-the-middle tokens"):
         prepare(["builtin:python-stdlib"], tmp_path / "bad", **{**CORPUS, "vocab_size": 257}, fim_rate=0.5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import warnings
 from pathlib import Path
 
@@ -96,8 +97,8 @@ def test_megatron_datasets_and_flat_token_files_import_as_the_documents_they_hol
 
 
 def test_training_on_imported_tokens_gives_the_losses_of_the_data_they_came_from(stdlib_data, tmp_path):
-    """The training split written out as nanoGPT writes train.bin and imported, with the original
-    validation split's tokens as another import's: a run trains and evaluates the same losses."""
+    """The training split written out as nanoGPT writes train.bin and imported (the original
+    validation split's shards copied in beside it): a run trains and evaluates the same losses."""
     eos = read_index(stdlib_data)["eos_id"]
     tokenizer = stdlib_data / "tokenizer.json"
     np.concatenate(documents(stdlib_data)).astype(np.uint16).tofile(tmp_path / "train.bin")
@@ -139,6 +140,8 @@ def test_token_data_that_cannot_be_imported_is_refused_in_a_sentence(stdlib_data
     (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
     (tmp_path / "fake.idx").write_bytes(b"not an index at all, no" * 3)
     (tmp_path / "fake.bin").write_bytes(b"\x00\x00")
+    (tmp_path / "newer.idx").write_bytes(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 2, 4, 0, 0))
+    (tmp_path / "newer.bin").write_bytes(b"")
     beyond = flat.astype(np.uint16)
     beyond[5] = 4000  # (the tokenizer has 512 ids)
     beyond.tofile(tmp_path / "other.bin")
@@ -151,6 +154,7 @@ def test_token_data_that_cannot_be_imported_is_refused_in_a_sentence(stdlib_data
                                             "the data was made with"),
         ([str(tmp_path / "odd.bin")], {}, "is 3 bytes, not a whole number of uint16 tokens; give its --dtype"),
         ([str(tmp_path / "fake")], {}, "is not a Megatron indexed dataset's index .it does not begin with MMIDIDX."),
+        ([str(tmp_path / "newer")], {}, "is version 2 with dtype code 4, where this reads version 1 with integer tokens"),
         ([str(prefix)], {}, "shorter than the .* its counts need .cut short.."),
         ([str(prefix)], {"dtype": "uint32"}, "a Megatron dataset's index names its own: drop it"),
         ([str(tmp_path / "missing.bin")], {}, "does not exist; give a file of tokens"),
@@ -162,7 +166,7 @@ def test_token_data_that_cannot_be_imported_is_refused_in_a_sentence(stdlib_data
             import_tokens(sources, tmp_path / "out", tokenizer, **options)
         assert not (tmp_path / "out" / "index.json").exists()
     import_tokens([str(tmp_path / "train.bin")], tmp_path / "out", tokenizer)
-    with pytest.raises(DataError, match="holds a data directory already .or a prepare of one under way.; give "
+    with pytest.raises(DataError, match="holds a data directory already .or an unfinished prepare or import of another one.; give "
                                         "another output directory, or --overwrite"):
         import_tokens([str(tmp_path / "train.bin")], tmp_path / "out", tokenizer, seed=1)
     import_tokens([str(tmp_path / "train.bin")], tmp_path / "out", tokenizer, seed=1, overwrite=True)
@@ -220,7 +224,7 @@ def test_an_import_splits_small_corpora_resumes_when_interrupted_and_copies_long
     assert import_tokens([str(tmp_path / "ten.bin")], tmp_path / "cut", tokenizer).reused
     (tmp_path / "preparing" / "work").mkdir(parents=True)
     (tmp_path / "preparing" / "work" / "key").write_text("a prepare's key")
-    with pytest.raises(DataError, match="holds a data directory already .or a prepare of one under way."):
+    with pytest.raises(DataError, match="holds a data directory already .or an unfinished prepare or import of another one."):
         import_tokens([str(tmp_path / "ten.bin")], tmp_path / "preparing", tokenizer)
     # data prepare into an import's directory: refused, saying what it holds.
     from scaletrain.data import prepare

@@ -21,7 +21,7 @@ from scaletrain.plan.hardware import DEVICES, device, device_from_dict
 from scaletrain.plan.planner import Hardware, make_plan, model_for, plan_for_time, planned_config, size
 from scaletrain.plan.memory import (in_flight_microbatches, last_rank_microbatches, rank_memory, rank_microbatches,
                                     training_memory)
-from scaletrain.plan.search import PlanError, candidates, describe, head_balanced_blocks, search
+from scaletrain.plan.search import PlanError, _head_blocks, candidates, describe, head_balanced_blocks, search
 from scaletrain.plan.timing import (Efficiency, PlanLayout, bubble_microbatches, collective, group_bandwidth,
                                     step_time)
 from scaletrain.scaling.laws import preset
@@ -835,13 +835,16 @@ def test_stages_of_unequal_blocks_are_timed_at_the_slowest_rank_and_searched_whe
     assert optimizer[(3, 1)] == pytest.approx(optimizer[(1, 3)], rel=1e-3)
     assert optimizer[(2, 2)] == pytest.approx(optimizer[(3, 1)] * 2 / 3, rel=0.02)  # (the embedding is small here)
     # The head's rank given fewer blocks where the head outweighs what that costs the others (Llama 3
-    # 8B's head is 2.4 blocks of FLOPs: 8, 9, 9, 6 on 4 stages, not 8 each): searched beside the
-    # even split, and faster by the step-time model.
-    assert head_balanced_blocks(32, 4, 1, "1f1b", 2.4) == [8, 9, 9, 6]
-    assert head_balanced_blocks(32, 2, 2, "interleaved_1f1b", 2.4) == [9, 8, 8, 7]  # (rank 1: stages 1 and 3)
-    assert head_balanced_blocks(126, 16, 1, "1f1b", 0.1) == ends_light_blocks(126, 16)  # (a small head: no move)
+    # 8B's head is 2.1 blocks of FLOPs at 8K: 8, 9, 9, 6 on 4 stages, not 8 each): searched beside
+    # the even split, and faster by the step-time model.
     llama8b = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                           max_seq_len=8192)
+    head = _head_blocks(llama8b, 8192)
+    assert head == pytest.approx(6 * 128256 * 4096 / (6 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+                                                     + 6 * 4096 * 8192))  # (attention's scores, causal half)
+    assert head_balanced_blocks(32, 4, 1, "1f1b", head) == [8, 9, 9, 6]
+    assert head_balanced_blocks(32, 2, 2, "interleaved_1f1b", head) == [9, 8, 8, 7]  # (rank 1: stages 1 and 3)
+    assert head_balanced_blocks(126, 16, 1, "1f1b", 0.1) == ends_light_blocks(126, 16)  # (a small head: no move)
     fits, _ = candidates(llama8b, 8192, 64, 4, H100)
     timed = {}
     for c in fits:
@@ -865,3 +868,6 @@ def test_stages_of_unequal_blocks_are_timed_at_the_slowest_rank_and_searched_whe
             "run": {"step_s": 1.0, "checkpoint_write_s": 0.1, "checkpoint_interval_steps": 100}}
     config = planned_config(plan, Hardware(H100, 4, 8), base=base)
     assert config.parallel.pp_stage_blocks == [1, 2, 2, 1]  # (and planned_config checked the layout as train does)
+    # The run, set against its plan read back from JSON, finds the layout it was planned with.
+    trained = PlanLayout.of(config, resolve_layout(config.parallel, 4)).to_dict()
+    assert json.loads(json.dumps(plan["layout"]["layout"])) == trained

@@ -1159,7 +1159,9 @@ def _wall_seconds(text: str) -> float:
 def _validation_options(p: argparse.ArgumentParser) -> None:
     """data prepare's and data import's validation split."""
     p.add_argument("--val-fraction", type=float, default=0.005, help="fraction of documents held out (0.005)")
-    p.add_argument("--seed", type=_seed, default=0, help="seed of the validation split")
+    p.add_argument("--seed", type=_seed, default=0,
+                   help="seed of the validation split's draw (prepare's: also of its tokenizer sample and "
+                        "fill-in-the-middle draws)")
 
 
 def _duration_text(seconds: float) -> str:

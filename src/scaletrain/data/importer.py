@@ -103,8 +103,8 @@ def _megatron(prefix: str) -> Source:
                         "Megatron-LM's preprocess_data.py wrote")
     version, code, sequences, documents = struct.unpack("<QBQQ", head[9:34])
     if version != 1 or code not in MEGATRON_DTYPES:
-        raise DataError(f"{bad} this reads (version {version}, dtype code {code}: version 1 with integer tokens, "
-                        f"codes {sorted(MEGATRON_DTYPES)}, is what it reads)")
+        raise DataError(f"{idx} is version {version} with dtype code {code}, where this reads version 1 with integer "
+                        f"tokens (codes {sorted(MEGATRON_DTYPES)}); write it with Megatron-LM's preprocess_data.py")
     dtype = np.dtype(MEGATRON_DTYPES[code])
     expected = 34 + sequences * (4 + 8) + documents * 8
     if idx.stat().st_size < expected:
@@ -246,9 +246,9 @@ def import_tokens(sources: list[str], out: str | Path, tokenizer: str | Path, *,
     unfinished = out / "work" / "key"
     ours = unfinished.is_file() and unfinished.read_text() == key  # (this import, interrupted: started again)
     if not ours and not overwrite and any((out / name).exists() for name in ("manifest.json", "index.json", "work")):
-        raise DataError(f"{str(out)!r} holds a data directory already (or a prepare of one under way); give another "
-                        "output directory, or --overwrite to replace it (runs trained on it would then no longer "
-                        "resume)")
+        raise DataError(f"{str(out)!r} holds a data directory already (or an unfinished prepare or import of another "
+                        "one); give another output directory, or --overwrite to replace it (runs trained on it would "
+                        "then no longer resume)")
     clear_data_dir(out)
     (out / "work").mkdir(parents=True)
     unfinished.write_text(key)  # (read_index calls the directory unfinished while it is here)
@@ -288,14 +288,13 @@ def _write(out: Path, read: list[Source], tok, tokenizer, tokenizer_file: Path, 
                 empty += len(chosen) - len(starts)
                 if len(starts) == 1:  # (perhaps a long one: copied a slice at a time, not five times its size)
                     start, length = int(starts[0]), int(lengths[0])
-                    pieces = [_checked(source, source.tokens[i:min(i + BLOCK_TOKENS, start + length)], vocab, kind,
-                                       tokenizer) for i in range(start, start + length, BLOCK_TOKENS)]
+                    pieces = [_check_ids(source, source.tokens[i:min(i + BLOCK_TOKENS, start + length)], vocab,
+                                         tokenizer).astype(kind) for i in range(start, start + length, BLOCK_TOKENS)]
                     writers[split].extend_document(pieces)
                     begins.append(bos is not None and int(source.tokens[start]) == bos)
                 elif len(starts) > 1:
+                    _check_ids(source, source.tokens[int(starts.min()):int((starts + lengths).max())], vocab, tokenizer)
                     tokens, offsets = _documents(source.tokens, starts, lengths, end, kind)
-                    _checked(source, source.tokens[int(starts.min()):int((starts + lengths).max())], vocab, kind,
-                             tokenizer)
                     begins.append(bos is not None and bool(np.all(tokens[offsets[:-1]] == bos)))
                     writers[split].extend(tokens, offsets)
         first += n
@@ -330,14 +329,15 @@ def _write(out: Path, read: list[Source], tok, tokenizer, tokenizer_file: Path, 
     return ImportResult(out, stats, reused=False, warnings=warnings)
 
 
-def _checked(source: Source, tokens: np.ndarray, vocab: int, kind: np.dtype, tokenizer) -> np.ndarray:
-    """`tokens` in the shards' dtype, refused where an id is not one of the tokenizer's."""
+def _check_ids(source: Source, tokens: np.ndarray, vocab: int, tokenizer) -> np.ndarray:
+    """`tokens` (read), refused where an id is not one of the tokenizer's (before the shards' dtype,
+    into which a larger or negative id would wrap)."""
     tokens = np.asarray(tokens)
     if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
         bad = int(tokens.max()) if int(tokens.max()) >= vocab else int(tokens.min())
         raise DataError(f"{source.path} holds token id {bad}, not one of the {vocab:,} ids of {tokenizer}; give the "
                         "tokenizer the data was made with")
-    return tokens.astype(kind)
+    return tokens
 
 
 def _identity(source: Source) -> list:

@@ -158,9 +158,10 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
     workers = workers or os.cpu_count() or 1
     eval_texts = [example for path in decontaminate for example in _read_eval(path)]
 
-    if not (0 <= fim_rate <= 1 and 0 <= fim_spm_rate <= 1):
-        raise DataError(f"fill-in-the-middle rates {fim_rate} and {fim_spm_rate} (of documents, and of those in "
-                        "SPM order) must be between 0 and 1")
+    for name, rate in (("fim_rate", fim_rate), ("fim_spm_rate", fim_spm_rate)):
+        if not 0 <= rate <= 1:
+            raise DataError(f"{name} {rate} is not a share: give one between 0 and 1 (of the training documents "
+                            "rearranged, and of those in SPM order)")
     given = None
     if tokenizer is not None:
         given = load_tokenizer(tokenizer)

@@ -70,6 +70,14 @@ def mtp_train_flops_per_token(cfg: Any, seq_len: int, causal: bool = False) -> i
     return _mtp_depth(cfg) * (6 * _mtp_matmul_params(cfg) + (attention // 2 if causal else attention))
 
 
+def block_train_flops_per_token(cfg: Any, seq_len: int, causal: bool = False) -> float:
+    """`train_flops_per_token` of one block, on average over the model's: all of it but the output
+    head's 6 V d and multi-token prediction's depths, over the blocks."""
+    head = 6 * cfg.vocab * cfg.dim
+    return (train_flops_per_token(cfg, seq_len, causal) - head - mtp_train_flops_per_token(cfg, seq_len, causal)) \
+        / cfg.n_layers
+
+
 def forward_flops_per_token(cfg: Any, seq_len: int) -> int:
     """FLOPs of a forward pass per token: one third of `train_flops_per_token` (2 N + 4 L H Q T)."""
     return train_flops_per_token(cfg, seq_len) // 3

@@ -67,12 +67,11 @@ def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> lis
 
 def stage_blocks(n_layers: int, num_stages: int, given: Sequence[int] | None = None) -> list[int]:
     """Blocks of each pipeline stage, first to last: `given` (parallel.pp_stage_blocks), else an
-    even split, or where the blocks do not divide (which train refuses unless given, but the
-    planner's arithmetic models) lighter ends."""
+    even split (check_layout refuses a pipeline whose blocks do not divide without one given)."""
     if given:
         return list(given)
     if n_layers % num_stages:
-        return ends_light_blocks(n_layers, num_stages)
+        raise ValueError(f"{n_layers} blocks do not split evenly into {num_stages} stages; give the blocks of each")
     return [n_layers // num_stages] * num_stages
 
 
@@ -196,7 +195,8 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
             raise ConfigError(f"model.n_layers = {model.n_layers} is not divisible into {stages} pipeline stages "
                               f"(parallel.pp = {layout.pp} x {parallel.stages_per_rank} stages per rank); set "
                               "parallel.pp_stage_blocks to the blocks of each stage (e.g. "
-                              f"{ends_light_blocks(model.n_layers, stages)}), or choose a pp that divides them")
+                              f"{ends_light_blocks(model.n_layers, stages)}), or a pp (times the stages per rank) "
+                              "that divides them")
         for name, batch in cfg.batch_names():
             microbatches = batch // seq_len // (layout.dp * cfg.train.micro_batch)
             need = None

@@ -7,8 +7,8 @@ Megatron-LM keep it), pp under 1F1B or interleaved 1F1B with two or four stages 
 (micro-batches at least pp, a multiple of it when interleaved), the blocks split evenly over
 the stages or, where they do not divide, with lighter first and last stages
 (parallel.pp_stage_blocks, as Llama 3 split its 126 blocks on 16 stages), and also split so
-that the head's rank does no more work than the others (the head counted in blocks' worth of
-FLOPs, as Megatron-LM's account-for-loss split does), the
+that the head's rank does no more work than the others (the head weighed by its FLOPs in
+blocks' worth; Megatron-LM's account-for-loss option counts the loss as one block more), the
 data-parallel ranks split every way between FSDP shards and replicas, micro-batches of 1 to
 64 sequences (powers of two), and for each the least recomputation (none, selective, full;
 then chunking the loss) whose predicted peak fits in the usable memory. Not searched: GPipe
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scaletrain.errors import UserError
-from scaletrain.model.flops import moe_layers, mtp_train_flops_per_token, train_flops_per_token
+from scaletrain.model.flops import block_train_flops_per_token, moe_layers, mtp_train_flops_per_token
 from scaletrain.parallel.layout import ends_light_blocks, stage_blocks, stage_ids
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import MemoryEstimate
@@ -130,20 +130,18 @@ def _pipelines(cfg: Any, seq_len: int, world: int) -> list[tuple[int, str, int, 
 def _head_blocks(cfg: Any, seq_len: int) -> float:
     """The work of the last stage's own part — the output head and loss, multi-token
     prediction's depths — in blocks' worth of matmul FLOPs."""
-    head = 6 * cfg.vocab * cfg.dim
     depths = mtp_train_flops_per_token(cfg, seq_len, causal=True)  # (their passes through the head too)
-    block = (train_flops_per_token(cfg, seq_len, causal=True) - head - depths) / cfg.n_layers
-    return (head + depths) / block
+    return (6 * cfg.vocab * cfg.dim + depths) / block_train_flops_per_token(cfg, seq_len, causal=True)
 
 
 def head_balanced_blocks(n_layers: int, pp: int, stages_per_rank: int, schedule: str, head: float) -> list[int]:
     """Blocks of each stage that balance the pipeline ranks' work, the rank of the last stage
-    counting `head` blocks more for the output head (Megatron-LM's account-for-loss split, Narayanan
-    et al. 2021): from the lighter-ends split, a block moved at a time from a stage of the busiest
+    counting `head` blocks more for the output head (its FLOPs in blocks' worth, where Megatron-LM's
+    account-for-loss option counts one block): from the lighter-ends split, a block moved at a time from a stage of the busiest
     rank to one of the least busy (the later rank on a tie: the first holds the most micro-batches
     in flight), while that lowers the busiest's work."""
     stages = pp * stages_per_rank
-    blocks = stage_blocks(n_layers, stages)
+    blocks = ends_light_blocks(n_layers, stages)
     owner = {stage: rank for rank in range(pp) for stage in stage_ids(schedule, rank, pp, stages_per_rank)}
     while True:
         work = [float(sum(blocks[s] for s in owner if owner[s] == rank)) for rank in range(pp)]

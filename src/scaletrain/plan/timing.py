@@ -80,7 +80,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from scaletrain.model.flops import moe_layers, mtp_train_flops_per_token, param_counts, train_flops_per_token
+from scaletrain.model.flops import (block_train_flops_per_token, moe_layers, mtp_train_flops_per_token, param_counts,
+                                    train_flops_per_token)
 from scaletrain.parallel.layout import V_SHAPED
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import MemoryEstimate, activation_bytes_per_token, pipeline_ranks, training_memory
@@ -159,7 +160,10 @@ class PlanLayout:
                                **self.memory_layout(global_batch))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """As JSON keeps it (the blocks of each stage a list), so that a plan read back compares equal."""
+        out = asdict(self)
+        out["pp_stage_blocks"] = list(self.pp_stage_blocks) if self.pp_stage_blocks else None
+        return out
 
 
 @dataclass
@@ -252,8 +256,7 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
         `layers` blocks (as `own`'s are: a mixture's share of mixture blocks) that runs the last
         stage (`last`: the output head and multi-token prediction's depths, a block, a projection
         and another pass through the head each) or not."""
-        block_flops = (train_flops_per_token(own, seq_len, causal=True) - 6 * head_matmul
-                       - mtp_train_flops_per_token(own, seq_len, causal=True)) / cfg.n_layers
+        block_flops = block_train_flops_per_token(own, seq_len, causal=True)
         elementwise = efficiency.elementwise * activation_bytes_per_token(own, bf16, "none")  # per token and block
         depths = (getattr(cfg, "mtp_depth", 0) or 0) if last else 0
         mtp_flops = mtp_train_flops_per_token(cfg, seq_len, causal=True) if last else 0
