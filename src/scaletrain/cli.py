@@ -96,12 +96,8 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
                          fim_spm_rate=args.fim_spm_rate)
     if result.resumed_chunks:
         console.print(f"resumed an interrupted prepare: {result.resumed_chunks} chunks were already curated")
-    for warning in result.warnings:
-        console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+    table = _data_table(result)
     stats = result.stats
-    table = Table(title=f"data: {result.out}" + (" (reused: inputs and options unchanged)" if result.reused else ""))
-    table.add_column("")
-    table.add_column("value", justify="right")
     docs = stats["documents"]
     table.add_row("documents kept / read", f"{docs['kept']:,} / {docs['read']:,}")
     for reason, count in sorted(docs.get("dropped", {}).items(), key=lambda kv: -kv[1]):
@@ -110,14 +106,28 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     table.add_row("bytes read", f"{stats['bytes']['read']:,}")
     # (after curation: a kept document's lines that the filters removed are not counted)
     table.add_row("bytes kept (after curation)", f"{stats['bytes'].get('curated', stats['bytes']['kept']):,}")
-    table.add_row("train tokens", f"{stats['tokens']['train']:,}")
-    table.add_row("validation tokens", f"{stats['tokens']['val']:,}")
-    table.add_row("vocabulary", f"{stats['vocab_size']:,}")
+    _token_rows(table, stats)
     if "fim" in stats:
         table.add_row("fill-in-the-middle documents", f"{stats['fim']['documents']:,}")
     table.add_row("seconds", f"{time.perf_counter() - start:.1f}")
     out.print(table)
     return 0
+
+
+def _data_table(result) -> Table:
+    """data prepare's or import's result: its warnings said, and the table of what it wrote begun."""
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+    table = Table(title=f"data: {result.out}" + (" (reused: sources and options unchanged)" if result.reused else ""))
+    table.add_column("")
+    table.add_column("value", justify="right")
+    return table
+
+
+def _token_rows(table: Table, stats: dict) -> None:
+    table.add_row("train tokens", f"{stats['tokens']['train']:,}")
+    table.add_row("validation tokens", f"{stats['tokens']['val']:,}")
+    table.add_row("vocabulary", f"{stats['vocab_size']:,}")
 
 
 def cmd_data_import(args: argparse.Namespace) -> int:
@@ -126,18 +136,12 @@ def cmd_data_import(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     result = import_tokens(args.sources, args.out, args.tokenizer, fmt=args.format, dtype=args.dtype, eos=args.eos_id,
                            val_fraction=args.val_fraction, seed=args.seed, overwrite=args.overwrite)
-    for warning in result.warnings:
-        console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+    table = _data_table(result)
     stats = result.stats
-    table = Table(title=f"data: {result.out}" + (" (reused: sources and options unchanged)" if result.reused else ""))
-    table.add_column("")
-    table.add_column("value", justify="right")
     for source in stats["imported"]:
         table.add_row(f"{source['format']} ({source['dtype']}): {source['path']}", f"{source['documents']:,} documents")
     table.add_row("documents kept / read", f"{stats['documents']['kept']:,} / {stats['documents']['read']:,}")
-    table.add_row("train tokens", f"{stats['tokens']['train']:,}")
-    table.add_row("validation tokens", f"{stats['tokens']['val']:,}")
-    table.add_row("vocabulary", f"{stats['vocab_size']:,}")
+    _token_rows(table, stats)
     if "bos_id" in stats:
         table.add_row("documents begin with", f"beginning-of-sequence id {stats['bos_id']}")
     table.add_row("seconds", f"{time.perf_counter() - start:.1f}")
