@@ -75,6 +75,21 @@ def test_megatron_datasets_and_flat_token_files_import_as_the_documents_they_hol
         out = tmp_path / f"imported-{name}"
         import_tokens([str(tmp_path / name)], out, tokenizer, val_fraction=0)
         assert all(np.array_equal(a, b) for a, b in zip(documents(out), originals, strict=True))
+    # Hugging Face datasets' tokenized Parquet (input_ids beside attention_mask), ended or not: the same.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [d[:-1] if i % 2 else d for i, d in enumerate(originals)]
+    pq.write_table(pa.table({"input_ids": [r.tolist() for r in rows], "attention_mask": [[1] * len(r) for r in rows]}),
+                   tmp_path / "tokenized.parquet", row_group_size=7)
+    result = import_tokens([str(tmp_path / "tokenized.parquet")], tmp_path / "imported-parquet", tokenizer,
+                           val_fraction=0)
+    assert all(np.array_equal(a, b) for a, b in zip(documents(tmp_path / "imported-parquet"), originals, strict=True))
+    assert result.stats["imported"][0]["format"] == "parquet"
+    pq.write_table(pa.table({"text": ["a", "b"]}), tmp_path / "text.parquet")
+    for column, words in (("input_ids", r"has no column 'input_ids' \(it has text\); give the column of token ids"),
+                          ("text", "holds string, not lists of token ids")):
+        with pytest.raises(DataError, match=words):
+            import_tokens([str(tmp_path / "text.parquet")], tmp_path / "text", tokenizer, column=column)
     # Several sources, a share held out: every document in one split or the other, in order, the
     # draw the seed's (the same again; another seed, another draw).
     out = tmp_path / "split"

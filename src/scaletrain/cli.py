@@ -135,7 +135,8 @@ def cmd_data_import(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     result = import_tokens(args.sources, args.out, args.tokenizer, fmt=args.format, dtype=args.dtype, eos=args.eos_id,
-                           val_fraction=args.val_fraction, seed=args.seed, overwrite=args.overwrite)
+                           val_fraction=args.val_fraction, seed=args.seed, overwrite=args.overwrite,
+                           column=args.column)
     table = _data_table(result)
     stats = result.stats
     for source in stats["imported"]:
@@ -1823,13 +1824,14 @@ def build_parser() -> argparse.ArgumentParser:
                                     "tokenizer they were made with, as data prepare writes them: no curation, "
                                     "deduplication or re-tokenization.")
     p.add_argument("sources", nargs="+", metavar="SRC",
-                   help="a Megatron-LM dataset's prefix (PREFIX.bin and PREFIX.idx), or a file of tokens whose "
-                        "documents each end with the end-of-document id (nanoGPT's train.bin, an OLMo .npy memmap, "
-                        "a NumPy .npy)")
+                   help="a Megatron-LM dataset's prefix (PREFIX.bin and PREFIX.idx), a .parquet of a document's "
+                        "token ids a row, or a file of tokens whose documents each end with the end-of-document id "
+                        "(nanoGPT's train.bin, an OLMo .npy memmap, a NumPy .npy)")
     p.add_argument("--out", type=_out_dir, required=True, help="data directory to write")
     p.add_argument("--tokenizer", required=True, help="the tokenizer.json the tokens were made with")
-    p.add_argument("--format", choices=("auto", "megatron", "flat"), default="auto",
-                   help="megatron where PREFIX.idx exists (auto), else flat")
+    p.add_argument("--format", choices=("auto", "megatron", "flat", "parquet"), default="auto",
+                   help="megatron where PREFIX.idx exists, parquet for a .parquet file (auto), else flat")
+    p.add_argument("--column", default="input_ids", help="a .parquet file's column of token ids (input_ids)")
     p.add_argument("--dtype", choices=("uint16", "uint32", "int32"), default=None,
                    help="a raw file's token type (default: uint16 where the tokenizer's ids fit, else uint32)")
     p.add_argument("--eos-id", type=int, default=None,

@@ -1,13 +1,15 @@
 """`scaletrain data import`: token data another framework already made, as a data directory.
 
 Corpora are often tokenized once and kept in their trainer's format; re-tokenizing terabytes
-to train here would cost hours and might not give the same tokens. Two formats are read:
+to train here would cost hours and might not give the same tokens. Three formats are read:
 
 - **megatron**: Megatron-LM's (and NeMo's) indexed dataset, PREFIX.bin with PREFIX.idx — the
   index's header b"MMIDIDX\\x00\\x00", version 1, the tokens' dtype code, the counts of
   sequences and documents, then each sequence's length (int32) and byte offset (int64) and the
   sequence each document starts at (int64, with the end as the last). Documents made with
   `preprocess_data.py --append-eod` end with the end-of-document token already.
+- **parquet**: a document a row, its token ids a list in one column (input_ids: what Hugging
+  Face datasets' map of a tokenizer writes, saved with to_parquet).
 - **flat**: one array of tokens whose documents each end with the end-of-document token:
   nanoGPT's train.bin (uint16, GPT-2's <|endoftext|> after each), OLMo's and Dolma's tokenized
   .npy memmaps (raw, no header: uint16, or uint32 for vocabularies past 65,536), or a NumPy .npy
@@ -43,7 +45,7 @@ from .shards import DataError, ShardWriter, clear_data_dir, is_complete, token_d
 from .tokenizer import bos_id, eos_id, load_tokenizer
 from .tokenizer import vocab_size as tokenizer_vocab_size
 
-FORMATS = ("auto", "megatron", "flat")
+FORMATS = ("auto", "megatron", "flat", "parquet")
 MEGATRON_HEADER = b"MMIDIDX\x00\x00"
 # Megatron-LM's dtype codes (megatron/core/datasets/indexed_dataset.py, DType): the integer ones.
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
@@ -71,15 +73,22 @@ class ImportResult:
 
 
 def read_source(spec: str, fmt: str = "auto", dtype: str | None = None, eos: int = 0,
-                raw_dtype: str = "uint16") -> Source:
+                raw_dtype: str = "uint16", column: str = "input_ids") -> Source:
     """The tokens and documents of one source: a Megatron prefix (or its .bin or .idx), a flat
-    token file, or a .npy; `eos` splits a flat file into documents. `dtype`: a raw flat file's,
-    as given (refused for the others, which say their own); else `raw_dtype`."""
+    token file, a .npy, or a .parquet of a document a row (its ids in `column`); `eos` splits a
+    flat file into documents. `dtype`: a raw flat file's, as given (refused for the others, which
+    say their own); else `raw_dtype`."""
     path = Path(spec)
     prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
     megatron = Path(f"{prefix}.idx").is_file()
     if fmt == "auto":
-        fmt = "megatron" if megatron else "flat"
+        fmt = "megatron" if megatron else "parquet" if path.suffix == ".parquet" else "flat"
+    if fmt == "parquet":
+        if dtype is not None:
+            raise DataError("--dtype reads a raw file of tokens; a Parquet file's schema names its own: drop it")
+        if not path.is_file():
+            raise DataError(f"source {spec!r} does not exist; give a .parquet file of tokenized documents")
+        return _parquet(path, column)
     if fmt == "megatron":
         if not megatron or not Path(f"{prefix}.bin").is_file():
             raise DataError(f"{spec!r} is not a Megatron indexed dataset: {prefix}.idx and {prefix}.bin must both "
@@ -132,6 +141,33 @@ def _megatron(prefix: str) -> Source:
     if len(bounds) and np.any(bounds[1:, 0] < bounds[:-1, 1]):
         raise DataError(f"{bad} whose documents lie in order in {data}; write it again")
     return Source(prefix, "megatron", tokens, bounds, empty=int((~whole).sum()))
+
+
+def _parquet(path: Path, column: str) -> Source:
+    """A Parquet file whose rows are documents, each a list of token ids in `column` (as Hugging
+    Face datasets' map(tokenize) writes them: input_ids): read whole, its list offsets the bounds."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path} cannot be read as Parquet ({e}); it is damaged") from None
+    if column not in schema.names:
+        raise DataError(f"{path} has no column {column!r} (it has {', '.join(schema.names)}); give the column of "
+                        "token ids with --column")
+    kind = schema.field(column).type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
+        raise DataError(f"{path}'s column {column!r} holds {kind}, not lists of token ids; give the column of token "
+                        "ids with --column")
+    ids = pq.read_table(path, columns=[column]).column(column).combine_chunks()
+    if ids.null_count:
+        raise DataError(f"{path}'s column {column!r} has {ids.null_count} empty (null) rows; fill or drop them")
+    offsets = np.asarray(ids.offsets, dtype=np.int64)
+    tokens = np.asarray(ids.values.to_numpy(zero_copy_only=False))[offsets[0]:offsets[-1]] if len(ids) else \
+        np.zeros(0, np.int64)
+    offsets = offsets - offsets[0]
+    return Source(str(path), "parquet", tokens, np.stack([offsets[:-1], offsets[1:]], axis=1))
 
 
 def _flat(path: Path, dtype: str | None, eos: int, raw_dtype: str) -> Source:
@@ -210,7 +246,7 @@ IMPORT_VERSION = 1  # bump when the same sources and options would import differ
 
 def import_tokens(sources: list[str], out: str | Path, tokenizer: str | Path, *, fmt: str = "auto",
                   dtype: str | None = None, eos: int | None = None, val_fraction: float = 0.005, seed: int = 0,
-                  overwrite: bool = False) -> ImportResult:
+                  overwrite: bool = False, column: str = "input_ids") -> ImportResult:
     """Copy the documents of `sources` (read_source's) into data directory `out`, tokenized by
     `tokenizer` (a tokenizer.json: the one the tokens were made with); `eos`: the end-of-document
     id, by default the tokenizer's end-of-text token. An interrupted import, run again the same,
@@ -233,11 +269,11 @@ def import_tokens(sources: list[str], out: str | Path, tokenizer: str | Path, *,
     end = eos_id(tok, tokenizer) if eos is None else eos
     if not 0 <= end < vocab:
         raise DataError(f"--eos-id {end} is not one of the tokenizer's {vocab:,} ids")
-    read = [read_source(spec, fmt, dtype, end, token_dtype(vocab).name) for spec in sources]
+    read = [read_source(spec, fmt, dtype, end, token_dtype(vocab).name, column) for spec in sources]
     tokenizer_file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
     tokenizer_text = tokenizer_file.read_bytes()
     key = hashlib.sha256(json.dumps({
-        "version": IMPORT_VERSION, "sources": [[s.path, s.format, s.tokens.dtype.name, _identity(s)] for s in read],
+        "version": IMPORT_VERSION, "sources": [[s.path, s.format, s.tokens.dtype.name, _identity(s)] for s in read], "column": column,
         "tokenizer": hashlib.sha256(tokenizer_text).hexdigest(), "eos": end, "val_fraction": val_fraction,
         "seed": seed}, sort_keys=True).encode()).hexdigest()
     if is_complete(out, key):
