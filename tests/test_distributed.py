@@ -685,6 +685,8 @@ def test_a_hung_rank_is_ended_by_its_watchdog_and_torchrun_restarts_the_job_from
      r"parallel.pp_stage_blocks to the blocks of each stage \(e.g. \[1, 2, 2, 1\]\)"),
     ("parallel.pp=4 model.n_layers=4", 4, "'1f1b' needs the micro-batches per step on each pipeline .* = 2. to be "
                                           "at least the 4 pipeline stages"),
+    ("parallel.cp=2 model.sliding_window=8", 2, "model.sliding_window = 8 with parallel.cp = 2: context "
+                                                "parallelism's attention over chunks of the sequence takes no window"),
     ("parallel.cp=2 data.seq_len=62 train.global_batch_tokens=496", 2,
      "data.seq_len = 62 is not divisible by 2 x parallel.cp = 4"),
     ("parallel.cp=2 parallel.tp=4 model.n_kv_heads=4 data.seq_len=36 train.global_batch_tokens=288", 8,
@@ -696,7 +698,7 @@ def test_a_hung_rank_is_ended_by_its_watchdog_and_torchrun_restarts_the_job_from
      "train.compile = false"),
 ], ids=["product", "remaining", "heads", "seq-tp", "layers-pp", "too-few-layers", "stage-blocks-count", "stage-blocks-sum",
         "layers-virtual", "microbatches",
-        "seq-cp", "seq-cp-tp", "batch", "cuda-graphs", "compiled-zero-bubble"])
+        "window-cp", "seq-cp", "seq-cp-tp", "batch", "cuda-graphs", "compiled-zero-bubble"])
 def test_a_layout_that_cannot_split_the_model_or_batch_is_refused_with_the_constraint(stdlib_data, tmp_path,
                                                                                      overrides, world, words):
     cfg = tiny_config(stdlib_data, tmp_path / "run", "model.vocab_size=512", *overrides.split())

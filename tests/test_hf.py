@@ -29,18 +29,21 @@ TEXT = 'import os\n\ndef main(argv):\n    return "<|endoftext|>" if argv else os
 
 @pytest.fixture(scope="module")
 def runs(stdlib_data, tmp_path_factory):
-    """Two trained runs: Llama (GQA, untied, muP) and Qwen3 (QK-norm, tied embeddings), each with
-    checkpoints at steps 3 and 6."""
+    """Three trained runs: Llama (GQA, untied, muP), Qwen3 (QK-norm, tied embeddings) and Mistral
+    (a sliding window), each with checkpoints at steps 3 and 6."""
     root = tmp_path_factory.mktemp("runs")
     common = ["train.steps=6", "checkpoint.interval=3", "eval.interval=3", "model.rope_theta=500.0",
               "model.norm_eps=1e-6"]
     train(tiny_config(stdlib_data, root / "llama", *common, "model.mup_base_dim=32"))  # (plain weights after all)
     train(tiny_config(stdlib_data, root / "qwen3", *common, "model.qk_norm=true", "model.tie_embeddings=true",
                       "model.n_kv_heads=4"))
+    # (a window of 8 tokens: the logits of 48 and the 24 tokens generated after 8 attend through it)
+    train(tiny_config(stdlib_data, root / "mistral", *common, "model.sliding_window=8"))
     return root
 
 
-@pytest.mark.parametrize("name, architecture", [("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
+@pytest.mark.parametrize("name, architecture", [("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
+                                                ("mistral", "MistralForCausalLM")])
 def test_transformers_loads_the_export_and_computes_the_same_logits_and_text(runs, tmp_path, name, architecture):
     run_dir = runs / name
     exported = export_hf(run_dir, tmp_path / "hf")
@@ -110,7 +113,8 @@ def test_a_run_on_documents_begun_with_a_bos_token_scores_samples_and_exports_th
 MIXTURES = {  # the first block dense, and one expert per token (weighted by its probability)
     "Qwen3MoeForCausalLM": ["model.qk_norm=true", "model.moe_experts=4", "model.moe_top_k=1", "model.moe_ffn_dim=48",
                             "model.moe_dense_layers=1"],
-    "MixtralForCausalLM": ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=48"]}
+    "MixtralForCausalLM": ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=48",
+                           "model.sliding_window=8"]}  # (Mixtral's window, over logits of 40)
 
 
 @pytest.mark.parametrize("architecture", MIXTURES)
@@ -137,7 +141,9 @@ def test_a_mixture_of_experts_exports_as_qwen3_moe_or_mixtral_with_the_same_logi
     (["model.moe_top_k=1"], "model.moe_top_k = 1: Mixtral weights a single expert's output by 1"),
     (["model.qk_norm=true", "model.moe_bias_update=0.001"], "routing biases have no place in Qwen3-MoE or Mixtral"),
     (["model.qk_norm=true", "model.moe_score=sigmoid"], "model.moe_score = 'sigmoid': Qwen3-MoE and Mixtral route by a"),
-], ids=["shared", "dense-mixtral", "top1-mixtral", "biased", "sigmoid"])
+    (["model.qk_norm=true", "model.sliding_window=8"], "model.sliding_window = 8 with model.qk_norm = true: Qwen3's "
+                                                       "window leaves its first layers whole"),
+], ids=["shared", "dense-mixtral", "top1-mixtral", "biased", "sigmoid", "window-qk-norm"])
 def test_a_mixture_no_architecture_computes_is_refused_before_any_weight_is_read(stdlib_data, tmp_path, overrides,
                                                                                  words):
     run_dir = tmp_path / "run"
@@ -382,12 +388,15 @@ def test_a_model_of_another_shape_or_kind_is_refused_with_the_settings_to_use(ru
         Trainer(tiny_config(stdlib_data, tmp_path / "run", "train.steps=2", f"checkpoint.init_from={tmp_path}"))
     mistral = {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
                "max_position_embeddings": 128}
-    for window in (64, "absent"):  # MistralConfig's default window: 4,096 tokens
-        (tmp_path / "config.json").write_text(json.dumps({**mistral, "max_position_embeddings": 8192}
-                                                         if window == "absent" else {**mistral, "sliding_window": window}))
-        with pytest.raises(ConfigError, match=f"sliding-window attention over {4096 if window == 'absent' else 64} "
-                                              f"tokens of its {8192 if window == 'absent' else 128} .a window that spans"):
-            model_settings(tmp_path)
+    for window, context, expected in ((64, 128, 64), (None, 8192, 4096), (128, 128, None)):
+        # (MistralConfig's default window: 4,096 tokens; one spanning the context is causal attention)
+        config = {**mistral, "max_position_embeddings": context, **({"sliding_window": window} if window else {})}
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert model_settings(tmp_path).get("sliding_window") == expected
+    (tmp_path / "config.json").write_text(json.dumps({**mistral, "model_type": "qwen3", "head_dim": 16,
+                                                      "use_sliding_window": True}))
+    with pytest.raises(ConfigError, match="sliding-window attention"):
+        model_settings(tmp_path)
     qwen3 = {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
     (tmp_path / "config.json").write_text(json.dumps(qwen3))  # no head_dim: Qwen3's default 128, not 64 / 4
     with pytest.raises(ConfigError, match="head_dim 128 x 4 heads, not its hidden_size 64"):

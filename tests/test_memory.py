@@ -13,8 +13,7 @@ from conftest import ROOT, run_with_retry, tiny_config
 from zygote import run_ranks, script
 from scaletrain.config import ModelConfig, load_config
 from scaletrain.model.flops import matmul_params
-from scaletrain.model.llama import Transformer, document_bias, document_ids, shifted_targets
-from scaletrain.model.loss import compute_dtype
+from scaletrain.model.llama import Transformer, attention_bias, document_ids, shifted_targets
 from scaletrain.plan.memory import (activation_bytes_per_token, block_bytes_per_token, choose_recompute,
                                     in_flight_microbatches, pipeline_ranks, rank_memory, training_memory)
 from scaletrain.train.metrics import read_metrics
@@ -52,12 +51,12 @@ def counting_saves(model: Transformer):
 def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool, positions: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> int:
     """Bytes the blocks save for backward (counting_saves) for the tokens at `positions` (all from
-    0 when None), attending within `documents` if given."""
+    0 when None), attending within `documents` if given (and the model's sliding window)."""
     x = model.tok_embeddings(tokens)
     cos, sin = (model.rope_cos, model.rope_sin) if positions is None else (model.rope_cos[positions],
                                                                            model.rope_sin[positions])
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), counting_saves(model) as seen:
-        bias = None if documents is None else document_bias(documents, compute_dtype(x), positions)
+        bias = attention_bias(x, documents, positions, model.cfg.sliding_window)
         for block in model.layers.values():
             x = block(x, cos, sin, bias=bias)
     return sum(seen.values())
@@ -96,6 +95,15 @@ def test_attention_within_documents_saves_one_mask_for_all_blocks(bf16, monkeypa
     repeated = saved_bytes(model, tokens, bf16, documents=document_ids(tokens, 511))
     assert repeated > 1.03 * measured
     assert training_memory(cfg, seq, batch, bf16=bf16).activations == pytest.approx(repeated, rel=0.01)
+    # A sliding window shorter than the sequence: one bias too, of the window's band (and none
+    # where the window spans the sequence, which is causal attention).
+    monkeypatch.undo()
+    for window, extra in ((16, True), (64, False)):
+        windowed = cfg.model_copy(update={"document_mask": False, "sliding_window": window})
+        measured = saved_bytes(Transformer(windowed), tokens, bf16)
+        assert training_memory(windowed, seq, batch, bf16=bf16, cuda=False).activations == pytest.approx(measured,
+                                                                                                            rel=0.01)
+        assert (measured > training_memory(causal, seq, batch, bf16=bf16).activations + seq * seq) == extra
 
 
 CP_SAVED = """

@@ -194,3 +194,38 @@ def test_adamw_on_a_repeated_batch_lowers_the_loss():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0
+
+
+def test_a_sliding_window_limits_what_each_token_attends_to_in_training_and_decoding():
+    """model.sliding_window = 4 on one block: position p's logits depend on tokens p - 3 .. p
+    only, within documents too; a window spanning the sequence is causal attention; decoding
+    with the cache (in chunks, and a token at a time) gives the logits of one full forward."""
+    model = build(n_layers=1, sliding_window=4).eval()
+    tokens = torch.randint(0, 255, (1, 24))
+    with torch.no_grad():
+        base = model(tokens)
+        for moved, changes in ((15, False), (16, True), (19, True), (20, False)):  # (20: after it)
+            other = tokens.clone()
+            other[0, moved] = (other[0, moved] + 1) % 255
+            changed = not torch.allclose(model(other)[0, 19], base[0, 19])
+            assert changed == changes, moved
+        # Within documents as well: a token attends to the window's part of its own document.
+        split = tokens.clone()
+        split[0, 17] = 255  # (a document ends there)
+        documents = document_ids(split, 255)
+        within = model(split, documents=documents)
+        other = split.clone()
+        other[0, 17] = 255
+        other[0, 16] = (other[0, 16] + 1) % 255  # (the previous document, inside the window)
+        assert torch.allclose(model(other, documents=document_ids(other, 255))[0, 19], within[0, 19])
+        # A window as long as the sequence computes causal attention.
+        wide = build(n_layers=1, sliding_window=24).eval()
+        plain = build(n_layers=1).eval()
+        assert torch.allclose(wide(tokens), plain(tokens), atol=1e-6)
+        # Decoding with the cache, past the window.
+        deep = build(n_layers=2, sliding_window=4).eval()
+        full = deep(tokens)
+        cache = deep.new_cache(1, 24)
+        pieces = [deep(tokens[:, :10], cache=cache), *(deep(tokens[:, i:i + 1], cache=cache, start_pos=i)
+                                                      for i in range(10, 24))]
+        torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)

@@ -7,7 +7,8 @@ and `AutoTokenizer.from_pretrained(out)` load: `config.json`, the weights as saf
 `README.md` model card. The decoder of `model/llama.py` is Hugging Face's `LlamaForCausalLM`
 (its rotary embeddings already use the "rotate half" pairing, so no weight is permuted); with
 QK-norm it is `Qwen3ForCausalLM`, Llama plus a per-head RMSNorm of queries and keys before the
-rotation, as ours. A mixture of experts (model/moe.py) is `Qwen3MoeForCausalLM` with QK-norm
+rotation, as ours; with a sliding window (model.sliding_window) `MistralForCausalLM`, Llama's
+layers under the same names with a window over every layer's attention. A mixture of experts (model/moe.py) is `Qwen3MoeForCausalLM` with QK-norm
 (dense first blocks as its `mlp_only_layers`; the top-k weights renormalised when k > 1, as
 its `norm_topk_prob`) and `MixtralForCausalLM` without; both route in float32 by a softmax
 over every expert and keep the top k, which is what ours computes. Neither has shared
@@ -17,12 +18,12 @@ time, as the published checkpoints of both are. Nothing is written to `out` unti
 is ready: the files go to a sibling directory that is renamed to `out` last.
 
 The other way, `model_settings(hf_dir)` reads a Llama, Mistral, Qwen3, Qwen3-MoE or Mixtral
-config.json as model.* settings (Mistral is Llama with the same weight names, and a sliding
-window that changes nothing when it spans every position the model takes) and `load_hf_weights(hf_dir, cfg)` its safetensors as our state dict
-(`checkpoint.init_from`: continued pre-training from a published or exported model), refusing
-what the decoder of `model/llama.py` does not compute (biases, dynamic rotary scaling, sliding windows
-shorter than the context,
-another activation, dense blocks between expert blocks).
+config.json as model.* settings (Mistral is Llama with the same weight names and, shorter than
+its context, a sliding window: model.sliding_window, as Mistral 7B v0.1's 4,096) and
+`load_hf_weights(hf_dir, cfg)` its safetensors as our state dict (`checkpoint.init_from`:
+continued pre-training from a published or exported model), refusing what the decoder of
+`model/llama.py` does not compute (biases, dynamic rotary scaling, Qwen's windows over some
+layers, another activation, dense blocks between expert blocks).
 """
 
 from __future__ import annotations
@@ -106,10 +107,21 @@ def hf_names(cfg: ModelConfig, name: str) -> list[str]:
 
 
 def architecture(cfg: ModelConfig) -> str:
-    """The transformers class that computes what our model with this shape computes."""
+    """The transformers class that computes what our model with this shape computes (with a sliding
+    window, Mistral: Llama's layers and weights' names, a window over every layer's attention)."""
     if cfg.moe:
         return "Qwen3MoeForCausalLM" if cfg.qk_norm else "MixtralForCausalLM"
+    if cfg.sliding_window is not None and not cfg.qk_norm:
+        return "MistralForCausalLM"
     return "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
+
+
+def export_problem(cfg: ModelConfig) -> str | None:
+    """Why no Hugging Face architecture computes the model `cfg` describes, or None."""
+    if cfg.sliding_window is not None and cfg.qk_norm:
+        return (f"model.sliding_window = {cfg.sliding_window} with model.qk_norm = true: Qwen3's window leaves its "
+                "first layers whole, Mistral has no QK-norm")
+    return moe_problem(cfg)
 
 
 def moe_problem(cfg: ModelConfig) -> str | None:
@@ -213,6 +225,9 @@ def hf_config(cfg: ModelConfig, dtype: str, eos_id: int, bos_id: int | None = No
     }
     if cfg.qk_norm:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    elif cfg.sliding_window is not None and not cfg.moe:
+        config.update(model_type="mistral", sliding_window=cfg.sliding_window)
+        config.pop("mlp_bias")
     if cfg.moe and cfg.qk_norm:
         # The expert count under both names transformers has read it (num_experts before v5).
         config.update(model_type="qwen3_moe", num_experts=cfg.moe_experts, num_local_experts=cfg.moe_experts,
@@ -223,7 +238,7 @@ def hf_config(cfg: ModelConfig, dtype: str, eos_id: int, bos_id: int | None = No
     elif cfg.moe:
         config.update(model_type="mixtral", num_local_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k,
                       intermediate_size=cfg.expert_dim, router_aux_loss_coef=cfg.moe_aux_loss,
-                      router_jitter_noise=0.0, output_router_logits=False, sliding_window=None)
+                      router_jitter_noise=0.0, output_router_logits=False, sliding_window=cfg.sliding_window)
         config.pop("mlp_bias")
     return config
 
@@ -250,10 +265,9 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
                           "(an export never overwrites files)")
     tokenizer_json = Path(run_dir) / "tokenizer.json"
     if (Path(run_dir) / "config.toml").is_file():  # before loading any weights
-        problem = moe_problem(load_config(Path(run_dir) / "config.toml").model)
+        problem = export_problem(load_config(Path(run_dir) / "config.toml").model)
         if problem:
-            raise ExportError(f"{str(run_dir)!r} is a mixture of experts no Hugging Face architecture computes "
-                              f"({problem})")
+            raise ExportError(f"{str(run_dir)!r} is a model no Hugging Face architecture computes ({problem})")
     if (Path(run_dir) / "config.toml").is_file() and not tokenizer_json.is_file():
         source = next(iter(load_config(Path(run_dir) / "config.toml").data.sources.values())) / "tokenizer.json"
         raise ConfigError(f"run directory {str(run_dir)!r} has no tokenizer.json (training copies it there from "
@@ -467,11 +481,11 @@ def model_settings(hf_dir: str | Path) -> dict:
         problems.append(f"partial_rotary_factor {rope['partial_rotary_factor']} (every dimension rotates)")
     if hf.get("use_sliding_window"):
         problems.append("sliding-window attention")
-    if kind == "mistral":  # MistralConfig's defaults: a window of 4,096 tokens in a context of 131,072
-        window, context = hf.get("sliding_window", 4096), hf.get("max_position_embeddings", _CONTEXT[kind])
-        if window is not None and window < context:
-            problems.append(f"sliding-window attention over {window} tokens of its {context} (a window that spans the "
-                            "context, or none as in Mistral 7B v0.2 on, computes what causal attention does)")
+    # MistralConfig's defaults: a window of 4,096 tokens in a context of 131,072 (Mixtral's: none);
+    # a window that spans the context, or none as in Mistral 7B v0.2 on, is causal attention.
+    window = hf.get("sliding_window", 4096 if kind == "mistral" else None) if kind in ("mistral", "mixtral") else None
+    if window is not None and window >= hf.get("max_position_embeddings", _CONTEXT.get(kind, 2048)):
+        window = None
     if problems:
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} holds a model scaletrain's decoder does not "
                           f"compute: {'; '.join(problems)}")
@@ -487,6 +501,8 @@ def model_settings(hf_dir: str | Path) -> dict:
     if rope_type != "default":
         settings["rope_scaling"] = _our_rope_scaling(rope_type, rope, settings["max_seq_len"])
     settings["qk_norm"] = kind in ("qwen3", "qwen3_moe")
+    if window is not None:
+        settings["sliding_window"] = window
     if experts:
         settings.update(moe_experts=experts, moe_top_k=top_k, moe_dense_layers=len(dense))
         if kind == "qwen3_moe":
@@ -502,13 +518,14 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
     want = model_settings(hf_dir)
     want.setdefault("moe_experts", 0)
     want.setdefault("rope_scaling", None)
+    want.setdefault("sliding_window", None)
     if cfg.moe_shared_experts and want["moe_experts"]:
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} has no shared experts; set "
                           "model.moe_shared_experts = 0")
     have = {"vocab_size": cfg.vocab, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
             "n_kv_heads": cfg.kv_heads, "ffn_dim": cfg.hidden_dim, "norm_eps": cfg.norm_eps,
             "tie_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
-            "qk_norm": cfg.qk_norm, "moe_experts": cfg.moe_experts}
+            "qk_norm": cfg.qk_norm, "moe_experts": cfg.moe_experts, "sliding_window": cfg.sliding_window}
     if want["moe_experts"]:
         have.update(moe_top_k=cfg.moe_top_k, moe_ffn_dim=cfg.expert_dim, moe_dense_layers=cfg.moe_dense_layers)
     wrong = [key for key in have if key in want and have[key] != want[key]]

@@ -90,23 +90,52 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     return ends.cumsum(dim=1, dtype=torch.int32) - ends
 
 
-def document_causal_mask(documents: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+def causal_mask(rows: torch.Tensor, keys: int, window: int | None = None) -> torch.Tensor:
+    """(queries, keys) True where the query at position rows[i] may attend to key position j: an
+    earlier or the same position, and with `window` (sliding-window attention) one of the
+    window - 1 before it at most."""
+    positions = torch.arange(keys, device=rows.device)
+    allowed = positions[None, :] <= rows[:, None]
+    if window is not None:
+        allowed &= positions[None, :] > rows[:, None] - window
+    return allowed
+
+
+def document_causal_mask(documents: torch.Tensor, rows: torch.Tensor | None = None,
+                         window: int | None = None) -> torch.Tensor:
     """(batch, 1, queries, seq) True where a token may attend to another: an earlier or the same
-    position of its own document. documents: (batch, seq) document_ids of whole sequences;
-    rows: the positions of the queries (default all: a square mask)."""
+    position of its own document (within `window`, with one). documents: (batch, seq) document_ids
+    of whole sequences; rows: the positions of the queries (default all: a square mask)."""
     seq = documents.shape[1]
-    keys = torch.arange(seq, device=documents.device)
-    rows = keys if rows is None else rows
-    causal = keys[None, :] <= rows[:, None]  # (queries, seq)
-    return (documents[:, None, rows, None] == documents[:, None, None, :]) & causal
+    rows = torch.arange(seq, device=documents.device) if rows is None else rows
+    return (documents[:, None, rows, None] == documents[:, None, None, :]) & causal_mask(rows, seq, window)
 
 
-def document_bias(documents: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+def document_bias(documents: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor | None = None,
+                  window: int | None = None) -> torch.Tensor:
     """(batch, 1, queries, seq) to add to the attention scores: 0 where document_causal_mask
     allows, -inf elsewhere, in the dtype of the scores (SDPA would turn a boolean mask into such
     a tensor in each block, and each block would keep its own for the backward pass)."""
-    allowed = document_causal_mask(documents, rows)
+    return _bias(document_causal_mask(documents, rows, window), dtype)
+
+
+def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def attention_bias(x: torch.Tensor, documents: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                   window: int | None = None) -> torch.Tensor | None:
+    """The bias all blocks add to their attention scores over hidden states x (batch, seq, dim):
+    within `documents` (document_bias; under context parallelism, `positions` given, the rows of
+    this rank's queries), and with a sliding `window` shorter than the sequence, within it; None
+    where attention is plainly causal."""
+    if documents is not None:
+        return document_bias(documents, compute_dtype(x), positions, window)
+    seq = x.shape[1]
+    if window is None or window >= seq:
+        return None
+    rows = torch.arange(seq, device=x.device) if positions is None else positions
+    return _bias(causal_mask(rows, seq, window), compute_dtype(x))[None, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -146,6 +175,7 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.core = CoreAttention()
+        self.window = cfg.sliding_window  # (sliding-window attention, in decoding with a cache)
 
     def forward(
         self,
@@ -184,8 +214,8 @@ class Attention(nn.Module):
             # SDPA's is_causal aligns the mask top-left, which is wrong once queries start at
             # start_pos > 0: query i (at position start_pos + i) sees keys 0..start_pos + i.
             causal = False
-            if seq > 1:
-                mask = torch.ones(seq, end, dtype=torch.bool, device=x.device).tril(diagonal=start_pos)
+            if seq > 1 or (self.window is not None and end > self.window):
+                mask = causal_mask(torch.arange(start_pos, end, device=x.device), end, self.window)
         if bias is not None:  # training or evaluation (Transformer.forward refuses it with a cache)
             mask, causal = bias, False
         out = self.core(q, k, v, mask, causal)  # (batch, heads, seq, head_dim)
@@ -415,14 +445,12 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         # (A later pipeline stage is given hidden states; the last one may hold the embedding too.)
         x = tokens if tokens.is_floating_point() else self.tok_embeddings(tokens)  # (batch, seq, dim)
-        bias = None
-        if documents is not None:
-            if cache is not None:
-                raise ValueError("documents mask the attention of training and evaluation; decoding with a KV cache "
-                                 "takes none")
-            # One for all blocks: a mask built in each would be kept by each for its backward pass.
-            # Under context parallelism (positions given) only the rows of this rank's queries.
-            bias = document_bias(documents, compute_dtype(x), positions)
+        if documents is not None and cache is not None:
+            raise ValueError("documents mask the attention of training and evaluation; decoding with a KV cache "
+                             "takes none")
+        # One for all blocks: a mask built in each would be kept by each for its backward pass.
+        # (A cache's attention masks its own.)
+        bias = None if cache is not None else attention_bias(x, documents, positions, self.cfg.sliding_window)
         for name, block in self.layers.items():
             # Blocks get tensors, not a layer index, so compiled blocks see no per-layer constant.
             layer_kv = None if cache is None else (cache.k[int(name)], cache.v[int(name)])

@@ -156,6 +156,10 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
             raise ConfigError(f"model.moe_experts = {model.moe_experts} is not divisible by parallel.ep = "
                               f"{layout.ep}; each expert-parallel rank holds the same number of experts")
     if layout.cp > 1:
+        if model.sliding_window is not None and model.sliding_window < seq_len:
+            raise ConfigError(f"model.sliding_window = {model.sliding_window} with parallel.cp = {layout.cp}: context "
+                              "parallelism's attention over chunks of the sequence takes no window; set "
+                              "parallel.cp = 1, or a window of at least data.seq_len")
         if seq_len % (2 * layout.cp):
             raise ConfigError(f"data.seq_len = {seq_len} is not divisible by 2 x parallel.cp = {2 * layout.cp}; "
                               "context parallelism splits each sequence into 2 x cp equal chunks")

@@ -52,7 +52,9 @@ recomputation keeps the outputs of matmuls and attention and the block input: 12
 4h in bf16, 20d + 8k + 8F + 4h in float32; full recomputation keeps the block input (4d) and
 rebuilds one block at a time. Attention within documents (model.document_mask) adds one
 additive mask per micro-batch, shared by the blocks, of each local query over the whole
-sequence's keys: T bytes per local token in the compute dtype's size, 2T in bf16, 4T in float32.
+sequence's keys: T bytes per local token in the compute dtype's size, 2T in bf16, 4T in float32;
+a sliding window shorter than the sequence (model.sliding_window) one such mask of a sequence,
+shared by the micro-batch's sequences too.
 On CUDA, whose masked kernel takes no grouped heads, its keys and values are repeated to every
 query head and saved so (without recomputation): 4d per token in place of 4k in bf16, and under
 context parallelism 4d·(cp + ½) in place of 4k·cp, each of a rank's two query chunks with its
@@ -385,9 +387,12 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     activations = round(in_flight * held * per_layer)
     if _mtp(cfg) and head:  # each depth counted as a dense block over the rank's tokens (not measured: see above)
         activations += round(_mtp(cfg) * block_bytes_per_token(cfg, bf16, recompute, cp=cp) * tokens / tp)
-    if getattr(cfg, "document_mask", False):  # one (batch, 1, T / cp, T) bias for all blocks
-        activations += round(in_flight * tokens * seq_len * (2 if bf16 else 4))
-    if getattr(cfg, "document_mask", False) and cuda and cfg.kv_heads < cfg.n_heads and recompute == "none":
+    window = getattr(cfg, "sliding_window", None)
+    masked = getattr(cfg, "document_mask", False) or (window is not None and window < seq_len)
+    if masked:  # one bias for all blocks: (batch, 1, T / cp, T) within documents, (1, 1, T, T) a sliding window's
+        rows = tokens if getattr(cfg, "document_mask", False) else tokens / micro_batch
+        activations += round(in_flight * rows * seq_len * (2 if bf16 else 4))
+    if masked and cuda and cfg.kv_heads < cfg.n_heads and recompute == "none":
         # On CUDA the masked kernel is given keys and values repeated to every query head, and saves
         # those: 4d a token in place of 4k (bf16), and under cp each of a rank's two query chunks its
         # own copy of the keys up to its end, (2 cp + 1) chunks of keys for 2 of queries.
