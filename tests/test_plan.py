@@ -871,3 +871,13 @@ def test_stages_of_unequal_blocks_are_timed_at_the_slowest_rank_and_searched_whe
     # The run, set against its plan read back from JSON, finds the layout it was planned with.
     trained = PlanLayout.of(config, resolve_layout(config.parallel, 4)).to_dict()
     assert json.loads(json.dumps(plan["layout"]["layout"])) == trained
+
+
+def test_a_model_with_a_sliding_window_is_not_planned_under_context_parallelism():
+    """Train refuses context parallelism with a window shorter than the sequence; nor does the
+    search offer it, even where asked to."""
+    windowed = ONE_B.model_copy(update={"sliding_window": 1024, "max_seq_len": 8192})
+    fits, _ = candidates(windowed, 8192, 16, 16, H100, allow_cp=True)
+    assert fits and {c.layout.cp for c in fits} == {1}
+    spanning = windowed.model_copy(update={"sliding_window": 8192})  # (causal attention: cp as before)
+    assert any(c.layout.cp > 1 for c in candidates(spanning, 8192, 16, 16, H100, allow_cp=True)[0])

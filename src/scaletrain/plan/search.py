@@ -187,8 +187,9 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
     capacity = usable * device.memory
     fits: list[Candidate] = []
     closest: Candidate | None = None
-    cps = [cp for cp in divisors(world) if cp == 1 or (allow_cp and cp <= 64
-                                                       and seq_len % (2 * cp) == 0)]
+    window = getattr(cfg, "sliding_window", None)  # (context parallelism takes no window: train refuses it)
+    cps = [cp for cp in divisors(world) if cp == 1 or (allow_cp and cp <= 64 and seq_len % (2 * cp) == 0
+                                                       and (window is None or window >= seq_len))]
     for cp in cps:
         for tp in _tp_sizes(cfg, seq_len, cp, min(gpus_per_node, world)):
             if world % (cp * tp):
