@@ -324,8 +324,8 @@ def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, k
 
 
 def test_a_model_of_another_shape_or_kind_is_refused_with_the_settings_to_use(runs, stdlib_data, tmp_path):
-    from scaletrain.config import ConfigError
-    from scaletrain.hf import model_settings
+    from scaletrain.config import ConfigError, ModelConfig
+    from scaletrain.hf import check_matches, model_settings
     from scaletrain.train.trainer import Trainer
 
     export_hf(runs / "llama", tmp_path / "hf")
@@ -388,11 +388,19 @@ def test_a_model_of_another_shape_or_kind_is_refused_with_the_settings_to_use(ru
         Trainer(tiny_config(stdlib_data, tmp_path / "run", "train.steps=2", f"checkpoint.init_from={tmp_path}"))
     mistral = {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
                "max_position_embeddings": 128}
-    for window, context, expected in ((64, 128, 64), (None, 8192, 4096), (128, 128, None)):
-        # (MistralConfig's default window: 4,096 tokens; one spanning the context is causal attention)
+    for window, context, expected in ((64, 128, 64), (None, 8192, 4096), (128, 128, 128)):
+        # (MistralConfig's default window: 4,096 tokens; one spanning a run's sequences is causal
+        # attention there, which check_matches takes for none)
         config = {**mistral, "max_position_embeddings": context, **({"sliding_window": window} if window else {})}
         (tmp_path / "config.json").write_text(json.dumps(config))
         assert model_settings(tmp_path).get("sliding_window") == expected
+    # A window that spans the run's sequences (a run exported with one as long as its context): as none.
+    for ours in (None, 128):
+        check_matches(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=128,
+                                  sliding_window=ours), tmp_path)
+    with pytest.raises(ConfigError, match="model.sliding_window is None, the model's is 128; set "
+                                          "model.sliding_window=128"):
+        check_matches(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=256), tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**mistral, "model_type": "qwen3", "head_dim": 16,
                                                       "use_sliding_window": True}))
     with pytest.raises(ConfigError, match="sliding-window attention"):

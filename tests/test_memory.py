@@ -56,7 +56,7 @@ def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool, positions:
     cos, sin = (model.rope_cos, model.rope_sin) if positions is None else (model.rope_cos[positions],
                                                                            model.rope_sin[positions])
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), counting_saves(model) as seen:
-        bias = attention_bias(x, documents, positions, model.cfg.sliding_window)
+        bias = attention_bias(x, x.shape[1], documents, positions, model.cfg.sliding_window)
         for block in model.layers.values():
             x = block(x, cos, sin, bias=bias)
     return sum(seen.values())

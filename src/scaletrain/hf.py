@@ -481,11 +481,9 @@ def model_settings(hf_dir: str | Path) -> dict:
         problems.append(f"partial_rotary_factor {rope['partial_rotary_factor']} (every dimension rotates)")
     if hf.get("use_sliding_window"):
         problems.append("sliding-window attention")
-    # MistralConfig's defaults: a window of 4,096 tokens in a context of 131,072 (Mixtral's: none);
-    # a window that spans the context, or none as in Mistral 7B v0.2 on, is causal attention.
+    # MistralConfig's defaults: a window of 4,096 tokens in a context of 131,072 (Mixtral's: none).
+    # (One that spans a run's sequences is causal attention there: check_matches.)
     window = hf.get("sliding_window", 4096 if kind == "mistral" else None) if kind in ("mistral", "mixtral") else None
-    if window is not None and window >= hf.get("max_position_embeddings", _CONTEXT.get(kind, 2048)):
-        window = None
     if problems:
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} holds a model scaletrain's decoder does not "
                           f"compute: {'; '.join(problems)}")
@@ -518,14 +516,17 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
     want = model_settings(hf_dir)
     want.setdefault("moe_experts", 0)
     want.setdefault("rope_scaling", None)
-    want.setdefault("sliding_window", None)
+    # A window that spans the run's sequences computes causal attention there, with or without it
+    # (Mistral 7B v0.2 on has none; a run exported with one as long as its context has one).
+    want["sliding_window"] = _effective_window(want.get("sliding_window"), cfg.max_seq_len)
     if cfg.moe_shared_experts and want["moe_experts"]:
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} has no shared experts; set "
                           "model.moe_shared_experts = 0")
     have = {"vocab_size": cfg.vocab, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
             "n_kv_heads": cfg.kv_heads, "ffn_dim": cfg.hidden_dim, "norm_eps": cfg.norm_eps,
             "tie_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
-            "qk_norm": cfg.qk_norm, "moe_experts": cfg.moe_experts, "sliding_window": cfg.sliding_window}
+            "qk_norm": cfg.qk_norm, "moe_experts": cfg.moe_experts,
+            "sliding_window": _effective_window(cfg.sliding_window, cfg.max_seq_len)}
     if want["moe_experts"]:
         have.update(moe_top_k=cfg.moe_top_k, moe_ffn_dim=cfg.expert_dim, moe_dense_layers=cfg.moe_dense_layers)
     wrong = [key for key in have if key in want and have[key] != want[key]]
@@ -535,6 +536,11 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} holds another shape: "
                           + ", ".join(f"model.{key} is {have[key]}, the model's is {want[key]}" for key in wrong)
                           + f"; set {fix}")
+
+
+def _effective_window(window: int | None, max_seq_len: int) -> int | None:
+    """A sliding window as it acts on sequences of up to max_seq_len tokens (None: it spans them)."""
+    return window if window is not None and window < max_seq_len else None
 
 
 def check_tokenizer(model_dir: str | Path, data_tokenizer: str | Path, given: str | None = None) -> None:

@@ -123,15 +123,14 @@ def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def attention_bias(x: torch.Tensor, documents: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                   window: int | None = None) -> torch.Tensor | None:
-    """The bias all blocks add to their attention scores over hidden states x (batch, seq, dim):
-    within `documents` (document_bias; under context parallelism, `positions` given, the rows of
-    this rank's queries), and with a sliding `window` shorter than the sequence, within it; None
-    where attention is plainly causal."""
+def attention_bias(x: torch.Tensor, seq: int, documents: torch.Tensor | None = None,
+                   positions: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor | None:
+    """The bias all blocks add to their attention scores over sequences of `seq` tokens (x: the
+    hidden states, for their dtype and device): within `documents` (document_bias; under context
+    parallelism, `positions` given, the rows of this rank's queries), and with a sliding `window`
+    shorter than the sequence, within it; None where attention is plainly causal."""
     if documents is not None:
         return document_bias(documents, compute_dtype(x), positions, window)
-    seq = x.shape[1]
     if window is None or window >= seq:
         return None
     rows = torch.arange(seq, device=x.device) if positions is None else positions
@@ -340,6 +339,9 @@ class Transformer(nn.Module):
         # Under context parallelism (parallel/context.py) the group whose ranks hold the other
         # parts of each sequence: multi-token prediction weighs each rank's mean loss by its share.
         self.cp_group = None
+        # Under tensor parallelism's sequence parallelism (parallel/tensor.py) the shards of the
+        # sequence a later pipeline stage's hidden states are one of: attention sees them all.
+        self.sequence_shards = 1
         # Derived from cfg, so not saved in checkpoints; init_weights() fills them.
         table = (cfg.max_seq_len, cfg.head_dim // 2)
         self.register_buffer("rope_cos", torch.empty(table, dtype=torch.float32), persistent=False)
@@ -449,8 +451,10 @@ class Transformer(nn.Module):
             raise ValueError("documents mask the attention of training and evaluation; decoding with a KV cache "
                              "takes none")
         # One for all blocks: a mask built in each would be kept by each for its backward pass.
-        # (A cache's attention masks its own.)
-        bias = None if cache is not None else attention_bias(x, documents, positions, self.cfg.sliding_window)
+        # (A cache's attention masks its own.) Over the whole sequence, which a later pipeline
+        # stage under sequence parallelism holds a shard of.
+        whole = seq * self.sequence_shards if tokens.is_floating_point() else seq
+        bias = None if cache is not None else attention_bias(x, whole, documents, positions, self.cfg.sliding_window)
         for name, block in self.layers.items():
             # Blocks get tensors, not a layer index, so compiled blocks see no per-layer constant.
             layer_kv = None if cache is None else (cache.k[int(name)], cache.v[int(name)])

@@ -40,6 +40,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                                         if getattr(model, name) is not None})
     if tied:  # both split the (vocab, dim) matrix by rows, so one sharded parameter serves both again
         model.output.weight = model.tok_embeddings.weight
+    model.sequence_shards = tp_mesh.size()  # (a later stage's hidden states: one of these shards)
     for block in model.layers.values():
         _parallelize_block(block, tp_mesh)
     for depth in getattr(model, "mtp", None) or []:
