@@ -109,9 +109,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     _token_rows(table, stats)
     if "fim" in stats:
         table.add_row("fill-in-the-middle documents", f"{stats['fim']['documents']:,}")
-    table.add_row("seconds", f"{time.perf_counter() - start:.1f}")
-    out.print(table)
-    return 0
+    return _print_data_table(table, start)
 
 
 def _data_table(result) -> Table:
@@ -122,6 +120,13 @@ def _data_table(result) -> Table:
     table.add_column("")
     table.add_column("value", justify="right")
     return table
+
+
+def _print_data_table(table: Table, start: float) -> int:
+    """The table ended with the seconds since `start`, printed; the command's status."""
+    table.add_row("seconds", f"{time.perf_counter() - start:.1f}")
+    out.print(table)
+    return 0
 
 
 def _token_rows(table: Table, stats: dict) -> None:
@@ -145,9 +150,7 @@ def cmd_data_import(args: argparse.Namespace) -> int:
     _token_rows(table, stats)
     if "bos_id" in stats:
         table.add_row("documents begin with", f"beginning-of-sequence id {stats['bos_id']}")
-    table.add_row("seconds", f"{time.perf_counter() - start:.1f}")
-    out.print(table)
-    return 0
+    return _print_data_table(table, start)
 
 
 def cmd_data_stats(args: argparse.Namespace) -> int:

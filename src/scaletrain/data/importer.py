@@ -273,9 +273,9 @@ def import_tokens(sources: list[str], out: str | Path, tokenizer: str | Path, *,
     tokenizer_file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
     tokenizer_text = tokenizer_file.read_bytes()
     key = hashlib.sha256(json.dumps({
-        "version": IMPORT_VERSION, "sources": [[s.path, s.format, s.tokens.dtype.name, _identity(s)] for s in read], "column": column,
-        "tokenizer": hashlib.sha256(tokenizer_text).hexdigest(), "eos": end, "val_fraction": val_fraction,
-        "seed": seed}, sort_keys=True).encode()).hexdigest()
+        "version": IMPORT_VERSION, "sources": [[s.path, s.format, s.tokens.dtype.name, _identity(s)] for s in read],
+        "column": column, "tokenizer": hashlib.sha256(tokenizer_text).hexdigest(), "eos": end,
+        "val_fraction": val_fraction, "seed": seed}, sort_keys=True).encode()).hexdigest()
     if is_complete(out, key):
         stats = json.loads((out / "stats.json").read_text())
         return ImportResult(out, stats, reused=True, warnings=stats.get("warnings", []))
