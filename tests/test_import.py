@@ -85,6 +85,10 @@ def test_megatron_datasets_and_flat_token_files_import_as_the_documents_they_hol
                            val_fraction=0)
     assert all(np.array_equal(a, b) for a, b in zip(documents(tmp_path / "imported-parquet"), originals, strict=True))
     assert result.stats["imported"][0]["format"] == "parquet"
+    pq.write_table(pa.table({"input_ids": [[5, 6], None, [7], None]}), tmp_path / "holes.parquet", row_group_size=2)
+    with pytest.raises(DataError, match="'input_ids' has 2 empty .null. rows; fill or drop them"):
+        import_tokens([str(tmp_path / "holes.parquet")], tmp_path / "holes", tokenizer)
+    assert not (tmp_path / "holes" / "work").exists()  # (the copy made on the way: gone)
     pq.write_table(pa.table({"text": ["a", "b"]}), tmp_path / "text.parquet")
     for column, words in (("input_ids", r"has no column 'input_ids' \(it has text\); give the column of token ids"),
                           ("text", "holds string, not lists of token ids")):
@@ -246,3 +250,8 @@ def test_an_import_splits_small_corpora_resumes_when_interrupted_and_copies_long
     with pytest.raises(DataError, match="holds a finished prepare of other sources or options .tokens `data import` "
                                         "wrote"):
         prepare(["builtin:python-stdlib"], tmp_path / "ten", 512, max_bytes=50_000, workers=1)
+    # ... or into another one's unfinished work: refused too, that work kept.
+    with pytest.raises(DataError, match="holds the unfinished work of a prepare or import of other sources or options; "
+                                        "run that command again to finish it, .* or --overwrite to discard it"):
+        prepare(["builtin:python-stdlib"], tmp_path / "preparing", 512, max_bytes=50_000, workers=1)
+    assert (tmp_path / "preparing" / "work" / "key").read_text() == "a prepare's key"

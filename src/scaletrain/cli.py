@@ -1799,8 +1799,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="curation: 'default' (normalise, quality and repetition filters), 'none', or a TOML file")
     p.add_argument("--no-dedup", action="store_true", help="keep exact and near duplicates")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace a finished prepare of other sources or options in --out (refused without it: runs "
-                        "trained on it could no longer resume)")
+                   help="replace a finished prepare of other sources or options in --out, or discard the unfinished "
+                        "work of one (refused without it: runs trained on a finished one could no longer resume)")
     p.add_argument("--no-val-overlap", action="store_true",
                    help="keep training documents that share a 13-gram with a validation document (by default they "
                         "go, so that the validation loss is not measured on text trained on)")

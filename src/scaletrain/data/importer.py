@@ -9,7 +9,8 @@ to train here would cost hours and might not give the same tokens. Three formats
   sequence each document starts at (int64, with the end as the last). Documents made with
   `preprocess_data.py --append-eod` end with the end-of-document token already.
 - **parquet**: a document a row, its token ids a list in one column (input_ids: what Hugging
-  Face datasets' map of a tokenizer writes, saved with to_parquet).
+  Face datasets' map of a tokenizer writes, saved with to_parquet), copied a batch of rows at a
+  time into the import's work folder and read from there.
 - **flat**: one array of tokens whose documents each end with the end-of-document token:
   nanoGPT's train.bin (uint16, GPT-2's <|endoftext|> after each), OLMo's and Dolma's tokenized
   .npy memmaps (raw, no header: uint16, or uint32 for vocabularies past 65,536), or a NumPy .npy
@@ -32,7 +33,7 @@ import hashlib
 import json
 import shutil
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
@@ -51,6 +52,7 @@ MEGATRON_HEADER = b"MMIDIDX\x00\x00"
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
 RAW_DTYPES = ("uint16", "uint32", "int32")
 BLOCK_TOKENS = 1 << 24  # tokens read and written at a time
+PARQUET_ROWS = 4096  # documents read from a Parquet file at a time
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Source:
     tokens: np.ndarray
     bounds: np.ndarray  # int64: (start, end) of each document, shape (documents, 2)
     empty: int = 0  # documents of no sequences (a Megatron index's), not in bounds
+    column: str | None = None  # a Parquet source's column of token ids (its tokens read by _spill)
 
 
 @dataclass
@@ -145,7 +148,8 @@ def _megatron(prefix: str) -> Source:
 
 def _parquet(path: Path, column: str) -> Source:
     """A Parquet file whose rows are documents, each a list of token ids in `column` (as Hugging
-    Face datasets' map(tokenize) writes them: input_ids): read whole, its list offsets the bounds."""
+    Face datasets' map(tokenize) writes them: input_ids), its schema checked: its tokens are read
+    by _spill, into the import's work folder."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -160,14 +164,32 @@ def _parquet(path: Path, column: str) -> Source:
     if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
         raise DataError(f"{path}'s column {column!r} holds {kind}, not lists of token ids; give the column of token "
                         "ids with --column")
-    ids = pq.read_table(path, columns=[column]).column(column).combine_chunks()
-    if ids.null_count:
-        raise DataError(f"{path}'s column {column!r} has {ids.null_count} empty (null) rows; fill or drop them")
-    offsets = np.asarray(ids.offsets, dtype=np.int64)
-    tokens = np.asarray(ids.values.to_numpy(zero_copy_only=False))[offsets[0]:offsets[-1]] if len(ids) else \
-        np.zeros(0, np.int64)
-    offsets = offsets - offsets[0]
-    return Source(str(path), "parquet", tokens, np.stack([offsets[:-1], offsets[1:]], axis=1))
+    return Source(str(path), "parquet", np.zeros(0, kind.value_type.to_pandas_dtype()), np.zeros((0, 2), np.int64),
+                  column=column)
+
+
+def _spill(source: Source, folder: Path, number: int) -> Source:
+    """A Parquet source with its tokens: copied a batch of rows at a time into a file in `folder`
+    and memory-mapped from there (the list offsets its document bounds), so that a file larger
+    than memory imports."""
+    import pyarrow.parquet as pq
+
+    dtype, copy = source.tokens.dtype, folder / f"parquet_{number:05d}.tokens"
+    lengths, nulls = [np.zeros(0, np.int64)], 0
+    with open(copy, "wb") as f:
+        for batch in pq.ParquetFile(source.path).iter_batches(batch_size=PARQUET_ROWS, columns=[source.column]):
+            ids = batch.column(0)
+            nulls += ids.null_count
+            offsets = np.asarray(ids.offsets, dtype=np.int64)
+            if len(ids):
+                f.write(np.ascontiguousarray(ids.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]],
+                                             dtype=dtype).tobytes())
+            lengths.append(np.diff(offsets))
+    if nulls:
+        raise DataError(f"{source.path}'s column {source.column!r} has {nulls} empty (null) rows; fill or drop them")
+    ends = np.cumsum(np.concatenate(lengths))
+    tokens = np.memmap(copy, dtype=dtype, mode="r") if copy.stat().st_size else np.zeros(0, dtype)
+    return replace(source, tokens=tokens, bounds=np.stack([ends - np.concatenate(lengths), ends], axis=1))
 
 
 def _flat(path: Path, dtype: str | None, eos: int, raw_dtype: str) -> Source:
@@ -289,6 +311,8 @@ def import_tokens(sources: list[str], out: str | Path, tokenizer: str | Path, *,
     (out / "work").mkdir(parents=True)
     unfinished.write_text(key)  # (read_index calls the directory unfinished while it is here)
     try:
+        read = [_spill(source, out / "work", number) if source.format == "parquet" else source
+                for number, source in enumerate(read)]
         return _write(out, read, tok, tokenizer, tokenizer_file, vocab, end, key, fmt, val_fraction, seed)
     except DataError:  # (bad data found on the way: nothing half-written is left)
         clear_data_dir(out)

@@ -137,8 +137,9 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
         in order. The tokenizer prepare trains gets the sentinels; a given one must have them.
     split: how a text file is cut into documents: "file" (whole), "paragraph" (at blank lines) or
         "line" (sources.SPLITS): one long text, a book, is otherwise one document.
-    overwrite: replace a finished prepare in out of other sources or options (refused otherwise:
-        it may have taken hours, and runs trained on it could no longer resume).
+    overwrite: replace a finished prepare in out of other sources or options, or discard the
+        unfinished work of one (refused otherwise: it may have taken hours, and runs trained on a
+        finished one could no longer resume).
     progress: a rich Progress to which the passes add their tasks.
     """
     sources, out = [str(source) for source in sources], Path(out)
@@ -217,7 +218,12 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
         raise DataError(f"{str(out)!r} holds a finished prepare of other sources or options ({replaced}); give "
                         "another output directory, or --overwrite to replace it (runs trained on it would then no longer "
                         "resume)")
-    if not _same_work(work, key):
+    started = _work_key(work)
+    if started not in (None, key) and not overwrite:
+        raise DataError(f"{str(out)!r} holds the unfinished work of a prepare or import of other sources or options; "
+                        "run that command again to finish it, give another output directory, or --overwrite to "
+                        "discard it")
+    if started != key:
         clear_data_dir(out)
         work.mkdir(parents=True)
         (work / "key").write_text(key)
@@ -910,12 +916,12 @@ def _key(options: dict, content_sha256: str) -> str:
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
-def _same_work(work: Path, key: str) -> bool:
-    """out/work holds the unfinished work of a prepare with this key."""
+def _work_key(work: Path) -> str | None:
+    """The key of the unfinished prepare or import whose work is out/work, if any."""
     try:
-        return (work / "key").read_text() == key
+        return (work / "key").read_text()
     except OSError:
-        return False
+        return None
 
 
 def _replaced(out: Path, options: dict, content_sha256: str) -> str | None:
