@@ -360,7 +360,10 @@ def main() -> None:
                          "Muon": ["train.optimizer=muon"]})
         if not args.tiny:  # (tiny runs are not compiled: inductor on a CPU takes minutes)
             variants["CUDA graphs"] = ["train.compile_mode=reduce-overhead"]
-        variants.update({"attention within documents": ["model.document_mask=true"], "eager": ["train.compile=false"]})
+        variants.update({"attention within documents": ["model.document_mask=true"],
+                         "attention within documents, FlexAttention": ["model.document_mask=true",
+                                                                       "model.attention_kernel=flex"],
+                         "eager": ["train.compile=false"]})
         for what, change in variants.items():
             overrides = [*shape, *BEST, *change, *(TINY if args.tiny else [])]
             if (late := budget.refusal("ablation")) is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -195,6 +196,27 @@ def glitched(kind: str, step: int):
             trainer.Trainer._clip_gradients = saved
         else:
             trainer.run_lr = saved
+
+
+@contextlib.contextmanager
+def flex_on_cpu():
+    """Within it, model.attention_kernel = "flex" runs FlexAttention on the CPU too: torch's
+    reference implementation, which computes the same attention the CUDA kernel does but which
+    the public call refuses to differentiate there (a kernel of that speed exists only for
+    inference). The tests check flex_block_mask's attention, forward and backward, against SDPA's
+    mask with it."""
+    import torch.nn.attention.flex_attention as flex
+
+    from scaletrain.model import llama
+
+    saved = llama.FLEX_DEVICES, flex._validate_device
+    llama.FLEX_DEVICES, flex._validate_device = ("cuda", "cpu"), lambda *tensors: None
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "flex_attention called without torch.compile")  # (the reference, meant)
+            yield
+    finally:
+        llama.FLEX_DEVICES, flex._validate_device = saved
 
 
 def bos_tokenizer(trained: Path, out: Path) -> tuple[Path, int]:

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from conftest import glitched
+from conftest import flex_on_cpu, glitched
 from scaletrain.config import load_config
 from scaletrain.parallel.mesh import shutdown
 from scaletrain.train.trainer import Trainer
@@ -28,7 +28,10 @@ def main(spec_path: str) -> None:
             damage(Path(cfg.run.dir) / cfg.run.name / spec["damage"])
         glitch = spec.get("glitch")
         try:
-            with glitched(glitch["kind"], glitch["step"]) if glitch else contextlib.nullcontext():
+            # A layout that asks for FlexAttention computes it on the CPU (the single-process
+            # references compute SDPA's mask: test_distributed's single_process).
+            with glitched(glitch["kind"], glitch["step"]) if glitch else contextlib.nullcontext(), \
+                    flex_on_cpu() if cfg.model.attention_kernel == "flex" else contextlib.nullcontext():
                 Trainer(cfg).fit(stop_at_step=spec.get("stop_at_step"))
         except BaseException as e:
             shutdown(clean=False)

@@ -32,7 +32,7 @@ def test_gpu_suite_runs_its_configs_ablations_and_resume_check_on_tiny_shapes(tm
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = [report["configs"]["llama-126m"], *report["ablations"].values()]
-    assert len(rows) == 7 and report["ablations"]["llama-126m, loss read every step"]["log_every"] == 1
+    assert len(rows) == 8 and report["ablations"]["llama-126m, loss read every step"]["log_every"] == 1
     for row in rows:
         assert row["timed_steps"] == 2 and row["tokens_per_s"] > 0 and row["step_ms"] > 0
         assert 0 <= row["data_wait_share"] < 1 and row["cold_start_s"] >= 0

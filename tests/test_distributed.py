@@ -82,9 +82,12 @@ def single_process(stdlib_data, placeholders, tmp_path_factory):
     runs = {}
 
     def run(overrides: list[str]):
+        # (Not model.attention_kernel: one process computes SDPA's mask, against which layouts
+        # that ask for FlexAttention are checked.)
         model = tuple(o for o in with_data(overrides, placeholders)
                       if o.startswith(("model.", "eval.", "data.", "train.optimizer", "train.z_loss", "train.batch_ramp",
-                                       "train.ema_decay", "train.global_batch_tokens", "log.norms")))
+                                       "train.ema_decay", "train.global_batch_tokens", "log.norms"))
+                      and not o.startswith("model.attention_kernel="))
         if model not in runs:
             runs[model] = tmp_path_factory.mktemp("single-deep") / "run"
             train(tiny_config(stdlib_data, runs[model], *STEPS, *DEEP, *model))
@@ -210,8 +213,9 @@ TWO["pp-zbv_zero_bubble"] += MTP
 TWO["pp-dualpipev"] += [*EMA, *MTP, *TIED]
 # Sliding-window attention over the whole sequence where tensor parallelism's sequence shards
 # reach attention (a later pipeline stage's hidden states are one of them): under TP, TP x PP
-# within documents, and FSDP x TP x PP.
+# within documents (through FlexAttention's block mask), and FSDP x TP x PP.
 WINDOW = ["model.sliding_window=16"]
+FLEX = ["model.attention_kernel=flex"]
 TWO["tp-muon-z-loss"] += WINDOW
 # The norms of each part of the model (log.norms): shards summed over FSDP's ranks, tensor
 # parallelism's split and partial gradients, stages over the pipeline.
@@ -231,7 +235,7 @@ FOUR = {
     "fsdp-x-pp": ["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2", "parallel.recompute=full",
                   "parallel.pp_stage_blocks=[3, 1]"],
     "tp-x-pp-interleaved-z-loss-mtp": [*PP2_MB2, "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b", *DOCUMENTS,
-                                       *Z_LOSS, *MTP, *WINDOW],
+                                       *Z_LOSS, *MTP, *WINDOW, *FLEX],
     "fsdp-x-cp-mtp": ["parallel.cp=2", "parallel.dp_shard=2", *DOCUMENTS, *MTP],
     "cp-x-pp-zbv": [*PP2_MB2, "parallel.cp=2", "parallel.pp_schedule=zbv_zero_bubble"],
     "pp4": ["parallel.pp=4", *ONE_STAGE, "train.micro_batch=1"],

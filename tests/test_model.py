@@ -196,6 +196,72 @@ def test_adamw_on_a_repeated_batch_lowers_the_loss():
     assert losses[-1] < losses[0] - 1.0
 
 
+@pytest.mark.parametrize("seq", [50, 200])  # (one partial block of 128 scores; two blocks, the second partial)
+def test_flex_attention_trains_the_losses_and_gradients_of_sdpas_mask(seq):
+    """model.attention_kernel = "flex": FlexAttention's block mask computes the attention of
+    SDPA's mask — within documents, within a sliding window, both — with grouped heads and
+    multi-token prediction (whose depths take the same mask), forward and backward; unmasked
+    causal attention and decoding with a cache stay SDPA's."""
+    from conftest import flex_on_cpu
+
+    from scaletrain.model.llama import BlockMask, attention_bias, flex_block_mask
+    from scaletrain.parallel.recompute import apply_recompute
+
+    tokens = torch.randint(0, 255, (2, seq))
+    tokens[tokens % 23 == 0] = 255  # (documents of about 23 tokens)
+    documents = document_ids(tokens, 255)
+    targets = torch.randint(0, 255, (2, seq))
+    for masks in ({"documents": True}, {"window": 16}, {"documents": True, "window": 40}):
+        shape = dict(n_kv_heads=2, max_seq_len=256, mtp_depth=1, sliding_window=masks.get("window"))
+        runs = []
+        for kernel in ("sdpa", "flex"):
+            model = build(**shape, attention_kernel=kernel)
+            # Selective recomputation, which keeps attention's output (FlexAttention's operator too).
+            apply_recompute(model, "selective" if masks.get("window") == 40 else "none")
+            with flex_on_cpu():
+                loss = model(tokens, targets, documents=documents if masks.get("documents") else None)
+                loss.backward()
+            runs.append((loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
+        (sdpa_loss, sdpa_grads), (flex_loss, flex_grads) = runs
+        torch.testing.assert_close(flex_loss, sdpa_loss, rtol=1e-5, atol=1e-6)
+        for name, grad in sdpa_grads.items():
+            torch.testing.assert_close(flex_grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{masks} {name}: {m}")
+    x = torch.zeros(1, seq, 8)
+    with flex_on_cpu():
+        assert isinstance(attention_bias(x, seq, documents, flex=True), BlockMask)
+        assert attention_bias(x, seq, flex=True) is None  # (causal: flash's)
+        assert isinstance(attention_bias(x, seq, window=8, flex=True), BlockMask)
+        assert attention_bias(x, seq, window=seq, flex=True) is None  # (a window spanning the sequence: causal)
+        # Context parallelism (positions given) takes SDPA's mask into its ring.
+        assert isinstance(attention_bias(x, seq, documents, positions=torch.arange(seq), flex=True), torch.Tensor)
+    assert isinstance(attention_bias(x, seq, documents, flex=True), torch.Tensor)  # (the CPU's: SDPA's mask)
+    if seq == 200:  # CUDA's compiled construction of the block mask: the same blocks, for other documents too
+        from unittest import mock
+
+        from scaletrain.model import llama
+        def blocks(docs, window):  # (which blocks are skipped, partly and wholly kept: the mask's tensors)
+            return [t for t in flex_block_mask(512, docs, window, "cpu").as_tuple() if isinstance(t, torch.Tensor)]
+
+        long = torch.randint(0, 255, (2, 512))
+        long[long % 61 == 0] = 255
+        cases = [(document_ids(long, 255), 200), (document_ids(long, 255), None), (torch.zeros_like(long), None)]
+        eager = [blocks(*case) for case in cases]
+        with mock.patch.object(llama, "create_block_mask", llama._compiled_create_block_mask()):
+            compiled = [blocks(*case) for case in cases]
+        same = [all(torch.equal(a, b) for a, b in zip(x, y, strict=True)) for x, y in zip(eager, compiled, strict=True)]
+        assert all(same)
+        for a, b in ((0, 1), (1, 2)):  # (three masks of other blocks: a check that tells them apart)
+            assert not all(torch.equal(x, y) for x, y in zip(eager[a], eager[b]))
+    # Decoding with a cache past the window: SDPA's mask, the logits of a full forward.
+    model = build(n_layers=2, sliding_window=4, attention_kernel="flex").eval()
+    with torch.no_grad(), flex_on_cpu():
+        full = model(tokens[:1, :24])
+        cache = model.new_cache(1, 24)
+        pieces = [model(tokens[:1, :10], cache=cache),
+                  *(model(tokens[:1, i:i + 1], cache=cache, start_pos=i) for i in range(10, 24))]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
 def test_a_sliding_window_limits_what_each_token_attends_to_in_training_and_decoding():
     """model.sliding_window = 4 on one block: position p's logits depend on tokens p - 3 .. p
     only, within documents too; a window spanning the sequence is causal attention; decoding

@@ -23,7 +23,7 @@ from scaletrain.plan.memory import (in_flight_microbatches, last_rank_microbatch
                                     training_memory)
 from scaletrain.plan.search import PlanError, _head_blocks, candidates, describe, head_balanced_blocks, search
 from scaletrain.plan.timing import (Efficiency, PlanLayout, bubble_microbatches, collective, group_bandwidth,
-                                    step_time)
+                                    scores_computed, step_time)
 from scaletrain.scaling.laws import preset
 from scaletrain.train.trainer import Trainer, train
 
@@ -881,3 +881,32 @@ def test_a_model_with_a_sliding_window_is_not_planned_under_context_parallelism(
     assert fits and {c.layout.cp for c in fits} == {1}
     spanning = windowed.model_copy(update={"sliding_window": 8192})  # (causal attention: cp as before)
     assert any(c.layout.cp > 1 for c in candidates(spanning, 8192, 16, 16, H100, allow_cp=True)[0])
+
+
+def test_masked_attention_is_timed_as_its_kernel_computes_it():
+    """SDPA's mask computes every score (twice causal attention's work); FlexAttention's block
+    mask the blocks a window reaches (hand-counted) and within documents at most the causal
+    half; context parallelism's chunks the causal half either way. The step's compute follows,
+    and FlexAttention's window keeps no mask of the scores' shape in memory."""
+    cfg = ONE_B.model_copy(update={"max_seq_len": 8192})
+    window, flex = {"sliding_window": 1024}, {"attention_kernel": "flex"}
+    documents = {"document_mask": True}
+    # 64 query blocks of 128; a window of 1,024 reaches ceil(1023 / 128) + 1 = 9 key blocks:
+    # 1 + 2 + ... + 9 for the first nine query blocks, 9 for each of the other 55.
+    assert scores_computed(cfg.model_copy(update={**window, **flex}), 8192) == (45 + 55 * 9) * 128 ** 2 / 8192 ** 2
+    assert scores_computed(cfg, 8192) == 0.5
+    assert scores_computed(cfg.model_copy(update=window), 8192) == 1.0
+    assert scores_computed(cfg.model_copy(update=documents), 8192) == 1.0
+    assert scores_computed(cfg.model_copy(update={**documents, **flex}), 8192) == 0.5
+    assert scores_computed(cfg.model_copy(update={**documents, **flex}), 8192, cp=2) == 0.5
+    assert scores_computed(cfg.model_copy(update={**window, **flex, "sliding_window": 8000}), 8192) == 0.5
+    layout = PlanLayout(micro_batch=1)
+    causal, sdpa, windowed = (step_time(cfg.model_copy(update=update), 8192, 8, layout, H100)
+                              for update in ({}, window, {**window, **flex}))
+    attention = 8 * 8192 * 16 * 12 * 32 * 64 * 8192 / (H100.peak["bf16"] * Efficiency().matmul)  # (full matrix, a step)
+    assert sdpa.compute - causal.compute == pytest.approx(0.5 * attention, rel=1e-6)
+    assert causal.compute - windowed.compute == pytest.approx((0.5 - scores_computed(cfg.model_copy(
+        update={**window, **flex}), 8192)) * attention, rel=1e-6)
+    masks = [training_memory(cfg.model_copy(update=update), 8192, 1, micro_steps=8).peak
+             for update in (window, {**window, **flex}, {})]
+    assert masks[0] - masks[1] >= 8192 * 8192 * 2 and masks[1] == masks[2]  # (the (T, T) bias, bf16; and more: see memory)

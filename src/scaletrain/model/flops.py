@@ -57,8 +57,14 @@ def train_flops_per_token(cfg: Any, seq_len: int, causal: bool = False) -> int:
     rotary, softmax, SiLU, loss) is not counted. `causal` counts only the lower triangle of
     the scores, the work a causal kernel (FlashAttention) does: half the attention term.
     """
-    attention = 12 * (cfg.n_layers + _mtp_depth(cfg)) * cfg.n_heads * cfg.head_dim * seq_len
+    attention = (cfg.n_layers + _mtp_depth(cfg)) * attention_flops_per_token(cfg, seq_len)
     return 6 * matmul_params(cfg) + (attention // 2 if causal else attention)
+
+
+def attention_flops_per_token(cfg: Any, seq_len: int) -> int:
+    """The attention term of one block's `train_flops_per_token`, over the whole score matrix:
+    12 H Q T."""
+    return 12 * cfg.n_heads * cfg.head_dim * seq_len
 
 
 def mtp_train_flops_per_token(cfg: Any, seq_len: int, causal: bool = False) -> int:
@@ -66,7 +72,7 @@ def mtp_train_flops_per_token(cfg: Any, seq_len: int, causal: bool = False) -> i
     6 x (its block's linear weights, its 2d x d projection and the head it passes through again)
     plus its block's attention term (halved with `causal`). 0 without depths. Under pipeline
     parallelism this work runs on the last stage, beside the head."""
-    attention = 12 * cfg.n_heads * cfg.head_dim * seq_len
+    attention = attention_flops_per_token(cfg, seq_len)
     return _mtp_depth(cfg) * (6 * _mtp_matmul_params(cfg) + (attention // 2 if causal else attention))
 
 

@@ -13,6 +13,7 @@ Parameter and FLOP counts live in `model/flops.py`, not here.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import CausalBias
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from scaletrain.config import YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig, yarn_attention_factor
 from scaletrain.model.loss import (IGNORE, Tally, add_replicated, chunked_cross_entropy, compute_dtype, cross_entropy,
@@ -124,17 +126,50 @@ def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def attention_bias(x: torch.Tensor, seq: int, documents: torch.Tensor | None = None,
-                   positions: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor | None:
+                   positions: torch.Tensor | None = None, window: int | None = None,
+                   flex: bool = False) -> torch.Tensor | BlockMask | None:
     """The bias all blocks add to their attention scores over sequences of `seq` tokens (x: the
     hidden states, for their dtype and device): within `documents` (document_bias; under context
     parallelism, `positions` given, the rows of this rank's queries), and with a sliding `window`
-    shorter than the sequence, within it; None where attention is plainly causal."""
+    shorter than the sequence, within it; None where attention is plainly causal. With `flex`
+    (model.attention_kernel = "flex") on a device of FLEX_DEVICES and without context parallelism,
+    FlexAttention's block mask of the same attention instead (flex_block_mask)."""
+    masked = documents is not None or (window is not None and window < seq)
+    if flex and masked and positions is None and x.device.type in FLEX_DEVICES:
+        return flex_block_mask(seq, documents, window if window is not None and window < seq else None, x.device)
     if documents is not None:
         return document_bias(documents, compute_dtype(x), positions, window)
     if window is None or window >= seq:
         return None
     rows = torch.arange(seq, device=x.device) if positions is None else positions
     return _bias(causal_mask(rows, seq, window), compute_dtype(x))[None, None]
+
+
+FLEX_DEVICES = ("cuda",)  # device types where attention_kernel = "flex" runs FlexAttention (torch's has no CPU backward)
+
+
+def flex_block_mask(seq: int, documents: torch.Tensor | None, window: int | None, device) -> BlockMask:
+    """FlexAttention's block mask of causal attention over sequences of `seq` tokens, within
+    `documents` (batch, seq) and within `window`, where given: document_causal_mask's attention,
+    kept as which blocks of 128 x 128 scores are wholly masked (skipped), wholly kept (computed
+    without the mask) or partly kept. On CUDA its construction is compiled, which holds no
+    (seq, seq) tensor."""
+    def allowed(b, h, q, k):
+        keep = k <= q
+        if window is not None:
+            keep = keep & (q - k < window)
+        if documents is not None:
+            keep = keep & (documents[b, q] == documents[b, k])
+        return keep
+
+    batch = None if documents is None else documents.shape[0]  # (None: one mask for every sequence)
+    build = _compiled_create_block_mask() if torch.device(device).type == "cuda" else create_block_mask
+    return build(allowed, batch, None, seq, seq, device=device)
+
+
+@functools.cache
+def _compiled_create_block_mask():
+    return torch.compile(create_block_mask, dynamic=False)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -240,11 +275,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal:
     without copies, but on CUDA only the flash kernel (which takes no mask) and the math one (which
     keeps the whole score matrix) accept it: a masked call (within documents, or cached and
     multi-token) gets repeated heads there, and the memory-efficient kernel. A CausalBias (context
-    parallelism's bottom-right causal mask) is computed by flash without copies."""
+    parallelism's bottom-right causal mask) is computed by flash without copies. A BlockMask
+    (flex_block_mask's) is computed by FlexAttention, which takes grouped heads as they are."""
+    if isinstance(mask, BlockMask):
+        # Within a compiled block (train.compile) the block's compilation takes it in; outside one on
+        # CUDA, its own. Elsewhere, eager: torch's reference (the CPU's tests).
+        kernel = _compiled_flex_attention() if q.device.type == "cuda" and not torch.compiler.is_compiling() \
+            else flex_attention
+        return kernel(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     if mask is not None and not isinstance(mask, CausalBias) and q.device.type in REPEATED_KV_DEVICES:
         k, v = repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                           enable_gqa=q.shape[1] != k.shape[1])
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """FlexAttention compiled into its fused kernel (eager, it is a reference that keeps every
+    score)."""
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def repeat_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -454,7 +503,8 @@ class Transformer(nn.Module):
         # (A cache's attention masks its own.) Over the whole sequence, which a later pipeline
         # stage under sequence parallelism holds a shard of.
         whole = seq * self.sequence_shards if tokens.is_floating_point() else seq
-        bias = None if cache is not None else attention_bias(x, whole, documents, positions, self.cfg.sliding_window)
+        bias = None if cache is not None else attention_bias(x, whole, documents, positions, self.cfg.sliding_window,
+                                                             self.cfg.attention_kernel == "flex")
         for name, block in self.layers.items():
             # Blocks get tensors, not a layer index, so compiled blocks see no per-layer constant.
             layer_kv = None if cache is None else (cache.k[int(name)], cache.v[int(name)])

@@ -23,7 +23,8 @@ SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
              _aten._scaled_dot_product_flash_attention.default,
              _aten._scaled_dot_product_efficient_attention.default,
              _aten._scaled_dot_product_cudnn_attention.default,
-             _aten._scaled_dot_product_flash_attention_for_cpu.default}
+             _aten._scaled_dot_product_flash_attention_for_cpu.default,
+             torch.ops.higher_order.flex_attention}  # (model.attention_kernel = "flex": the policy sees the operator)
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

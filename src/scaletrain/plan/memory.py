@@ -54,7 +54,9 @@ rebuilds one block at a time. Attention within documents (model.document_mask) a
 additive mask per micro-batch, shared by the blocks, of each local query over the whole
 sequence's keys: T bytes per local token in the compute dtype's size, 2T in bf16, 4T in float32;
 a sliding window shorter than the sequence (model.sliding_window) one such mask of a sequence,
-shared by the micro-batch's sequences too.
+shared by the micro-batch's sequences too. With model.attention_kernel = "flex" on CUDA (no
+context parallelism) there is no such mask, nor repeated heads: FlexAttention's block mask is
+a few bytes a block of 128 x 128 scores, and it takes grouped heads as they are.
 On CUDA, whose masked kernel takes no grouped heads, its keys and values are repeated to every
 query head and saved so (without recomputation): 4d per token in place of 4k in bf16, and under
 context parallelism 4d·(cp + ½) in place of 4k·cp, each of a rank's two query chunks with its
@@ -389,6 +391,8 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
         activations += round(_mtp(cfg) * block_bytes_per_token(cfg, bf16, recompute, cp=cp) * tokens / tp)
     window = getattr(cfg, "sliding_window", None)
     masked = getattr(cfg, "document_mask", False) or (window is not None and window < seq_len)
+    if masked and cuda and cp == 1 and getattr(cfg, "attention_kernel", "sdpa") == "flex":
+        masked = False  # (FlexAttention's block mask: a few bytes a block of 128 x 128 scores; grouped heads kept)
     if masked:  # one bias for all blocks: (batch, 1, T / cp, T) within documents, (1, 1, T, T) a sliding window's
         rows = tokens if getattr(cfg, "document_mask", False) else tokens / micro_batch
         activations += round(in_flight * rows * seq_len * (2 if bf16 else 4))

@@ -11,7 +11,9 @@ with dense first blocks counted with each rank's own). Each rank then reduces an
 parameters, and the slowest of those ends the step.
 
 - Compute: matmul and attention FLOPs (model/flops.py: 6 N per token, attention counted over
-  the causal half, the work FlashAttention does) at `Efficiency.matmul` of the device's dense
+  the causal half, the work FlashAttention does; see scores_computed for masked attention,
+  over all of the scores with SDPA's mask and over a window's blocks with FlexAttention's) at
+  `Efficiency.matmul` of the device's dense
   peak, plus the elementwise work (norms, rotary, SiLU, residual adds, casts) as memory traffic
   — `Efficiency.elementwise` bytes for each byte a block saves for its backward pass
   (plan/memory.py) — and the loss's logits traffic, at the device's memory bandwidth. The
@@ -77,11 +79,12 @@ matmuls, communication slowing compute it overlaps with, stragglers, data loadin
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from scaletrain.model.flops import (block_train_flops_per_token, moe_layers, mtp_train_flops_per_token, param_counts,
-                                    train_flops_per_token)
+from scaletrain.model.flops import (attention_flops_per_token, block_train_flops_per_token, moe_layers,
+                                    mtp_train_flops_per_token, param_counts, train_flops_per_token)
 from scaletrain.parallel.layout import V_SHAPED
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import MemoryEstimate, activation_bytes_per_token, pipeline_ranks, training_memory
@@ -224,6 +227,32 @@ def bubble_microbatches(schedule: str, pp: int, stages_per_rank: int) -> float:
             "zbv_zero_bubble": (pp - 1) / 6, "dualpipev": (pp - 1) / 3}[schedule]
 
 
+FLEX_BLOCK = 128  # the side of FlexAttention's blocks of scores (model/llama.py's flex_block_mask)
+
+
+def scores_computed(cfg: Any, seq_len: int, cp: int = 1) -> float:
+    """The share of each block's seq_len x seq_len attention scores its kernel computes: half for
+    causal attention (FlashAttention's lower triangle; under context parallelism each rank's
+    chunks of it, masked or not). Masked attention (model.document_mask, or a sliding window
+    shorter than the sequence) without context parallelism: all of them with SDPA's mask (its
+    memory-efficient kernel computes every score and masks it); with attention_kernel = "flex"
+    (FlexAttention, Dong et al. 2024) the blocks of FLEX_BLOCK x FLEX_BLOCK scores a window
+    reaches, each query block's ceil((W - 1) / 128) + 1 at most, and within documents half (it
+    skips more, by as much as the data's documents are shorter than the sequence: an upper
+    bound)."""
+    window = getattr(cfg, "sliding_window", None)
+    windowed = window is not None and window < seq_len
+    if cp > 1 or not (windowed or getattr(cfg, "document_mask", False)):
+        return 0.5
+    if getattr(cfg, "attention_kernel", "sdpa") != "flex":
+        return 1.0
+    if not windowed:
+        return 0.5
+    rows, reach = math.ceil(seq_len / FLEX_BLOCK), math.ceil((window - 1) / FLEX_BLOCK) + 1
+    blocks = reach * (reach + 1) / 2 + (rows - reach) * reach if reach < rows else rows * (rows + 1) / 2
+    return min(0.5, blocks * FLEX_BLOCK ** 2 / seq_len ** 2)
+
+
 def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, device: Device,
               efficiency: Efficiency = Efficiency(), gpus_per_node: int | None = None,
               dtype: str = "bf16") -> StepTime:
@@ -251,15 +280,18 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
     routed = tokens / lay.tp * getattr(cfg, "moe_top_k", 0) * d * act_bytes
     ep_bw = group_bandwidth(lay, "ep", device, gpus_per_node, efficiency)
 
+    scores = scores_computed(cfg, seq_len, lay.cp)
+
     def one_microbatch(own: Any, layers: float, last: bool) -> tuple[float, ...]:
         """(forward, backward, recomputation, tp, cp, ep, sends) of one micro-batch on a rank of
         `layers` blocks (as `own`'s are: a mixture's share of mixture blocks) that runs the last
         stage (`last`: the output head and multi-token prediction's depths, a block, a projection
         and another pass through the head each) or not."""
-        block_flops = block_train_flops_per_token(own, seq_len, causal=True)
+        beyond_causal = (scores - 0.5) * attention_flops_per_token(own, seq_len)  # (masked attention's kernels)
+        block_flops = block_train_flops_per_token(own, seq_len, causal=True) + beyond_causal
         elementwise = efficiency.elementwise * activation_bytes_per_token(own, bf16, "none")  # per token and block
         depths = (getattr(cfg, "mtp_depth", 0) or 0) if last else 0
-        mtp_flops = mtp_train_flops_per_token(cfg, seq_len, causal=True) if last else 0
+        mtp_flops = mtp_train_flops_per_token(cfg, seq_len, causal=True) + depths * beyond_causal if last else 0
         # -- compute ------------------------------------------------------------------------------
         blocks_matmul = tokens * (layers * block_flops + mtp_flops) / lay.tp / peak
         blocks_elementwise = tokens * (layers + depths) * elementwise / lay.tp / bandwidth

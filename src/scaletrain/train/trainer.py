@@ -29,7 +29,7 @@ from scaletrain.data.loader import IGNORE, Prefetcher, TokenLoader, eval_batches
 from scaletrain.data.shards import DataError, read_index, read_indexes
 from scaletrain.hf import load_hf_weights
 from scaletrain.model.flops import param_counts, train_flops_per_token
-from scaletrain.model.llama import Transformer, document_ids, shifted_targets
+from scaletrain.model.llama import FLEX_DEVICES, Transformer, document_ids, shifted_targets
 from scaletrain.model.loss import Tally, cross_entropy, target_log_probs
 from scaletrain.parallel.apply import parallelize
 from scaletrain.parallel.context import shard_sequence
@@ -329,6 +329,13 @@ class Trainer:
             log.warning("train.batch_ramp reaches %d tokens, beyond the run's %d: train.global_batch_tokens = %d is "
                         "never trained", cfg.train.batch_ramp[-1][1], cfg.total_tokens,
                         cfg.train.global_batch_tokens)
+        window = cfg.model.sliding_window
+        masked = cfg.model.document_mask or (window is not None and window < cfg.data.seq_len)
+        if cfg.model.attention_kernel == "flex" and masked and self.is_main and (self.device.type not in FLEX_DEVICES
+                                                                                 or self.layout.cp > 1):
+            log.info("model.attention_kernel = flex: %s, attention is computed with SDPA's mask (the same attention)",
+                     "under context parallelism" if self.layout.cp > 1 else
+                     f"on {self.device.type}, where torch's FlexAttention has no backward")
         self.step = 0
         self.tokens = 0
         self.held_bytes: dict[str, int] | None = None
