@@ -213,10 +213,12 @@ TWO["pp-zbv_zero_bubble"] += MTP
 TWO["pp-dualpipev"] += [*EMA, *MTP, *TIED]
 # Sliding-window attention over the whole sequence where tensor parallelism's sequence shards
 # reach attention (a later pipeline stage's hidden states are one of them): under TP, TP x PP
-# within documents (through FlexAttention's block mask), and FSDP x TP x PP.
+# within documents (through FlexAttention's block mask), and FSDP x TP x PP; blocks without
+# the window between windowed ones (model.full_attention_layers) under TP and TP x PP.
 WINDOW = ["model.sliding_window=16"]
 FLEX = ["model.attention_kernel=flex"]
-TWO["tp-muon-z-loss"] += WINDOW
+LOCAL_GLOBAL = ["model.full_attention_layers=[1, 2]"]
+TWO["tp-muon-z-loss"] += [*WINDOW, *LOCAL_GLOBAL]
 # The norms of each part of the model (log.norms): shards summed over FSDP's ranks, tensor
 # parallelism's split and partial gradients, stages over the pipeline.
 for _name in ("fsdp-grad-accumulation-recompute-muon", "tp-muon-z-loss", "pp-1f1b", "pp-dualpipev"):
@@ -235,7 +237,7 @@ FOUR = {
     "fsdp-x-pp": ["parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2", "parallel.recompute=full",
                   "parallel.pp_stage_blocks=[3, 1]"],
     "tp-x-pp-interleaved-z-loss-mtp": [*PP2_MB2, "parallel.tp=2", "parallel.pp_schedule=interleaved_1f1b", *DOCUMENTS,
-                                       *Z_LOSS, *MTP, *WINDOW, *FLEX],
+                                       *Z_LOSS, *MTP, *WINDOW, *FLEX, *LOCAL_GLOBAL],
     "fsdp-x-cp-mtp": ["parallel.cp=2", "parallel.dp_shard=2", *DOCUMENTS, *MTP],
     "cp-x-pp-zbv": [*PP2_MB2, "parallel.cp=2", "parallel.pp_schedule=zbv_zero_bubble"],
     "pp4": ["parallel.pp=4", *ONE_STAGE, "train.micro_batch=1"],

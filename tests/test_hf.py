@@ -112,7 +112,7 @@ def test_a_run_on_documents_begun_with_a_bos_token_scores_samples_and_exports_th
 
 MIXTURES = {  # the first block dense, and one expert per token (weighted by its probability)
     "Qwen3MoeForCausalLM": ["model.qk_norm=true", "model.moe_experts=4", "model.moe_top_k=1", "model.moe_ffn_dim=48",
-                            "model.moe_dense_layers=1"],
+                            "model.moe_dense_layers=1", "model.sliding_window=8"],  # (its window over every block)
     "MixtralForCausalLM": ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=48",
                            "model.sliding_window=8"]}  # (Mixtral's window, over logits of 40)
 
@@ -141,9 +141,10 @@ def test_a_mixture_of_experts_exports_as_qwen3_moe_or_mixtral_with_the_same_logi
     (["model.moe_top_k=1"], "model.moe_top_k = 1: Mixtral weights a single expert's output by 1"),
     (["model.qk_norm=true", "model.moe_bias_update=0.001"], "routing biases have no place in Qwen3-MoE or Mixtral"),
     (["model.qk_norm=true", "model.moe_score=sigmoid"], "model.moe_score = 'sigmoid': Qwen3-MoE and Mixtral route by a"),
-    (["model.qk_norm=true", "model.sliding_window=8"], "model.sliding_window = 8 with model.qk_norm = true: Qwen3's "
-                                                       "window leaves its first layers whole"),
-], ids=["shared", "dense-mixtral", "top1-mixtral", "biased", "sigmoid", "window-qk-norm"])
+    (["model.qk_norm=true", "model.sliding_window=8", "model.full_attention_layers=[1]"],
+     r"model.full_attention_layers = \[1\]: of the architectures .* only Qwen3's .dense, with QK-norm.*; Qwen3-MoE's "
+     "and Mixtral's window covers every block"),
+], ids=["shared", "dense-mixtral", "top1-mixtral", "biased", "sigmoid", "local-and-global"])
 def test_a_mixture_no_architecture_computes_is_refused_before_any_weight_is_read(stdlib_data, tmp_path, overrides,
                                                                                  words):
     run_dir = tmp_path / "run"
@@ -251,7 +252,7 @@ def test_a_run_starts_from_an_exported_model_and_trains_on(runs, stdlib_data, tm
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3_rope", "yarn_rope", "linear_rope", "mistral", "qwen3", "qwen3_moe",
-                                  "mixtral"])
+                                  "mixtral", "qwen3_local_global"])
 def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, kind):
     from scaletrain.config import ModelConfig
     from scaletrain.hf import hf_config, load_hf_weights, model_settings
@@ -278,6 +279,10 @@ def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, k
                                                                         sliding_window=128))
     elif kind == "qwen3":
         hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, head_dim=16, tie_word_embeddings=True))
+    elif kind == "qwen3_local_global":  # the first block within a window of 8 (over 24 tokens), the second whole
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            **shape, head_dim=16, tie_word_embeddings=True, use_sliding_window=True, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"]))
     elif kind == "qwen3_moe":  # a dense first block, then 4 experts of width 32, 2 per token
         hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **shape, head_dim=16, tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2,
@@ -306,6 +311,24 @@ def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, k
               "yarn_rope": {"type": "yarn", "factor": 4, "original_max_seq_len": 16, "beta_fast": 16,
                             "attention_factor": (0.1 * math.log(4) + 1) / (0.05 * math.log(4) + 1)},
               "linear_rope": {"type": "linear", "factor": 3}}
+    if kind == "qwen3_local_global":
+        assert (cfg.sliding_window, cfg.full_attention_layers) == (8, [1])
+        for window, full in ((None, None), (8, None), (8, [0])):  # (each matters at these positions)
+            other = Transformer(cfg.model_copy(update={"sliding_window": window, "full_attention_layers": full}))
+            other.load_state_dict(ours.state_dict())
+            with torch.no_grad():
+                assert (other(tokens) - ours(tokens)).abs().max() > 1e-3
+        # and goes back out as transformers reads it: the same logits from what export writes
+        config = hf_config(cfg, "float32", 0)
+        again = type(hf)(type(hf.config)(**config)).eval()
+        again.load_state_dict(hf.state_dict())
+        with torch.no_grad():
+            torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, rtol=1e-5, atol=1e-5)
+        (tmp_path / "again").mkdir()
+        (tmp_path / "again" / "config.json").write_text(json.dumps(config))
+        assert ModelConfig(**model_settings(tmp_path / "again")) == cfg
+        from scaletrain.hf import export_problem
+        assert "Mistral's window covers every block" in export_problem(cfg.model_copy(update={"qk_norm": False}))
     if kind in scaled:
         assert cfg.rope_scaling == pytest.approx(scaled[kind])
         plain = Transformer(cfg.model_copy(update={"rope_scaling": None}))
@@ -401,9 +424,20 @@ def test_a_model_of_another_shape_or_kind_is_refused_with_the_settings_to_use(ru
     with pytest.raises(ConfigError, match="model.sliding_window is None, the model's is 128; set "
                                           "model.sliding_window=128"):
         check_matches(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=256), tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({**mistral, "model_type": "qwen3", "head_dim": 16,
-                                                      "use_sliding_window": True}))
-    with pytest.raises(ConfigError, match="sliding-window attention"):
+    # Qwen3's windows: over the blocks from max_window_layers on (before transformers wrote
+    # layer_types; its default 28: every block of 2 whole), or as layer_types say.
+    qwen3_window = {**mistral, "model_type": "qwen3", "head_dim": 16, "use_sliding_window": True, "sliding_window": 16}
+    for extra, expected in (({}, (None, None)), ({"max_window_layers": 1}, (16, [0])), ({"max_window_layers": 0}, (16, None)),
+                            ({"layer_types": ["sliding_attention", "full_attention"]}, (16, [1]))):
+        (tmp_path / "config.json").write_text(json.dumps({**qwen3_window, **extra}))
+        got = model_settings(tmp_path)
+        assert (got.get("sliding_window"), got.get("full_attention_layers")) == expected, extra
+    with pytest.raises(ConfigError, match=r"model.full_attention_layers is None, the model's is \[1\]; set "
+                                          r"model.full_attention_layers=\[1\]"):
+        check_matches(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, qk_norm=True, sliding_window=16),
+                      tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**qwen3_window, "layer_types": ["linear_attention"] * 2}))
+    with pytest.raises(ConfigError, match=r"layer_types \['linear_attention'\]"):
         model_settings(tmp_path)
     qwen3 = {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
     (tmp_path / "config.json").write_text(json.dumps(qwen3))  # no head_dim: Qwen3's default 128, not 64 / 4

@@ -57,8 +57,10 @@ def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool, positions:
                                                                            model.rope_sin[positions])
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), counting_saves(model) as seen:
         bias = attention_bias(x, x.shape[1], documents, positions, model.cfg.sliding_window)
-        for block in model.layers.values():
-            x = block(x, cos, sin, bias=bias)
+        full_layers = set(model.cfg.full_attention_layers or ())  # (their blocks without the window: Transformer's)
+        full = attention_bias(x, x.shape[1], documents, positions) if full_layers else bias
+        for name, block in model.layers.items():
+            x = block(x, cos, sin, bias=full if int(name) in full_layers else bias)
     return sum(seen.values())
 
 
@@ -104,6 +106,17 @@ def test_attention_within_documents_saves_one_mask_for_all_blocks(bf16, monkeypa
         assert training_memory(windowed, seq, batch, bf16=bf16, cuda=False).activations == pytest.approx(measured,
                                                                                                             rel=0.01)
         assert (measured > training_memory(causal, seq, batch, bf16=bf16).activations + seq * seq) == extra
+    # Local and global blocks (model.full_attention_layers): within documents the documents' mask
+    # beside the window's; without, the window's alone, and on CUDA's path keys and values
+    # repeated in the windowed blocks only (the others take flash).
+    mixed = cfg.model_copy(update={"sliding_window": 16, "full_attention_layers": [1]})
+    measured = saved_bytes(Transformer(mixed), tokens, bf16, documents=document_ids(tokens, 511))
+    assert training_memory(mixed, seq, batch, bf16=bf16, cuda=False).activations == pytest.approx(measured, rel=0.01)
+    assert measured > saved_bytes(model, tokens, bf16, documents=document_ids(tokens, 511)) + batch * seq * seq
+    mixed = mixed.model_copy(update={"document_mask": False})
+    monkeypatch.setattr(llama, "REPEATED_KV_DEVICES", ("cuda", "cpu"))
+    measured = saved_bytes(Transformer(mixed), tokens, bf16)
+    assert training_memory(mixed, seq, batch, bf16=bf16).activations == pytest.approx(measured, rel=0.01)
 
 
 CP_SAVED = """

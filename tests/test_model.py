@@ -211,8 +211,10 @@ def test_flex_attention_trains_the_losses_and_gradients_of_sdpas_mask(seq):
     tokens[tokens % 23 == 0] = 255  # (documents of about 23 tokens)
     documents = document_ids(tokens, 255)
     targets = torch.randint(0, 255, (2, seq))
-    for masks in ({"documents": True}, {"window": 16}, {"documents": True, "window": 40}):
-        shape = dict(n_kv_heads=2, max_seq_len=256, mtp_depth=1, sliding_window=masks.get("window"))
+    for masks in ({"documents": True}, {"window": 16}, {"documents": True, "window": 40},
+                  {"documents": True, "window": 16, "full": [0]}, {"window": 16, "full": [1]}):
+        shape = dict(n_kv_heads=2, max_seq_len=256, mtp_depth=1, sliding_window=masks.get("window"),
+                     full_attention_layers=masks.get("full"))
         runs = []
         for kernel in ("sdpa", "flex"):
             model = build(**shape, attention_kernel=kernel)
@@ -260,6 +262,37 @@ def test_flex_attention_trains_the_losses_and_gradients_of_sdpas_mask(seq):
         pieces = [model(tokens[:1, :10], cache=cache),
                   *(model(tokens[:1, i:i + 1], cache=cache, start_pos=i) for i in range(10, 24))]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_full_attention_layers_attend_over_the_whole_sequence_between_windowed_ones():
+    """Two blocks with a window of 4: position 19 reads tokens 13 .. 19 through both; with either
+    block in model.full_attention_layers, every earlier token (still within its document, with
+    documents); decoding with the cache gives the logits of one full forward."""
+    tokens = torch.randint(0, 255, (1, 24))
+    other = tokens.clone()
+    other[0, 2] = (other[0, 2] + 1) % 255
+    split = tokens.clone()
+    split[0, 5] = 255  # (a document ends there: token 2 lies in the one before position 19's)
+    moved = split.clone()
+    moved[0, 2] = (moved[0, 2] + 1) % 255
+    for full, reaches in ((None, False), ([1], True), ([0], True)):
+        model = build(n_layers=2, sliding_window=4, full_attention_layers=full).eval()
+        with torch.no_grad():
+            assert (not torch.allclose(model(other)[0, 19], model(tokens)[0, 19])) == reaches, full
+            assert torch.allclose(model(moved, documents=document_ids(moved, 255))[0, 19],
+                                  model(split, documents=document_ids(split, 255))[0, 19]), full
+            whole = model(tokens)
+            cache = model.new_cache(1, 24)
+            pieces = [model(tokens[:, :10], cache=cache),
+                      *(model(tokens[:, i:i + 1], cache=cache, start_pos=i) for i in range(10, 24))]
+        torch.testing.assert_close(torch.cat(pieces, dim=1), whole, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"model.full_attention_layers = \[1\] names the blocks .* model.sliding_window, "
+                                         "which is unset"):
+        tiny(full_attention_layers=[1])
+    with pytest.raises(ValueError, match=r"names blocks \[2\] of a model of 2 \(0 to 1\); list each block at most "
+                                         "once"):
+        tiny(sliding_window=4, full_attention_layers=[0, 2])
+    assert tiny(sliding_window=4, full_attention_layers=[1, 0]).full_attention_layers == [0, 1]
 
 
 def test_a_sliding_window_limits_what_each_token_attends_to_in_training_and_decoding():

@@ -910,3 +910,13 @@ def test_masked_attention_is_timed_as_its_kernel_computes_it():
     masks = [training_memory(cfg.model_copy(update=update), 8192, 1, micro_steps=8).peak
              for update in (window, {**window, **flex}, {})]
     assert masks[0] - masks[1] >= 8192 * 8192 * 2 and masks[1] == masks[2]  # (the (T, T) bias, bf16; and more: see memory)
+    # Local and global blocks (model.full_attention_layers): each timed as it attends, the
+    # documents' mask kept beside the window's.
+    pattern = {"full_attention_layers": [3, 7, 11, 15]}
+    assert scores_computed(cfg.model_copy(update={**window, **pattern}), 8192) == (12 * 1.0 + 4 * 0.5) / 16
+    assert scores_computed(cfg.model_copy(update={**window, **pattern, **documents}), 8192) == 1.0
+    within = scores_computed(cfg.model_copy(update={**window, **flex}), 8192)
+    assert scores_computed(cfg.model_copy(update={**window, **flex, **pattern}), 8192) == (12 * within + 4 * 0.5) / 16
+    two, one = (training_memory(cfg.model_copy(update={**window, **documents, **extra}), 8192, 1, micro_steps=8).peak
+                for extra in (pattern, {}))
+    assert two - one == 8192 * 8192 * 2

@@ -144,7 +144,9 @@ class ModelConfig(_Section):
     document_mask: bool = False
     """Attention within documents: a token of a packed training sequence attends only to the tokens of its own document (from the one after the previous end-of-document token on), as Llama 3 was trained (Llama Team 2024, section 3.2), instead of to every earlier token of the sequence. Generation is unchanged (a prompt is one document)."""
     sliding_window: int | None = Field(default=None, ge=1)
-    """Sliding-window attention (Mistral 7B's, Jiang et al. 2023): each token attends to itself and the sliding_window - 1 tokens before it (within its document, with document_mask), in training, evaluation and generation; information still travels further through the layers. Exported as MistralForCausalLM. Its FLOPs are counted as causal attention's over the whole sequence (the MFU convention); the compute it saves is taken with attention_kernel = "flex". Not with context parallelism. Unset: causal attention over the whole sequence."""
+    """Sliding-window attention (Mistral 7B's, Jiang et al. 2023): each token attends to itself and the sliding_window - 1 tokens before it (within its document, with document_mask), in training, evaluation and generation; information still travels further through the layers; full_attention_layers takes some blocks out of it. Exported as MistralForCausalLM (Qwen3ForCausalLM with qk_norm, Qwen3-MoE or Mixtral for a mixture). Its FLOPs are counted as causal attention's over the whole sequence (the MFU convention); the compute it saves is taken with attention_kernel = "flex". Not with context parallelism. Unset: causal attention over the whole sequence."""
+    full_attention_layers: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    """With sliding_window: the blocks (numbered from 0) that attend over the whole sequence (causal, within documents with document_mask) while the others attend within the window — local and global layers interleaved, as Gemma 2 (every other block), Gemma 3 (one in six: [5, 11, 17, ...]) and gpt-oss were trained: long-range attention at a fraction of the cost of every block's, and of the KV cache. Multi-token prediction's depths attend as the last block. Exported as Qwen3ForCausalLM's layer_types (which needs qk_norm; a mixture is refused). Unset: every block within the window."""
     attention_kernel: Literal["sdpa", "flex"] = "sdpa"
     """How masked attention (document_mask, a sliding_window shorter than the sequence) is computed on a GPU. "sdpa": PyTorch's scaled_dot_product_attention with the mask as a tensor of the scores' shape, one for all blocks: its memory-efficient kernel computes every score and masks it, as if unmasked. "flex": FlexAttention (torch.nn.attention.flex_attention, compiled; Dong et al. 2024) with a block mask, which skips the blocks of scores the mask removes wholly (a window of W computes about W / T of the scores) and keeps no mask of the scores' shape; the planner times attention so. Unmasked causal attention stays SDPA's (FlashAttention) either way, as does decoding with a KV cache. On a CPU, where torch's FlexAttention has no backward, and under context parallelism (whose ring attention takes SDPA's masks), "flex" computes with "sdpa"'s mask: the same attention. Holds no weight."""
     init_std: float = Field(default=0.02, gt=0)
@@ -200,6 +202,18 @@ class ModelConfig(_Section):
             raise ValueError(f"model.mup_depth_alpha = {self.mup_depth_alpha:g} is set but model.mup_base_layers is "
                              "not; set model.mup_base_layers to the depth the hyperparameters were tuned at, or drop "
                              "model.mup_depth_alpha")
+        if self.full_attention_layers is not None:
+            if self.sliding_window is None:
+                raise ValueError(f"model.full_attention_layers = {self.full_attention_layers} names the blocks that "
+                                 "attend over the whole sequence where the others attend within model.sliding_window, "
+                                 "which is unset; set a window, or drop model.full_attention_layers")
+            wrong = [i for i in self.full_attention_layers if i >= self.n_layers]
+            if wrong or len(set(self.full_attention_layers)) < len(self.full_attention_layers):
+                raise ValueError(f"model.full_attention_layers = {self.full_attention_layers} "
+                                 + (f"names blocks {wrong} of a model of {self.n_layers} (0 to {self.n_layers - 1})"
+                                    if wrong else "names a block twice") + "; list each block at most once")
+            if self.full_attention_layers != sorted(self.full_attention_layers):  # (one way to write each)
+                self.full_attention_layers = sorted(self.full_attention_layers)
         if self.rope_scaling is not None:
             check_rope_scaling(self.rope_scaling)
             if self.rope_scaling.get("type") == "llama3":  # one way to write each: no type is Llama 3.1's
@@ -248,6 +262,17 @@ class ModelConfig(_Section):
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe_experts > 0 and index >= self.moe_dense_layers
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window block `layer` attends within, or None: over the whole sequence (a
+        depth of multi-token prediction attends as the last block, layer n_layers - 1)."""
+        return None if layer in (self.full_attention_layers or ()) else self.sliding_window
+
+    def windowed_layers(self, seq_len: int) -> int:
+        """How many blocks attend within a window shorter than `seq_len` (the rest: causal)."""
+        if self.sliding_window is None or self.sliding_window >= seq_len:
+            return 0
+        return self.n_layers - len(self.full_attention_layers or ())
 
     @property
     def width_mult(self) -> float:
@@ -488,7 +513,7 @@ class CheckpointConfig(_Section):
     resume: str = "auto"
     """"auto": resume from the newest complete checkpoint in the run directory if any; "never"; or a checkpoint path."""
     init_from: str | None = None
-    """What a new run's weights start from: a Hugging Face model directory (LlamaForCausalLM, MistralForCausalLM — a sliding window shorter than its context as model.sliding_window —, Qwen3ForCausalLM or their mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM, e.g. what `scaletrain export` writes: continued pre-training), whose config.json model.* must describe; or another scaletrain run's checkpoint (…/checkpoints/step_NNNNNNN, or a run directory for its newest): the next stage of its training, on other data, at another sequence length, layout or schedule, from step 0 of this run's own schedule and data order, with its weights of the same shapes (model.* may differ in what holds no weight: rope settings, max_seq_len, document_mask, routing). A run that resumes takes its own checkpoint instead."""
+    """What a new run's weights start from: a Hugging Face model directory (LlamaForCausalLM, MistralForCausalLM — a sliding window shorter than its context as model.sliding_window —, Qwen3ForCausalLM — its windows as model.sliding_window and model.full_attention_layers — or their mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM, e.g. what `scaletrain export` writes: continued pre-training), whose config.json model.* must describe; or another scaletrain run's checkpoint (…/checkpoints/step_NNNNNNN, or a run directory for its newest): the next stage of its training, on other data, at another sequence length, layout or schedule, from step 0 of this run's own schedule and data order, with its weights of the same shapes (model.* may differ in what holds no weight: rope settings, max_seq_len, document_mask, routing). A run that resumes takes its own checkpoint instead."""
     init_optimizer: bool = True
     """With init_from naming a scaletrain checkpoint: also take its optimizer state (AdamW's moments, Muon's momentum; the same train.optimizer), so that the next stage continues without the jolt of fresh moments; false: start the optimizer afresh (then warm the learning rate up again)."""
 

@@ -8,7 +8,9 @@ and `AutoTokenizer.from_pretrained(out)` load: `config.json`, the weights as saf
 (its rotary embeddings already use the "rotate half" pairing, so no weight is permuted); with
 QK-norm it is `Qwen3ForCausalLM`, Llama plus a per-head RMSNorm of queries and keys before the
 rotation, as ours; with a sliding window (model.sliding_window) `MistralForCausalLM`, Llama's
-layers under the same names with a window over every layer's attention. A mixture of experts (model/moe.py) is `Qwen3MoeForCausalLM` with QK-norm
+layers under the same names with a window over every layer's attention, or with QK-norm
+Qwen3's `layer_types`, which also say which blocks attend over the whole sequence
+(model.full_attention_layers: local and global blocks). A mixture of experts (model/moe.py) is `Qwen3MoeForCausalLM` with QK-norm
 (dense first blocks as its `mlp_only_layers`; the top-k weights renormalised when k > 1, as
 its `norm_topk_prob`) and `MixtralForCausalLM` without; both route in float32 by a softmax
 over every expert and keep the top k, which is what ours computes. Neither has shared
@@ -22,8 +24,8 @@ config.json as model.* settings (Mistral is Llama with the same weight names and
 its context, a sliding window: model.sliding_window, as Mistral 7B v0.1's 4,096) and
 `load_hf_weights(hf_dir, cfg)` its safetensors as our state dict (`checkpoint.init_from`:
 continued pre-training from a published or exported model), refusing what the decoder of
-`model/llama.py` does not compute (biases, dynamic rotary scaling, Qwen's windows over some
-layers, another activation, dense blocks between expert blocks).
+`model/llama.py` does not compute (biases, dynamic rotary scaling, another activation, dense
+blocks between expert blocks).
 """
 
 from __future__ import annotations
@@ -118,9 +120,10 @@ def architecture(cfg: ModelConfig) -> str:
 
 def export_problem(cfg: ModelConfig) -> str | None:
     """Why no Hugging Face architecture computes the model `cfg` describes, or None."""
-    if cfg.sliding_window is not None and cfg.qk_norm:
-        return (f"model.sliding_window = {cfg.sliding_window} with model.qk_norm = true: Qwen3's window leaves its "
-                "first layers whole, Mistral has no QK-norm")
+    if cfg.full_attention_layers is not None and (cfg.moe or not cfg.qk_norm):
+        return (f"model.full_attention_layers = {cfg.full_attention_layers}: of the architectures with these blocks "
+                "only Qwen3's (dense, with QK-norm: model.qk_norm = true) has blocks without the window beside windowed "
+                "ones; " + ("Qwen3-MoE's and Mixtral's" if cfg.moe else "Mistral's") + " window covers every block")
     return moe_problem(cfg)
 
 
@@ -223,7 +226,13 @@ def hf_config(cfg: ModelConfig, dtype: str, eos_id: int, bos_id: int | None = No
         "torch_dtype": dtype,
         "dtype": dtype,
     }
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.sliding_window is not None:
+        # Each block's kind (layer_types, transformers >= 4.53); max_window_layers, what earlier
+        # versions read, counts the whole blocks before the first windowed one.
+        kinds = ["full_attention" if cfg.window_of(i) is None else "sliding_attention" for i in range(cfg.n_layers)]
+        config.update(use_sliding_window=True, sliding_window=cfg.sliding_window, layer_types=kinds,
+                      max_window_layers=kinds.index("sliding_attention") if "sliding_attention" in kinds else cfg.n_layers)
+    elif cfg.qk_norm:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
     elif cfg.sliding_window is not None and not cfg.moe:
         config.update(model_type="mistral", sliding_window=cfg.sliding_window)
@@ -479,11 +488,22 @@ def model_settings(hf_dir: str | Path) -> dict:
         problems.append("YaRN's ramp without truncation (truncate false)")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         problems.append(f"partial_rotary_factor {rope['partial_rotary_factor']} (every dimension rotates)")
-    if hf.get("use_sliding_window"):
-        problems.append("sliding-window attention")
     # MistralConfig's defaults: a window of 4,096 tokens in a context of 131,072 (Mixtral's: none).
     # (One that spans a run's sequences is causal attention there: check_matches.)
     window = hf.get("sliding_window", 4096 if kind == "mistral" else None) if kind in ("mistral", "mixtral") else None
+    full_layers = None
+    if kind in ("qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
+        window = hf.get("sliding_window", 4096)  # (Qwen3Config's default)
+        if kind == "qwen3":  # (Qwen3-MoE's window covers every block)
+            layers = hf.get("num_hidden_layers", 0)
+            kinds = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28)
+                                              else "full_attention" for i in range(layers)]
+            if set(kinds) - {"sliding_attention", "full_attention"}:
+                problems.append(f"layer_types {sorted(set(kinds) - {'sliding_attention', 'full_attention'})} (blocks "
+                                "attend within the window or over the whole sequence)")
+            full_layers = [i for i, kind_of_layer in enumerate(kinds) if kind_of_layer == "full_attention"] or None
+            if full_layers is not None and len(full_layers) == len(kinds):
+                window = full_layers = None  # (every block whole: causal attention)
     if problems:
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} holds a model scaletrain's decoder does not "
                           f"compute: {'; '.join(problems)}")
@@ -501,6 +521,8 @@ def model_settings(hf_dir: str | Path) -> dict:
     settings["qk_norm"] = kind in ("qwen3", "qwen3_moe")
     if window is not None:
         settings["sliding_window"] = window
+    if full_layers is not None:
+        settings["full_attention_layers"] = full_layers
     if experts:
         settings.update(moe_experts=experts, moe_top_k=top_k, moe_dense_layers=len(dense))
         if kind == "qwen3_moe":
@@ -519,6 +541,7 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
     # A window that spans the run's sequences computes causal attention there, with or without it
     # (Mistral 7B v0.2 on has none; a run exported with one as long as its context has one).
     want["sliding_window"] = _effective_window(want.get("sliding_window"), cfg.max_seq_len)
+    want["full_attention_layers"] = want.get("full_attention_layers") if want["sliding_window"] else None
     if cfg.moe_shared_experts and want["moe_experts"]:
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} has no shared experts; set "
                           "model.moe_shared_experts = 0")
@@ -526,7 +549,9 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
             "n_kv_heads": cfg.kv_heads, "ffn_dim": cfg.hidden_dim, "norm_eps": cfg.norm_eps,
             "tie_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
             "qk_norm": cfg.qk_norm, "moe_experts": cfg.moe_experts,
-            "sliding_window": _effective_window(cfg.sliding_window, cfg.max_seq_len)}
+            "sliding_window": _effective_window(cfg.sliding_window, cfg.max_seq_len),
+            "full_attention_layers": cfg.full_attention_layers
+            if _effective_window(cfg.sliding_window, cfg.max_seq_len) else None}
     if want["moe_experts"]:
         have.update(moe_top_k=cfg.moe_top_k, moe_ffn_dim=cfg.expert_dim, moe_dense_layers=cfg.moe_dense_layers)
     wrong = [key for key in have if key in want and have[key] != want[key]]

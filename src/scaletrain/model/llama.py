@@ -199,7 +199,7 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
@@ -209,7 +209,7 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.core = CoreAttention()
-        self.window = cfg.sliding_window  # (sliding-window attention, in decoding with a cache)
+        self.window = cfg.window_of(layer)  # (sliding-window attention, in decoding with a cache)
 
     def forward(
         self,
@@ -326,7 +326,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: bool = False, layer: int = 0):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, layer)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = MoE(cfg, layer) if moe else FeedForward(cfg.dim, cfg.hidden_dim)
 
@@ -352,7 +352,7 @@ class MultiTokenPrediction(nn.Module):
         self.hidden_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.embedding_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
-        self.block = Block(cfg)
+        self.block = Block(cfg, layer=cfg.n_layers - 1)  # (attending as the last block: ModelConfig.window_of)
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, cos, sin,
@@ -503,12 +503,17 @@ class Transformer(nn.Module):
         # (A cache's attention masks its own.) Over the whole sequence, which a later pipeline
         # stage under sequence parallelism holds a shard of.
         whole = seq * self.sequence_shards if tokens.is_floating_point() else seq
-        bias = None if cache is not None else attention_bias(x, whole, documents, positions, self.cfg.sliding_window,
-                                                             self.cfg.attention_kernel == "flex")
+        # With model.full_attention_layers a second, for those blocks: without the window.
+        full_layers = set(self.cfg.full_attention_layers or ())
+        bias = full = None
+        if cache is None:
+            flex = self.cfg.attention_kernel == "flex"
+            bias = attention_bias(x, whole, documents, positions, self.cfg.sliding_window, flex)
+            full = attention_bias(x, whole, documents, positions, None, flex) if full_layers else bias
         for name, block in self.layers.items():
             # Blocks get tensors, not a layer index, so compiled blocks see no per-layer constant.
             layer_kv = None if cache is None else (cache.k[int(name)], cache.v[int(name)])
-            x = block(x, cos, sin, layer_kv, start_pos, bias)
+            x = block(x, cos, sin, layer_kv, start_pos, full if int(name) in full_layers else bias)
         if self.output is None:
             return x
         if targets is None:
@@ -517,7 +522,8 @@ class Transformer(nn.Module):
         loss = self._loss(self.norm(x), targets[..., 0] if shifted else targets, self.z_loss, self.z_tally)
         if self.mtp is not None and self.training:
             # Its gradient joins the objective, its value stays out of the loss returned (as the z-loss's).
-            extra = self._mtp_loss(x, targets if shifted else shifted_targets(targets, len(self.mtp)), cos, sin, bias)
+            extra = self._mtp_loss(x, targets if shifted else shifted_targets(targets, len(self.mtp)), cos, sin,
+                                   full if self.cfg.n_layers - 1 in full_layers else bias)
             if self.mtp_tally is not None:
                 self.mtp_tally.add(extra, torch.ones_like(extra))
             loss = add_replicated(loss, self.mtp_weight * (extra - extra.detach()))

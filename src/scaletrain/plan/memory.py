@@ -54,7 +54,8 @@ rebuilds one block at a time. Attention within documents (model.document_mask) a
 additive mask per micro-batch, shared by the blocks, of each local query over the whole
 sequence's keys: T bytes per local token in the compute dtype's size, 2T in bf16, 4T in float32;
 a sliding window shorter than the sequence (model.sliding_window) one such mask of a sequence,
-shared by the micro-batch's sequences too. With model.attention_kernel = "flex" on CUDA (no
+shared by the micro-batch's sequences too (with model.full_attention_layers and documents, the
+documents' mask beside the window's: two). With model.attention_kernel = "flex" on CUDA (no
 context parallelism) there is no such mask, nor repeated heads: FlexAttention's block mask is
 a few bytes a block of 128 x 128 scores, and it takes grouped heads as they are.
 On CUDA, whose masked kernel takes no grouped heads, its keys and values are repeated to every
@@ -390,19 +391,25 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     if _mtp(cfg) and head:  # each depth counted as a dense block over the rank's tokens (not measured: see above)
         activations += round(_mtp(cfg) * block_bytes_per_token(cfg, bf16, recompute, cp=cp) * tokens / tp)
     window = getattr(cfg, "sliding_window", None)
-    masked = getattr(cfg, "document_mask", False) or (window is not None and window < seq_len)
+    windowed = window is not None and window < seq_len
+    documents = getattr(cfg, "document_mask", False)
+    full = len(getattr(cfg, "full_attention_layers", None) or ()) if windowed else 0  # (blocks without the window)
+    masked = documents or windowed
     if masked and cuda and cp == 1 and getattr(cfg, "attention_kernel", "sdpa") == "flex":
         masked = False  # (FlexAttention's block mask: a few bytes a block of 128 x 128 scores; grouped heads kept)
     if masked:  # one bias for all blocks: (batch, 1, T / cp, T) within documents, (1, 1, T, T) a sliding window's
-        rows = tokens if getattr(cfg, "document_mask", False) else tokens / micro_batch
-        activations += round(in_flight * rows * seq_len * (2 if bf16 else 4))
+        rows = tokens if documents else tokens / micro_batch
+        # (With full_attention_layers and documents, two: the window's and the documents' alone.)
+        masks = int(windowed and full < cfg.n_layers) + int(documents and (not windowed or full > 0))
+        activations += round(masks * in_flight * rows * seq_len * (2 if bf16 else 4))
     if masked and cuda and cfg.kv_heads < cfg.n_heads and recompute == "none":
+        held_masked = held if documents else held * (cfg.n_layers - full) / cfg.n_layers  # (causal blocks: flash's)
         # On CUDA the masked kernel is given keys and values repeated to every query head, and saves
         # those: 4d a token in place of 4k (bf16), and under cp each of a rank's two query chunks its
         # own copy of the keys up to its end, (2 cp + 1) chunks of keys for 2 of queries.
         keys = cp + 0.5 if cp > 1 else 1
         repeated = (4 if bf16 else 8) * (cfg.dim * keys - cfg.kv_heads * cfg.head_dim * cp) * tokens / tp
-        activations += round(in_flight * (held + (_mtp(cfg) if head else 0)) * repeated)
+        activations += round(in_flight * (held_masked + (_mtp(cfg) if head else 0)) * repeated)
     one_block = _largest_block_bytes_per_token(cfg, bf16, cp) * tokens / tp
     if recompute == "full":
         activations += round(one_block)  # the block being rebuilt

@@ -231,26 +231,32 @@ FLEX_BLOCK = 128  # the side of FlexAttention's blocks of scores (model/llama.py
 
 
 def scores_computed(cfg: Any, seq_len: int, cp: int = 1) -> float:
-    """The share of each block's seq_len x seq_len attention scores its kernel computes: half for
-    causal attention (FlashAttention's lower triangle; under context parallelism each rank's
-    chunks of it, masked or not). Masked attention (model.document_mask, or a sliding window
-    shorter than the sequence) without context parallelism: all of them with SDPA's mask (its
-    memory-efficient kernel computes every score and masks it); with attention_kernel = "flex"
-    (FlexAttention, Dong et al. 2024) the blocks of FLEX_BLOCK x FLEX_BLOCK scores a window
-    reaches, each query block's ceil((W - 1) / 128) + 1 at most, and within documents half (it
-    skips more, by as much as the data's documents are shorter than the sequence: an upper
-    bound)."""
+    """The share of a block's seq_len x seq_len attention scores its kernel computes, on average
+    over the blocks: half for causal attention (FlashAttention's lower triangle; under context
+    parallelism each rank's chunks of it, masked or not). Masked attention (model.document_mask,
+    or a sliding window shorter than the sequence) without context parallelism: all of them with
+    SDPA's mask (its memory-efficient kernel computes every score and masks it); with
+    attention_kernel = "flex" (FlexAttention, Dong et al. 2024) the blocks of FLEX_BLOCK x
+    FLEX_BLOCK scores a window reaches, each query block's ceil((W - 1) / 128) + 1 at most, and
+    within documents half (it skips more, by as much as the data's documents are shorter than the
+    sequence: an upper bound). Blocks of model.full_attention_layers attend without the window."""
     window = getattr(cfg, "sliding_window", None)
     windowed = window is not None and window < seq_len
-    if cp > 1 or not (windowed or getattr(cfg, "document_mask", False)):
+    documents = getattr(cfg, "document_mask", False)
+    if cp > 1 or not (windowed or documents):
         return 0.5
-    if getattr(cfg, "attention_kernel", "sdpa") != "flex":
-        return 1.0
+    flex = getattr(cfg, "attention_kernel", "sdpa") == "flex"
+    whole = 0.5 if flex or not documents else 1.0  # (a block without the window)
     if not windowed:
-        return 0.5
-    rows, reach = math.ceil(seq_len / FLEX_BLOCK), math.ceil((window - 1) / FLEX_BLOCK) + 1
-    blocks = reach * (reach + 1) / 2 + (rows - reach) * reach if reach < rows else rows * (rows + 1) / 2
-    return min(0.5, blocks * FLEX_BLOCK ** 2 / seq_len ** 2)
+        return whole
+    if flex:
+        rows, reach = math.ceil(seq_len / FLEX_BLOCK), math.ceil((window - 1) / FLEX_BLOCK) + 1
+        blocks = reach * (reach + 1) / 2 + (rows - reach) * reach if reach < rows else rows * (rows + 1) / 2
+        within = min(0.5, blocks * FLEX_BLOCK ** 2 / seq_len ** 2)
+    else:
+        within = 1.0
+    full = len(getattr(cfg, "full_attention_layers", None) or ())
+    return ((cfg.n_layers - full) * within + full * whole) / cfg.n_layers
 
 
 def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, device: Device,
