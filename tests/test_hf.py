@@ -436,6 +436,12 @@ def test_a_model_of_another_shape_or_kind_is_refused_with_the_settings_to_use(ru
                                           r"model.full_attention_layers=\[1\]"):
         check_matches(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, qk_norm=True, sliding_window=16),
                       tmp_path)
+    # No window (null) whatever layer_types say, and a run whose blocks are all whole: causal attention.
+    (tmp_path / "config.json").write_text(json.dumps({**qwen3_window, "sliding_window": None,
+                                                      "layer_types": ["sliding_attention", "full_attention"]}))
+    assert "sliding_window" not in model_settings(tmp_path) and "full_attention_layers" not in model_settings(tmp_path)
+    check_matches(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, qk_norm=True, sliding_window=16,
+                              full_attention_layers=[0, 1]), tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**qwen3_window, "layer_types": ["linear_attention"] * 2}))
     with pytest.raises(ConfigError, match=r"layer_types \['linear_attention'\]"):
         model_settings(tmp_path)

@@ -13,7 +13,7 @@ from conftest import ROOT, run_with_retry, tiny_config
 from zygote import run_ranks, script
 from scaletrain.config import ModelConfig, load_config
 from scaletrain.model.flops import matmul_params
-from scaletrain.model.llama import Transformer, attention_bias, document_ids, shifted_targets
+from scaletrain.model.llama import Transformer, document_ids, shifted_targets
 from scaletrain.plan.memory import (activation_bytes_per_token, block_bytes_per_token, choose_recompute,
                                     in_flight_microbatches, pipeline_ranks, rank_memory, training_memory)
 from scaletrain.train.metrics import read_metrics
@@ -56,11 +56,9 @@ def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool, positions:
     cos, sin = (model.rope_cos, model.rope_sin) if positions is None else (model.rope_cos[positions],
                                                                            model.rope_sin[positions])
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), counting_saves(model) as seen:
-        bias = attention_bias(x, x.shape[1], documents, positions, model.cfg.sliding_window)
-        full_layers = set(model.cfg.full_attention_layers or ())  # (their blocks without the window: Transformer's)
-        full = attention_bias(x, x.shape[1], documents, positions) if full_layers else bias
+        masks = model.attention_masks(x, x.shape[1], documents, positions)
         for name, block in model.layers.items():
-            x = block(x, cos, sin, bias=full if int(name) in full_layers else bias)
+            x = block(x, cos, sin, bias=masks[int(name)])
     return sum(seen.values())
 
 
@@ -113,6 +111,9 @@ def test_attention_within_documents_saves_one_mask_for_all_blocks(bf16, monkeypa
     measured = saved_bytes(Transformer(mixed), tokens, bf16, documents=document_ids(tokens, 511))
     assert training_memory(mixed, seq, batch, bf16=bf16, cuda=False).activations == pytest.approx(measured, rel=0.01)
     assert measured > saved_bytes(model, tokens, bf16, documents=document_ids(tokens, 511)) + batch * seq * seq
+    spanning = mixed.model_copy(update={"sliding_window": seq})  # (one mask, the documents', for every block)
+    measured = saved_bytes(Transformer(spanning), tokens, bf16, documents=document_ids(tokens, 511))
+    assert training_memory(spanning, seq, batch, bf16=bf16, cuda=False).activations == pytest.approx(measured, rel=0.01)
     mixed = mixed.model_copy(update={"document_mask": False})
     monkeypatch.setattr(llama, "REPEATED_KV_DEVICES", ("cuda", "cpu"))
     measured = saved_bytes(Transformer(mixed), tokens, bf16)

@@ -30,8 +30,14 @@ def test_the_proxy_is_the_model_narrowed_to_the_base_width_with_heads_as_wide():
     assert (proxy["dim"], proxy["n_heads"], proxy["n_layers"], proxy["mup_base_layers"]) == (64, 2, 2, 2)
     proxy = proxy_data(load_config(TINY, deep))["model"]
     assert (proxy["dim"], proxy["n_heads"], proxy["n_layers"]) == (256, 8, 2)
+    # Local and global blocks: the proxy's attend as the model's first ones.
+    local_global = [*deep, "model.sliding_window=16", "model.full_attention_layers=[1, 3, 5, 7]"]
+    assert proxy_data(load_config(TINY, local_global))["model"]["full_attention_layers"] == [1]
     for overrides, words in [
             (["model.dim=128"], "set model.mup_base_dim to the width to tune at .*, model.mup_base_layers"),
+            ([*deep, "model.sliding_window=16", "model.full_attention_layers=[3, 7]"],
+             r"leaves the proxy none of the blocks model.full_attention_layers = \[3, 7\] take out of the window; "
+             "use more than 3 base layers"),
             ([*deep, "model.moe_experts=4", "model.moe_dense_layers=2"],
              "leaves the proxy only the model.moe_dense_layers = 2 dense blocks"),
             (["model.dim=128", "model.mup_base_dim=24"], "not a multiple of the head width dim / n_heads = 32"),

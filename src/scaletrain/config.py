@@ -146,9 +146,9 @@ class ModelConfig(_Section):
     sliding_window: int | None = Field(default=None, ge=1)
     """Sliding-window attention (Mistral 7B's, Jiang et al. 2023): each token attends to itself and the sliding_window - 1 tokens before it (within its document, with document_mask), in training, evaluation and generation; information still travels further through the layers; full_attention_layers takes some blocks out of it. Exported as MistralForCausalLM (Qwen3ForCausalLM with qk_norm, Qwen3-MoE or Mixtral for a mixture). Its FLOPs are counted as causal attention's over the whole sequence (the MFU convention); the compute it saves is taken with attention_kernel = "flex". Not with context parallelism. Unset: causal attention over the whole sequence."""
     full_attention_layers: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
-    """With sliding_window: the blocks (numbered from 0) that attend over the whole sequence (causal, within documents with document_mask) while the others attend within the window — local and global layers interleaved, as Gemma 2 (every other block), Gemma 3 (one in six: [5, 11, 17, ...]) and gpt-oss were trained: long-range attention at a fraction of the cost of every block's, and of the KV cache. Multi-token prediction's depths attend as the last block. Exported as Qwen3ForCausalLM's layer_types (which needs qk_norm; a mixture is refused). Unset: every block within the window."""
+    """With sliding_window: the blocks (numbered from 0) that attend over the whole sequence (causal, within documents with document_mask) while the others attend within the window — local and global layers interleaved, as Gemma 2 (every other block), Gemma 3 (one in six: [5, 11, 17, ...]) and gpt-oss were trained: long-range attention at a fraction of the cost of every block's. Multi-token prediction's depths attend as the last block. Exported as Qwen3ForCausalLM's layer_types (which needs qk_norm; a mixture is refused; transformers versions that read only max_window_layers take it for whole blocks first, then windowed ones). `scaletrain tune`'s shallower proxy keeps those below its depth. Unset: every block within the window."""
     attention_kernel: Literal["sdpa", "flex"] = "sdpa"
-    """How masked attention (document_mask, a sliding_window shorter than the sequence) is computed on a GPU. "sdpa": PyTorch's scaled_dot_product_attention with the mask as a tensor of the scores' shape, one for all blocks: its memory-efficient kernel computes every score and masks it, as if unmasked. "flex": FlexAttention (torch.nn.attention.flex_attention, compiled; Dong et al. 2024) with a block mask, which skips the blocks of scores the mask removes wholly (a window of W computes about W / T of the scores) and keeps no mask of the scores' shape; the planner times attention so. Unmasked causal attention stays SDPA's (FlashAttention) either way, as does decoding with a KV cache. On a CPU, where torch's FlexAttention has no backward, and under context parallelism (whose ring attention takes SDPA's masks), "flex" computes with "sdpa"'s mask: the same attention. Holds no weight."""
+    """How masked attention (document_mask, a sliding_window shorter than the sequence) is computed on a GPU. "sdpa": PyTorch's scaled_dot_product_attention with the mask as a tensor of the scores' shape, one for all blocks: its memory-efficient kernel computes every score and masks it, as if unmasked. "flex": FlexAttention (torch.nn.attention.flex_attention, compiled; Dong et al. 2024) with a block mask, which skips the blocks of scores the mask removes wholly (a window of W computes about W / T of the scores) and keeps no mask of the scores' shape; the planner times attention so. Unmasked causal attention stays SDPA's (FlashAttention) either way, as does decoding with a KV cache. On a CPU, where torch's FlexAttention has no backward, and under context parallelism (whose attention over gathered keys and values takes SDPA's masks), "flex" computes with "sdpa"'s mask: the same attention. Holds no weight."""
     init_std: float = Field(default=0.02, gt=0)
     """Std of the normal initialisation; output projections get init_std / sqrt(2 * n_layers) (under mup_base_layers, see there)."""
     mup_base_dim: int | None = Field(default=None, ge=1)
@@ -210,8 +210,8 @@ class ModelConfig(_Section):
             wrong = [i for i in self.full_attention_layers if i >= self.n_layers]
             if wrong or len(set(self.full_attention_layers)) < len(self.full_attention_layers):
                 raise ValueError(f"model.full_attention_layers = {self.full_attention_layers} "
-                                 + (f"names blocks {wrong} of a model of {self.n_layers} (0 to {self.n_layers - 1})"
-                                    if wrong else "names a block twice") + "; list each block at most once")
+                                 + (f"names blocks {wrong} of a model of {self.n_layers}; list blocks 0 to "
+                                    f"{self.n_layers - 1}" if wrong else "names a block twice; list each once"))
             if self.full_attention_layers != sorted(self.full_attention_layers):  # (one way to write each)
                 self.full_attention_layers = sorted(self.full_attention_layers)
         if self.rope_scaling is not None:
@@ -267,12 +267,6 @@ class ModelConfig(_Section):
         """The sliding window block `layer` attends within, or None: over the whole sequence (a
         depth of multi-token prediction attends as the last block, layer n_layers - 1)."""
         return None if layer in (self.full_attention_layers or ()) else self.sliding_window
-
-    def windowed_layers(self, seq_len: int) -> int:
-        """How many blocks attend within a window shorter than `seq_len` (the rest: causal)."""
-        if self.sliding_window is None or self.sliding_window >= seq_len:
-            return 0
-        return self.n_layers - len(self.full_attention_layers or ())
 
     @property
     def width_mult(self) -> float:

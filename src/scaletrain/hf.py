@@ -502,8 +502,8 @@ def model_settings(hf_dir: str | Path) -> dict:
                 problems.append(f"layer_types {sorted(set(kinds) - {'sliding_attention', 'full_attention'})} (blocks "
                                 "attend within the window or over the whole sequence)")
             full_layers = [i for i, kind_of_layer in enumerate(kinds) if kind_of_layer == "full_attention"] or None
-            if full_layers is not None and len(full_layers) == len(kinds):
-                window = full_layers = None  # (every block whole: causal attention)
+            if window is None or (full_layers is not None and len(full_layers) == len(kinds)):
+                window = full_layers = None  # (no window, or every block whole: causal attention)
     if problems:
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} holds a model scaletrain's decoder does not "
                           f"compute: {'; '.join(problems)}")
@@ -542,6 +542,9 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
     # (Mistral 7B v0.2 on has none; a run exported with one as long as its context has one).
     want["sliding_window"] = _effective_window(want.get("sliding_window"), cfg.max_seq_len)
     want["full_attention_layers"] = want.get("full_attention_layers") if want["sliding_window"] else None
+    window, full = _effective_window(cfg.sliding_window, cfg.max_seq_len), cfg.full_attention_layers
+    if window is not None and full is not None and len(full) == cfg.n_layers:
+        window = full = None  # (every block whole: causal attention, as a model without a window)
     if cfg.moe_shared_experts and want["moe_experts"]:
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} has no shared experts; set "
                           "model.moe_shared_experts = 0")
@@ -549,9 +552,7 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
             "n_kv_heads": cfg.kv_heads, "ffn_dim": cfg.hidden_dim, "norm_eps": cfg.norm_eps,
             "tie_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
             "qk_norm": cfg.qk_norm, "moe_experts": cfg.moe_experts,
-            "sliding_window": _effective_window(cfg.sliding_window, cfg.max_seq_len),
-            "full_attention_layers": cfg.full_attention_layers
-            if _effective_window(cfg.sliding_window, cfg.max_seq_len) else None}
+            "sliding_window": window, "full_attention_layers": full if window is not None else None}
     if want["moe_experts"]:
         have.update(moe_top_k=cfg.moe_top_k, moe_ffn_dim=cfg.expert_dim, moe_dense_layers=cfg.moe_dense_layers)
     wrong = [key for key in have if key in want and have[key] != want[key]]

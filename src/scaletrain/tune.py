@@ -56,6 +56,13 @@ def proxy_data(cfg: RunConfig) -> dict:
                               f"model.moe_dense_layers = {m.moe_dense_layers} dense blocks and no mixture of "
                               f"experts; use more than {m.moe_dense_layers} base layers")
         model["n_layers"] = m.mup_base_layers
+        if m.full_attention_layers is not None:  # (the proxy's blocks as the model's first ones attend)
+            kept = [i for i in m.full_attention_layers if i < m.mup_base_layers]
+            if not kept:
+                raise ConfigError(f"model.mup_base_layers = {m.mup_base_layers} leaves the proxy none of the blocks "
+                                  f"model.full_attention_layers = {m.full_attention_layers} take out of the window; "
+                                  f"use more than {m.full_attention_layers[0]} base layers")
+            model["full_attention_layers"] = kept
     data["parallel"] = {}
     data["log"].pop("plan", None)
     return data

@@ -169,7 +169,7 @@ def flex_block_mask(seq: int, documents: torch.Tensor | None, window: int | None
 
 @functools.cache
 def _compiled_create_block_mask():
-    return torch.compile(create_block_mask, dynamic=False)
+    return torch.compile(create_block_mask)  # (shapes that change: as _compiled_flex_attention)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -218,7 +218,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this layer's KVCache.k[i], .v[i]
         start_pos: int = 0,
-        bias: torch.Tensor | None = None,  # (batch, 1, seq, keys) added to the scores: document_bias
+        bias: torch.Tensor | BlockMask | None = None,  # attention_bias's: added to the scores, or FlexAttention's
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads, not n_heads: under tensor parallelism each rank holds a slice of the heads.
@@ -292,8 +292,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal:
 @functools.cache
 def _compiled_flex_attention():
     """FlexAttention compiled into its fused kernel (eager, it is a reference that keeps every
-    score)."""
-    return torch.compile(flex_attention, dynamic=False)
+    score), for shapes that change too (evaluation's task rows, generation without a cache):
+    marked dynamic after a first recompilation rather than recompiled for each until torch
+    gives up and runs the reference."""
+    return torch.compile(flex_attention)
 
 
 def repeat_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -331,7 +333,7 @@ class Block(nn.Module):
         self.feed_forward = MoE(cfg, layer) if moe else FeedForward(cfg.dim, cfg.hidden_dim)
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0,
-                bias: torch.Tensor | None = None):
+                bias: torch.Tensor | BlockMask | None = None):
         # Norm outputs go to the compute dtype once: left in float32, autocast would cast them
         # again for each projection (q, k, v; w1, w3), and backward would keep every copy.
         dtype = compute_dtype(x)
@@ -503,17 +505,11 @@ class Transformer(nn.Module):
         # (A cache's attention masks its own.) Over the whole sequence, which a later pipeline
         # stage under sequence parallelism holds a shard of.
         whole = seq * self.sequence_shards if tokens.is_floating_point() else seq
-        # With model.full_attention_layers a second, for those blocks: without the window.
-        full_layers = set(self.cfg.full_attention_layers or ())
-        bias = full = None
-        if cache is None:
-            flex = self.cfg.attention_kernel == "flex"
-            bias = attention_bias(x, whole, documents, positions, self.cfg.sliding_window, flex)
-            full = attention_bias(x, whole, documents, positions, None, flex) if full_layers else bias
+        masks = {} if cache is not None else self.attention_masks(x, whole, documents, positions)
         for name, block in self.layers.items():
             # Blocks get tensors, not a layer index, so compiled blocks see no per-layer constant.
             layer_kv = None if cache is None else (cache.k[int(name)], cache.v[int(name)])
-            x = block(x, cos, sin, layer_kv, start_pos, full if int(name) in full_layers else bias)
+            x = block(x, cos, sin, layer_kv, start_pos, masks.get(int(name)))
         if self.output is None:
             return x
         if targets is None:
@@ -523,11 +519,22 @@ class Transformer(nn.Module):
         if self.mtp is not None and self.training:
             # Its gradient joins the objective, its value stays out of the loss returned (as the z-loss's).
             extra = self._mtp_loss(x, targets if shifted else shifted_targets(targets, len(self.mtp)), cos, sin,
-                                   full if self.cfg.n_layers - 1 in full_layers else bias)
+                                   masks.get(self.cfg.n_layers - 1))
             if self.mtp_tally is not None:
                 self.mtp_tally.add(extra, torch.ones_like(extra))
             loss = add_replicated(loss, self.mtp_weight * (extra - extra.detach()))
         return loss
+
+    def attention_masks(self, x: torch.Tensor, seq: int, documents: torch.Tensor | None = None,
+                        positions: torch.Tensor | None = None) -> dict[int, torch.Tensor | BlockMask | None]:
+        """Each block's attention_bias over sequences of `seq` tokens, by its index (x, documents,
+        positions: as attention_bias takes them): one for all, or with model.full_attention_layers
+        a second for those, without the window (where the window spans the sequences, one)."""
+        window, flex = self.cfg.sliding_window, self.cfg.attention_kernel == "flex"
+        bias = attention_bias(x, seq, documents, positions, window, flex)
+        full_layers = set(self.cfg.full_attention_layers or ()) if window is not None and window < seq else set()
+        full = attention_bias(x, seq, documents, positions, None, flex) if full_layers else bias
+        return {i: full if i in full_layers else bias for i in range(self.cfg.n_layers)}
 
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0,
               tally: Tally | None = None) -> torch.Tensor:

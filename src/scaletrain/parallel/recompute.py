@@ -24,7 +24,10 @@ SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
              _aten._scaled_dot_product_efficient_attention.default,
              _aten._scaled_dot_product_cudnn_attention.default,
              _aten._scaled_dot_product_flash_attention_for_cpu.default,
-             torch.ops.higher_order.flex_attention}  # (model.attention_kernel = "flex": the policy sees the operator)
+             # model.attention_kernel = "flex": the policy sees its operator eagerly and within compiled
+             # blocks; called compiled on its own (train.compile = false, on CUDA) it may not, and be
+             # recomputed (not measured: no GPU here).
+             torch.ops.higher_order.flex_attention}
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -409,7 +409,8 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
         # own copy of the keys up to its end, (2 cp + 1) chunks of keys for 2 of queries.
         keys = cp + 0.5 if cp > 1 else 1
         repeated = (4 if bf16 else 8) * (cfg.dim * keys - cfg.kv_heads * cfg.head_dim * cp) * tokens / tp
-        activations += round(in_flight * (held_masked + (_mtp(cfg) if head else 0)) * repeated)
+        depths_masked = documents or cfg.n_layers - 1 not in (getattr(cfg, "full_attention_layers", None) or ())
+        activations += round(in_flight * (held_masked + (_mtp(cfg) if head and depths_masked else 0)) * repeated)
     one_block = _largest_block_bytes_per_token(cfg, bf16, cp) * tokens / tp
     if recompute == "full":
         activations += round(one_block)  # the block being rebuilt
