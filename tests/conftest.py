@@ -170,8 +170,8 @@ def nan_norm_once_after(step: int):
     clip = Trainer._clip_gradients
     fired = []
 
-    def glitched(self, max_norm):
-        norm = clip(self, max_norm)
+    def glitched(self, max_norm, scale=None):
+        norm = clip(self, max_norm, scale)
         if self.step == step and not fired:
             fired.append(True)
             return norm.new_full(norm.shape, float("nan"))

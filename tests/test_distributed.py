@@ -230,7 +230,9 @@ TASKS = ["eval.tasks=['NEXT_LINE_TASK']", "eval.task_examples=10"]
 for _name in ("fsdp-uneven-eval-chunked-loss", "tp-muon-z-loss", "cp", "pp-1f1b"):
     TWO[_name] += TASKS
 # FSDP gathering bfloat16 parameters (gradients reduced in float32): close to float32, not equal.
-MIXED = {"fsdp-bf16-params": ["parallel.dp_shard=2", "train.dtype=bfloat16"]}
+MIXED = {"fsdp-bf16-params": ["parallel.dp_shard=2", "train.dtype=bfloat16"],
+         # float16 gathered and computed, its loss scaled: skipped steps are every rank's (the norm is global)
+         "fsdp-fp16": ["parallel.dp_shard=2", "train.dtype=float16"]}
 # FSDP x TP and CP x TP untied: the second halves of RESHARD's runs.
 FOUR = {
     "fsdp-x-tp-tied-qk-norm-muon-mtp": ["parallel.dp_shard=2", "parallel.tp=2", *TIED_QK, *MUON, *MTP],
@@ -465,6 +467,11 @@ def test_fsdp_with_bfloat16_parameters_trains_close_to_float32(layout_runs, refe
     # And it did compute in bf16: float32 layouts agree within 1e-6; how far bf16 strays depends
     # on the CPU's bf16 matmuls (3e-5 on an AMD EPYC with avx512_bf16, over 1e-4 on others).
     assert max(differences) > 4e-6, differences
+    # float16 (11 significant bits to bf16's 8), its loss scaled on both ranks alike.
+    got = records(layout_runs["fsdp-fp16"], "train")
+    differences = [abs(got[step] - expected[step]) for step in expected]
+    assert 0 < max(differences) < 0.01, differences
+    assert {r["loss_scale"] for r in read_metrics(layout_runs["fsdp-fp16"], "train")} == {2.0 ** 16}
 
 
 def test_each_rank_reports_the_bytes_it_holds(layout_runs, single_process):

@@ -97,6 +97,8 @@ def test_flops_module_imports_without_torch():
         ("NVIDIA B200", "B200"),
         ("NVIDIA GB200", "GB200"),
         ("AMD Instinct MI300X", "MI300X"),
+        ("Tesla V100-SXM2-32GB", "V100"),
+        ("Tesla T4", "T4"),
     ],
 )
 def test_device_names_as_torch_reports_them_are_identified(device_name, canonical):

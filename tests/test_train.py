@@ -1330,3 +1330,46 @@ def test_a_crashed_invocations_training_past_its_last_record_counts_as_redone_by
     train(tiny_config(stdlib_data, tmp_path / "short", "train.steps=2", "eval.interval=0"))
     beat = json.loads((tmp_path / "short" / "heartbeat.json").read_text())
     assert beat["step"] == 2 and beat["time"] >= max(r["time"] for r in read_metrics(tmp_path / "short", "train"))
+
+
+def test_float16_scales_the_loss_skips_overflowing_steps_resumes_exactly_and_is_refused_where_it_cannot(
+        stdlib_data, tmp_path, monkeypatch):
+    """train.dtype = float16 (on the CPU here, as on a GPU without bfloat16): the loss is scaled,
+    a step whose gradient overflows float16 is skipped and the scale halved, 3 steps without one
+    double it (here; 2,000 by default); the scale is checkpointed, so a resumed run logs the
+    same losses; a one-off non-finite gradient is an overflow, not a divergence."""
+    from scaletrain.parallel.layout import resolve_layout
+    from scaletrain.train import trainer as trainer_module
+    from scaletrain.train.trainer import check_float16
+
+    common = ["train.steps=10", "train.dtype=float16", "eval.interval=0", "log.interval=1", "checkpoint.interval=5"]
+    train(tiny_config(stdlib_data, tmp_path / "float32", "train.steps=10", "eval.interval=0", "log.interval=1"))
+    monkeypatch.setattr(trainer_module, "LOSS_SCALE_START", 2.0 ** 24)  # (this model's gradients overflow above 2^21)
+    train(tiny_config(stdlib_data, tmp_path / "high", *common))
+    records = read_metrics(tmp_path / "high", "train")
+    scales = [2.0 ** 24] + [r["loss_scale"] for r in records]
+    halved = [after == before / 2 for before, after in zip(scales, scales[1:])]
+    assert halved[:3] == [True] * 3 and not all(halved), scales
+    assert all(half == (not math.isfinite(r["grad_norm"])) for half, r in zip(halved, records))  # (skipped)
+    # Scaled below overflow: float32's first loss to float16's precision; 3 steps without an
+    # overflow double the scale (here), and a resumed run takes it from its checkpoint.
+    monkeypatch.setattr(trainer_module, "LOSS_SCALE_START", 2.0 ** 10)
+    monkeypatch.setattr(trainer_module, "LOSS_SCALE_GROWTH_STEPS", 3)
+    train(tiny_config(stdlib_data, tmp_path / "whole", *common))
+    records = read_metrics(tmp_path / "whole", "train")
+    assert [r["loss_scale"] for r in records] == [2.0 ** e for e in (10, 10, 11, 11, 11, 12, 12, 12, 13, 13)]
+    assert records[0]["loss"] == pytest.approx(losses(tmp_path / "float32")[1], rel=1e-3)
+    train(tiny_config(stdlib_data, tmp_path / "split", *common), stop_at_step=5)
+    train(tiny_config(stdlib_data, tmp_path / "split", *common))
+    assert losses(tmp_path / "split") == losses(tmp_path / "whole")
+    assert [r["loss_scale"] for r in read_metrics(tmp_path / "split", "train")] == [r["loss_scale"] for r in records]
+    # A gradient that reads NaN once: skipped and the scale halved, the run goes on.
+    with glitched("nan", 2):
+        train(tiny_config(stdlib_data, tmp_path / "glitch", *common[:-1], "train.steps=4"))
+    assert [r["loss_scale"] for r in read_metrics(tmp_path / "glitch", "train")] == [2.0 ** e for e in (10, 10, 9, 9)]
+    # Where the scale does not reach, refused in one sentence.
+    cfg = tiny_config(stdlib_data, tmp_path / "tp", "train.dtype=float16", "parallel.tp=2")
+    with pytest.raises(ConfigError, match="train.dtype = float16 scales the loss on one device or data-parallel "
+                                          "layouts of a dense model, not with parallel.tp = 2; use train.dtype = "
+                                          "float32"):
+        check_float16(cfg, resolve_layout(cfg.parallel, 2))

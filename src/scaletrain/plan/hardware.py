@@ -2,8 +2,10 @@
 
 Numbers are vendor datasheet peaks *without* 2:4 structured sparsity (datasheets often
 print the sparse figure, twice the dense one, with an asterisk). `bf16` is the tensor-core
-rate with fp32 accumulation (fp16 is the same on every device listed), `tf32` the
-tensor-core rate for fp32 matmuls with TF32 allowed, `fp32` the plain (non-tensor) rate.
+rate with fp32 accumulation (fp16 is the same on every device listed; V100 and T4, which have
+no bf16, list their fp16 rate there, what train.dtype = float16 computes at), `tf32` the
+tensor-core rate for fp32 matmuls with TF32 allowed (their fp32 rate where there is none),
+`fp32` the plain (non-tensor) rate.
 Pure data and string matching: imports no torch.
 """
 
@@ -48,6 +50,10 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
     "GB200": {"bf16": 2500.0 * T, "tf32": 1250.0 * T, "fp32": 80.0 * T},
     # AMD Instinct MI300X datasheet: BF16 1,307.4 dense (2,614.9 sparse); TF32 653.7; FP32 matrix 163.4.
     "MI300X": {"bf16": 1307.4 * T, "tf32": 653.7 * T, "fp32": 163.4 * T},
+    # NVIDIA V100 datasheet (SXM2): Tensor (FP16) 125; FP32 15.7; no BF16, no TF32.
+    "V100": {"bf16": 125.0 * T, "tf32": 15.7 * T, "fp32": 15.7 * T},
+    # NVIDIA T4 datasheet: Mixed precision (FP16/FP32) 65; FP32 8.1; no BF16, no TF32.
+    "T4": {"bf16": 65.0 * T, "tf32": 8.1 * T, "fp32": 8.1 * T},
 }
 
 # (pattern, canonical name), most specific first: the first pattern found in the lower-cased
@@ -73,6 +79,8 @@ _RULES: list[tuple[str, str]] = [
     (r"\bl4\b", "L4"),
     (r"rtx 4090", "RTX 4090"),
     (r"mi300x", "MI300X"),
+    (r"v100", "V100"),  # "Tesla V100-SXM2-32GB"
+    (r"\bt4\b", "T4"),  # "Tesla T4"
 ]
 
 _DTYPE_ALIASES = {
@@ -160,13 +168,19 @@ _SPECS: dict[str, tuple[float, float, float, float]] = {
     "B200": (180, 8000, 1800 / 2, 1000),        # HGX B200 (1,440 GB over 8); NVLink 5 1.8 TB/s
     "GB200": (186, 8000, 1800 / 2, 1200),       # NVL72 (13.4 TB over 72); NVLink 5; ~2.7 kW per 2 GPUs + CPU
     "MI300X": (192, 5300, 896 / 2, 750),        # HBM3; Infinity Fabric 896 GB/s peer-to-peer in total
+    "V100": (32, 900, 300 / 2, 300),            # 32 GB SXM2, HBM2; NVLink 2 300 GB/s
+    "T4": (16, 320, 16, 70),                    # GDDR6, PCIe Gen3 x16 (~16 GB/s each way)
 }
+
+
+# Devices whose network interface shares a slower bus than INTER_NODE assumes (PCIe Gen3).
+_INTER_NODE_OF = {"T4": 16 * G}
 
 
 def _device(name: str) -> Device:
     memory, bandwidth, link, watts = _SPECS[name]
     peaks = PEAK_FLOPS[_PEAK_OF.get(name, name)]
-    return Device(name, dict(peaks), memory * G, bandwidth * G, link * G, INTER_NODE, watts,
+    return Device(name, dict(peaks), memory * G, bandwidth * G, link * G, _INTER_NODE_OF.get(name, INTER_NODE), watts,
                   gpus_per_node=72 if name == "GB200" else 8)
 
 

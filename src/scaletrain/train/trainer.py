@@ -201,12 +201,34 @@ def pick_device(choice: str) -> torch.device:
 
 def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
     if choice == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     return getattr(torch, choice)
 
 
+def check_float16(cfg: RunConfig, layout) -> None:
+    """ConfigError where float16's loss scaling does not reach: tensor, context and pipeline
+    parallelism (their losses are split or scheduled), a mixture of experts (its balance enters
+    the gradients from inside the blocks), float8."""
+    problems = [what for what, bad in (
+        (f"parallel.tp = {layout.tp}", layout.tp > 1), (f"parallel.cp = {layout.cp}", layout.cp > 1),
+        (f"parallel.pp = {layout.pp}", layout.pp > 1), ("a mixture of experts (model.moe_experts)", cfg.model.moe),
+        ("train.float8", cfg.train.float8)) if bad]
+    if problems:
+        said = "train.dtype = float16" if cfg.train.dtype == "float16" else \
+            "train.dtype = auto, float16 on this GPU (it has no bfloat16),"
+        raise ConfigError(f"{said} scales the loss on one device or data-parallel layouts of a dense model, not with "
+                          f"{', '.join(problems)}; use train.dtype = float32 (or bfloat16 on a GPU that has it)")
+
+
+# float16's dynamic loss scale (Micikevicius et al. 2018; torch.amp.GradScaler's constants).
+LOSS_SCALE_START, LOSS_SCALE_GROWTH_STEPS = 2.0 ** 16, 2000
+
+
 # State a checkpoint may lack: the CUDA generator's, when the run was checkpointed on a CPU.
-OPTIONAL = ("rng.cuda", "progress.loss_stats", "progress.noise_stats")  # (the last two: of older versions)
+OPTIONAL = ("rng.cuda", "progress.loss_stats", "progress.noise_stats",  # (of older versions)
+            "progress.loss_scale")  # (float16's, of a run that trained in another dtype until then)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -254,6 +276,8 @@ class Trainer:
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
         self.dtype = compute_dtype(cfg.train.dtype, self.device)
+        if self.dtype == torch.float16:
+            check_float16(cfg, self.layout)
         if cfg.train.float8:
             check_float8(self.device, self.layout.tp)  # before any process group starts
         if cfg.parallel.recompute == "auto":
@@ -342,6 +366,9 @@ class Trainer:
         # The first step since the last look whose gradient norm was not finite, with its loss and
         # norm (-1 when none), kept on the device: see train_step.
         self.first_bad = torch.tensor([-1.0, 0.0, 0.0], device=self.device)
+        # float16's loss scale and the steps since it last changed, on the device (train.dtype).
+        self.scaling = self.dtype == torch.float16
+        self.loss_scale = torch.tensor([LOSS_SCALE_START, 0.0], device=self.device)
         # Loss-spike detection (train.spike_sigmas): the loss's running statistics (see
         # resilience.loss_spike) and the first spike since the last look (step, loss, mean,
         # standard deviation; -1 when none), on the device; spikes found with no rewind left, for
@@ -372,7 +399,7 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
         self.causal_flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len, causal=True)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        self.peak_flops = peak_flops(device_name, "bf16" if self.dtype == torch.bfloat16 else "fp32")
+        self.peak_flops = peak_flops(device_name, "fp32" if self.dtype == torch.float32 else "bf16")  # (fp16's alike)
 
     def _new_loader(self) -> Prefetcher:
         """This rank's training batches from the start of the data order. Read ahead in a thread, so
@@ -467,7 +494,7 @@ class Trainer:
             capacity = 0.9 * torch.cuda.get_device_properties(self.device).total_memory
             layout = PlanLayout.of(cfg, self.layout).memory_layout(cfg.seqs_per_step)
             mode, estimate = choose_recompute(cfg.model, cfg.data.seq_len, cfg.train.micro_batch, capacity,
-                                              bf16=self.dtype == torch.bfloat16, **layout)
+                                              bf16=self.dtype != torch.float32, **layout)  # (2-byte activations)
             log.info("parallel.recompute = auto: %s (predicted peak %.1f GB of %.1f GB usable)", mode,
                      estimate.peak / 1e9, capacity / 1e9)
         data = cfg.model_dump()
@@ -524,7 +551,7 @@ class Trainer:
         return {"model": model_state, "optim": optim_state, "loader": json.dumps(self.loader.state_dict()),
                 "rng": rng_state(self.device),
                 "progress": {"step": self.step, "tokens": self.tokens, "loss_stats": self.loss_stats.cpu(),
-                             "noise_stats": self.noise_stats.clone()},
+                             "noise_stats": self.noise_stats.clone(), "loss_scale": self.loss_scale.cpu()},
                 **({"ema": self.ema_state()} if self.cfg.train.ema_decay else {})}
 
     def load_state(self, state: dict) -> None:
@@ -537,6 +564,7 @@ class Trainer:
         self._load_loader(json.loads(state["loader"]))
         self.loss_stats = state["progress"].get("loss_stats", torch.zeros(4)).to(self.device)
         self.noise_stats = state["progress"].get("noise_stats", noise.new_stats()).to(torch.float64)
+        self.loss_scale = state["progress"].get("loss_scale", torch.tensor([LOSS_SCALE_START, 0.0])).to(self.device)
         if self.cfg.train.ema_decay:
             self._ema_from(state.get("ema", {}), loading=True)
 
@@ -881,11 +909,13 @@ class Trainer:
                 inputs, targets, documents = batches.pop()
                 with self.autocast():  # loss_parallel must cover the backward too
                     loss = self.model(inputs, targets, documents=documents) / micro_steps
-                    loss.backward()
+                    (loss * self.loss_scale[0] if self.scaling else loss).backward()
                 loss_sum += _local(loss.detach())
                 if look and estimate_noise and micro == 0 and micro_steps > 1:  # (reduced over the data-parallel ranks already)
                     first_sq = self._written_out_squares([p for p in self.model.parameters() if p.grad is not None])
                     first_sq = first_sq[0] * micro_steps ** 2  # the loss was divided by micro_steps
+                    if self.scaling:
+                        first_sq = first_sq / self.loss_scale[0] ** 2
         after = self.loader.state_dict()  # the loader sized the step as training did (train.batch_ramp)
         if after["micro"] or after["step"] != self.step + 1:
             raise RuntimeError(f"the data loader's step {after['step']} (micro-batch {after['micro']}) is not "
@@ -897,14 +927,24 @@ class Trainer:
             if self.parallel.last:
                 loss_sum += torch.stack([_local(loss.detach()) for loss in losses]).mean()
         part_norms = self._norms_by_part(grads=True) if look and self.cfg.log.norms else None
-        grad_norm = self._clip_gradients(cfg.clip if cfg.clip > 0 else math.inf)
+        scale = self.loss_scale[0] if self.scaling else None
+        if part_norms is not None and scale is not None:
+            part_norms = {name: round(norm / scale.item(), 6) for name, norm in part_norms.items()}
+        grad_norm = self._clip_gradients(cfg.clip if cfg.clip > 0 else math.inf, scale)
         # The norm is global (every rank holds the same), so every rank skips the same steps.
         bad = ~torch.isfinite(grad_norm)
+        diverged = bad
+        if self.scaling:  # an overflow halves the scale and skips the step; only a scale below 1 is divergence
+            grown = torch.where(self.loss_scale[1] + 1 >= LOSS_SCALE_GROWTH_STEPS, 2.0, 1.0)
+            self.loss_scale = torch.where(bad, torch.stack([self.loss_scale[0] / 2, torch.zeros_like(scale)]),
+                                          torch.stack([self.loss_scale[0] * grown,
+                                                       (self.loss_scale[1] + 1) * (grown == 1)]))
+            diverged = bad & (self.loss_scale[0] < 1)
         # The loss over the global batch, reduced on the device every step (one scalar): what a
         # divergence or a spike is reported with, and what is logged.
         global_loss = self._mean_over_last_stage(loss_sum)
         values = torch.stack([torch.full_like(grad_norm, self.step + 1), global_loss.to(grad_norm.dtype), grad_norm])
-        self.first_bad = torch.where(bad & (self.first_bad[0] < 0), values.float(), self.first_bad)
+        self.first_bad = torch.where(diverged & (self.first_bad[0] < 0), values.float(), self.first_bad)
         if cfg.spike_sigmas:
             self._judge_loss(global_loss)
         if self.optimizer.defaults.get("fused"):
@@ -1088,19 +1128,23 @@ class Trainer:
         for param in self.parallel.unstepped():
             param.grad = None
 
-    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+    def _clip_gradients(self, max_norm: float, scale: torch.Tensor | None = None) -> torch.Tensor:
         """Clip the norm of the gradient of the whole model to max_norm; returns the norm before
         clipping (_written_out_squares: over every rank, and under muP with its multipliers
         written out, the same scaling of every gradient then being the same training). Sharded
         gradients (DTensors) give the global norm of their dimensions; pipeline stages add up their
-        squares over the pp ranks."""
+        squares over the pp ranks. `scale`: float16's loss scale, which the gradients carry and
+        lose here, in the same multiplication."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = self._written_out_squares(params)[0].sqrt()
+        if scale is not None:
+            norm = norm / scale
         # Scaling by one number is the same on each shard as on the whole: scaling the local
         # shards skips DTensor's sharding propagation for a list of differently placed tensors,
         # which cost more than the rest of the step on a small tensor-parallel model.
         grads = [local_shard(p.grad) for p in params]
-        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))  # as clip_grads_with_norm_
+        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as clip_grads_with_norm_
+        torch._foreach_mul_(grads, factor if scale is None else factor / scale)
         return norm
 
     def _mean_balance(self, tally: tuple[torch.Tensor, int]) -> float | None:
@@ -1558,6 +1602,7 @@ class Trainer:
                         tokens_by_source=self.loader.tokens_by_source(),
                         epochs_by_source={k: round(v, 6) for k, v in self.loader.epochs_by_source().items()},
                         **({"z_loss": self.z_loss_value} if self.z_tally is not None else {}),
+                        **({"loss_scale": self.loss_scale[0].item()} if self.scaling else {}),
                         **({"mtp_loss": self.mtp_loss_value} if self.mtp_tally is not None else {}),
                         **(self.noise or {}), **(self.norms or {}),
                         **({"moe_balance": round(self.moe_balance, 5)} if self.moe_balance is not None else {}),
