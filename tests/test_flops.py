@@ -98,6 +98,10 @@ def test_flops_module_imports_without_torch():
         ("NVIDIA GB200", "GB200"),
         ("AMD Instinct MI300X", "MI300X"),
         ("Tesla V100-SXM2-32GB", "V100"),
+        ("Tesla V100-SXM2-16GB", "V100 16GB"),
+        ("Tesla V100-PCIE-32GB", "V100 PCIe"),
+        ("Tesla V100-PCIE-16GB", "V100 16GB PCIe"),
+        ("Tesla V100S-PCIE-32GB", "V100S"),
         ("Tesla T4", "T4"),
     ],
 )

@@ -1363,13 +1363,26 @@ def test_float16_scales_the_loss_skips_overflowing_steps_resumes_exactly_and_is_
     train(tiny_config(stdlib_data, tmp_path / "split", *common))
     assert losses(tmp_path / "split") == losses(tmp_path / "whole")
     assert [r["loss_scale"] for r in read_metrics(tmp_path / "split", "train")] == [r["loss_scale"] for r in records]
-    # A gradient that reads NaN once: skipped and the scale halved, the run goes on.
+    # A forward pass that overflows once (its loss and gradient not finite), at a step looked
+    # at: skipped and the scale halved, the run goes on.
+    mean = Trainer._mean_over_last_stage
+    monkeypatch.setattr(Trainer, "_mean_over_last_stage",
+                        lambda self, value: mean(self, value) * (math.inf if self.step == 2 else 1.0))
     with glitched("nan", 2):
         train(tiny_config(stdlib_data, tmp_path / "glitch", *common[:-1], "train.steps=4"))
-    assert [r["loss_scale"] for r in read_metrics(tmp_path / "glitch", "train")] == [2.0 ** e for e in (10, 10, 9, 9)]
+    glitch = read_metrics(tmp_path / "glitch", "train")
+    assert [r["loss_scale"] for r in glitch] == [2.0 ** e for e in (10, 10, 9, 9)] and glitch[2]["loss"] == math.inf
+    monkeypatch.setattr(Trainer, "_mean_over_last_stage", mean)
+    # On a GPU without bfloat16, auto takes float16, or float32 where its scaling does not reach.
+    monkeypatch.setattr(trainer_module, "compute_dtype", lambda choice, device: torch.float16)
+    assert Trainer(tiny_config(stdlib_data, tmp_path / "moe", "model.moe_experts=4")).dtype == torch.float32
+    assert Trainer(tiny_config(stdlib_data, tmp_path / "dense")).dtype == torch.float16
     # Where the scale does not reach, refused in one sentence.
     cfg = tiny_config(stdlib_data, tmp_path / "tp", "train.dtype=float16", "parallel.tp=2")
     with pytest.raises(ConfigError, match="train.dtype = float16 scales the loss on one device or data-parallel "
                                           "layouts of a dense model, not with parallel.tp = 2; use train.dtype = "
                                           "float32"):
         check_float16(cfg, resolve_layout(cfg.parallel, 2))
+    cfg = tiny_config(stdlib_data, tmp_path / "chunked", "train.dtype=float16", "train.loss_chunk_tokens=64")
+    with pytest.raises(ConfigError, match="not with train.loss_chunk_tokens = 64"):
+        check_float16(cfg, resolve_layout(cfg.parallel, 1))

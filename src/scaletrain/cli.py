@@ -1940,7 +1940,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "(memory_gb, peak_tflops, memory_bandwidth_gbs, intra_node_gbs, "
                                                     "inter_node_gbs, watts, gpus_per_node)")
     p.add_argument("--inter-node-gbps", type=_flops, default=None,
-                   help="network bandwidth per device in Gb/s (default 400)")
+                   help="network bandwidth per device in Gb/s (default 400; 100 for V100 and T4 hosts)")
     p.add_argument("--seq-len", type=_count, default=4096, help="tokens per sequence, without a config (4096)")
     p.add_argument("--vocab", type=_count, default=None, help="vocabulary size, without a config or --data (32768)")
     p.add_argument("--global-batch-tokens", type=_count, default=None,

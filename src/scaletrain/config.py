@@ -389,7 +389,7 @@ class TrainConfig(_Section):
     clip: float = Field(default=1.0, ge=0)
     """Clip the global gradient norm to this value; 0 disables clipping. Under muP (model.mup_base_dim, model.mup_base_layers) the norm is that of the gradients with its multipliers written out, which is also the norm logged."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Compute dtype (autocast; weights, gradients and optimizer stay float32): auto is bfloat16 on GPUs that have it, float16 on those that do not (V100, T4) and float32 on CPUs. float16 scales the loss dynamically (Micikevicius et al. 2018, as torch's GradScaler: from 2^16, halved at each step whose gradient overflows, which is skipped, doubled after 2,000 steps without one; checkpointed, and logged as loss_scale), on one device or data-parallel layouts (FSDP, HSDP) of a dense model; a run whose scale falls below 1 has diverged."""
+    """Compute dtype (autocast; weights, gradients and optimizer stay float32): auto is bfloat16 on GPUs that have it, float16 on those that do not (V100, T4; float32 where float16's scaling does not reach the run) and float32 on CPUs. float16 scales the loss dynamically (Micikevicius et al. 2018, as torch's GradScaler: from 2^16, halved at each step whose gradient overflows, which is skipped, doubled after 2,000 steps without one; checkpointed, and logged as loss_scale), on one device or data-parallel layouts (FSDP, HSDP) of a dense model without loss_chunk_tokens; a run whose scale falls below 1 has diverged."""
     compile: bool = False
     """Compile each transformer block with torch.compile (of a mixture-of-experts block, its attention: the routing runs eagerly)."""
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
@@ -466,7 +466,7 @@ class ParallelConfig(_Section):
     recompute: Literal["none", "selective", "full", "auto"] = "none"
     """Activation recomputation per block: none; selective (keep matmul and attention outputs, recompute the rest); full (keep only block inputs); auto: the least of these whose peak memory, as plan/memory.py predicts it, fits in 90% of the GPU's memory (none on CPUs)."""
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Dtype FSDP gathers parameters in for compute (gradients are reduced in float32 and the sharded master weights stay float32). auto: train.dtype's, as it resolves."""
+    """Dtype FSDP gathers parameters in for compute (gradients are reduced in float32 and the sharded master weights stay float32). auto: bfloat16 when train.dtype resolves to bfloat16, else float32 (under float16 too: the residual stream between blocks then stays float32, out of float16's range, as on one device)."""
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:

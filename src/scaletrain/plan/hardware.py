@@ -50,8 +50,11 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
     "GB200": {"bf16": 2500.0 * T, "tf32": 1250.0 * T, "fp32": 80.0 * T},
     # AMD Instinct MI300X datasheet: BF16 1,307.4 dense (2,614.9 sparse); TF32 653.7; FP32 matrix 163.4.
     "MI300X": {"bf16": 1307.4 * T, "tf32": 653.7 * T, "fp32": 163.4 * T},
-    # NVIDIA V100 datasheet (SXM2): Tensor (FP16) 125; FP32 15.7; no BF16, no TF32.
+    # NVIDIA V100 datasheet: Tensor (FP16) 125 SXM2, 112 PCIe; FP32 15.7, 14; no BF16, no TF32.
     "V100": {"bf16": 125.0 * T, "tf32": 15.7 * T, "fp32": 15.7 * T},
+    "V100 PCIe": {"bf16": 112.0 * T, "tf32": 14.0 * T, "fp32": 14.0 * T},
+    # NVIDIA V100S datasheet (PCIe): Tensor (FP16) 130; FP32 16.4.
+    "V100S": {"bf16": 130.0 * T, "tf32": 16.4 * T, "fp32": 16.4 * T},
     # NVIDIA T4 datasheet: Mixed precision (FP16/FP32) 65; FP32 8.1; no BF16, no TF32.
     "T4": {"bf16": 65.0 * T, "tf32": 8.1 * T, "fp32": 8.1 * T},
 }
@@ -79,6 +82,10 @@ _RULES: list[tuple[str, str]] = [
     (r"\bl4\b", "L4"),
     (r"rtx 4090", "RTX 4090"),
     (r"mi300x", "MI300X"),
+    (r"v100s", "V100S"),  # "Tesla V100S-PCIE-32GB"
+    (r"v100(?:.*16\s*gb.*pcie|.*pcie.*16\s*gb)", "V100 16GB PCIe"),  # "Tesla V100-PCIE-16GB"
+    (r"v100.*pcie", "V100 PCIe"),
+    (r"v100.*16\s*gb", "V100 16GB"),  # "Tesla V100-SXM2-16GB"
     (r"v100", "V100"),  # "Tesla V100-SXM2-32GB"
     (r"\bt4\b", "T4"),  # "Tesla T4"
 ]
@@ -92,7 +99,8 @@ _DTYPE_ALIASES = {
 
 
 # Catalog devices whose peak FLOP/s are another's (the same chip with other memory or board).
-_PEAK_OF = {"A100 40GB": "A100", "A100 PCIe": "A100", "A100 40GB PCIe": "A100"}
+_PEAK_OF = {"A100 40GB": "A100", "A100 PCIe": "A100", "A100 40GB PCIe": "A100", "V100 16GB": "V100",
+            "V100 16GB PCIe": "V100 PCIe"}
 
 
 def identify(device_name: str) -> str | None:
@@ -169,12 +177,17 @@ _SPECS: dict[str, tuple[float, float, float, float]] = {
     "GB200": (186, 8000, 1800 / 2, 1200),       # NVL72 (13.4 TB over 72); NVLink 5; ~2.7 kW per 2 GPUs + CPU
     "MI300X": (192, 5300, 896 / 2, 750),        # HBM3; Infinity Fabric 896 GB/s peer-to-peer in total
     "V100": (32, 900, 300 / 2, 300),            # 32 GB SXM2, HBM2; NVLink 2 300 GB/s
+    "V100 16GB": (16, 900, 300 / 2, 300),
+    "V100 PCIe": (32, 900, 16, 250),            # PCIe Gen3 x16
+    "V100 16GB PCIe": (16, 900, 16, 250),
+    "V100S": (32, 1134, 16, 250),               # PCIe Gen3 x16
     "T4": (16, 320, 16, 70),                    # GDDR6, PCIe Gen3 x16 (~16 GB/s each way)
 }
 
 
-# Devices whose network interface shares a slower bus than INTER_NODE assumes (PCIe Gen3).
-_INTER_NODE_OF = {"T4": 16 * G}
+# Devices of hosts whose network is slower than INTER_NODE assumes: PCIe Gen3 servers, about
+# 100 Gb/s (EDR InfiniBand, as NVIDIA's DGX-1) a GPU at most.
+_INTER_NODE_OF = {name: 12.5 * G for name in ("V100", "V100 16GB", "V100 PCIe", "V100 16GB PCIe", "V100S", "T4")}
 
 
 def _device(name: str) -> Device:

@@ -187,10 +187,18 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, *, weight_decay: float
             group["momentum"] = momentum
 
 
+def orthogonalise_dtype(device_type: str) -> torch.dtype:
+    """The dtype orthogonalise computes in on devices of `device_type`."""
+    if device_type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+
+
 def orthogonalise(update: torch.Tensor) -> torch.Tensor:
     """The Newton–Schulz quintic of Jordan et al. 2024 on the last two dimensions (a stack of
-    matrices is a batch), in bfloat16 on a GPU as they run it, in float32 elsewhere."""
-    dtype = torch.bfloat16 if update.is_cuda else torch.float32
+    matrices is a batch), in bfloat16 on a GPU as they run it (float16 on one without: its
+    matrices are normalised, within float16's range), in float32 elsewhere."""
+    dtype = orthogonalise_dtype(update.device.type)
     x = update.to(dtype)
     wide = x.size(-2) <= x.size(-1)
     if not wide:  # iterate on the smaller Gram matrix
@@ -235,7 +243,7 @@ def _orthogonalise_shared_out(params: list[DTensor], local_update, group):
     rows of matrix j's update, made when its bucket comes), the work shared out among the
     group's ranks (see the module's docstring)."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
-    dtype = torch.bfloat16 if params[0].device_mesh.device_type == "cuda" else torch.float32  # orthogonalise's
+    dtype = orthogonalise_dtype(params[0].device_mesh.device_type)
     order = sorted(range(len(params)), key=lambda j: -params[j].numel())
     for first in range(0, len(order), n):
         bucket = order[first:first + n]  # bucket[r] is rank r's to orthogonalise

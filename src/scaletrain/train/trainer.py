@@ -207,19 +207,25 @@ def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
     return getattr(torch, choice)
 
 
-def check_float16(cfg: RunConfig, layout) -> None:
-    """ConfigError where float16's loss scaling does not reach: tensor, context and pipeline
+def float16_problems(cfg: RunConfig, layout) -> list[str]:
+    """What float16's loss scaling does not reach in this run: tensor, context and pipeline
     parallelism (their losses are split or scheduled), a mixture of experts (its balance enters
-    the gradients from inside the blocks), float8."""
-    problems = [what for what, bad in (
+    the gradients from inside the blocks), float8, and the chunked loss (its float16 product
+    of the logits' gradient and the hidden states is formed before any scale could keep it in
+    range)."""
+    return [what for what, bad in (
         (f"parallel.tp = {layout.tp}", layout.tp > 1), (f"parallel.cp = {layout.cp}", layout.cp > 1),
         (f"parallel.pp = {layout.pp}", layout.pp > 1), ("a mixture of experts (model.moe_experts)", cfg.model.moe),
-        ("train.float8", cfg.train.float8)) if bad]
-    if problems:
-        said = "train.dtype = float16" if cfg.train.dtype == "float16" else \
-            "train.dtype = auto, float16 on this GPU (it has no bfloat16),"
-        raise ConfigError(f"{said} scales the loss on one device or data-parallel layouts of a dense model, not with "
-                          f"{', '.join(problems)}; use train.dtype = float32 (or bfloat16 on a GPU that has it)")
+        ("train.float8", cfg.train.float8),
+        (f"train.loss_chunk_tokens = {cfg.train.loss_chunk_tokens}", cfg.train.loss_chunk_tokens > 0)) if bad]
+
+
+def check_float16(cfg: RunConfig, layout) -> None:
+    """ConfigError naming float16_problems, where there are any."""
+    if problems := float16_problems(cfg, layout):
+        raise ConfigError(f"train.dtype = float16 scales the loss on one device or data-parallel layouts of a dense "
+                          f"model, not with {', '.join(problems)}; use train.dtype = float32 (or bfloat16 on a GPU "
+                          "that has it)")
 
 
 # float16's dynamic loss scale (Micikevicius et al. 2018; torch.amp.GradScaler's constants).
@@ -227,8 +233,7 @@ LOSS_SCALE_START, LOSS_SCALE_GROWTH_STEPS = 2.0 ** 16, 2000
 
 
 # State a checkpoint may lack: the CUDA generator's, when the run was checkpointed on a CPU.
-OPTIONAL = ("rng.cuda", "progress.loss_stats", "progress.noise_stats",  # (of older versions)
-            "progress.loss_scale")  # (float16's, of a run that trained in another dtype until then)
+OPTIONAL = ("rng.cuda", "progress.loss_stats", "progress.noise_stats", "progress.loss_scale")  # (older versions')
 
 
 def rng_state(device: torch.device) -> dict:
@@ -276,6 +281,11 @@ class Trainer:
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
         self.dtype = compute_dtype(cfg.train.dtype, self.device)
+        if self.dtype == torch.float16 and cfg.train.dtype == "auto" and float16_problems(cfg, self.layout):
+            # (A GPU without bfloat16, and a run float16's scaling does not reach: float32.)
+            log.info("train.dtype = auto: float32 on this GPU, which has no bfloat16, where float16's loss scaling "
+                     "does not reach %s", ", ".join(float16_problems(cfg, self.layout)))
+            self.dtype = torch.float32
         if self.dtype == torch.float16:
             check_float16(cfg, self.layout)
         if cfg.train.float8:
@@ -291,7 +301,10 @@ class Trainer:
         self.mesh = init_distributed(self.device, self.layout, collective_timeout(cfg.train.hang_timeout_s))
 
         torch.manual_seed(cfg.run.seed)  # every rank builds the same full model, then keeps its shard
-        param_dtype = self.dtype if cfg.parallel.fsdp_param_dtype == "auto" else getattr(torch, cfg.parallel.fsdp_param_dtype)
+        # (auto: bfloat16 under bfloat16; float32 under float16, which keeps the residual stream in
+        # float32 between blocks, out of float16's range, as on one device.)
+        param_dtype = ((torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32)
+                       if cfg.parallel.fsdp_param_dtype == "auto" else getattr(torch, cfg.parallel.fsdp_param_dtype))
         model = Transformer(cfg.model).to(self.device)
         if self.init_from and self.init_from.kind == "hf":  # (another run's checkpoint loads once sharded: fit)
             # (Multi-token prediction's modules, which no Hugging Face model holds, start afresh.)
@@ -877,7 +890,9 @@ class Trainer:
         loop asks at steps it logs, checkpoints or evaluates). A step whose gradient norm is not
         finite is still never applied: the fused AdamW skips it on the device (the found_inf its
         kernel takes from GradScaler), and the first such step is remembered on the device and
-        raised as TrainingDiverged at the next look, before anything is saved."""
+        raised as TrainingDiverged at the next look, before anything is saved. Under float16 it is
+        an overflow: skipped too, the loss scale halved, and only a scale fallen below 1 is
+        remembered so."""
         cfg = self.cfg.train
         lr = run_lr(self.cfg, self.step)
         set_lr(self.optimizer, lr)
@@ -947,11 +962,13 @@ class Trainer:
         self.first_bad = torch.where(diverged & (self.first_bad[0] < 0), values.float(), self.first_bad)
         if cfg.spike_sigmas:
             self._judge_loss(global_loss)
-        if self.optimizer.defaults.get("fused"):
+        fused = self.optimizer.defaults.get("fused")
+        if fused:
             self.optimizer.found_inf = bad.float()  # the kernel leaves parameters and state as they were
         else:  # no skip on the device: every step is looked at before it applies
             self._check(None)
-        self.optimizer.step()
+        if fused or not (self.scaling and bool(bad)):  # (float16's overflow, without a fused kernel: skipped here)
+            self.optimizer.step()
         self.parallel.share_weights()
         if cfg.ema_decay:
             self._update_ema(bad)
@@ -978,14 +995,16 @@ class Trainer:
         self.norms = None
         if part_norms is not None:  # (the weights' after the update)
             self.norms = {"grad_norm_by_part": part_norms, "weight_norm_by_part": self._norms_by_part(grads=False)}
-        loss_value = global_loss.item()
-        self._check(loss_value)
+        loss_value, norm_value = global_loss.item(), grad_norm.item()
+        # (Under float16 a forward pass that overflowed leaves the loss and gradient non-finite:
+        # an overflow, skipped and the scale halved, not a divergence.)
+        self._check(None if self.scaling and not math.isfinite(norm_value) else loss_value)
         self.moe_balance = self._mean_balance(balance) if balance is not None else None  # (every rank: all-reduced)
         self.moe_max_load = max_load.max().item() if max_load is not None else None
         z_mean = self._tally_mean(self.z_tally)
         self.z_loss_value = None if z_mean is None else cfg.z_loss * z_mean
         self.mtp_loss_value = self._tally_mean(self.mtp_tally)
-        return loss_value, grad_norm.item(), data_wait
+        return loss_value, norm_value, data_wait
 
     def _judge_loss(self, loss: torch.Tensor) -> None:
         """Fold the step's global loss into the running statistics of spike detection, and
