@@ -311,6 +311,19 @@ def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, k
               "yarn_rope": {"type": "yarn", "factor": 4, "original_max_seq_len": 16, "beta_fast": 16,
                             "attention_factor": (0.1 * math.log(4) + 1) / (0.05 * math.log(4) + 1)},
               "linear_rope": {"type": "linear", "factor": 3}}
+
+    def exported_again() -> dict:
+        """The settings of the config.json export writes for cfg, read back, after transformers
+        has computed hf's logits from it."""
+        config = hf_config(cfg, "float32", 0)
+        again = type(hf)(type(hf.config)(**config)).eval()
+        again.load_state_dict(hf.state_dict())
+        with torch.no_grad():
+            torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, rtol=1e-5, atol=1e-5)
+        (tmp_path / "again").mkdir()
+        (tmp_path / "again" / "config.json").write_text(json.dumps(config))
+        return model_settings(tmp_path / "again")
+
     if kind == "qwen3_local_global":
         assert (cfg.sliding_window, cfg.full_attention_layers) == (8, [1])
         for window, full in ((None, None), (8, None), (8, [0])):  # (each matters at these positions)
@@ -319,14 +332,7 @@ def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, k
             with torch.no_grad():
                 assert (other(tokens) - ours(tokens)).abs().max() > 1e-3
         # and goes back out as transformers reads it: the same logits from what export writes
-        config = hf_config(cfg, "float32", 0)
-        again = type(hf)(type(hf.config)(**config)).eval()
-        again.load_state_dict(hf.state_dict())
-        with torch.no_grad():
-            torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, rtol=1e-5, atol=1e-5)
-        (tmp_path / "again").mkdir()
-        (tmp_path / "again" / "config.json").write_text(json.dumps(config))
-        assert ModelConfig(**model_settings(tmp_path / "again")) == cfg
+        assert ModelConfig(**exported_again()) == cfg
         from scaletrain.hf import export_problem
         assert "Mistral's window covers every block" in export_problem(cfg.model_copy(update={"qk_norm": False}))
     if kind in scaled:
@@ -336,14 +342,7 @@ def test_a_model_saved_by_transformers_computes_the_same_logits_here(tmp_path, k
         with torch.no_grad():  # the scaling matters at these positions
             assert (plain(tokens) - ours(tokens)).abs().max() > 1e-3  # (the comparison above is to 1e-4)
         # and goes back out as transformers reads it: the same logits from what export writes
-        config = hf_config(cfg, "float32", 0)
-        again = type(hf)(type(hf.config)(**config)).eval()
-        again.load_state_dict(hf.state_dict())
-        with torch.no_grad():
-            torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, rtol=1e-5, atol=1e-5)
-        (tmp_path / "again").mkdir()
-        (tmp_path / "again" / "config.json").write_text(json.dumps(config))
-        assert model_settings(tmp_path / "again")["rope_scaling"] == cfg.rope_scaling
+        assert exported_again()["rope_scaling"] == cfg.rope_scaling
 
 
 def test_a_model_of_another_shape_or_kind_is_refused_with_the_settings_to_use(runs, stdlib_data, tmp_path):
