@@ -231,7 +231,7 @@ for _name in ("fsdp-uneven-eval-chunked-loss", "tp-muon-z-loss", "cp", "pp-1f1b"
     TWO[_name] += TASKS
 # FSDP gathering bfloat16 parameters (gradients reduced in float32): close to float32, not equal.
 MIXED = {"fsdp-bf16-params": ["parallel.dp_shard=2", "train.dtype=bfloat16"],
-         # float16 gathered and computed, its loss scaled: skipped steps are every rank's (the norm is global)
+         # float16 computed (FSDP gathering float32 under it), its loss scaled: skipped steps are every rank's
          "fsdp-fp16": ["parallel.dp_shard=2", "train.dtype=float16"]}
 # FSDP x TP and CP x TP untied: the second halves of RESHARD's runs.
 FOUR = {

@@ -114,6 +114,19 @@ def check_rope_scaling(scaling: dict) -> None:
         raise ValueError(f"model.rope_scaling: beta_fast {fast} must exceed beta_slow {slow}")
 
 
+def effective_window(window: int | None, seq_len: int) -> int | None:
+    """A sliding window as it acts on sequences of up to seq_len tokens: None where there is
+    none or it spans them (causal attention)."""
+    return window if window is not None and window < seq_len else None
+
+
+def masked_attention(cfg: Any, seq_len: int) -> bool:
+    """Attention over sequences of seq_len tokens is masked beyond causal: within documents, or
+    within a window shorter than them (cfg: ModelConfig's fields; the planner's stand-ins too)."""
+    return bool(getattr(cfg, "document_mask", False)) or \
+        effective_window(getattr(cfg, "sliding_window", None), seq_len) is not None
+
+
 class ModelConfig(_Section):
     """Shape of a Llama-style decoder. `model/flops.py` counts parameters and FLOPs from it."""
 
@@ -148,7 +161,7 @@ class ModelConfig(_Section):
     full_attention_layers: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
     """With sliding_window: the blocks (numbered from 0) that attend over the whole sequence (causal, within documents with document_mask) while the others attend within the window — local and global layers interleaved, as Gemma 2 (every other block), Gemma 3 (one in six: [5, 11, 17, ...]) and gpt-oss were trained: long-range attention at a fraction of the cost of every block's. Multi-token prediction's depths attend as the last block. Exported as Qwen3ForCausalLM's layer_types (which needs qk_norm; a mixture is refused; transformers versions that read only max_window_layers take it for whole blocks first, then windowed ones). `scaletrain tune`'s shallower proxy keeps those below its depth. Unset: every block within the window."""
     attention_kernel: Literal["sdpa", "flex"] = "sdpa"
-    """How masked attention (document_mask, a sliding_window shorter than the sequence) is computed on a GPU. "sdpa": PyTorch's scaled_dot_product_attention with the mask as a tensor of the scores' shape, one for all blocks: its memory-efficient kernel computes every score and masks it, as if unmasked. "flex": FlexAttention (torch.nn.attention.flex_attention, compiled; Dong et al. 2024) with a block mask, which skips the blocks of scores the mask removes wholly (a window of W computes about W / T of the scores) and keeps no mask of the scores' shape; the planner times attention so. Unmasked causal attention stays SDPA's (FlashAttention) either way, as does decoding with a KV cache. On a CPU, where torch's FlexAttention has no backward, and under context parallelism (whose attention over gathered keys and values takes SDPA's masks), "flex" computes with "sdpa"'s mask: the same attention. Holds no weight."""
+    """How masked attention (document_mask, a sliding_window shorter than the sequence) is computed on a GPU. "sdpa": PyTorch's scaled_dot_product_attention with the mask as a tensor of the scores' shape, one for all blocks (two with full_attention_layers within documents): its memory-efficient kernel computes every score and masks it, as if unmasked. "flex": FlexAttention (torch.nn.attention.flex_attention, compiled; Dong et al. 2024) with a block mask, which skips the blocks of scores the mask removes wholly (a window of W computes about W / T of the scores) and keeps no mask of the scores' shape; the planner times attention so. Unmasked causal attention stays SDPA's (FlashAttention) either way, as does decoding with a KV cache. On a CPU, where torch's FlexAttention has no backward, and under context parallelism (whose attention over gathered keys and values takes SDPA's masks), "flex" computes with "sdpa"'s mask: the same attention. Holds no weight."""
     init_std: float = Field(default=0.02, gt=0)
     """Std of the normal initialisation; output projections get init_std / sqrt(2 * n_layers) (under mup_base_layers, see there)."""
     mup_base_dim: int | None = Field(default=None, ge=1)
@@ -389,7 +402,7 @@ class TrainConfig(_Section):
     clip: float = Field(default=1.0, ge=0)
     """Clip the global gradient norm to this value; 0 disables clipping. Under muP (model.mup_base_dim, model.mup_base_layers) the norm is that of the gradients with its multipliers written out, which is also the norm logged."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Compute dtype (autocast; weights, gradients and optimizer stay float32): auto is bfloat16 on GPUs that have it, float16 on those that do not (V100, T4; float32 where float16's scaling does not reach the run) and float32 on CPUs. float16 scales the loss dynamically (Micikevicius et al. 2018, as torch's GradScaler: from 2^16, halved at each step whose gradient overflows, which is skipped, doubled after 2,000 steps without one; checkpointed, and logged as loss_scale), on one device or data-parallel layouts (FSDP, HSDP) of a dense model without loss_chunk_tokens; a run whose scale falls below 1 has diverged."""
+    """Compute dtype (autocast; weights, gradients and optimizer stay float32): auto is bfloat16 on GPUs that have it, float16 on those that do not (V100, T4; float32 where float16's scaling does not reach the run) and float32 on CPUs. float16 scales the loss dynamically (Micikevicius et al. 2018, as torch's GradScaler: from 2^16, halved at each step whose gradient overflows, which is skipped, doubled after 2,000 steps without one; checkpointed, and logged as loss_scale), on one device or data-parallel layouts (FSDP, HSDP) of a dense model, without float8 or loss_chunk_tokens; a run whose scale falls below 1 has diverged."""
     compile: bool = False
     """Compile each transformer block with torch.compile (of a mixture-of-experts block, its attention: the routing runs eagerly)."""
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"

@@ -38,8 +38,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletrain.config import (ROPE_SCALING, YARN_BETA_FAST, YARN_BETA_SLOW, ConfigError, ModelConfig, load_config,
-                               toml_value, yarn_attention_factor)
+from scaletrain.config import (ROPE_SCALING, YARN_BETA_FAST, YARN_BETA_SLOW, ConfigError, ModelConfig, effective_window,
+                               load_config, toml_value, yarn_attention_factor)
 from scaletrain.errors import UserError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -540,9 +540,9 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
     want.setdefault("rope_scaling", None)
     # A window that spans the run's sequences computes causal attention there, with or without it
     # (Mistral 7B v0.2 on has none; a run exported with one as long as its context has one).
-    want["sliding_window"] = _effective_window(want.get("sliding_window"), cfg.max_seq_len)
+    want["sliding_window"] = effective_window(want.get("sliding_window"), cfg.max_seq_len)
     want["full_attention_layers"] = want.get("full_attention_layers") if want["sliding_window"] else None
-    window, full = _effective_window(cfg.sliding_window, cfg.max_seq_len), cfg.full_attention_layers
+    window, full = effective_window(cfg.sliding_window, cfg.max_seq_len), cfg.full_attention_layers
     if window is not None and full is not None and len(full) == cfg.n_layers:
         window = full = None  # (every block whole: causal attention, as a model without a window)
     if cfg.moe_shared_experts and want["moe_experts"]:
@@ -562,11 +562,6 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
         raise ConfigError(f"checkpoint.init_from = {str(hf_dir)!r} holds another shape: "
                           + ", ".join(f"model.{key} is {have[key]}, the model's is {want[key]}" for key in wrong)
                           + f"; set {fix}")
-
-
-def _effective_window(window: int | None, max_seq_len: int) -> int | None:
-    """A sliding window as it acts on sequences of up to max_seq_len tokens (None: it spans them)."""
-    return window if window is not None and window < max_seq_len else None
 
 
 def check_tokenizer(model_dir: str | Path, data_tokenizer: str | Path, given: str | None = None) -> None:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.attention.bias import CausalBias
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from scaletrain.config import YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig, yarn_attention_factor
+from scaletrain.config import YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig, effective_window, yarn_attention_factor
 from scaletrain.model.loss import (IGNORE, Tally, add_replicated, chunked_cross_entropy, compute_dtype, cross_entropy,
                                    local_value)
 from scaletrain.model.moe import MoE
@@ -134,12 +134,12 @@ def attention_bias(x: torch.Tensor, seq: int, documents: torch.Tensor | None = N
     shorter than the sequence, within it; None where attention is plainly causal. With `flex`
     (model.attention_kernel = "flex") on a device of FLEX_DEVICES and without context parallelism,
     FlexAttention's block mask of the same attention instead (flex_block_mask)."""
-    masked = documents is not None or (window is not None and window < seq)
-    if flex and masked and positions is None and x.device.type in FLEX_DEVICES:
-        return flex_block_mask(seq, documents, window if window is not None and window < seq else None, x.device)
+    window = effective_window(window, seq)
+    if flex and (documents is not None or window is not None) and positions is None and x.device.type in FLEX_DEVICES:
+        return flex_block_mask(seq, documents, window, x.device)
     if documents is not None:
         return document_bias(documents, compute_dtype(x), positions, window)
-    if window is None or window >= seq:
+    if window is None:
         return None
     rows = torch.arange(seq, device=x.device) if positions is None else positions
     return _bias(causal_mask(rows, seq, window), compute_dtype(x))[None, None]
@@ -532,9 +532,10 @@ class Transformer(nn.Module):
         a second for those, without the window (where the window spans the sequences, one)."""
         window, flex = self.cfg.sliding_window, self.cfg.attention_kernel == "flex"
         bias = attention_bias(x, seq, documents, positions, window, flex)
-        full_layers = set(self.cfg.full_attention_layers or ()) if window is not None and window < seq else set()
-        full = attention_bias(x, seq, documents, positions, None, flex) if full_layers else bias
-        return {i: full if i in full_layers else bias for i in range(self.cfg.n_layers)}
+        if effective_window(window, seq) is None or not self.cfg.full_attention_layers:
+            return dict.fromkeys(range(self.cfg.n_layers), bias)
+        full = attention_bias(x, seq, documents, positions, None, flex)
+        return {i: bias if self.cfg.window_of(i) is not None else full for i in range(self.cfg.n_layers)}
 
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0,
               tally: Tally | None = None) -> torch.Tensor:

@@ -119,6 +119,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from scaletrain.config import effective_window
 from scaletrain.model.flops import moe_layers, param_counts
 from scaletrain.parallel.layout import V_SHAPED, stage_blocks, stage_ids, stage_layers
 
@@ -391,7 +392,7 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     if _mtp(cfg) and head:  # each depth counted as a dense block over the rank's tokens (not measured: see above)
         activations += round(_mtp(cfg) * block_bytes_per_token(cfg, bf16, recompute, cp=cp) * tokens / tp)
     window = getattr(cfg, "sliding_window", None)
-    windowed = window is not None and window < seq_len
+    windowed = effective_window(window, seq_len) is not None
     documents = getattr(cfg, "document_mask", False)
     full = len(getattr(cfg, "full_attention_layers", None) or ()) if windowed else 0  # (blocks without the window)
     masked = documents or windowed
@@ -409,7 +410,7 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
         # own copy of the keys up to its end, (2 cp + 1) chunks of keys for 2 of queries.
         keys = cp + 0.5 if cp > 1 else 1
         repeated = (4 if bf16 else 8) * (cfg.dim * keys - cfg.kv_heads * cfg.head_dim * cp) * tokens / tp
-        depths_masked = documents or cfg.n_layers - 1 not in (getattr(cfg, "full_attention_layers", None) or ())
+        depths_masked = documents or cfg.n_layers - 1 not in (getattr(cfg, "full_attention_layers", None) or ())  # (the last block's)
         activations += round(in_flight * (held_masked + (_mtp(cfg) if head and depths_masked else 0)) * repeated)
     one_block = _largest_block_bytes_per_token(cfg, bf16, cp) * tokens / tp
     if recompute == "full":

@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from scaletrain.config import effective_window
 from scaletrain.errors import UserError
 from scaletrain.model.flops import block_train_flops_per_token, moe_layers, mtp_train_flops_per_token
 from scaletrain.parallel.layout import ends_light_blocks, stage_blocks, stage_ids
@@ -189,7 +190,7 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
     closest: Candidate | None = None
     window = getattr(cfg, "sliding_window", None)  # (context parallelism takes no window: train refuses it)
     cps = [cp for cp in divisors(world) if cp == 1 or (allow_cp and cp <= 64 and seq_len % (2 * cp) == 0
-                                                       and (window is None or window >= seq_len))]
+                                                       and effective_window(window, seq_len) is None)]
     for cp in cps:
         for tp in _tp_sizes(cfg, seq_len, cp, min(gpus_per_node, world)):
             if world % (cp * tp):

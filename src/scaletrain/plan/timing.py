@@ -83,6 +83,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from scaletrain.config import effective_window
 from scaletrain.model.flops import (attention_flops_per_token, block_train_flops_per_token, moe_layers,
                                     mtp_train_flops_per_token, param_counts, train_flops_per_token)
 from scaletrain.parallel.layout import V_SHAPED
@@ -241,7 +242,7 @@ def scores_computed(cfg: Any, seq_len: int, cp: int = 1) -> float:
     within documents half (it skips more, by as much as the data's documents are shorter than the
     sequence: an upper bound). Blocks of model.full_attention_layers attend without the window."""
     window = getattr(cfg, "sliding_window", None)
-    windowed = window is not None and window < seq_len
+    windowed = effective_window(window, seq_len) is not None
     documents = getattr(cfg, "document_mask", False)
     if cp > 1 or not (windowed or documents):
         return 0.5

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as vocabulary_split_loss
 
-from scaletrain.config import ConfigError, RunConfig, load_config, validate_config
+from scaletrain.config import ConfigError, RunConfig, load_config, masked_attention, validate_config
 from scaletrain.data.loader import IGNORE, Prefetcher, TokenLoader, eval_batches
 from scaletrain.data.shards import DataError, read_index, read_indexes
 from scaletrain.hf import load_hf_weights
@@ -281,13 +281,13 @@ class Trainer:
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
         self.dtype = compute_dtype(cfg.train.dtype, self.device)
-        if self.dtype == torch.float16 and cfg.train.dtype == "auto" and float16_problems(cfg, self.layout):
+        if self.dtype == torch.float16 and (problems := float16_problems(cfg, self.layout)):
+            if cfg.train.dtype != "auto":
+                check_float16(cfg, self.layout)
             # (A GPU without bfloat16, and a run float16's scaling does not reach: float32.)
             log.info("train.dtype = auto: float32 on this GPU, which has no bfloat16, where float16's loss scaling "
-                     "does not reach %s", ", ".join(float16_problems(cfg, self.layout)))
+                     "does not reach %s", ", ".join(problems))
             self.dtype = torch.float32
-        if self.dtype == torch.float16:
-            check_float16(cfg, self.layout)
         if cfg.train.float8:
             check_float8(self.device, self.layout.tp)  # before any process group starts
         if cfg.parallel.recompute == "auto":
@@ -366,10 +366,8 @@ class Trainer:
             log.warning("train.batch_ramp reaches %d tokens, beyond the run's %d: train.global_batch_tokens = %d is "
                         "never trained", cfg.train.batch_ramp[-1][1], cfg.total_tokens,
                         cfg.train.global_batch_tokens)
-        window = cfg.model.sliding_window
-        masked = cfg.model.document_mask or (window is not None and window < cfg.data.seq_len)
-        if cfg.model.attention_kernel == "flex" and masked and self.is_main and (self.device.type not in FLEX_DEVICES
-                                                                                 or self.layout.cp > 1):
+        if (cfg.model.attention_kernel == "flex" and masked_attention(cfg.model, cfg.data.seq_len) and self.is_main
+                and (self.device.type not in FLEX_DEVICES or self.layout.cp > 1)):
             log.info("model.attention_kernel = flex: %s, attention is computed with SDPA's mask (the same attention)",
                      "under context parallelism" if self.layout.cp > 1 else
                      f"on {self.device.type}, where torch's FlexAttention has no backward")
@@ -412,7 +410,7 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
         self.causal_flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len, causal=True)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        self.peak_flops = peak_flops(device_name, "fp32" if self.dtype == torch.float32 else "bf16")  # (fp16's alike)
+        self.peak_flops = peak_flops(device_name, str(self.dtype))
 
     def _new_loader(self) -> Prefetcher:
         """This rank's training batches from the start of the data order. Read ahead in a thread, so
