@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from scaletrain.config import ModelConfig
-from scaletrain.model.llama import Transformer, document_causal_mask, document_ids, repeat_kv_heads
+from scaletrain.model.llama import RMSNorm, Transformer, document_causal_mask, document_ids, repeat_kv_heads
 from scaletrain.model.sample import generate
 
 SHAPES = {
@@ -194,6 +194,34 @@ def test_adamw_on_a_repeated_batch_lowers_the_loss():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_rms_norm_keeps_its_input_and_scale_for_backward_with_torchs_values(dtype):
+    """The blocks' RMSNorm: torch's forward bit for bit and its gradients, keeping for backward
+    only its input and 1 / rms per row (as CUDA's fused kernel does), not the normalised input
+    the composite rms_norm would keep too."""
+    torch.manual_seed(0)
+    ours, theirs = RMSNorm(64, eps=1e-5), torch.nn.RMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        theirs.weight.normal_()
+        ours.weight.copy_(theirs.weight)
+    ours.to(dtype), theirs.to(dtype)
+    x = torch.randn(3, 5, 64, dtype=dtype)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = ours(xs[0])
+    assert sorted((tuple(t.shape), t.dtype) for t in saved if t is not ours.weight) == \
+        [((3, 5, 1), torch.float32), ((3, 5, 64), dtype)]
+    expected = theirs(xs[1])
+    assert torch.equal(y, expected)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    expected.backward(grad)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, **tolerance)
+    torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, **tolerance)
 
 
 @pytest.mark.parametrize("seq", [50, 200])  # (one partial block of 128 scores; two blocks, the second partial)

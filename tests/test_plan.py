@@ -393,7 +393,7 @@ def test_a_batch_ramp_is_timed_stretch_by_stretch_and_its_batches_split_over_the
     assert "batch ramp" in capsys.readouterr().out
     # A first batch of 4 sequences splits over 64 devices only with each sequence split too (the
     # planner's last resort); without that, the batches are named.
-    tiny_first = load_config(config, ["train.batch_ramp=[[16384, 2000000000]]"])
+    tiny_first = load_config(config, ["train.micro_batch=1", "train.batch_ramp=[[16384, 2000000000]]"])
     assert make_plan(ONE_B, int(2e10), 4096, Hardware(H100, 64, 8), batch_tokens=2**22,
                      base=tiny_first)["layout"]["layout"]["cp"] > 1
     with pytest.raises(PlanError, match="batches of 4, 1024 sequences .*train.batch_ramp"):

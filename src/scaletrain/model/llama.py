@@ -182,6 +182,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.type_as(x)
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm over the last dimension that saves its input and the per-row 1 / rms for the
+    backward pass, as CUDA's fused kernel (torch's _fused_rms_norm) does, and not the normalised
+    input that the composite rms_norm's multiplication by the weight keeps (a second copy of the
+    residual stream). The forward pass is torch's own (bit for bit); the backward pass,
+    dx = r (g w - x_hat mean(g w x_hat)) and dw = sum g x_hat with x_hat = r x, is computed in
+    float32 (or float64) and rebuilds x_hat from the input."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
+        out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, rstd, weight = ctx.saved_tensors
+        compute = torch.promote_types(x.dtype, torch.float32)
+        normalised = x.to(compute) * rstd
+        weighted = grad.to(compute) * weight.to(compute)
+        dx = rstd * (weighted - normalised * (weighted * normalised).mean(-1, keepdim=True))
+        dw = (grad.to(compute) * normalised).sum(dim=tuple(range(grad.dim() - 1)))
+        return dx.to(x.dtype), dw.to(weight.dtype), None
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (Zhang & Sennrich 2019) that keeps only its input and 1 / rms for backward on
+    every device: on CUDA torch's fused kernel (input and weight of one dtype, as they are here)
+    already does; elsewhere the composite rms_norm would keep the normalised input too, and the
+    memory model counts what CUDA keeps."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda or not torch.is_grad_enabled():
+            return super().forward(x)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
 class KVCache:
     """Keys and values of every layer for incremental decoding.
 
@@ -206,8 +243,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.core = CoreAttention()
         self.window = cfg.window_of(layer)  # (sliding-window attention, in decoding with a cache)
 
@@ -327,9 +364,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, moe: bool = False, layer: int = 0):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg, layer)
-        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = MoE(cfg, layer) if moe else FeedForward(cfg.dim, cfg.hidden_dim)
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor] | None = None, start_pos: int = 0,
@@ -351,11 +388,11 @@ class MultiTokenPrediction(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.hidden_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.embedding_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.hidden_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.embedding_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
         self.block = Block(cfg, layer=cfg.n_layers - 1)  # (attending as the last block: ModelConfig.window_of)
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, cos, sin,
                 bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -372,7 +409,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg, cfg.is_moe_layer(i), i) for i in range(cfg.n_layers)})
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         # model.mtp_depth: training's extra heads (see forward); None without them.
         self.mtp = nn.ModuleList(MultiTokenPrediction(cfg) for _ in range(cfg.mtp_depth)) if cfg.mtp_depth else None

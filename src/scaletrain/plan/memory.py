@@ -31,19 +31,22 @@ Components (per device, in bytes):
   under the V-shaped schedules; checked
   against real runs': one process, tp = 2, pp = 2), and per depth the activations of one more dense
   block (recomputed as the blocks are) and one more loss — an estimate, not a tally: the joined
-  inputs and the depths' norms are left out and the loss counts its gradient, which about
-  cancel (tests: 0.97–0.98 of what autograd saves for the depths in float32, 1.10–1.12 in bf16,
-  at width 128 and a vocabulary of 512; a larger vocabulary weighs the loss more).
+  inputs and the depths' norms are left out and the loss counts its gradient, which is more
+  (tests: 1.06–1.08 of what autograd saves for the depths in float32, 1.28–1.31 in bf16, whose
+  depths' blocks read a bf16 residual stream from the projection; at width 128 and a vocabulary
+  of 512; a larger vocabulary weighs the loss more): on the safe side.
 
 Per token and layer, a block of width d, h query heads, key/value width k (kv heads × head
-dim) and MLP width F saves, with bf16 compute (residual stream float32), 26d + 4k + 8F + 4h + 8
-bytes without recomputation: for each of its two norms the float32 input, the normalised input
-(4d each) and the bf16 copy the projections read (2d); rotated q, k and v (2d + 4k); the
-attention output and its (batch, seq, dim) copy for wo (2d each) and the attention's float32
-log-sum-exp (4h); w1, w3, silu(w1) and their product (2F each); two float32 norm scales (8).
-In float32: 36d + 8k + 16F + 4h + 8 (the norms' outputs are then a third float32 copy, not a
-bf16 one). QK-norm adds 8d + 8k + 4h + 4·(kv heads) either way: the float32 input and output
-of q's and k's norms and one scale per head. Under context parallelism (cp ranks) attention
+dim) and MLP width F saves, with bf16 compute (residual stream float32), 18d + 4k + 8F + 4h + 8
+bytes without recomputation: for each of its two norms the float32 input (4d) and the bf16 copy
+the projections read (2d); rotated q, k and v (2d + 4k); the attention output and its (batch,
+seq, dim) copy for wo (2d each) and the attention's float32 log-sum-exp (4h); w1, w3, silu(w1)
+and their product (2F each); two float32 norm scales (8). The norms keep their input and
+1 / rms only, as CUDA's fused kernel does (model/llama.py's RMSNorm does so on other devices
+too; torch's composite rms_norm would also keep the normalised input, 8d more). In float32:
+28d + 8k + 16F + 4h + 8 (the norms' outputs are then float32 copies, 4d each). QK-norm adds
+4d + 4k + 4h + 4·(kv heads) either way: the float32 input of q's and k's norms and one scale
+per head. Under context parallelism (cp ranks) attention
 saves the keys and values of the whole sequence it gathered, cp times the local ones: 4k·(cp - 1)
 more per local token (8k·(cp - 1) in float32). This is the tally of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models", section 4.1) redone for this SwiGLU block, whose attention kernel
@@ -169,10 +172,10 @@ def block_bytes_per_token(cfg: Any, bf16: bool, recompute: str, moe: bool = Fals
             raise ValueError("the memory model does not cover selective recomputation of a mixture of experts; "
                              "use parallel.recompute = 'none' or 'full'")
         return (12 * d + 4 * k + 4 * f if bf16 else 20 * d + 8 * k + 8 * f) + lse
-    # QK-norm keeps the float32 input and output of q's and k's norms and a scale per head.
-    qk = 8 * d + 8 * k + 4 * cfg.n_heads + 4 * cfg.kv_heads if cfg.qk_norm else 0
+    # QK-norm keeps the float32 input of q's and k's norms and a scale per head.
+    qk = 4 * d + 4 * k + 4 * cfg.n_heads + 4 * cfg.kv_heads if cfg.qk_norm else 0
     gathered = (4 if bf16 else 8) * k * (cp - 1)  # the rest of the sequence's keys and values
-    common = (26 * d + 4 * k if bf16 else 36 * d + 8 * k) + lse + 8 + qk + gathered
+    common = (18 * d + 4 * k if bf16 else 28 * d + 8 * k) + lse + 8 + qk + gathered
     if not moe:
         return common + (8 if bf16 else 16) * f
     experts, top_k, width, shared = cfg.moe_experts, cfg.moe_top_k, cfg.expert_dim, cfg.moe_shared_experts

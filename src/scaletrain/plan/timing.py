@@ -96,9 +96,9 @@ from scaletrain.plan.memory import MemoryEstimate, activation_bytes_per_token, p
 class Efficiency:
     """What a device achieves of its datasheet figures (see the module's docstring)."""
 
-    matmul: float = 0.701
+    matmul: float = 0.719
     """Fraction of dense peak FLOP/s that matmuls and attention reach."""
-    elementwise: float = 8.94
+    elementwise: float = 11.03
     """Bytes of memory traffic of elementwise work per byte a block saves for its backward pass."""
     link: float = 0.82
     """Fraction of a node's link bandwidth a collective's data moves at (NCCL's bus bandwidth:
