@@ -314,8 +314,8 @@ def test_multi_token_prediction_is_counted_as_a_block_and_a_loss_per_depth(bf16)
     activations and another loss — against the bytes autograd saves for the depths (the block,
     the joined inputs, the head's log-softmax): from 20% under to 40% over (the estimate's loss is
     the peak around the loss, gradient included, which is more than the joined inputs it leaves
-    out: 1.06-1.08 of what is saved in float32, 1.28-1.31 in bf16, whose depths' blocks take a
-    bf16 residual stream from the projection and so save less than the trunk's)."""
+    out: 1.06-1.08 of what is saved in float32, 1.28-1.31 in bf16, where the float32 loss weighs
+    more beside the blocks' bf16 copies)."""
     batch, seq = 3, 64
     shape = dict(vocab_size=512, max_seq_len=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2)
     for depth in (1, 2):

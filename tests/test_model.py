@@ -212,7 +212,7 @@ def test_rms_norm_keeps_its_input_and_scale_for_backward_with_torchs_values(dtyp
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = ours(xs[0])
-    assert sorted((tuple(t.shape), t.dtype) for t in saved if t is not ours.weight) == \
+    assert sorted((tuple(t.shape), t.dtype) for t in saved if t.dim() == 3) == \
         [((3, 5, 1), torch.float32), ((3, 5, 64), dtype)]
     expected = theirs(xs[1])
     assert torch.equal(y, expected)
@@ -222,6 +222,15 @@ def test_rms_norm_keeps_its_input_and_scale_for_backward_with_torchs_values(dtyp
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(xs[0].grad, xs[1].grad, **tolerance)
     torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, **tolerance)
+    # Under autocast it computes in float32, as CUDA's autocast runs rms_norm, whatever its input's
+    # dtype (a bf16 residual stream under FSDP's bf16 parameters): it keeps a float32 copy.
+    saved.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = ours(x.to(torch.bfloat16).requires_grad_())
+    assert y.dtype == torch.float32
+    assert sorted((tuple(t.shape), t.dtype) for t in saved if t.dim() == 3) == \
+        [((3, 5, 1), torch.float32), ((3, 5, 64), torch.float32)]
 
 
 @pytest.mark.parametrize("seq", [50, 200])  # (one partial block of 128 scores; two blocks, the second partial)

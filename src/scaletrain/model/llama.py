@@ -208,15 +208,19 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (Zhang & Sennrich 2019) that keeps only its input and 1 / rms for backward on
-    every device: on CUDA torch's fused kernel (input and weight of one dtype, as they are here)
-    already does; elsewhere the composite rms_norm would keep the normalised input too, and the
-    memory model counts what CUDA keeps."""
+    """nn.RMSNorm (Zhang & Sennrich 2019) as CUDA computes it, on every device: CUDA's autocast
+    runs rms_norm in float32 (its input and weight cast up) and torch's fused kernel keeps only
+    the input and 1 / rms for backward. Elsewhere autocast leaves rms_norm alone and the composite
+    rms_norm keeps the normalised input too; here both are done as on CUDA, so that the CPU saves
+    what the memory model counts for CUDA."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda or not torch.is_grad_enabled():
+        if x.is_cuda:
             return super().forward(x)
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        weight = self.weight
+        if torch.is_autocast_enabled(x.device.type):
+            x, weight = x.float(), weight.float()
+        return _RMSNormFunction.apply(x, weight, self.eps)
 
 
 class KVCache:

@@ -32,9 +32,9 @@ Components (per device, in bytes):
   against real runs': one process, tp = 2, pp = 2), and per depth the activations of one more dense
   block (recomputed as the blocks are) and one more loss — an estimate, not a tally: the joined
   inputs and the depths' norms are left out and the loss counts its gradient, which is more
-  (tests: 1.06–1.08 of what autograd saves for the depths in float32, 1.28–1.31 in bf16, whose
-  depths' blocks read a bf16 residual stream from the projection; at width 128 and a vocabulary
-  of 512; a larger vocabulary weighs the loss more): on the safe side.
+  (tests: 1.06–1.08 of what autograd saves for the depths in float32, 1.28–1.31 in bf16, at
+  width 128 and a vocabulary of 512; a larger vocabulary weighs the loss more): on the safe
+  side.
 
 Per token and layer, a block of width d, h query heads, key/value width k (kv heads × head
 dim) and MLP width F saves, with bf16 compute (residual stream float32), 18d + 4k + 8F + 4h + 8
