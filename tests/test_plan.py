@@ -21,7 +21,8 @@ from scaletrain.plan.hardware import DEVICES, device, device_from_dict
 from scaletrain.plan.planner import Hardware, make_plan, model_for, plan_for_time, planned_config, size
 from scaletrain.plan.memory import (in_flight_microbatches, last_rank_microbatches, rank_memory, rank_microbatches,
                                     training_memory)
-from scaletrain.plan.search import PlanError, _head_blocks, candidates, describe, head_balanced_blocks, search
+from scaletrain.plan.search import (PlanError, _head_blocks, candidates, describe, head_balanced_blocks, layout_dtype,
+                                    search)
 from scaletrain.plan.timing import (Efficiency, PlanLayout, bubble_microbatches, collective, group_bandwidth,
                                     scores_computed, step_time)
 from scaletrain.scaling.laws import preset
@@ -599,6 +600,49 @@ def test_the_cli_prints_the_plan_for_people_and_writes_its_config(tmp_path, caps
     assert main(["plan", "--compute", "1e21", "--unique-tokens", "5e9"]) == 0
     text = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "epochs; past about 4, each repeat teaches less" in text
+
+
+def test_on_gpus_without_bf16_layouts_float16_does_not_reach_are_timed_in_float32(capsys):
+    """On a V100 or T4, train.dtype = auto is float16, whose loss scaling train offers on
+    data-parallel layouts of a dense model only; the others train in float32 there, and the
+    planner times them so (float16 asked for outright: it leaves them out)."""
+    v100 = device("V100")
+    assert not v100.bf16 and not device("T4").bf16 and H100.bf16
+    fsdp, split = PlanLayout(dp_shard=8), PlanLayout(dp_shard=4, tp=2)
+    assert layout_dtype(ONE_B, fsdp, v100, "bf16") == "bf16" and layout_dtype(ONE_B, split, v100, "bf16") == "fp32"
+    assert layout_dtype(ONE_B, split, H100, "bf16") == "bf16" and layout_dtype(ONE_B, split, v100, "fp32") == "fp32"
+    assert layout_dtype(ONE_B, split, v100, "fp16") is None and layout_dtype(ONE_B, fsdp, v100, "fp16") == "bf16"
+    assert layout_dtype(ONE_B, PlanLayout(dp_shard=8, loss_chunk_tokens=8192), v100, "bf16") == "fp32"
+    assert layout_dtype(ONE_B, fsdp, v100, "bf16", float8=True) == "fp32"
+    mixture = ModelConfig(vocab_size=32768, dim=1024, n_layers=8, n_heads=16, moe_experts=8, max_seq_len=2048)
+    assert layout_dtype(mixture, fsdp, v100, "bf16") == "fp32"
+    ranked = search(ONE_B, 2048, 64, 16, v100, top=30, gpus_per_node=8)
+    assert {c.dtype for c in ranked} == {"bf16", "fp32"}  # (both kinds searched, each timed as it trains)
+    for c in ranked:
+        limited = c.layout.tp > 1 or c.layout.pp > 1 or c.layout.cp > 1 or c.layout.loss_chunk_tokens > 0
+        assert c.dtype == ("fp32" if limited else "bf16"), describe(c.layout)
+        assert c.time == step_time(ONE_B, 2048, c.global_batch, c.layout, v100, gpus_per_node=8, dtype=c.dtype)
+    assert ranked[0].dtype == "bf16"
+    # The same layout split by tensor parallelism, timed in float32, is several times slower.
+    assert step_time(ONE_B, 2048, 64, split, v100, dtype="fp32").tokens_per_s \
+        < step_time(ONE_B, 2048, 64, split, v100).tokens_per_s / 3
+    assert all(c.dtype == "bf16" for c in search(ONE_B, 2048, 64, 16, v100, top=30, gpus_per_node=8, dtype="fp16"))
+    # The plan says what its layout computes in; a config's own float16 layout that float16 does not reach is refused.
+    llama = ["plan", "configs/llama-1b.toml", "--vocab", "32768", "--gpu", "V100", "--gpus", "8", "--json"]
+    assert main(llama) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == "fp16"
+    assert main([*llama, "parallel.tp=2", "train.micro_batch=1", "--keep-layout"]) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == "fp32"
+    assert main([*llama[:-1], "parallel.tp=2", "train.micro_batch=1", "--keep-layout"]) == 0
+    assert "float16's loss scaling does not reach this layout, and V100 has no bfloat16" in \
+        " ".join(capsys.readouterr().out.split())
+    assert main([*llama, "parallel.tp=2", "train.micro_batch=1", "train.dtype=float16", "--keep-layout"]) == 2
+    assert "not with parallel.tp = 2" in " ".join(capsys.readouterr().err.split())
+    with pytest.raises(ValueError, match="bf16 = 'no' must be true or false"):
+        device_from_dict({"bf16": "no"}, base=v100)
+    with pytest.raises(ValueError, match="needs an fp32 entry"):
+        device_from_dict({"name": "X", "peak_tflops": {"bf16": 100}, "memory_gb": 32, "memory_bandwidth_gbs": 900,
+                          "intra_node_gbs": 16, "inter_node_gbs": 12.5, "watts": 300, "bf16": False})
 
 
 def test_keep_layout_plans_the_configs_own_layout_beside_the_searchs_best(tmp_path, capsys):

@@ -655,6 +655,12 @@ def plan_tables(plan: dict) -> list[Table]:
     how.add_column(style="bold")
     how.add_column()
     how.add_row("layout", plan["layout"]["text"] + (" (the config's)" if plan["layout"].get("kept") else ""))
+    if plan["dtype"] == "fp16":
+        how.add_row("compute", f"float16 with a dynamic loss scale ({hw['device']['name']} has no bfloat16)")
+    elif plan["dtype"] == "fp32":
+        how.add_row("compute", "float32" + ("" if hw["device"].get("bf16", True) else
+                                            f": float16's loss scaling does not reach this layout, and "
+                                            f"{hw['device']['name']} has no bfloat16"))
     mem = plan["memory"]
     parts = ", ".join(f"{key.replace('_', ' ')} {_gb(mem[key])}"
                       + (f" ({_gb(mem['gradients_whole'])} whole while the micro-batches run)"

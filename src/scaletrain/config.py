@@ -120,6 +120,28 @@ def effective_window(window: int | None, seq_len: int) -> int | None:
     return window if window is not None and window < seq_len else None
 
 
+def float16_problems(*, tp: int = 1, cp: int = 1, pp: int = 1, moe: bool = False, float8: bool = False,
+                     loss_chunk_tokens: int = 0) -> list[str]:
+    """What float16's loss scaling does not reach, each named as its setting: tensor, context and
+    pipeline parallelism (their losses are split or scheduled), a mixture of experts (its balance
+    enters the gradients from inside the blocks), float8, and the chunked loss (its float16
+    product of the logits' gradient and the hidden states is formed before any scale could keep
+    it in range). Train refuses them under train.dtype = float16 and computes them in float32
+    under auto on a GPU without bfloat16; the planner times them so."""
+    return [what for what, bad in (
+        (f"parallel.tp = {tp}", tp > 1), (f"parallel.cp = {cp}", cp > 1), (f"parallel.pp = {pp}", pp > 1),
+        ("a mixture of experts (model.moe_experts)", moe), ("train.float8", float8),
+        (f"train.loss_chunk_tokens = {loss_chunk_tokens}", loss_chunk_tokens > 0)) if bad]
+
+
+def check_float16(problems: list[str]) -> None:
+    """ConfigError naming float16_problems' `problems`, where there are any."""
+    if problems:
+        raise ConfigError(f"train.dtype = float16 scales the loss on one device or data-parallel layouts of a dense "
+                          f"model, not with {', '.join(problems)}; use train.dtype = float32 (or bfloat16 on a GPU "
+                          "that has it)")
+
+
 def masked_attention(cfg: Any, seq_len: int) -> bool:
     """Attention over sequences of seq_len tokens is masked beyond causal: within documents, or
     within a window shorter than them (cfg: ModelConfig's fields; the planner's stand-ins too)."""

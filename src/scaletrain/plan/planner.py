@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import ConfigError, ModelConfig, RunConfig, validate_config
+from scaletrain.config import ConfigError, ModelConfig, RunConfig, check_float16, float16_problems, validate_config
 from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.plan.cost import Prices, Reliability, run_cost
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import choose_recompute
-from scaletrain.plan.search import USABLE_MEMORY, Candidate, PlanError, describe, search
+from scaletrain.plan.search import USABLE_MEMORY, Candidate, PlanError, describe, layout_dtype, search
 from scaletrain.plan.timing import Efficiency, PlanLayout, step_time
 from scaletrain.scaling.grid import warmup_steps
 from scaletrain.scaling.hparams import DEEPSEEK, HyperparameterLaw
@@ -209,7 +209,7 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
     per_token = train_flops_per_token(model, seq_len)
     compute = tokens * per_token
     lr, rule_batch = hyperparameters(compute, model.dim)
-    dtype = "fp32" if base is not None and base.train.dtype == "float32" else "bf16"
+    dtype = {"float32": "fp32", "float16": "fp16"}.get(base.train.dtype, "bf16") if base is not None else "bf16"
     fixed = batch_tokens is not None
     if fixed and batch_tokens % seq_len:
         raise PlanError(f"a global batch of {batch_tokens} tokens is not whole sequences of {seq_len}; use a multiple "
@@ -243,7 +243,7 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
     phases = []
     for count, batch in ramp:  # fewer micro-batches a step: the step's fixed costs weigh more
         time = step_time(model, seq_len, batch // seq_len, best.layout, hardware.device, hardware.efficiency,
-                         hardware.gpus_per_node, dtype)
+                         hardware.gpus_per_node, best.dtype)
         phases.append({"batch_tokens": batch, "steps": count, "step_s": time.total,
                        "tokens_per_s": time.tokens_per_s, "mfu": time.mfu})
     train_s = steps * best.time.total + sum(phase["steps"] * phase["step_s"] for phase in phases)
@@ -294,7 +294,8 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
         if base is None else {"lr": base.train.lr, "global_batch_tokens": batch_tokens,
                               "warmup_steps": base.train.warmup_steps, "schedule": base.train.schedule,
                               "source": "the config"},
-        "dtype": dtype,
+        # What the layout computes in: 16-bit is float16 on a device without bfloat16.
+        "dtype": "fp16" if best.dtype == "bf16" and not hardware.device.bf16 else best.dtype,
         "inference": {"tokens": sizing.inference_tokens, "flops": 2.0 * counts["total"] * sizing.inference_tokens,
                       "lifetime_flops": tokens * per_token
                       + 2.0 * counts["total"] * sizing.inference_tokens},
@@ -314,6 +315,9 @@ def configured_layout(cfg: RunConfig, hardware: Hardware, dtype: str = "bf16") -
     layout = PlanLayout.of(cfg, resolved)
     seq_len, batch = cfg.data.seq_len, cfg.seqs_per_step
     usable = USABLE_MEMORY * hardware.device.memory
+    if (dtype := layout_dtype(cfg.model, layout, hardware.device, dtype, cfg.train.float8)) is None:  # (float16)
+        check_float16(float16_problems(tp=layout.tp, cp=layout.cp, pp=layout.pp, moe=cfg.model.moe,
+                                       float8=cfg.train.float8, loss_chunk_tokens=layout.loss_chunk_tokens))
     if layout.recompute == "auto":
         mode, _ = choose_recompute(cfg.model, seq_len, layout.micro_batch, usable, bf16=dtype == "bf16",
                                    **layout.memory_layout(batch))
@@ -325,7 +329,7 @@ def configured_layout(cfg: RunConfig, hardware: Hardware, dtype: str = "bf16") -
                         "(without --keep-layout), or recompute more, lower train.micro_batch or use more devices")
     time = step_time(cfg.model, seq_len, batch, layout, hardware.device, hardware.efficiency, hardware.gpus_per_node,
                      dtype)
-    return Candidate(layout, batch, memory, time)
+    return Candidate(layout, batch, memory, time, dtype)
 
 
 def plan_for_time(law: ChinchillaLaw, hours: float, hardware: Hardware, vocab: int, seq_len: int, *,

@@ -24,7 +24,10 @@ flash kernel on GPUs through SDPA's bottom-right causal mask, but that path has 
 measured on a GPU here, and its keys' and values' all-gathers are timed as if nothing
 overlapped them. The fastest by plan/timing.py wins; among layouts within 1% of it, the
 simplest (fewest kinds of parallelism, smaller tp, no recomputation), since the difference is
-below what the model can tell apart.
+below what the model can tell apart. Each layout is timed and sized in what train computes it
+in (layout_dtype): on a device without bfloat16 (V100, T4), 16-bit compute is float16, which
+train offers on data-parallel layouts of a dense model only; the others are timed in float32
+there (left out when train.dtype = float16 is asked for).
 
 The global batch is either fixed (a config's, which every layout must split evenly) or a
 target in sequences: each layout takes the multiple of its data-parallel ranks x micro-batch
@@ -44,7 +47,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from scaletrain.config import effective_window
+from scaletrain.config import effective_window, float16_problems
 from scaletrain.errors import UserError
 from scaletrain.model.flops import block_train_flops_per_token, moe_layers, mtp_train_flops_per_token
 from scaletrain.parallel.layout import ends_light_blocks, stage_blocks, stage_ids
@@ -69,6 +72,7 @@ class Candidate:
     global_batch: int  # sequences per step
     memory: MemoryEstimate
     time: StepTime
+    dtype: str = "bf16"  # what it computes in (layout_dtype)
 
     @property
     def seconds_per_token(self) -> float:
@@ -84,7 +88,7 @@ class Candidate:
     def to_dict(self) -> dict:
         return {"layout": self.layout.to_dict(), "global_batch": self.global_batch,
                 "microbatches": self.layout.microbatches(self.global_batch), "memory": self.memory.as_dict(),
-                "time": self.time.to_dict()}
+                "time": self.time.to_dict(), "dtype": self.dtype}
 
 
 def divisors(n: int) -> list[int]:
@@ -176,6 +180,21 @@ def _splits(batch: int, dp: int, micro_batch: int, pp: int, stages: int) -> bool
     return pp == 1 or (steps >= pp and (stages == 1 or steps % pp == 0))  # (what train's check asks)
 
 
+def layout_dtype(cfg: Any, layout: PlanLayout, device: Device, dtype: str, float8: bool = False) -> str | None:
+    """What `layout` computes in on `device`, as train resolves train.dtype: `dtype` is "bf16"
+    (auto or bfloat16: 16-bit), "fp16" (float16) or "fp32". 16-bit compute on a device without
+    bfloat16 is float16, whose loss scaling reaches data-parallel layouts of a dense model only
+    (config.float16_problems): elsewhere auto computes in float32 ("fp32") and float16 is refused
+    (None). A 16-bit layout is timed at the "bf16" peak, float16's rate where bf16 is missing.
+    `float8`: train.float8, which float16 does not reach either."""
+    if dtype == "fp32" or (dtype == "bf16" and device.bf16):
+        return dtype
+    if float16_problems(tp=layout.tp, cp=layout.cp, pp=layout.pp, moe=bool(moe_layers(cfg)),
+                        float8=float8, loss_chunk_tokens=layout.loss_chunk_tokens):
+        return None if dtype == "fp16" else "fp32"
+    return "bf16"
+
+
 def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fixed_batch: bool = False,
                gpus_per_node: int | None = None, efficiency: Efficiency = Efficiency(), dtype: str = "bf16",
                usable: float = USABLE_MEMORY, allow_cp: bool = False, optimizer: str = "adamw",
@@ -209,16 +228,21 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
                         for recompute in RECOMPUTE:
                             if recompute == "selective" and moe_layers(cfg):
                                 continue  # not modelled for a mixture
-                            layout = memory = None
+                            layout = memory = own = None
                             for chunk in chunks:
-                                layout = PlanLayout(replicate, dp // replicate, tp, cp, pp, micro_batch, recompute,
-                                                    schedule, stages, chunk, ep, optimizer, ema, blocks)
-                                memory = layout.memory(cfg, seq_len, global_batch, bf16=dtype == "bf16")
+                                trial = PlanLayout(replicate, dp // replicate, tp, cp, pp, micro_batch, recompute,
+                                                   schedule, stages, chunk, ep, optimizer, ema, blocks)
+                                if (computes := layout_dtype(cfg, trial, device, dtype)) is None:
+                                    continue  # (float16 refuses it)
+                                layout, own = trial, computes
+                                memory = layout.memory(cfg, seq_len, global_batch, bf16=own == "bf16")
                                 if memory.peak <= capacity:
                                     break
+                            if layout is None:
+                                break  # (none under float16: nor with more recomputation)
                             time = step_time(cfg, seq_len, global_batch, layout, device, efficiency,
-                                             gpus_per_node, dtype)
-                            candidate = Candidate(layout, global_batch, memory, time)
+                                             gpus_per_node, own)
+                            candidate = Candidate(layout, global_batch, memory, time, own)
                             if memory.peak <= capacity:
                                 fits.append(candidate)
                                 break

@@ -25,6 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as vocabulary_split_loss
 
 from scaletrain.config import ConfigError, RunConfig, load_config, masked_attention, validate_config
+from scaletrain.config import check_float16 as config_check_float16
+from scaletrain.config import float16_problems as config_float16_problems
 from scaletrain.data.loader import IGNORE, Prefetcher, TokenLoader, eval_batches
 from scaletrain.data.shards import DataError, read_index, read_indexes
 from scaletrain.hf import load_hf_weights
@@ -208,24 +210,14 @@ def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
 
 
 def float16_problems(cfg: RunConfig, layout) -> list[str]:
-    """What float16's loss scaling does not reach in this run: tensor, context and pipeline
-    parallelism (their losses are split or scheduled), a mixture of experts (its balance enters
-    the gradients from inside the blocks), float8, and the chunked loss (its float16 product
-    of the logits' gradient and the hidden states is formed before any scale could keep it in
-    range)."""
-    return [what for what, bad in (
-        (f"parallel.tp = {layout.tp}", layout.tp > 1), (f"parallel.cp = {layout.cp}", layout.cp > 1),
-        (f"parallel.pp = {layout.pp}", layout.pp > 1), ("a mixture of experts (model.moe_experts)", cfg.model.moe),
-        ("train.float8", cfg.train.float8),
-        (f"train.loss_chunk_tokens = {cfg.train.loss_chunk_tokens}", cfg.train.loss_chunk_tokens > 0)) if bad]
+    """What float16's loss scaling does not reach in this run (config.float16_problems)."""
+    return config_float16_problems(tp=layout.tp, cp=layout.cp, pp=layout.pp, moe=cfg.model.moe,
+                                   float8=cfg.train.float8, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
 
 
 def check_float16(cfg: RunConfig, layout) -> None:
     """ConfigError naming float16_problems, where there are any."""
-    if problems := float16_problems(cfg, layout):
-        raise ConfigError(f"train.dtype = float16 scales the loss on one device or data-parallel layouts of a dense "
-                          f"model, not with {', '.join(problems)}; use train.dtype = float32 (or bfloat16 on a GPU "
-                          "that has it)")
+    config_check_float16(float16_problems(cfg, layout))
 
 
 # float16's dynamic loss scale (Micikevicius et al. 2018; torch.amp.GradScaler's constants).
