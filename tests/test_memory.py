@@ -63,15 +63,19 @@ def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool, positions:
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["gqa", "mha-ffn", "qk-norm", "moe-top2-dense", "moe-top1-shared-sigmoid"])
-@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
-def test_predicted_activation_bytes_are_what_autograd_saves(shape, bf16):
+@pytest.mark.parametrize("bf16, stream", [(False, False), (True, False), (True, True)],
+                         ids=["float32", "bf16", "bf16-stream"])
+def test_predicted_activation_bytes_are_what_autograd_saves(shape, bf16, stream):
+    """stream: the residual stream in bf16, as FSDP's bf16 parameters make it (here the model's
+    weights in bf16, as FSDP gathers them)."""
     cfg = ModelConfig(vocab_size=512, max_seq_len=64, **shape)
-    model = Transformer(cfg)
+    model = Transformer(cfg).to(torch.bfloat16 if stream else torch.float32)
     batch, seq = 3, 64
     measured = saved_bytes(model, torch.randint(0, 512, (batch, seq)), bf16)
-    predicted = activation_bytes_per_token(cfg, bf16, "none") * batch * seq * cfg.n_layers
+    predicted = activation_bytes_per_token(cfg, bf16, "none", bf16_stream=stream) * batch * seq * cfg.n_layers
     assert measured == pytest.approx(predicted, rel=0.01)
-    assert training_memory(cfg, seq, batch, bf16=bf16).activations == pytest.approx(measured, rel=0.01)
+    assert training_memory(cfg, seq, batch, bf16=bf16, bf16_stream=stream).activations \
+        == pytest.approx(measured, rel=0.01)
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
@@ -182,7 +186,11 @@ def test_recomputation_and_sharding_lower_the_prediction_in_order():
     peaks = [training_memory(cfg, 2048, 8, recompute=mode).peak for mode in ("none", "selective", "full")]
     assert peaks[0] > peaks[1] > peaks[2]
     whole, sharded = training_memory(cfg, 2048, 8), training_memory(cfg, 2048, 8, fsdp=8)
-    assert sharded.optimizer < whole.optimizer / 7 and sharded.activations == whole.activations
+    assert sharded.optimizer < whole.optimizer / 7
+    # (FSDP's bf16 parameters make the residual stream bf16: its norms keep bf16 inputs, 4d a token and block less.)
+    assert sharded.activations == training_memory(cfg, 2048, 8, bf16_stream=True).activations \
+        == whole.activations - 4 * cfg.dim * 2048 * 8 * cfg.n_layers
+    assert training_memory(cfg, 2048, 8, fsdp=8, bf16_stream=False).activations == whole.activations
     chunked = training_memory(cfg, 2048, 8, loss_chunk_tokens=4096)
     assert chunked.loss < whole.loss / 2
 
@@ -230,8 +238,11 @@ def test_the_planner_chooses_the_least_recomputation_that_fits():
     # Pipelined with dense first blocks: each rank counted with the blocks it holds (rank 1 the 8
     # mixtures, as when every block is one; rank 0 the 8 dense ones), the estimate the larger peak.
     dense_first = mixture.model_copy(update={"moe_dense_layers": 8})  # 16 blocks, the last 8 mixtures
-    ranks = [rank_memory(c, 4096, 4, micro_steps=8, pp=2, **held) for c, held in pipeline_ranks(dense_first, 2, 8, "1f1b", 1)]
-    all_ranks = [rank_memory(c, 4096, 4, micro_steps=8, pp=2, **held) for c, held in pipeline_ranks(mixture, 2, 8, "1f1b", 1)]
+    # (Two processes: FSDP's bf16 parameters make the residual stream bf16.)
+    ranks = [rank_memory(c, 4096, 4, micro_steps=8, pp=2, bf16_stream=True, **held)
+             for c, held in pipeline_ranks(dense_first, 2, 8, "1f1b", 1)]
+    all_ranks = [rank_memory(c, 4096, 4, micro_steps=8, pp=2, bf16_stream=True, **held)
+                 for c, held in pipeline_ranks(mixture, 2, 8, "1f1b", 1)]
     assert ranks[1].parameters == all_ranks[1].parameters and ranks[0].parameters < all_ranks[0].parameters
     assert training_memory(dense_first, 4096, 4, micro_steps=8, pp=2).peak == max(r.peak for r in ranks)
     # Interleaved, each rank holds 2 dense and 2 mixture stages of 2 blocks: half its blocks mixtures.
@@ -261,12 +272,13 @@ def test_pipeline_ranks_hold_the_micro_batches_their_schedule_keeps_in_flight():
 
 def test_pipelining_splits_the_parameters_and_keeps_1f1b_activations_where_one_device_had_them():
     cfg = load_config(ROOT / "configs" / "llama-1b.toml", ["model.vocab_size=32768", "model.tie_embeddings=false"]).model
-    whole = training_memory(cfg, 2048, 1, micro_steps=8)
+    whole = training_memory(cfg, 2048, 1, micro_steps=8, bf16_stream=True)  # (as FSDP makes it on pp ranks)
     piped = training_memory(cfg, 2048, 1, micro_steps=8, pp=4)
     # the busier rank: a quarter of the blocks, and the head with the final norm (larger than the embedding)
     assert whole.parameters / 4 < piped.parameters < whole.parameters / 2
     # 1F1B: pp micro-batches of L/pp blocks on the first rank are one micro-batch of all L blocks
-    first = rank_memory(cfg, 2048, 1, micro_steps=8, pp=4, in_flight=in_flight_microbatches(4, 8), head=False)
+    first = rank_memory(cfg, 2048, 1, micro_steps=8, pp=4, in_flight=in_flight_microbatches(4, 8), head=False,
+                        bf16_stream=True)
     assert first.activations == whole.activations and first.loss == 0
     gpipe = training_memory(cfg, 2048, 1, micro_steps=8, pp=4, pp_schedule="gpipe")
     assert gpipe.activations == pytest.approx(2 * whole.activations, rel=1e-6)  # 8 micro-batches of L/4 blocks
@@ -312,7 +324,7 @@ def test_muon_holds_one_moment_of_the_block_matrices_and_the_largest_whole_in_it
 def test_multi_token_prediction_is_counted_as_a_block_and_a_loss_per_depth(bf16):
     """The memory model's estimate of what model.mtp_depth adds — per depth a dense block's
     activations and another loss — against the bytes autograd saves for the depths (the block,
-    the joined inputs, the head's log-softmax): from 20% under to 40% over (the estimate's loss is
+    the joined inputs, the head's log-softmax): over, by at most 35% (the estimate's loss is
     the peak around the loss, gradient included, which is more than the joined inputs it leaves
     out: 1.06-1.08 of what is saved in float32, 1.28-1.31 in bf16, where the float32 loss weighs
     more beside the blocks' bf16 copies)."""
@@ -332,4 +344,4 @@ def test_multi_token_prediction_is_counted_as_a_block_and_a_loss_per_depth(bf16)
         measured = sum(seen.values())
         with_depths, without = (training_memory(c, seq, batch, bf16=bf16) for c in (cfg, ModelConfig(**shape)))
         predicted = with_depths.activations + with_depths.loss - without.activations - without.loss
-        assert 0.8 < predicted / measured < 1.4, (depth, predicted, measured)
+        assert 1.0 < predicted / measured < 1.35, (depth, predicted, measured)

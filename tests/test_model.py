@@ -198,9 +198,10 @@ def test_adamw_on_a_repeated_batch_lowers_the_loss():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 def test_rms_norm_keeps_its_input_and_scale_for_backward_with_torchs_values(dtype):
-    """The blocks' RMSNorm: torch's forward bit for bit and its gradients, keeping for backward
-    only its input and 1 / rms per row (as CUDA's fused kernel does), not the normalised input
-    the composite rms_norm would keep too."""
+    """The blocks' RMSNorm: torch's values (in float32 its forward bit for bit; in bf16 computed
+    in float32 and rounded once, as CUDA's fused kernel does, where the CPU's composite rounds
+    twice) and gradients, keeping for backward only its input and 1 / rms per row (as CUDA's
+    fused kernel does), not the normalised input the composite rms_norm would keep too."""
     torch.manual_seed(0)
     ours, theirs = RMSNorm(64, eps=1e-5), torch.nn.RMSNorm(64, eps=1e-5)
     with torch.no_grad():
@@ -209,28 +210,45 @@ def test_rms_norm_keeps_its_input_and_scale_for_backward_with_torchs_values(dtyp
     ours.to(dtype), theirs.to(dtype)
     x = torch.randn(3, 5, 64, dtype=dtype)
     xs = [x.clone().requires_grad_() for _ in range(2)]
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = ours(xs[0])
-    assert sorted((tuple(t.shape), t.dtype) for t in saved if t.dim() == 3) == \
-        [((3, 5, 1), torch.float32), ((3, 5, 64), dtype)]
+
+    def kept(inputs: torch.Tensor, autocast: bool = False) -> tuple[torch.Tensor, list]:
+        saved = []
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = ours(inputs)
+        return out, sorted((tuple(t.shape), t.dtype) for t in saved if t.dim() == 3)  # (not the weight)
+
+    y, saved = kept(xs[0])
+    assert saved == [((3, 5, 1), torch.float32), ((3, 5, 64), dtype)]
     expected = theirs(xs[1])
-    assert torch.equal(y, expected)
+    if dtype == torch.float32:
+        assert torch.equal(y, expected)
+    else:
+        wide = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5) * ours.weight.float()
+        assert torch.equal(y, wide.to(dtype))
+        torch.testing.assert_close(y, expected, rtol=1e-2, atol=1e-2)
     grad = torch.randn_like(y)
     y.backward(grad)
     expected.backward(grad)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(xs[0].grad, xs[1].grad, **tolerance)
     torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, **tolerance)
-    # Under autocast it computes in float32, as CUDA's autocast runs rms_norm, whatever its input's
-    # dtype (a bf16 residual stream under FSDP's bf16 parameters): it keeps a float32 copy.
-    saved.clear()
-    with torch.autocast("cpu", dtype=torch.bfloat16), \
-            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = ours(x.to(torch.bfloat16).requires_grad_())
-    assert y.dtype == torch.float32
-    assert sorted((tuple(t.shape), t.dtype) for t in saved if t.dim() == 3) == \
-        [((3, 5, 1), torch.float32), ((3, 5, 64), torch.float32)]
+    # Under autocast: an input of the weight's dtype as it is (FSDP's bf16 parameters and bf16
+    # stream: the bf16 input kept); another taken to float32 with the weight, as CUDA's autocast
+    # runs rms_norm (a float32 copy kept).
+    y, saved = kept(x.clone().requires_grad_(), autocast=True)
+    assert y.dtype == dtype and saved == [((3, 5, 1), torch.float32), ((3, 5, 64), dtype)]
+    if dtype == torch.float32:
+        half = x.detach().to(torch.bfloat16).requires_grad_()
+        y, saved = kept(half, autocast=True)
+        assert y.dtype == torch.float32 and saved == [((3, 5, 1), torch.float32), ((3, 5, 64), torch.float32)]
+        wide = half.detach().float().requires_grad_()
+        expected = torch.nn.functional.rms_norm(wide, (64,), ours.weight.detach(), 1e-5)
+        torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)
+        grad = torch.randn_like(y)
+        y.backward(grad)
+        expected.backward(grad)
+        torch.testing.assert_close(half.grad, wide.grad.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("seq", [50, 200])  # (one partial block of 128 scores; two blocks, the second partial)

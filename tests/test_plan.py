@@ -609,24 +609,33 @@ def test_on_gpus_without_bf16_layouts_float16_does_not_reach_are_timed_in_float3
     v100 = device("V100")
     assert not v100.bf16 and not device("T4").bf16 and H100.bf16
     fsdp, split = PlanLayout(dp_shard=8), PlanLayout(dp_shard=4, tp=2)
-    assert layout_dtype(ONE_B, fsdp, v100, "bf16") == "bf16" and layout_dtype(ONE_B, split, v100, "bf16") == "fp32"
+    assert layout_dtype(ONE_B, fsdp, v100, "bf16") == "fp16" and layout_dtype(ONE_B, split, v100, "bf16") == "fp32"
     assert layout_dtype(ONE_B, split, H100, "bf16") == "bf16" and layout_dtype(ONE_B, split, v100, "fp32") == "fp32"
-    assert layout_dtype(ONE_B, split, v100, "fp16") is None and layout_dtype(ONE_B, fsdp, v100, "fp16") == "bf16"
+    assert layout_dtype(ONE_B, split, v100, "fp16") is None and layout_dtype(ONE_B, fsdp, v100, "fp16") == "fp16"
+    assert layout_dtype(ONE_B, fsdp, H100, "fp16") == "fp16" and layout_dtype(ONE_B, split, H100, "fp16") is None
     assert layout_dtype(ONE_B, PlanLayout(dp_shard=8, loss_chunk_tokens=8192), v100, "bf16") == "fp32"
     assert layout_dtype(ONE_B, fsdp, v100, "bf16", float8=True) == "fp32"
     mixture = ModelConfig(vocab_size=32768, dim=1024, n_layers=8, n_heads=16, moe_experts=8, max_seq_len=2048)
     assert layout_dtype(mixture, fsdp, v100, "bf16") == "fp32"
     ranked = search(ONE_B, 2048, 64, 16, v100, top=30, gpus_per_node=8)
-    assert {c.dtype for c in ranked} == {"bf16", "fp32"}  # (both kinds searched, each timed as it trains)
+    assert {c.dtype for c in ranked} == {"fp16", "fp32"}  # (both kinds searched, each timed as it trains)
     for c in ranked:
         limited = c.layout.tp > 1 or c.layout.pp > 1 or c.layout.cp > 1 or c.layout.loss_chunk_tokens > 0
-        assert c.dtype == ("fp32" if limited else "bf16"), describe(c.layout)
+        assert c.dtype == ("fp32" if limited else "fp16"), describe(c.layout)
         assert c.time == step_time(ONE_B, 2048, c.global_batch, c.layout, v100, gpus_per_node=8, dtype=c.dtype)
-    assert ranked[0].dtype == "bf16"
+    assert ranked[0].dtype == "fp16"
+    # float16's FSDP gathers float32 parameters (fsdp_param_dtype = auto), twice bf16's bytes, and
+    # keeps autocast's float16 copy of every block's weights for the backward pass, as one device does.
+    fsdp8 = PlanLayout(dp_shard=8, micro_batch=4)
+    half, brain = (step_time(ONE_B, 2048, 64, fsdp8, H100, dtype=d) for d in ("fp16", "bf16"))
+    assert half.data_parallel > brain.data_parallel and half.compute == brain.compute
+    as_float16, as_bf16 = fsdp8.memory(ONE_B, 2048, 64, bf16=False, float16=True), fsdp8.memory(ONE_B, 2048, 64)
+    assert as_float16.weight_copies > 2 * param_counts(ONE_B)["total"] * 0.8 > as_bf16.weight_copies
+    assert as_float16.activations > as_bf16.activations  # (the residual stream float32: the norms keep float32 inputs)
     # The same layout split by tensor parallelism, timed in float32, is several times slower.
     assert step_time(ONE_B, 2048, 64, split, v100, dtype="fp32").tokens_per_s \
         < step_time(ONE_B, 2048, 64, split, v100).tokens_per_s / 3
-    assert all(c.dtype == "bf16" for c in search(ONE_B, 2048, 64, 16, v100, top=30, gpus_per_node=8, dtype="fp16"))
+    assert all(c.dtype == "fp16" for c in search(ONE_B, 2048, 64, 16, v100, top=30, gpus_per_node=8, dtype="fp16"))
     # The plan says what its layout computes in; a config's own float16 layout that float16 does not reach is refused.
     llama = ["plan", "configs/llama-1b.toml", "--vocab", "32768", "--gpu", "V100", "--gpus", "8", "--json"]
     assert main(llama) == 0
@@ -638,6 +647,16 @@ def test_on_gpus_without_bf16_layouts_float16_does_not_reach_are_timed_in_float3
         " ".join(capsys.readouterr().out.split())
     assert main([*llama, "parallel.tp=2", "train.micro_batch=1", "train.dtype=float16", "--keep-layout"]) == 2
     assert "not with parallel.tp = 2" in " ".join(capsys.readouterr().err.split())
+    assert main([*llama[:-1], "train.dtype=float32"]) == 0  # (float32 asked for: no float16 to fall back from)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "float32" in text and "does not reach" not in text
+    assert main([*llama, "train.dtype=bfloat16"]) == 2
+    assert "train.dtype = bfloat16, but V100 has no bfloat16" in " ".join(capsys.readouterr().err.split())
+    assert main([*llama[:5], "H100 SXM", *llama[6:], "train.dtype=float16"]) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == "fp16"
+    with pytest.raises(PlanError, match="train.dtype = float16 leaves out tensor, context and pipeline parallelism"):
+        search(EIGHT_B, 8192, 8, 8, device("V100 16GB"), gpus_per_node=8, dtype="fp16")
+    assert not device_from_dict({"name": "Tesla V100-SXM2-32GB"}, base=H100).bf16  # (named: known to lack it)
     with pytest.raises(ValueError, match="bf16 = 'no' must be true or false"):
         device_from_dict({"bf16": "no"}, base=v100)
     with pytest.raises(ValueError, match="needs an fp32 entry"):

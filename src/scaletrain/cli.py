@@ -656,11 +656,11 @@ def plan_tables(plan: dict) -> list[Table]:
     how.add_column()
     how.add_row("layout", plan["layout"]["text"] + (" (the config's)" if plan["layout"].get("kept") else ""))
     if plan["dtype"] == "fp16":
-        how.add_row("compute", f"float16 with a dynamic loss scale ({hw['device']['name']} has no bfloat16)")
+        how.add_row("compute", "float16 with a dynamic loss scale" + ("" if hw["device"].get("bf16", True) else
+                                                                      f" ({hw['device']['name']} has no bfloat16)"))
     elif plan["dtype"] == "fp32":
-        how.add_row("compute", "float32" + ("" if hw["device"].get("bf16", True) else
-                                            f": float16's loss scaling does not reach this layout, and "
-                                            f"{hw['device']['name']} has no bfloat16"))
+        how.add_row("compute", "float32" + (f": float16's loss scaling does not reach this layout, and "
+                                            f"{hw['device']['name']} has no bfloat16" if plan.get("dtype_fallback") else ""))
     mem = plan["memory"]
     parts = ", ".join(f"{key.replace('_', ' ')} {_gb(mem[key])}"
                       + (f" ({_gb(mem['gradients_whole'])} whole while the micro-batches run)"
@@ -708,7 +708,8 @@ def plan_tables(plan: dict) -> list[Table]:
         for column in ("layout", "tokens/s", "MFU", "memory"):
             alt.add_column(column, justify="left" if column == "layout" else "right")
         for c in plan["alternatives"]:
-            alt.add_row(c["text"], f"{c['time']['tokens_per_s']:,.0f}", f"{c['time']['mfu']:.1%}",
+            alt.add_row(c["text"] + (" (float32)" if c.get("dtype") == "fp32" and plan["dtype"] != "fp32" else ""),
+                        f"{c['time']['tokens_per_s']:,.0f}", f"{c['time']['mfu']:.1%}",
                         _gb(c["memory"]["peak"]))
         tables.append(alt)
     return tables

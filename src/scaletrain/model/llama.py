@@ -183,44 +183,51 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """RMSNorm over the last dimension that saves its input and the per-row 1 / rms for the
-    backward pass, as CUDA's fused kernel (torch's _fused_rms_norm) does, and not the normalised
+    """RMSNorm over the last dimension as CUDA's fused kernel (torch's _fused_rms_norm) computes
+    it, on any device: in float32 (float64 for float64) whatever the input's dtype, rounded to it
+    once, keeping the input and the per-row 1 / rms for the backward pass, not the normalised
     input that the composite rms_norm's multiplication by the weight keeps (a second copy of the
-    residual stream). The forward pass is torch's own (bit for bit); the backward pass,
-    dx = r (g w - x_hat mean(g w x_hat)) and dw = sum g x_hat with x_hat = r x, is computed in
-    float32 (or float64) and rebuilds x_hat from the input."""
+    residual stream). In float32 the forward pass is torch's composite, bit for bit. The backward
+    pass, dx = r (g w - x_hat mean(g w x_hat)) and dw = sum g x_hat with x_hat = r x, rebuilds
+    x_hat from the input."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
-        out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        compute = torch.promote_types(x.dtype, torch.float32)
+        wide = x.to(compute)
+        rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, rstd, weight)
-        return out
+        return (wide * rstd * weight.to(compute)).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, rstd, weight = ctx.saved_tensors
-        compute = torch.promote_types(x.dtype, torch.float32)
+        compute = rstd.dtype
         normalised = x.to(compute) * rstd
         weighted = grad.to(compute) * weight.to(compute)
         dx = rstd * (weighted - normalised * (weighted * normalised).mean(-1, keepdim=True))
-        dw = (grad.to(compute) * normalised).sum(dim=tuple(range(grad.dim() - 1)))
-        return dx.to(x.dtype), dw.to(weight.dtype), None
+        dw = (grad.to(compute) * normalised).reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        return dx.to(x.dtype), None if dw is None else dw.to(weight.dtype), None
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (Zhang & Sennrich 2019) as CUDA computes it, on every device: CUDA's autocast
-    runs rms_norm in float32 (its input and weight cast up) and torch's fused kernel keeps only
-    the input and 1 / rms for backward. Elsewhere autocast leaves rms_norm alone and the composite
-    rms_norm keeps the normalised input too; here both are done as on CUDA, so that the CPU saves
-    what the memory model counts for CUDA."""
+    """nn.RMSNorm (Zhang & Sennrich 2019) computed by CUDA's fused kernel on a GPU and as that
+    kernel computes it elsewhere (_RMSNormFunction): in float32, keeping only the input and
+    1 / rms for backward. An input of the weight's dtype is normalised as it is — a bf16 residual
+    stream under FSDP's bf16 parameters keeps its bf16 input, not the float32 copy autocast
+    would make of it (CUDA's autocast runs rms_norm in float32) — and otherwise both are taken
+    to float32 under autocast, as CUDA's autocast does, on every device; so the CPU keeps what
+    the memory model counts for CUDA."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            return super().forward(x)
         weight = self.weight
-        if torch.is_autocast_enabled(x.device.type):
+        if x.dtype != weight.dtype and torch.is_autocast_enabled(x.device.type):
             x, weight = x.float(), weight.float()
-        return _RMSNormFunction.apply(x, weight, self.eps)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps  # (of the dtype it computes in)
+        if not x.is_cuda:
+            return _RMSNormFunction.apply(x, weight, eps)
+        with torch.autocast("cuda", enabled=False):
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class KVCache:

@@ -261,6 +261,8 @@ def device_from_dict(data: dict, base: Device | None = None) -> Device:
         fields["gpus_per_node"] = count
     if "name" in data:
         fields["name"] = str(data["name"])
+        if "bf16" not in data and (known_as := identify(fields["name"])) is not None:
+            fields["bf16"] = known_as not in _NO_BF16  # (a V100 or T4 described by hand)
     if "bf16" in data:
         if not isinstance(data["bf16"], bool):
             raise ValueError(f"device field bf16 = {data['bf16']!r} must be true or false (whether it computes in "

@@ -210,6 +210,9 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
     compute = tokens * per_token
     lr, rule_batch = hyperparameters(compute, model.dim)
     dtype = {"float32": "fp32", "float16": "fp16"}.get(base.train.dtype, "bf16") if base is not None else "bf16"
+    if base is not None and base.train.dtype == "bfloat16" and not hardware.device.bf16:
+        raise PlanError(f"train.dtype = bfloat16, but {hardware.device.name} has no bfloat16; use auto (float16 with a "
+                        "loss scale where it reaches, float32 elsewhere), float16 or float32")
     fixed = batch_tokens is not None
     if fixed and batch_tokens % seq_len:
         raise PlanError(f"a global batch of {batch_tokens} tokens is not whole sequences of {seq_len}; use a multiple "
@@ -223,6 +226,7 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
     searching = dict(gpus_per_node=hardware.gpus_per_node, efficiency=hardware.efficiency, dtype=dtype, top=top,
                      optimizer=base.train.optimizer if base is not None else "adamw",
                      ema=base is not None and base.train.ema_decay > 0, allow_cp=context_parallel,
+                     float8=base is not None and base.train.float8,
                      ramp=tuple(batch // seq_len for _, batch in ramp))
     if keep_layout:
         if base is None:
@@ -294,8 +298,10 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
         if base is None else {"lr": base.train.lr, "global_batch_tokens": batch_tokens,
                               "warmup_steps": base.train.warmup_steps, "schedule": base.train.schedule,
                               "source": "the config"},
-        # What the layout computes in: 16-bit is float16 on a device without bfloat16.
-        "dtype": "fp16" if best.dtype == "bf16" and not hardware.device.bf16 else best.dtype,
+        # What the layout computes in, and whether float32 is train.dtype = auto's fallback where
+        # float16 (a device without bfloat16) does not reach.
+        "dtype": best.dtype,
+        "dtype_fallback": best.dtype == "fp32" and dtype != "fp32",
         "inference": {"tokens": sizing.inference_tokens, "flops": 2.0 * counts["total"] * sizing.inference_tokens,
                       "lifetime_flops": tokens * per_token
                       + 2.0 * counts["total"] * sizing.inference_tokens},
@@ -319,10 +325,11 @@ def configured_layout(cfg: RunConfig, hardware: Hardware, dtype: str = "bf16") -
         check_float16(float16_problems(tp=layout.tp, cp=layout.cp, pp=layout.pp, moe=cfg.model.moe,
                                        float8=cfg.train.float8, loss_chunk_tokens=layout.loss_chunk_tokens))
     if layout.recompute == "auto":
-        mode, _ = choose_recompute(cfg.model, seq_len, layout.micro_batch, usable, bf16=dtype == "bf16",
-                                   **layout.memory_layout(batch))
+        mode, _ = choose_recompute(cfg.model, seq_len, layout.micro_batch, usable, bf16=dtype != "fp32",
+                                   bf16_stream=dtype == "bf16" and layout.world_size > 1,
+                                   float32_gathers=dtype == "fp16", **layout.memory_layout(batch))
         layout = dataclasses.replace(layout, recompute=mode)
-    memory = layout.memory(cfg.model, seq_len, batch, bf16=dtype == "bf16")
+    memory = layout.memory(cfg.model, seq_len, batch, bf16=dtype == "bf16", float16=dtype == "fp16")
     if memory.peak > usable:
         raise PlanError(f"the config's layout ({describe(layout)}) needs {memory.peak / 1e9:.1f} GB per device, "
                         f"against {usable / 1e9:.1f} GB usable on {hardware.device.name}; let the planner search "

@@ -183,22 +183,23 @@ def _splits(batch: int, dp: int, micro_batch: int, pp: int, stages: int) -> bool
 def layout_dtype(cfg: Any, layout: PlanLayout, device: Device, dtype: str, float8: bool = False) -> str | None:
     """What `layout` computes in on `device`, as train resolves train.dtype: `dtype` is "bf16"
     (auto or bfloat16: 16-bit), "fp16" (float16) or "fp32". 16-bit compute on a device without
-    bfloat16 is float16, whose loss scaling reaches data-parallel layouts of a dense model only
-    (config.float16_problems): elsewhere auto computes in float32 ("fp32") and float16 is refused
-    (None). A 16-bit layout is timed at the "bf16" peak, float16's rate where bf16 is missing.
-    `float8`: train.float8, which float16 does not reach either."""
+    bfloat16 is float16 ("fp16": timed at the catalog's 16-bit peak, its FSDP gathering float32
+    parameters), whose loss scaling reaches data-parallel layouts of a dense model only
+    (config.float16_problems): elsewhere auto computes in float32 ("fp32") and float16 is
+    refused (None). `float8`: train.float8, which float16 does not reach either."""
     if dtype == "fp32" or (dtype == "bf16" and device.bf16):
         return dtype
     if float16_problems(tp=layout.tp, cp=layout.cp, pp=layout.pp, moe=bool(moe_layers(cfg)),
                         float8=float8, loss_chunk_tokens=layout.loss_chunk_tokens):
         return None if dtype == "fp16" else "fp32"
-    return "bf16"
+    return "fp16"
 
 
 def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fixed_batch: bool = False,
                gpus_per_node: int | None = None, efficiency: Efficiency = Efficiency(), dtype: str = "bf16",
                usable: float = USABLE_MEMORY, allow_cp: bool = False, optimizer: str = "adamw",
-               ramp: tuple[int, ...] = (), ema: bool = False) -> tuple[list[Candidate], Candidate | None]:
+               ramp: tuple[int, ...] = (), ema: bool = False,
+               float8: bool = False) -> tuple[list[Candidate], Candidate | None]:
     """Every layout of `world` devices that fits (each with its least recomputation), and the
     one closest to fitting when none does (for the message); `optimizer` is train.optimizer, `ema`
     whether train.ema_decay keeps a moving average of the weights.
@@ -232,10 +233,14 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
                             for chunk in chunks:
                                 trial = PlanLayout(replicate, dp // replicate, tp, cp, pp, micro_batch, recompute,
                                                    schedule, stages, chunk, ep, optimizer, ema, blocks)
-                                if (computes := layout_dtype(cfg, trial, device, dtype)) is None:
-                                    continue  # (float16 refuses it)
+                                computes = layout_dtype(cfg, trial, device, dtype, float8)
+                                if computes is None or own not in (None, computes):
+                                    # (float16 refuses it; or the chunked loss would leave float16 for float32,
+                                    # which more recomputation in float16 may beat)
+                                    continue
                                 layout, own = trial, computes
-                                memory = layout.memory(cfg, seq_len, global_batch, bf16=own == "bf16")
+                                memory = layout.memory(cfg, seq_len, global_batch, bf16=own == "bf16",
+                                                       float16=own == "fp16")
                                 if memory.peak <= capacity:
                                     break
                             if layout is None:
@@ -254,31 +259,33 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
 def search(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *, fixed_batch: bool = False,
            gpus_per_node: int | None = None, efficiency: Efficiency = Efficiency(), dtype: str = "bf16",
            usable: float = USABLE_MEMORY, top: int = 5, allow_cp: bool | None = None,
-           optimizer: str = "adamw", ramp: tuple[int, ...] = (), ema: bool = False) -> list[Candidate]:
+           optimizer: str = "adamw", ramp: tuple[int, ...] = (), ema: bool = False,
+           float8: bool = False) -> list[Candidate]:
     """The best `top` layouts, best first (see the module's docstring); PlanError when none fits.
     `allow_cp`: search context parallelism too (True), never (False), or only when no layout
     without it fits (None): in memory, or splitting the batch (few sequences on many devices)."""
     searching = dict(fixed_batch=fixed_batch, gpus_per_node=gpus_per_node, efficiency=efficiency, dtype=dtype,
-                     usable=usable, optimizer=optimizer, ramp=ramp, ema=ema)
+                     usable=usable, optimizer=optimizer, ramp=ramp, ema=ema, float8=float8)
     fits, closest = candidates(cfg, seq_len, batch, world, device, allow_cp=bool(allow_cp), **searching)
     if not fits and allow_cp is None:  # (too little memory, or too few sequences for the devices without it)
         fits, split = candidates(cfg, seq_len, batch, world, device, allow_cp=True, **searching)
         closest = split if closest is None or (split is not None and split.memory.peak < closest.memory.peak) \
             else closest
     if not fits:
+        cp_too = ", or let the planner split sequences over devices (context parallelism)" if allow_cp is False else ""
+        float16 = ("; train.dtype = float16 leaves out tensor, context and pipeline parallelism and the chunked loss "
+                   "(its loss scaling does not reach them): train.dtype = auto would train those in float32"
+                   if dtype == "fp16" else "")
         if closest is None:
             batches = f"a batch of {batch}" if not ramp else f"batches of {', '.join(map(str, (*ramp, batch)))}"
             raise PlanError(f"no layout of {world} devices splits this model and {batches} sequences of "
                             f"{seq_len} tokens evenly; use a number of devices that divides the batch"
                             + ("es (train.batch_ramp's too)" if ramp else " (or let the planner choose the batch)")
-                            + (", or let the planner split sequences over devices (context parallelism)"
-                               if allow_cp is False else ""))
+                            + cp_too + float16)
         raise PlanError(f"no layout fits on {world} x {device.name}: the least memory any needs is "
                         f"{closest.memory.peak / 1e9:.1f} GB per device ({describe(closest.layout)}), against "
                         f"{usable * device.memory / 1e9:.1f} GB usable; use more devices, devices with more memory, a "
-                        "shorter sequence or a smaller model"
-                        + (", or let the planner split sequences over devices (context parallelism)"
-                           if allow_cp is False else ""))
+                        "shorter sequence or a smaller model" + cp_too + float16)
     if not fixed_batch:  # (a batch far above the rule's only where every layout's is)
         within = [c for c in fits if c.global_batch <= MAX_BATCH_GROWTH * batch]
         fits = within or [c for c in fits if c.global_batch == min(c.global_batch for c in fits)]

@@ -293,10 +293,7 @@ class Trainer:
         self.mesh = init_distributed(self.device, self.layout, collective_timeout(cfg.train.hang_timeout_s))
 
         torch.manual_seed(cfg.run.seed)  # every rank builds the same full model, then keeps its shard
-        # (auto: bfloat16 under bfloat16; float32 under float16, which keeps the residual stream in
-        # float32 between blocks, out of float16's range, as on one device.)
-        param_dtype = ((torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32)
-                       if cfg.parallel.fsdp_param_dtype == "auto" else getattr(torch, cfg.parallel.fsdp_param_dtype))
+        param_dtype = self._fsdp_param_dtype(cfg)
         model = Transformer(cfg.model).to(self.device)
         if self.init_from and self.init_from.kind == "hf":  # (another run's checkpoint loads once sharded: fit)
             # (Multi-token prediction's modules, which no Hugging Face model holds, start afresh.)
@@ -490,14 +487,28 @@ class Trainer:
         return [load_task(path, tokenizer, index["eos_id"], self.cfg.data.seq_len, self.cfg.eval.task_examples,
                           index.get("bos_id")) for path in self.cfg.eval.tasks]
 
+    def _fsdp_param_dtype(self, cfg: RunConfig) -> torch.dtype:
+        """What FSDP gathers parameters in (parallel.fsdp_param_dtype): under auto, bfloat16 under
+        bfloat16; float32 under float16, which keeps the residual stream in float32 between blocks,
+        out of float16's range, as on one device."""
+        if cfg.parallel.fsdp_param_dtype != "auto":
+            return getattr(torch, cfg.parallel.fsdp_param_dtype)
+        return torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
+
     def _choose_recompute(self, cfg: RunConfig) -> RunConfig:
         """parallel.recompute = auto: the planner's choice for this device's memory."""
         mode = "none"
         if self.device.type == "cuda":
             capacity = 0.9 * torch.cuda.get_device_properties(self.device).total_memory
             layout = PlanLayout.of(cfg, self.layout).memory_layout(cfg.seqs_per_step)
+            # (FSDP, over any mesh of more than one process, gathers parameters in its dtype, which the
+            # residual stream takes; float32 ones under 16-bit compute leave autocast copies of them.)
+            sharded, gathered = self.layout.world_size > 1, self._fsdp_param_dtype(cfg)
+            sixteen = self.dtype != torch.float32
             mode, estimate = choose_recompute(cfg.model, cfg.data.seq_len, cfg.train.micro_batch, capacity,
-                                              bf16=self.dtype != torch.float32, **layout)  # (2-byte activations)
+                                              bf16=sixteen, bf16_stream=sharded and gathered == torch.bfloat16,
+                                              float32_gathers=sharded and sixteen and gathered == torch.float32,
+                                              **layout)
             log.info("parallel.recompute = auto: %s (predicted peak %.1f GB of %.1f GB usable)", mode,
                      estimate.peak / 1e9, capacity / 1e9)
         data = cfg.model_dump()
