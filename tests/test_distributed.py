@@ -231,7 +231,8 @@ for _name in ("fsdp-uneven-eval-chunked-loss", "tp-muon-z-loss", "cp", "pp-1f1b"
     TWO[_name] += TASKS
 # FSDP gathering bfloat16 parameters (gradients reduced in float32): close to float32, not equal.
 MIXED = {"fsdp-bf16-params": ["parallel.dp_shard=2", "train.dtype=bfloat16"],
-         # float16 computed (FSDP gathering float32 under it), its loss scaled: skipped steps are every rank's
+         # float16 computed (FSDP gathering float16, its blocks handing the residual stream on in float32),
+         # its loss scaled: skipped steps are every rank's
          "fsdp-fp16": ["parallel.dp_shard=2", "train.dtype=float16"]}
 # FSDP x TP and CP x TP untied: the second halves of RESHARD's runs.
 FOUR = {

@@ -501,7 +501,7 @@ class ParallelConfig(_Section):
     recompute: Literal["none", "selective", "full", "auto"] = "none"
     """Activation recomputation per block: none; selective (keep matmul and attention outputs, recompute the rest); full (keep only block inputs); auto: the least of these whose peak memory, as plan/memory.py predicts it, fits in 90% of the GPU's memory (none on CPUs)."""
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Dtype FSDP gathers parameters in for compute (gradients are reduced in float32 and the sharded master weights stay float32). auto: bfloat16 when train.dtype resolves to bfloat16 (the residual stream between blocks is then bf16 too, and the norms keep bf16 inputs), else float32 (under float16 too: the residual stream then stays float32, out of float16's range, as on one device; autocast's float16 copies of the gathered weights are kept for the backward pass, every block's on every rank, as on one device, which the planner counts)."""
+    """Dtype FSDP gathers parameters in for compute (gradients are reduced in float32 and the sharded master weights stay float32). auto: the compute dtype train.dtype resolves to. Under bfloat16 the residual stream between blocks is then bf16 too (the norms keep bf16 inputs); under float16 each block hands it on in float32, out of float16's range, as on one device. float32 under 16-bit compute: twice the gathers' traffic, and autocast's 16-bit copy of every block's weights kept on every rank for the backward pass, as on one device."""
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:

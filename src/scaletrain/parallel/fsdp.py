@@ -26,7 +26,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype = to
     # Blocks take their inputs as the previous block left them: cast at each block, the attention
     # bias of attention within documents (one tensor for all blocks, in the compute dtype) would
     # become a copy per block, each kept for the backward pass. The root casts the model's inputs.
+    # Under float16 each block hands the residual stream on in float32, out of float16's range, as
+    # on one device (gathering float32 parameters instead would leave autocast's float16 copy of
+    # every block's weights on every rank for the backward pass).
     block_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                        output_dtype=torch.float32 if param_dtype == torch.float16 else None,
                                         cast_forward_inputs=False)
     for block in model.layers.values():
         experts = getattr(block.feed_forward, "experts", None)

@@ -18,10 +18,11 @@ Components (per device, in bytes):
 - weight copies: the bf16 copies that autocast (or FSDP's bf16 all-gather) makes of the matmul
   weights and that the backward pass keeps — all of them on one device, two blocks' worth
   under FSDP (one in use, one prefetched), all of the rank's blocks under FSDP with pipelining
-  (which keeps them gathered from forward to backward: parallel/apply.py); under float16,
-  whose FSDP gathers float32 parameters (parallel.fsdp_param_dtype = auto), two blocks' float32
-  gathers and autocast's float16 copy of every block's matmul weights, whole, as on one device
-  (the backward pass keeps them, and FSDP cannot free them: counted from the code, not measured);
+  (which keeps them gathered from forward to backward: parallel/apply.py); where FSDP gathers
+  float32 parameters under 16-bit compute (parallel.fsdp_param_dtype = float32), two blocks'
+  float32 gathers and autocast's 16-bit copy of every block's matmul weights, whole, as on one
+  device (the backward pass keeps them, and FSDP cannot free them: counted from the code, not
+  measured);
 - activations: what each block saves for the backward pass, per token (below), times tokens
   per micro-batch and layers, over tensor × context parallel ranks;
 - loss: the output head's logits and their gradient at the loss (float32 log-softmax), or one
@@ -294,8 +295,8 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
     attend), not elsewhere; `bf16_stream`: the residual stream between blocks is bf16, as FSDP's bf16
     parameters (parallel.fsdp_param_dtype = auto under bf16) make it in every run of more than one
     process (None: so, where fsdp, tp or pp is above 1; a layout of replicas alone must say so);
-    `float32_gathers`: 16-bit compute whose FSDP gathers float32 parameters (float16's, under
-    parallel.fsdp_param_dtype = auto), each with autocast's 16-bit copy, and a float32 stream.
+    `float32_gathers`: 16-bit compute whose FSDP gathers float32 parameters
+    (parallel.fsdp_param_dtype = float32), each with autocast's 16-bit copy, and a float32 stream.
     Under pipelining, the estimate of the pipeline rank with the largest peak."""
     if bf16_stream is None:
         bf16_stream = bf16 and fsdp * tp * pp > 1 and not float32_gathers

@@ -326,8 +326,7 @@ def configured_layout(cfg: RunConfig, hardware: Hardware, dtype: str = "bf16") -
                                        float8=cfg.train.float8, loss_chunk_tokens=layout.loss_chunk_tokens))
     if layout.recompute == "auto":
         mode, _ = choose_recompute(cfg.model, seq_len, layout.micro_batch, usable, bf16=dtype != "fp32",
-                                   bf16_stream=dtype == "bf16" and layout.world_size > 1,
-                                   float32_gathers=dtype == "fp16", **layout.memory_layout(batch))
+                                   bf16_stream=dtype == "bf16" and layout.world_size > 1, **layout.memory_layout(batch))
         layout = dataclasses.replace(layout, recompute=mode)
     memory = layout.memory(cfg.model, seq_len, batch, bf16=dtype == "bf16", float16=dtype == "fp16")
     if memory.peak > usable:

@@ -183,8 +183,8 @@ def _splits(batch: int, dp: int, micro_batch: int, pp: int, stages: int) -> bool
 def layout_dtype(cfg: Any, layout: PlanLayout, device: Device, dtype: str, float8: bool = False) -> str | None:
     """What `layout` computes in on `device`, as train resolves train.dtype: `dtype` is "bf16"
     (auto or bfloat16: 16-bit), "fp16" (float16) or "fp32". 16-bit compute on a device without
-    bfloat16 is float16 ("fp16": timed at the catalog's 16-bit peak, its FSDP gathering float32
-    parameters), whose loss scaling reaches data-parallel layouts of a dense model only
+    bfloat16 is float16 ("fp16": timed at the catalog's 16-bit peak, its residual stream float32
+    between blocks), whose loss scaling reaches data-parallel layouts of a dense model only
     (config.float16_problems): elsewhere auto computes in float32 ("fp32") and float16 is
     refused (None). `float8`: train.float8, which float16 does not reach either."""
     if dtype == "fp32" or (dtype == "bf16" and device.bf16):

@@ -161,12 +161,10 @@ class PlanLayout:
     def memory(self, cfg: Any, seq_len: int, global_batch: int, bf16: bool = True,
                float16: bool = False) -> MemoryEstimate:
         """plan/memory.py's prediction of the bytes per device of this layout, computing in bf16
-        (or with `float16`, in float16: FSDP then gathers float32 parameters, as train's
-        parallel.fsdp_param_dtype = auto does) or float32."""
-        sixteen = bf16 or float16
-        return training_memory(cfg, seq_len, self.micro_batch, bf16=sixteen, recompute=self.recompute,
-                               bf16_stream=bf16 and self.world_size > 1, float32_gathers=float16,
-                               **self.memory_layout(global_batch))
+        (or with `float16`, in float16, whose blocks hand the residual stream on in float32:
+        parallel/fsdp.py) or float32."""
+        return training_memory(cfg, seq_len, self.micro_batch, bf16=bf16 or float16, recompute=self.recompute,
+                               bf16_stream=bf16 and self.world_size > 1, **self.memory_layout(global_batch))
 
     def to_dict(self) -> dict:
         """As JSON keeps it (the blocks of each stage a list), so that a plan read back compares equal."""
@@ -270,15 +268,13 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
               dtype: str = "bf16") -> StepTime:
     """Predicted seconds of one step training model `cfg` (ModelConfig's fields) on
     `global_batch` sequences of `seq_len` tokens with `layout` on devices `device`, computing in
-    `dtype`: "bf16", "fp16" (at the 16-bit peak, FSDP gathering float32 parameters as train's
-    parallel.fsdp_param_dtype = auto does under float16), "tf32" or "fp32"."""
+    `dtype`: "bf16", "fp16" (at the catalog's 16-bit peak, as bf16), "tf32" or "fp32"."""
     gpus_per_node = gpus_per_node or device.gpus_per_node
     lay = layout
     rate = "bf16" if dtype == "fp16" else dtype  # (the catalog's 16-bit peak: float16's where bf16 is missing)
     peak = device.peak[rate] * efficiency.matmul
     bf16 = dtype in ("bf16", "fp16")  # 16-bit activations
-    act_bytes = 2 if bf16 else 4
-    gather_bytes = 2 if dtype == "bf16" else 4  # a parameter as FSDP gathers it
+    act_bytes = 2 if bf16 else 4  # (a parameter as FSDP gathers it, too)
     if global_batch % (lay.dp * lay.micro_batch):
         raise ValueError(f"{global_batch} sequences do not split into {lay.dp} data-parallel ranks x micro-batches "
                          f"of {lay.micro_batch}")
@@ -350,10 +346,10 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
         """(exposed data-parallel communication, optimizer) of a rank of `layers` blocks."""
         stage_params = _stage_parameters(own, lay.pp, layers, first, last) / lay.tp  # one tp rank's, unsharded
         experts = _routed_expert_parameters(own) * layers / cfg.n_layers / lay.tp  # gathered 1/ep over dp_shard / ep
-        gather = collective("all_gather", (stage_params - experts) * gather_bytes, shard, fsdp_bw, efficiency)
+        gather = collective("all_gather", (stage_params - experts) * act_bytes, shard, fsdp_bw, efficiency)
         reduce = collective("reduce_scatter", (stage_params - experts) * 4, shard, fsdp_bw, efficiency)
         if experts:
-            gather += collective("all_gather", experts / lay.ep * gather_bytes, shard // lay.ep, efsdp_bw, efficiency)
+            gather += collective("all_gather", experts / lay.ep * act_bytes, shard // lay.ep, efsdp_bw, efficiency)
             reduce += collective("reduce_scatter", experts / lay.ep * 4, shard // lay.ep, efsdp_bw, efficiency)
         reduce += collective("all_reduce", stage_params * 4 / shard, lay.dp_replicate, rep_bw, efficiency)
         if lay.pp == 1:  # gathered for each micro-batch's forward and backward, reduced after each

@@ -488,12 +488,11 @@ class Trainer:
                           index.get("bos_id")) for path in self.cfg.eval.tasks]
 
     def _fsdp_param_dtype(self, cfg: RunConfig) -> torch.dtype:
-        """What FSDP gathers parameters in (parallel.fsdp_param_dtype): under auto, bfloat16 under
-        bfloat16; float32 under float16, which keeps the residual stream in float32 between blocks,
-        out of float16's range, as on one device."""
+        """What FSDP gathers parameters in (parallel.fsdp_param_dtype): under auto, the compute
+        dtype (float16's blocks hand the residual stream on in float32: parallel/fsdp.py)."""
         if cfg.parallel.fsdp_param_dtype != "auto":
             return getattr(torch, cfg.parallel.fsdp_param_dtype)
-        return torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
+        return self.dtype
 
     def _choose_recompute(self, cfg: RunConfig) -> RunConfig:
         """parallel.recompute = auto: the planner's choice for this device's memory."""
