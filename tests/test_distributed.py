@@ -820,7 +820,8 @@ def test_a_refusal_found_by_the_processes_is_one_line_and_not_restarted(stdlib_d
     err = " ".join(result.stderr.split())
     assert result.returncode == 2 and "Traceback" not in err, err[-3000:]
     assert err.count("error: none of the 1 checkpoints in") == 1 and "move them aside to start the run again" in err
-    assert err.count("skipping checkpoint") in (1, 2)  # (a rank each, started once; one may be stopped first)
+    # (At most a rank each, started once: either may be stopped before its warning is written.)
+    assert err.count("skipping checkpoint") <= 2
     assert "death signal" not in err and "closing signal" not in err  # (torchrun's account of stopping them)
     assert damaged.read_bytes() == b"cut"
 

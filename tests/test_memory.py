@@ -41,7 +41,7 @@ def counting_saves(model: Transformer):
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in own and not (t.dtype == torch.bfloat16 and tuple(t.shape) in weight_shapes):
+        if ptr not in own and not (t.dtype in (torch.bfloat16, torch.float16) and tuple(t.shape) in weight_shapes):
             seen[ptr] = t.untyped_storage().nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -72,9 +72,10 @@ def test_predicted_activation_bytes_are_what_autograd_saves(shape, bf16, stream)
     model = Transformer(cfg).to(torch.bfloat16 if stream else torch.float32)
     batch, seq = 3, 64
     measured = saved_bytes(model, torch.randint(0, 512, (batch, seq)), bf16)
-    predicted = activation_bytes_per_token(cfg, bf16, "none", bf16_stream=stream) * batch * seq * cfg.n_layers
+    gathered = "bf16" if stream else None
+    predicted = activation_bytes_per_token(cfg, bf16, "none", gather_dtype=gathered) * batch * seq * cfg.n_layers
     assert measured == pytest.approx(predicted, rel=0.01)
-    assert training_memory(cfg, seq, batch, bf16=bf16, bf16_stream=stream).activations \
+    assert training_memory(cfg, seq, batch, bf16=bf16, gather_dtype=gathered).activations \
         == pytest.approx(measured, rel=0.01)
 
 
@@ -154,6 +155,65 @@ dist.destroy_process_group()
 """
 
 
+FSDP_FLOAT16 = """
+import json
+import torch
+from test_memory import counting_saves
+from scaletrain.config import ModelConfig, ParallelConfig
+from scaletrain.model.llama import Transformer
+from scaletrain.parallel.fsdp import apply_fsdp
+from scaletrain.parallel.layout import resolve_layout
+from scaletrain.parallel.mesh import init_distributed
+
+mesh = init_distributed(torch.device("cpu"), resolve_layout(ParallelConfig(dp_shard=2), 2))
+cfg = ModelConfig(vocab_size=512, max_seq_len=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, qk_norm=True,
+                  mtp_depth=1)
+torch.manual_seed(0)
+model = Transformer(cfg)
+shapes = Transformer(cfg)  # (unsharded: counting_saves leaves out 16-bit tensors of its weights' shapes)
+seen, counts, open_counts = [], {}, []
+for name, module in [*model.layers.items(), ("mtp", model.mtp[0])]:
+    module.register_forward_hook(lambda m, args, out, name=name: seen.append(
+        (name, str(args[0].dtype), [str(o.dtype) for o in (out if isinstance(out, tuple) else (out,))])))
+for name, block in model.layers.items():  # what each trunk block saves (counted from before FSDP's gather)
+    def enter(m, args, name=name):
+        open_counts.append(counting_saves(shapes))
+        counts[name] = open_counts[-1].__enter__()
+    block.register_forward_pre_hook(enter)
+    def leave(m, args, out):
+        open_counts.pop().__exit__(None, None, None)
+    block.register_forward_hook(leave)
+apply_fsdp(model, mesh, param_dtype=torch.float16, stream_dtype=torch.float32)
+tokens = torch.randint(0, 512, (3, 65))
+with torch.autocast("cpu", dtype=torch.float16):
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+loss.backward()
+grads = sorted({str(p.grad.dtype) for p in model.parameters()})
+print(json.dumps({"seen": seen, "grads": grads, "saved": sum(sum(c.values()) for c in counts.values())}))
+"""
+
+
+def test_float16_fsdp_gathers_float16_and_hands_the_stream_on_in_float32(tmp_path):
+    """Under float16, FSDP gathers float16 parameters (not float32 ones, whose autocast copies
+    every rank would keep for the backward pass) and each block, and multi-token prediction's
+    module, hands the residual stream on in float32, the first block taking the embedding in
+    float32 too; what the blocks then keep is the memory model's float32-stream tally with
+    QK-norm's 16-bit q and k. 2 gloo processes."""
+    import json
+
+    path = tmp_path / "fsdp_float16.py"
+    path.write_text(FSDP_FLOAT16)
+    result = run_with_retry(lambda: run_ranks(script, (str(path), []), 2, timeout=120), "2 ranks of fsdp_float16.py")
+    measured = json.loads([line for line in result.stdout.splitlines() if line.startswith("[rank0] ")][-1][8:])
+    assert measured["seen"][:3] == [["0", "torch.float32", ["torch.float32"]], ["1", "torch.float32", ["torch.float32"]],
+                                    ["mtp", "torch.float32", ["torch.float32", "torch.float32"]]]
+    assert measured["grads"] == ["torch.float32"]  # (the sharded weights and their gradients stay float32)
+    cfg = ModelConfig(vocab_size=512, max_seq_len=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, qk_norm=True)
+    predicted = activation_bytes_per_token(cfg, True, "none", gather_dtype="fp16") * 3 * 64 * cfg.n_layers
+    assert measured["saved"] == pytest.approx(predicted, rel=0.01)
+    assert predicted < activation_bytes_per_token(cfg, True, "none") * 3 * 64 * cfg.n_layers  # (16-bit q and k)
+
+
 def test_context_parallel_ranks_save_the_keys_and_values_of_the_whole_sequence(tmp_path):
     """2 gloo processes, each with half of 3 sequences of 128 tokens: the bytes autograd saves
     are the dense block's per local token plus the other rank's keys and values (the CPU's
@@ -188,9 +248,9 @@ def test_recomputation_and_sharding_lower_the_prediction_in_order():
     whole, sharded = training_memory(cfg, 2048, 8), training_memory(cfg, 2048, 8, fsdp=8)
     assert sharded.optimizer < whole.optimizer / 7
     # (FSDP's bf16 parameters make the residual stream bf16: its norms keep bf16 inputs, 4d a token and block less.)
-    assert sharded.activations == training_memory(cfg, 2048, 8, bf16_stream=True).activations \
+    assert sharded.activations == whole.activations  # (as one process's weights: float32)
+    assert training_memory(cfg, 2048, 8, fsdp=8, gather_dtype="bf16").activations \
         == whole.activations - 4 * cfg.dim * 2048 * 8 * cfg.n_layers
-    assert training_memory(cfg, 2048, 8, fsdp=8, bf16_stream=False).activations == whole.activations
     chunked = training_memory(cfg, 2048, 8, loss_chunk_tokens=4096)
     assert chunked.loss < whole.loss / 2
 
@@ -239,12 +299,13 @@ def test_the_planner_chooses_the_least_recomputation_that_fits():
     # mixtures, as when every block is one; rank 0 the 8 dense ones), the estimate the larger peak.
     dense_first = mixture.model_copy(update={"moe_dense_layers": 8})  # 16 blocks, the last 8 mixtures
     # (Two processes: FSDP's bf16 parameters make the residual stream bf16.)
-    ranks = [rank_memory(c, 4096, 4, micro_steps=8, pp=2, bf16_stream=True, **held)
+    ranks = [rank_memory(c, 4096, 4, micro_steps=8, pp=2, gather_dtype="bf16", **held)
              for c, held in pipeline_ranks(dense_first, 2, 8, "1f1b", 1)]
-    all_ranks = [rank_memory(c, 4096, 4, micro_steps=8, pp=2, bf16_stream=True, **held)
+    all_ranks = [rank_memory(c, 4096, 4, micro_steps=8, pp=2, gather_dtype="bf16", **held)
                  for c, held in pipeline_ranks(mixture, 2, 8, "1f1b", 1)]
     assert ranks[1].parameters == all_ranks[1].parameters and ranks[0].parameters < all_ranks[0].parameters
-    assert training_memory(dense_first, 4096, 4, micro_steps=8, pp=2).peak == max(r.peak for r in ranks)
+    assert training_memory(dense_first, 4096, 4, micro_steps=8, pp=2, gather_dtype="bf16").peak \
+        == max(r.peak for r in ranks)
     # Interleaved, each rank holds 2 dense and 2 mixture stages of 2 blocks: half its blocks mixtures.
     interleaved = training_memory(dense_first, 4096, 4, micro_steps=8, pp=2, pp_schedule="interleaved_1f1b",
                                   pp_stages_per_rank=4)
@@ -272,15 +333,15 @@ def test_pipeline_ranks_hold_the_micro_batches_their_schedule_keeps_in_flight():
 
 def test_pipelining_splits_the_parameters_and_keeps_1f1b_activations_where_one_device_had_them():
     cfg = load_config(ROOT / "configs" / "llama-1b.toml", ["model.vocab_size=32768", "model.tie_embeddings=false"]).model
-    whole = training_memory(cfg, 2048, 1, micro_steps=8, bf16_stream=True)  # (as FSDP makes it on pp ranks)
-    piped = training_memory(cfg, 2048, 1, micro_steps=8, pp=4)
+    whole = training_memory(cfg, 2048, 1, micro_steps=8, gather_dtype="bf16")  # (as FSDP makes it on pp ranks)
+    piped = training_memory(cfg, 2048, 1, micro_steps=8, pp=4, gather_dtype="bf16")
     # the busier rank: a quarter of the blocks, and the head with the final norm (larger than the embedding)
     assert whole.parameters / 4 < piped.parameters < whole.parameters / 2
     # 1F1B: pp micro-batches of L/pp blocks on the first rank are one micro-batch of all L blocks
     first = rank_memory(cfg, 2048, 1, micro_steps=8, pp=4, in_flight=in_flight_microbatches(4, 8), head=False,
-                        bf16_stream=True)
+                        gather_dtype="bf16")
     assert first.activations == whole.activations and first.loss == 0
-    gpipe = training_memory(cfg, 2048, 1, micro_steps=8, pp=4, pp_schedule="gpipe")
+    gpipe = training_memory(cfg, 2048, 1, micro_steps=8, pp=4, pp_schedule="gpipe", gather_dtype="bf16")
     assert gpipe.activations == pytest.approx(2 * whole.activations, rel=1e-6)  # 8 micro-batches of L/4 blocks
     assert gpipe.loss == pytest.approx(8 * whole.loss, rel=1e-6)  # the last rank keeps every loss to its backward
     assert gpipe.peak > piped.peak

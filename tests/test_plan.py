@@ -628,12 +628,12 @@ def test_on_gpus_without_bf16_layouts_float16_does_not_reach_are_timed_in_float3
     # its blocks hand the residual stream on in float32, whose norms keep float32 inputs.
     fsdp8 = PlanLayout(dp_shard=8, micro_batch=4)
     assert step_time(ONE_B, 2048, 64, fsdp8, H100, dtype="fp16") == step_time(ONE_B, 2048, 64, fsdp8, H100)
-    as_float16, as_bf16 = fsdp8.memory(ONE_B, 2048, 64, bf16=False, float16=True), fsdp8.memory(ONE_B, 2048, 64)
+    as_float16, as_bf16 = fsdp8.memory(ONE_B, 2048, 64, "fp16"), fsdp8.memory(ONE_B, 2048, 64)
     assert as_float16.weight_copies == as_bf16.weight_copies
     assert as_float16.activations == as_bf16.activations + 4 * ONE_B.dim * 2048 * 4 * ONE_B.n_layers
     # Gathered in float32 under 16-bit compute (parallel.fsdp_param_dtype = float32), autocast's copy of
     # every block's weights stays on every rank for the backward pass, as on one device.
-    wide = training_memory(ONE_B, 2048, 4, fsdp=8, float32_gathers=True)
+    wide = fsdp8.memory(ONE_B, 2048, 64, fsdp_param_dtype="float32")
     assert wide.weight_copies > 2 * param_counts(ONE_B)["total"] * 0.8 > as_bf16.weight_copies
     # The same layout split by tensor parallelism, timed in float32, is several times slower.
     assert step_time(ONE_B, 2048, 64, split, v100, dtype="fp32").tokens_per_s \
@@ -925,9 +925,9 @@ def test_stages_of_unequal_blocks_are_timed_at_the_slowest_rank_and_searched_whe
     piped = next(c for c in fits if c.layout.pp == 4)
     assert piped.layout.pp_stage_blocks == (1, 2, 2, 1) and "pp 4 (1f1b, blocks 1, 2 x 2, 1)" in describe(piped.layout)
     assert piped.memory == training_memory(base.model, 2048, 1, micro_steps=32, recompute=piped.layout.recompute,
-                                           pp=4, pp_stage_blocks=(1, 2, 2, 1))
+                                           pp=4, pp_stage_blocks=(1, 2, 2, 1), gather_dtype="bf16")
     heavy_ends = training_memory(base.model, 2048, 1, micro_steps=32, recompute=piped.layout.recompute, pp=4,
-                           pp_stage_blocks=(2, 1, 1, 2))
+                                 pp_stage_blocks=(2, 1, 1, 2), gather_dtype="bf16")
     assert heavy_ends.peak > piped.memory.peak  # (the first rank, with the most micro-batches in flight, holds 2 blocks)
     plan = {"layout": {"layout": piped.layout.to_dict()}, "tokens": 10 * piped.global_batch * 2048,
             "hyperparameters": {"global_batch_tokens": piped.global_batch * 2048},

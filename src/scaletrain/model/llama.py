@@ -546,6 +546,8 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         # (A later pipeline stage is given hidden states; the last one may hold the embedding too.)
         x = tokens if tokens.is_floating_point() else self.tok_embeddings(tokens)  # (batch, seq, dim)
+        if x.dtype == torch.float16 and torch.is_autocast_enabled(x.device.type):
+            x = x.float()  # (FSDP's float16 parameters under float16: the stream in float32, as the blocks hand it on)
         if documents is not None and cache is not None:
             raise ValueError("documents mask the attention of training and evaluation; decoding with a KV cache "
                              "takes none")

@@ -99,7 +99,8 @@ def _holder(parts: list[nn.Module]) -> nn.Module:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout: Layout, cfg: RunConfig,
-                device: torch.device, param_dtype: torch.dtype = torch.float32) -> ParallelModel:
+                device: torch.device, param_dtype: torch.dtype = torch.float32,
+                stream_dtype: torch.dtype | None = None) -> ParallelModel:
     parallel = cfg.parallel
     parts, ids, num_stages = [model], [0], 1
     if layout.pp > 1:
@@ -125,7 +126,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, layout: Layout, cfg: 
             for depth in getattr(part, "mtp", None) or []:  # multi-token prediction's (dense) blocks
                 depth.block.compile(mode=mode)
         if mesh is not None:
-            apply_fsdp(part, mesh, param_dtype=param_dtype, reshard_after_forward=layout.pp == 1)
+            apply_fsdp(part, mesh, param_dtype=param_dtype, reshard_after_forward=layout.pp == 1,
+                       stream_dtype=stream_dtype)
     if layout.pp == 1:
         return ParallelModel(module=model, parts=parts)
     microbatches = cfg.seqs_per_step // (layout.dp * cfg.train.micro_batch)

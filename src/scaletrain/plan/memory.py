@@ -54,7 +54,9 @@ per head. Under FSDP's bf16 parameters (parallel.fsdp_param_dtype = auto under b
 of more than one process: FSDP wraps the model whenever there is a mesh) the residual stream
 between blocks is bf16 and the norms keep their bf16 input (model/llama.py's RMSNorm normalises
 an input of its weight's dtype as it is, accumulating in float32): 14d + 4k + 8F + 4h + 8, QK-norm
-2d + 2k + 4h + 4·(kv heads), selective recomputation 2d less, full 2d. Under context parallelism (cp ranks) attention
+2d + 2k + 4h + 4·(kv heads), selective recomputation 2d less, full 2d. Under float16, FSDP
+gathers float16 parameters but each block hands the stream on in float32 (parallel/fsdp.py): the
+float32 tally, with QK-norm's 16-bit q and k (2d + 2k + ...; measured on 2 gloo ranks). Under context parallelism (cp ranks) attention
 saves the keys and values of the whole sequence it gathered, cp times the local ones: 4k·(cp - 1)
 more per local token (8k·(cp - 1) in float32). This is the tally of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models", section 4.1) redone for this SwiGLU block, whose attention kernel
@@ -163,19 +165,32 @@ def parameter_tensors(cfg: Any) -> int:
             + 1 + 1 + (0 if cfg.tie_embeddings else 1))  # embedding, final norm, head
 
 
+def fsdp_dtype(compute: str, setting: str = "auto", processes: int = 1) -> str | None:
+    """What FSDP gathers parameters in ("bf16", "fp16" or "fp32"), as train chooses it: FSDP wraps
+    the model in every run of more than one process (None for one: the weights stay float32),
+    gathering them in parallel.fsdp_param_dtype (`setting`), whose "auto" is the compute dtype
+    (`compute`: "bf16", "fp16", or "fp32" and "tf32" for float32)."""
+    if processes <= 1:
+        return None
+    if setting != "auto":
+        return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[setting]
+    return compute if compute in ("bf16", "fp16") else "fp32"
+
+
 def _mtp(cfg: Any) -> int:
     """Multi-token prediction's depths (model.mtp_depth)."""
     return getattr(cfg, "mtp_depth", 0) or 0
 
 
 def block_bytes_per_token(cfg: Any, bf16: bool, recompute: str, moe: bool = False, cp: int = 1,
-                          bf16_stream: bool = False) -> float:
+                          gather_dtype: str | None = None) -> float:
     """Bytes one block saves per token for its backward pass (see the module's docstring): a
     dense block, or with `moe` a mixture-of-experts one; per local token under `cp`-way context
-    parallelism; `bf16_stream`: the residual stream is bf16 (FSDP's bf16 parameters), whose
-    norms keep their bf16 input, 2d a norm less than a float32 copy."""
+    parallelism; `gather_dtype`: what FSDP gathers the parameters in (fsdp_dtype): under "bf16" the
+    residual stream is bf16 and the norms keep their bf16 input, 2d a norm less than a float32
+    copy; under "bf16" and "fp16" QK-norm keeps 16-bit q and k."""
     d, k, f, lse = cfg.dim, cfg.kv_heads * cfg.head_dim, cfg.hidden_dim, 4 * cfg.n_heads
-    stream = 2 if bf16 and bf16_stream else 4  # bytes of a value of the residual stream
+    stream = 2 if bf16 and gather_dtype == "bf16" else 4  # bytes of a value of the residual stream
     if recompute == "full":
         return stream * d
     if recompute == "selective":
@@ -183,8 +198,9 @@ def block_bytes_per_token(cfg: Any, bf16: bool, recompute: str, moe: bool = Fals
             raise ValueError("the memory model does not cover selective recomputation of a mixture of experts; "
                              "use parallel.recompute = 'none' or 'full'")
         return (12 * d + 4 * k + 4 * f if bf16 else 20 * d + 8 * k + 8 * f) + lse - (4 - stream) * d
-    # QK-norm keeps the input of q's and k's norms (float32; bf16 with bf16 parameters) and a scale per head.
-    qk = stream * (d + k) + 4 * cfg.n_heads + 4 * cfg.kv_heads if cfg.qk_norm else 0
+    # QK-norm keeps the input of q's and k's norms (float32; 16-bit with 16-bit parameters) and a scale per head.
+    heads = 2 if bf16 and gather_dtype in ("bf16", "fp16") else 4
+    qk = heads * (d + k) + 4 * cfg.n_heads + 4 * cfg.kv_heads if cfg.qk_norm else 0
     gathered = (4 if bf16 else 8) * k * (cp - 1)  # the rest of the sequence's keys and values
     common = (18 * d + 4 * k if bf16 else 28 * d + 8 * k) + lse + 8 + qk + gathered - 2 * (4 - stream) * d
     if not moe:
@@ -200,20 +216,21 @@ def block_bytes_per_token(cfg: Any, bf16: bool, recompute: str, moe: bool = Fals
     return common + routing + mlp
 
 
-def activation_bytes_per_token(cfg: Any, bf16: bool, recompute: str, cp: int = 1, bf16_stream: bool = False) -> float:
+def activation_bytes_per_token(cfg: Any, bf16: bool, recompute: str, cp: int = 1,
+                               gather_dtype: str | None = None) -> float:
     """Bytes a block saves per (local) token for its backward pass, on average over the model's
     blocks (all alike but in a mixture of experts with dense first blocks)."""
     sparse = moe_layers(cfg)
-    dense = block_bytes_per_token(cfg, bf16, recompute, cp=cp, bf16_stream=bf16_stream) if sparse < cfg.n_layers else 0
-    mixture = block_bytes_per_token(cfg, bf16, recompute, moe=True, cp=cp, bf16_stream=bf16_stream) if sparse else 0
+    dense = block_bytes_per_token(cfg, bf16, recompute, cp=cp, gather_dtype=gather_dtype) if sparse < cfg.n_layers else 0
+    mixture = block_bytes_per_token(cfg, bf16, recompute, moe=True, cp=cp, gather_dtype=gather_dtype) if sparse else 0
     return ((cfg.n_layers - sparse) * dense + sparse * mixture) / cfg.n_layers
 
 
-def _largest_block_bytes_per_token(cfg: Any, bf16: bool, cp: int = 1, bf16_stream: bool = False) -> float:
+def _largest_block_bytes_per_token(cfg: Any, bf16: bool, cp: int = 1, gather_dtype: str | None = None) -> float:
     """What the largest block saves per token without recomputation (the block being rebuilt):
     a mixture's, or a dense first block's when it saves more."""
     kinds = [moe for moe, count in ((False, cfg.n_layers - moe_layers(cfg)), (True, moe_layers(cfg))) if count]
-    return max(block_bytes_per_token(cfg, bf16, "none", moe=moe, cp=cp, bf16_stream=bf16_stream) for moe in kinds)
+    return max(block_bytes_per_token(cfg, bf16, "none", moe=moe, cp=cp, gather_dtype=gather_dtype) for moe in kinds)
 
 
 def _block_weights(cfg: Any, ep: int = 1) -> tuple[float, float]:
@@ -282,8 +299,7 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
                     pp_schedule: str = "1f1b", pp_stages_per_rank: int = 1,
                     pp_stage_blocks: Sequence[int] | None = None,
                     loss_chunk_tokens: int = 0, ep: int = 1, optimizer: str = "adamw",
-                    ema: bool = False, cuda: bool = True, bf16_stream: bool | None = None,
-                    float32_gathers: bool = False) -> MemoryEstimate:
+                    ema: bool = False, cuda: bool = True, gather_dtype: str | None = None) -> MemoryEstimate:
     """Predicted bytes per device for training model `cfg` (any object with ModelConfig's
     fields) on micro-batches of `micro_batch` sequences of `seq_len` tokens, gradients
     accumulated over `micro_steps` of them (the micro-batches a pipeline runs per step),
@@ -292,17 +308,13 @@ def training_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: in
     evenly), a mixture's experts over `ep` of the FSDP ranks (sharded over all `fsdp` of them
     either way); `ema`: train.ema_decay's moving average of the weights is kept; `cuda`: on a
     CUDA device, where attention within documents repeats grouped key/value heads (model/llama.py's
-    attend), not elsewhere; `bf16_stream`: the residual stream between blocks is bf16, as FSDP's bf16
-    parameters (parallel.fsdp_param_dtype = auto under bf16) make it in every run of more than one
-    process (None: so, where fsdp, tp or pp is above 1; a layout of replicas alone must say so);
-    `float32_gathers`: 16-bit compute whose FSDP gathers float32 parameters
-    (parallel.fsdp_param_dtype = float32), each with autocast's 16-bit copy, and a float32 stream.
-    Under pipelining, the estimate of the pipeline rank with the largest peak."""
-    if bf16_stream is None:
-        bf16_stream = bf16 and fsdp * tp * pp > 1 and not float32_gathers
+    attend), not elsewhere; `gather_dtype`: what FSDP gathers the parameters in, "bf16", "fp16" or
+    "fp32" (fsdp_dtype: FSDP wraps the model in every run of more than one process), None for one
+    process, whose weights stay float32. Under pipelining, the estimate of the pipeline rank with
+    the largest peak."""
     common = dict(micro_steps=micro_steps, bf16=bf16, recompute=recompute, fsdp=fsdp, tp=tp, cp=cp,
                   loss_chunk_tokens=loss_chunk_tokens, ep=ep, optimizer=optimizer, ema=ema, cuda=cuda,
-                  bf16_stream=bf16 and bf16_stream, float32_gathers=float32_gathers)
+                  gather_dtype=gather_dtype)
     if pp == 1:
         return rank_memory(cfg, seq_len, micro_batch, **common)
     estimates = [rank_memory(rank_cfg, seq_len, micro_batch, **common, pp=pp, **held)
@@ -357,7 +369,7 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
                 pp: int = 1, in_flight: float = 1, losses: float = 1, embedding: bool = True,
                 head: bool = True, ep: int = 1, optimizer: str = "adamw", ema: bool = False,
                 embedding_copy: bool = False, cuda: bool = True, blocks: float | None = None,
-                bf16_stream: bool = False, float32_gathers: bool = False) -> MemoryEstimate:
+                gather_dtype: str | None = None) -> MemoryEstimate:
     """One rank's bytes (arguments as training_memory's): `blocks` blocks (L/pp unless given), the embedding and the
     output head (with the final norm) where it holds them, the activations of `in_flight`
     micro-batches of its blocks and, with the head, of `losses` micro-batches' loss.
@@ -407,17 +419,17 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
         every, largest = _block_weights(cfg, ep)
         gathered = (every * share + depths_matmul) if pp > 1 else 2 * max(largest, depth_matmul if _mtp(cfg) else 0)
         weight_copies = round(2 * (gathered + outer * matrices) / tp)
-        if float32_gathers:  # gathered in float32; and autocast's 16-bit copy of every block's matmul
+        if gather_dtype == "fp32":  # gathered in float32; and autocast's 16-bit copy of every block's matmul
             # weights, whole, which the backward pass keeps (as on one device): FSDP cannot free them
             weight_copies = round((4 * (gathered + outer * matrices) + 2 * (every * share + head_matmul
                                                                             + depths_matmul)) / tp)
     else:
         weight_copies = round(2 * (_block_weights(cfg)[0] * share + head_matmul + depths_matmul) / tp)
     tokens = micro_batch * seq_len / cp
-    per_layer = activation_bytes_per_token(cfg, bf16, recompute, cp, bf16_stream) * tokens / tp
+    per_layer = activation_bytes_per_token(cfg, bf16, recompute, cp, gather_dtype) * tokens / tp
     activations = round(in_flight * held * per_layer)
     if _mtp(cfg) and head:  # each depth counted as a dense block over the rank's tokens (not measured: see above)
-        activations += round(_mtp(cfg) * block_bytes_per_token(cfg, bf16, recompute, cp=cp, bf16_stream=bf16_stream)
+        activations += round(_mtp(cfg) * block_bytes_per_token(cfg, bf16, recompute, cp=cp, gather_dtype=gather_dtype)
                              * tokens / tp)
     window = getattr(cfg, "sliding_window", None)
     windowed = effective_window(window, seq_len) is not None
@@ -440,7 +452,7 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
         repeated = (4 if bf16 else 8) * (cfg.dim * keys - cfg.kv_heads * cfg.head_dim * cp) * tokens / tp
         depths_masked = documents or cfg.n_layers - 1 not in (getattr(cfg, "full_attention_layers", None) or ())  # (the last block's)
         activations += round(in_flight * (held_masked + (_mtp(cfg) if head and depths_masked else 0)) * repeated)
-    one_block = _largest_block_bytes_per_token(cfg, bf16, cp, bf16_stream) * tokens / tp
+    one_block = _largest_block_bytes_per_token(cfg, bf16, cp, gather_dtype) * tokens / tp
     if recompute == "full":
         activations += round(one_block)  # the block being rebuilt
     # Under context parallelism a block's backward holds the gradients of the whole sequence's keys

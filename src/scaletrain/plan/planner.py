@@ -37,7 +37,7 @@ from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.plan.cost import Prices, Reliability, run_cost
 from scaletrain.plan.hardware import Device
-from scaletrain.plan.memory import choose_recompute
+from scaletrain.plan.memory import choose_recompute, fsdp_dtype
 from scaletrain.plan.search import USABLE_MEMORY, Candidate, PlanError, describe, layout_dtype, search
 from scaletrain.plan.timing import Efficiency, PlanLayout, step_time
 from scaletrain.scaling.grid import warmup_steps
@@ -326,9 +326,10 @@ def configured_layout(cfg: RunConfig, hardware: Hardware, dtype: str = "bf16") -
                                        float8=cfg.train.float8, loss_chunk_tokens=layout.loss_chunk_tokens))
     if layout.recompute == "auto":
         mode, _ = choose_recompute(cfg.model, seq_len, layout.micro_batch, usable, bf16=dtype != "fp32",
-                                   bf16_stream=dtype == "bf16" and layout.world_size > 1, **layout.memory_layout(batch))
+                                   gather_dtype=fsdp_dtype(dtype, cfg.parallel.fsdp_param_dtype, layout.world_size),
+                                   **layout.memory_layout(batch))
         layout = dataclasses.replace(layout, recompute=mode)
-    memory = layout.memory(cfg.model, seq_len, batch, bf16=dtype == "bf16", float16=dtype == "fp16")
+    memory = layout.memory(cfg.model, seq_len, batch, dtype, cfg.parallel.fsdp_param_dtype)
     if memory.peak > usable:
         raise PlanError(f"the config's layout ({describe(layout)}) needs {memory.peak / 1e9:.1f} GB per device, "
                         f"against {usable / 1e9:.1f} GB usable on {hardware.device.name}; let the planner search "

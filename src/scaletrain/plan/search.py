@@ -234,13 +234,12 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
                                 trial = PlanLayout(replicate, dp // replicate, tp, cp, pp, micro_batch, recompute,
                                                    schedule, stages, chunk, ep, optimizer, ema, blocks)
                                 computes = layout_dtype(cfg, trial, device, dtype, float8)
-                                if computes is None or own not in (None, computes):
+                                if computes is None or (own not in (None, computes) and recompute != RECOMPUTE[-1]):
                                     # (float16 refuses it; or the chunked loss would leave float16 for float32,
-                                    # which more recomputation in float16 may beat)
+                                    # which more recomputation in float16 may beat: tried last)
                                     continue
                                 layout, own = trial, computes
-                                memory = layout.memory(cfg, seq_len, global_batch, bf16=own == "bf16",
-                                                       float16=own == "fp16")
+                                memory = layout.memory(cfg, seq_len, global_batch, own)
                                 if memory.peak <= capacity:
                                     break
                             if layout is None:

@@ -47,7 +47,8 @@ parameters, and the slowest of those ends the step.
   the overlapped forward and backward F&B taking as long as both: torch runs them one after
   the other). Each is the makespan of torch's action lists for these schedules with F = B = W,
   which tests/test_plan.py simulates. Activations between stages cost one send each way per
-  micro-batch and stage (the float32 residual stream), counted as exposed.
+  micro-batch and stage (the residual stream, bf16 under FSDP's bf16 parameters, which every
+  pipeline has), counted as exposed.
 - Expert parallelism (a mixture of experts, model/moe.py): per mixture block and micro-batch,
   the k routed copies of each token's bf16 activations go to their experts' ranks and back
   (GShard's dispatch and combine, Lepikhin et al. 2021), an all-to-all each way in the forward,
@@ -88,7 +89,8 @@ from scaletrain.model.flops import (attention_flops_per_token, block_train_flops
                                     mtp_train_flops_per_token, param_counts, train_flops_per_token)
 from scaletrain.parallel.layout import V_SHAPED
 from scaletrain.plan.hardware import Device
-from scaletrain.plan.memory import MemoryEstimate, activation_bytes_per_token, pipeline_ranks, training_memory
+from scaletrain.plan.memory import (MemoryEstimate, activation_bytes_per_token, fsdp_dtype, pipeline_ranks,
+                                    training_memory)
 
 
 
@@ -158,13 +160,13 @@ class PlanLayout:
                     pp_stage_blocks=self.pp_stage_blocks,
                     loss_chunk_tokens=self.loss_chunk_tokens, ep=self.ep, optimizer=self.optimizer, ema=self.ema)
 
-    def memory(self, cfg: Any, seq_len: int, global_batch: int, bf16: bool = True,
-               float16: bool = False) -> MemoryEstimate:
-        """plan/memory.py's prediction of the bytes per device of this layout, computing in bf16
-        (or with `float16`, in float16, whose blocks hand the residual stream on in float32:
-        parallel/fsdp.py) or float32."""
-        return training_memory(cfg, seq_len, self.micro_batch, bf16=bf16 or float16, recompute=self.recompute,
-                               bf16_stream=bf16 and self.world_size > 1, **self.memory_layout(global_batch))
+    def memory(self, cfg: Any, seq_len: int, global_batch: int, dtype: str = "bf16",
+               fsdp_param_dtype: str = "auto") -> MemoryEstimate:
+        """plan/memory.py's prediction of the bytes per device of this layout, computing in `dtype`
+        ("bf16", "fp16", "fp32"), FSDP gathering parameters as parallel.fsdp_param_dtype says."""
+        return training_memory(cfg, seq_len, self.micro_batch, bf16=dtype in ("bf16", "fp16"),
+                               recompute=self.recompute, gather_dtype=fsdp_dtype(dtype, fsdp_param_dtype, self.world_size),
+                               **self.memory_layout(global_batch))
 
     def to_dict(self) -> dict:
         """As JSON keeps it (the blocks of each stage a list), so that a plan read back compares equal."""
@@ -323,8 +325,8 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
         cp_time = 2 * (layers + depths) * ((2 if again else 1) * collective("all_gather", half_kv, lay.cp, cp_bw, efficiency)
                                            + collective("reduce_scatter", half_kv, lay.cp, cp_bw, efficiency))
         sends = 0.0
-        if lay.pp > 1:  # the float32 residual stream, out and back, at each of the rank's stages
-            sends = 2 * lay.pp_stages_per_rank * (tokens * d * 4 / lay.tp / pp_bw + efficiency.latency)
+        if lay.pp > 1:  # the residual stream (FSDP's parameters' dtype), out and back, at each of the rank's stages
+            sends = 2 * lay.pp_stages_per_rank * (tokens * d * act_bytes / lay.tp / pp_bw + efficiency.latency)
         # Each routed copy of a token's activations to its expert's rank and back, forward and backward,
         # over the ep x tp ranks the experts split over (a tp rank routes its part of the sequences).
         ep_time = 0.0

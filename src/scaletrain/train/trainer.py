@@ -40,7 +40,7 @@ from scaletrain.parallel.mesh import any_rank, collective_timeout, init_distribu
 from scaletrain.plan.cost import Reliability, checkpoint_interval, expected_wall_s, whole_steps
 from scaletrain.plan.hardware import peak_flops
 from scaletrain.model.moe import balance_tally, forget_counts, set_balance_weight, update_expert_bias
-from scaletrain.plan.memory import choose_recompute
+from scaletrain.plan.memory import choose_recompute, fsdp_dtype
 from scaletrain.plan.search import describe
 from scaletrain.plan.timing import PlanLayout
 from scaletrain.report.goodput import duration
@@ -293,7 +293,7 @@ class Trainer:
         self.mesh = init_distributed(self.device, self.layout, collective_timeout(cfg.train.hang_timeout_s))
 
         torch.manual_seed(cfg.run.seed)  # every rank builds the same full model, then keeps its shard
-        param_dtype = self._fsdp_param_dtype(cfg)
+        param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self._fsdp_dtype(cfg), torch.float32)
         model = Transformer(cfg.model).to(self.device)
         if self.init_from and self.init_from.kind == "hf":  # (another run's checkpoint loads once sharded: fit)
             # (Multi-token prediction's modules, which no Hugging Face model holds, start afresh.)
@@ -316,7 +316,10 @@ class Trainer:
         model.z_loss = cfg.train.z_loss
         if self.layout.tp == 1:  # (a vocabulary-sharded head takes loss_parallel)
             model.loss_chunk = cfg.train.loss_chunk_tokens
-        self.parallel = parallelize(model, self.mesh, self.layout, cfg, self.device, param_dtype=param_dtype)
+        # (float16 parameters under float16: each block hands the residual stream on in float32.)
+        stream = torch.float32 if param_dtype == torch.float16 and self.dtype == torch.float16 else None
+        self.parallel = parallelize(model, self.mesh, self.layout, cfg, self.device, param_dtype=param_dtype,
+                                    stream_dtype=stream)
         self.model = self.parallel.module
         self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                          betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
@@ -487,12 +490,11 @@ class Trainer:
         return [load_task(path, tokenizer, index["eos_id"], self.cfg.data.seq_len, self.cfg.eval.task_examples,
                           index.get("bos_id")) for path in self.cfg.eval.tasks]
 
-    def _fsdp_param_dtype(self, cfg: RunConfig) -> torch.dtype:
-        """What FSDP gathers parameters in (parallel.fsdp_param_dtype): under auto, the compute
-        dtype (float16's blocks hand the residual stream on in float32: parallel/fsdp.py)."""
-        if cfg.parallel.fsdp_param_dtype != "auto":
-            return getattr(torch, cfg.parallel.fsdp_param_dtype)
-        return self.dtype
+    def _fsdp_dtype(self, cfg: RunConfig) -> str | None:
+        """What FSDP gathers parameters in, "bf16", "fp16" or "fp32" (plan/memory.py's fsdp_dtype,
+        from parallel.fsdp_param_dtype; auto: the compute dtype); None for one process."""
+        compute = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32")
+        return fsdp_dtype(compute, cfg.parallel.fsdp_param_dtype, self.layout.world_size)
 
     def _choose_recompute(self, cfg: RunConfig) -> RunConfig:
         """parallel.recompute = auto: the planner's choice for this device's memory."""
@@ -500,13 +502,8 @@ class Trainer:
         if self.device.type == "cuda":
             capacity = 0.9 * torch.cuda.get_device_properties(self.device).total_memory
             layout = PlanLayout.of(cfg, self.layout).memory_layout(cfg.seqs_per_step)
-            # (FSDP, over any mesh of more than one process, gathers parameters in its dtype, which the
-            # residual stream takes; float32 ones under 16-bit compute leave autocast copies of them.)
-            sharded, gathered = self.layout.world_size > 1, self._fsdp_param_dtype(cfg)
-            sixteen = self.dtype != torch.float32
             mode, estimate = choose_recompute(cfg.model, cfg.data.seq_len, cfg.train.micro_batch, capacity,
-                                              bf16=sixteen, bf16_stream=sharded and gathered == torch.bfloat16,
-                                              float32_gathers=sharded and sixteen and gathered == torch.float32,
+                                              bf16=self.dtype != torch.float32, gather_dtype=self._fsdp_dtype(cfg),
                                               **layout)
             log.info("parallel.recompute = auto: %s (predicted peak %.1f GB of %.1f GB usable)", mode,
                      estimate.peak / 1e9, capacity / 1e9)
