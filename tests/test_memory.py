@@ -8,6 +8,9 @@ import contextlib
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from conftest import ROOT, run_with_retry, tiny_config
 from zygote import run_ranks, script
@@ -28,38 +31,81 @@ SHAPES = [dict(dim=128, n_layers=3, n_heads=4, n_kv_heads=2), dict(dim=96, n_lay
                moe_score="sigmoid")]
 
 
+def _not_activations(model: Transformer):
+    """A test of a tensor (storage address, dtype, shape) that the estimate counts elsewhere:
+    the parameters and buffers (and views of them), and autocast's 16-bit copies of the weights
+    (the estimate's weight_copies), each expert's slice of the stacked expert weights too, which
+    autocast copies one by one."""
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    weight_shapes = {shape for p in model.parameters() for whole in (tuple(p.shape), tuple(p.shape)[-2:])
+                     for shape in (whole, whole[::-1])}
+    return lambda ptr, dtype, shape: ptr in own or (dtype in (torch.bfloat16, torch.float16)
+                                                    and tuple(shape) in weight_shapes)
+
+
 @contextlib.contextmanager
 def counting_saves(model: Transformer):
     """Within it, the bytes of the distinct tensors autograd saves for backward (a dict of
-    storage -> bytes, filled as they are saved), leaving out parameters, buffers and autocast's
-    bf16 copies of the weights (the estimate's weight_copies)."""
-    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    # (and each expert's slice of the stacked expert weights, which autocast copies one by one)
-    weight_shapes = {shape for p in model.parameters() for whole in (tuple(p.shape), tuple(p.shape)[-2:])
-                     for shape in (whole, whole[::-1])}
+    storage -> bytes, filled as they are saved), but for _not_activations."""
+    elsewhere = _not_activations(model)
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in own and not (t.dtype in (torch.bfloat16, torch.float16) and tuple(t.shape) in weight_shapes):
+        if not elsewhere(ptr, t.dtype, t.shape):
             seen[ptr] = t.untyped_storage().nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield seen
 
 
+class _Made(TorchDispatchMode):
+    """Every storage the ops within it make: (address, weak reference, bytes, dtype, shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[tuple[int, StorageWeakRef, int, torch.dtype, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                self.made.append((s.data_ptr(), StorageWeakRef(s), s.nbytes(), t.dtype, tuple(t.shape)))
+        return out
+
+
+@contextlib.contextmanager
+def keeping_alive(model: Transformer):
+    """Within it, nothing; on leaving it, the bytes of the storages the ops within it made that are
+    still alive (a dict of storage -> bytes), but for _not_activations. Unlike counting_saves it sees
+    what recomputation keeps: each block's input under checkpointing, the outputs a selective
+    policy caches. (Torch's CausalBias cannot be made within it: not for context parallelism.)"""
+    elsewhere = _not_activations(model)
+    alive: dict[int, int] = {}
+    with _Made() as mode:
+        yield alive
+    alive.update({ptr: size for ptr, ref, size, dtype, shape in mode.made
+                  if not ref.expired() and not elsewhere(ptr, dtype, shape)})
+
+
 def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool, positions: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> int:
-    """Bytes the blocks save for backward (counting_saves) for the tokens at `positions` (all from
-    0 when None), attending within `documents` if given (and the model's sliding window)."""
-    x = model.tok_embeddings(tokens)
-    cos, sin = (model.rope_cos, model.rope_sin) if positions is None else (model.rope_cos[positions],
-                                                                           model.rope_sin[positions])
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), counting_saves(model) as seen:
-        masks = model.attention_masks(x, x.shape[1], documents, positions)
-        for name, block in model.layers.items():
-            x = block(x, cos, sin, bias=masks[int(name)])
-    return sum(seen.values())
+                documents: torch.Tensor | None = None, counter=counting_saves) -> int:
+    """Bytes the blocks keep for the backward pass, counted by `counter` (counting_saves, or
+    keeping_alive where the model recomputes), for the tokens at `positions` (all from 0 when None),
+    attending within `documents` if given (and the model's sliding window)."""
+    with counter(model) as kept:
+        x = model.tok_embeddings(tokens)
+        cos, sin = (model.rope_cos, model.rope_sin) if positions is None else (model.rope_cos[positions],
+                                                                               model.rope_sin[positions])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            masks = model.attention_masks(x, x.shape[1], documents, positions)
+            for name, block in model.layers.items():
+                x = block(x, cos, sin, bias=masks[int(name)])
+        del masks, cos, sin
+    for t in (tokens, x):  # (the embedding's saved indices, and the output)
+        kept.pop(t.untyped_storage().data_ptr(), None)
+    return sum(kept.values())
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["gqa", "mha-ffn", "qk-norm", "moe-top2-dense", "moe-top1-shared-sigmoid"])
@@ -67,16 +113,25 @@ def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool, positions:
                          ids=["float32", "bf16", "bf16-stream"])
 def test_predicted_activation_bytes_are_what_autograd_saves(shape, bf16, stream):
     """stream: the residual stream in bf16, as FSDP's bf16 parameters make it (here the model's
-    weights in bf16, as FSDP gathers them)."""
+    weights in bf16, as FSDP gathers them). With each recomputation the model covers (selective
+    not for a mixture of experts): what stays alive for the backward pass once the forward is done."""
+    from scaletrain.parallel.recompute import apply_recompute
+
     cfg = ModelConfig(vocab_size=512, max_seq_len=64, **shape)
-    model = Transformer(cfg).to(torch.bfloat16 if stream else torch.float32)
     batch, seq = 3, 64
-    measured = saved_bytes(model, torch.randint(0, 512, (batch, seq)), bf16)
+    tokens = torch.randint(0, 512, (batch, seq))
     gathered = "bf16" if stream else None
-    predicted = activation_bytes_per_token(cfg, bf16, "none", gather_dtype=gathered) * batch * seq * cfg.n_layers
-    assert measured == pytest.approx(predicted, rel=0.01)
-    assert training_memory(cfg, seq, batch, bf16=bf16, gather_dtype=gathered).activations \
-        == pytest.approx(measured, rel=0.01)
+    state = Transformer(cfg).state_dict()
+    for mode in ("none", "full") if cfg.moe_experts else ("none", "selective", "full"):
+        model = Transformer(cfg)
+        model.load_state_dict(state)
+        apply_recompute(model.to(torch.bfloat16 if stream else torch.float32), mode)
+        measured = saved_bytes(model, tokens, bf16, counter=keeping_alive)
+        predicted = activation_bytes_per_token(cfg, bf16, mode, gather_dtype=gathered) * batch * seq * cfg.n_layers
+        assert measured == pytest.approx(predicted, rel=0.01), mode
+        if mode == "none":  # (under "full" the estimate adds the block its backward rebuilds)
+            assert training_memory(cfg, seq, batch, bf16=bf16, gather_dtype=gathered).activations \
+                == pytest.approx(measured, rel=0.01)
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
