@@ -113,8 +113,8 @@ def saved_bytes(model: Transformer, tokens: torch.Tensor, bf16: bool, positions:
                          ids=["float32", "bf16", "bf16-stream"])
 def test_predicted_activation_bytes_are_what_autograd_saves(shape, bf16, stream):
     """stream: the residual stream in bf16, as FSDP's bf16 parameters make it (here the model's
-    weights in bf16, as FSDP gathers them). With each recomputation the model covers (selective
-    not for a mixture of experts): what stays alive for the backward pass once the forward is done."""
+    weights in bf16, as FSDP gathers them). With each recomputation: what stays alive for the
+    backward pass once the forward is done (a mixture's grouped GEMMs' outputs kept by selective)."""
     from scaletrain.parallel.recompute import apply_recompute
 
     cfg = ModelConfig(vocab_size=512, max_seq_len=64, **shape)
@@ -122,7 +122,7 @@ def test_predicted_activation_bytes_are_what_autograd_saves(shape, bf16, stream)
     tokens = torch.randint(0, 512, (batch, seq))
     gathered = "bf16" if stream else None
     state = Transformer(cfg).state_dict()
-    for mode in ("none", "full") if cfg.moe_experts else ("none", "selective", "full"):
+    for mode in ("none", "selective", "full"):
         model = Transformer(cfg)
         model.load_state_dict(state)
         apply_recompute(model.to(torch.bfloat16 if stream else torch.float32), mode)
@@ -337,11 +337,11 @@ def test_the_planner_chooses_the_least_recomputation_that_fits():
     assert choose_recompute(cfg, 4096, 4, peaks["none"] - 1)[0] == "selective"
     assert choose_recompute(cfg, 4096, 4, peaks["selective"] - 1)[0] == "full"
     assert choose_recompute(cfg, 4096, 4, 1e9)[0] == "full"  # nothing fits: the most it can do
-    mixture = cfg.model_copy(update={"moe_experts": 8, "moe_ffn_dim": 2048})  # selective is not modelled for it
-    peaks = {mode: training_memory(mixture, 4096, 4, recompute=mode).peak for mode in ("none", "full")}
-    assert choose_recompute(mixture, 4096, 4, peaks["none"] - 1)[0] == "full"
-    with pytest.raises(ValueError, match="does not cover selective recomputation of a mixture of experts"):
-        training_memory(mixture, 4096, 4, recompute="selective")
+    mixture = cfg.model_copy(update={"moe_experts": 8, "moe_ffn_dim": 2048})
+    peaks = {mode: training_memory(mixture, 4096, 4, recompute=mode).peak for mode in ("none", "selective", "full")}
+    assert peaks["none"] > peaks["selective"] > peaks["full"]
+    assert choose_recompute(mixture, 4096, 4, peaks["none"] - 1)[0] == "selective"
+    assert choose_recompute(mixture, 4096, 4, peaks["selective"] - 1)[0] == "full"
     # A dense first block wider than the mixture's: the block rebuilt under full recomputation is the larger.
     wide = cfg.model_copy(update={"moe_experts": 16, "moe_ffn_dim": 512, "moe_dense_layers": 1, "ffn_dim": 16384})
     rebuilt = training_memory(wide, 4096, 4, recompute="full").activations - 16 * 4 * 2048 * 4096 * 4

@@ -295,9 +295,10 @@ LAYOUTS = {  # name: (processes, overrides); plain FSDP of a MoE is the non-expe
                                       "train.optimizer=muon"]),
     # Each rank of a tp pair routes its half of the sequences with the whole router, the pair
     # summing its gradients, to experts split over ep x tp (one a rank), sharded by FSDP,
-    # recomputed, with Muon; each rank holds the bytes the memory model gives it.
+    # selectively recomputed (the all-to-alls and tp's collectives again, the grouped GEMMs'
+    # outputs kept), with Muon; each rank holds the bytes the memory model gives it.
     "tensor-expert-and-data-parallel-muon": (4, ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2",
-                                                 "parallel.recompute=full", "train.optimizer=muon"]),
+                                                 "parallel.recompute=selective", "train.optimizer=muon"]),
     # tp alone: each rank of the pair holds half the experts (2 of 4), the tokens of both halves of
     # the sequences exchanged by all-to-all.
     "tensor-parallel": (2, ["parallel.tp=2", "parallel.dp_shard=1"]),

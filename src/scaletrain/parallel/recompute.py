@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 _aten = torch.ops.aten
 # Ops whose outputs "selective" keeps: recomputing them would cost as much as the forward.
@@ -24,10 +24,22 @@ SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
              _aten._scaled_dot_product_efficient_attention.default,
              _aten._scaled_dot_product_cudnn_attention.default,
              _aten._scaled_dot_product_flash_attention_for_cpu.default,
+             _aten._grouped_mm.default,  # a mixture's experts (model/moe.py)
              # model.attention_kernel = "flex": the policy sees its operator eagerly and within compiled
              # blocks; called compiled on its own (train.compile = false, on CUDA) it may not, and be
              # recomputed (not measured: no GPU here).
              torch.ops.higher_order.flex_attention}
+
+
+# Selective recomputation replays a block's ops in the order and number its forward ran them.
+# FSDP marks its hooks with the profiler's record_function ops, which run a different number of
+# times in the forward and in the recomputation where an FSDP unit sits inside the block (a
+# mixture's experts: parallel/fsdp.py), and the replay stops ("invocation index ... not found in
+# storage"). They annotate and compute nothing: left out of the replay, as torch's fix does
+# (pytorch/pytorch#196862; torchtitan#3427, DeepSeek-V3 under FSDP x EP).
+SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter.default,
+                        torch.ops.profiler._record_function_enter_new.default,
+                        torch.ops.profiler._record_function_exit._RecordFunction})
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

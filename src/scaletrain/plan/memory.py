@@ -62,7 +62,9 @@ more per local token (8k·(cp - 1) in float32). This is the tally of Korthikanti
 Large Transformer Models", section 4.1) redone for this SwiGLU block, whose attention kernel
 keeps no score matrix; tests check it against the bytes autograd actually saves. Selective
 recomputation keeps the outputs of matmuls and attention and the block input: 12d + 4k + 4F +
-4h in bf16, 20d + 8k + 8F + 4h in float32; full recomputation keeps the block input (4d) and
+4h in bf16, 20d + 8k + 8F + 4h in float32 (a mixture: in place of the MLP's 4F + 2d, or 8F + 4d,
+the float32 router logits, 4E, and the outputs of the experts' grouped GEMMs, 4(k + S)F_e +
+2(k + [S > 0])d, twice that in float32); full recomputation keeps the block input (4d) and
 rebuilds one block at a time (both 2d less under the bf16 stream; tests check each, in float32,
 bf16 and the bf16 stream, against the storages a forward pass leaves alive for the backward). Attention within documents (model.document_mask) adds one
 additive mask per micro-batch, shared by the blocks, of each local query over the whole
@@ -91,8 +93,7 @@ float32 4kd), each expert's w1, w3, silu(w1) and product over its rows (8kF_e, f
 the k float32 expert outputs weighted at the end (4kd) and the shared experts' 8SF_e (16SF_e).
 Every expert runs on every rank, rows or not, so autocast's bf16 copies of all the experts'
 weights are kept (without FSDP); under FSDP a rank gathers its E/ep experts in bf16. Counted
-against autograd by the same tests as the dense block; selective recomputation of a mixture
-is not modelled.
+against autograd by the same tests as the dense block, with each recomputation.
 
 Peak = parameters + optimizer + weight copies + the larger of (activations + loss, plus the
 gradients when micro-batches accumulate into them) and (gradients + one block's activations):
@@ -194,11 +195,14 @@ def block_bytes_per_token(cfg: Any, bf16: bool, recompute: str, moe: bool = Fals
     stream = 2 if bf16 and gather_dtype == "bf16" else 4  # bytes of a value of the residual stream
     if recompute == "full":
         return stream * d
-    if recompute == "selective":
-        if moe:
-            raise ValueError("the memory model does not cover selective recomputation of a mixture of experts; "
-                             "use parallel.recompute = 'none' or 'full'")
-        return (12 * d + 4 * k + 4 * f if bf16 else 20 * d + 8 * k + 8 * f) + lse - (4 - stream) * d
+    if recompute == "selective":  # the block's input and its matmuls' and attention's outputs
+        size = 2 if bf16 else 4  # (of a matmul's output)
+        attention = (10 * d + 4 * k if bf16 else 16 * d + 8 * k) + lse - (4 - stream) * d
+        if not moe:
+            return attention + 2 * size * f + size * d
+        experts, top_k, width, shared = cfg.moe_experts, cfg.moe_top_k, cfg.expert_dim, cfg.moe_shared_experts
+        # The float32 router logits, the experts' (and shared experts') w1, w3 and w2 outputs.
+        return attention + 4 * experts + 2 * size * (top_k + shared) * width + size * (top_k + bool(shared)) * d
     # QK-norm keeps the input of q's and k's norms (float32; 16-bit with 16-bit parameters) and a scale per head.
     heads = 2 if bf16 and gather_dtype in ("bf16", "fp16") else 4
     qk = heads * (d + k) + 4 * cfg.n_heads + 4 * cfg.kv_heads if cfg.qk_norm else 0
@@ -506,8 +510,6 @@ def choose_recompute(cfg: Any, seq_len: int, micro_batch: int, capacity: float, 
     costs up to a third more compute, so none is preferred whenever it fits); full when
     nothing fits, with its estimate, for the caller to report."""
     for mode in RECOMPUTE_ORDER:
-        if mode == "selective" and moe_layers(cfg):
-            continue  # not modelled for a mixture
         estimate = training_memory(cfg, seq_len, micro_batch, recompute=mode, **layout)
         if estimate.peak <= capacity:
             return mode, estimate

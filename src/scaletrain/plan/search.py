@@ -227,8 +227,6 @@ def candidates(cfg: Any, seq_len: int, batch: int, world: int, device: Device, *
                         chunks = (0, LOSS_CHUNK) if tp == 1 and micro_batch * seq_len // cp > LOSS_CHUNK \
                             else (0,)
                         for recompute in RECOMPUTE:
-                            if recompute == "selective" and moe_layers(cfg):
-                                continue  # not modelled for a mixture
                             layout = memory = own = None
                             for chunk in chunks:
                                 trial = PlanLayout(replicate, dp // replicate, tp, cp, pp, micro_batch, recompute,

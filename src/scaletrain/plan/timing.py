@@ -52,7 +52,7 @@ parameters, and the slowest of those ends the step.
 - Expert parallelism (a mixture of experts, model/moe.py): per mixture block and micro-batch,
   the k routed copies of each token's bf16 activations go to their experts' ranks and back
   (GShard's dispatch and combine, Lepikhin et al. 2021), an all-to-all each way in the forward,
-  again in the backward and in a full recomputation, (ep - 1)/ep of them leaving each rank, not
+  again in the backward and in a recomputation (selective too), (ep - 1)/ep of them leaving each rank, not
   overlapped. FSDP gathers and reduces each rank's E/ep experts over the dp_shard/ep ranks
   holding them and the rest of the block over dp_shard. Expert matmuls are timed at the dense
   matmuls' efficiency, as the grouped GEMM model/moe.py uses on Hopper runs them (its per-expert
@@ -332,7 +332,7 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
         ep_time = 0.0
         split = lay.ep * lay.tp
         if split > 1 and moe_layers(own):
-            all_to_alls = moe_layers(own) * layers / cfg.n_layers * (6 if lay.recompute == "full" else 4)
+            all_to_alls = moe_layers(own) * layers / cfg.n_layers * (6 if again else 4)
             ep_time = all_to_alls * ((split - 1) / split * routed / ep_bw + efficiency.latency)
         return forward, backward, recompute, tp_time, cp_time, ep_time, sends
 
