@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.config import ModelConfig
+from scaletrain.model.loss import compute_dtype
 
 
 class Experts(nn.Module):
@@ -93,7 +94,7 @@ def _run(x: torch.Tensor, counts: list[int] | torch.Tensor, w1: torch.Tensor, w2
     """Each expert on its rows of x (counts[e] rows for expert e, in order). Experts without rows
     run too, on none: every weight then has a gradient (zeros), as data parallelism's
     reductions expect on every rank."""
-    dtype = _compute_dtype(x)
+    dtype = compute_dtype(x)
     if _grouped(x, w1, dtype):
         offsets = torch.as_tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         rows, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))  # as autocast would cast them
@@ -105,12 +106,6 @@ def _run(x: torch.Tensor, counts: list[int] | torch.Tensor, w1: torch.Tensor, w2
         counts = counts.tolist()
     return torch.cat([F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
                       for e, rows in enumerate(x.split(counts))])
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype matmuls on x run in: autocast's when it is on, else x's."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> bool:

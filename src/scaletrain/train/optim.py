@@ -188,10 +188,10 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, *, weight_decay: float
 
 
 def orthogonalise_dtype(device_type: str) -> torch.dtype:
-    """The dtype orthogonalise computes in on devices of `device_type`."""
-    if device_type != "cuda":
-        return torch.float32
-    return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+    """The dtype orthogonalise computes in on devices of `device_type`: train.dtype = auto's."""
+    from scaletrain.train.trainer import compute_dtype  # (the trainer imports this module)
+
+    return compute_dtype("auto", torch.device(device_type))
 
 
 def orthogonalise(update: torch.Tensor) -> torch.Tensor:
