@@ -17,7 +17,9 @@ Components (per device, in bytes):
   no activations for a backward pass: not the peak);
 - weight copies: the bf16 copies that autocast (or FSDP's bf16 all-gather) makes of the matmul
   weights and that the backward pass keeps — all of them on one device, two blocks' worth
-  under FSDP (one in use, one prefetched), all of the rank's blocks under FSDP with pipelining
+  under FSDP (one in use, one prefetched; FSDP wraps every run of more than one process, and
+  over a single shard, as under tensor parallelism alone, it still gathers, into a bf16 copy,
+  and frees), all of the rank's blocks under FSDP with pipelining
   (which keeps them gathered from forward to backward: parallel/apply.py); where FSDP gathers
   float32 parameters under 16-bit compute (parallel.fsdp_param_dtype = float32), two blocks'
   float32 gathers and autocast's 16-bit copy of every block's matmul weights, whole, as on one
@@ -420,7 +422,8 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     depths_matmul = _mtp(cfg) * depth_matmul if head else 0
     if not bf16:
         weight_copies = 0
-    elif fsdp > 1:  # two blocks gathered in bf16 (all of the rank's when pipelining), the root's embedding and head
+    elif fsdp > 1 or gather_dtype is not None:  # FSDP (every run of more than one process, over one shard too):
+        # two blocks gathered in bf16 (all of the rank's when pipelining), the root's embedding and head
         every, largest = _block_weights(cfg, ep)
         gathered = (every * share + depths_matmul) if pp > 1 else 2 * max(largest, depth_matmul if _mtp(cfg) else 0)
         weight_copies = round(2 * (gathered + outer * matrices) / tp)
