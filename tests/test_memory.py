@@ -308,6 +308,12 @@ def test_recomputation_and_sharding_lower_the_prediction_in_order():
         == whole.activations - 4 * cfg.dim * 2048 * 8 * cfg.n_layers
     chunked = training_memory(cfg, 2048, 8, loss_chunk_tokens=4096)
     assert chunked.loss < whole.loss / 2
+    # FSDP wraps every run of more than one process, gathering over a single shard too (tensor
+    # parallelism alone): two blocks' bf16 copies, as under sharding, not autocast's of every block;
+    # float32 gathers under bf16 compute keep both.
+    alone, wrapped, float32 = (training_memory(cfg, 2048, 8, tp=2, gather_dtype=g) for g in (None, "bf16", "fp32"))
+    assert wrapped.weight_copies == training_memory(cfg, 2048, 8, tp=2, fsdp=8, gather_dtype="bf16").weight_copies
+    assert wrapped.weight_copies < alone.weight_copies / 4 < float32.weight_copies / 4
 
 
 @pytest.mark.parametrize("overrides", [[], ["model.moe_experts=4", "model.moe_shared_experts=1",
