@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -117,14 +118,30 @@ def tiny_config(data_dir: Path, run_dir: Path, *overrides: str):
 # Failures of the machinery rather than of the code under test: a port taken between its choice
 # (by torchrun or zygote.run_ranks) and rank 0 binding it, a loopback connection dropped on an
 # overloaded 2-core machine.
-TRANSIENT = ("Address already in use", "EADDRINUSE", "Connection reset by peer", "Connection closed by peer")
+TRANSIENT = ("Address already in use", "EADDRINUSE", "Connection reset by peer", "Connection closed by peer",
+             "Broken pipe")
+
+
+# An exception's last line in a rank's traceback ("[rank1] RuntimeError: ...", "ValueError: ...").
+RAISED = re.compile(r"^(?:\[rank\d+\]:?\s*)?(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception)\b.*$", re.M)
+
+
+def transient(stderr: str) -> bool:
+    """Whether a failed launch failed for a transient network reason alone: such a reason is in
+    its output and every exception a rank raised names one (a rank that died of a real error makes
+    its peers see their connections reset too: that is not retried). torchrun's summary of its
+    failed workers (ChildFailedError) is left out."""
+    if not any(word in stderr for word in TRANSIENT):
+        return False
+    raised = [line for line in RAISED.findall(stderr) if "ChildFailedError" not in line]
+    return all(any(word in line for word in TRANSIENT) for line in raised)
 
 
 def run_with_retry(run, describe: str):
     """run() -> CompletedProcess; once more, from the same state, when the launch itself failed
-    for a transient network reason. Returns the successful result."""
+    for a transient network reason (transient). Returns the successful result."""
     result = run()
-    if result.returncode != 0 and any(word in result.stderr for word in TRANSIENT):
+    if result.returncode != 0 and transient(result.stderr):
         print(f"retrying {describe}, which failed for a transient reason:\n" + result.stderr[-2000:])
         result = run()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]

@@ -466,4 +466,4 @@ def test_multi_token_prediction_is_counted_as_a_block_and_a_loss_per_depth(bf16)
         measured = sum(seen.values())
         with_depths, without = (training_memory(c, seq, batch, bf16=bf16) for c in (cfg, ModelConfig(**shape)))
         predicted = with_depths.activations + with_depths.loss - without.activations - without.loss
-        assert 1.0 < predicted / measured < 1.35, (depth, predicted, measured)
+        assert 1.0 < predicted / measured < (1.35 if bf16 else 1.1), (depth, predicted, measured)
