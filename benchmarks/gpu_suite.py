@@ -112,8 +112,9 @@ def measure(data: Path, runs: Path, name: str, overrides: list[str], steps: int,
     seq, micro = sequence_and_batch(overrides)
     fresh()
     try:
+        # (the evaluation at the end, which train runs whatever eval.interval: one batch)
         cfg = load_config(None, [*base, *overrides, f"train.global_batch_tokens={seq * micro}",
-                                 f"model.max_seq_len={seq}"])
+                                 f"model.max_seq_len={seq}", f"eval.tokens={seq * micro}"])
         called = time.time()
         train(cfg)
     except Exception as e:  # (one run's failure is a row of the table, not the end of the suite)
@@ -220,10 +221,13 @@ class Budget:
     while the time left is more than the longest row of its section took so far, and a row not
     started says so; the report ends with the table either way, rather than at a timeout."""
 
-    def __init__(self, seconds: float, clock=time.perf_counter):
+    def __init__(self, seconds: float, clock=time.perf_counter, expected: dict[str, float] | None = None):
+        """expected: what a section's first row is taken to need, before one has been timed (its
+        compilation included), so that it does not start with seconds left."""
         self.seconds, self.clock = seconds, clock
         self.end = clock() + seconds
-        self.longest: dict[str, float] = {}
+        self.longest: dict[str, float] = dict(expected or {})
+        self.timed: dict[str, float] = {}
 
     def refusal(self, section: str) -> str | None:
         """Why a row of `section` is not started now, or None if it is."""
@@ -232,6 +236,9 @@ class Budget:
             return None
         if left <= 0:
             return f"not run: the suite's {self.seconds:.0f} s were spent (--budget-s)"
+        if section not in self.timed:
+            return (f"not run: {left:.0f} s of the suite's {self.seconds:.0f} left, less than a first {section} row is "
+                    f"expected to take ({longest:.0f} s)")
         return (f"not run: {left:.0f} s of the suite's {self.seconds:.0f} left, less than the longest {section} row "
                 f"took ({longest:.0f} s)")
 
@@ -240,8 +247,10 @@ class Budget:
         started = self.clock()
         try:
             return run()
-        finally:
-            self.longest[section] = max(self.longest.get(section, 0.0), self.clock() - started)
+        finally:  # (the time a row took, once one has: the first row's expectation is replaced)
+            took = self.clock() - started
+            self.longest[section] = max(self.timed.get(section, 0.0), took)
+            self.timed[section] = self.longest[section]
 
 
 def table(report: dict) -> str:
@@ -297,7 +306,11 @@ def main() -> None:
     static_compiles()
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp())
     data = work / "data"
-    budget = Budget(args.budget_s)
+    # What a section's first row is taken to need on a GPU, compilation included (the 1.1B config's
+    # first row, a whole-model compile of the plain loop, three short runs of the resume check, an
+    # ablation of the 126M config), until one has been timed.
+    budget = Budget(args.budget_s, expected=None if args.tiny else {"config": 60, "baseline": 45, "resume": 45,
+                                                                      "ablation": 30})
     t0 = time.perf_counter()
     prepare(["builtin:python-stdlib"], data, vocab_size=512 if args.tiny else 32768,
             max_bytes=2_000_000 if args.tiny else 40_000_000)
@@ -314,68 +327,72 @@ def main() -> None:
     def with_issue_mfu(row: dict, name: str) -> dict:
         return row if "error" in row else {**row, "mfu_6n": issue_mfu(name, row["tokens_per_s"], report["device"])}
 
-    if "configs" in sections:
-        report["configs"] = {}
-        for name in args.configs.split(","):
-            overrides = [*shape_of(name, args.tiny), *BEST, *(TINY if args.tiny else [])]
-            if (late := budget.refusal("config")) is not None:
-                report["configs"][name] = {"error": late}
-                continue
-            row = budget.row("config", lambda: measure(data, runs, name, overrides, args.steps, args.warmup, every,
-                                                       args.log_every))
-            report["configs"][name] = {**with_issue_mfu(row, name), "settings": BEST,
-                                       "reference": None if args.tiny else CONFIGS[name][1]}
+    try:  # (a SIGINT, gpu_session.sh's timeout, ends the sections: the table is printed all the same)
+        if "configs" in sections:
+            report["configs"] = {}
+            for name in args.configs.split(","):
+                overrides = [*shape_of(name, args.tiny), *BEST, *(TINY if args.tiny else [])]
+                if (late := budget.refusal("config")) is not None:
+                    report["configs"][name] = {"error": late}
+                    continue
+                row = budget.row("config", lambda: measure(data, runs, name, overrides, args.steps, args.warmup, every,
+                                                           args.log_every))
+                report["configs"][name] = {**with_issue_mfu(row, name), "settings": BEST,
+                                           "reference": None if args.tiny else CONFIGS[name][1]}
+                keep()
+        if "baselines" in sections:  # the references, measured here: the same device, torch and day
+            report["baselines"] = {}
+            for name in args.configs.split(","):  # (each kept as it ends, should the device's time run out)
+                if (late := budget.refusal("baseline")) is not None:
+                    report["baselines"][name] = {"error": late}
+                    continue
+                rows = budget.row("baseline", lambda: baselines([name], args.steps, args.warmup, args.tiny))
+                report["baselines"].update({name: with_issue_mfu(row, name) for name, row in rows.items()})
+                keep()
+        if "resume" in sections:
+            try:
+                report["resume"] = ({"error": late} if (late := budget.refusal("resume")) is not None else
+                                    resume_exactness(data, runs, ["train.device=cpu"] if args.tiny else []))
+            except Exception as e:
+                report["resume"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             keep()
-    if "baselines" in sections:  # the references, measured here: the same device, torch and day
-        report["baselines"] = {}
-        for name in args.configs.split(","):  # (each kept as it ends, should the device's time run out)
-            if (late := budget.refusal("baseline")) is not None:
-                report["baselines"][name] = {"error": late}
-                continue
-            rows = budget.row("baseline", lambda: baselines([name], args.steps, args.warmup, args.tiny))
-            report["baselines"].update({name: with_issue_mfu(row, name) for name, row in rows.items()})
-            keep()
-    if "resume" in sections:
-        try:
-            report["resume"] = ({"error": late} if (late := budget.refusal("resume")) is not None else
-                                resume_exactness(data, runs, ["train.device=cpu"] if args.tiny else []))
-        except Exception as e:
-            report["resume"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        keep()
-    if "ablations" in sections:
-        shape = shape_of("llama-126m", args.tiny)
-        # float8 first, should the device's time run out; then those that reuse llama-126m's
-        # compiled blocks, then CUDA graphs (which drop every compiled graph after them), then those
-        # that compile their own or none.
-        report["ablations"] = {}
-        float8 = None if args.tiny else _float8_unavailable()
-        if float8 is None and not args.tiny:
-            variants = {"float8": ["train.float8=true"]}
-        else:
-            variants = {}
-            if not args.tiny:
-                report["ablations"]["llama-126m, float8"] = {"error": f"not run: {float8}"}
-        variants.update({"synchronous checkpoint": ["checkpoint.async_save=false"],
-                         "loss read every step": ["log.interval=1"], "whole-batch loss": ["train.loss_chunk_tokens=0"],
-                         "Muon": ["train.optimizer=muon"]})
-        if not args.tiny:  # (tiny runs are not compiled: inductor on a CPU takes minutes)
-            variants["CUDA graphs"] = ["train.compile_mode=reduce-overhead"]
-        variants.update({"attention within documents": ["model.document_mask=true"],
-                         "attention within documents, FlexAttention": ["model.document_mask=true",
-                                                                       "model.attention_kernel=flex"],
-                         "eager": ["train.compile=false"]})
-        for what, change in variants.items():
-            overrides = [*shape, *BEST, *change, *(TINY if args.tiny else [])]
-            if (late := budget.refusal("ablation")) is not None:
-                report["ablations"][f"llama-126m, {what}"] = {"error": late}
-                continue
-            row = budget.row("ablation", lambda: measure(data, runs, f"ablation-{what.replace(' ', '-')}", overrides,
-                                                         args.steps, args.warmup, every, args.log_every))
-            report["ablations"][f"llama-126m, {what}"] = {**with_issue_mfu(row, "llama-126m"),
-                                                          "settings": [*BEST, *change]}
-            if what == "CUDA graphs":
-                torch._dynamo.reset()  # (and its graphs' memory pool, which the next run's peak would count)
-            keep()
+        if "ablations" in sections:
+            shape = shape_of("llama-126m", args.tiny)
+            # float8 first, should the device's time run out; then those that reuse llama-126m's
+            # compiled blocks, then CUDA graphs (which drop every compiled graph after them), then those
+            # that compile their own or none.
+            report["ablations"] = {}
+            float8 = None if args.tiny else _float8_unavailable()
+            if float8 is None and not args.tiny:
+                variants = {"float8": ["train.float8=true"]}
+            else:
+                variants = {}
+                if not args.tiny:
+                    report["ablations"]["llama-126m, float8"] = {"error": f"not run: {float8}"}
+            variants.update({"synchronous checkpoint": ["checkpoint.async_save=false"],
+                             "loss read every step": ["log.interval=1"], "whole-batch loss": ["train.loss_chunk_tokens=0"],
+                             "Muon": ["train.optimizer=muon"]})
+            if not args.tiny:  # (tiny runs are not compiled: inductor on a CPU takes minutes)
+                variants["CUDA graphs"] = ["train.compile_mode=reduce-overhead"]
+            variants.update({"attention within documents": ["model.document_mask=true"],
+                             "attention within documents, FlexAttention": ["model.document_mask=true",
+                                                                           "model.attention_kernel=flex"],
+                             "eager": ["train.compile=false"]})
+            for what, change in variants.items():
+                overrides = [*shape, *BEST, *change, *(TINY if args.tiny else [])]
+                if (late := budget.refusal("ablation")) is not None:
+                    report["ablations"][f"llama-126m, {what}"] = {"error": late}
+                    continue
+                row = budget.row("ablation", lambda: measure(data, runs, f"ablation-{what.replace(' ', '-')}", overrides,
+                                                             args.steps, args.warmup, every, args.log_every))
+                report["ablations"][f"llama-126m, {what}"] = {**with_issue_mfu(row, "llama-126m"),
+                                                              "settings": [*BEST, *change]}
+                if what == "CUDA graphs":
+                    torch._dynamo.reset()  # (and its graphs' memory pool, which the next run's peak would count)
+                keep()
+    except KeyboardInterrupt:
+        report["interrupted"] = f"SIGINT after {time.perf_counter() - t0:.0f} s: the rows after it were not run"
+        print(report["interrupted"])
     report["suite_s"] = round(time.perf_counter() - t0, 1)
     print(table(report))
     text = json.dumps(report, indent=1)

@@ -238,6 +238,7 @@ def save_async(root: Path, step: int, tokens: int, state: dict, keep: int, group
         log.warning("checkpoint.async_save: copying the state to page-locked memory failed (%s: %s); copying it "
                     "to pageable memory instead", type(e).__name__, (str(e).splitlines() or [""])[0][:200])
         stager.close()
+        _clear_cuda_error()
         refused, future = True, start(None)
     if hasattr(future, "staging_completion"):  # an asynchronous stager: the copy must end before training goes on
         future.staging_completion.result()
@@ -245,6 +246,19 @@ def save_async(root: Path, step: int, tokens: int, state: dict, keep: int, group
     saving = AsyncSave(root, path, step, tokens, (keep, keep_every), future, group, scheduled)
     saving.stager_refused = refused
     return saving
+
+
+def _clear_cuda_error() -> None:
+    """Take a failed call's error off CUDA's per-thread last error, where it stays (a refused
+    cudaHostRegister, through torch's pin_memory utility) until the next kernel launch's check reads
+    it and fails that kernel's op instead: a small kernel is launched here and its error dropped."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    try:
+        torch.zeros(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        log.debug("checkpoint.async_save: a CUDA error was left by the refused copy: %s", e)
 
 
 def pinned_stager(pinned: bool = True):

@@ -891,6 +891,10 @@ class Trainer:
         an overflow: skipped too, the loss scale halved, and only a scale fallen below 1 is
         remembered so."""
         cfg = self.cfg.train
+        if cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune") and self.device.type == "cuda":
+            # CUDA graphs (these modes' cudagraph trees): a new step begins, so the graphs may
+            # reuse the memory of the last step's outputs, which nothing reads any more.
+            torch.compiler.cudagraph_mark_step_begin()
         lr = run_lr(self.cfg, self.step)
         set_lr(self.optimizer, lr)
         self.model.train()
