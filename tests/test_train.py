@@ -952,6 +952,12 @@ def test_a_mixture_trains_reports_tokens_per_source_and_resumes_exactly(mixture_
     assert set(evals[-1]["loss_by_source"]) == {"stdlib", "project"}
     by_source = evals[-1]["loss_by_source"]
     assert evals[-1]["loss"] == pytest.approx(0.7 * by_source["stdlib"] + 0.3 * by_source["project"])
+    # Each source's loss is that source's own validation loss: the final checkpoint evaluated on it alone.
+    from scaletrain.evaluate import evaluate_run
+
+    for name in ("stdlib", "project"):
+        [alone] = evaluate_run(whole, data=str(mixture_root / name), tasks=[])
+        assert alone["step"] == evals[-1]["step"] and alone["loss"] == pytest.approx(by_source[name], rel=1e-6), name
 
 
 def test_a_mixture_of_different_tokenizers_is_refused(mixture_root, tmp_path):
