@@ -273,13 +273,15 @@ def test_a_moe_model_trains_and_resumes_bit_exactly(stdlib_data, tmp_path, recom
 def test_a_compiled_mixture_compiles_its_attention_and_trains_the_losses_of_eager(stdlib_data, tmp_path,
                                                                                   one_process_moe):
     """train.compile: a mixture block's attention is compiled (the routing, which waits on the
-    host, and the grouped GEMM, which traces in bf16 only, run eagerly)."""
+    host, and the grouped GEMM, which traces in bf16 only, run eagerly), here under selective
+    recomputation, whose eager region around the block replays the compiled attention (its
+    matmuls, out= variants inductor calls, computed again; the grouped GEMMs' outputs kept)."""
     import torch._dynamo
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     train(tiny_config(stdlib_data, tmp_path / "run", *BIASED, "train.micro_batch=2", "train.steps=4",
-                      "eval.interval=0", "checkpoint.interval=2", "train.compile=true"))
+                      "eval.interval=0", "checkpoint.interval=2", "train.compile=true", "parallel.recompute=selective"))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the attention, compiled
     compiled = read_metrics(tmp_path / "run", "train")
     for key in ("loss", "grad_norm", "moe_max_load", "moe_balance"):

@@ -106,21 +106,22 @@ def _mtp_matmul_params(cfg: Any) -> int:
     return _dense_block_linear_params(cfg) + 2 * cfg.dim * cfg.dim + cfg.vocab * cfg.dim
 
 
-def _attention_linear_params(cfg: Any) -> int:
-    # wq, wo: dim x (n_heads * head_dim); wk, wv: dim x (kv_heads * head_dim).
+def attention_linear_params(cfg: Any) -> int:
+    """The linear weights of a block's attention: wq, wo, dim x (n_heads * head_dim); wk, wv,
+    dim x (kv_heads * head_dim)."""
     return 2 * cfg.dim * cfg.n_heads * cfg.head_dim + 2 * cfg.dim * cfg.kv_heads * cfg.head_dim
 
 
 def _dense_block_linear_params(cfg: Any) -> int:
     """The linear weights of a dense block: attention and the SwiGLU MLP (w1, w3: dim x hidden,
     w2: hidden x dim)."""
-    return _attention_linear_params(cfg) + 3 * cfg.dim * cfg.hidden_dim
+    return attention_linear_params(cfg) + 3 * cfg.dim * cfg.hidden_dim
 
 
 def _blocks_linear_params(cfg: Any, active: bool = False) -> int:
     """The linear weights of all blocks; with `active`, only those a token multiplies through
     (of a mixture of experts: the router, moe_top_k routed experts and the shared ones)."""
-    attention, dense = _attention_linear_params(cfg), _dense_block_linear_params(cfg)
+    attention, dense = attention_linear_params(cfg), _dense_block_linear_params(cfg)
     sparse = moe_layers(cfg)
     if not sparse:
         return cfg.n_layers * dense

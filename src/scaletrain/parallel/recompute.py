@@ -42,6 +42,14 @@ SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter.default,
                         torch.ops.profiler._record_function_exit._RecordFunction})
 
 
+# Under train.compile a dense block is compiled whole, its selective region traced with it, so the
+# policy sees the block's aten ops before inductor lowers them. A mixture block compiles its
+# attention alone (parallel/apply.py), inside the block's eager region: the policy sees what the
+# compiled code calls, attention's kernel (kept) and inductor's matmuls as out= variants, which
+# cannot be replayed from a cache (the compiled code reads the buffer it passed, not what the op
+# returns) and are computed again; plan/timing.py counts them.
+
+
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -18,7 +18,9 @@ parameters, and the slowest of those ends the step.
   — `Efficiency.elementwise` bytes for each byte a block saves for its backward pass
   (plan/memory.py) — and the loss's logits traffic, at the device's memory bandwidth. The
   forward pass is a third of it, the backward two thirds. Recomputation adds the forward
-  again: all of it for full recomputation, the elementwise part for selective.
+  again: all of it for full recomputation, the elementwise part for selective (and in a mixture
+  block, whose attention is compiled alone inside the eager selective region, the attention's
+  projections too: inductor runs them as out= matmuls, which the policy cannot keep).
 - Tensor parallelism (Megatron-style with sequence parallelism, Korthikanti et al. 2022,
   section 4.2.2): per block, an all-gather and a reduce-scatter of the micro-batch's bf16
   activations around attention and around the MLP, forward and backward (8 collectives, 12 with
@@ -85,8 +87,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from scaletrain.config import effective_window
-from scaletrain.model.flops import (attention_flops_per_token, block_train_flops_per_token, moe_layers,
-                                    mtp_train_flops_per_token, param_counts, train_flops_per_token)
+from scaletrain.model.flops import (attention_flops_per_token, attention_linear_params, block_train_flops_per_token,
+                                    moe_layers, mtp_train_flops_per_token, param_counts, train_flops_per_token)
 from scaletrain.parallel.layout import V_SHAPED
 from scaletrain.plan.hardware import Device
 from scaletrain.plan.memory import (MemoryEstimate, activation_bytes_per_token, fsdp_dtype, pipeline_ranks,
@@ -313,6 +315,12 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
                          + (1 + depths) * cfg.vocab / lay.tp * (act_bytes + 12) / bandwidth) if last else 0.0
         recompute = {"none": 0.0, "selective": blocks_elementwise / 3,
                      "full": (blocks_matmul + blocks_elementwise) / 3}[lay.recompute]
+        if lay.recompute == "selective" and moe_layers(own):
+            # A mixture block compiles its attention alone, inside the block's eager selective
+            # region, where inductor's matmuls run as out= variants the policy cannot keep: the
+            # attention's projections are computed again (parallel/recompute.py).
+            share = moe_layers(own) * layers / cfg.n_layers  # (the rank's mixture blocks)
+            recompute += tokens * share * 2 * attention_linear_params(own) / lay.tp / peak
         forward = (blocks_matmul + blocks_elementwise + head) / 3
         backward = 2 * forward + recompute
         # -- communication inside the micro-batch -------------------------------------------------
