@@ -347,6 +347,16 @@ def test_full_attention_layers_attend_over_the_whole_sequence_between_windowed_o
     with pytest.raises(ValueError, match=r"names blocks \[2\] of a model of 2; list blocks 0 to 1"):
         tiny(sliding_window=4, full_attention_layers=[0, 2])
     assert tiny(sliding_window=4, full_attention_layers=[1, 0]).full_attention_layers == [0, 1]
+    # A pipeline stage builds the masks its own blocks take, not the other kind's (the depths of
+    # multi-token prediction attend as the last block). (Within documents: whole blocks take a mask too.)
+    x, documents = torch.zeros(1, 24, 64), document_ids(tokens, 255)
+    for held, mtp, kinds in (("0", 0, {"window"}), ("1", 0, {"whole"}), ("1", 1, {"window", "whole"})):
+        stage = build(n_layers=3, sliding_window=4, full_attention_layers=[1], mtp_depth=mtp)
+        for name in [name for name in stage.layers if name != held]:
+            del stage.layers[name]
+        masks = stage.attention_masks(x, 24, documents)
+        assert {"window" if i != 1 else "whole" for i, mask in masks.items() if mask is not None} == kinds, held
+        assert masks[int(held)] is not None
 
 
 def test_a_sliding_window_limits_what_each_token_attends_to_in_training_and_decoding():

@@ -579,12 +579,16 @@ class Transformer(nn.Module):
                         positions: torch.Tensor | None = None) -> dict[int, torch.Tensor | BlockMask | None]:
         """Each block's attention_bias over sequences of `seq` tokens, by its index (x, documents,
         positions: as attention_bias takes them): one for all, or with model.full_attention_layers
-        a second for those, without the window (where the window spans the sequences, one)."""
+        a second for those, without the window (where the window spans the sequences, one). A
+        pipeline stage builds only what its blocks (and multi-token prediction's depths, which
+        attend as the last block) take: the others' entries are None, for blocks it does not run."""
         window, flex = self.cfg.sliding_window, self.cfg.attention_kernel == "flex"
-        bias = attention_bias(x, seq, documents, positions, window, flex)
         if effective_window(window, seq) is None or not self.cfg.full_attention_layers:
-            return dict.fromkeys(range(self.cfg.n_layers), bias)
-        full = attention_bias(x, seq, documents, positions, None, flex)
+            return dict.fromkeys(range(self.cfg.n_layers), attention_bias(x, seq, documents, positions, window, flex))
+        held = [int(name) for name in self.layers] + ([self.cfg.n_layers - 1] if self.mtp is not None else [])
+        windowed = {self.cfg.window_of(i) is not None for i in held}
+        bias = attention_bias(x, seq, documents, positions, window, flex) if True in windowed else None
+        full = attention_bias(x, seq, documents, positions, None, flex) if False in windowed else None
         return {i: bias if self.cfg.window_of(i) is not None else full for i in range(self.cfg.n_layers)}
 
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0,
