@@ -119,19 +119,21 @@ def tiny_config(data_dir: Path, run_dir: Path, *overrides: str):
 # (by torchrun or zygote.run_ranks) and rank 0 binding it, a loopback connection dropped on an
 # overloaded 2-core machine.
 TRANSIENT = ("Address already in use", "EADDRINUSE", "Connection reset by peer", "Connection closed by peer",
-             "Broken pipe")
-
-
-# An exception's last line in a rank's traceback ("[rank1] RuntimeError: ...", "ValueError: ...").
-RAISED = re.compile(r"^(?:\[rank\d+\]:?\s*)?(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception)\b.*$", re.M)
+             "Broken pipe", "RendezvousConnectionError")
+# An exception's line in a rank's traceback ("[rank1] RuntimeError: ...", "ValueError: ...",
+# "torch._dynamo.exc.BackendCompilerFailed: ...", "KeyboardInterrupt"), and what a process that
+# died without one prints.
+RAISED = re.compile(r"^(?:\[rank\d+\]:?\s*)?(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*"
+                    r"(?:Error|Exception|Failed|Interrupt|Exit|Warning)\b.*$", re.M)
+DIED = ("Fatal Python error", "terminate called", "Segmentation fault", "core dumped")
 
 
 def transient(stderr: str) -> bool:
     """Whether a failed launch failed for a transient network reason alone: such a reason is in
-    its output and every exception a rank raised names one (a rank that died of a real error makes
-    its peers see their connections reset too: that is not retried). torchrun's summary of its
-    failed workers (ChildFailedError) is left out."""
-    if not any(word in stderr for word in TRANSIENT):
+    its output, no process died without a traceback, and every exception a rank raised names one
+    (a rank that died of a real error makes its peers see their connections reset too: that is
+    not retried). torchrun's summary of its failed workers (ChildFailedError) is left out."""
+    if not any(word in stderr for word in TRANSIENT) or any(word in stderr for word in DIED):
         return False
     raised = [line for line in RAISED.findall(stderr) if "ChildFailedError" not in line]
     return all(any(word in line for word in TRANSIENT) for line in raised)

@@ -101,19 +101,26 @@ def test_the_suites_budget_leaves_out_the_rows_that_would_not_end_in_time(monkey
     assert budget.refusal("ablation") is None  # another section's rows: their own length
     now[0] = 130
     assert budget.refusal("ablation") == "not run: the suite's 100 s were spent (--budget-s)"
-    # A section's first row is taken to need what it is expected to, until one has been timed.
+    # A section's row is taken to need at least what it is expected to (the longest of its rows,
+    # which may come after shorter ones), and more where one took more.
     now[0] = 0.0
     expecting = gpu_suite.Budget(100, clock=lambda: now[0], expected={"ablation": 30})
     now[0] = 80
-    assert expecting.refusal("ablation") == ("not run: 20 s of the suite's 100 left, less than a first ablation row "
+    assert expecting.refusal("ablation") == ("not run: 20 s of the suite's 100 left, less than one ablation row "
                                              "is expected to take (30 s)")
     now[0] = 50
 
     def short_row() -> None:
         now[0] += 10
     expecting.row("ablation", short_row)
-    now[0] = 85  # (15 s left: more than the 10 s the row took)
-    assert expecting.refusal("ablation") is None and expecting.refusal("config") is None
+    now[0] = 85  # (15 s left: more than the 10 s the row took, less than the 30 expected)
+    assert expecting.refusal("ablation").endswith("is expected to take (30 s)") and expecting.refusal("config") is None
+    now[0] = 20
+
+    def long_row() -> None:
+        now[0] += 40
+    expecting.row("ablation", long_row)
+    assert expecting.refusal("ablation") == "not run: 40 s of the suite's 100 left, less than the longest ablation row took (40 s)"
 
 
 def test_loss_chunk_benchmark_prints_both_variants_with_the_same_loss():

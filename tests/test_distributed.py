@@ -775,6 +775,26 @@ def test_a_schedule_with_the_wrong_number_of_stages_per_rank_is_refused():
         ParallelConfig(pp=2, pp_stage_blocks=[])
 
 
+def test_a_launch_is_retried_for_a_network_failure_alone():
+    """conftest.transient: what run_with_retry launches again."""
+    from conftest import transient
+
+    reset = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer [127.0.0.1]:4321"
+    retried = [f"[rank1] Traceback (most recent call last):\n[rank1] {reset}\n"
+               "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n",
+               "RuntimeError: The server socket has failed to listen on any local network address. port: 29500, "
+               "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use\n",
+               "torch.distributed.DistNetworkError: ... EADDRINUSE ...\n\nThe above exception was the direct cause of "
+               "the following exception:\n\ntorch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The "
+               "connection to the C10d store has failed.\n"]
+    for died in ("[rank0] AssertionError: the losses differ", "[rank0] torch._dynamo.exc.BackendCompilerFailed: inductor",
+                 "[rank0] KeyboardInterrupt", "Fatal Python error: Segmentation fault",
+                 "[rank0] RuntimeError: invocation index 2 encountered during backward but not found in storage"):
+        assert not transient(f"{died}\n[rank1] {reset}\n"), died
+    assert all(transient(stderr) for stderr in retried)
+    assert not transient("[rank0] ValueError: model.dim = 0\n")
+
+
 def test_layouts_resolve_all_remaining_processes():
     assert resolve_layout(ParallelConfig(), 4).dp_shard == 4
     assert resolve_layout(ParallelConfig(dp_replicate=2), 4).dp_shard == 2

@@ -116,7 +116,7 @@ def test_other_data_another_context_length_and_other_tasks(evaluated_run, short_
     [longer] = evaluate_run(evaluated_run, tasks=[str(next_line_task)],
                             overrides=["data.seq_len=128", "model.max_seq_len=128", "eval.task_examples=4"])
     assert longer["loss"] == pytest.approx(own["loss"], rel=0.2) and longer["loss"] != own["loss"]
-    assert (4 * longer["task_accuracy"]["next_line"]).is_integer()  # (of eval.task_examples = 4 examples)
+    assert longer["task_accuracy"]["next_line"] in (0, 0.25, 0.5, 0.75, 1)  # (of eval.task_examples = 4 examples)
 
 
 def test_a_held_out_set_of_another_tokenizer_is_refused_before_training(stdlib_data, tmp_path):

@@ -128,7 +128,9 @@ def test_predicted_activation_bytes_are_what_autograd_saves(shape, bf16, stream)
         apply_recompute(model.to(torch.bfloat16 if stream else torch.float32), mode)
         measured = saved_bytes(model, tokens, bf16, counter=keeping_alive)
         predicted = activation_bytes_per_token(cfg, bf16, mode, gather_dtype=gathered) * batch * seq * cfg.n_layers
-        assert measured == pytest.approx(predicted, rel=0.01), mode
+        # (Recomputing, to the byte but a mixture's balancing loss, a few scalars; without, a mixture's
+        # routing keeps some small tensors the tally leaves out: within 1%.)
+        assert measured == pytest.approx(predicted, **(dict(rel=0.01) if mode == "none" else dict(abs=16))), mode
         if mode == "none":  # (under "full" the estimate adds the block its backward rebuilds)
             assert training_memory(cfg, seq, batch, bf16=bf16, gather_dtype=gathered).activations \
                 == pytest.approx(measured, rel=0.01)
@@ -310,7 +312,7 @@ def test_recomputation_and_sharding_lower_the_prediction_in_order():
     assert chunked.loss < whole.loss / 2
     # FSDP wraps every run of more than one process, gathering over a single shard too (tensor
     # parallelism alone): two blocks' bf16 copies, as under sharding, not autocast's of every block;
-    # float32 gathers under bf16 compute keep both.
+    # float32 gathers under bf16 compute keep both. (From torch's world-size-1 path, read, not measured.)
     alone, wrapped, float32 = (training_memory(cfg, 2048, 8, tp=2, gather_dtype=g) for g in (None, "bf16", "fp32"))
     assert wrapped.weight_copies == training_memory(cfg, 2048, 8, tp=2, fsdp=8, gather_dtype="bf16").weight_copies
     assert wrapped.weight_copies < alone.weight_copies / 4 < float32.weight_copies / 4

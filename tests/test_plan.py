@@ -291,6 +291,17 @@ def test_a_mixture_is_timed_with_its_all_to_alls_and_searched_over_expert_parall
     for recompute in ("selective", "full"):  # the forward's two again (selective keeps no collective's output)
         again = step_time(cfg, 4096, 64, PlanLayout(dp_shard=8, micro_batch=1, ep=8, recompute=recompute), H100, eff)
         assert again.expert_parallel == pytest.approx(6 / 4 * split.expert_parallel)
+    # Selective recomputation of a mixture block runs its elementwise work and, its attention compiled
+    # alone inside the eager region (inductor's out= matmuls, which the policy cannot keep), the
+    # attention's projections again: a dense model's selective recomputation has the former alone.
+    from scaletrain.model.flops import attention_linear_params
+    from scaletrain.plan.memory import activation_bytes_per_token
+
+    layout = PlanLayout(dp_shard=8, micro_batch=1, ep=8, recompute="selective")
+    again = step_time(cfg, 4096, 64, layout, H100, eff)
+    elementwise = 8 * 4096 * 16 * eff.elementwise * activation_bytes_per_token(cfg, True, "none") / H100.memory_bandwidth
+    projections = 8 * 4096 * 16 * 2 * attention_linear_params(cfg) / (H100.peak["bf16"] * eff.matmul)
+    assert again.recompute == pytest.approx(elementwise / 3 + projections, rel=1e-9)
     fits, _ = candidates(cfg, 4096, 64, 16, H100)
     assert {c.layout.ep for c in fits} == {1, 2, 4, 8, 16}
     assert any(c.layout.recompute == "selective" for c in fits)  # (a mixture's too)

@@ -1391,7 +1391,7 @@ def test_float16_scales_the_loss_skips_overflowing_steps_resumes_exactly_and_is_
     assert [r["loss_scale"] for r in glitch] == [2.0 ** e for e in (10, 10, 9, 9)] and glitch[2]["loss"] == math.inf
     monkeypatch.setattr(Trainer, "_mean_over_last_stage", mean)
     # On a GPU without bfloat16, auto takes float16, or float32 where its scaling does not reach.
-    monkeypatch.setattr(trainer_module, "compute_dtype", lambda choice, device: torch.float16)
+    monkeypatch.setattr(trainer_module, "training_dtype", lambda choice, device: torch.float16)
     assert Trainer(tiny_config(stdlib_data, tmp_path / "moe", "model.moe_experts=4")).dtype == torch.float32
     assert Trainer(tiny_config(stdlib_data, tmp_path / "dense")).dtype == torch.float16
     # Where the scale does not reach, refused in one sentence.

@@ -15,7 +15,8 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils import checkpoint as _checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 _aten = torch.ops.aten
 # Ops whose outputs "selective" keeps: recomputing them would cost as much as the forward.
@@ -35,11 +36,15 @@ SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
 # FSDP marks its hooks with the profiler's record_function ops, which run a different number of
 # times in the forward and in the recomputation where an FSDP unit sits inside the block (a
 # mixture's experts: parallel/fsdp.py), and the replay stops ("invocation index ... not found in
-# storage"). They annotate and compute nothing: left out of the replay, as torch's fix does
-# (pytorch/pytorch#196862; torchtitan#3427, DeepSeek-V3 under FSDP x EP).
-SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter.default,
-                        torch.ops.profiler._record_function_enter_new.default,
-                        torch.ops.profiler._record_function_exit._RecordFunction})
+# storage"). They annotate and compute nothing: left out of the replay, the part of torch's fix
+# (pytorch/pytorch#196862; torchtitan#3427, DeepSeek-V3 under FSDP x EP) that this layout needs.
+# Its other part, FSDP's all-gather internals left out too, is not taken: they run as often in the
+# replay as in the forward where the forward does not prefetch (parallel/fsdp.py sets none), as
+# tests/test_moe.py's ep 2 x tp 2 x FSDP 2 layout under selective recomputation checks. (The set is
+# torch.utils.checkpoint's, public since 2.5; should a torch lack it, nothing is added.)
+getattr(_checkpoint, "SAC_IGNORED_OPS", set()).update({torch.ops.profiler._record_function_enter.default,
+                                                       torch.ops.profiler._record_function_enter_new.default,
+                                                       torch.ops.profiler._record_function_exit._RecordFunction})
 
 
 # Under train.compile a dense block is compiled whole, its selective region traced with it, so the
@@ -47,7 +52,9 @@ SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter.default,
 # attention alone (parallel/apply.py), inside the block's eager region: the policy sees what the
 # compiled code calls, attention's kernel (kept) and inductor's matmuls as out= variants, which
 # cannot be replayed from a cache (the compiled code reads the buffer it passed, not what the op
-# returns) and are computed again; plan/timing.py counts them.
+# returns) and are computed again; plan/timing.py counts them. (So under torch's default,
+# torch._inductor.config.wrap_inductor_compiled_regions = False; with it the compiled attention
+# would be one op to the policy, recomputed whole.)
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

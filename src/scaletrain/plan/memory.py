@@ -68,7 +68,8 @@ recomputation keeps the outputs of matmuls and attention and the block input: 12
 the float32 router logits, 4E, and the outputs of the experts' grouped GEMMs, 4(k + S)F_e +
 2(k + [S > 0])d, twice that in float32); full recomputation keeps the block input (4d) and
 rebuilds one block at a time (both 2d less under the bf16 stream; tests check each, in float32,
-bf16 and the bf16 stream, against the storages a forward pass leaves alive for the backward). Attention within documents (model.document_mask) adds one
+bf16 and the bf16 stream, against the storages a forward pass leaves alive for the backward).
+Attention within documents (model.document_mask) adds one
 additive mask per micro-batch, shared by the blocks, of each local query over the whole
 sequence's keys: T bytes per local token in the compute dtype's size, 2T in bf16, 4T in float32;
 a sliding window shorter than the sequence (model.sliding_window) one such mask of a sequence,

@@ -189,9 +189,9 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, *, weight_decay: float
 
 def orthogonalise_dtype(device_type: str) -> torch.dtype:
     """The dtype orthogonalise computes in on devices of `device_type`: train.dtype = auto's."""
-    from scaletrain.train.trainer import compute_dtype  # (the trainer imports this module)
+    from scaletrain.train.trainer import training_dtype  # (the trainer imports this module)
 
-    return compute_dtype("auto", torch.device(device_type))
+    return training_dtype("auto", torch.device(device_type))
 
 
 def orthogonalise(update: torch.Tensor) -> torch.Tensor:

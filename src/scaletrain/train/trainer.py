@@ -201,7 +201,9 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
+def training_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """What train.dtype = `choice` computes in on `device`: auto is bfloat16 on a GPU that has it,
+    float16 on one without, float32 elsewhere."""
     if choice == "auto":
         if device.type != "cuda":
             return torch.float32
@@ -272,7 +274,7 @@ class Trainer:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
-        self.dtype = compute_dtype(cfg.train.dtype, self.device)
+        self.dtype = training_dtype(cfg.train.dtype, self.device)
         if self.dtype == torch.float16 and (problems := float16_problems(cfg, self.layout)):
             if cfg.train.dtype != "auto":
                 check_float16(cfg, self.layout)
