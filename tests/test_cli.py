@@ -510,9 +510,11 @@ def test_what_other_commands_wrote_is_not_written_over(trained_run, stdlib_data,
     other = tmp_path / "other"  # (a grid.json of other contents: not a sweep's, nothing to refuse)
     other.mkdir()
     (other / "grid.json").write_text(json.dumps({"rows": 3}))
+    for name in ("notes.toml", "job.sh", "mine.plan.json"):  # a user's files, which no command may replace
+        (other / name).write_text("precious\n")
     assert [kind_of(p) for p in (trained_run, stdlib_data, sweep, search, other, tmp_path)] == [
         "run directory", "prepared data directory", "sweep", "hyperparameter search", None, None]
-    kept = {p: p.read_bytes() for d in (trained_run, sweep, stdlib_data) for p in d.iterdir() if p.is_file()}
+    kept = {p: p.read_bytes() for d in (trained_run, sweep, stdlib_data, other) for p in d.iterdir() if p.is_file()}
     tiny = str(ROOT / "configs" / "tiny.toml")
     cases = [
         (["eval", str(sweep), "--out", str(sweep / "results.csv")], "is a file of the sweep"),
@@ -545,6 +547,15 @@ def test_what_other_commands_wrote_is_not_written_over(trained_run, stdlib_data,
         (["plan", "--compute", "1e21", "--write-config", str(trained_run / "config.toml")],
          "is a file of the run directory"),
         (["plan", tiny, "--vocab", "512", "--write-config", tiny], "is the config given, which it would write over"),
+        # a file of the user's, where plan, tune or launch would write (their own earlier output they replace)
+        (["plan", "--compute", "1e21", "--write-config", str(other / "notes.toml")],
+         "exists and was not written by scaletrain plan, which would replace it; give a new file name, or remove it"),
+        (["plan", "--compute", "1e21", "--write-config", str(other / "mine.toml")],
+         "writes its plan to", "which exists and is not a plan"),
+        (["launch", "slurm", tiny, "--nodes", "1", "--gpus-per-node", "1", "--out", str(other / "job.sh")],
+         "exists and was not written by scaletrain launch"),
+        (["tune", tiny, f"data.path={stdlib_data}", "model.mup_base_dim=32", "--out", str(other / "tune"),
+          "--write-config", str(other / "notes.toml")], "exists and was not written by scaletrain tune"),
         (["fit", "--points", str(sweep / "results.csv")], "is a sweep, whose own law.json a fit of these points"),
         (["fit", str(sweep), "--out", str(trained_run)], "is a run directory; give --out a directory of its own"),
         (["eval", str(trained_run), "--out", str(tmp_path / "evals.toml")], "a .toml file cannot be written here"),
@@ -557,12 +568,17 @@ def test_what_other_commands_wrote_is_not_written_over(trained_run, stdlib_data,
         (["train", str(trained_run / "config.toml"), "train.global_batch_tokens=1024"],
          "tokens in its 6 steps, which this config's batch (train.global_batch_tokens, train.batch_ramp) counts as"),
     ]
-    for argv, message in cases:
+    for argv, *messages in cases:
         assert main(argv) == 2, argv
         err = " ".join(capsys.readouterr().err.split())
-        assert message in err and "Traceback" not in err, (argv, err)
+        assert all(message in err for message in messages) and "Traceback" not in err, (argv, err)
     assert {p: p.read_bytes() for p in kept} == kept
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "search", "sweep"]
+    # plan replaces its own earlier output (and its plan beside it)
+    planned = other / "planned.toml"
+    for _ in range(2):
+        assert main(["plan", "--compute", "1e21", "--write-config", str(planned)]) == 0
+    assert planned.read_text().startswith("# written by scaletrain plan") and (other / "planned.plan.json").is_file()
 
 
 def test_values_out_of_range_are_refused_before_any_work(trained_run, stdlib_data, tmp_path, capsys):

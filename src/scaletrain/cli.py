@@ -315,15 +315,26 @@ def _num(value: float | None) -> str:
 # -- launch -------------------------------------------------------------------------------
 
 
-def _check_written_config(path: str | None, flag: str, source: str | None,
+# What the files a command writes from a config hold, by which it knows its own: an earlier
+# output of it may be replaced, anything else not.
+WRITTEN_BY = {"plan": "# written by scaletrain plan", "tune": "# written by scaletrain tune",
+              "launch": "scaletrain.torchrun"}  # (the command every job file runs)
+
+
+def _check_written_config(path: str | None, flag: str, source: str | None, command: str,
                           suffixes: tuple[str, ...] = ("toml",)) -> None:
     """Refuse, before any work, a file written from a config that cannot be (check_output_file's
-    reasons, a name not ending in one of `suffixes`) or that is the config read (`source`),
-    which it would replace."""
+    reasons, a name not ending in one of `suffixes`), that is the config read (`source`), or that
+    exists and is not an earlier output of `command` (WRITTEN_BY), which it would replace."""
 
     check_output_file(path, flag, suffixes)
-    if path is not None and source is not None and Path(path).resolve() == Path(source).resolve():
+    if path is None:
+        return
+    if source is not None and Path(path).resolve() == Path(source).resolve():
         raise UserError(f"{flag} {path!r} is the config given, which it would write over; give another file name")
+    if Path(path).is_file() and WRITTEN_BY[command] not in Path(path).read_text(errors="replace"):
+        raise UserError(f"{flag} {path!r} exists and was not written by scaletrain {command}, which would replace it; "
+                        "give a new file name, or remove it")
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -331,7 +342,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from scaletrain.launch import k8s_manifest, slurm_script
 
     cfg = load_config(args.config, args.overrides)
-    _check_written_config(args.out, "--out", args.config,
+    _check_written_config(args.out, "--out", args.config, "launch",
                           ("sh", "sbatch", "slurm") if args.launcher == "slurm" else ("json", "yaml", "yml"))
     if (args.image is not None or args.volume is not None) and args.launcher == "slurm":
         raise UserError("--image and --volume describe the containers of a Kubernetes job; a Slurm script runs the "
@@ -405,7 +416,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if sum(modes) > 1:
         raise UserError("give one of a config FILE, --compute C, --hours H or --params N with --tokens D: they are "
                         "ways of saying what to plan, not settings of one plan")
-    _check_written_config(args.write_config, "--write-config", args.config)
+    _check_written_config(args.write_config, "--write-config", args.config, "plan")
+    beside = Path(args.write_config).with_suffix(".plan.json") if args.write_config else None
+    if beside is not None and beside.is_file() and '"config"' not in beside.read_text(errors="replace"):
+        raise UserError(f"--write-config {args.write_config!r} writes its plan to {str(beside)!r}, which exists and is "
+                        "not a plan; give another file name, or remove it")
     if sum(modes) != 1:
         raise UserError("say what to plan: a config FILE (a run as configured), --compute C or --hours H (a budget "
                         "of FLOPs or of wall-clock on the devices, sized by --law or --preset), or --params N with "
@@ -525,7 +540,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         config.setdefault("log", {})["plan"] = str(plan_path.resolve())  # (found from wherever the run starts)
         plan["config"] = validate_config(config, source="the planned config").to_toml()
         with open(args.write_config, "w") as f:
-            f.write(plan["config"])
+            f.write(f"{WRITTEN_BY['plan']}\n{plan['config']}")
         plan_path.write_text(json.dumps(plan, indent=1) + "\n")
     if args.json:
         sys.stdout.write(json.dumps(plan, indent=1) + "\n")
@@ -1103,7 +1118,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     proxy = proxy_data(cfg)["model"]  # a config muP cannot narrow is refused before anything trains
     lrs = args.lrs or list(DEFAULT_LRS)
-    _check_written_config(args.write_config, "--write-config", args.config)  # (before training: not after it)
+    _check_written_config(args.write_config, "--write-config", args.config, "tune")  # (before training: not after it)
     out_dir = Path(args.out) if args.out else Path("runs") / f"{cfg.run.name}-tune"
     shape = f"width {proxy['dim']}, {proxy['n_layers']} blocks"
     at_once = f", {args.concurrency} at a time" if args.concurrency > 1 else ""
@@ -1131,7 +1146,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         # (a run of its own, named after the file: the tuned config must not resume the tuned one's run)
         tuned = cfg.model_copy(update={"train": cfg.train.model_copy(update={"lr": doc["best_lr"]}),
                                        "run": cfg.run.model_copy(update={"name": Path(args.write_config).stem})})
-        Path(args.write_config).write_text(tuned.to_toml())
+        Path(args.write_config).write_text(f"{WRITTEN_BY['tune']}\n{tuned.to_toml()}")
         out.print(f"wrote {args.write_config} (train.lr = {doc['best_lr']:.4g}); train it with: scaletrain train "
                   f"{shlex.quote(args.write_config)}", highlight=False)
     return 0
