@@ -656,6 +656,7 @@ def test_what_the_probe_found_is_named_in_one_sentence(trained_run, mixture_root
     from scaletrain.cli import main
 
     (tmp_path / "short.csv").write_text("n,c,loss\n1e6,1e15\n2e6,2e15,3\n")
+    (tmp_path / "few.csv").write_text("n,c,loss\n1e6,1e15,3\n2e6,2e15,2.9\n3e6,3e15,2.8\n")
     (tmp_path / "afile").write_text("mine")
     untokenized = tmp_path / "run"
     shutil.copytree(trained_run, untokenized)
@@ -683,6 +684,10 @@ def test_what_the_probe_found_is_named_in_one_sentence(trained_run, mixture_root
         (["fit", "--points", str(tmp_path / "short.csv")], "line 2 has fewer values than the header's 3 columns "
                                                           "(none for loss)"),
         (["export", str(trained_run), "--out", str(tmp_path / "afile")], "is a file; give the path of a new directory"),
+        (["fit", "--points", str(tmp_path / "few.csv"), "--drop-highest", "3", "--out", str(tmp_path / "law")],
+         "--drop-highest 3 leaves none of the 3 points"),
+        (["generate", str(untokenized)], f"the run {str(untokenized)!r} has no tokenizer.json; copy its data "
+                                         "directory's tokenizer.json into it"),
         (["mixture", "--data", str(mixture_root), "--budget", "1e10", "--target-data", str(tmp_path / "nope"),
           "--out", str(tmp_path / "m")], f"--target-data {str(tmp_path / 'nope')!r}: data directory"),
     ]
@@ -690,7 +695,8 @@ def test_what_the_probe_found_is_named_in_one_sentence(trained_run, mixture_root
         assert main(argv) == 2, argv
         err = " ".join(capsys.readouterr().err.split())
         assert message in err and "Traceback" not in err, (argv, err)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "edited", "run", "short.csv"] and (tmp_path / "afile").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "edited", "few.csv", "run", "short.csv"]
+    assert (tmp_path / "afile").read_text() == "mine"
     # (said before the config's data is even looked at: here there is none, and nothing trains)
     assert main(["train", str(ROOT / "configs" / "tiny.toml"), f"data.path={tmp_path / 'none'}", f"run.dir={tmp_path}",
                  "--stop-at-step", "1000"]) == 2

@@ -102,6 +102,12 @@ def test_a_cooldown_is_refused_off_the_stable_stretch_or_without_its_checkpoint(
         cooldown_config(constant, 8, 4, overrides=["model.dim=32", "model.n_heads=2"])
     with pytest.raises(DataError, match="does not exist; create it with `scaletrain data prepare`"):
         cooldown_config(constant, 8, 4, overrides=[f"data.path={tmp_path / 'nowhere'}"])
+    # What makes it a branch is its own: a schedule, length or start of the user's would undo it.
+    for overrides, message in ((["train.schedule=constant"], "sets train.schedule itself .* give --steps instead"),
+                               (["checkpoint.resume=never", "train.decay_shape=linear"],
+                                r"sets checkpoint.resume, train.decay_shape itself .* give --decay-shape, --step")):
+        with pytest.raises(ConfigError, match=message):
+            cooldown_config(constant, 8, 4, overrides=overrides)
     branch = cooldown_config(constant, 8, 4, name="annealed", overrides=["train.min_lr_ratio=0"])
     assert (branch.run.name, branch.train.steps, branch.train.min_lr_ratio) == ("annealed", 12, 0.0)
     assert branch.checkpoint.resume.endswith("step_0000008")

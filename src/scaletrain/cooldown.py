@@ -75,6 +75,16 @@ def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str
     data["checkpoint"].update(resume=str(checkpoint.resolve()), init_from=None)
     branch = validate_config(data, source="the cooldown's config")
     if overrides:
+        # What makes it the branch: its decay (--steps, --decay-shape) from the run's checkpoint.
+        owned = {"train.schedule": "--steps", "train.steps": "--steps", "train.tokens": "--steps",
+                 "train.decay_fraction": "--steps", "train.decay_shape": "--decay-shape",
+                 "checkpoint.resume": "--step", "checkpoint.init_from": "--step"}
+        taken = sorted({key: flag for key, flag in owned.items()
+                        if any(o.split("=", 1)[0].strip() == key for o in overrides)}.items())
+        if taken:
+            raise ConfigError(f"a cooldown sets {', '.join(key for key, _ in taken)} itself (its decay from the run's "
+                              f"checkpoint); drop the override{'s' if len(taken) > 1 else ''} and give "
+                              f"{', '.join(sorted({flag for _, flag in taken}))} instead")
         branch = load_config(None, [*_as_overrides(branch), *overrides])
         if branch.model != cfg.model:
             changed = sorted(k for k, v in branch.model.model_dump().items() if cfg.model.model_dump()[k] != v)

@@ -553,6 +553,9 @@ def read_points(path, drop_highest: int = 0) -> Points:
     if repeated:  # (the bootstrap would count each copy as another run's evidence)
         log.warning("%s: %d of its points repeat another's N, D and loss; each copy is fitted as a run of its own "
                     "(drop the copies if one run was recorded twice)", path, repeated)
+    if drop_highest >= len(points):
+        raise ValueError(f"--drop-highest {drop_highest} leaves none of the {len(points)} points of {str(path)!r} to "
+                         f"fit; give fewer than {len(points)}")
     if drop_highest:
         points = points.take(np.argsort(points.loss)[:len(points) - drop_highest])
     return points
