@@ -147,6 +147,7 @@ class Device:
     gpus_per_node: int = 8
     bf16: bool = True  # computes in bfloat16; else its 16-bit peak is float16's, whose loss scaling train
     # offers on data-parallel layouts of a dense model only (config.float16_problems)
+    float8: bool = True  # trains in float8 (train.float8: torchao's, from compute capability 8.9 on)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -192,13 +193,16 @@ _NO_BF16 = ("V100", "V100 16GB", "V100 PCIe", "V100 16GB PCIe", "V100S", "T4")
 # Devices of hosts whose network is slower than INTER_NODE assumes: PCIe Gen3 servers, about
 # 100 Gb/s (EDR InfiniBand, as NVIDIA's DGX-1) a GPU at most (the same generations).
 _INTER_NODE_OF = {name: 12.5 * G for name in _NO_BF16}
+# Devices without float8 matmuls (compute capability below 8.9: Volta, Turing, Ampere), where train
+# refuses train.float8 (train/float8.py).
+_NO_FLOAT8 = (*_NO_BF16, "A100", "A100 40GB", "A100 PCIe", "A100 40GB PCIe", "A10", "A10G")
 
 
 def _device(name: str) -> Device:
     memory, bandwidth, link, watts = _SPECS[name]
     peaks = PEAK_FLOPS[_PEAK_OF.get(name, name)]
     return Device(name, dict(peaks), memory * G, bandwidth * G, link * G, _INTER_NODE_OF.get(name, INTER_NODE), watts,
-                  gpus_per_node=72 if name == "GB200" else 8, bf16=name not in _NO_BF16)
+                  gpus_per_node=72 if name == "GB200" else 8, bf16=name not in _NO_BF16, float8=name not in _NO_FLOAT8)
 
 
 DEVICES: dict[str, Device] = {name: _device(name) for name in _SPECS}
@@ -225,12 +229,13 @@ def device_from_dict(data: dict, base: Device | None = None) -> Device:
     """A Device from a JSON object (plan --hardware FILE): the Device fields, with memory in GB,
     bandwidths in GB/s and peaks in TFLOP/s, e.g. {"name": "X", "peak_tflops": {"bf16": 400},
     "memory_gb": 64, "memory_bandwidth_gbs": 2000, "intra_node_gbs": 300, "inter_node_gbs": 25,
-    "watts": 500, "gpus_per_node": 8, "bf16": true}; fields missing are taken from `base` ("bf16":
-    false for a device without bfloat16, whose bf16 peak is then its float16 one and which needs an
-    fp32 peak too)."""
+    "watts": 500, "gpus_per_node": 8, "bf16": true, "float8": true}; fields missing are taken from
+    `base` ("bf16": false for a device without bfloat16, whose bf16 peak is then its float16 one and
+    which needs an fp32 peak too; "float8": false for one without float8 matmuls). A name the
+    catalog knows sets both unless given."""
     units = {"memory_gb": ("memory", G), "memory_bandwidth_gbs": ("memory_bandwidth", G),
              "intra_node_gbs": ("intra_node", G), "inter_node_gbs": ("inter_node", G), "watts": ("watts", 1)}
-    known = {"name", "peak_tflops", "gpus_per_node", "bf16", *units}
+    known = {"name", "peak_tflops", "gpus_per_node", "bf16", "float8", *units}
     if not isinstance(data, dict):
         raise ValueError(f"a device description is a JSON object of {', '.join(sorted(known))}, not {data!r}")
     unknown = sorted(set(data) - known)
@@ -261,13 +266,13 @@ def device_from_dict(data: dict, base: Device | None = None) -> Device:
         fields["gpus_per_node"] = count
     if "name" in data:
         fields["name"] = str(data["name"])
-        if "bf16" not in data and (known_as := identify(fields["name"])) is not None:
-            fields["bf16"] = known_as not in _NO_BF16  # (a V100 or T4 described by hand)
-    if "bf16" in data:
-        if not isinstance(data["bf16"], bool):
-            raise ValueError(f"device field bf16 = {data['bf16']!r} must be true or false (whether it computes in "
-                             "bfloat16)")
-        fields["bf16"] = data["bf16"]
+        if (known_as := identify(fields["name"])) is not None:  # (a V100, T4 or A100 described by hand)
+            fields.update(bf16=known_as not in _NO_BF16, float8=known_as not in _NO_FLOAT8)  # (unless given: below)
+    for flag, what in (("bf16", "computes in bfloat16"), ("float8", "trains in float8, from compute capability 8.9")):
+        if flag in data:
+            if not isinstance(data[flag], bool):
+                raise ValueError(f"device field {flag} = {data[flag]!r} must be true or false (whether it {what})")
+            fields[flag] = data[flag]
     if not fields.get("bf16", True) and "fp32" not in fields.get("peak", {}):
         raise ValueError("a device without bf16 needs an fp32 entry in peak_tflops: layouts float16's loss scaling "
                          "does not reach train in float32 there")

@@ -213,6 +213,9 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
     if base is not None and base.train.dtype == "bfloat16" and not hardware.device.bf16:
         raise PlanError(f"train.dtype = bfloat16, but {hardware.device.name} has no bfloat16; use auto (float16 with a "
                         "loss scale where it reaches, float32 elsewhere), float16 or float32")
+    if base is not None and base.train.float8 and not hardware.device.float8:
+        raise PlanError(f"train.float8 = true needs a GPU of compute capability 8.9 or newer (H100, H200, L4, "
+                        f"RTX 40xx), which {hardware.device.name} is not: leave train.float8 false")
     fixed = batch_tokens is not None
     if fixed and batch_tokens % seq_len:
         raise PlanError(f"a global batch of {batch_tokens} tokens is not whole sequences of {seq_len}; use a multiple "
