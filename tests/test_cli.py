@@ -581,6 +581,25 @@ def test_what_other_commands_wrote_is_not_written_over(trained_run, stdlib_data,
     assert planned.read_text().startswith("# written by scaletrain plan") and (other / "planned.plan.json").is_file()
 
 
+def test_argument_errors_name_what_is_wrong_alone(capsys):
+    """A command without its config says the config is missing (its overrides are optional); an
+    unknown option among overrides is named alone, by the command's own usage."""
+    from scaletrain.cli import main
+
+    tiny = str(ROOT / "configs" / "tiny.toml")
+    for argv, missing in ((["train"], "config"), (["eval"], "RUN_OR_MODEL_DIR"),
+                          (["cooldown"], "run_dir, --step, --steps"), (["tune"], "config"),
+                          (["launch", "slurm"], "config, --nodes, --gpus-per-node")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        err = " ".join(capsys.readouterr().err.split())
+        assert err.endswith(f"the following arguments are required: {missing}"), err
+    with pytest.raises(SystemExit):
+        main(["train", tiny, "train.steps=2", "--bogus", "train.lr=1e-3"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.endswith("scaletrain train: error: unrecognized arguments: --bogus"), err
+
+
 def test_values_out_of_range_are_refused_before_any_work(trained_run, stdlib_data, tmp_path, capsys):
     """Numbers no command can use (negative ones written any way argparse reads, a temperature
     that is not a number, a vocabulary beyond a tokenizer's ids, true for a number, a plan with

@@ -1875,7 +1875,7 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Train the run a TOML config describes; resumes from the run directory's "
                                         "newest complete checkpoint when there is one.")
     p.add_argument("config", help="TOML config, e.g. configs/tiny.toml")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
+    p.add_argument("overrides", nargs="*", default=[], metavar="section.key=value", help="override config values")
     p.add_argument("--nproc", type=_count, default=1,
                    help="processes to start on this node (through torchrun); the layout is the config's [parallel]")
     p.add_argument("--stop-at-step", type=int, default=None,
@@ -1895,7 +1895,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "optimizer, data position) and decays the learning rate over --steps more "
                                         "steps: the loss the run would reach annealed there (run it again to resume).")
     p.add_argument("run_dir", help="the run directory to branch from, e.g. runs/7b")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="override the branch's config values")
+    p.add_argument("overrides", nargs="*", default=[], metavar="section.key=value",
+                   help="override the branch's config values")
     p.add_argument("--step", type=int, required=True, help="the checkpoint of this step, on the stable stretch")
     p.add_argument("--steps", type=int, required=True, help="steps of the decay")
     p.add_argument("--decay-shape", default=None, help="linear, 1-sqrt or cosine (default the run's train.decay_shape)")
@@ -1911,7 +1912,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("launch", help="write a Slurm script or Kubernetes manifest that trains on many nodes")
     p.add_argument("launcher", choices=["slurm", "k8s"])
     p.add_argument("config", help="TOML config, e.g. configs/llama-1b.toml")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="override config values")
+    p.add_argument("overrides", nargs="*", default=[], metavar="section.key=value", help="override config values")
     p.add_argument("--nodes", type=int, required=True, help="machines")
     p.add_argument("--gpus-per-node", type=int, required=True, help="processes (GPUs) per machine")
     p.add_argument("--image", default=None, help="k8s: container image with scaletrain installed (scaletrain:latest)")
@@ -1939,7 +1940,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "hardware, predict memory per device, step time, MFU, wall-clock with "
                                         "failures and checkpoints, energy and cost; write the config to train it.")
     p.add_argument("config", nargs="?", default=None, help="a run config to plan as it is (model and tokens kept)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides of the config, e.g. train.tokens=1e9")
+    p.add_argument("overrides", nargs="*", default=[], help="dotted overrides of the config, e.g. train.tokens=1e9")
     p.add_argument("--compute", type=_flops, default=None, metavar="C", help="training FLOPs to size the model for")
     p.add_argument("--hours", type=_flops, default=None, metavar="H",
                    help="wall-clock to fill instead: the law's model that finishes in H hours on these devices")
@@ -2084,7 +2085,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "lowest validation loss: under muP the best rate of the small model is the "
                                         "large one's.")
     p.add_argument("config", help="TOML config with model.mup_base_dim or model.mup_base_layers set")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+    p.add_argument("overrides", nargs="*", default=[], metavar="section.key=value",
                    help="override config values (of the proxies and of the config --write-config writes)")
     p.add_argument("--steps", type=_count, default=None,
                    help="train each proxy this many steps (default: the run's length); the written config keeps its own")
@@ -2169,7 +2170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_OR_MODEL_DIR",
                    help="run directory, e.g. runs/demo; a Hugging Face model directory (with --data); or a sweep "
                         "directory (with --out FILE.csv)")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+    p.add_argument("overrides", nargs="*", default=[], metavar="section.key=value",
                    help="change the run's settings for the evaluation, e.g. eval.tokens=1000000 data.seq_len=1024 "
                         "train.device=cpu parallel.tp=2 (the layout: all FSDP unless given)")
     p.add_argument("--step", type=int, action="append", default=None,
@@ -2264,10 +2265,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 setattr(args, name, [v for v in values if not override.fullmatch(v)])
                 args.overrides = [*args.overrides, *(v for v in values if override.fullmatch(v))]
     if extra:
-        if hasattr(args, "overrides") and all(override.fullmatch(text) for text in extra):
-            args.overrides = [*args.overrides, *extra]
-        else:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        unknown = [text for text in extra if not (hasattr(args, "overrides") and override.fullmatch(text))]
+        if unknown:  # (said by the command's own parser, naming only what it does not know)
+            commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            command = commands.choices.get(args.command, parser)
+            command.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.overrides = [*args.overrides, *extra]
     return args
 
 
