@@ -170,7 +170,10 @@ def test_token_data_that_cannot_be_imported_is_refused_in_a_sentence(stdlib_data
     Path(f"{prefix}.idx").write_bytes(Path(f"{prefix}.idx").read_bytes()[:60])
     cases = [
         ([str(tmp_path / "other.bin")], {}, "holds token id 4000, not one of the 512 ids of .* give the tokenizer "
-                                            "the data was made with"),
+                                            r"the data was made with \(or, for a raw file, the --dtype it was written in\)"),
+        ([str(tmp_path / "cut")], {}, "is a directory; give a file of tokens"),
+        ([str(tmp_path / "train.bin")], {"column": "ids"}, "--column names a Parquet file's column of token ids; .* "
+                                                           "is read as a flat source, which has none: drop it"),
         ([str(tmp_path / "odd.bin")], {}, "is 3 bytes, not a whole number of uint16 tokens; give its --dtype"),
         ([str(tmp_path / "fake")], {}, "is not a Megatron indexed dataset's index .it does not begin with MMIDIDX."),
         ([str(tmp_path / "newer")], {}, "is version 2 with dtype code 4, where this reads version 1 with integer tokens"),

@@ -1856,7 +1856,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", required=True, help="the tokenizer.json the tokens were made with")
     p.add_argument("--format", choices=("auto", "megatron", "flat", "parquet"), default="auto",
                    help="megatron where PREFIX.idx exists, parquet for a .parquet file (auto), else flat")
-    p.add_argument("--column", default="input_ids", help="a .parquet file's column of token ids (input_ids)")
+    p.add_argument("--column", default=None, help="a .parquet file's column of token ids (default input_ids)")
     p.add_argument("--dtype", choices=("uint16", "uint32", "int32"), default=None,
                    help="a raw file's token type (default: uint16 where the tokenizer's ids fit, else uint32)")
     p.add_argument("--eos-id", type=int, default=None,

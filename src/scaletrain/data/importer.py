@@ -76,11 +76,12 @@ class ImportResult:
 
 
 def read_source(spec: str, fmt: str = "auto", dtype: str | None = None, eos: int = 0,
-                raw_dtype: str = "uint16", column: str = "input_ids") -> Source:
+                raw_dtype: str = "uint16", column: str | None = None) -> Source:
     """The tokens and documents of one source: a Megatron prefix (or its .bin or .idx), a flat
     token file, a .npy, or a .parquet of a document a row (its ids in `column`); `eos` splits a
     flat file into documents. `dtype`: a raw flat file's, as given (refused for the others, which
-    say their own); else `raw_dtype`."""
+    say their own); else `raw_dtype`. `column`: a Parquet file's (input_ids when None; refused for
+    the others, which have none)."""
     path = Path(spec)
     prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
     megatron = Path(f"{prefix}.idx").is_file()
@@ -91,7 +92,10 @@ def read_source(spec: str, fmt: str = "auto", dtype: str | None = None, eos: int
             raise DataError("--dtype reads a raw file of tokens; a Parquet file's schema names its own: drop it")
         if not path.is_file():
             raise DataError(f"source {spec!r} does not exist; give a .parquet file of tokenized documents")
-        return _parquet(path, column)
+        return _parquet(path, column or "input_ids")
+    if column is not None:
+        raise DataError(f"--column names a Parquet file's column of token ids; {spec!r} is read as a {fmt} source, "
+                        "which has none: drop it")
     if fmt == "megatron":
         if not megatron or not Path(f"{prefix}.bin").is_file():
             raise DataError(f"{spec!r} is not a Megatron indexed dataset: {prefix}.idx and {prefix}.bin must both "
@@ -99,6 +103,9 @@ def read_source(spec: str, fmt: str = "auto", dtype: str | None = None, eos: int
         if dtype is not None:
             raise DataError("--dtype reads a raw file of tokens; a Megatron dataset's index names its own: drop it")
         return _megatron(str(prefix))
+    if path.is_dir():
+        raise DataError(f"source {spec!r} is a directory; give a file of tokens (a .bin or .npy), a Megatron "
+                        "dataset's prefix or a .parquet file")
     if not path.is_file():
         raise DataError(f"source {spec!r} does not exist; give a file of tokens (a .bin or .npy) or a Megatron "
                         "dataset's prefix")
@@ -268,7 +275,7 @@ IMPORT_VERSION = 1  # bump when the same sources and options would import differ
 
 def import_tokens(sources: list[str], out: str | Path, tokenizer: str | Path, *, fmt: str = "auto",
                   dtype: str | None = None, eos: int | None = None, val_fraction: float = 0.005, seed: int = 0,
-                  overwrite: bool = False, column: str = "input_ids") -> ImportResult:
+                  overwrite: bool = False, column: str | None = None) -> ImportResult:
     """Copy the documents of `sources` (read_source's) into data directory `out`, tokenized by
     `tokenizer` (a tokenizer.json: the one the tokens were made with); `eos`: the end-of-document
     id, by default the tokenizer's end-of-text token. An interrupted import, run again the same,
@@ -396,7 +403,8 @@ def _check_ids(source: Source, tokens: np.ndarray, vocab: int, tokenizer) -> np.
     if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
         bad = int(tokens.max()) if int(tokens.max()) >= vocab else int(tokens.min())
         raise DataError(f"{source.path} holds token id {bad}, not one of the {vocab:,} ids of {tokenizer}; give the "
-                        "tokenizer the data was made with")
+                        "tokenizer the data was made with" + (" (or, for a raw file, the --dtype it was written in)"
+                                                              if source.format == "flat" else ""))
     return tokens
 
 
