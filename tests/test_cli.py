@@ -707,6 +707,10 @@ def test_what_the_probe_found_is_named_in_one_sentence(trained_run, mixture_root
          "--drop-highest 3 leaves none of the 3 points"),
         (["generate", str(untokenized)], f"the run {str(untokenized)!r} has no tokenizer.json; copy its data "
                                          "directory's tokenizer.json into it"),
+        (["report", str(trained_run), "--plan", str(tmp_path / "nope.plan.json")],
+         "does not exist; give the .plan.json that `scaletrain plan --write-config` wrote beside the config"),
+        (["plan", "--compute", "1e21", "--law", str(stdlib_data / "index.json")],
+         "is not a law.json written by `scaletrain fit` (it has no 'approach3')"),
         (["mixture", "--data", str(mixture_root), "--budget", "1e10", "--target-data", str(tmp_path / "nope"),
           "--out", str(tmp_path / "m")], f"--target-data {str(tmp_path / 'nope')!r}: data directory"),
     ]

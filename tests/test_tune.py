@@ -43,8 +43,9 @@ def test_the_proxy_is_the_model_narrowed_to_the_base_width_with_heads_as_wide():
             (["model.dim=128", "model.mup_base_dim=24"], "not a multiple of the head width dim / n_heads = 32"),
             (["model.dim=256", "model.n_heads=8", "model.n_kv_heads=2", "model.mup_base_dim=64"],
              "2 heads, which do not share key/value heads 4 to one"),
-            (["model.mup_base_dim=128"], "make a proxy of width 128 and 2 blocks, not smaller than the model"),
-            (["model.mup_base_dim=64"], "make a proxy of width 64 and 2 blocks, not smaller")]:
+            (["model.mup_base_dim=128"],
+             "model.mup_base_dim = 128: a proxy of width 128 and 2 blocks, not smaller than the model"),
+            (["model.mup_base_dim=64"], "model.mup_base_dim = 64: a proxy of width 64 and 2 blocks, not smaller")]:
         with pytest.raises(ConfigError, match=words):
             proxy_data(load_config(TINY, overrides))
 

@@ -599,8 +599,8 @@ def _law_file(path: str) -> tuple[dict, object, list]:
         doc = json.loads(file.read_text())
         return doc, law_of(doc), bootstrap_laws(doc)
     except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"--law {path!r} is not a law.json written by `scaletrain fit` ({type(e).__name__}: "
-                        f"{e})") from None
+        why = f"it has no {e.args[0]!r}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise UserError(f"--law {path!r} is not a law.json written by `scaletrain fit` ({why})") from None
 
 
 def _gb(value: float) -> str:
@@ -1667,6 +1667,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     law = _law_file(args.law)[0] if args.law else None
     plan = None
     if args.plan:
+        if not Path(args.plan).is_file():
+            raise UserError(f"--plan {args.plan!r} does not exist; give the .plan.json that `scaletrain plan "
+                            "--write-config` wrote beside the config")
         try:
             plan = json.loads(open(args.plan).read())
         except (OSError, ValueError) as e:

@@ -42,8 +42,10 @@ def proxy_data(cfg: RunConfig) -> dict:
                           f"model.mup_base_layers to the depth (e.g. {max(1, m.n_layers // 4)}), or both")
     width, depth = m.mup_base_dim or m.dim, m.mup_base_layers or m.n_layers
     if width > m.dim or depth > m.n_layers or (width, depth) == (m.dim, m.n_layers):
-        raise ConfigError(f"model.mup_base_dim = {m.mup_base_dim} and model.mup_base_layers = {m.mup_base_layers} "
-                          f"make a proxy of width {width} and {depth} blocks, not smaller than the model (width "
+        given = " and ".join(f"model.{key} = {value}" for key, value in (("mup_base_dim", m.mup_base_dim),
+                                                                         ("mup_base_layers", m.mup_base_layers))
+                             if value is not None)
+        raise ConfigError(f"{given}: a proxy of width {width} and {depth} blocks, not smaller than the model (width "
                           f"{m.dim}, {m.n_layers} blocks) in every way and smaller in one; tune trains a small proxy: "
                           "set them below the model's")
     data = cfg.model_dump(exclude_none=True)

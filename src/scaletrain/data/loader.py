@@ -165,7 +165,9 @@ class TokenLoader:
             # One source, named by its directory: the same data moved (or linked) under another name.
             state = {**state, "taken": {self.sources[0].name: next(iter(state["taken"].values()))}}
         elif theirs != mine:
-            raise DataError(f"the checkpoint was trained on sources of {theirs} tokens, these are {mine}; resume on "
+            def named(split: dict) -> str:
+                return ", ".join(f"{name} ({tokens:,} tokens)" for name, tokens in split.items())
+            raise DataError(f"the checkpoint was trained on {named(theirs)}, this data is {named(mine)}; resume on "
                             "the run's original data.path and data.mix, or start a new stage from the checkpoint on "
                             "this data with checkpoint.init_from")
         self.consumed, self.micro = int(state["consumed"]), int(state["micro"])
