@@ -611,6 +611,7 @@ def test_values_out_of_range_are_refused_before_any_work(trained_run, stdlib_dat
     cases = [
         (["demo", "--out", str(tmp_path / "demo"), "--minutes", "-1e3"], "--minutes -1000: give the minutes"),
         (["fit", str(tmp_path), "--drop-highest", "-1"], "argument --drop-highest: '-1' must be 0 or more"),
+        (["train", tiny, "--time-limit", "-5m"], "argument --time-limit: '-5m' is not a length of time"),  # (a unit)
         (["tune", tiny, "model.mup_base_dim=32", "--lrs", "0.001,0.01,0.001"],
          "argument --lrs: 0.001 is given twice in --lrs; give each once"),
         (["generate", str(trained_run), "--prompt", "def", "--temperature", "nan"],

@@ -2239,18 +2239,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _negative_values(argv: list[str]) -> list[str]:
     """`--option -1e12` as `--option=-1e12`: argparse takes a word starting with '-' for an option
-    unless it reads as a plain number (-1, -0.5), so `--minutes -1e3` or `--budgets -inf` got
-    "expected one argument" instead of the option's own check saying what would do."""
+    unless it reads as a plain number (-1, -0.5), so `--minutes -1e3`, `--budgets -inf` or
+    `--time-limit -5m` got "expected one argument" instead of the option's own check saying what
+    would do. (A number with a unit's letters after it too: -5m, -1M, -5GB.)"""
+    number = re.compile(r"-(\d+\.?\d*|\.\d+|inf|nan)(e[+-]?\d+)?[A-Za-z]{0,3}", re.I)
     joined: list[str] = []
     for word in argv:
-        if joined and joined[-1].startswith("--") and "=" not in joined[-1] and word.startswith("-"):
-            try:
-                float(word.split(",")[0])
-            except ValueError:
-                pass
-            else:
-                joined[-1] = f"{joined[-1]}={word}"
-                continue
+        if joined and joined[-1].startswith("--") and "=" not in joined[-1] and number.fullmatch(word.split(",")[0]):
+            joined[-1] = f"{joined[-1]}={word}"
+            continue
         joined.append(word)
     return joined
 
