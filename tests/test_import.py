@@ -172,6 +172,8 @@ def test_token_data_that_cannot_be_imported_is_refused_in_a_sentence(stdlib_data
         ([str(tmp_path / "other.bin")], {}, "holds token id 4000, not one of the 512 ids of .* give the tokenizer "
                                             r"the data was made with \(or, for a raw file, the --dtype it was written in\)"),
         ([str(tmp_path / "cut")], {}, "is a directory; give a file of tokens"),
+        ([str(tmp_path / "train.bin")], {"out": tmp_path / "cut"}, r"holds other files \(data.bin, data.idx\); give "
+                                                                   "a new or empty directory to import the data into"),
         ([str(tmp_path / "train.bin")], {"column": "ids"}, "--column names a Parquet file's column of token ids; .* "
                                                            "is read as a flat source, which has none: drop it"),
         ([str(tmp_path / "odd.bin")], {}, "is 3 bytes, not a whole number of uint16 tokens; give its --dtype"),
@@ -185,7 +187,7 @@ def test_token_data_that_cannot_be_imported_is_refused_in_a_sentence(stdlib_data
     ]
     for sources, options, words in cases:
         with pytest.raises(DataError, match=words):
-            import_tokens(sources, tmp_path / "out", tokenizer, **options)
+            import_tokens(sources, options.pop("out", tmp_path / "out"), tokenizer, **options)
         assert not (tmp_path / "out" / "index.json").exists()
     import_tokens([str(tmp_path / "train.bin")], tmp_path / "out", tokenizer)
     with pytest.raises(DataError, match="holds a data directory already .or an unfinished prepare or import of another one.; give "

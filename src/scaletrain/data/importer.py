@@ -42,7 +42,8 @@ import numpy as np
 
 from scaletrain.outputs import kind_of
 
-from .shards import DataError, ShardWriter, clear_data_dir, is_complete, token_dtype, write_index
+from .shards import (DataError, ShardWriter, clear_data_dir, is_complete, refuse_foreign_files, token_dtype,
+                     write_index)
 from .tokenizer import bos_id, eos_id, load_tokenizer
 from .tokenizer import vocab_size as tokenizer_vocab_size
 
@@ -293,6 +294,8 @@ def import_tokens(sources: list[str], out: str | Path, tokenizer: str | Path, *,
     if (out.exists() and not out.is_dir()) or found not in (None, "prepared data directory"):
         raise DataError(f"output {str(out)!r} is {'a file' if not out.is_dir() else f'a {found}'}; give a new "
                         "directory to import the data into")
+    if found is None:
+        refuse_foreign_files(out, "import")
     tok = load_tokenizer(tokenizer)
     vocab = tokenizer_vocab_size(tok)
     end = eos_id(tok, tokenizer) if eos is None else eos

@@ -46,7 +46,8 @@ from scaletrain.outputs import kind_of
 from .curate import REASONS as FILTER_REASONS
 from .curate import FilterConfig, curate, document_kind, load_filters
 from .dedup import DedupIndex, Decontaminator, MinHasher, exact_key
-from .shards import DataError, ShardWriter, clear_data_dir, finished_key, is_complete, write_index
+from .shards import (DataError, ShardWriter, clear_data_dir, finished_key, is_complete, refuse_foreign_files,
+                     write_index)
 from .sources import (BINARY_SNIFF_BYTES, ReadStats, encodable, list_files, read_documents, reader_version,
                       reads_under)
 from .tokenizer import FIM_TOKENS, bos_id, check_vocab_size, eos_id, fim_ids, load_tokenizer, train_tokenizer
@@ -885,6 +886,8 @@ def _check_out(out: Path, sources: list[str], files) -> None:
     found = kind_of(out)
     if found not in (None, "prepared data directory"):
         raise DataError(f"output {str(out)!r} is a {found}; give a new directory to prepare the data into")
+    if found is None:
+        refuse_foreign_files(out, "prepare")
     resolved = out.resolve()
     for source in sources:
         if reads_under(source, out):

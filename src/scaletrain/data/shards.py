@@ -115,6 +115,17 @@ def finished_key(data_dir: Path) -> str | None:
         return None
 
 
+def refuse_foreign_files(out: Path, verb: str) -> None:
+    """Refuse an output directory, not yet a data directory, that holds more than what prepare and
+    import write there (DATA_FILES, shards, their work and rejects): a user's files, which data
+    must not be written among. `verb`: what the command does there ("prepare", "import")."""
+    others = sorted(p.name for p in out.iterdir() if p.name not in (*DATA_FILES, "shards", "work", "rejects")) \
+        if out.is_dir() else []
+    if others:
+        raise DataError(f"output {str(out)!r} holds other files ({', '.join(others[:3])}"
+                        f"{', ...' if len(others) > 3 else ''}); give a new or empty directory to {verb} the data into")
+
+
 def clear_data_dir(data_dir: Path) -> None:
     """Remove a data directory's files (DATA_FILES), its shards and a prepare's or import's work
     and rejects from data_dir, and only those."""
