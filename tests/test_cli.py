@@ -511,7 +511,9 @@ def test_what_other_commands_wrote_is_not_written_over(trained_run, stdlib_data,
     other.mkdir()
     (other / "grid.json").write_text(json.dumps({"rows": 3}))
     for name in ("notes.toml", "job.sh", "mine.plan.json"):  # a user's files, which no command may replace
-        (other / name).write_text("precious\n")
+        (other / name).write_text("precious\n# written by scaletrain plan\n")
+    # (a job script of the user's own, as the README shows: it runs scaletrain's torchrun too)
+    (other / "multi.sh").write_text("#!/bin/bash\n#SBATCH --account=mine\nsrun python3 -m scaletrain.torchrun x\n")
     assert [kind_of(p) for p in (trained_run, stdlib_data, sweep, search, other, tmp_path)] == [
         "run directory", "prepared data directory", "sweep", "hyperparameter search", None, None]
     kept = {p: p.read_bytes() for d in (trained_run, sweep, stdlib_data, other) for p in d.iterdir() if p.is_file()}
@@ -551,7 +553,9 @@ def test_what_other_commands_wrote_is_not_written_over(trained_run, stdlib_data,
         (["plan", "--compute", "1e21", "--write-config", str(other / "notes.toml")],
          "exists and was not written by scaletrain plan, which would replace it; give a new file name, or remove it"),
         (["plan", "--compute", "1e21", "--write-config", str(other / "mine.toml")],
-         "writes its plan to", "which exists and is not a plan"),
+         "writes its plan to", "which exists without the config it was planned with"),
+        (["launch", "slurm", tiny, "--nodes", "1", "--gpus-per-node", "1", "--out", str(other / "multi.sh")],
+         "exists and was not written by scaletrain launch"),
         (["launch", "slurm", tiny, "--nodes", "1", "--gpus-per-node", "1", "--out", str(other / "job.sh")],
          "exists and was not written by scaletrain launch"),
         (["tune", tiny, f"data.path={stdlib_data}", "model.mup_base_dim=32", "--out", str(other / "tune"),
@@ -574,11 +578,16 @@ def test_what_other_commands_wrote_is_not_written_over(trained_run, stdlib_data,
         assert all(message in err for message in messages) and "Traceback" not in err, (argv, err)
     assert {p: p.read_bytes() for p in kept} == kept
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "search", "sweep"]
-    # plan replaces its own earlier output (and its plan beside it)
-    planned = other / "planned.toml"
+    # plan and launch replace their own earlier output (plan its plan beside it too), not once changed
+    planned, job = other / "planned.toml", other / "planned.sh"
     for _ in range(2):
         assert main(["plan", "--compute", "1e21", "--write-config", str(planned)]) == 0
+        assert main(["launch", "slurm", tiny, "--nodes", "1", "--gpus-per-node", "1", "--out", str(job)]) == 0
     assert planned.read_text().startswith("# written by scaletrain plan") and (other / "planned.plan.json").is_file()
+    planned.write_text(planned.read_text().replace("[train]", "[train]\n# mine"))
+    assert main(["plan", "--compute", "1e21", "--write-config", str(planned)]) == 2
+    assert "was written by scaletrain plan and changed since" in " ".join(capsys.readouterr().err.split())
+    assert "# mine" in planned.read_text()
 
 
 def test_argument_errors_name_what_is_wrong_alone(capsys):

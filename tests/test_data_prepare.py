@@ -377,6 +377,7 @@ def test_end_of_text_written_inside_a_document_is_text_not_an_end_of_document(tm
     ("output inside a glob's folder", ["inside the folder that source", "read its files back"]),
     ("max_bytes below the first document", ["no documents", "1 over_max_bytes", "larger max_bytes"]),
     ("output among a user's files", ["holds other files (notes.txt)", "give a new or empty directory to prepare"]),
+    ("a user's folder named as prepare's work", ["holds other files (work)"]),
 ])
 def test_user_mistakes_raise_data_error_that_says_what_is_wrong(tmp_path, case, words):
     (tmp_path / "empty").mkdir()
@@ -397,9 +398,14 @@ def test_user_mistakes_raise_data_error_that_says_what_is_wrong(tmp_path, case, 
         "output inside a glob's folder": lambda: prepare([str(tmp_path / "**")], tmp_path / "data", VOCAB),
         "max_bytes below the first document": lambda: prepare([str(tmp_path / "doc.txt")], out, VOCAB, max_bytes=10),
         "output among a user's files": lambda: prepare([str(tmp_path / "doc.txt")], tmp_path / "mine", VOCAB),
+        "a user's folder named as prepare's work": lambda: prepare([str(tmp_path / "doc.txt")], tmp_path / "theirs",
+                                                                   VOCAB),
     }
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("mine")
+    (tmp_path / "theirs" / "work").mkdir(parents=True)  # (not prepare's: no key; cleared, it would be lost)
+    (tmp_path / "theirs" / "work" / "notes.txt").write_text("mine")
+    (tmp_path / "theirs" / ".DS_Store").write_text("")  # (not counted)
     with pytest.raises(DataError) as error:
         calls[case]()
     for word in words:

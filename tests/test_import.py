@@ -174,8 +174,9 @@ def test_token_data_that_cannot_be_imported_is_refused_in_a_sentence(stdlib_data
         ([str(tmp_path / "cut")], {}, "is a directory; give a file of tokens"),
         ([str(tmp_path / "train.bin")], {"out": tmp_path / "cut"}, r"holds other files \(data.bin, data.idx\); give "
                                                                    "a new or empty directory to import the data into"),
-        ([str(tmp_path / "train.bin")], {"column": "ids"}, "--column names a Parquet file's column of token ids; .* "
-                                                           "is read as a flat source, which has none: drop it"),
+        ([str(tmp_path / "train.bin")], {"column": "ids"}, "--column names a Parquet file's column of token ids, "
+                                                           "and no source is a Parquet file: drop it"),
+        ([str(tmp_path / "train.bin")], {"out": tmp_path / "cut" / "data.bin"}, "is a file"),
         ([str(tmp_path / "odd.bin")], {}, "is 3 bytes, not a whole number of uint16 tokens; give its --dtype"),
         ([str(tmp_path / "fake")], {}, "is not a Megatron indexed dataset's index .it does not begin with MMIDIDX."),
         ([str(tmp_path / "newer")], {}, "is version 2 with dtype code 4, where this reads version 1 with integer tokens"),

@@ -674,8 +674,8 @@ def test_on_gpus_without_bf16_layouts_float16_does_not_reach_are_timed_in_float3
     assert not device_from_dict({"name": "Tesla V100-SXM2-32GB"}, base=H100).bf16  # (named: known to lack it)
     # float8 (train.float8: from compute capability 8.9) is refused where train would refuse it.
     assert main([*llama[:5], "A100", *llama[6:], "train.float8=true"]) == 2
-    assert "train.float8 = true needs a GPU of compute capability 8.9 or newer (H100, H200, L4, RTX 40xx), which A100 " \
-           "is not: leave train.float8 false" in " ".join(capsys.readouterr().err.split())
+    assert "train.float8 = true needs an NVIDIA GPU of compute capability 8.9 or newer (H100, H200, L4, RTX 40xx); " \
+           "this run is on A100: leave train.float8 false" in " ".join(capsys.readouterr().err.split())
     assert main([*llama[:5], "H100 SXM", *llama[6:], "train.float8=true"]) == 0
     capsys.readouterr()
     assert not device_from_dict({"name": "NVIDIA A100-SXM4-80GB"}, base=H100).float8 and device("L4").float8

@@ -315,26 +315,54 @@ def _num(value: float | None) -> str:
 # -- launch -------------------------------------------------------------------------------
 
 
-# What the files a command writes from a config hold, by which it knows its own: an earlier
-# output of it may be replaced, anything else not.
-WRITTEN_BY = {"plan": "# written by scaletrain plan", "tune": "# written by scaletrain tune",
-              "launch": "scaletrain.torchrun"}  # (the command every job file runs)
+# The first line of the configs plan and tune write, by which they know their own: an earlier
+# output of theirs may be replaced, anything else not (launch's job files: launch.WRITTEN).
+WRITTEN_BY = {"plan": "# written by scaletrain plan", "tune": "# written by scaletrain tune"}
+
+
+def _refusal_to_replace(path: Path, command: str) -> str | None:
+    """Why `command` may not replace the existing file `path`, or None where it is the command's
+    own earlier output, unchanged for plan (its text is the plan's config beside it)."""
+    import json
+
+    from scaletrain.launch import WRITTEN, WRITTEN_KEY
+
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    if command == "launch":
+        try:
+            items = json.loads(text).get("items", [])
+            ours = any(item.get("metadata", {}).get("annotations", {}).get(WRITTEN_KEY) == "launch" for item in items)
+        except (ValueError, AttributeError):
+            ours = WRITTEN in lines[:2]
+    else:
+        ours = lines[:1] == [WRITTEN_BY[command]]
+    if not ours:
+        return f"exists and was not written by scaletrain {command}, which would replace it"
+    if command == "plan":
+        beside = path.with_suffix(".plan.json")
+        try:
+            planned = json.loads(beside.read_text()).get("config")
+        except (OSError, ValueError, AttributeError):
+            planned = None
+        if [planned] != text.split("\n", 1)[1:]:  # (the config after its first line)
+            return f"was written by scaletrain plan and changed since (or its {beside.name} was), which would be lost"
+    return None
 
 
 def _check_written_config(path: str | None, flag: str, source: str | None, command: str,
                           suffixes: tuple[str, ...] = ("toml",)) -> None:
     """Refuse, before any work, a file written from a config that cannot be (check_output_file's
     reasons, a name not ending in one of `suffixes`), that is the config read (`source`), or that
-    exists and is not an earlier output of `command` (WRITTEN_BY), which it would replace."""
+    exists and is not an earlier output of `command` (_refusal_to_replace), which it would replace."""
 
     check_output_file(path, flag, suffixes)
     if path is None:
         return
     if source is not None and Path(path).resolve() == Path(source).resolve():
         raise UserError(f"{flag} {path!r} is the config given, which it would write over; give another file name")
-    if Path(path).is_file() and WRITTEN_BY[command] not in Path(path).read_text(errors="replace"):
-        raise UserError(f"{flag} {path!r} exists and was not written by scaletrain {command}, which would replace it; "
-                        "give a new file name, or remove it")
+    if Path(path).is_file() and (why := _refusal_to_replace(Path(path), command)) is not None:
+        raise UserError(f"{flag} {path!r} {why}; give a new file name, or remove it")
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -418,9 +446,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         "ways of saying what to plan, not settings of one plan")
     _check_written_config(args.write_config, "--write-config", args.config, "plan")
     beside = Path(args.write_config).with_suffix(".plan.json") if args.write_config else None
-    if beside is not None and beside.is_file() and '"config"' not in beside.read_text(errors="replace"):
-        raise UserError(f"--write-config {args.write_config!r} writes its plan to {str(beside)!r}, which exists and is "
-                        "not a plan; give another file name, or remove it")
+    if beside is not None and beside.is_file() and not Path(args.write_config).is_file():
+        # (beside plan's own config, _check_written_config has checked it with the config)
+        raise UserError(f"--write-config {args.write_config!r} writes its plan to {str(beside)!r}, which exists "
+                        "without the config it was planned with; give another file name, or remove it")
     if sum(modes) != 1:
         raise UserError("say what to plan: a config FILE (a run as configured), --compute C or --hours H (a budget "
                         "of FLOPs or of wall-clock on the devices, sized by --law or --preset), or --params N with "
@@ -1668,8 +1697,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     plan = None
     if args.plan:
         if not Path(args.plan).is_file():
-            raise UserError(f"--plan {args.plan!r} does not exist; give the .plan.json that `scaletrain plan "
-                            "--write-config` wrote beside the config")
+            what = "is a directory" if Path(args.plan).is_dir() else "does not exist"
+            raise UserError(f"--plan {args.plan!r} {what}; give the .plan.json that `scaletrain plan --write-config` "
+                            "wrote beside the config")
         try:
             plan = json.loads(open(args.plan).read())
         except (OSError, ValueError) as e:

@@ -134,6 +134,19 @@ def float16_problems(*, tp: int = 1, cp: int = 1, pp: int = 1, moe: bool = False
         (f"train.loss_chunk_tokens = {loss_chunk_tokens}", loss_chunk_tokens > 0)) if bad]
 
 
+def float8_problem(capable: bool, where: str, tp: int = 1) -> str | None:
+    """Why train.float8 cannot run, in one sentence, or None: on a device that is not `capable` (an
+    NVIDIA GPU of compute capability 8.9 or newer; `where` names the device), or with tensor
+    parallelism. Train refuses it (train/float8.py) and the planner plans none (plan/planner.py)."""
+    if not capable:
+        return (f"train.float8 = true needs an NVIDIA GPU of compute capability 8.9 or newer (H100, H200, L4, "
+                f"RTX 40xx); this run is on {where}: leave train.float8 false")
+    if tp > 1:
+        return ("train.float8 = true is not supported with parallel.tp > 1 yet; use FSDP (parallel.dp_shard) for "
+                "float8 runs or leave train.float8 false")
+    return None
+
+
 def check_float16(problems: list[str]) -> None:
     """ConfigError naming float16_problems' `problems`, where there are any."""
     if problems:

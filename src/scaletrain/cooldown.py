@@ -78,7 +78,7 @@ def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str
         # What makes it the branch: its decay (--steps, --decay-shape) from the run's checkpoint.
         owned = {"train.schedule": "--steps", "train.steps": "--steps", "train.tokens": "--steps",
                  "train.decay_fraction": "--steps", "train.decay_shape": "--decay-shape",
-                 "checkpoint.resume": "--step", "checkpoint.init_from": "--step"}
+                 "checkpoint.resume": "--step", "checkpoint.init_from": "--step", "run.name": "--name"}
         taken = sorted({key: flag for key, flag in owned.items()
                         if any(o.split("=", 1)[0].strip() == key for o in overrides)}.items())
         if taken:

@@ -37,6 +37,9 @@ GRACE_S = 180
 # watchdog); each start resumes from the newest checkpoint.
 MAX_RESTARTS = 3
 TORCHRUN = ["python3", "-m", "scaletrain.torchrun"]
+# How a job file says it is launch's own (which a later launch may replace): a Slurm script's
+# second line, a Kubernetes job's annotation.
+WRITTEN, WRITTEN_KEY = "# written by scaletrain launch", "scaletrain/written-by"
 REFUSED_STATUS = 2  # (scaletrain.torchrun's, when the workers refused their input)
 
 
@@ -83,6 +86,7 @@ def slurm_script(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
                 *(shlex.quote(a) for a in _train_args(config, overrides, train_options or []))]
     return "\n".join([
         "#!/bin/bash",
+        WRITTEN,
         f"#SBATCH --job-name={cfg.run.name}",
         f"#SBATCH --chdir={shlex.quote(os.getcwd())}",
         f"#SBATCH --nodes={nodes}",
@@ -145,7 +149,7 @@ def k8s_manifest(cfg: RunConfig, config: str, overrides: list[str], nodes: int, 
                "spec": {"clusterIP": "None", "selector": {"job-name": name},
                         "ports": [{"name": "rendezvous", "port": RDZV_PORT}]}}
     job = {
-        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "annotations": {WRITTEN_KEY: "launch"}},
         "spec": {
             # With the shared claim, a failed pod (its torchrun out of restarts, its node lost) is
             # replaced under the same hostname and the job resumes from the claim's checkpoints, up

@@ -81,8 +81,8 @@ def read_source(spec: str, fmt: str = "auto", dtype: str | None = None, eos: int
     """The tokens and documents of one source: a Megatron prefix (or its .bin or .idx), a flat
     token file, a .npy, or a .parquet of a document a row (its ids in `column`); `eos` splits a
     flat file into documents. `dtype`: a raw flat file's, as given (refused for the others, which
-    say their own); else `raw_dtype`. `column`: a Parquet file's (input_ids when None; refused for
-    the others, which have none)."""
+    say their own); else `raw_dtype`. `column`: a Parquet file's (input_ids when None; the others
+    have none: import_tokens refuses it where no source is Parquet)."""
     path = Path(spec)
     prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
     megatron = Path(f"{prefix}.idx").is_file()
@@ -94,9 +94,6 @@ def read_source(spec: str, fmt: str = "auto", dtype: str | None = None, eos: int
         if not path.is_file():
             raise DataError(f"source {spec!r} does not exist; give a .parquet file of tokenized documents")
         return _parquet(path, column or "input_ids")
-    if column is not None:
-        raise DataError(f"--column names a Parquet file's column of token ids; {spec!r} is read as a {fmt} source, "
-                        "which has none: drop it")
     if fmt == "megatron":
         if not megatron or not Path(f"{prefix}.bin").is_file():
             raise DataError(f"{spec!r} is not a Megatron indexed dataset: {prefix}.idx and {prefix}.bin must both "
@@ -302,6 +299,8 @@ def import_tokens(sources: list[str], out: str | Path, tokenizer: str | Path, *,
     if not 0 <= end < vocab:
         raise DataError(f"--eos-id {end} is not one of the tokenizer's {vocab:,} ids")
     read = [read_source(spec, fmt, dtype, end, token_dtype(vocab).name, column) for spec in sources]
+    if column is not None and not any(source.format == "parquet" for source in read):
+        raise DataError("--column names a Parquet file's column of token ids, and no source is a Parquet file: drop it")
     tokenizer_file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
     tokenizer_text = tokenizer_file.read_bytes()
     key = hashlib.sha256(json.dumps({

@@ -116,11 +116,16 @@ def finished_key(data_dir: Path) -> str | None:
 
 
 def refuse_foreign_files(out: Path, verb: str) -> None:
-    """Refuse an output directory, not yet a data directory, that holds more than what prepare and
-    import write there (DATA_FILES, shards, their work and rejects): a user's files, which data
-    must not be written among. `verb`: what the command does there ("prepare", "import")."""
-    others = sorted(p.name for p in out.iterdir() if p.name not in (*DATA_FILES, "shards", "work", "rejects")) \
-        if out.is_dir() else []
+    """Refuse an output directory, not yet a data directory, that holds more than a data
+    directory's own files (DATA_FILES) and empty folders of the names prepare and import write
+    (shards, work, rejects: a non-empty one would be cleared): a user's files, which data must not
+    be written among or over. `verb`: what the command does there ("prepare", "import"). Hidden
+    files and a mount point's lost+found are not counted."""
+    def foreign(p: Path) -> bool:
+        if p.name in DATA_FILES or p.name.startswith(".") or p.name == "lost+found":
+            return False
+        return not (p.name in ("shards", "work", "rejects") and p.is_dir() and not any(p.iterdir()))
+    others = sorted(p.name for p in out.iterdir() if foreign(p)) if out.is_dir() else []
     if others:
         raise DataError(f"output {str(out)!r} holds other files ({', '.join(others[:3])}"
                         f"{', ...' if len(others) > 3 else ''}); give a new or empty directory to {verb} the data into")

@@ -64,7 +64,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        if (path.parent / "metrics.jsonl").is_file():  # a run's, which training copies from its data
+        if path.name == "tokenizer.json" and (path.parent / "metrics.jsonl").is_file():  # a run's, copied from its data
             raise DataError(f"the run {str(path.parent)!r} has no tokenizer.json; copy its data directory's "
                             f"tokenizer.json into it")
         raise DataError(f"tokenizer {str(path)!r} does not exist; give the tokenizer.json of a prepared data "

@@ -273,6 +273,8 @@ def device_from_dict(data: dict, base: Device | None = None) -> Device:
             if not isinstance(data[flag], bool):
                 raise ValueError(f"device field {flag} = {data[flag]!r} must be true or false (whether it {what})")
             fields[flag] = data[flag]
+    if data.get("bf16") is False and "float8" not in data and identify(str(data.get("name", ""))) is None:
+        fields["float8"] = False  # (a device without bfloat16 predates float8 matmuls)
     if not fields.get("bf16", True) and "fp32" not in fields.get("peak", {}):
         raise ValueError("a device without bf16 needs an fp32 entry in peak_tflops: layouts float16's loss scaling "
                          "does not reach train in float32 there")

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import ConfigError, ModelConfig, RunConfig, check_float16, float16_problems, validate_config
+from scaletrain.config import (ConfigError, ModelConfig, RunConfig, check_float16, float8_problem, float16_problems,
+                               validate_config)
 from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.plan.cost import Prices, Reliability, run_cost
@@ -214,8 +215,7 @@ def make_plan(model: ModelConfig, tokens: int, seq_len: int, hardware: Hardware,
         raise PlanError(f"train.dtype = bfloat16, but {hardware.device.name} has no bfloat16; use auto (float16 with a "
                         "loss scale where it reaches, float32 elsewhere), float16 or float32")
     if base is not None and base.train.float8 and not hardware.device.float8:
-        raise PlanError(f"train.float8 = true needs a GPU of compute capability 8.9 or newer (H100, H200, L4, "
-                        f"RTX 40xx), which {hardware.device.name} is not: leave train.float8 false")
+        raise PlanError(float8_problem(False, hardware.device.name))
     fixed = batch_tokens is not None
     if fixed and batch_tokens % seq_len:
         raise PlanError(f"a global batch of {batch_tokens} tokens is not whole sequences of {seq_len}; use a multiple "
@@ -324,6 +324,8 @@ def configured_layout(cfg: RunConfig, hardware: Hardware, dtype: str = "bf16") -
     layout = PlanLayout.of(cfg, resolved)
     seq_len, batch = cfg.data.seq_len, cfg.seqs_per_step
     usable = USABLE_MEMORY * hardware.device.memory
+    if cfg.train.float8 and (problem := float8_problem(True, hardware.device.name, layout.tp)) is not None:
+        raise ConfigError(problem)
     if (dtype := layout_dtype(cfg.model, layout, hardware.device, dtype, cfg.train.float8)) is None:  # (float16)
         check_float16(float16_problems(tp=layout.tp, cp=layout.cp, pp=layout.pp, moe=cfg.model.moe,
                                        float8=cfg.train.float8, loss_chunk_tokens=layout.loss_chunk_tokens))

@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from scaletrain.config import effective_window, float16_problems
+from scaletrain.config import effective_window, float16_problems, float8_problem
 from scaletrain.errors import UserError
 from scaletrain.model.flops import block_train_flops_per_token, moe_layers, mtp_train_flops_per_token
 from scaletrain.parallel.layout import ends_light_blocks, stage_blocks, stage_ids
@@ -186,7 +186,10 @@ def layout_dtype(cfg: Any, layout: PlanLayout, device: Device, dtype: str, float
     bfloat16 is float16 ("fp16": timed at the catalog's 16-bit peak, its residual stream float32
     between blocks), whose loss scaling reaches data-parallel layouts of a dense model only
     (config.float16_problems): elsewhere auto computes in float32 ("fp32") and float16 is
-    refused (None). `float8`: train.float8, which float16 does not reach either."""
+    refused (None). `float8`: train.float8, which float16 does not reach either, nor tensor
+    parallelism (config.float8_problem: refused, None)."""
+    if float8 and float8_problem(True, device.name, layout.tp) is not None:
+        return None
     if dtype == "fp32" or (dtype == "bf16" and device.bf16):
         return dtype
     if float16_problems(tp=layout.tp, cp=layout.cp, pp=layout.pp, moe=bool(moe_layers(cfg)),

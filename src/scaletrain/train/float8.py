@@ -9,18 +9,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from scaletrain.config import ConfigError
+from scaletrain.config import ConfigError, float8_problem
 
 
 def check_float8(device: torch.device, tp: int) -> None:
     """Refuse, in one sentence, a float8 run this machine or layout cannot do."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        where = device.type if device.type != "cuda" else f"a GPU of compute capability {torch.cuda.get_device_capability(device)}"
-        raise ConfigError(f"train.float8 = true needs an NVIDIA GPU of compute capability 8.9 or newer (H100, H200, "
-                          f"L4, RTX 40xx); this run is on {where}: leave train.float8 false")
-    if tp > 1:
-        raise ConfigError("train.float8 = true is not supported with parallel.tp > 1 yet; use FSDP (parallel.dp_shard) "
-                          "for float8 runs or leave train.float8 false")
+    capable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    where = device.type if device.type != "cuda" else f"a GPU of compute capability {torch.cuda.get_device_capability(device)}"
+    if (problem := float8_problem(capable, where, tp)) is not None:
+        raise ConfigError(problem)
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
