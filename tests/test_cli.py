@@ -607,6 +607,10 @@ def test_argument_errors_name_what_is_wrong_alone(capsys):
         main(["train", tiny, "train.steps=2", "--bogus", "train.lr=1e-3"])
     err = " ".join(capsys.readouterr().err.split())
     assert err.endswith("scaletrain train: error: unrecognized arguments: --bogus"), err
+    with pytest.raises(SystemExit):  # (a command of a group: by its own parser too)
+        main(["data", "prepare", "builtin:python-stdlib", "--out", "nowhere", "--bogus"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.endswith("scaletrain data prepare: error: unrecognized arguments: --bogus"), err
 
 
 def test_values_out_of_range_are_refused_before_any_work(trained_run, stdlib_data, tmp_path, capsys):

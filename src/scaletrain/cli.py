@@ -2297,8 +2297,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if extra:
         unknown = [text for text in extra if not (hasattr(args, "overrides") and override.fullmatch(text))]
         if unknown:  # (said by the command's own parser, naming only what it does not know)
-            commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-            command = commands.choices.get(args.command, parser)
+            command = parser
+            for chosen in (args.command, getattr(args, "data_command", None)):  # (data prepare: two levels)
+                commands = [a for a in command._actions if isinstance(a, argparse._SubParsersAction)]
+                if commands and chosen in commands[0].choices:
+                    command = commands[0].choices[chosen]
             command.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.overrides = [*args.overrides, *extra]
     return args
