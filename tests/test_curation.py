@@ -223,6 +223,10 @@ def test_a_prepare_whose_curation_keeps_nothing_leaves_nothing(tmp_path):
     with pytest.raises(DataError, match="curation removed every document .*too_few_words.*; loosen the filters"):
         prepare([str(tmp_path / "short.jsonl")], tmp_path / "data", vocab_size=300, workers=1)
     assert not (tmp_path / "data").exists()  # (it made it: nothing to resume, nothing to keep)
+    (tmp_path / "given").mkdir()  # (an empty folder given: left as it was, with nothing in it)
+    with pytest.raises(DataError, match="curation removed every document"):
+        prepare([str(tmp_path / "short.jsonl")], tmp_path / "given", vocab_size=300, workers=1)
+    assert (tmp_path / "given").is_dir() and not any((tmp_path / "given").iterdir())
 
 
 def test_an_interrupted_prepare_resumes_from_its_finished_chunks(tmp_path):

@@ -240,9 +240,11 @@ def prepare(sources: list[str], out: str | Path, vocab_size: int, *, max_bytes: 
                 pool, files, (text_field, split), max_bytes, stats, settings, chunk_bytes, val_fraction, seed, work,
                 out, keep_rejects, given, vocab_size, progress, content_sha256, tokenizer_bytes if given else None,
                 tokenizer_sample, bos, (fim_rate, fim_spm_rate) if fim_rate else None)
-    except _NothingKept:
+    except _NothingKept:  # (nothing to resume, nothing for a later prepare to call unfinished)
         if created:
             shutil.rmtree(out, ignore_errors=True)
+        else:
+            clear_data_dir(out)  # (its own files alone; a data directory there before was cleared above)
         raise
 
     # Last, so that a directory without a manifest is never taken for a complete one.
