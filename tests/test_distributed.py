@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TRANSIENT, glitched, launch_runs, run_cli, run_with_retry, tiny_config
+from conftest import ROOT, glitched, launch_runs, run_cli, run_with_retry, tiny_config, transient
 from scaletrain.config import ConfigError, ParallelConfig
 from scaletrain.parallel.layout import check_layout, resolve_layout
 from scaletrain.plan.memory import rank_memory
@@ -522,7 +522,7 @@ def test_a_stop_signal_stops_every_rank_after_the_same_step_and_the_cli_resumes_
         if process.poll() is None or attempt == 2:
             break
         stdout, stderr = process.communicate()
-        if not any(word in stderr for word in TRANSIENT):
+        if not transient(stderr):
             break
         print("retrying the launch, which failed for a transient reason:\n" + stderr[-2000:])
     assert process.poll() is None and time.time() < deadline, "the run never got to step 3"
@@ -602,7 +602,7 @@ def test_a_terminal_closed_under_a_run_stops_it_with_a_checkpoint_unless_under_n
             status = _wait_for_exit(pid, 120)
         text = output.decode(errors="replace") + (
             (tmp_path / "nohup.out").read_text(errors="replace") if nohup else "")
-        if running or attempt == 2 or not any(word in text for word in TRANSIENT):
+        if running or attempt == 2 or not transient(text):
             break
         print("retrying the launch, which failed for a transient reason:\n" + text[-2000:])
     assert running, f"the run never got to step 3 (status {status}): {text[-3000:]}"
@@ -777,8 +777,6 @@ def test_a_schedule_with_the_wrong_number_of_stages_per_rank_is_refused():
 
 def test_a_launch_is_retried_for_a_network_failure_alone():
     """conftest.transient: what run_with_retry launches again."""
-    from conftest import transient
-
     reset = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer [127.0.0.1]:4321"
     retried = [f"[rank1] Traceback (most recent call last):\n[rank1] {reset}\n"
                "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n",

@@ -463,6 +463,11 @@ class TrainConfig(_Section):
     hang_timeout_s: float = Field(default=900.0, ge=0)
     """After the first step: seconds without a finished step, evaluation or checkpoint after which the process prints every thread's stack and exits with status 75, for the launcher to restart the job from its newest checkpoint (torchrun --max-restarts); 0 disables. Keep it above the slowest checkpoint save and evaluation."""
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the compile mode replays CUDA graphs (its cudagraph trees)."""
+        return self.compile and self.compile_mode in ("reduce-overhead", "max-autotune")
+
     @model_validator(mode="after")
     def _check_compile_mode(self) -> TrainConfig:
         if self.compile_mode != "default" and not self.compile:

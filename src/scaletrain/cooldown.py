@@ -20,7 +20,7 @@ import logging
 import math
 from pathlib import Path
 
-from scaletrain.config import ConfigError, RunConfig, load_config, run_config_file, validate_config
+from scaletrain.config import ConfigError, RunConfig, load_config, parse_override, run_config_file, validate_config
 from scaletrain.data.shards import read_index
 from scaletrain.train.checkpoint import check_complete, complete_checkpoints, step_of
 from scaletrain.train.schedule import DECAY_SHAPES, SCHEDULE_KEYS, run_lr, wsd_decay_start
@@ -79,8 +79,8 @@ def cooldown_config(run_dir: str | Path, step: int, steps: int, decay_shape: str
         owned = {"train.schedule": "--steps", "train.steps": "--steps", "train.tokens": "--steps",
                  "train.decay_fraction": "--steps", "train.decay_shape": "--decay-shape",
                  "checkpoint.resume": "--step", "checkpoint.init_from": "--step", "run.name": "--name"}
-        taken = sorted({key: flag for key, flag in owned.items()
-                        if any(o.split("=", 1)[0].strip() == key for o in overrides)}.items())
+        given = {".".join(parse_override(o)[0]) for o in overrides}
+        taken = sorted((key, flag) for key, flag in owned.items() if key in given)
         if taken:
             raise ConfigError(f"a cooldown sets {', '.join(key for key, _ in taken)} itself (its decay from the run's "
                               f"checkpoint); drop the override{'s' if len(taken) > 1 else ''} and give "

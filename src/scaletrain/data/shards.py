@@ -29,6 +29,7 @@ INDEX_VERSION = 1
 # A data directory's files beside its shards (`data prepare`'s, `data import`'s), the manifest
 # first: written last, removed first, so that a directory without it is never taken for finished.
 DATA_FILES = ("manifest.json", "index.json", "stats.json", "tokenizer.json")
+DATA_FOLDERS = ("shards", "work", "rejects")  # (the shards; a prepare's or import's work, and rejects)
 DEFAULT_SHARD_TOKENS = 1 << 28  # 256 Mi tokens: 512 MB of uint16 per shard
 
 
@@ -124,7 +125,7 @@ def refuse_foreign_files(out: Path, verb: str) -> None:
     def foreign(p: Path) -> bool:
         if p.name in DATA_FILES or p.name.startswith(".") or p.name == "lost+found":
             return False
-        return not (p.name in ("shards", "work", "rejects") and p.is_dir() and not any(p.iterdir()))
+        return not (p.name in DATA_FOLDERS and p.is_dir() and not any(p.iterdir()))
     others = sorted(p.name for p in out.iterdir() if foreign(p)) if out.is_dir() else []
     if others:
         raise DataError(f"output {str(out)!r} holds other files ({', '.join(others[:3])}"

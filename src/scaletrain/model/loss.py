@@ -33,6 +33,16 @@ from torch.distributed.tensor import DTensor, Replicate
 IGNORE = -100  # targets that mark padding: no loss, no gradient
 
 
+def training_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """What train.dtype = `choice` computes in on `device`: auto is bfloat16 on a GPU that has it,
+    float16 on one without, float32 elsewhere."""
+    if choice == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+    return getattr(torch, choice)
+
+
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype matmuls on `t` run in: autocast's where it is on, else t's own."""
     device = t.device.type

@@ -125,7 +125,7 @@ def check_layout(layout: Layout, cfg: RunConfig) -> None:
     """Refuse, before any process group starts, a layout that cannot split this model and batch
     evenly: each constraint in one sentence."""
     model, parallel, seq_len = cfg.model, cfg.parallel, cfg.data.seq_len
-    if cfg.train.compile_mode in ("reduce-overhead", "max-autotune") and layout.world_size > 1:
+    if cfg.train.cuda_graphs and layout.world_size > 1:
         raise ConfigError(f"train.compile_mode = {cfg.train.compile_mode!r} replays CUDA graphs, which one process "
                           f"can do but {layout.world_size} sharing parameters and collectives cannot; use 'default' or "
                           "'max-autotune-no-cudagraphs'")

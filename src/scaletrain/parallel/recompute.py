@@ -42,9 +42,9 @@ SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
 # replay as in the forward where the forward does not prefetch (parallel/fsdp.py sets none), as
 # tests/test_moe.py's ep 2 x tp 2 x FSDP 2 layout under selective recomputation checks. (The set is
 # torch.utils.checkpoint's, public since 2.5; should a torch lack it, nothing is added.)
-getattr(_checkpoint, "SAC_IGNORED_OPS", set()).update({torch.ops.profiler._record_function_enter.default,
-                                                       torch.ops.profiler._record_function_enter_new.default,
-                                                       torch.ops.profiler._record_function_exit._RecordFunction})
+_RECORD_FUNCTION_OPS = (torch.ops.profiler._record_function_enter.default,
+                        torch.ops.profiler._record_function_enter_new.default,
+                        torch.ops.profiler._record_function_exit._RecordFunction)
 
 
 # Under train.compile a dense block is compiled whole, its selective region traced with it, so the
@@ -69,6 +69,7 @@ def apply_recompute(model: nn.Module, mode: str) -> None:
     if mode == "full":
         wrap = checkpoint_wrapper
     elif mode == "selective":
+        getattr(_checkpoint, "SAC_IGNORED_OPS", set()).update(_RECORD_FUNCTION_OPS)  # (above: why)
         wrap = partial(checkpoint_wrapper, context_fn=partial(create_selective_checkpoint_contexts, _policy))
     else:
         raise ValueError(f"recompute mode {mode!r}; valid: none, selective, full")

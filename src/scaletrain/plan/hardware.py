@@ -264,16 +264,17 @@ def device_from_dict(data: dict, base: Device | None = None) -> Device:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"device field gpus_per_node = {count!r} must be a whole number of at least 1")
         fields["gpus_per_node"] = count
+    known_as = identify(str(data["name"])) if "name" in data else None
     if "name" in data:
         fields["name"] = str(data["name"])
-        if (known_as := identify(fields["name"])) is not None:  # (a V100, T4 or A100 described by hand)
-            fields.update(bf16=known_as not in _NO_BF16, float8=known_as not in _NO_FLOAT8)  # (unless given: below)
+    if known_as is not None:  # (a V100, T4 or A100 described by hand: the catalog's flags, unless given below)
+        fields.update(bf16=DEVICES[known_as].bf16, float8=DEVICES[known_as].float8)
     for flag, what in (("bf16", "computes in bfloat16"), ("float8", "trains in float8, from compute capability 8.9")):
         if flag in data:
             if not isinstance(data[flag], bool):
                 raise ValueError(f"device field {flag} = {data[flag]!r} must be true or false (whether it {what})")
             fields[flag] = data[flag]
-    if data.get("bf16") is False and "float8" not in data and identify(str(data.get("name", ""))) is None:
+    if data.get("bf16") is False and "float8" not in data and known_as is None:
         fields["float8"] = False  # (a device without bfloat16 predates float8 matmuls)
     if not fields.get("bf16", True) and "fp32" not in fields.get("peak", {}):
         raise ValueError("a device without bf16 needs an fp32 entry in peak_tflops: layouts float16's loss scaling "

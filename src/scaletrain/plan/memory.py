@@ -138,7 +138,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from scaletrain.config import effective_window
-from scaletrain.model.flops import moe_layers, param_counts
+from scaletrain.model.flops import attention_linear_params, moe_layers, param_counts
 from scaletrain.parallel.layout import V_SHAPED, stage_blocks, stage_ids, stage_layers
 
 
@@ -245,7 +245,7 @@ def _block_weights(cfg: Any, ep: int = 1) -> tuple[float, float]:
     """The matmul weights that autocast or FSDP's gather turns into bf16 copies, of all blocks
     and of the largest: every expert (1/ep of them under expert parallelism, each rank
     gathering its own), not the router (float32)."""
-    attention = 2 * cfg.dim * (cfg.n_heads + cfg.kv_heads) * cfg.head_dim
+    attention = attention_linear_params(cfg)
     sparse = moe_layers(cfg)
     dense = attention + 3 * cfg.dim * cfg.hidden_dim
     if not sparse:

@@ -315,12 +315,13 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
                          + (1 + depths) * cfg.vocab / lay.tp * (act_bytes + 12) / bandwidth) if last else 0.0
         recompute = {"none": 0.0, "selective": blocks_elementwise / 3,
                      "full": (blocks_matmul + blocks_elementwise) / 3}[lay.recompute]
-        if lay.recompute == "selective" and moe_layers(own):
+        mixtures = moe_layers(own) * layers / cfg.n_layers  # (the rank's mixture blocks)
+        if lay.recompute == "selective" and mixtures:
             # A mixture block compiles its attention alone, inside the block's eager selective
             # region, where inductor's matmuls run as out= variants the policy cannot keep: the
-            # attention's projections are computed again (parallel/recompute.py).
-            share = moe_layers(own) * layers / cfg.n_layers  # (the rank's mixture blocks)
-            recompute += tokens * share * 2 * attention_linear_params(own) / lay.tp / peak
+            # attention's projections are computed again (parallel/recompute.py; under train.compile,
+            # which planned configs set).
+            recompute += tokens * mixtures * 2 * attention_linear_params(own) / lay.tp / peak
         forward = (blocks_matmul + blocks_elementwise + head) / 3
         backward = 2 * forward + recompute
         # -- communication inside the micro-batch -------------------------------------------------
@@ -339,8 +340,8 @@ def step_time(cfg: Any, seq_len: int, global_batch: int, layout: PlanLayout, dev
         # over the ep x tp ranks the experts split over (a tp rank routes its part of the sequences).
         ep_time = 0.0
         split = lay.ep * lay.tp
-        if split > 1 and moe_layers(own):
-            all_to_alls = moe_layers(own) * layers / cfg.n_layers * (6 if again else 4)
+        if split > 1 and mixtures:
+            all_to_alls = mixtures * (6 if again else 4)
             ep_time = all_to_alls * ((split - 1) / split * routed / ep_bw + efficiency.latency)
         return forward, backward, recompute, tp_time, cp_time, ep_time, sends
 

@@ -14,8 +14,9 @@ from scaletrain.config import ConfigError, float8_problem
 
 def check_float8(device: torch.device, tp: int) -> None:
     """Refuse, in one sentence, a float8 run this machine or layout cannot do."""
-    capable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-    where = device.type if device.type != "cuda" else f"a GPU of compute capability {torch.cuda.get_device_capability(device)}"
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    capable = capability is not None and capability >= (8, 9)
+    where = device.type if capability is None else f"a GPU of compute capability {capability}"
     if (problem := float8_problem(capable, where, tp)) is not None:
         raise ConfigError(problem)
     try:

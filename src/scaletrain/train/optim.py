@@ -38,6 +38,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from scaletrain.model.loss import training_dtype
+
 # Jordan et al. 2024: the quintic's coefficients and iteration count.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -189,8 +191,6 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, *, weight_decay: float
 
 def orthogonalise_dtype(device_type: str) -> torch.dtype:
     """The dtype orthogonalise computes in on devices of `device_type`: train.dtype = auto's."""
-    from scaletrain.train.trainer import training_dtype  # (the trainer imports this module)
-
     return training_dtype("auto", torch.device(device_type))
 
 

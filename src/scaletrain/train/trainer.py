@@ -32,7 +32,7 @@ from scaletrain.data.shards import DataError, read_index, read_indexes
 from scaletrain.hf import load_hf_weights
 from scaletrain.model.flops import param_counts, train_flops_per_token
 from scaletrain.model.llama import FLEX_DEVICES, Transformer, document_ids, shifted_targets
-from scaletrain.model.loss import Tally, cross_entropy, target_log_probs
+from scaletrain.model.loss import Tally, cross_entropy, target_log_probs, training_dtype
 from scaletrain.parallel.apply import parallelize
 from scaletrain.parallel.context import shard_sequence
 from scaletrain.parallel.layout import check_layout, resolve_layout
@@ -199,16 +199,6 @@ def pick_device(choice: str) -> torch.device:
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(choice)
-
-
-def training_dtype(choice: str, device: torch.device) -> torch.dtype:
-    """What train.dtype = `choice` computes in on `device`: auto is bfloat16 on a GPU that has it,
-    float16 on one without, float32 elsewhere."""
-    if choice == "auto":
-        if device.type != "cuda":
-            return torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
-    return getattr(torch, choice)
 
 
 def float16_problems(cfg: RunConfig, layout) -> list[str]:
@@ -893,7 +883,7 @@ class Trainer:
         an overflow: skipped too, the loss scale halved, and only a scale fallen below 1 is
         remembered so."""
         cfg = self.cfg.train
-        if cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune") and self.device.type == "cuda":
+        if cfg.cuda_graphs and self.device.type == "cuda":
             # CUDA graphs (these modes' cudagraph trees): a new step begins, so the graphs may
             # reuse the memory of the last step's outputs, which nothing reads any more.
             torch.compiler.cudagraph_mark_step_begin()
