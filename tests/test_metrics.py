@@ -1,6 +1,9 @@
 """metrics.jsonl reads as one history across resumes, restarts and torn writes."""
 
 import json
+import math
+
+import pytest
 
 from scaletrain.train.metrics import MetricsLog, read_metrics
 
@@ -80,3 +83,27 @@ def test_a_record_of_the_wrong_shape_is_left_out_with_a_warning(tmp_path, caplog
     assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
         "7 line(s) are not records this project writes (not JSON, a field missing or of another type); they were "
         "left out"]
+
+
+def test_values_that_are_not_finite_are_strict_json_and_read_back(tmp_path):
+    """A diverged step's loss (NaN) and an infinite gradient norm are written as null, named under
+    "nonfinite", so that strict readers (jq, JavaScript, Go) take every line; read_metrics gives
+    the floats back, nested ones too. A file of an earlier version, with bare NaN, still reads."""
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path)
+    log.write("start", 0, 0)
+    log.write("train", 1, 10, loss=float("nan"), grad_norm=float("inf"), lr=1e-3)
+    log.write("eval", 1, 10, loss=2.0, loss_by_source={"code": float("-inf"), "web": 2.5})
+    log.close()
+    for line in path.read_text().splitlines():
+        json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} is not strict JSON: {line}"))
+    train = json.loads(path.read_text().splitlines()[1])
+    assert train["loss"] is None and train["grad_norm"] is None and train["lr"] == 1e-3
+    assert sorted(train["nonfinite"]) == [["grad_norm", "Infinity"], ["loss", "NaN"]]
+    (record,) = read_metrics(tmp_path, "train")
+    assert math.isnan(record["loss"]) and record["grad_norm"] == math.inf and "nonfinite" not in record
+    (evaluation,) = read_metrics(tmp_path, "eval")
+    assert evaluation["loss_by_source"] == {"code": -math.inf, "web": 2.5} and evaluation["loss"] == 2.0
+    with open(path, "a") as f:
+        f.write('{"kind": "train", "step": 2, "tokens": 20, "time": 1.0, "loss": NaN}\n')
+    assert math.isnan(read_metrics(tmp_path, "train")[-1]["loss"])

@@ -1571,6 +1571,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
     from scaletrain.evaluate import evaluate_run, is_sweep, weights_to_evaluate
+    from scaletrain.train.metrics import json_line
 
     if args.every and args.step:
         raise UserError("give --step K (one or more) or --all, not both")
@@ -1598,7 +1599,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             if len(records) == 1:  # (replaced once there is something to write: a refusal leaves it as it was)
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             with open(args.out, "w" if len(records) == 1 else "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json_line(record) + "\n")
     if not main_rank:
         return 0
     if not records:  # (every checkpoint chosen was pruned while it was read)

@@ -10,6 +10,11 @@ sent the run back to a checkpoint) supersedes the records past its step alike; T
 told to drop them too (purge_step). Weights & Biases keeps the first value logged at a step:
 after a resume it keeps the interrupted invocation's records (the same losses, resume being
 exact; only timings differ), after a rewind the diverged steps' records, not the retrained ones.
+
+The file is strict JSON, which every reader takes (jq, JavaScript, Go, pandas): a value that is
+not finite (a diverged step's loss, an infinite gradient norm) is written as null, and the
+record lists it under "nonfinite" as [key, ..., "NaN" | "Infinity" | "-Infinity"];
+`read_metrics` gives the floats back.
 """
 
 from __future__ import annotations
@@ -95,6 +100,44 @@ class WandbSink:
         self.run.finish()
 
 
+NONFINITE = "nonfinite"
+
+
+def json_line(record: dict) -> str:
+    """One line of strict JSON: non-finite floats as null, named under NONFINITE (module doc)."""
+    found: list[list] = []
+
+    def finite(value, path):
+        if isinstance(value, float) and not math.isfinite(value):
+            found.append([*path, "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"])
+            return None
+        if isinstance(value, dict):
+            return {key: finite(item, (*path, key)) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(item, (*path, i)) for i, item in enumerate(value)]
+        return value
+
+    record = finite(record, ())
+    if found:
+        record[NONFINITE] = found
+    return json.dumps(record, allow_nan=False)
+
+
+def _restore_nonfinite(record: dict) -> dict:
+    """json_line's inverse: the floats a record names under NONFINITE, back in their places."""
+    for *path, value in record.pop(NONFINITE, None) or ():
+        try:
+            *parents, last = path
+            place = record
+            for key in parents:
+                place = place[key]
+            if place[last] is None:
+                place[last] = float(value.lower().replace("infinity", "inf"))
+        except (LookupError, TypeError, ValueError, AttributeError):
+            continue  # (edited by hand: what cannot be put back stays null)
+    return record
+
+
 class MetricsLog:
     def __init__(self, path: Path, enabled: bool = True, sinks: list | None = None):
         """enabled=False (ranks other than 0) builds records but writes nothing. sinks: trackers
@@ -115,7 +158,7 @@ class MetricsLog:
     def write(self, kind: str, step: int, tokens: int, **values) -> dict:
         record = {"kind": kind, "step": step, "tokens": tokens, "time": round(time.time(), 3), **values}
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json_line(record) + "\n")
             self._file.flush()
         for sink in self.sinks:
             sink.record(record)
@@ -131,7 +174,7 @@ class MetricsLog:
         record = {"kind": kind, "step": step, "tokens": tokens, "time": round(time.time(), 3), **values}
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, (json.dumps(record) + "\n").encode())
+            os.write(fd, (json_line(record) + "\n").encode())
         finally:
             os.close(fd)
         return record
@@ -240,6 +283,7 @@ def read_metrics(run_dir: str | Path, kind: str | None = None, superseded: bool 
         if not _sound(record):  # (edited by hand, or written by something else)
             damaged += 1
             continue
+        _restore_nonfinite(record)
         if record["kind"] == "start":  # a new run in this directory: the earlier one's records go
             records = []
         elif record["kind"] in ("resume", "rewind") and not superseded:
