@@ -174,6 +174,16 @@ def test_attention_within_documents_saves_one_mask_for_all_blocks(bf16, monkeypa
     measured = saved_bytes(Transformer(mixed), tokens, bf16, documents=document_ids(tokens, 511))
     assert training_memory(mixed, seq, batch, bf16=bf16, cuda=False).activations == pytest.approx(measured, rel=0.01)
     assert measured > saved_bytes(model, tokens, bf16, documents=document_ids(tokens, 511)) + batch * seq * seq
+    # A pipeline rank builds the masks its own blocks take (model/llama.py's attention_masks): one
+    # where its blocks are all windowed or all whole, where a count for the whole model says two.
+    for held in (0, 1):
+        stage = Transformer(mixed)
+        for name in [name for name in stage.layers if name != str(held)]:
+            del stage.layers[name]
+        measured = saved_bytes(stage, tokens, bf16, documents=document_ids(tokens, 511))
+        own = dict(blocks=1, cuda=False, bf16=bf16)
+        assert rank_memory(mixed, seq, batch, layers=[held], **own).activations == pytest.approx(measured, rel=0.01)
+        assert rank_memory(mixed, seq, batch, **own).activations > measured + batch * seq * seq
     spanning = mixed.model_copy(update={"sliding_window": seq})  # (one mask, the documents', for every block)
     measured = saved_bytes(Transformer(spanning), tokens, bf16, documents=document_ids(tokens, 511))
     assert training_memory(spanning, seq, batch, bf16=bf16, cuda=False).activations == pytest.approx(measured, rel=0.01)

@@ -74,7 +74,7 @@ additive mask per micro-batch, shared by the blocks, of each local query over th
 sequence's keys: T bytes per local token in the compute dtype's size, 2T in bf16, 4T in float32;
 a sliding window shorter than the sequence (model.sliding_window) one such mask of a sequence,
 shared by the micro-batch's sequences too (with model.full_attention_layers and documents, the
-documents' mask beside the window's: two). With model.attention_kernel = "flex" on CUDA (no
+documents' mask beside the window's: two, on a pipeline rank that holds blocks of both kinds). With model.attention_kernel = "flex" on CUDA (no
 context parallelism) there is no such mask, nor repeated heads: FlexAttention's block mask is
 a few bytes a block of 128 x 128 scores, and it takes grouped heads as they are.
 On CUDA, whose masked kernel takes no grouped heads, its keys and values are repeated to every
@@ -350,8 +350,8 @@ def pipeline_ranks(cfg: Any, pp: int, micro_steps: int, schedule: str, stages_pe
         # (GPipe and breadth-first looping keep every micro-batch's loss until its backward; under
         # a V rank 0 runs the last stage, whose loss's backward follows at once)
         losses = (count if schedule in ALL_IN_FLIGHT else 1) if last else 0
-        out.append((mixture_share(cfg, held), dict(blocks=len(held), in_flight=count, losses=losses, embedding=first, head=last,
-                                   embedding_copy=copy and last)))
+        out.append((mixture_share(cfg, held), dict(blocks=len(held), layers=held, in_flight=count, losses=losses,
+                                                   embedding=first, head=last, embedding_copy=copy and last)))
     return out
 
 
@@ -375,7 +375,7 @@ class _MixtureShare:
 def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 1, bf16: bool = True,
                 recompute: str = "none", fsdp: int = 1, tp: int = 1, cp: int = 1, loss_chunk_tokens: int = 0,
                 pp: int = 1, in_flight: float = 1, losses: float = 1, embedding: bool = True,
-                head: bool = True, ep: int = 1, optimizer: str = "adamw", ema: bool = False,
+                head: bool = True, layers: Sequence[int] | None = None, ep: int = 1, optimizer: str = "adamw", ema: bool = False,
                 embedding_copy: bool = False, cuda: bool = True, blocks: float | None = None,
                 gather_dtype: str | None = None) -> MemoryEstimate:
     """One rank's bytes (arguments as training_memory's): `blocks` blocks (L/pp unless given), the embedding and the
@@ -383,7 +383,8 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     micro-batches of its blocks and, with the head, of `losses` micro-batches' loss.
     embedding: the rank holds the embedding (the first pipeline stage's, which its optimizer
     steps); embedding_copy: it holds the last pipeline stage's copy of it too (parallel/pipeline.py):
-    its weights and gradient, no optimizer state."""
+    its weights and gradient, no optimizer state. layers: the indices of the rank's blocks (a
+    pipeline rank's), which tell what attention masks it builds; None: every kind in proportion."""
     counts = param_counts(cfg)
     held = cfg.n_layers / pp if blocks is None else blocks
     share = held / cfg.n_layers  # of the model's blocks
@@ -443,17 +444,24 @@ def rank_memory(cfg: Any, seq_len: int, micro_batch: int, *, micro_steps: int = 
     window = getattr(cfg, "sliding_window", None)
     windowed = effective_window(window, seq_len) is not None
     documents = getattr(cfg, "document_mask", False)
-    full = len(getattr(cfg, "full_attention_layers", None) or ()) if windowed else 0  # (blocks without the window)
+    unwindowed = set(getattr(cfg, "full_attention_layers", None) or ()) if windowed else set()  # (blocks without it)
+    full = len(unwindowed)
+    if layers is None:  # the rank's blocks without the window, in the model's proportion; masks of every kind
+        held_full, kinds = held * full / cfg.n_layers, {i in unwindowed for i in range(cfg.n_layers)}
+    else:  # the masks its own blocks take (multi-token prediction's depths attend as the last block)
+        held_full = sum(i in unwindowed for i in layers)
+        kinds = {i in unwindowed for i in [*layers, *([cfg.n_layers - 1] if head and _mtp(cfg) else [])]}
     masked = documents or windowed
     if masked and cuda and cp == 1 and getattr(cfg, "attention_kernel", "sdpa") == "flex":
         masked = False  # (FlexAttention's block mask: a few bytes a block of 128 x 128 scores; grouped heads kept)
     if masked:  # one bias for all blocks: (batch, 1, T / cp, T) within documents, (1, 1, T, T) a sliding window's
         rows = tokens if documents else tokens / micro_batch
-        # (With full_attention_layers and documents, two: the window's and the documents' alone.)
-        masks = int(windowed and full < cfg.n_layers) + int(documents and (not windowed or full > 0))
+        # (With full_attention_layers and documents, two where the rank has blocks of both kinds: the
+        # window's and the documents' alone; model/llama.py's attention_masks.)
+        masks = int(windowed and False in kinds) + int(documents and (not windowed or True in kinds))
         activations += round(masks * in_flight * rows * seq_len * (2 if bf16 else 4))
     if masked and cuda and cfg.kv_heads < cfg.n_heads and recompute == "none":
-        held_masked = held if documents else held * (cfg.n_layers - full) / cfg.n_layers  # (causal blocks: flash's)
+        held_masked = held if documents else held - held_full  # (causal blocks: flash's)
         # On CUDA the masked kernel is given keys and values repeated to every query head, and saves
         # those: 4d a token in place of 4k (bf16), and under cp each of a rank's two query chunks its
         # own copy of the keys up to its end, (2 cp + 1) chunks of keys for 2 of queries.
