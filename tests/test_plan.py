@@ -770,7 +770,8 @@ def test_plan_refuses_bad_input_in_one_sentence(tmp_path, capsys):
         cases.append((["plan", "--compute", "1e21", "--law", str(tmp_path / f"sweep{i}" / "law.json")],
                       f"(ValueError: approach3.{name} is {value!r}, not a finite number"))
     cases.append((["plan", "--compute", "1e21", "--law", str(tmp_path / "sweep0")],
-                  f"is a directory; give the law.json in it ({str(tmp_path / 'sweep0' / 'law.json')!r})"))
+                  f"is a directory; give a law.json written by `scaletrain fit`: the one in it, "
+                  f"{str(tmp_path / 'sweep0' / 'law.json')!r}"))
     for i, (text, message) in enumerate([('{"memory_gb": -1}', "memory_gb = -1 must be a positive number"),
                                          ('{"peak_tflops": 400}', "must map dtypes to TFLOP/s"),
                                          ('{"watts": "500"}', "watts = '500' must be a positive number"),

@@ -22,7 +22,7 @@ from rich.table import Table
 from scaletrain import torchrun
 from scaletrain.errors import Stopped, UserError
 from scaletrain.hangup import Console
-from scaletrain.outputs import check_output_dir, check_output_file, plot_suffixes
+from scaletrain.outputs import WRITTEN_BY, check_output_dir, check_output_file, check_written_config, plot_suffixes
 
 # Piped output (CI logs, files) gets wide lines instead of Rich's 80-column default.
 # (a reader gone, a broken pipe, is a hang-up: a run stops on it with a checkpoint; hangup.py)
@@ -315,62 +315,12 @@ def _num(value: float | None) -> str:
 # -- launch -------------------------------------------------------------------------------
 
 
-# The first line of the configs plan and tune write, by which they know their own: an earlier
-# output of theirs may be replaced, anything else not (launch's job files: launch.WRITTEN).
-WRITTEN_BY = {"plan": "# written by scaletrain plan", "tune": "# written by scaletrain tune"}
-
-
-def _refusal_to_replace(path: Path, command: str) -> str | None:
-    """Why `command` may not replace the existing file `path`, or None where it is the command's
-    own earlier output, unchanged for plan (its text is the plan's config beside it)."""
-    import json
-
-    from scaletrain.launch import WRITTEN, WRITTEN_KEY
-
-    text = path.read_text(errors="replace")
-    lines = text.splitlines()
-    if command == "launch":
-        try:
-            items = json.loads(text).get("items", [])
-            ours = any(item.get("metadata", {}).get("annotations", {}).get(WRITTEN_KEY) == "launch" for item in items)
-        except (ValueError, AttributeError):
-            ours = WRITTEN in lines[:2]
-    else:
-        ours = lines[:1] == [WRITTEN_BY[command]]
-    if not ours:
-        return f"exists and was not written by scaletrain {command}, which would replace it"
-    if command == "plan":
-        beside = path.with_suffix(".plan.json")
-        try:
-            planned = json.loads(beside.read_text()).get("config")
-        except (OSError, ValueError, AttributeError):
-            planned = None
-        if [planned] != text.split("\n", 1)[1:]:  # (the config after its first line)
-            return f"was written by scaletrain plan and changed since (or its {beside.name} was), which would be lost"
-    return None
-
-
-def _check_written_config(path: str | None, flag: str, source: str | None, command: str,
-                          suffixes: tuple[str, ...] = ("toml",)) -> None:
-    """Refuse, before any work, a file written from a config that cannot be (check_output_file's
-    reasons, a name not ending in one of `suffixes`), that is the config read (`source`), or that
-    exists and is not an earlier output of `command` (_refusal_to_replace), which it would replace."""
-
-    check_output_file(path, flag, suffixes)
-    if path is None:
-        return
-    if source is not None and Path(path).resolve() == Path(source).resolve():
-        raise UserError(f"{flag} {path!r} is the config given, which it would write over; give another file name")
-    if Path(path).is_file() and (why := _refusal_to_replace(Path(path), command)) is not None:
-        raise UserError(f"{flag} {path!r} {why}; give a new file name, or remove it")
-
-
 def cmd_launch(args: argparse.Namespace) -> int:
     from scaletrain.config import load_config
     from scaletrain.launch import k8s_manifest, slurm_script
 
     cfg = load_config(args.config, args.overrides)
-    _check_written_config(args.out, "--out", args.config, "launch",
+    check_written_config(args.out, "--out", args.config, "launch",
                           ("sh", "sbatch", "slurm") if args.launcher == "slurm" else ("json", "yaml", "yml"))
     if (args.image is not None or args.volume is not None) and args.launcher == "slurm":
         raise UserError("--image and --volume describe the containers of a Kubernetes job; a Slurm script runs the "
@@ -403,8 +353,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _hardware(args: argparse.Namespace):
-    import json
-
     from scaletrain.plan.cost import Prices, Reliability
     from scaletrain.plan.hardware import device, device_from_dict
     from scaletrain.plan.planner import Hardware
@@ -412,13 +360,8 @@ def _hardware(args: argparse.Namespace):
     try:
         spec = device(args.gpu)
         if args.hardware:
-            path = Path(args.hardware)
-            if not path.is_file():
-                raise UserError(f"--hardware {args.hardware!r} does not exist; give a JSON file describing the device")
-            try:
-                spec = device_from_dict(json.loads(path.read_text()), base=spec)
-            except json.JSONDecodeError as e:
-                raise UserError(f"--hardware {args.hardware!r} is not valid JSON: {e}") from None
+            spec = device_from_dict(_json_file(args.hardware, "--hardware", "a JSON file describing the device"),
+                                    base=spec)
         if args.inter_node_gbps is not None:
             spec = device_from_dict({"inter_node_gbs": args.inter_node_gbps / 8}, base=spec)
     except ValueError as e:
@@ -444,10 +387,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if sum(modes) > 1:
         raise UserError("give one of a config FILE, --compute C, --hours H or --params N with --tokens D: they are "
                         "ways of saying what to plan, not settings of one plan")
-    _check_written_config(args.write_config, "--write-config", args.config, "plan")
+    check_written_config(args.write_config, "--write-config", args.config, "plan")
     beside = Path(args.write_config).with_suffix(".plan.json") if args.write_config else None
     if beside is not None and beside.is_file() and not Path(args.write_config).is_file():
-        # (beside plan's own config, _check_written_config has checked it with the config)
+        # (beside plan's own config, check_written_config has checked it with the config)
         raise UserError(f"--write-config {args.write_config!r} writes its plan to {str(beside)!r}, which exists "
                         "without the config it was planned with; give another file name, or remove it")
     if sum(modes) != 1:
@@ -612,22 +555,31 @@ def _law_warnings(doc: dict, plan: dict) -> list[str]:
     return warnings
 
 
-def _law_file(path: str) -> tuple[dict, object, list]:
-    """(the law.json document, its approach-3 law, its bootstrap laws), or a UserError in one line."""
+def _json_file(path: str, flag: str, wanted: str, inside: str | None = None):
+    """The JSON document in the file `flag` names, or a UserError in one line saying what is wrong
+    and to give `wanted` (and, where `path` is a directory holding a file named `inside`, that one)."""
     import json
-
-    from scaletrain.scaling.fit import bootstrap_laws, law_of
 
     file = Path(path)
     if file.is_dir():
-        inside = f" ({str(file / 'law.json')!r})" if (file / "law.json").is_file() else ""
-        raise UserError(f"--law {path!r} is a directory; give the law.json in it{inside} written by `scaletrain fit`")
+        hint = f": the one in it, {str(file / inside)!r}" if inside and (file / inside).is_file() else ""
+        raise UserError(f"{flag} {path!r} is a directory; give {wanted}{hint}")
     if not file.is_file():
-        raise UserError(f"--law {path!r} does not exist; give a law.json written by `scaletrain fit`")
+        raise UserError(f"{flag} {path!r} does not exist; give {wanted}")
     try:
-        doc = json.loads(file.read_text())
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as e:  # (UnicodeDecodeError is a ValueError)
+        raise UserError(f"{flag} {path!r} is not valid JSON ({e}); give {wanted}") from None
+
+
+def _law_file(path: str) -> tuple[dict, object, list]:
+    """(the law.json document, its approach-3 law, its bootstrap laws), or a UserError in one line."""
+    from scaletrain.scaling.fit import bootstrap_laws, law_of
+
+    doc = _json_file(path, "--law", "a law.json written by `scaletrain fit`", inside="law.json")
+    try:
         return doc, law_of(doc), bootstrap_laws(doc)
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         why = f"it has no {e.args[0]!r}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
         raise UserError(f"--law {path!r} is not a law.json written by `scaletrain fit` ({why})") from None
 
@@ -1147,7 +1099,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     proxy = proxy_data(cfg)["model"]  # a config muP cannot narrow is refused before anything trains
     lrs = args.lrs or list(DEFAULT_LRS)
-    _check_written_config(args.write_config, "--write-config", args.config, "tune")  # (before training: not after it)
+    check_written_config(args.write_config, "--write-config", args.config, "tune")  # (before training: not after it)
     out_dir = Path(args.out) if args.out else Path("runs") / f"{cfg.run.name}-tune"
     shape = f"width {proxy['dim']}, {proxy['n_layers']} blocks"
     at_once = f", {args.concurrency} at a time" if args.concurrency > 1 else ""
@@ -1568,8 +1520,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import json
-
     from scaletrain.evaluate import evaluate_run, is_sweep, weights_to_evaluate
     from scaletrain.train.metrics import json_line
 
@@ -1688,8 +1638,6 @@ def eval_table(run_dir: str, records: list[dict]) -> Table:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    import json
-
     from scaletrain.plan.planner import PLANNED
     from scaletrain.report.goodput import wall_line
     from scaletrain.report.run import branch_line, by_source_line, noise_line, run_report
@@ -1697,14 +1645,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     law = _law_file(args.law)[0] if args.law else None
     plan = None
     if args.plan:
-        if not Path(args.plan).is_file():
-            what = "is a directory" if Path(args.plan).is_dir() else "does not exist"
-            raise UserError(f"--plan {args.plan!r} {what}; give the .plan.json that `scaletrain plan --write-config` "
-                            "wrote beside the config")
-        try:
-            plan = json.loads(open(args.plan).read())
-        except (OSError, ValueError) as e:
-            raise UserError(f"--plan {args.plan!r} is not the JSON of `scaletrain plan` ({e})") from None
+        plan = _json_file(args.plan, "--plan", "the .plan.json that `scaletrain plan --write-config` wrote beside "
+                                               "the config")
     summary = run_report(args.run_dir, law, plan)
     table = Table(title=f"run: {summary['run']}")
     table.add_column("")

@@ -130,3 +130,50 @@ def plot_suffixes() -> tuple[str, ...]:
     from matplotlib.backend_bases import FigureCanvasBase
 
     return tuple(sorted(FigureCanvasBase.get_supported_filetypes()))
+
+
+# The first line of the configs plan and tune write, by which they know their own: an earlier
+# output of theirs may be replaced, anything else not (launch's job files: launch.WRITTEN).
+WRITTEN_BY = {"plan": "# written by scaletrain plan", "tune": "# written by scaletrain tune"}
+
+
+def _refusal_to_replace(path: Path, command: str) -> str | None:
+    """Why `command` may not replace the existing file `path`, or None where it is the command's
+    own earlier output, unchanged for plan (its text is the plan's config beside it)."""
+    from scaletrain.launch import WRITTEN, WRITTEN_KEY
+
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    if command == "launch":
+        try:
+            items = json.loads(text).get("items", [])
+            ours = any(item.get("metadata", {}).get("annotations", {}).get(WRITTEN_KEY) == "launch" for item in items)
+        except (ValueError, AttributeError):
+            ours = WRITTEN in lines[:2]
+    else:
+        ours = lines[:1] == [WRITTEN_BY[command]]
+    if not ours:
+        return f"exists and was not written by scaletrain {command}, which would replace it"
+    if command == "plan":
+        beside = path.with_suffix(".plan.json")
+        try:
+            planned = json.loads(beside.read_text()).get("config")
+        except (OSError, ValueError, AttributeError):
+            planned = None
+        if [planned] != text.split("\n", 1)[1:]:  # (the config after its first line)
+            return f"was written by scaletrain plan and changed since (or its {beside.name} was), which would be lost"
+    return None
+
+
+def check_written_config(path: str | None, flag: str, source: str | None, command: str,
+                          suffixes: tuple[str, ...] = ("toml",)) -> None:
+    """Refuse, before any work, a file written from a config that cannot be (check_output_file's
+    reasons, a name not ending in one of `suffixes`), that is the config read (`source`), or that
+    exists and is not an earlier output of `command` (_refusal_to_replace), which it would replace."""
+    check_output_file(path, flag, suffixes)
+    if path is None:
+        return
+    if source is not None and Path(path).resolve() == Path(source).resolve():
+        raise UserError(f"{flag} {path!r} is the config given, which it would write over; give another file name")
+    if Path(path).is_file() and (why := _refusal_to_replace(Path(path), command)) is not None:
+        raise UserError(f"{flag} {path!r} {why}; give a new file name, or remove it")
