@@ -233,6 +233,10 @@ def test_published_laws_carry_their_provenance_and_predict():
     assert "Hoffmann" in preset("hoffmann").source and "Epoch" in preset("epoch").source
     kaplan = preset("kaplan")
     assert isinstance(kaplan, KaplanLaw) and kaplan.loss(1e9, 1e10) > kaplan.loss(1e10, 1e11) > 0
+    # Their table 2's joint fit (α_N 0.076, α_D 0.103, N_c 6.4e13, D_c 1.8e13), worked by hand:
+    # (64,000^0.738 + 900)^0.103 = (3,521 + 900)^0.103 = 2.374; and without a limit on N, (D_c / D)^α_D.
+    assert kaplan.loss(1e9, 2e10) == pytest.approx(2.374, abs=1e-3)
+    assert kaplan.loss(1e30, 1.8e14) == pytest.approx(0.1 ** 0.103, rel=1e-6)
     with pytest.raises(ValueError, match="choose one of hoffmann, epoch, kaplan"):
         preset("gpt")
     boot = [ChinchillaLaw(E=1.7 + 0.01 * i, A=400.0, B=1500.0, alpha=0.34, beta=0.37) for i in range(-5, 6)]

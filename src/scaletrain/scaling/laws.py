@@ -59,13 +59,15 @@ def _exp(x: float) -> float:
 @dataclass(frozen=True)
 class KaplanLaw:
     """L(N, D) = [(N_c / N)^(α_N / α_D) + D_c / D]^α_D (Kaplan et al. 2020, "Scaling Laws for
-    Neural Language Models", eq. 1.5), N counting non-embedding parameters, losses in nats on
-    WebText2 with GPT-2's tokenizer; compute-optimal N ∝ C^0.73 (their section 6)."""
+    Neural Language Models", eq. 1.5) with its joint fit's constants (their table 2; eqs. 1.1 and
+    1.2's N_c 8.8e13, D_c 5.4e13, α_D 0.095 are the single-variable laws'), N counting
+    non-embedding parameters, losses in nats on WebText2 with GPT-2's tokenizer; compute-optimal
+    N ∝ C^0.73 (their section 6)."""
 
-    N_c: float = 8.8e13
-    D_c: float = 5.4e13
+    N_c: float = 6.4e13
+    D_c: float = 1.8e13
     alpha_N: float = 0.076
-    alpha_D: float = 0.095
+    alpha_D: float = 0.103
     source: str = "Kaplan et al. 2020, eq. 1.5 and table 2 (N: non-embedding parameters)"
 
     def loss(self, n: float, d: float) -> float:
@@ -84,7 +86,8 @@ PRESETS = {
                               source="Hoffmann et al. 2022, approach 3 as published (eq. 10); N total parameters"),
     "epoch": ChinchillaLaw(E=1.82, A=482.01, B=2085.43, alpha=0.3478, beta=0.3658,
                            source="Besiroglu et al. 2024 (Epoch AI), 'Chinchilla Scaling: A replication attempt', "
-                                  "refit of Hoffmann et al.'s figure 4 points"),
+                                  "refit of Hoffmann et al.'s figure 4 points, as the paper reports it (E to two "
+                                  "places; N total parameters)"),
     "kaplan": KaplanLaw(),
 }
 
