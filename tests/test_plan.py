@@ -547,6 +547,11 @@ def test_sizing_spends_the_budget_and_follows_the_law():
     assert loss(model, 1e22) <= loss(model_for(law.optimum(1e22)[0], 32768, 4096), 1e22)
     small, more, aware = size(law, 1e22, 32768, 4096, inference_tokens=1e13)
     assert param_counts(small)["total"] < param_counts(model)["total"] and more > tokens
+    # The lifetime compute saved is the shape's planned, against the compute-optimal model's (6ND + 2N per
+    # inference token both).
+    optimal_n, optimal_d = law.optimum(1e22)
+    assert aware.notes["lifetime_flops_saved"] == pytest.approx(
+        6 * optimal_n * optimal_d + 2 * optimal_n * 1e13 - param_counts(small)["total"] * (6 * more + 2 * 1e13), rel=1e-6)
     assert aware.notes["lifetime_flops_saved"] > 0
     # ...reaching the compute-optimal model's loss with the shape actually chosen.
     assert law.loss(param_counts(small)["total"], more) == pytest.approx(aware.notes["target_loss"], rel=1e-9)

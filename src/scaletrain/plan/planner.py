@@ -145,8 +145,7 @@ def size(law: ChinchillaLaw, compute: float, vocab: int, seq_len: int, inference
     if inference_tokens:
         choice, reference = inference_optimal(law, compute, inference_tokens)
         sizing.kind = "inference-aware"
-        sizing.notes = {"compute_optimal_n": reference.n, "target_loss": reference.loss,
-                        "lifetime_flops_saved": reference.lifetime_flops - choice.lifetime_flops}
+        sizing.notes = {"compute_optimal_n": reference.n, "target_loss": reference.loss}
     elif unique_tokens:
         try:
             choice = data_constrained_optimal(law, compute, unique_tokens)
@@ -168,6 +167,8 @@ def size(law: ChinchillaLaw, compute: float, vocab: int, seq_len: int, inference
         tokens = tokens_for_loss(law, n, sizing.notes["target_loss"])
         if not math.isfinite(tokens):
             raise PlanError(f"the nearest shape ({n:,} parameters) cannot reach the target loss; plan more compute")
+        # (what the shape planned saves, not the law's continuous optimum; 6ND and 2N a token, as the reference)
+        sizing.notes["lifetime_flops_saved"] = reference.lifetime_flops - (6 * n * tokens + 2 * n * inference_tokens)
     else:  # spend the budget: D = C / (exact FLOPs per token)
         tokens = compute / train_flops_per_token(model, seq_len)
     sizing.notes.update({"law_n": choice.n, "law_d": choice.d})
