@@ -23,7 +23,14 @@
   the node then ends the job step on every node (end_step): the others would wait on it.
 
 Workers that restart must not read stale addresses from the store torchrun shares across
-attempts (pytorch issues #135712, #167288): TORCH_DISABLE_SHARE_RDZV_TCP_STORE is set for them."""
+attempts (pytorch issues #135712, #167288): TORCH_DISABLE_SHARE_RDZV_TCP_STORE is set for them.
+
+The rendezvous's keep-alive timer (torch.distributed.elastic.rendezvous.utils._PeriodicTimer)
+stops its thread with a finalizer that joins it. Where the timer's last reference goes in its own
+thread (the rendezvous handler dropped while a keep-alive runs), that is a join of the current
+thread: "Exception ignored ... RuntimeError: cannot join current thread", a traceback at the end of
+a job that had ended well or said its one line. The timers run() starts are stopped without
+joining themselves (_stop_timer)."""
 
 from __future__ import annotations
 
@@ -51,6 +58,14 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 HANDLED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
+def _stop_timer(thread: threading.Thread, stop_event: threading.Event) -> None:
+    """torch's _PeriodicTimer._stop_thread, but from the timer's own thread it stops the thread
+    without joining it (module doc)."""
+    stop_event.set()
+    if thread is not threading.current_thread():
+        thread.join()
+
+
 def run(torchrun_args: list[str]) -> tuple[int, str | None]:
     """torchrun with `torchrun_args` (as its command line takes them) in this process, from its
     main thread. Returns the exit status (128 + the signal's number when a signal stopped it)
@@ -60,6 +75,7 @@ def run(torchrun_args: list[str]) -> tuple[int, str | None]:
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import utils as rendezvous_utils
 
     from scaletrain import hangup
 
@@ -111,6 +127,10 @@ def run(torchrun_args: list[str]) -> tuple[int, str | None]:
         watcher = threading.Thread(target=watch, name="scaletrain-refusal", daemon=True)
         os.environ.update(env)
         api._terminate_process_handler = answer  # (torchrun installs it as it starts the workers)
+        timer = getattr(rendezvous_utils, "_PeriodicTimer", None)  # (each timer takes it as it starts)
+        stop_thread = timer.__dict__.get("_stop_thread") if timer is not None else None
+        if stop_thread is not None:
+            timer._stop_thread = staticmethod(_stop_timer)
         try:
             if os.getpid() == 1:
                 # A container's first process ignores a signal it has no handler for: answered from
@@ -140,6 +160,8 @@ def run(torchrun_args: list[str]) -> tuple[int, str | None]:
             if watcher.is_alive():
                 watcher.join()
             api._terminate_process_handler = raise_signal
+            if stop_thread is not None:
+                timer._stop_thread = stop_thread
             for name, level in elastic_levels.items():
                 logging.getLogger(name).setLevel(level)
             for signum, handler in saved_handlers.items():
