@@ -469,6 +469,15 @@ def test_token_bytes_are_the_utf8_bytes_each_token_stands_for(stdlib_data):
     assert counts[tokenizer.encode(text, add_special_tokens=False).ids].sum() == len(text.encode())
     assert counts[tokenizer.token_to_id("<|endoftext|>")] == 0 and counts[512:].sum() == 0
     assert counts[:512].min() == 0 and (counts[:512] > 0).sum() == 511
+    # Added tokens that are not special (Qwen's "<tool_call>", a run of newlines) are matched as
+    # their text, and stand for its bytes.
+    from tokenizers import AddedToken
+    tokenizer.add_tokens([AddedToken("<h1>", special=False, normalized=False),
+                          AddedToken("\n\n", special=False, normalized=False)])
+    counts = token_bytes(tokenizer, 576)
+    text = "<h1>Título</h1>\n\nbody"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    assert tokenizer.token_to_id("<h1>") in ids and counts[ids].sum() == len(text.encode())
     words = Tokenizer(models.WordLevel({"the": 0, "cat": 1, "[UNK]": 2}, unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     assert token_bytes(words, 3) is None  # (no byte-level alphabet, no SentencePiece spaces: nothing to count)

@@ -530,6 +530,15 @@ def test_a_validation_split_too_small_is_refused_before_training(stdlib_data, tm
     [record] = read_metrics(tmp_path / "short", "eval")
     assert 64 <= record["measured_tokens"] < 100_000_000
     assert f"eval.tokens = 100000000, but the validation split of {stdlib_data} holds " in caplog.text
+    # One whole window fewer than asked is said too; a remainder short of a window is not asked for.
+    from scaletrain.data.shards import read_index
+    seq = Trainer(tiny_config(stdlib_data, tmp_path / "edge")).cfg.data.seq_len
+    held = (read_index(stdlib_data)["splits"]["val"]["tokens"] - 1) // seq * seq
+    for tokens, said in ((held + seq, True), (held + seq - 1, False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="scaletrain"):
+            Trainer(tiny_config(stdlib_data, tmp_path / "edge", f"eval.tokens={tokens}"))
+        assert ("but the validation split of" in caplog.text) == said, tokens
 
 
 def test_a_run_that_ends_above_the_uniform_loss_says_so(stdlib_data, tmp_path, caplog):

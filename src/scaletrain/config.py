@@ -588,7 +588,7 @@ class EvalConfig(_Section):
     interval: int = Field(default=200, ge=0)
     """Validation loss every this many steps (and at the end); 0: only at the end."""
     tokens: int = Field(default=65536, ge=1)
-    """Validation tokens per evaluation: the same fixed windows of the validation split each time."""
+    """Validation tokens per evaluation of each source (of a mixture, and of each eval.data directory): the same fixed windows of its validation split each time, as many whole windows of data.seq_len as fit in this (at least one)."""
     tasks: list[str] = []
     """Multiple-choice tasks scored at each evaluation, in the manner of lm-evaluation-harness (train/tasks.py says where they differ): JSON Lines files of {"context": ..., "choices": [...], "label": index}, each choice ranked by the log-probability of its tokens after the context; logged per task (its file's name) as task_accuracy, task_accuracy_norm (per character of the choice) and task_nll (the right choice's loss per token, smooth where accuracy is still at chance)."""
     task_examples: int = Field(default=500, ge=1)

@@ -133,7 +133,8 @@ BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 def token_bytes(tokenizer: Tokenizer, size: int) -> np.ndarray | None:
     """The bytes of text each of `size` ids stands for — 0 for special tokens (the end of a
-    document is no text) and for ids past the tokenizer's. Byte-level tokenizers (the tokenizers
+    document is no text) and for ids past the tokenizer's; an added token that is not special
+    stands for its text. Byte-level tokenizers (the tokenizers
     `data prepare` trains, GPT-2's, Llama 3's, Qwen's): one byte per character of a token.
     SentencePiece-style ones (Llama 2's, Mistral's, Gemma's: a vocabulary that marks spaces with
     U+2581, bytes it has no piece for as byte-fallback pieces "<0xNN>"): the UTF-8 length of the
@@ -154,9 +155,9 @@ def token_bytes(tokenizer: Tokenizer, size: int) -> np.ndarray | None:
     for token, token_id in vocab.items():
         if token_id < size:
             counts[token_id] = length(token)
-    for token_id in tokenizer.get_added_tokens_decoder():
-        if token_id < size:
-            counts[token_id] = 0
+    for token_id, added in tokenizer.get_added_tokens_decoder().items():
+        if token_id < size:  # (an added token that is not special is matched as its text, whole: e.g. Qwen's "<tool_call>")
+            counts[token_id] = 0 if added.special else len(added.content.encode("utf-8"))
     return counts
 
 

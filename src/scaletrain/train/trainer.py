@@ -338,7 +338,8 @@ class Trainer:
             except DataError as e:
                 raise ConfigError(f"{where}: {e}") from None
             held = (read_index(path)["splits"]["val"]["tokens"] - 1) // cfg.data.seq_len * cfg.data.seq_len
-            if held < cfg.eval.tokens - cfg.data.seq_len and self.is_main:  # (it measures whole windows)
+            asked = max(1, cfg.eval.tokens // cfg.data.seq_len) * cfg.data.seq_len  # (it measures whole windows)
+            if held < asked and self.is_main:
                 log.warning("eval.tokens = %d, but the validation split of %s holds %d in windows of %d: each "
                             "evaluation measures those (eval records say how many: measured_tokens); prepare with a larger "
                             "--val-fraction for more", cfg.eval.tokens, path, held, cfg.data.seq_len)
