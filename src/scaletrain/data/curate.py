@@ -149,7 +149,7 @@ class C4Config(_Section):
     ipsum", "{") look only at lines that passed the line rules before them, as there."""
 
     remove_citations: bool = True
-    """Delete Wikipedia-style markers "[1]", "[edit]", "[citation needed]" from lines."""
+    """Delete Wikipedia-style markers "[1]", "[edit]", "[citation needed]" from lines, and strip the line again (the reference does not, so a line that ended in a marker, "... in it. [1]", ends in a space there and fails the terminal punctuation rule; here it passes)."""
     terminal_punctuation: bool = True
     """Drop lines not ending in C4's . ! ? " (or the typographic ”), and lines ending in an
     ellipsis ("..." or "…")."""

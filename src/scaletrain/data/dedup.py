@@ -15,7 +15,7 @@ Near-duplicates follow FineWeb (Penedo et al. 2024): word 5-gram shingles, 112 M
 values in 14 bands of 8 rows; two documents are candidates when all 8 values of any band
 agree, which happens with probability 1 - (1 - s^8)^14 at Jaccard similarity s (Broder 1997;
 Leskovec, Rajaraman & Ullman, Mining of Massive Datasets, ch. 3.4): 0.1% at s = 0.3, 5% at
-s = 0.5, 50% at s = 0.69, 92% at s = 0.8, 97.5% at s = 0.83 (what editing 2% of the words
+s = 0.5, 50% at s = 0.69, 92% at s = 0.8, 97.2% at s = 0.83 (what editing 2% of the words
 leaves), 99.96% at s = 0.9. Like FineWeb, a band match is the verdict: candidates are not
 checked against an estimated similarity.
 
