@@ -12,6 +12,7 @@ import tomllib
 import numpy as np
 import pytest
 
+from conftest import ROOT
 from scaletrain.cli import main
 from scaletrain.config import ConfigError, ModelConfig, load_config
 from scaletrain.model.flops import param_counts, train_flops_per_token
@@ -821,6 +822,19 @@ def test_tokens_below_one_batch_are_planned_as_one_step_and_said(capsys):
             "planned with it" in " ".join(capsys.readouterr().err.split()))
 
 
+def test_the_predicted_loss_counts_the_model_as_the_law_does(capsys):
+    """The law's N is the model's parameters as a sweep counts them: without multi-token
+    prediction's modules, which training runs and the model leaves behind (report/run.py counts
+    the same, so a report's point and the plan's interval are of one quantity)."""
+    assert main(["plan", str(ROOT / "configs" / "llama-1b.toml"), "model.mtp_depth=1", "model.vocab_size=32000",
+                 "--preset", "epoch", "--gpu", "H100", "--gpus", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    counts = param_counts(ModelConfig(**{key: value for key, value in tomllib.loads(plan["config"])["model"].items()}))
+    assert counts["mtp"] > 0 and plan["model"]["n"] == counts["total"]
+    assert plan["predicted_loss"]["value"] == pytest.approx(
+        preset("epoch").loss(counts["total"] - counts["mtp"], plan["tokens"]), rel=1e-12)
+
+
 def test_a_planned_config_trains_and_reports_against_its_plan(stdlib_data, tmp_path, capsys, monkeypatch):
     """Plan a tiny model for a 'device' described in a file, write its config, train it (on the
     CPU), and report the run against the plan. (Planned multi-device layouts pass train's own
@@ -875,6 +889,16 @@ def test_a_planned_config_trains_and_reports_against_its_plan(stdlib_data, tmp_p
     assert f"planned goodput on 1 x a CPU │ {plan['run']['goodput']:.1%} (measured " in cells
     assert f"planned checkpoint blocking (s) on 1 x a CPU │ {plan['run']['checkpoint_block_s']:.3g} (measured " in cells
     assert "predicted final validation loss" in text  # from the law the plan sized with
+    # A plan sized for --unique-tokens predicts with repeated epochs: the report's point is of that too.
+    from scaletrain.report.run import run_report
+    from scaletrain.scaling.laws import ChinchillaLaw
+    from scaletrain.scaling.optimal import data_constrained_loss
+    limited = json.loads(plan_file.read_text())
+    limited["sizing"]["unique_tokens"] = 1e4
+    prediction = run_report(tmp_path / "planned", plan_doc=limited)["prediction"]
+    law, n, tokens = ChinchillaLaw(**limited["sizing"]["law"]), prediction["n"], prediction["tokens"]
+    assert prediction["loss"] == pytest.approx(data_constrained_loss(law, n, tokens, 1e4), rel=1e-12)
+    assert prediction["loss"] > law.loss(n, tokens) + 1e-3 and prediction["unique_tokens"] == 1e4
     page = (tmp_path / "planned" / "report.html").read_text()
     assert "planned tokens/s (1 x a CPU, dp 1" in page
     other = dict(plan, model={**plan["model"], "n": plan["model"]["n"] + 1})

@@ -31,6 +31,7 @@ from scaletrain.plan.planner import PLANNED, against_plan  # noqa: E402
 from scaletrain.report.goodput import PARTS, account, wall_line  # noqa: E402
 from scaletrain.scaling.fit import bootstrap_laws, interval, law_of  # noqa: E402
 from scaletrain.scaling.laws import ChinchillaLaw  # noqa: E402
+from scaletrain.scaling.optimal import data_constrained_loss  # noqa: E402
 from scaletrain.train.metrics import read_metrics  # noqa: E402
 
 # Events worth a line in the report, with what each record says beyond its step.
@@ -91,10 +92,19 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
             law, boot = law_of(law_doc), bootstrap_laws(law_doc)
         else:  # the law the plan sized with; its interval when the run trains the plan's tokens
             law, boot = ChinchillaLaw(**plan_doc["sizing"]["law"]), []
-        predicted = law.loss(n_law, planned_tokens)
-        prediction = {"loss": predicted, "n": n_law, "tokens": planned_tokens}
+        # (as the plan predicted: with its repeated epochs where it was sized for --unique-tokens)
+        unique = ((plan_doc or {}).get("sizing") or {}).get("unique_tokens")
+
+        def loss_of(sample: ChinchillaLaw) -> float:
+            if unique:
+                return data_constrained_loss(sample, n_law, planned_tokens, unique)
+            return sample.loss(n_law, planned_tokens)
+
+        predicted = loss_of(law)
+        prediction = {"loss": predicted, "n": n_law, "tokens": planned_tokens,
+                      **({"unique_tokens": unique} if unique else {})}
         if boot:
-            prediction["interval"] = list(interval([sample.loss(n_law, planned_tokens) for sample in boot]))
+            prediction["interval"] = list(interval([loss_of(sample) for sample in boot]))
         elif law_doc is None and plan_doc["tokens"] == planned_tokens and "interval" in plan_doc["predicted_loss"]:
             prediction["interval"] = plan_doc["predicted_loss"]["interval"]
         if summary["val_loss"] is not None and summary["step"] == cfg.total_steps:
