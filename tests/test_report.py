@@ -10,7 +10,7 @@ import time
 from conftest import run_cli, tiny_config
 from scaletrain.config import load_config
 from scaletrain.model.flops import param_counts
-from scaletrain.report.goodput import account, wall_line
+from scaletrain.report.goodput import account, wall_line, working_clock
 from scaletrain.report.run import run_report
 from scaletrain.scaling.fit import interval
 from scaletrain.scaling.laws import ChinchillaLaw
@@ -150,6 +150,9 @@ def test_the_wall_clock_splits_into_kept_steps_redone_steps_setup_checkpoints_ev
     assert (time_["wall_s"], time_["paused_s"], time_["parts"]["between"], time_["goodput"]) == (7.0, 100.0, 0.0,
                                                                                                4 / 7)
     assert wall_line(time_) == "57.1% of 7.0 s (setup 28.6%, other 14.3%, 1.7 min paused, not counted)"
+    # compare --x hours puts each record on the same clock: seconds since the launch, pauses left out.
+    clock = working_clock(read_metrics(run_dir, superseded=True))
+    assert [clock(t) for t in (12, 12.5, 60, 113.5, 116)] == [3.0, 3.5, 3.5, 4.5, time_["wall_s"]]
     records[2] = ("end", 2, 12.5, {"complete": False, "stopped_by": "SIGTERM"})  # a preemption's: a restart
     time_ = accounted(run_dir, records)
     assert (time_["wall_s"], time_["paused_s"], time_["parts"]["between"]) == (107.0, 0.0, 100.0)

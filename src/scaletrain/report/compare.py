@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from scaletrain.config import ConfigError  # noqa: E402
 from scaletrain.model.flops import param_counts, train_flops_per_token  # noqa: E402
-from scaletrain.report.goodput import account, launched  # noqa: E402
+from scaletrain.report.goodput import account, working_clock  # noqa: E402
 from scaletrain.report.run import reached, read_run, steady_steps  # noqa: E402
 
 AXES = {"tokens": "tokens", "flops": "training FLOPs", "hours": "wall-clock (hours)"}
@@ -77,7 +77,7 @@ def _read(run_dir: Path) -> dict:
             "val_loss_by_source": evals[-1].get("loss_by_source") if evals else None,
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady_steps(cfg, train)),
             "goodput": time["goodput"] if time else None, "train": train, "evals": evals,
-            "launched": launched(every)}
+            "clock": working_clock(every)}
 
 
 def _position(run: dict, x: str):
@@ -86,7 +86,7 @@ def _position(run: dict, x: str):
         return lambda r: r["tokens"]
     if x == "flops":
         return lambda r: r["tokens"] * run["per_token"]
-    return lambda r: (r["time"] - run["launched"]) / 3600
+    return lambda r: run["clock"](r["time"]) / 3600  # (its pauses left out, as report's wall-clock)
 
 
 def _names(dirs: list[str]) -> list[str]:

@@ -68,6 +68,25 @@ def paused(invocation: list[dict]) -> bool:
     return end["kind"] == "end" and not end.get("complete") and end.get("stopped_by") is None
 
 
+def pauses(runs: list[list[dict]]) -> list[tuple[float, float]]:
+    """(from, to) unix seconds of each pause between the invocations `runs`: from the last record of
+    one that was `paused` to the launch of the next."""
+    out = []
+    for before, after in zip(runs, runs[1:]):
+        if paused(before):
+            last = max(r["time"] for r in before)
+            out.append((last, max(last, launched(after))))  # (clocks of different hosts: never below zero)
+    return out
+
+
+def working_clock(records: list[dict]):
+    """A function of a unix time: the seconds since the run's launch, its pauses before then left
+    out, as account's wall-clock leaves them (compare --x hours)."""
+    runs = invocations(records)
+    start, breaks = launched(runs[0]), pauses(runs)
+    return lambda t: t - start - sum(max(0.0, min(t, end) - begin) for begin, end in breaks)
+
+
 def account(records: list[dict], kept: list[dict]) -> dict | None:
     """The wall-clock of the run whose records (superseded ones included, since its start) are
     `records`, and of which `kept` are not superseded, split into PARTS (seconds): {"wall_s",
@@ -88,16 +107,16 @@ def account(records: list[dict], kept: list[dict]) -> dict | None:
     # Between the last record of an invocation and the launch of the next (clocks of different
     # hosts may disagree by a little: never below zero), the part it went on training (to its
     # last heartbeat, which the next one's resume record carries) and the rest.
-    gaps, pauses = [], 0.0
+    gaps = []
     for before, after in zip(runs, runs[1:]):
+        if paused(before):
+            continue
         last = max(r["time"] for r in before)
         gap = max(0.0, launched(after) - last)
-        if paused(before):
-            pauses += gap
-            continue
         alive = min(gap, max(0.0, (after[0].get("last_alive") or last) - last))
         gaps.append((alive, gap - alive))
-    wall = max(r["time"] for r in records) - start - pauses
+    paused_s = sum(end - begin for begin, end in pauses(runs))
+    wall = max(r["time"] for r in records) - start - paused_s
     parts = {
         "steps": kept_steps,
         "steps_redone": step_time(records) - kept_steps + sum(r.get("lost_s") or 0.0 for r in rewinds)
@@ -109,7 +128,7 @@ def account(records: list[dict], kept: list[dict]) -> dict | None:
     }
     parts["other"] = max(0.0, wall - sum(parts.values()))
     return {"wall_s": wall, "goodput": kept_steps / wall if wall > 0 else None, "invocations": len(runs),
-            "rewinds": len(rewinds), "parts": parts, "paused_s": pauses,
+            "rewinds": len(rewinds), "parts": parts, "paused_s": paused_s,
             "timeline": [[(launched(run) - start, run[0]["step"])]
                          + [(r["time"] - start, r["step"]) for r in run if r["kind"] in ("start", "resume", "train", "rewind")]
                          for run in runs]}
