@@ -103,7 +103,7 @@ def test_tune_trains_each_rate_once_resumes_and_writes_the_tuned_config(stdlib_d
     assert {row["lr"]: row for row in widened["results"]}[0.03] == by_lr[0.03]  # kept, not trained again
     for lr in (0.01, 0.1):
         assert load_config(out / f"lr_{lr:g}" / "config.toml").train.lr == lr
-    other = run_cli(*[a.replace("train.warmup_steps=1", "train.warmup_steps=2") for a in args])
+    other = run_cli(*[a.replace("train.warmup_steps=1", "train.min_lr_ratio=0.5") for a in args])
     assert other.returncode != 0 and "holds a tuning of another config" in other.stderr
     assert "3/3" not in other.stderr  # (refused before its progress bar is drawn)
     shutil.copytree(out, tmp_path / "copied")  # a tuning moved or copied is the same tuning: nothing to train
@@ -116,3 +116,15 @@ def test_tune_trains_each_rate_once_resumes_and_writes_the_tuned_config(stdlib_d
                       "--out", str(tmp_path / "y"))
     assert no_data.returncode == 2 and "does not exist; create it with `scaletrain data prepare`" in no_data.stderr
     assert not (tmp_path / "y").exists()  # (refused before tune.json is written)
+
+
+def test_a_shorter_proxy_keeps_the_runs_schedule_its_warmup_scaled(stdlib_data, tmp_path):
+    """--steps trains a shorter run of the same schedule: its warmup the same share of its steps
+    (a proxy as long as the run's warmup would only ever warm up), none where the run has none."""
+    from scaletrain.tune import Tune
+
+    for warmup, steps, proxy_warmup in ((8, 5, 2), (8, 40, 16), (1, 3, 1), (0, 5, 0)):
+        cfg = load_config(TINY, [f"data.path={stdlib_data}", "model.mup_base_dim=32", f"train.warmup_steps={warmup}"])
+        proxy = Tune(cfg, tmp_path / "tune", steps=steps).settings.proxy["train"]
+        assert (proxy["steps"], proxy["warmup_steps"]) == (steps, proxy_warmup), (warmup, steps)
+    assert not (tmp_path / "tune").exists()  # (nothing written before it trains)

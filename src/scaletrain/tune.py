@@ -146,9 +146,11 @@ class Tune:
         self.cfg, self.out = cfg, Path(out)
         proxy = proxy_data(cfg)
         proxy.setdefault("run", {}).update(dir=str(self.out), name="proxy")
-        if steps is not None:  # the proxies' length, not the run's
-            proxy["train"].pop("tokens", None)
+        if steps is not None:  # the proxies' length, not the run's: a shorter run of the same schedule,
+            proxy["train"].pop("tokens", None)  # its warmup the same share of its steps
             proxy["train"]["steps"] = steps
+            warmup = cfg.train.warmup_steps
+            proxy["train"]["warmup_steps"] = max(1, round(warmup * steps / cfg.total_steps)) if warmup else 0
         # What makes two tunings the same: the proxy's every setting but the rate.
         from scaletrain.data.shards import read_indexes
 
