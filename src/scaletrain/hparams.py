@@ -198,14 +198,21 @@ class HparamSearch(ProxyRuns):
 
     def planned_results(self) -> list[dict]:
         """The finished runs of the grid as it is now (a narrowed grid leaves others on disk)."""
-        return [row for row in self.results() if row["name"] in self.points]
+        return self._planned(self.results())
+
+    def _planned(self, rows: list[dict]) -> list[dict]:
+        """Those of `rows` in the grid as it is now, in the grid's order: the order fit's optima
+        count their near-optimal runs in (results.csv's is the order they finished in, a widened
+        grid's new runs last)."""
+        position = {name: i for i, name in enumerate(self.points)}
+        return sorted((row for row in rows if row["name"] in position), key=lambda row: position[row["name"]])
 
     # -- the fit -----------------------------------------------------------------------------------
 
     def fit(self, rows: list[dict], samples: int = 200, band: float = BAND,
             near: float = NEAR) -> tuple[HyperparameterLaw, list[BudgetOptimum], list[HyperparameterLaw]]:
         """The law fitted to the finished runs of the grid, each budget's optimum and the bootstrap's laws."""
-        rows = [row for row in rows if row["name"] in self.points]
+        rows = self._planned(rows)
         budgets = {row["budget"] for row in rows}
         missing = sorted(set(self.settings.budgets) - budgets)
         if missing:
