@@ -131,7 +131,8 @@ def test_the_final_run_is_the_shape_the_law_predicts_lowest(stdlib_data, tmp_pat
 def uninterrupted(stdlib_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep") / "whole"
     sweep = Sweep(out, settings(stdlib_data))
-    return sweep, sweep.run()
+    sweep.shown = []  # (what its progress display was given, point by point)
+    return sweep, sweep.run(progress=sweep.shown.append)
 
 
 def test_a_cooldown_branch_trains_the_losses_of_a_separate_wsd_run(uninterrupted, tmp_path):
@@ -158,6 +159,9 @@ def test_branching_saves_flops_and_records_both_counts(uninterrupted):
         assert math.isfinite(row["loss"])
     saved = sweep.savings(rows)
     assert 0.1 < saved["saved_fraction"] < 0.5 and saved["branched_flops"] < saved["separate_flops"]
+    # The progress display's FLOPs are those spent, trunks and branches, not what separate runs would cost.
+    assert [p["done"] for p in sweep.shown] == list(range(1, 7))
+    assert sweep.shown[-1]["flops"] == pytest.approx(saved["branched_flops"]) == pytest.approx(sweep.spent_here)
 
 
 def test_a_speed_measured_at_a_few_sizes_times_every_size_and_jobs_share_workers():

@@ -323,7 +323,8 @@ class Sweep(SweepPlan):
     def run(self, progress: Callable[[dict], None] | None = None, concurrency: int = 1, pool=None,
             speed: Speed | None = None) -> list[dict]:
         """Run every point not yet in results.csv; returns all rows. progress gets a dict of
-        points done / total, FLOPs spent, achieved FLOP/s and an ETA after each point: what is
+        points done / total, FLOPs spent on them (their trunks and branches: savings), achieved
+        FLOP/s and an ETA after each point: what is
         left, in the seconds `speed` (measure_speed's) predicts for each budget's points or
         else in the points' budgets, at the rate this call has done such units (a branch costs
         less than its budget, so FLOPs spent would overstate what is left by the share saved).
@@ -338,7 +339,6 @@ class Sweep(SweepPlan):
         budgets = sorted(self.settings.budgets)
         planned = self.planned()
         total = sum(planned.values())
-        spent = sum(row["c"] for row in done)
         started = time.perf_counter()
         self.spent_here = 0.0
         if speed is not None:
@@ -364,14 +364,14 @@ class Sweep(SweepPlan):
                     self._record(row)
                     done.append(row)
                     finished.add(row["name"])
-                    spent += row["c"]
                     self.spent_here += cost
                     units_here += unit[row["budget"]]
                     if progress:
                         elapsed = time.perf_counter() - started
                         finished_by_budget = Counter(r["budget"] for r in done)
                         left = sum(unit[b] * max(k - finished_by_budget[b], 0) for b, k in planned.items())
-                        progress({"done": len(done), "total": total, "flops": spent, "name": row["name"],
+                        progress({"done": len(done), "total": total, "flops": self.savings(done)["branched_flops"],
+                                  "name": row["name"],
                                   "flops_per_s": self.spent_here / elapsed, "eta_s": elapsed / units_here * left})
         finally:
             if own_pool:
