@@ -86,8 +86,11 @@ def test_megatron_datasets_and_flat_token_files_import_as_the_documents_they_hol
     assert all(np.array_equal(a, b) for a, b in zip(documents(tmp_path / "imported-parquet"), originals, strict=True))
     assert result.stats["imported"][0]["format"] == "parquet"
     pq.write_table(pa.table({"input_ids": [[5, 6], None, [7], None]}), tmp_path / "holes.parquet", row_group_size=2)
-    with pytest.raises(DataError, match="'input_ids' has 2 empty .null. rows; fill or drop them"):
+    with pytest.raises(DataError, match="'input_ids' has 2 null value.s., rows or token ids in them; fill or drop them"):
         import_tokens([str(tmp_path / "holes.parquet")], tmp_path / "holes", tokenizer)
+    pq.write_table(pa.table({"input_ids": [[5, None, 6], [7]]}), tmp_path / "inside.parquet")  # (a null id in a row)
+    with pytest.raises(DataError, match="'input_ids' has 1 null value.s., rows or token ids in them"):
+        import_tokens([str(tmp_path / "inside.parquet")], tmp_path / "holes", tokenizer)
     assert not (tmp_path / "holes" / "work").exists()  # (the copy made on the way: gone)
     pq.write_table(pa.table({"text": ["a", "b"]}), tmp_path / "text.parquet")
     for column, words in (("input_ids", r"has no column 'input_ids' \(it has text\); give the column of token ids"),
@@ -168,7 +171,18 @@ def test_token_data_that_cannot_be_imported_is_refused_in_a_sentence(stdlib_data
     prefix.parent.mkdir()
     megatron_dataset(prefix, documents(stdlib_data)[:10], np.uint16, True, read_index(stdlib_data)["eos_id"])
     Path(f"{prefix}.idx").write_bytes(Path(f"{prefix}.idx").read_bytes()[:60])
+    # A pair that was not written together (a stale .idx beside a new .bin), or a .bin grown since.
+    stale, grown, other = (tmp_path / name / "data" for name in ("stale", "grown", "other"))
+    for where, docs in ((stale, documents(stdlib_data)[:10]), (grown, documents(stdlib_data)[:10]),
+                        (other, documents(stdlib_data)[10:19])):
+        where.parent.mkdir()
+        megatron_dataset(where, docs, np.uint16, True, read_index(stdlib_data)["eos_id"])
+    Path(f"{stale}.bin").write_bytes(Path(f"{other}.bin").read_bytes())
+    Path(f"{grown}.bin").write_bytes(Path(f"{grown}.bin").read_bytes() + b"\x05\x00\x06\x00")
     cases = [
+        ([str(stale)], {}, r"laid end to end, are not the [\d,]+ tokens data.bin holds; give the .bin and .idx that "
+                           "Megatron-LM's preprocess_data.py wrote together"),
+        ([str(grown)], {}, r"are not the [\d,]+ tokens data.bin holds"),
         ([str(tmp_path / "other.bin")], {}, "holds token id 4000, not one of the 512 ids of .* give the tokenizer "
                                             r"the data was made with \(or, for a raw file, the --dtype it was written in\)"),
         ([str(tmp_path / "cut")], {}, "is a directory; give a file of tokens"),
@@ -221,6 +235,11 @@ def test_an_import_splits_small_corpora_resumes_when_interrupted_and_copies_long
         "read": 13, "kept": 10, "dropped": {"empty": 3}, "train": 9, "val": 1}
     assert sorted(map(tuple, documents(tmp_path / "ten") + documents(tmp_path / "ten", "val"))) == \
         sorted(map(tuple, originals[:10]))
+    # The document held out is one that holds something, where the last ones read are empty.
+    np.concatenate([originals[0], originals[1], [eos, eos]]).astype(np.uint16).tofile(tmp_path / "trailing.bin")
+    result = import_tokens([str(tmp_path / "trailing.bin")], tmp_path / "trailing", tokenizer)
+    assert [d.tolist() for d in documents(tmp_path / "trailing", "val")] == [originals[1].tolist()]
+    assert result.stats["documents"] == {"read": 4, "kept": 2, "dropped": {"empty": 2}, "train": 1, "val": 1}
     # uint32 tokens read as uint16 would pass every id check: refused, and read as --dtype says.
     np.concatenate(originals[:10]).astype(np.uint32).tofile(tmp_path / "wide.bin")
     with pytest.raises(DataError, match="has a 0 at every other position: it holds uint32 .* give --dtype uint32"):

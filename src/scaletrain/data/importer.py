@@ -135,8 +135,18 @@ def _megatron(prefix: str) -> Source:
     if size % dtype.itemsize:
         raise DataError(f"{data} is {size:,} bytes, not a whole number of {dtype.name} tokens; it is damaged")
     tokens = np.memmap(data, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+    # Megatron's writer lays the sequences end to end, each pointer the bytes of those before it,
+    # and the .bin holds them and nothing more: an index of other data (a stale X.idx beside a
+    # new X.bin, say) describes other offsets or another size.
+    counts = np.asarray(lengths, dtype=np.int64)
+    laid = np.concatenate([[0], np.cumsum(counts)[:-1]]) * dtype.itemsize if sequences else np.zeros(0, np.int64)
+    if np.any(counts < 0) or not np.array_equal(np.asarray(pointers, dtype=np.int64), laid) \
+            or int(counts.sum()) != len(tokens):
+        raise DataError(f"{bad} of {data}: its {sequences:,} sequences of {int(counts.sum()):,} tokens in all, laid "
+                        f"end to end, are not the {len(tokens):,} tokens {data.name} holds; give the .bin and .idx "
+                        "that Megatron-LM's preprocess_data.py wrote together")
     firsts = np.asarray(pointers, dtype=np.int64) // dtype.itemsize
-    ends = firsts + np.asarray(lengths, dtype=np.int64)
+    ends = firsts + counts
     marks = np.asarray(starts_at, dtype=np.int64)
     if len(marks) and (marks[0] != 0 or marks[-1] != sequences or np.any(np.diff(marks) < 0)) \
             or np.any(np.asarray(lengths) < 0) or (len(ends) and int(ends.max()) > len(tokens)):
@@ -184,14 +194,16 @@ def _spill(source: Source, folder: Path, number: int) -> Source:
     with open(copy, "wb") as f:
         for batch in pq.ParquetFile(source.path).iter_batches(batch_size=PARQUET_ROWS, columns=[source.column]):
             ids = batch.column(0)
-            nulls += ids.null_count
+            holes = ids.null_count + ids.flatten().null_count  # (a null row, or a null id inside one)
+            nulls += holes
             offsets = np.asarray(ids.offsets, dtype=np.int64)
-            if len(ids):
+            if len(ids) and not holes:  # (a batch with holes is refused below, not converted)
                 f.write(np.ascontiguousarray(ids.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]],
                                              dtype=dtype).tobytes())
             lengths.append(np.diff(offsets))
     if nulls:
-        raise DataError(f"{source.path}'s column {source.column!r} has {nulls} empty (null) rows; fill or drop them")
+        raise DataError(f"{source.path}'s column {source.column!r} has {nulls} null value(s), rows or token ids in "
+                        "them; fill or drop them")
     ends = np.cumsum(np.concatenate(lengths))
     tokens = np.memmap(copy, dtype=dtype, mode="r") if copy.stat().st_size else np.zeros(0, dtype)
     return replace(source, tokens=tokens, bounds=np.stack([ends - np.concatenate(lengths), ends], axis=1))
@@ -241,6 +253,19 @@ def _bodies(tokens: np.ndarray, bounds: np.ndarray, eos: int) -> tuple[np.ndarra
     lengths = ends - ended - starts
     keep = lengths > 0
     return starts[keep], lengths[keep]
+
+
+def _without_empty(source: Source, eos: int) -> Source:
+    """`source` without its empty documents (no tokens, or an end-of-document token alone), counted
+    as empty."""
+    bounds = source.bounds
+    lengths = bounds[:, 1] - bounds[:, 0]
+    ended = np.zeros(len(bounds), bool)
+    some = lengths > 0
+    if some.any():
+        ended[some] = np.asarray(source.tokens[bounds[some, 1] - 1]) == eos
+    keep = lengths - ended > 0
+    return replace(source, bounds=bounds[keep], empty=source.empty + int((~keep).sum())) if not keep.all() else source
 
 
 def _documents(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, eos: int,
@@ -333,7 +358,9 @@ def _write(out: Path, read: list[Source], tok, tokenizer, tokenizer_file: Path, 
     """import_tokens' copy of the documents into out, its index, stats and manifest."""
 
     # The validation split: a seeded draw per document, at least one each way where there are two
-    # (as data prepare's: train measures the validation loss before its first step).
+    # (as data prepare's: train measures the validation loss before its first step), of the documents
+    # that hold something: empty ones are left out first.
+    read = [_without_empty(source, end) for source in read]
     counts = [len(source.bounds) for source in read]
     rng = np.random.default_rng(seed)
     held = np.concatenate([rng.random(n) < val_fraction for n in counts] or [np.zeros(0, bool)])
@@ -369,7 +396,7 @@ def _write(out: Path, read: list[Source], tok, tokenizer, tokenizer_file: Path, 
         first += n
     splits = {split: writer.close() for split, writer in writers.items()}
     if not splits["train"]["documents"]:
-        raise DataError(f"the sources hold no documents ({len(held):,} read, {empty:,} of them empty: nothing but an "
+        raise DataError(f"the sources hold no documents ({len(held) + empty:,} read, {empty:,} of them empty: nothing but an "
                         "end-of-document token); give the files or prefixes of the tokenized data")
     if not splits["val"]["documents"]:
         warnings.append("the validation split is empty (" + ("a validation fraction of 0" if val_fraction == 0 else
