@@ -108,6 +108,14 @@ def test_a_run_on_documents_begun_with_a_bos_token_scores_samples_and_exports_th
     assert hf_tokenizer("def f():")["input_ids"][1:] == load_tokenizer(data).encode("def f():", add_special_tokens=False).ids
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["bos_token_id"] == bos and hf_tokenizer.bos_token_id == bos
+    # Prepared with --no-bos, the documents begin without it: so do the export's texts (its
+    # tokenizer's post-processor, which would add it, is left out).
+    prepare(["builtin:python-stdlib"], tmp_path / "plain", 512, tokenizer=tmp_path / "bos.json", max_bytes=300_000,
+            filters="none", workers=1, bos=False)
+    train(tiny_config(tmp_path / "plain", tmp_path / "plain-run", "train.steps=1", "eval.interval=0"))
+    export_hf(tmp_path / "plain-run", tmp_path / "plain-hf")
+    plain = transformers.AutoTokenizer.from_pretrained(tmp_path / "plain-hf")
+    assert plain("def f():")["input_ids"] == load_tokenizer(data).encode("def f():", add_special_tokens=False).ids
 
 
 MIXTURES = {  # the first block dense, and one expert per token (weighted by its probability)
@@ -388,6 +396,15 @@ def test_a_model_of_another_shape_or_kind_is_refused_with_the_settings_to_use(ru
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     assert model_settings(tmp_path / "hf")["rope_scaling"] == {"type": "yarn", "factor": 4.0,
                                                               "original_max_seq_len": 256.0}
+    # ... and a run that restates a default starts from the model: the same scaling.
+    from scaletrain.hf import check_matches
+    wanted = model_settings(tmp_path / "hf")
+    restated = ModelConfig(**{**wanted, "max_seq_len": 256, "rope_scaling": {**wanted["rope_scaling"], "beta_fast": 32.0,
+                                                                            "beta_slow": 1.0}})
+    check_matches(restated, tmp_path / "hf")
+    with pytest.raises(ConfigError, match="model.rope_scaling is"):
+        check_matches(restated.model_copy(update={"rope_scaling": {**wanted["rope_scaling"], "beta_fast": 16.0}}),
+                      tmp_path / "hf")
     config.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0}, attention_bias=False)
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="rotary scaling 'llama3' without low_freq_factor, high_freq_factor, orig"):

@@ -170,6 +170,20 @@ _ROPE_KEYS = {kind: tuple(_ROPE_SCALING.get(key, key) for key in required)
               for kind, (required, _) in ROPE_SCALING.items()}
 
 
+def _yarn_defaults(factor: float) -> dict:
+    """YaRN's settings that transformers and model/llama.py take by default."""
+    return {"beta_fast": YARN_BETA_FAST, "beta_slow": YARN_BETA_SLOW, "attention_factor": yarn_attention_factor(factor)}
+
+
+def _without_defaults(scaling: dict | None) -> dict | None:
+    """model.rope_scaling without the YaRN settings given at their defaults, as _our_rope_scaling
+    reads a model's: the same scaling either way."""
+    if not scaling or scaling.get("type") != "yarn":
+        return scaling
+    defaults = _yarn_defaults(scaling["factor"])
+    return {key: value for key, value in scaling.items() if not (key in defaults and value == defaults[key])}
+
+
 def _our_rope_scaling(rope_type: str, rope: dict, max_positions: int) -> dict:
     """transformers' rope_parameters of a scaled kind (checked complete) as model.rope_scaling."""
     theirs = {value: key for key, value in _ROPE_SCALING.items()}
@@ -178,8 +192,7 @@ def _our_rope_scaling(rope_type: str, rope: dict, max_positions: int) -> dict:
     if rope_type == "yarn":
         ours.setdefault("original_max_seq_len", float(max_positions))
         ours.setdefault("factor", max_positions / ours["original_max_seq_len"])
-        defaults = {"beta_fast": YARN_BETA_FAST, "beta_slow": YARN_BETA_SLOW,
-                    "attention_factor": yarn_attention_factor(ours["factor"])}
+        defaults = _yarn_defaults(ours["factor"])
         ours.update({key: float(rope[key]) for key in defaults if rope.get(key) and rope[key] != defaults[key]})
         if "attention_factor" not in ours and rope.get("mscale") and rope.get("mscale_all_dim"):
             def magnitude(scale):  # transformers' (and DeepSeek's) get_mscale
@@ -322,6 +335,11 @@ def export_hf(run_dir: str | Path, out: str | Path, dtype: str = "float32", step
                     {"bos_token_id": first_id, "eos_token_id": eos_id, "do_sample": True, "temperature": 0.8,
                      "top_k": 50})
         shutil.copyfile(tokenizer_json, staging / "tokenizer.json")
+        if bos_id is None and tokenizer.encode("a").ids != tokenizer.encode("a", add_special_tokens=False).ids:
+            # Its post-processor begins texts with a token the run's documents did not begin with (a
+            # Llama tokenizer on data prepared with --no-bos): left out, or every text would begin with it.
+            saved = json.loads(tokenizer_json.read_text())
+            _write_json(staging / "tokenizer.json", {**saved, "post_processor": None})
         # split_special_tokens: "<|endoftext|>" written in a text is encoded as text, as in training
         # (data/tokenizer.py); only the token appended between documents ends one. Not where the
         # model learned fill-in-the-middle: the clients that ask it to infill (transformers, vLLM,
@@ -550,7 +568,8 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
                           "model.moe_shared_experts = 0")
     have = {"vocab_size": cfg.vocab, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
             "n_kv_heads": cfg.kv_heads, "ffn_dim": cfg.hidden_dim, "norm_eps": cfg.norm_eps,
-            "tie_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+            "tie_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta,
+            "rope_scaling": _without_defaults(cfg.rope_scaling),
             "qk_norm": cfg.qk_norm, "moe_experts": cfg.moe_experts,
             "sliding_window": window, "full_attention_layers": full if window is not None else None}
     if want["moe_experts"]:
