@@ -567,8 +567,14 @@ def _json_file(path: str, flag: str, wanted: str, inside: str | None = None):
     if not file.is_file():
         raise UserError(f"{flag} {path!r} does not exist; give {wanted}")
     try:
-        return json.loads(file.read_text())
-    except (OSError, ValueError) as e:  # (UnicodeDecodeError is a ValueError)
+        text = file.read_text()
+    except OSError as e:
+        raise UserError(f"{flag} {path!r} cannot be read ({e.strerror or e}); give {wanted}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{flag} {path!r} is not text ({e}); give {wanted}") from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
         raise UserError(f"{flag} {path!r} is not valid JSON ({e}); give {wanted}") from None
 
 

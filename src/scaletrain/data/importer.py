@@ -360,6 +360,7 @@ def _write(out: Path, read: list[Source], tok, tokenizer, tokenizer_file: Path, 
     # The validation split: a seeded draw per document, at least one each way where there are two
     # (as data prepare's: train measures the validation loss before its first step), of the documents
     # that hold something: empty ones are left out first.
+    marked = [len(source.bounds) for source in read]  # (documents its end-of-document ids mark, empty ones too)
     read = [_without_empty(source, end) for source in read]
     counts = [len(source.bounds) for source in read]
     rng = np.random.default_rng(seed)
@@ -373,8 +374,8 @@ def _write(out: Path, read: list[Source], tok, tokenizer, tokenizer_file: Path, 
     empty, begins, warnings = sum(source.empty for source in read), [], []
     bos = bos_id(tok)
     first = 0
-    for source, n in zip(read, counts):
-        if n == 1 and len(source.tokens) > BLOCK_TOKENS:
+    for source, n, ends in zip(read, counts, marked):
+        if ends == 1 and len(source.tokens) > BLOCK_TOKENS:
             warnings.append(f"{source.path} is one document of {len(source.tokens):,} tokens: its end-of-document id "
                             f"{end} never comes before its end (is --eos-id, or the tokenizer, the data's?)")
         for block in _blocks(source.bounds):

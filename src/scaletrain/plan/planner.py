@@ -179,16 +179,12 @@ def predicted_loss(sizing: Sizing, n: int, tokens: int) -> dict | None:
     if sizing.law is None:
         return None
     from scaletrain.scaling.fit import interval
-    from scaletrain.scaling.optimal import data_constrained_loss
+    from scaletrain.scaling.optimal import expected_loss
 
-    def loss(law: ChinchillaLaw) -> float:
-        if sizing.unique_tokens:
-            return data_constrained_loss(law, n, tokens, sizing.unique_tokens)
-        return law.loss(n, tokens)
-
-    out = {"value": loss(sizing.law), "source": sizing.law.source}
+    out = {"value": expected_loss(sizing.law, n, tokens, sizing.unique_tokens), "source": sizing.law.source}
     if sizing.bootstrap:
-        out["interval"] = list(interval([loss(law) for law in sizing.bootstrap]))
+        out["interval"] = list(interval([expected_loss(law, n, tokens, sizing.unique_tokens)
+                                         for law in sizing.bootstrap]))
     return out
 
 

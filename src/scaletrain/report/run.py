@@ -31,7 +31,7 @@ from scaletrain.plan.planner import PLANNED, against_plan  # noqa: E402
 from scaletrain.report.goodput import PARTS, account, wall_line  # noqa: E402
 from scaletrain.scaling.fit import bootstrap_laws, interval, law_of  # noqa: E402
 from scaletrain.scaling.laws import ChinchillaLaw  # noqa: E402
-from scaletrain.scaling.optimal import data_constrained_loss  # noqa: E402
+from scaletrain.scaling.optimal import expected_loss  # noqa: E402
 from scaletrain.train.metrics import read_metrics  # noqa: E402
 
 # Events worth a line in the report, with what each record says beyond its step.
@@ -94,17 +94,12 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
             law, boot = ChinchillaLaw(**plan_doc["sizing"]["law"]), []
         # (as the plan predicted: with its repeated epochs where it was sized for --unique-tokens)
         unique = ((plan_doc or {}).get("sizing") or {}).get("unique_tokens")
-
-        def loss_of(sample: ChinchillaLaw) -> float:
-            if unique:
-                return data_constrained_loss(sample, n_law, planned_tokens, unique)
-            return sample.loss(n_law, planned_tokens)
-
-        predicted = loss_of(law)
+        predicted = expected_loss(law, n_law, planned_tokens, unique)
         prediction = {"loss": predicted, "n": n_law, "tokens": planned_tokens,
                       **({"unique_tokens": unique} if unique else {})}
         if boot:
-            prediction["interval"] = list(interval([loss_of(sample) for sample in boot]))
+            prediction["interval"] = list(interval([expected_loss(sample, n_law, planned_tokens, unique)
+                                                    for sample in boot]))
         elif law_doc is None and plan_doc["tokens"] == planned_tokens and "interval" in plan_doc["predicted_loss"]:
             prediction["interval"] = plan_doc["predicted_loss"]["interval"]
         if summary["val_loss"] is not None and summary["step"] == cfg.total_steps:
@@ -113,7 +108,7 @@ def run_report(run_dir: str | Path, law_doc: dict | None = None, plan_doc: dict 
         summary["prediction"] = prediction
     # The annealed losses of the run's cooldown branches (scaletrain cooldown), against the law's
     # L(N, D) at their tokens: the law predicts annealed losses, which the plateau is not.
-    summary["branches"] = _branches(run_dir, law, n_law)
+    summary["branches"] = _branches(run_dir, law, n_law, (prediction or {}).get("unique_tokens"))
     planned_speed = plan_doc["step"]["tokens_per_s"] if plan_doc is not None else None
     plots = [_loss_plot(run_dir / "loss.png", train, evals, law, prediction, summary["branches"]),
              _speed_plot(run_dir / "speed.png", train, planned_speed),
@@ -227,9 +222,10 @@ def _noise_plot(path: Path, cfg, train: list[dict]) -> Path | None:
     return _save(fig, path)
 
 
-def _branches(run_dir: Path, law, n: int) -> list[dict]:
+def _branches(run_dir: Path, law, n: int, unique_tokens: float | None = None) -> list[dict]:
     """Each cooldown branch of the run: its step and length, and once it has finished its final
-    validation loss and tokens, with the law's prediction there and the error against it."""
+    validation loss and tokens, with the law's prediction there (of repeated epochs under a limit
+    of `unique_tokens`) and the error against it."""
     rows = []
     for branch in branches_of(run_dir):
         records = read_metrics(branch["run_dir"]) if (branch["run_dir"] / "metrics.jsonl").is_file() else []
@@ -238,7 +234,7 @@ def _branches(run_dir: Path, law, n: int) -> list[dict]:
         row = {"run": branch["run_dir"].name, "step": branch["step"], "steps": branch["steps"],
                "tokens": final["tokens"] if final else None, "val_loss": final["loss"] if final else None}
         if law is not None and final is not None:
-            row["predicted"] = law.loss(n, final["tokens"])
+            row["predicted"] = expected_loss(law, n, final["tokens"], unique_tokens)
             row["error"] = (final["loss"] - row["predicted"]) / row["predicted"]
         rows.append(row)
     return rows
@@ -273,7 +269,8 @@ def _loss_plot(path: Path, train: list[dict], evals: list[dict], law, prediction
     if prediction is not None:
         first = min((r["tokens"] for r in train + evals), default=prediction["tokens"] / 100)
         d = np.geomspace(max(first, prediction["tokens"] / 100, 1), prediction["tokens"], 60)
-        ax.plot(d, [law.loss(prediction["n"], x) for x in d], "--", color="C2", lw=1,
+        ax.plot(d, [expected_loss(law, prediction["n"], x, prediction.get("unique_tokens")) for x in d], "--",
+                color="C2", lw=1,
                 label="law: L(N, D) of a finished run of D tokens")
         if "interval" in prediction:  # a line, not error bars: the fit may lie outside its resamples' interval
             ax.vlines(prediction["tokens"], *prediction["interval"], color="C2", lw=2, alpha=0.5,

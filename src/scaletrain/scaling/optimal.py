@@ -96,6 +96,11 @@ def data_constrained_loss(law: ChinchillaLaw, n: float, d: float, unique_tokens:
     return law.loss(effective_parameters(law, unique_tokens, n), effective_data(unique_tokens, d))
 
 
+def expected_loss(law: ChinchillaLaw, n: float, d: float, unique_tokens: float | None = None) -> float:
+    """`law`'s loss at N, D; with a limit on unique tokens, of D's repeated epochs (data_constrained_loss)."""
+    return data_constrained_loss(law, n, d, unique_tokens) if unique_tokens else law.loss(n, d)
+
+
 def data_constrained_optimal(law: ChinchillaLaw, compute: float, unique_tokens: float) -> Choice:
     """The (N, D = C / 6N) of least data-constrained loss when only unique_tokens exist: D
     above unique_tokens means repeating data for D / unique_tokens epochs."""

@@ -112,7 +112,7 @@ def json_line(record: dict) -> str:
             found.append([*path, "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"])
             return None
         if isinstance(value, dict):
-            return {key: finite(item, (*path, key)) for key, item in value.items()}
+            return {key: finite(item, (*path, str(key))) for key, item in value.items()}  # (JSON's keys are strings)
         if isinstance(value, (list, tuple)):
             return [finite(item, (*path, i)) for i, item in enumerate(value)]
         return value
