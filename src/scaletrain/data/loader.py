@@ -257,6 +257,12 @@ class Prefetcher:
 IGNORE = -100  # the target of a padding row: cross-entropy skips it
 
 
+def eval_windows(split_tokens: int, seq_len: int, tokens: int) -> tuple[int, int]:
+    """(the windows of seq_len + 1 tokens a split of split_tokens holds, the windows `tokens` asks
+    for: at least one); an evaluation measures the fewer."""
+    return (split_tokens - 1) // seq_len, max(1, tokens // seq_len)
+
+
 def eval_batches(data_dir: str | Path, seq_len: int, tokens: int, rows: int,
                  rank: int = 0, world_size: int = 1, split: str = "val"):
     """The fixed validation set of one data directory: the first tokens // seq_len windows of
@@ -265,11 +271,11 @@ def eval_batches(data_dir: str | Path, seq_len: int, tokens: int, rows: int,
     collectives in every forward): rows past a rank's last window are padding, with targets
     IGNORE."""
     source = open_split(data_dir, split)
-    available = (source.tokens - 1) // seq_len
+    available, asked = eval_windows(source.tokens, seq_len, tokens)
     if available < 1:
         raise DataError(f"the {split!r} split of {str(data_dir)!r} holds {source.tokens} tokens, fewer than one "
                         f"sequence of {seq_len + 1}; prepare with a larger --val-fraction or lower data.seq_len")
-    count = min(available, max(1, tokens // seq_len))
+    count = min(available, asked)
     windows = list(range(count))[rank::world_size]
     per_rank = -(-count // world_size)  # the most windows any rank has
     for i in range(0, per_rank, rows):

@@ -136,7 +136,7 @@ def size(law: ChinchillaLaw, compute: float, vocab: int, seq_len: int, inference
     buys (L(N, C / F(N)); data-constrained, with repeats), among the shapes nearest the law's N
     times 4^(-1..1): at 1e20 FLOPs and sequences of 4,096, Epoch's law wants 0.84B parameters
     by 6ND, and the family's 0.60B is predicted 0.01 lower once attention is counted."""
-    from scaletrain.scaling.optimal import compute_optimal, data_constrained_loss, data_constrained_optimal, \
+    from scaletrain.scaling.optimal import Choice, compute_optimal, data_constrained_optimal, expected_loss, \
         inference_optimal, tokens_for_loss
 
     if inference_tokens and unique_tokens:
@@ -159,7 +159,7 @@ def size(law: ChinchillaLaw, compute: float, vocab: int, seq_len: int, inference
     else:
         def loss(shape: ModelConfig) -> float:
             n, tokens = param_counts(shape)["total"], compute / train_flops_per_token(shape, seq_len)
-            return data_constrained_loss(law, n, tokens, unique_tokens) if unique_tokens else law.loss(n, tokens)
+            return expected_loss(law, n, tokens, unique_tokens)
 
         model = min(nearest_shapes([choice.n * 2 ** (k / 4) for k in range(-8, 9)], vocab, seq_len), key=loss)
     n = param_counts(model)["total"]
@@ -167,8 +167,9 @@ def size(law: ChinchillaLaw, compute: float, vocab: int, seq_len: int, inference
         tokens = tokens_for_loss(law, n, sizing.notes["target_loss"])
         if not math.isfinite(tokens):
             raise PlanError(f"the nearest shape ({n:,} parameters) cannot reach the target loss; plan more compute")
-        # (what the shape planned saves, not the law's continuous optimum; 6ND and 2N a token, as the reference)
-        sizing.notes["lifetime_flops_saved"] = reference.lifetime_flops - (6 * n * tokens + 2 * n * inference_tokens)
+        # (what the shape planned saves, not the law's continuous optimum)
+        planned = Choice.at(law, n, tokens, inference_tokens)
+        sizing.notes["lifetime_flops_saved"] = reference.lifetime_flops - planned.lifetime_flops
     else:  # spend the budget: D = C / (exact FLOPs per token)
         tokens = compute / train_flops_per_token(model, seq_len)
     sizing.notes.update({"law_n": choice.n, "law_d": choice.d})

@@ -35,10 +35,14 @@ class Choice:
     def lifetime_flops(self) -> float:
         return self.train_flops + self.inference_flops
 
+    @classmethod
+    def at(cls, law: ChinchillaLaw, n: float, d: float, inference_tokens: float = 0.0) -> "Choice":
+        """N parameters trained on D tokens (6ND FLOPs) that then serve `inference_tokens` (2N each)."""
+        return cls(n, d, law.loss(n, d), 6 * n * d, 2 * n * inference_tokens)
+
 
 def compute_optimal(law: ChinchillaLaw, compute: float) -> Choice:
-    n, d = law.optimum(compute)
-    return Choice(n, d, law.loss(n, d), 6 * n * d)
+    return Choice.at(law, *law.optimum(compute))
 
 
 def tokens_for_loss(law: ChinchillaLaw, n: float, target: float) -> float:
@@ -58,7 +62,7 @@ def inference_optimal(law: ChinchillaLaw, compute: float, inference_tokens: floa
 
     def lifetime(log_n: float) -> float:
         n = math.exp(log_n)
-        return 6 * n * tokens_for_loss(law, n, target) + 2 * n * inference_tokens
+        return Choice.at(law, n, tokens_for_loss(law, n, target), inference_tokens).lifetime_flops
 
     # The smallest N that can reach the target, and the compute-optimal N: more inference only
     # ever favours a smaller model (Sardana et al. section 3), so the optimum lies between.
@@ -66,8 +70,7 @@ def inference_optimal(law: ChinchillaLaw, compute: float, inference_tokens: floa
     result = minimize_scalar(lifetime, bounds=(math.log(n_floor) + 1e-9, math.log(reference.n)), method="bounded",
                              options={"xatol": 1e-10})
     n = math.exp(result.x)
-    d = tokens_for_loss(law, n, target)
-    return Choice(n, d, law.loss(n, d), 6 * n * d, 2 * n * inference_tokens), reference
+    return Choice.at(law, n, tokens_for_loss(law, n, target), inference_tokens), reference
 
 
 def effective_data(unique_tokens: float, tokens: float) -> float:

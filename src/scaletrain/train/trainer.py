@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import loss_parallel as vocabulary_split_
 from scaletrain.config import ConfigError, RunConfig, load_config, masked_attention, validate_config
 from scaletrain.config import check_float16 as config_check_float16
 from scaletrain.config import float16_problems as config_float16_problems
-from scaletrain.data.loader import IGNORE, Prefetcher, TokenLoader, eval_batches
+from scaletrain.data.loader import IGNORE, Prefetcher, TokenLoader, eval_batches, eval_windows
 from scaletrain.data.shards import DataError, read_index, read_indexes
 from scaletrain.hf import load_hf_weights
 from scaletrain.model.flops import param_counts, train_flops_per_token
@@ -337,12 +337,11 @@ class Trainer:
                 next(eval_batches(path, cfg.data.seq_len, cfg.eval.tokens, cfg.train.micro_batch))
             except DataError as e:
                 raise ConfigError(f"{where}: {e}") from None
-            held = (read_index(path)["splits"]["val"]["tokens"] - 1) // cfg.data.seq_len * cfg.data.seq_len
-            asked = max(1, cfg.eval.tokens // cfg.data.seq_len) * cfg.data.seq_len  # (it measures whole windows)
+            held, asked = eval_windows(read_index(path)["splits"]["val"]["tokens"], cfg.data.seq_len, cfg.eval.tokens)
             if held < asked and self.is_main:
                 log.warning("eval.tokens = %d, but the validation split of %s holds %d in windows of %d: each "
                             "evaluation measures those (eval records say how many: measured_tokens); prepare with a larger "
-                            "--val-fraction for more", cfg.eval.tokens, path, held, cfg.data.seq_len)
+                            "--val-fraction for more", cfg.eval.tokens, path, held * cfg.data.seq_len, cfg.data.seq_len)
         self._warn_repeated_data()
         if cfg.train.warmup_steps >= self.total_steps:
             log.warning("train.warmup_steps = %d is not below the run's %d steps: the learning rate never reaches "
