@@ -241,30 +241,26 @@ def _flat(path: Path, dtype: str | None, eos: int, raw_dtype: str) -> Source:
     return Source(str(path), "flat", tokens, np.stack([starts, ends], axis=1))
 
 
+def _ended(tokens: np.ndarray, bounds: np.ndarray, eos: int) -> np.ndarray:
+    """Whether each document `bounds` marks in `tokens` ends with its end-of-document token."""
+    ended = np.zeros(len(bounds), bool)
+    some = bounds[:, 1] > bounds[:, 0]
+    if some.any():
+        ended[some] = np.asarray(tokens[bounds[some, 1] - 1]) == eos
+    return ended
+
+
 def _bodies(tokens: np.ndarray, bounds: np.ndarray, eos: int) -> tuple[np.ndarray, np.ndarray]:
-    """(start, length) of each document `bounds` marks in `tokens` without its end-of-document
-    token (where it has one), the empty ones left out."""
-    starts, ends = bounds[:, 0], bounds[:, 1]
-    nonempty = ends > starts
-    starts, ends = starts[nonempty], ends[nonempty]
-    ended = np.zeros(len(starts), bool)
-    if len(starts):
-        ended = np.asarray(tokens[ends - 1]) == eos
-    lengths = ends - ended - starts
-    keep = lengths > 0
-    return starts[keep], lengths[keep]
+    """(start, length) of each document `bounds` marks in `tokens` (none empty: _without_empty)
+    without its end-of-document token, where it has one."""
+    return bounds[:, 0], bounds[:, 1] - bounds[:, 0] - _ended(tokens, bounds, eos)
 
 
 def _without_empty(source: Source, eos: int) -> Source:
     """`source` without its empty documents (no tokens, or an end-of-document token alone), counted
     as empty."""
     bounds = source.bounds
-    lengths = bounds[:, 1] - bounds[:, 0]
-    ended = np.zeros(len(bounds), bool)
-    some = lengths > 0
-    if some.any():
-        ended[some] = np.asarray(source.tokens[bounds[some, 1] - 1]) == eos
-    keep = lengths - ended > 0
+    keep = bounds[:, 1] - bounds[:, 0] - _ended(source.tokens, bounds, eos) > 0
     return replace(source, bounds=bounds[keep], empty=source.empty + int((~keep).sum())) if not keep.all() else source
 
 
@@ -382,7 +378,6 @@ def _write(out: Path, read: list[Source], tok, tokenizer, tokenizer_file: Path, 
             drawn = held[first + block.start:first + block.stop]
             for split, chosen in (("train", source.bounds[block][~drawn]), ("val", source.bounds[block][drawn])):
                 starts, lengths = _bodies(source.tokens, chosen, end)
-                empty += len(chosen) - len(starts)
                 if len(starts) == 1:  # (perhaps a long one: copied a slice at a time, not five times its size)
                     start, length = int(starts[0]), int(lengths[0])
                     pieces = [_check_ids(source, source.tokens[i:min(i + BLOCK_TOKENS, start + length)], vocab,
